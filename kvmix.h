@@ -20,6 +20,7 @@
      // >>core      results, allocator, fp16/bf16
      // >>formats   packed byte formats and their CPU reference (the spec of every GPU kernel)
      // >>ref       reference decode attention and the partial-result merge
+     // >>view      cache views: many sequences' spans in one region, for CPU or GPU attention
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -198,6 +199,51 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
                                                 const float *out_a, const float *lse_a,
                                                 const float *out_b, const float *lse_b,
                                                 float *out, float *lse);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Cache views: the read-only description of many cached sequences that decode attention reads,   */
+/* on the CPU (kvmix_ref_view_decode) or the GPU (kvmix_cuda.h). All blocks live in one memory     */
+/* region (the cache's arena) and are addressed by byte offsets, so the same view describes a      */
+/* host arena or its device copy. A sequence is an ordered list of spans.                        */
+
+typedef struct kvmix_view_span {
+    uint64_t key_offset;       /* bytes from view base to kv head 0's key block */
+    uint64_t value_offset;     /* bytes from view base to kv head 0's value block */
+    uint32_t key_head_bytes;   /* bytes between consecutive kv heads' key blocks */
+    uint32_t value_head_bytes; /* bytes between consecutive kv heads' value blocks */
+    int32_t n_tokens;          /* tokens in the span, >= 1 */
+    int32_t dead_index;        /* the span's first flag in view dead[], or -1 when none is dead */
+    uint8_t key_format;        /* a kvmix_format */
+    uint8_t value_format;      /* a kvmix_format */
+    uint8_t reserved[6];       /* zero */
+} kvmix_view_span;
+
+typedef struct kvmix_view {
+    int32_t n_seqs;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    int32_t group_size;             /* of every per-token integer block; 0 = 32 */
+    int32_t n_boost;                /* of every BOOSTED block */
+    int32_t n_spans;
+    int32_t n_dead_flags;
+    const uint8_t *base;            /* blocks lie in [base, base + base_bytes) */
+    size_t base_bytes;
+    const kvmix_view_span *spans;   /* [n_spans], sequence after sequence */
+    const int32_t *seq_first_span;  /* [n_seqs + 1]: sequence s owns spans [first[s], first[s+1]) */
+    const uint8_t *dead;            /* [n_dead_flags], nonzero = evicted token */
+} kvmix_view;
+
+/* Checks a host view's structure: counts, formats, sequence boundaries, block extents inside
+   base_bytes, dead flag ranges. It reads spans, seq_first_span (not the blocks), so it needs
+   host pointers. Returns KVMIX_ERR_NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, UNKNOWN_FORMAT or
+   BUFFER_TOO_SMALL (a block outside the base region). */
+KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view);
+
+/* Decode attention for every sequence of a host view: q, out [n_seqs][n_q_heads][head_dim],
+   lse [n_seqs][n_q_heads], as kvmix_ref_attention_decode per sequence; scale 0 = 1/sqrt(D).
+   Validates the view and every packed block before writing. */
+KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads,
+                                            float scale, const float *q, float *out, float *lse);
 
 #endif /* KVMIX_H */
 
@@ -758,23 +804,6 @@ static kvmix_result kvmix__check_span(const kvmix_attention_desc *d, const kvmix
     return KVMIX_SUCCESS;
 }
 
-static kvmix_result kvmix__check_attention(const kvmix_attention_desc *d, const float *q,
-                                           const kvmix_span *spans, int32_t n_spans,
-                                           const float *out, const float *lse) {
-    int32_t i;
-    kvmix_result r;
-    if (!d || !q || !out || !lse) return KVMIX_ERR_NULL_POINTER;
-    if (n_spans < 0 || d->n_kv_heads <= 0 || d->n_q_heads <= 0 ||
-        d->n_q_heads % d->n_kv_heads != 0 || !(d->scale >= 0.0f) || isinf(d->scale))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d->head_dim <= 0 || d->head_dim % 32 != 0 || d->head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
-    if (n_spans > 0 && !spans) return KVMIX_ERR_NULL_POINTER;
-    for (i = 0; i < n_spans; i++)
-        if ((r = kvmix__check_span(d, &spans[i])) != KVMIX_SUCCESS) return r;
-    return KVMIX_SUCCESS;
-}
-
 /* Online-softmax state of one query head: running max, running sum, unnormalized output. */
 typedef struct kvmix__softmax_state {
     float max;
@@ -834,20 +863,20 @@ static void kvmix__attend_span(const kvmix_span *span, int32_t h, const float *q
     }
 }
 
-/* Attention of n_q query heads that all read kv head h; at most KVMIX__HEADS_PER_PASS. */
-static void kvmix__attend_heads(const kvmix_span *spans, int32_t n_spans, int32_t h,
-                                const float *q, int32_t n_q, int32_t dim, float scale,
-                                float *out, float *lse) {
-    kvmix__softmax_state states[KVMIX__HEADS_PER_PASS];
-    int32_t g, i, c;
+static void kvmix__heads_begin(kvmix__softmax_state *states, float *acc, int32_t n_q,
+                               int32_t dim) {
+    int32_t g, c;
     for (g = 0; g < n_q; g++) {
         states[g].max = -INFINITY;
         states[g].sum = 0.0f;
-        for (c = 0; c < dim; c++) out[(size_t)g * dim + c] = 0.0f;
+        for (c = 0; c < dim; c++) acc[(size_t)g * dim + c] = 0.0f;
     }
-    for (i = 0; i < n_spans; i++)
-        if (spans[i].key_layout.n_tokens > 0)
-            kvmix__attend_span(&spans[i], h, q, n_q, scale, states, out);
+}
+
+/* Normalizes the accumulated outputs and writes the log-sum-exp; no live token gives 0, -inf. */
+static void kvmix__heads_finish(const kvmix__softmax_state *states, float *out, float *lse,
+                                int32_t n_q, int32_t dim) {
+    int32_t g, c;
     for (g = 0; g < n_q; g++) {
         float inv = states[g].sum > 0.0f ? 1.0f / states[g].sum : 0.0f;
         for (c = 0; c < dim; c++) out[(size_t)g * dim + c] *= inv;
@@ -855,23 +884,115 @@ static void kvmix__attend_heads(const kvmix_span *spans, int32_t n_spans, int32_
     }
 }
 
-KVMIXDEF kvmix_result kvmix_ref_attention_decode(const kvmix_attention_desc *desc, const float *q,
-                                                 const kvmix_span *spans, int32_t n_spans,
-                                                 float *out, float *lse) {
-    kvmix_result r = kvmix__check_attention(desc, q, spans, n_spans, out, lse);
-    int32_t group, dim, h, g0;
-    float scale;
-    if (r != KVMIX_SUCCESS) return r;
-    group = desc->n_q_heads / desc->n_kv_heads;
-    dim = desc->head_dim;
-    scale = desc->scale > 0.0f ? desc->scale : 1.0f / sqrtf((float)dim);
-    for (h = 0; h < desc->n_kv_heads; h++)
+/* The spans of one sequence: a caller's array, or a range of a view's spans. */
+typedef struct kvmix__span_list {
+    const kvmix_span *spans; /* the array, or NULL for a view range */
+    const kvmix_view *view;
+    int32_t first;
+    int32_t count;
+} kvmix__span_list;
+
+static int kvmix__format_known(int32_t format) {
+    return format >= KVMIX_FORMAT_FP16 && format <= KVMIX_FORMAT_BOOSTED;
+}
+
+/* The block layout of a view's keys or values; the format must be known. */
+static kvmix_layout kvmix__view_layout(const kvmix_view *view, uint8_t format, int32_t n_tokens) {
+    kvmix_layout l;
+    l.format = (kvmix_format)format;
+    l.n_tokens = n_tokens;
+    l.head_dim = view->head_dim;
+    l.group_size = kvmix__is_per_token_int(l.format) ? view->group_size : 0;
+    l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? view->n_boost : 0;
+    return l;
+}
+
+/* A view span as a kvmix_span whose extents run to the end of the base region. */
+static kvmix_span kvmix__span_of_view(const kvmix_view *view, const kvmix_view_span *vs) {
+    kvmix_span s;
+    s.key_layout = kvmix__view_layout(view, vs->key_format, vs->n_tokens);
+    s.value_layout = kvmix__view_layout(view, vs->value_format, vs->n_tokens);
+    s.keys = view->base + vs->key_offset;
+    s.values = view->base + vs->value_offset;
+    s.key_head_bytes = vs->key_head_bytes;
+    s.value_head_bytes = vs->value_head_bytes;
+    s.keys_bytes = (size_t)(view->base_bytes - vs->key_offset);
+    s.values_bytes = (size_t)(view->base_bytes - vs->value_offset);
+    s.dead = vs->dead_index >= 0 ? view->dead + vs->dead_index : NULL;
+    return s;
+}
+
+static kvmix_span kvmix__span_at(const kvmix__span_list *list, int32_t i) {
+    if (list->spans) return list->spans[list->first + i];
+    return kvmix__span_of_view(list->view, &list->view->spans[list->first + i]);
+}
+
+/* Attention of n_q query heads that all read kv head h; at most KVMIX__HEADS_PER_PASS. */
+static void kvmix__attend_heads(const kvmix__span_list *list, int32_t h, const float *q,
+                                int32_t n_q, int32_t dim, float scale, float *out, float *lse) {
+    kvmix__softmax_state states[KVMIX__HEADS_PER_PASS];
+    int32_t i;
+    kvmix__heads_begin(states, out, n_q, dim);
+    for (i = 0; i < list->count; i++) {
+        kvmix_span span = kvmix__span_at(list, i);
+        if (span.key_layout.n_tokens > 0) kvmix__attend_span(&span, h, q, n_q, scale, states, out);
+    }
+    kvmix__heads_finish(states, out, lse, n_q, dim);
+}
+
+static float kvmix__softmax_scale(float scale, int32_t dim) {
+    return scale > 0.0f ? scale : 1.0f / sqrtf((float)dim);
+}
+
+/* One sequence's decode step over validated spans; q, out [n_q_heads][D], lse [n_q_heads]. */
+static void kvmix__attend_sequence(const kvmix_attention_desc *d, const kvmix__span_list *list,
+                                   const float *q, float *out, float *lse) {
+    int32_t group = d->n_q_heads / d->n_kv_heads, dim = d->head_dim, h, g0;
+    float scale = kvmix__softmax_scale(d->scale, dim);
+    for (h = 0; h < d->n_kv_heads; h++)
         for (g0 = 0; g0 < group; g0 += KVMIX__HEADS_PER_PASS) {
             int32_t first = h * group + g0;
             int32_t n_q = group - g0 < KVMIX__HEADS_PER_PASS ? group - g0 : KVMIX__HEADS_PER_PASS;
-            kvmix__attend_heads(spans, n_spans, h, q + (size_t)first * dim, n_q, dim, scale,
+            kvmix__attend_heads(list, h, q + (size_t)first * dim, n_q, dim, scale,
                                 out + (size_t)first * dim, lse + first);
         }
+}
+
+static kvmix_result kvmix__check_desc(const kvmix_attention_desc *d) {
+    if (d->n_kv_heads <= 0 || d->n_q_heads <= 0 || d->n_q_heads % d->n_kv_heads != 0 ||
+        !(d->scale >= 0.0f) || isinf(d->scale))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d->head_dim <= 0 || d->head_dim % 32 != 0 || d->head_dim > KVMIX_MAX_HEAD_DIM)
+        return KVMIX_ERR_BAD_SHAPE;
+    return KVMIX_SUCCESS;
+}
+
+static kvmix_result kvmix__check_span_list(const kvmix_attention_desc *d,
+                                           const kvmix__span_list *list) {
+    int32_t i;
+    for (i = 0; i < list->count; i++) {
+        kvmix_span span = kvmix__span_at(list, i);
+        kvmix_result r = kvmix__check_span(d, &span);
+        if (r != KVMIX_SUCCESS) return r;
+    }
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_ref_attention_decode(const kvmix_attention_desc *desc, const float *q,
+                                                 const kvmix_span *spans, int32_t n_spans,
+                                                 float *out, float *lse) {
+    kvmix__span_list list;
+    kvmix_result r;
+    if (!desc || !q || !out || !lse) return KVMIX_ERR_NULL_POINTER;
+    if (n_spans < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_spans > 0 && !spans) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__check_desc(desc)) != KVMIX_SUCCESS) return r;
+    list.spans = spans;
+    list.view = NULL;
+    list.first = 0;
+    list.count = n_spans;
+    if ((r = kvmix__check_span_list(desc, &list)) != KVMIX_SUCCESS) return r;
+    kvmix__attend_sequence(desc, &list, q, out, lse);
     return KVMIX_SUCCESS;
 }
 
@@ -897,6 +1018,95 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
             out[i] = (wa * out_a[i] + wb * out_b[i]) / total;
         }
         lse[h] = m + logf(total);
+    }
+    return KVMIX_SUCCESS;
+}
+
+// >>view
+
+/* A view block (one of keys or values) of n_kv_heads heads: known format, valid layout, extent
+   inside the base region. */
+static kvmix_result kvmix__check_view_block(const kvmix_view *view, uint8_t format,
+                                            int32_t n_tokens, uint64_t offset,
+                                            uint32_t head_bytes) {
+    kvmix_layout l;
+    kvmix_result r;
+    uint64_t block_bytes, extent;
+    if (!kvmix__format_known(format)) return KVMIX_ERR_UNKNOWN_FORMAT;
+    l = kvmix__view_layout(view, format, n_tokens);
+    if ((r = kvmix_layout_resolve(&l)) != KVMIX_SUCCESS) return r;
+    block_bytes = kvmix__layout_sections(&l).total_bytes;
+    if (head_bytes < block_bytes) return KVMIX_ERR_INVALID_ARGUMENT;
+    extent = (uint64_t)head_bytes * (uint64_t)(view->n_kv_heads - 1) + block_bytes;
+    if (offset > view->base_bytes || extent > view->base_bytes - offset)
+        return KVMIX_ERR_BUFFER_TOO_SMALL;
+    return KVMIX_SUCCESS;
+}
+
+static kvmix_result kvmix__check_view_span(const kvmix_view *view, const kvmix_view_span *vs) {
+    kvmix_result r;
+    if (vs->n_tokens <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (vs->dead_index < -1 ||
+        (vs->dead_index >= 0 && vs->n_tokens > view->n_dead_flags - vs->dead_index))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    r = kvmix__check_view_block(view, vs->key_format, vs->n_tokens, vs->key_offset,
+                                vs->key_head_bytes);
+    if (r != KVMIX_SUCCESS) return r;
+    return kvmix__check_view_block(view, vs->value_format, vs->n_tokens, vs->value_offset,
+                                   vs->value_head_bytes);
+}
+
+KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view) {
+    int32_t s, i;
+    if (!view) return KVMIX_ERR_NULL_POINTER;
+    if (view->n_seqs < 0 || view->n_kv_heads <= 0 || view->n_spans < 0 || view->n_dead_flags < 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (view->head_dim <= 0 || view->head_dim % 32 != 0 || view->head_dim > KVMIX_MAX_HEAD_DIM)
+        return KVMIX_ERR_BAD_SHAPE;
+    if (!view->seq_first_span || (view->n_spans > 0 && (!view->spans || !view->base)) ||
+        (view->n_dead_flags > 0 && !view->dead))
+        return KVMIX_ERR_NULL_POINTER;
+    if (view->seq_first_span[0] != 0 || view->seq_first_span[view->n_seqs] != view->n_spans)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    for (s = 0; s < view->n_seqs; s++)
+        if (view->seq_first_span[s + 1] < view->seq_first_span[s]) return KVMIX_ERR_INVALID_ARGUMENT;
+    for (i = 0; i < view->n_spans; i++) {
+        kvmix_result r = kvmix__check_view_span(view, &view->spans[i]);
+        if (r != KVMIX_SUCCESS) return r;
+    }
+    return KVMIX_SUCCESS;
+}
+
+static kvmix__span_list kvmix__view_sequence(const kvmix_view *view, int32_t s) {
+    kvmix__span_list list;
+    list.spans = NULL;
+    list.view = view;
+    list.first = view->seq_first_span[s];
+    list.count = view->seq_first_span[s + 1] - list.first;
+    return list;
+}
+
+KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads,
+                                            float scale, const float *q, float *out, float *lse) {
+    kvmix_attention_desc desc;
+    kvmix_result r;
+    int32_t s;
+    if (!q || !out || !lse) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_view_check(view)) != KVMIX_SUCCESS) return r;
+    desc.n_q_heads = n_q_heads;
+    desc.n_kv_heads = view->n_kv_heads;
+    desc.head_dim = view->head_dim;
+    desc.scale = scale;
+    if ((r = kvmix__check_desc(&desc)) != KVMIX_SUCCESS) return r;
+    for (s = 0; s < view->n_seqs; s++) {
+        kvmix__span_list list = kvmix__view_sequence(view, s);
+        if ((r = kvmix__check_span_list(&desc, &list)) != KVMIX_SUCCESS) return r;
+    }
+    for (s = 0; s < view->n_seqs; s++) {
+        kvmix__span_list list = kvmix__view_sequence(view, s);
+        size_t first = (size_t)s * (size_t)n_q_heads;
+        kvmix__attend_sequence(&desc, &list, q + first * view->head_dim,
+                               out + first * view->head_dim, lse + first);
     }
     return KVMIX_SUCCESS;
 }
