@@ -21,6 +21,7 @@
      // >>formats   packed byte formats and their CPU reference (the spec of every GPU kernel)
      // >>ref       reference decode attention and the partial-result merge
      // >>view      cache views: many sequences' spans in one region, for CPU or GPU attention
+     // >>cache     the paged mixed-precision cache: arena, sequences, eviction, sharing, views
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -244,6 +245,281 @@ KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view);
    Validates the view and every packed block before writing. */
 KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads,
                                             float scale, const float *q, float *out, float *lse);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Paged mixed-precision cache. One model shape (layers, kv heads, head_dim), one byte arena of    */
+/* caller memory from which pages of every format are carved, sequences with page tables and slot */
+/* maps, prefix sharing by reference count, eviction, re-tiering, views for attention. The design */
+/* (page layout, buffer and window, sharing, fragmentation) is written out in the >>cache room.   */
+/*                                                                                               */
+/* Thread safety: one writer per cache. Functions that take a non-const kvmix_cache* must not run */
+/* concurrently with any other call on the same cache; const ones may run together on any        */
+/* threads. Distinct caches are independent.                                                     */
+
+#define KVMIX_CACHE_DEAD_SLOT 0u /* slot-map value of an evicted position: the sentinel page */
+
+typedef enum kvmix_cache_partial {
+    KVMIX_CACHE_PARTIAL_DEFAULT = 0,   /* = KEEP_FP16 */
+    KVMIX_CACHE_PARTIAL_KEEP_FP16 = 1, /* finish leaves a partial page as the FP16 buffer */
+    KVMIX_CACHE_PARTIAL_QUANTIZE = 2   /* finish seals it in per-token formats (see >>cache) */
+} kvmix_cache_partial;
+
+typedef enum kvmix_cache_rows {
+    KVMIX_CACHE_ROWS_ORIGINAL = 0, /* retier rows are the page's original K/V rows */
+    KVMIX_CACHE_ROWS_RESIDUAL = 1  /* retier rows are added to the page's dequantized rows */
+} kvmix_cache_rows;
+
+/* The formats a token asks for (from any policy); each a kvmix_format. */
+typedef struct kvmix_cache_precision {
+    uint8_t key_format;
+    uint8_t value_format;
+} kvmix_cache_precision;
+
+/* Zero fields take defaults; kvmix_cache_desc_resolve and the inits write the resolved values
+   back. Required: n_layers, n_kv_heads, head_dim, arena_bytes. */
+typedef struct kvmix_cache_desc {
+    int32_t n_layers;           /* 1 .. 4096 */
+    int32_t n_kv_heads;         /* 1 .. 4096 */
+    int32_t head_dim;           /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
+    int32_t page_tokens;        /* 0 = 64; a multiple of 8 in 8 .. 1024 */
+    int32_t max_seqs;           /* 0 = 64; live sequences at once, 1 .. 2^20 */
+    int32_t max_tokens_per_seq; /* 0 = 4096; positions per sequence, 1 .. 2^26 */
+    int32_t max_pages_per_seq;  /* 0 = ceil(max_tokens_per_seq / page_tokens) + 8 */
+    int32_t n_sink;             /* first positions kept FP16 forever, 0 .. page_tokens */
+    int32_t n_window;           /* most recent positions kept FP16, 0 .. max_tokens_per_seq */
+    int32_t group_size;         /* 0 = 32; of the per-token integer formats */
+    int32_t n_boost;            /* 0 = 16; boosted channels of BOOSTED blocks */
+    kvmix_cache_partial partial;           /* what kvmix_cache_seq_finish does to a partial page */
+    kvmix_cache_precision default_precision; /* for NULL precisions; {0, 0} = INT4 keys, INT4 values */
+    size_t arena_bytes;         /* bytes of the page arena (required; a multiple of granule_bytes
+                                   is used, the rest ignored) */
+    size_t granule_bytes;       /* 0 = 256; allocation unit of the arena, a power of two 64 .. 2^20 */
+} kvmix_cache_desc;
+
+/* A page descriptor (read-only for callers). Page 0 is the sentinel: it owns no bytes and is
+   never freed; evicted positions point at it. */
+typedef struct kvmix_cache_page {
+    uint64_t offset;       /* bytes from the arena start */
+    uint32_t n_granules;   /* arena granules held; 0 for a free descriptor and the sentinel */
+    int32_t refcount;      /* page-table entries that reference it; 0 = free */
+    int32_t n_rows;        /* rows written (buffer) or rows of the packed blocks (sealed) */
+    int32_t capacity;      /* rows an FP16 block is laid out for (its kv-head stride); = n_rows
+                              for packed pages */
+    uint8_t key_format;    /* storage formats (kvmix_format) */
+    uint8_t value_format;
+    uint8_t want_key;      /* formats the page is sealed to: the highest precision its rows asked */
+    uint8_t want_value;
+    uint8_t sealed;        /* 0: an FP16 buffer that accepts rows; 1: sealed */
+    uint8_t sink;          /* holds sink positions (stays FP16 when sealed) */
+    uint8_t reserved[2];
+} kvmix_cache_page;
+
+/* One entry of a sequence's page table: rows [0, n_rows) of `page` hold positions first_pos ..
+   first_pos + n_rows - 1 of the sequence (those the slot map still points at). page 0 = an entry
+   whose positions were all evicted and whose page was released. */
+typedef struct kvmix_cache_entry {
+    uint32_t page;
+    int32_t first_pos;
+    int32_t n_rows;
+    int32_t reserved;
+} kvmix_cache_entry;
+
+typedef struct kvmix_cache_seq {
+    int32_t in_use;
+    int32_t n_tokens;  /* positions 0 .. n_tokens - 1 exist */
+    int32_t n_live;    /* of them, not evicted */
+    int32_t n_entries; /* page-table entries in use */
+} kvmix_cache_seq;
+
+/* A cache. Transparent so that tests and tools can read it; change it only through the
+   functions below. Everything it points at lives in the metadata memory and the arena. */
+typedef struct kvmix_cache {
+    kvmix_cache_desc desc; /* resolved */
+    uint8_t *arena;        /* desc.arena_bytes; views use it as base */
+    void *memory;          /* the metadata memory (kvmix_cache_memory_bytes) */
+    size_t memory_bytes;
+    kvmix_allocator allocator; /* of kvmix_cache_init_allocator; owns_memory says whether used */
+    int32_t owns_memory;
+    int32_t max_pages;        /* page descriptors, the sentinel included */
+    int32_t n_free_pages;     /* descriptors on the free stack */
+    int32_t journal_capacity;
+    int64_t n_granules;       /* arena granules */
+    int64_t n_free_granules;
+    int64_t first_free_hint;  /* no free granule below it */
+    kvmix_cache_seq *seqs;        /* [max_seqs] */
+    kvmix_cache_entry *entries;   /* [max_seqs][max_pages_per_seq] */
+    uint32_t *slots;              /* [max_seqs][max_tokens_per_seq]: page * page_tokens + row */
+    kvmix_cache_page *pages;      /* [max_pages] */
+    uint32_t *free_pages;         /* [max_pages] stack of free descriptors */
+    uint64_t *bitmap;             /* [ceil(n_granules / 64)] one bit per used granule */
+    float *scratch;               /* [page_tokens * head_dim] */
+    void *sim;                    /* planning state of one call */
+    void *journal;                /* allocator operations of one call's plan */
+} kvmix_cache;
+
+/* Accounting of a whole cache. Bytes per format count key blocks under the key format and value
+   blocks under the value format; FP16 buffers count their whole allocation (unused rows too). */
+typedef struct kvmix_cache_stats {
+    size_t arena_bytes;        /* usable: n_granules * granule_bytes */
+    size_t arena_used_bytes;   /* granules held by pages */
+    size_t arena_free_bytes;
+    size_t largest_free_bytes; /* the largest run of free granules (fragmentation) */
+    size_t metadata_bytes;     /* the metadata memory: tables, slot maps, free lists, scratch */
+    size_t format_bytes[8];    /* indexed by kvmix_format; [0] = allocation padding */
+    int32_t n_seqs;
+    int32_t n_pages;           /* live page descriptors */
+    int32_t n_shared_pages;    /* of them, referenced more than once */
+    int32_t n_buffer_pages;    /* of them, FP16 buffers not sealed yet */
+    int64_t n_tokens;          /* positions, summed over sequences */
+    int64_t n_live_tokens;     /* not evicted, summed over sequences */
+    double arena_bits_per_element;  /* arena_used_bytes * 8 / (live tokens * L * H * D * 2) */
+    double bits_per_element;        /* (arena_used_bytes + metadata_bytes) * 8 / the same */
+} kvmix_cache_stats;
+
+/* Accounting of one sequence. Shared pages are attributed in equal shares to their sharers. */
+typedef struct kvmix_cache_seq_stats {
+    int32_t n_tokens;
+    int32_t n_live_tokens;
+    int32_t n_pages;           /* referenced pages */
+    int32_t n_shared_pages;    /* of them, also referenced by another sequence */
+    int32_t n_fp16_rows;       /* live positions stored in FP16 (sinks, window, buffer) */
+    int32_t reserved;
+    size_t referenced_bytes;   /* arena bytes of every page it references */
+    size_t metadata_bytes;     /* its slot map, page table and sequence record */
+    double attributed_bytes;   /* sum of page bytes / refcount, plus metadata_bytes */
+    double bits_per_element;   /* attributed_bytes * 8 / (live tokens * L * H * D * 2) */
+    size_t format_bytes[8];    /* of the referenced pages, as in kvmix_cache_stats */
+} kvmix_cache_seq_stats;
+
+/* Checks a desc and writes it back with defaults resolved. Returns KVMIX_ERR_NULL_POINTER,
+   INVALID_ARGUMENT (a count or option out of range, sizes that overflow), BAD_SHAPE (head_dim,
+   group_size, n_boost) or UNKNOWN_FORMAT (default_precision). */
+KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc);
+
+/* Bytes of metadata memory a cache of this desc needs (the arena is separate: desc.arena_bytes). */
+KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes);
+
+/* Initializes a cache into caller memory: `memory` (8-byte aligned, memory_bytes at least the
+   size query) for all bookkeeping and `arena` (desc->arena_bytes) for pages. Both stay owned by
+   the caller and must outlive the cache; nothing else is allocated, ever. Writes the resolved
+   desc back. Returns desc errors, NULL_POINTER, INVALID_ARGUMENT (misaligned memory) or
+   BUFFER_TOO_SMALL. */
+KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *desc, void *memory,
+                                       size_t memory_bytes, void *arena);
+
+/* As kvmix_cache_init, with the metadata memory and the arena taken from `allocator` (NULL =
+   KVMIX_MALLOC). Returns OUT_OF_MEMORY when the allocator fails. */
+KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache_desc *desc,
+                                                 const kvmix_allocator *allocator);
+
+/* Releases what kvmix_cache_init_allocator allocated (nothing for kvmix_cache_init) and zeroes
+   the struct. NULL is ignored. */
+KVMIXDEF void kvmix_cache_deinit(kvmix_cache *cache);
+
+/* Creates an empty sequence; *out_seq receives its id in [0, max_seqs).
+   Returns OUT_OF_MEMORY when max_seqs sequences are live. */
+KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_seq);
+
+/* Creates a sequence whose positions 0 .. n_prefix - 1 are those of `parent` (0 <= n_prefix <=
+   parent's n_tokens): pages are shared by reference count, slot-map entries copied (positions the
+   parent evicted stay evicted in the child; later evictions are private). A shared buffer page
+   is copied when either sequence writes it. Never allocates arena bytes. */
+KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
+                                           int32_t *out_seq);
+
+/* Frees a sequence: pages that no other sequence references return to the arena. */
+KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq);
+
+/* Appends n_tokens positions (n_tokens, n_tokens + 1, ...) to a sequence. keys, values:
+   [n_layers][n_tokens][n_kv_heads][head_dim] floats, each finite with |x| <= 65504 (else
+   BAD_VALUE). precisions: [n_tokens] requested formats (NULL = desc.default_precision); sink
+   positions are FP16 whatever they ask. Rows go to the sequence's FP16 buffer page; pages that
+   are full and older than the window are sealed (quantized) on the way. Returns NULL_POINTER,
+   INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq), UNKNOWN_FORMAT, BAD_VALUE, or
+   OUT_OF_MEMORY (arena, page table or descriptors full), leaving the cache exactly as before. */
+KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                         const float *keys, const float *values,
+                                         const kvmix_cache_precision *precisions);
+
+/* One decode step: kvmix_cache_ingest of one token. keys, values: [n_layers][n_kv_heads][head_dim]. */
+KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
+                                         const float *values, kvmix_cache_precision precision);
+
+/* Ends a request: seals every full buffer page it does not share, whatever the window, then
+   applies desc.partial to its partial last page if not shared. The sequence stays usable (later rows start a new page if the last one
+   was sealed). Errors as kvmix_cache_ingest. */
+KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq);
+
+/* Evicts positions (each in [0, n_tokens); repeats and already evicted ones are fine): their
+   slot-map entries become KVMIX_CACHE_DEAD_SLOT, no row moves. A page none of whose rows the
+   sequence still uses is released (returned to the arena when no one else references it), except
+   the buffer page that is still being filled. Validates all positions before changing anything. */
+KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
+                                        int32_t n_positions);
+
+/* Rewrites the sealed page that holds `position` of `seq` in `precision`, keeping its page id and
+   every slot map (all sequences sharing the page see the new formats). keys, values: NULL, or
+   [n_layers][n_rows][n_kv_heads][head_dim] for the page's n_rows (kvmix_cache_page): NULL
+   requantizes from the dequantized rows (demotion); rows given are the originals or residuals
+   added to the dequantized rows (upgrade). A page whose new blocks are no larger is rewritten
+   in its own bytes (demotion never needs free arena); a larger one moves to a new allocation.
+   Returns NOT_FOUND (no page holds the position), INVALID_ARGUMENT (page not sealed yet, bad
+   rows mode), UNKNOWN_FORMAT, BAD_VALUE, OUT_OF_MEMORY; the cache is unchanged on error. */
+KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_t position,
+                                         kvmix_cache_precision precision, const float *keys,
+                                         const float *values, kvmix_cache_rows rows);
+
+/* The slot of a position: page * page_tokens + row, or KVMIX_CACHE_DEAD_SLOT when evicted. */
+KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, int32_t position,
+                                         uint32_t *out_slot);
+
+/* Reads back one position of one layer, dequantized: keys, values [n_kv_heads][head_dim] (either
+   may be NULL), and the storage formats when out_precision is not NULL.
+   Returns NOT_FOUND for an evicted position (nothing written). */
+KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t position,
+                                       int32_t layer, float *keys, float *values,
+                                       kvmix_cache_precision *out_precision);
+
+/* Sizes of a view of these sequences (the same for every layer). */
+KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const int32_t *seqs,
+                                              int32_t n_seqs, int32_t *out_n_spans,
+                                              int32_t *out_n_dead_flags);
+
+/* Fills a view of layer `layer` for sequences seqs[0 .. n_seqs - 1] into caller arrays: spans
+   [max_spans], seq_first_span [n_seqs + 1], dead [max_dead_flags] (sizes from
+   kvmix_cache_view_counts). base is the arena, offsets are from it, so the same view describes a
+   device copy of the arena. Each page a sequence references is one span (its blocks: one per kv
+   head, strided by the head bytes); rows the sequence does not use (evicted, past its fork point)
+   are dead flags. The view stays valid until the next write to the cache. */
+KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer,
+                                       const int32_t *seqs, int32_t n_seqs,
+                                       kvmix_view_span *spans, int32_t max_spans,
+                                       int32_t *seq_first_span, uint8_t *dead,
+                                       int32_t max_dead_flags, kvmix_view *out_view);
+
+/* Workspace bytes of kvmix_cache_ref_decode for these sequences. */
+KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
+                                                       const int32_t *seqs, int32_t n_seqs,
+                                                       size_t *out_bytes);
+
+/* CPU reference decode step of layer `layer` over cached sequences: builds the view in
+   `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
+   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim). */
+KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t layer,
+                                             const int32_t *seqs, int32_t n_seqs,
+                                             int32_t n_q_heads, float scale, const float *q,
+                                             float *out, float *lse, void *workspace,
+                                             size_t workspace_bytes);
+
+KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cache_stats *out);
+KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_t seq,
+                                                kvmix_cache_seq_stats *out);
+
+/* Verifies every invariant of the bookkeeping: reference counts equal the page-table references,
+   page allocations are disjoint and are exactly the used granules, free lists are consistent,
+   slot maps point into their own page tables, the sentinel is intact. Returns
+   KVMIX_ERR_CORRUPT_DATA on the first violation. O(metadata); for tests and debugging. */
+KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache);
 
 #endif /* KVMIX_H */
 
@@ -1107,6 +1383,1538 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
         size_t first = (size_t)s * (size_t)n_q_heads;
         kvmix__attend_sequence(&desc, &list, q + first * view->head_dim,
                                out + first * view->head_dim, lse + first);
+    }
+    return KVMIX_SUCCESS;
+}
+
+// >>cache
+/*
+   The paged mixed-precision cache.
+
+   Arena and pages. All K/V bytes live in one arena of caller memory, cut into granules
+   (desc.granule_bytes, 256 by default) and handed out first-fit from a bitmap with one bit per
+   granule. A page is any run of granules, whatever its format, so capacity is the sum of all
+   free bytes: a workload whose INT2/INT4/FP16 mix differs from what was expected keeps running
+   while bytes remain. Fragmentation: freeing clears bits, so neighbouring free runs coalesce by
+   construction; an allocation can still fail while enough bytes are free in smaller runs
+   (external fragmentation; kvmix_cache_stats reports the largest free run). Internal waste is
+   under one granule per page. Allocation is deterministic (the same state and requests give the
+   same offsets), which makes plans repeatable (below).
+
+   A page holds page_tokens (P) consecutive positions of one sequence for every layer and kv
+   head (sink pages hold the first n_sink positions). Its bytes, layer after layer, are
+       [K block of head 0 .. K block of head H-1][V block of head 0 .. V block of head H-1]
+   where each block is one kvmix_layout block (the >>formats layouts) of the page's key or value
+   format. So a view of layer l lists, per page, key_offset = page + l * layer_bytes with
+   key_head_bytes = the key block size, and the values right after the H key blocks. FP16 blocks
+   of a buffer page are laid out for `capacity` rows (their head stride) and hold n_rows of them.
+   A page descriptor records offset, granules, formats, rows, reference count; page 0 is the
+   sentinel that evicted positions point at; it owns no bytes and is never freed.
+
+   Sequences. Each has a page table (entries: page, first position, rows it uses, in position
+   order) and a slot map: position -> page * P + row, or KVMIX_CACHE_DEAD_SLOT. A position's row
+   never moves: eviction rewrites the slot-map entry only; RoPE phases stay what they were.
+
+   Precision. Every token carries a requested (key, value) format from a policy. Tokens of a page
+   share its formats: the page is sealed to the highest precision any of its rows asked for, per
+   key and value separately, in the order FP16 > INT8 > INT4 > BOOSTED > INT2 > INT2_CHANNEL
+   (bits per element), so no token gets less than it asked for. Sink positions are FP16.
+
+   Buffer, window, sealing (KIVI-style). New rows always land in the sequence's FP16 buffer page
+   (in the arena, so views reach it from the same base). A page is sealed, that is quantized in
+   one step into a new allocation of its requested formats and its FP16 bytes freed, when it is
+   full and all its positions are older than the window: first_pos + P <= n_tokens - n_window.
+   The FP16 tail therefore holds the n_window most recent tokens plus the part of the current
+   page, at most n_window + 2P - 1 tokens: the window is the buffer's tail, counted in whole
+   pages. Per-channel keys (INT2_CHANNEL, BOOSTED) are computed over a full page, and decode
+   tokens reach them exactly like prefill tokens; the cost of a seal is amortized over the P
+   appends that filled the page. A page that asked for FP16 only is sealed by flag, without a
+   copy. kvmix_cache_seq_finish seals every full page the sequence does not share and applies
+   desc.partial to its partial one if not shared (pages shared with another sequence are left to
+   the window, so that one request's end never quantizes another's recent rows): KEEP_FP16 leaves it as the buffer; QUANTIZE seals its n rows now, with per-channel
+   formats replaced by per-token ones of no lower precision (INT2_CHANNEL -> INT2, BOOSTED ->
+   INT4), since per-channel statistics over a few rows are not what the policy asked for. Rows
+   appended after a sealed partial page start a new page.
+
+   Sharing. kvmix_cache_seq_fork copies the parent's page-table entries of a prefix (the last one
+   clipped to the prefix) and its slot map; each page's reference count counts page-table
+   entries. A shared page has one format for all its sharers: sealing or re-tiering it changes
+   the descriptor, never the slot maps; the window promise holds for pages a sequence does not
+   share, a shared page being sealed when it leaves the window of the sharer that passes it
+   first (shared prefixes are usually old). A buffer page with refcount > 1 is copied before a write
+   (copy on write of the rows the writer uses); a sealed page cannot take rows, so a child forked
+   inside one starts a new page and the page's rows past its fork point are dead to it (views
+   flag them). A page returns to the arena when its count reaches zero: when the last sequence
+   that references it is freed, or evicts all its rows there.
+
+   Failure atomicity (check, then commit). Every call validates its arguments first. Calls that
+   allocate (ingest, append, finish) first run a plan: the same decisions as the real run, on a
+   small copy of the sequence's unsealed pages, with the arena operations applied to the bitmap
+   and journaled. If any allocation fails the journal is undone, which restores the bitmap and
+   counters bit for bit, and the call returns KVMIX_ERR_OUT_OF_MEMORY before any other byte
+   changed. Otherwise the journal is undone too and the real run repeats the plan; since
+   allocation is deterministic it gets the same offsets and cannot fail. Retier allocates at
+   most once (nothing when the new blocks fit the old bytes) and validates before writing.
+
+   Memory. kvmix_cache_memory_bytes covers all bookkeeping: sequence records, page tables
+   [max_seqs][max_pages_per_seq], slot maps [max_seqs][max_tokens_per_seq] (4 bytes a
+   position), page descriptors (max_seqs * max_pages_per_seq + 1: every page is referenced by an
+   entry, so they never run out), the descriptor free stack, the granule bitmap, a scratch block
+   of P * head_dim floats and the plan state. Stats count all of it in bits per element.
+
+   Threads: one writer per cache (see the declarations).
+*/
+
+#define KVMIX__CACHE_ALIGN 64
+#define KVMIX__CACHE_MAX_LAYERS 4096
+#define KVMIX__CACHE_MAX_HEADS 4096
+
+/* One unsealed page of the sequence a plan works on, oldest first. */
+typedef struct kvmix__sim_page {
+    int32_t entry;     /* index in the sequence's page table */
+    int32_t first_pos;
+    int32_t rows;      /* rows the sequence uses */
+    int32_t page_rows; /* rows of the descriptor */
+    int32_t capacity;
+    uint8_t shared;    /* refcount > 1 */
+    uint8_t sealed;
+    uint8_t sink;
+    uint8_t want_key;
+    uint8_t want_value;
+    uint8_t reserved[3];
+    int64_t start; /* granule */
+    int64_t n_granules;
+} kvmix__sim_page;
+
+typedef struct kvmix__arena_op {
+    int64_t start;
+    int64_t n;
+    int64_t taken; /* 1 = allocation, 0 = free */
+} kvmix__arena_op;
+
+/* A write call's plan (dry = 1) or its real run (dry = 0); both take the same decisions. */
+typedef struct kvmix__plan {
+    int dry;
+    int overflow;
+    int32_t n_ops;
+    int32_t n;          /* pages[] used */
+    int32_t next_seal;  /* first page that may still need sealing */
+    int32_t len;        /* the sequence's n_tokens as the run goes */
+    int32_t n_entries;
+    int32_t tail_open;  /* pages[n - 1] is the last page-table entry and unsealed */
+    int32_t new_pages;  /* descriptors taken */
+    int32_t max_ops;    /* journal entries written */
+    int32_t n_sealed;   /* seals that used the scratch block */
+    kvmix__sim_page *pages;
+    kvmix__arena_op *ops;
+} kvmix__plan;
+
+/* Byte geometry of a page with these formats: block sizes and the stride of one layer. */
+typedef struct kvmix__geom {
+    size_t key_bytes;
+    size_t value_bytes;
+    size_t layer_bytes;
+    size_t total_bytes;
+} kvmix__geom;
+
+static int kvmix__format_rank(int32_t format) {
+    switch (format) {
+    case KVMIX_FORMAT_FP16: return 6;
+    case KVMIX_FORMAT_INT8: return 5;
+    case KVMIX_FORMAT_INT4: return 4;
+    case KVMIX_FORMAT_BOOSTED: return 3;
+    case KVMIX_FORMAT_INT2: return 2;
+    case KVMIX_FORMAT_INT2_CHANNEL: return 1;
+    }
+    return 0;
+}
+
+static uint8_t kvmix__higher_format(uint8_t a, uint8_t b) {
+    return kvmix__format_rank(a) >= kvmix__format_rank(b) ? a : b;
+}
+
+/* The per-token format of no lower precision that a partial page uses instead. */
+static uint8_t kvmix__per_token_format(uint8_t format) {
+    if (format == KVMIX_FORMAT_INT2_CHANNEL) return KVMIX_FORMAT_INT2;
+    if (format == KVMIX_FORMAT_BOOSTED) return KVMIX_FORMAT_INT4;
+    return format;
+}
+
+static kvmix_layout kvmix__cache_layout(const kvmix_cache *c, int32_t format, int32_t rows) {
+    kvmix_layout l;
+    l.format = (kvmix_format)format;
+    l.n_tokens = rows;
+    l.head_dim = c->desc.head_dim;
+    l.group_size = kvmix__is_per_token_int(l.format) ? c->desc.group_size : 0;
+    l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? c->desc.n_boost : 0;
+    return l;
+}
+
+static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int32_t format, int32_t rows,
+                                       int32_t capacity) {
+    kvmix_layout l;
+    if (format == KVMIX_FORMAT_FP16) return (size_t)capacity * (size_t)c->desc.head_dim * 2;
+    l = kvmix__cache_layout(c, format, rows);
+    return kvmix__layout_sections(&l).total_bytes;
+}
+
+static kvmix__geom kvmix__page_geom(const kvmix_cache *c, int32_t key_format,
+                                    int32_t value_format, int32_t rows, int32_t capacity) {
+    kvmix__geom g;
+    g.key_bytes = kvmix__cache_block_bytes(c, key_format, rows, capacity);
+    g.value_bytes = kvmix__cache_block_bytes(c, value_format, rows, capacity);
+    g.layer_bytes = (size_t)c->desc.n_kv_heads * (g.key_bytes + g.value_bytes);
+    g.total_bytes = g.layer_bytes * (size_t)c->desc.n_layers;
+    return g;
+}
+
+static kvmix__geom kvmix__geom_of(const kvmix_cache *c, const kvmix_cache_page *p) {
+    return kvmix__page_geom(c, p->key_format, p->value_format, p->n_rows, p->capacity);
+}
+
+/* Offset from the page start of kv head h's key (is_value 0) or value block of a layer. */
+static size_t kvmix__block_offset(const kvmix_cache *c, const kvmix__geom *g, int32_t layer,
+                                  int is_value, int32_t head) {
+    size_t at = g->layer_bytes * (size_t)layer;
+    if (is_value) return at + (size_t)c->desc.n_kv_heads * g->key_bytes + g->value_bytes * (size_t)head;
+    return at + g->key_bytes * (size_t)head;
+}
+
+static int64_t kvmix__granules_of(const kvmix_cache *c, size_t bytes) {
+    return (int64_t)((bytes + c->desc.granule_bytes - 1) / c->desc.granule_bytes);
+}
+
+static kvmix_cache_entry *kvmix__seq_entries(const kvmix_cache *c, int32_t seq) {
+    return c->entries + (size_t)seq * (size_t)c->desc.max_pages_per_seq;
+}
+
+static uint32_t *kvmix__seq_slots(const kvmix_cache *c, int32_t seq) {
+    return c->slots + (size_t)seq * (size_t)c->desc.max_tokens_per_seq;
+}
+
+static uint32_t kvmix__slot(const kvmix_cache *c, uint32_t page, int32_t row) {
+    return page * (uint32_t)c->desc.page_tokens + (uint32_t)row;
+}
+
+/* ---- the granule bitmap -------------------------------------------------------------------- */
+
+static int kvmix__granule_used(const uint64_t *bitmap, int64_t i) {
+    return (int)((bitmap[i >> 6] >> (i & 63)) & 1u);
+}
+
+static void kvmix__granules_mark(uint64_t *bitmap, int64_t start, int64_t n, int used) {
+    int64_t i = start, end = start + n;
+    while (i < end) {
+        if ((i & 63) == 0 && end - i >= 64) {
+            bitmap[i >> 6] = used ? ~(uint64_t)0 : 0;
+            i += 64;
+            continue;
+        }
+        if (used)
+            bitmap[i >> 6] |= (uint64_t)1 << (i & 63);
+        else
+            bitmap[i >> 6] &= ~((uint64_t)1 << (i & 63));
+        i++;
+    }
+}
+
+/* First fit: the lowest run of n free granules, or -1. */
+static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n) {
+    const uint64_t *bm = c->bitmap;
+    int64_t total = c->n_granules, i = c->first_free_hint;
+    if (n <= 0 || n > c->n_free_granules) return -1;
+    while (i + n <= total) {
+        int64_t j, end = i + n;
+        if ((i & 63) == 0 && bm[i >> 6] == ~(uint64_t)0) {
+            i += 64;
+            continue;
+        }
+        if (kvmix__granule_used(bm, i)) {
+            i++;
+            continue;
+        }
+        j = i;
+        while (j < end) {
+            if ((j & 63) == 0 && end - j >= 64 && bm[j >> 6] == 0) {
+                j += 64;
+                continue;
+            }
+            if (kvmix__granule_used(bm, j)) break;
+            j++;
+        }
+        if (j == end) return i;
+        i = j + 1;
+    }
+    return -1;
+}
+
+static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int64_t n,
+                          int taken) {
+    if (!plan || !plan->dry) return 1;
+    if (plan->n_ops >= c->journal_capacity) {
+        plan->overflow = 1;
+        return 0;
+    }
+    plan->ops[plan->n_ops].start = start;
+    plan->ops[plan->n_ops].n = n;
+    plan->ops[plan->n_ops].taken = taken;
+    plan->n_ops++;
+    if (plan->n_ops > plan->max_ops) plan->max_ops = plan->n_ops;
+    return 1;
+}
+
+/* Takes n granules; returns the first or -1 (nothing changed). */
+static int64_t kvmix__arena_take(kvmix_cache *c, kvmix__plan *plan, int64_t n) {
+    int64_t start = kvmix__arena_find(c, n);
+    if (start < 0 || !kvmix__journal(c, plan, start, n, 1)) return -1;
+    kvmix__granules_mark(c->bitmap, start, n, 1);
+    c->n_free_granules -= n;
+    if (start == c->first_free_hint) c->first_free_hint = start + n;
+    return start;
+}
+
+static void kvmix__arena_give(kvmix_cache *c, kvmix__plan *plan, int64_t start, int64_t n) {
+    if (n <= 0 || !kvmix__journal(c, plan, start, n, 0)) return;
+    kvmix__granules_mark(c->bitmap, start, n, 0);
+    c->n_free_granules += n;
+    if (start < c->first_free_hint) c->first_free_hint = start;
+}
+
+/* Undoes a plan's journaled arena operations, newest first, and restores the hint. */
+static void kvmix__plan_undo(kvmix_cache *c, kvmix__plan *plan, int64_t hint) {
+    while (plan->n_ops > 0) {
+        const kvmix__arena_op *op = &plan->ops[--plan->n_ops];
+        kvmix__granules_mark(c->bitmap, op->start, op->n, op->taken ? 0 : 1);
+        c->n_free_granules += op->taken ? op->n : -op->n;
+    }
+    c->first_free_hint = hint;
+}
+
+/* ---- page descriptors -------------------------------------------------------------------- */
+
+static uint32_t kvmix__page_pop(kvmix_cache *c) {
+    KVMIX_ASSERT(c->n_free_pages > 0);
+    return c->free_pages[--c->n_free_pages];
+}
+
+/* Drops one reference; the last one returns the page's granules and its descriptor. */
+static void kvmix__page_release(kvmix_cache *c, uint32_t id) {
+    kvmix_cache_page *p = &c->pages[id];
+    KVMIX_ASSERT(id != 0 && p->refcount > 0);
+    if (--p->refcount > 0) return;
+    kvmix__arena_give(c, NULL, (int64_t)(p->offset / c->desc.granule_bytes), (int64_t)p->n_granules);
+    memset(p, 0, sizeof *p);
+    c->free_pages[c->n_free_pages++] = id;
+}
+
+static uint8_t *kvmix__page_block(const kvmix_cache *c, const kvmix_cache_page *p,
+                                  const kvmix__geom *g, int32_t layer, int is_value, int32_t head) {
+    return c->arena + p->offset + kvmix__block_offset(c, g, layer, is_value, head);
+}
+
+/* Quantizes src [rows][head_dim] into a block of `format` at dst (no checks: finite input). */
+static void kvmix__cache_quantize(const kvmix_cache *c, int32_t format, int32_t rows,
+                                  const float *src, uint8_t *dst) {
+    kvmix_layout l = kvmix__cache_layout(c, format, rows);
+    kvmix__sections s = kvmix__layout_sections(&l);
+    memset(dst, 0, s.total_bytes);
+    if (l.format == KVMIX_FORMAT_FP16)
+        kvmix__quantize_fp16(&l, src, l.head_dim, dst);
+    else if (kvmix__is_per_token_int(l.format))
+        kvmix__quantize_per_token(&l, src, l.head_dim, dst);
+    else
+        kvmix__quantize_per_channel(&l, src, l.head_dim, dst);
+}
+
+/* Dequantizes rows [0, rows) of a page's block into dst [rows][head_dim]. */
+static void kvmix__page_block_read(const kvmix_cache *c, const kvmix_cache_page *p,
+                                   const kvmix__geom *g, int32_t layer, int is_value,
+                                   int32_t head, float *dst) {
+    kvmix_layout l = kvmix__cache_layout(c, is_value ? p->value_format : p->key_format, p->n_rows);
+    kvmix__sections s = kvmix__layout_sections(&l);
+    const uint8_t *block = kvmix__page_block(c, p, g, layer, is_value, head);
+    int32_t t;
+    for (t = 0; t < p->n_rows; t++)
+        kvmix__decode_row(&l, &s, block, t, dst + (size_t)t * (size_t)c->desc.head_dim);
+}
+
+/* ---- desc, memory layout, init ------------------------------------------------------------- */
+
+/* Where each table lives in the metadata memory. */
+typedef struct kvmix__cache_regions {
+    size_t seqs, entries, slots, pages, free_pages, bitmap, scratch, sim, journal, total;
+    int64_t n_granules;
+    int32_t max_pages;
+    int32_t journal_capacity;
+} kvmix__cache_regions;
+
+/* Appends count * elem bytes at 64-byte alignment; 0 on overflow. */
+static int kvmix__region(size_t *cursor, size_t count, size_t elem, size_t *offset) {
+    size_t at = (*cursor + KVMIX__CACHE_ALIGN - 1) / KVMIX__CACHE_ALIGN * KVMIX__CACHE_ALIGN;
+    if (at < *cursor || (elem != 0 && count > ((size_t)-1 - at) / elem)) return 0;
+    *offset = at;
+    *cursor = at + count * elem;
+    return 1;
+}
+
+static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regions *r) {
+    size_t cursor = 0;
+    int64_t max_pages = (int64_t)d->max_seqs * d->max_pages_per_seq + 1;
+    if (max_pages > 0x7fffffff || max_pages * d->page_tokens > (int64_t)0xffffffffu) return 0;
+    r->max_pages = (int32_t)max_pages;
+    r->n_granules = (int64_t)(d->arena_bytes / d->granule_bytes);
+    r->journal_capacity = 4 * d->max_pages_per_seq + 16;
+    return kvmix__region(&cursor, (size_t)d->max_seqs, sizeof(kvmix_cache_seq), &r->seqs) &&
+           kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->max_pages_per_seq,
+                         sizeof(kvmix_cache_entry), &r->entries) &&
+           (size_t)d->max_seqs <= (size_t)-1 / (size_t)d->max_tokens_per_seq &&
+           kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->max_tokens_per_seq,
+                         sizeof(uint32_t), &r->slots) &&
+           kvmix__region(&cursor, (size_t)r->max_pages, sizeof(kvmix_cache_page), &r->pages) &&
+           kvmix__region(&cursor, (size_t)r->max_pages, sizeof(uint32_t), &r->free_pages) &&
+           kvmix__region(&cursor, (size_t)((r->n_granules + 63) / 64), sizeof(uint64_t),
+                         &r->bitmap) &&
+           kvmix__region(&cursor, (size_t)d->page_tokens * (size_t)d->head_dim, sizeof(float),
+                         &r->scratch) &&
+           kvmix__region(&cursor, (size_t)d->max_pages_per_seq, sizeof(kvmix__sim_page),
+                         &r->sim) &&
+           kvmix__region(&cursor, (size_t)r->journal_capacity, sizeof(kvmix__arena_op),
+                         &r->journal) &&
+           (r->total = cursor, 1);
+}
+
+static int kvmix__format_value_known(uint8_t format) { return kvmix__format_known(format); }
+
+KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc) {
+    kvmix_cache_desc d;
+    kvmix__cache_regions regions;
+    kvmix_layout probe;
+    double fp16_page_bytes;
+    if (!desc) return KVMIX_ERR_NULL_POINTER;
+    d = *desc;
+    if (d.n_layers <= 0 || d.n_layers > KVMIX__CACHE_MAX_LAYERS || d.n_kv_heads <= 0 ||
+        d.n_kv_heads > KVMIX__CACHE_MAX_HEADS)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d.head_dim <= 0 || d.head_dim % 32 != 0 || d.head_dim > KVMIX_MAX_HEAD_DIM)
+        return KVMIX_ERR_BAD_SHAPE;
+    if (d.page_tokens == 0) d.page_tokens = 64;
+    if (d.max_seqs == 0) d.max_seqs = 64;
+    if (d.max_tokens_per_seq == 0) d.max_tokens_per_seq = 4096;
+    if (d.group_size == 0) d.group_size = KVMIX_GROUP_SIZE_DEFAULT;
+    if (d.n_boost == 0) d.n_boost = 16;
+    if (d.partial == KVMIX_CACHE_PARTIAL_DEFAULT) d.partial = KVMIX_CACHE_PARTIAL_KEEP_FP16;
+    if (d.default_precision.key_format == 0) d.default_precision.key_format = KVMIX_FORMAT_INT4;
+    if (d.default_precision.value_format == 0) d.default_precision.value_format = KVMIX_FORMAT_INT4;
+    if (d.granule_bytes == 0) d.granule_bytes = 256;
+    if (d.page_tokens < 8 || d.page_tokens > 1024 || d.page_tokens % 8 != 0 || d.max_seqs < 0 ||
+        d.max_seqs > (1 << 20) || d.max_tokens_per_seq < 0 || d.max_tokens_per_seq > (1 << 26))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d.max_pages_per_seq == 0)
+        d.max_pages_per_seq = (d.max_tokens_per_seq + d.page_tokens - 1) / d.page_tokens + 8;
+    if (d.max_pages_per_seq < 0 || d.max_pages_per_seq > (1 << 24) || d.n_sink < 0 ||
+        d.n_sink > d.page_tokens || d.n_window < 0 || d.n_window > d.max_tokens_per_seq ||
+        (d.partial != KVMIX_CACHE_PARTIAL_KEEP_FP16 && d.partial != KVMIX_CACHE_PARTIAL_QUANTIZE))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d.granule_bytes < 64 || d.granule_bytes > ((size_t)1 << 20) ||
+        (d.granule_bytes & (d.granule_bytes - 1)) != 0 || d.arena_bytes < d.granule_bytes)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    memset(&probe, 0, sizeof probe);
+    probe.format = KVMIX_FORMAT_INT4;
+    probe.head_dim = d.head_dim;
+    probe.group_size = d.group_size;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
+    probe.format = KVMIX_FORMAT_BOOSTED;
+    probe.group_size = 0;
+    probe.n_boost = d.n_boost;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
+    if (!kvmix__format_value_known(d.default_precision.key_format) ||
+        !kvmix__format_value_known(d.default_precision.value_format))
+        return KVMIX_ERR_UNKNOWN_FORMAT;
+    /* the largest page (an FP16 buffer) must be addressable in granules */
+    fp16_page_bytes = 4.0 * d.n_layers * d.n_kv_heads * d.page_tokens * (double)d.head_dim;
+    if (fp16_page_bytes / (double)d.granule_bytes > 2147483647.0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__cache_regions_of(&d, &regions)) return KVMIX_ERR_INVALID_ARGUMENT;
+    *desc = d;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes) {
+    kvmix_cache_desc d;
+    kvmix__cache_regions regions;
+    kvmix_result r;
+    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    d = *desc;
+    if ((r = kvmix_cache_desc_resolve(&d)) != KVMIX_SUCCESS) return r;
+    kvmix__cache_regions_of(&d, &regions);
+    *out_bytes = regions.total;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *desc, void *memory,
+                                       size_t memory_bytes, void *arena) {
+    kvmix_cache_desc d;
+    kvmix__cache_regions g;
+    kvmix_result r;
+    uint8_t *m = (uint8_t *)memory;
+    int32_t i;
+    if (!cache || !desc || !memory || !arena) return KVMIX_ERR_NULL_POINTER;
+    d = *desc;
+    if ((r = kvmix_cache_desc_resolve(&d)) != KVMIX_SUCCESS) return r;
+    if (((uintptr_t)memory & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    kvmix__cache_regions_of(&d, &g);
+    if (memory_bytes < g.total) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    memset(memory, 0, g.total);
+    memset(cache, 0, sizeof *cache);
+    cache->desc = d;
+    cache->arena = (uint8_t *)arena;
+    cache->memory = memory;
+    cache->memory_bytes = g.total;
+    cache->max_pages = g.max_pages;
+    cache->journal_capacity = g.journal_capacity;
+    cache->n_granules = g.n_granules;
+    cache->n_free_granules = g.n_granules;
+    cache->seqs = (kvmix_cache_seq *)(void *)(m + g.seqs);
+    cache->entries = (kvmix_cache_entry *)(void *)(m + g.entries);
+    cache->slots = (uint32_t *)(void *)(m + g.slots);
+    cache->pages = (kvmix_cache_page *)(void *)(m + g.pages);
+    cache->free_pages = (uint32_t *)(void *)(m + g.free_pages);
+    cache->bitmap = (uint64_t *)(void *)(m + g.bitmap);
+    cache->scratch = (float *)(void *)(m + g.scratch);
+    cache->sim = (void *)(m + g.sim);
+    cache->journal = (void *)(m + g.journal);
+    /* the sentinel: pinned, no bytes */
+    cache->pages[0].refcount = 1;
+    cache->pages[0].sealed = 1;
+    cache->pages[0].key_format = KVMIX_FORMAT_FP16;
+    cache->pages[0].value_format = KVMIX_FORMAT_FP16;
+    for (i = 0; i < g.max_pages - 1; i++) cache->free_pages[i] = (uint32_t)(g.max_pages - 1 - i);
+    cache->n_free_pages = g.max_pages - 1;
+    *desc = d;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache_desc *desc,
+                                                 const kvmix_allocator *allocator) {
+    kvmix_allocator a;
+    kvmix_cache_desc d;
+    size_t bytes;
+    void *memory, *arena;
+    kvmix_result r;
+    if (!cache || !desc) return KVMIX_ERR_NULL_POINTER;
+    d = *desc;
+    if ((r = kvmix_cache_memory_bytes(&d, &bytes)) != KVMIX_SUCCESS) return r;
+    kvmix_cache_desc_resolve(&d);
+    memset(&a, 0, sizeof a);
+    if (allocator && allocator->alloc_fn && allocator->free_fn) a = *allocator;
+    memory = a.alloc_fn ? a.alloc_fn(bytes, a.user) : KVMIX_MALLOC(bytes);
+    if (!memory) return KVMIX_ERR_OUT_OF_MEMORY;
+    arena = a.alloc_fn ? a.alloc_fn(d.arena_bytes, a.user) : KVMIX_MALLOC(d.arena_bytes);
+    if (!arena) {
+        if (a.free_fn) a.free_fn(memory, a.user); else KVMIX_FREE(memory);
+        return KVMIX_ERR_OUT_OF_MEMORY;
+    }
+    r = kvmix_cache_init(cache, &d, memory, bytes, arena);
+    if (r != KVMIX_SUCCESS) {
+        if (a.free_fn) {
+            a.free_fn(arena, a.user);
+            a.free_fn(memory, a.user);
+        } else {
+            KVMIX_FREE(arena);
+            KVMIX_FREE(memory);
+        }
+        return r;
+    }
+    cache->allocator = a;
+    cache->owns_memory = 1;
+    *desc = d;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF void kvmix_cache_deinit(kvmix_cache *cache) {
+    if (!cache) return;
+    if (cache->owns_memory) {
+        if (cache->allocator.free_fn) {
+            cache->allocator.free_fn(cache->arena, cache->allocator.user);
+            cache->allocator.free_fn(cache->memory, cache->allocator.user);
+        } else {
+            KVMIX_FREE(cache->arena);
+            KVMIX_FREE(cache->memory);
+        }
+    }
+    memset(cache, 0, sizeof *cache);
+}
+
+/* ---- sequences ----------------------------------------------------------------------------- */
+
+static kvmix_result kvmix__cache_seq_ok(const kvmix_cache *c, int32_t seq) {
+    if (!c->seqs) return KVMIX_ERR_INVALID_ARGUMENT; /* not initialized */
+    if (seq < 0 || seq >= c->desc.max_seqs || !c->seqs[seq].in_use)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    return KVMIX_SUCCESS;
+}
+
+static int32_t kvmix__free_seq_id(const kvmix_cache *c) {
+    int32_t s;
+    for (s = 0; s < c->desc.max_seqs; s++)
+        if (!c->seqs[s].in_use) return s;
+    return -1;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_seq) {
+    int32_t s;
+    if (!cache || !out_seq) return KVMIX_ERR_NULL_POINTER;
+    if (!cache->seqs) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((s = kvmix__free_seq_id(cache)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    memset(&cache->seqs[s], 0, sizeof cache->seqs[s]);
+    cache->seqs[s].in_use = 1;
+    *out_seq = s;
+    return KVMIX_SUCCESS;
+}
+
+/* Whether entry j still has a row the sequence uses. */
+static int kvmix__entry_live(const kvmix_cache *c, int32_t seq, const kvmix_cache_entry *e) {
+    const uint32_t *slots = kvmix__seq_slots(c, seq);
+    int32_t r;
+    for (r = 0; r < e->n_rows; r++)
+        if (slots[e->first_pos + r] == kvmix__slot(c, e->page, r)) return 1;
+    return 0;
+}
+
+/* Releases the pages of entries with no row in use, except a buffer page still being filled;
+   compacts the page table. */
+static void kvmix__drop_dead_entries(kvmix_cache *c, int32_t seq) {
+    kvmix_cache_seq *s = &c->seqs[seq];
+    kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    int32_t i, kept = 0;
+    for (i = 0; i < s->n_entries; i++) {
+        const kvmix_cache_page *p = &c->pages[e[i].page];
+        int filling = i == s->n_entries - 1 && !p->sealed && e[i].n_rows < p->capacity;
+        if (!filling && !kvmix__entry_live(c, seq, &e[i])) {
+            kvmix__page_release(c, e[i].page);
+            continue;
+        }
+        e[kept++] = e[i];
+    }
+    for (i = kept; i < s->n_entries; i++) memset(&e[i], 0, sizeof e[i]);
+    s->n_entries = kept;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
+                                           int32_t *out_seq) {
+    const kvmix_cache_seq *ps;
+    const kvmix_cache_entry *pe;
+    kvmix_cache_seq *cs;
+    kvmix_cache_entry *ce;
+    uint32_t *slots;
+    kvmix_result r;
+    int32_t child, i, pos;
+    if (!cache || !out_seq) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, parent)) != KVMIX_SUCCESS) return r;
+    ps = &cache->seqs[parent];
+    if (n_prefix < 0 || n_prefix > ps->n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((child = kvmix__free_seq_id(cache)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    cs = &cache->seqs[child];
+    pe = kvmix__seq_entries(cache, parent);
+    ce = kvmix__seq_entries(cache, child);
+    memset(cs, 0, sizeof *cs);
+    cs->in_use = 1;
+    cs->n_tokens = n_prefix;
+    for (i = 0; i < ps->n_entries && pe[i].first_pos < n_prefix; i++) {
+        ce[i] = pe[i];
+        if (ce[i].n_rows > n_prefix - ce[i].first_pos) ce[i].n_rows = n_prefix - ce[i].first_pos;
+        cache->pages[ce[i].page].refcount++;
+        cs->n_entries++;
+    }
+    slots = kvmix__seq_slots(cache, child);
+    memcpy(slots, kvmix__seq_slots(cache, parent), (size_t)n_prefix * sizeof(uint32_t));
+    for (pos = 0; pos < n_prefix; pos++)
+        if (slots[pos] != KVMIX_CACHE_DEAD_SLOT) cs->n_live++;
+    kvmix__drop_dead_entries(cache, child);
+    *out_seq = child;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq) {
+    kvmix_cache_seq *s;
+    kvmix_cache_entry *e;
+    kvmix_result r;
+    int32_t i;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    s = &cache->seqs[seq];
+    e = kvmix__seq_entries(cache, seq);
+    for (i = 0; i < s->n_entries; i++) {
+        kvmix__page_release(cache, e[i].page);
+        memset(&e[i], 0, sizeof e[i]);
+    }
+    memset(s, 0, sizeof *s);
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
+                                        int32_t n_positions) {
+    kvmix_cache_seq *s;
+    uint32_t *slots;
+    kvmix_result r;
+    int32_t i;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if (n_positions < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_positions == 0) return KVMIX_SUCCESS;
+    if (!positions) return KVMIX_ERR_NULL_POINTER;
+    s = &cache->seqs[seq];
+    for (i = 0; i < n_positions; i++)
+        if (positions[i] < 0 || positions[i] >= s->n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
+    slots = kvmix__seq_slots(cache, seq);
+    for (i = 0; i < n_positions; i++)
+        if (slots[positions[i]] != KVMIX_CACHE_DEAD_SLOT) {
+            slots[positions[i]] = KVMIX_CACHE_DEAD_SLOT;
+            s->n_live--;
+        }
+    kvmix__drop_dead_entries(cache, seq);
+    return KVMIX_SUCCESS;
+}
+
+/* ---- writes: plan, then commit ------------------------------------------------------------- */
+
+static void kvmix__plan_begin(kvmix_cache *c, int32_t seq, kvmix__plan *plan, int dry) {
+    const kvmix_cache_seq *s = &c->seqs[seq];
+    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    int32_t i = s->n_entries, j;
+    memset(plan, 0, sizeof *plan);
+    plan->dry = dry;
+    plan->pages = (kvmix__sim_page *)c->sim;
+    plan->ops = (kvmix__arena_op *)c->journal;
+    plan->len = s->n_tokens;
+    plan->n_entries = s->n_entries;
+    while (i > 0 && !c->pages[e[i - 1].page].sealed) i--;
+    for (j = i; j < s->n_entries; j++) {
+        const kvmix_cache_page *p = &c->pages[e[j].page];
+        kvmix__sim_page *sp = &plan->pages[plan->n++];
+        memset(sp, 0, sizeof *sp);
+        sp->entry = j;
+        sp->first_pos = e[j].first_pos;
+        sp->rows = e[j].n_rows;
+        sp->page_rows = p->n_rows;
+        sp->capacity = p->capacity;
+        sp->shared = p->refcount > 1;
+        sp->sink = p->sink;
+        sp->want_key = p->want_key;
+        sp->want_value = p->want_value;
+        sp->start = (int64_t)(p->offset / c->desc.granule_bytes);
+        sp->n_granules = (int64_t)p->n_granules;
+    }
+    plan->tail_open = plan->n > 0 && plan->pages[plan->n - 1].entry == s->n_entries - 1;
+}
+
+/* Copy on write of a shared buffer page: the rows the sequence uses move to a new page. */
+static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
+                                     kvmix__sim_page *sp) {
+    kvmix__geom g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, sp->capacity);
+    int64_t n = kvmix__granules_of(c, g.total_bytes), start;
+    if (plan->dry && plan->new_pages + 1 > c->n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
+    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (!plan->dry) {
+        kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[sp->entry];
+        uint32_t old = e->page, id = kvmix__page_pop(c), *slots = kvmix__seq_slots(c, seq);
+        kvmix_cache_page *np = &c->pages[id];
+        const kvmix_cache_page *op = &c->pages[old];
+        size_t row_bytes = (size_t)sp->rows * (size_t)c->desc.head_dim * 2;
+        int32_t layer, kv, h, r;
+        *np = *op;
+        np->offset = (uint64_t)start * c->desc.granule_bytes;
+        np->n_granules = (uint32_t)n;
+        np->refcount = 1;
+        np->n_rows = sp->rows;
+        for (layer = 0; layer < c->desc.n_layers; layer++)
+            for (kv = 0; kv < 2; kv++)
+                for (h = 0; h < c->desc.n_kv_heads; h++)
+                    memcpy(kvmix__page_block(c, np, &g, layer, kv, h),
+                           kvmix__page_block(c, op, &g, layer, kv, h), row_bytes);
+        for (r = 0; r < sp->rows; r++)
+            if (slots[e->first_pos + r] == kvmix__slot(c, old, r))
+                slots[e->first_pos + r] = kvmix__slot(c, id, r);
+        e->page = id;
+        kvmix__page_release(c, old);
+    }
+    plan->new_pages++;
+    sp->start = start;
+    sp->n_granules = n;
+    sp->shared = 0;
+    sp->page_rows = sp->rows;
+    return KVMIX_SUCCESS;
+}
+
+/* A new buffer page at the end of the page table (a sink page while positions < n_sink). */
+static kvmix_result kvmix__plan_new_page(kvmix_cache *c, int32_t seq, kvmix__plan *plan) {
+    int32_t capacity = c->desc.page_tokens, sink = 0;
+    kvmix__geom g;
+    kvmix__sim_page *sp;
+    int64_t n, start;
+    if (plan->len < c->desc.n_sink) {
+        capacity = c->desc.n_sink - plan->len;
+        sink = 1;
+    }
+    if (plan->n_entries >= c->desc.max_pages_per_seq) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->dry && plan->new_pages + 1 > c->n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
+    g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, capacity);
+    n = kvmix__granules_of(c, g.total_bytes);
+    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    sp = &plan->pages[plan->n++];
+    memset(sp, 0, sizeof *sp);
+    sp->entry = plan->n_entries;
+    sp->first_pos = plan->len;
+    sp->capacity = capacity;
+    sp->sink = (uint8_t)sink;
+    sp->want_key = sp->want_value = sink ? (uint8_t)KVMIX_FORMAT_FP16 : 0;
+    sp->start = start;
+    sp->n_granules = n;
+    if (!plan->dry) {
+        uint32_t id = kvmix__page_pop(c);
+        kvmix_cache_page *p = &c->pages[id];
+        kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[plan->n_entries];
+        memset(p, 0, sizeof *p);
+        p->offset = (uint64_t)start * c->desc.granule_bytes;
+        p->n_granules = (uint32_t)n;
+        p->refcount = 1;
+        p->capacity = capacity;
+        p->key_format = p->value_format = KVMIX_FORMAT_FP16;
+        p->want_key = p->want_value = sp->want_key;
+        p->sink = (uint8_t)sink;
+        memset(e, 0, sizeof *e);
+        e->page = id;
+        e->first_pos = plan->len;
+        c->seqs[seq].n_entries++;
+    }
+    plan->n_entries++;
+    plan->new_pages++;
+    plan->tail_open = 1;
+    return KVMIX_SUCCESS;
+}
+
+/* Writes one position's rows (every layer) into the buffer page sp. keys, values point at the
+   token's [n_kv_heads][head_dim] rows of layer 0; layer_stride floats between layers. */
+static void kvmix__plan_write(kvmix_cache *c, int32_t seq, kvmix__plan *plan, kvmix__sim_page *sp,
+                              const float *keys, const float *values, size_t layer_stride,
+                              kvmix_cache_precision want) {
+    if (!sp->sink) {
+        sp->want_key = kvmix__higher_format(sp->want_key, want.key_format);
+        sp->want_value = kvmix__higher_format(sp->want_value, want.value_format);
+    }
+    if (!plan->dry) {
+        kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[sp->entry];
+        kvmix_cache_page *p = &c->pages[e->page];
+        kvmix__geom g = kvmix__geom_of(c, p);
+        int32_t d = c->desc.head_dim, layer, h, i, row = sp->rows;
+        for (layer = 0; layer < c->desc.n_layers; layer++)
+            for (h = 0; h < c->desc.n_kv_heads; h++) {
+                const float *k = keys + layer_stride * (size_t)layer + (size_t)h * d;
+                const float *v = values + layer_stride * (size_t)layer + (size_t)h * d;
+                uint8_t *kb = kvmix__page_block(c, p, &g, layer, 0, h) + (size_t)row * d * 2;
+                uint8_t *vb = kvmix__page_block(c, p, &g, layer, 1, h) + (size_t)row * d * 2;
+                for (i = 0; i < d; i++) {
+                    kvmix__store_u16(kb + 2 * i, kvmix_fp32_to_fp16(k[i]));
+                    kvmix__store_u16(vb + 2 * i, kvmix_fp32_to_fp16(v[i]));
+                }
+            }
+        p->n_rows = row + 1;
+        p->want_key = sp->want_key;
+        p->want_value = sp->want_value;
+        e->n_rows = row + 1;
+        kvmix__seq_slots(c, seq)[plan->len] = kvmix__slot(c, e->page, row);
+        c->seqs[seq].n_tokens++;
+        c->seqs[seq].n_live++;
+    }
+    sp->rows++;
+    sp->page_rows = sp->rows;
+    plan->len++;
+}
+
+/* Seals buffer page sp with `rows` rows into (key_format, value_format): by flag when both are
+   FP16, otherwise quantized into a new allocation and the FP16 bytes freed. */
+static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
+                                    kvmix__sim_page *sp, uint8_t key_format, uint8_t value_format,
+                                    int32_t rows) {
+    kvmix__geom g;
+    int64_t n, start;
+    if (sp->sink || key_format == 0) key_format = KVMIX_FORMAT_FP16;
+    if (sp->sink || value_format == 0) value_format = KVMIX_FORMAT_FP16;
+    if (key_format == KVMIX_FORMAT_FP16 && value_format == KVMIX_FORMAT_FP16) {
+        if (!plan->dry) {
+            kvmix_cache_page *p = &c->pages[kvmix__seq_entries(c, seq)[sp->entry].page];
+            p->n_rows = rows;
+            p->sealed = 1;
+        }
+        sp->sealed = 1;
+        return KVMIX_SUCCESS;
+    }
+    g = kvmix__page_geom(c, key_format, value_format, rows, rows);
+    n = kvmix__granules_of(c, g.total_bytes);
+    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (!plan->dry) {
+        kvmix_cache_page *p = &c->pages[kvmix__seq_entries(c, seq)[sp->entry].page];
+        kvmix__geom og;
+        int32_t layer, kv, h, i, d = c->desc.head_dim;
+        p->n_rows = rows; /* a buffer's rows past the sequence's are stale when not shared */
+        og = kvmix__geom_of(c, p);
+        for (layer = 0; layer < c->desc.n_layers; layer++)
+            for (kv = 0; kv < 2; kv++)
+                for (h = 0; h < c->desc.n_kv_heads; h++) {
+                    const uint8_t *src = kvmix__page_block(c, p, &og, layer, kv, h);
+                    uint8_t *dst = c->arena + (size_t)start * c->desc.granule_bytes +
+                                   kvmix__block_offset(c, &g, layer, kv, h);
+                    for (i = 0; i < rows * d; i++)
+                        c->scratch[i] = kvmix_fp16_to_fp32(kvmix__load_u16(src + 2 * i));
+                    kvmix__cache_quantize(c, kv ? value_format : key_format, rows, c->scratch, dst);
+                }
+        p->offset = (uint64_t)start * c->desc.granule_bytes;
+        p->n_granules = (uint32_t)n;
+        p->key_format = key_format;
+        p->value_format = value_format;
+        p->capacity = rows;
+        p->sealed = 1;
+        plan->n_sealed++;
+    }
+    kvmix__arena_give(c, plan, sp->start, sp->n_granules);
+    sp->start = start;
+    sp->n_granules = n;
+    sp->sealed = 1;
+    return KVMIX_SUCCESS;
+}
+
+/* Seals, oldest first, full buffer pages that left the window; forced (at the end of a
+   request), every full page the sequence does not share, whatever the window. */
+static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
+                                          int force) {
+    int32_t i;
+    if (force) {
+        for (i = plan->next_seal; i < plan->n; i++) {
+            kvmix__sim_page *sp = &plan->pages[i];
+            kvmix_result r;
+            if (sp->sealed || sp->shared || sp->rows < sp->capacity) continue;
+            r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, sp->want_value, sp->capacity);
+            if (r != KVMIX_SUCCESS) return r;
+        }
+        return KVMIX_SUCCESS;
+    }
+    while (plan->next_seal < plan->n) {
+        kvmix__sim_page *sp = &plan->pages[plan->next_seal];
+        kvmix_result r;
+        if (!sp->sealed) {
+            if (sp->rows < sp->capacity) break;
+            if (!force && !sp->sink &&
+                (int64_t)sp->first_pos + sp->capacity > (int64_t)plan->len - c->desc.n_window)
+                break;
+            r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, sp->want_value, sp->capacity);
+            if (r != KVMIX_SUCCESS) return r;
+        }
+        plan->next_seal++;
+    }
+    return KVMIX_SUCCESS;
+}
+
+/* The whole write: n_tokens rows, then (finish) sealing and the partial-page policy. */
+static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
+                                    int32_t n_tokens, const float *keys, const float *values,
+                                    const kvmix_cache_precision *precisions, int finish) {
+    size_t token_floats = (size_t)c->desc.n_kv_heads * (size_t)c->desc.head_dim;
+    size_t layer_stride = token_floats * (size_t)n_tokens;
+    kvmix_result r;
+    int32_t t;
+    for (t = 0; t < n_tokens; t++) {
+        kvmix__sim_page *tail = plan->tail_open ? &plan->pages[plan->n - 1] : NULL;
+        int writable = tail && !tail->sealed && tail->rows < tail->capacity;
+        if (writable && tail->shared) {
+            if ((r = kvmix__plan_copy(c, seq, plan, tail)) != KVMIX_SUCCESS) return r;
+        } else if (!writable) {
+            if ((r = kvmix__plan_new_page(c, seq, plan)) != KVMIX_SUCCESS) return r;
+            tail = &plan->pages[plan->n - 1];
+        }
+        kvmix__plan_write(c, seq, plan, tail, keys + token_floats * (size_t)t,
+                          values + token_floats * (size_t)t, layer_stride,
+                          precisions ? precisions[t] : c->desc.default_precision);
+        if ((r = kvmix__plan_seal_ready(c, seq, plan, 0)) != KVMIX_SUCCESS) return r;
+    }
+    if (finish) {
+        kvmix__sim_page *tail;
+        if ((r = kvmix__plan_seal_ready(c, seq, plan, 1)) != KVMIX_SUCCESS) return r;
+        tail = plan->tail_open ? &plan->pages[plan->n - 1] : NULL;
+        if (c->desc.partial == KVMIX_CACHE_PARTIAL_QUANTIZE && tail && !tail->sealed &&
+            !tail->sink && !tail->shared && tail->rows > 0 && tail->rows < tail->capacity) {
+            r = kvmix__plan_seal(c, seq, plan, tail, kvmix__per_token_format(tail->want_key),
+                                 kvmix__per_token_format(tail->want_value), tail->rows);
+            if (r != KVMIX_SUCCESS) return r;
+        }
+    }
+    return plan->overflow ? KVMIX_ERR_OUT_OF_MEMORY : KVMIX_SUCCESS;
+}
+
+/* Plans the write (undoing its arena operations), then runs it for real. */
+static kvmix_result kvmix__cache_write(kvmix_cache *c, int32_t seq, int32_t n_tokens,
+                                       const float *keys, const float *values,
+                                       const kvmix_cache_precision *precisions, int finish) {
+    kvmix__plan plan;
+    int64_t hint = c->first_free_hint;
+    kvmix_result r;
+    /* the plan state and the scratch block are zero between calls, so that a failed call
+       leaves every byte of the metadata memory as it was */
+    kvmix__plan_begin(c, seq, &plan, 1);
+    r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
+    kvmix__plan_undo(c, &plan, hint);
+    memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
+    memset(plan.ops, 0, (size_t)plan.max_ops * sizeof *plan.ops);
+    if (r != KVMIX_SUCCESS) return r;
+    kvmix__plan_begin(c, seq, &plan, 0);
+    r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
+    KVMIX_ASSERT(r == KVMIX_SUCCESS);
+    memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
+    if (plan.n_sealed > 0)
+        memset(c->scratch, 0,
+               (size_t)c->desc.page_tokens * (size_t)c->desc.head_dim * sizeof(float));
+    return r;
+}
+
+static int kvmix__rows_representable(const float *x, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (!kvmix__representable(x[i])) return 0;
+    return 1;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                         const float *keys, const float *values,
+                                         const kvmix_cache_precision *precisions) {
+    kvmix_result r;
+    size_t n;
+    int32_t t;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if (n_tokens < 0 || n_tokens > cache->desc.max_tokens_per_seq - cache->seqs[seq].n_tokens)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_tokens == 0) return KVMIX_SUCCESS;
+    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
+    if (precisions)
+        for (t = 0; t < n_tokens; t++)
+            if (!kvmix__format_known(precisions[t].key_format) ||
+                !kvmix__format_known(precisions[t].value_format))
+                return KVMIX_ERR_UNKNOWN_FORMAT;
+    n = (size_t)cache->desc.n_layers * (size_t)n_tokens * (size_t)cache->desc.n_kv_heads *
+        (size_t)cache->desc.head_dim;
+    if (!kvmix__rows_representable(keys, n) || !kvmix__rows_representable(values, n))
+        return KVMIX_ERR_BAD_VALUE;
+    return kvmix__cache_write(cache, seq, n_tokens, keys, values, precisions, 0);
+}
+
+KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
+                                         const float *values, kvmix_cache_precision precision) {
+    return kvmix_cache_ingest(cache, seq, 1, keys, values, &precision);
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq) {
+    kvmix_result r;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    return kvmix__cache_write(cache, seq, 0, NULL, NULL, NULL, 1);
+}
+
+/* ---- re-tiering ----------------------------------------------------------------------------- */
+
+/* The new contents of one block into c->scratch [n_rows][head_dim]: the dequantized rows, the
+   given originals, or dequantized + residual. rows_in: [n_layers][n_rows][n_kv_heads][head_dim]. */
+static void kvmix__retier_source(const kvmix_cache *c, const kvmix_cache_page *p,
+                                 const kvmix__geom *g, int32_t layer, int is_value, int32_t head,
+                                 const float *rows_in, kvmix_cache_rows mode) {
+    int32_t n = p->n_rows, d = c->desc.head_dim, t, i;
+    size_t heads = (size_t)c->desc.n_kv_heads;
+    if (!rows_in || mode == KVMIX_CACHE_ROWS_RESIDUAL)
+        kvmix__page_block_read(c, p, g, layer, is_value, head, c->scratch);
+    if (!rows_in) return;
+    for (t = 0; t < n; t++) {
+        const float *x = rows_in + (((size_t)layer * n + t) * heads + (size_t)head) * d;
+        float *y = c->scratch + (size_t)t * d;
+        for (i = 0; i < d; i++) y[i] = mode == KVMIX_CACHE_ROWS_ORIGINAL ? x[i] : y[i] + x[i];
+    }
+}
+
+/* Whether the new contents of one block (as kvmix__retier_source) are all FP16-representable;
+   decodes row by row on the stack. */
+static int kvmix__retier_valid(const kvmix_cache *c, const kvmix_cache_page *p,
+                               const kvmix__geom *g, int32_t layer, int is_value, int32_t head,
+                               const float *rows_in, kvmix_cache_rows mode) {
+    kvmix_layout l = kvmix__cache_layout(c, is_value ? p->value_format : p->key_format, p->n_rows);
+    kvmix__sections s = kvmix__layout_sections(&l);
+    const uint8_t *block = kvmix__page_block(c, p, g, layer, is_value, head);
+    float row[KVMIX_MAX_HEAD_DIM];
+    int32_t d = c->desc.head_dim, t, i;
+    size_t heads = (size_t)c->desc.n_kv_heads;
+    for (t = 0; t < p->n_rows; t++) {
+        const float *x = rows_in ? rows_in + (((size_t)layer * p->n_rows + t) * heads + (size_t)head) * d : NULL;
+        if (!x || mode == KVMIX_CACHE_ROWS_RESIDUAL) kvmix__decode_row(&l, &s, block, t, row);
+        for (i = 0; i < d; i++) {
+            float y = !x ? row[i] : mode == KVMIX_CACHE_ROWS_ORIGINAL ? x[i] : row[i] + x[i];
+            if (!kvmix__representable(y)) return 0;
+        }
+    }
+    return 1;
+}
+
+static const kvmix_cache_entry *kvmix__entry_at(const kvmix_cache *c, int32_t seq,
+                                                int32_t position) {
+    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    int32_t lo = 0, hi = c->seqs[seq].n_entries - 1;
+    while (lo <= hi) { /* entries are in increasing, disjoint position ranges */
+        int32_t mid = lo + (hi - lo) / 2;
+        if (position < e[mid].first_pos)
+            hi = mid - 1;
+        else if (position >= e[mid].first_pos + e[mid].n_rows)
+            lo = mid + 1;
+        else
+            return &e[mid];
+    }
+    return NULL;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_t position,
+                                         kvmix_cache_precision precision, const float *keys,
+                                         const float *values, kvmix_cache_rows rows) {
+    const kvmix_cache_entry *e;
+    kvmix_cache_page *p;
+    kvmix__geom og, ng;
+    kvmix_result r;
+    int64_t old_start, old_n, new_n, start;
+    int32_t layer, kv, h, d;
+    int in_place;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if (position < 0 || position >= cache->seqs[seq].n_tokens ||
+        (rows != KVMIX_CACHE_ROWS_ORIGINAL && rows != KVMIX_CACHE_ROWS_RESIDUAL))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__format_known(precision.key_format) || !kvmix__format_known(precision.value_format))
+        return KVMIX_ERR_UNKNOWN_FORMAT;
+    if (!(e = kvmix__entry_at(cache, seq, position))) return KVMIX_ERR_NOT_FOUND;
+    p = &cache->pages[e->page];
+    if (!p->sealed) return KVMIX_ERR_INVALID_ARGUMENT;
+    d = cache->desc.head_dim;
+    og = kvmix__geom_of(cache, p);
+    ng = kvmix__page_geom(cache, precision.key_format, precision.value_format, p->n_rows,
+                          p->n_rows);
+    /* validate every block's new contents before writing any (no byte of the cache changes) */
+    for (layer = 0; layer < cache->desc.n_layers; layer++)
+        for (kv = 0; kv < 2; kv++)
+            for (h = 0; h < cache->desc.n_kv_heads; h++)
+                if (!kvmix__retier_valid(cache, p, &og, layer, kv, h, kv ? values : keys, rows))
+                    return KVMIX_ERR_BAD_VALUE;
+    old_start = (int64_t)(p->offset / cache->desc.granule_bytes);
+    old_n = (int64_t)p->n_granules;
+    new_n = kvmix__granules_of(cache, ng.total_bytes);
+    /* blocks no larger than before are rewritten over their own bytes: block i's new bytes end
+       no later than its old ones, and it is read completely before it is written */
+    in_place = ng.key_bytes <= og.key_bytes && ng.value_bytes <= og.value_bytes;
+    start = old_start;
+    if (!in_place && (start = kvmix__arena_take(cache, NULL, new_n)) < 0)
+        return KVMIX_ERR_OUT_OF_MEMORY;
+    for (layer = 0; layer < cache->desc.n_layers; layer++)
+        for (kv = 0; kv < 2; kv++)
+            for (h = 0; h < cache->desc.n_kv_heads; h++) {
+                uint8_t *dst = cache->arena + (size_t)start * cache->desc.granule_bytes +
+                               kvmix__block_offset(cache, &ng, layer, kv, h);
+                kvmix__retier_source(cache, p, &og, layer, kv, h, kv ? values : keys, rows);
+                kvmix__cache_quantize(cache, kv ? precision.value_format : precision.key_format,
+                                      p->n_rows, cache->scratch, dst);
+            }
+    if (in_place)
+        kvmix__arena_give(cache, NULL, old_start + new_n, old_n - new_n);
+    else
+        kvmix__arena_give(cache, NULL, old_start, old_n);
+    p->offset = (uint64_t)start * cache->desc.granule_bytes;
+    p->n_granules = (uint32_t)new_n;
+    p->key_format = precision.key_format;
+    p->value_format = precision.value_format;
+    p->want_key = precision.key_format;
+    p->want_value = precision.value_format;
+    p->capacity = p->n_rows;
+    memset(cache->scratch, 0, (size_t)p->n_rows * (size_t)d * sizeof(float)); /* zero between calls */
+    return KVMIX_SUCCESS;
+}
+
+/* ---- reading -------------------------------------------------------------------------------- */
+
+KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, int32_t position,
+                                         uint32_t *out_slot) {
+    kvmix_result r;
+    if (!cache || !out_slot) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if (position < 0 || position >= cache->seqs[seq].n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_slot = kvmix__seq_slots(cache, seq)[position];
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t position,
+                                       int32_t layer, float *keys, float *values,
+                                       kvmix_cache_precision *out_precision) {
+    const kvmix_cache_page *p;
+    kvmix__geom g;
+    kvmix_result r;
+    uint32_t slot;
+    int32_t row, h, kv;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if (position < 0 || position >= cache->seqs[seq].n_tokens || layer < 0 ||
+        layer >= cache->desc.n_layers)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    slot = kvmix__seq_slots(cache, seq)[position];
+    if (slot == KVMIX_CACHE_DEAD_SLOT) return KVMIX_ERR_NOT_FOUND;
+    p = &cache->pages[slot / (uint32_t)cache->desc.page_tokens];
+    row = (int32_t)(slot % (uint32_t)cache->desc.page_tokens);
+    g = kvmix__geom_of(cache, p);
+    for (kv = 0; kv < 2; kv++) {
+        float *out = kv ? values : keys;
+        kvmix_layout l = kvmix__cache_layout(cache, kv ? p->value_format : p->key_format, p->n_rows);
+        kvmix__sections s = kvmix__layout_sections(&l);
+        if (!out) continue;
+        for (h = 0; h < cache->desc.n_kv_heads; h++)
+            kvmix__decode_row(&l, &s, kvmix__page_block(cache, p, &g, layer, kv, h), row,
+                              out + (size_t)h * cache->desc.head_dim);
+    }
+    if (out_precision) {
+        out_precision->key_format = p->key_format;
+        out_precision->value_format = p->value_format;
+    }
+    return KVMIX_SUCCESS;
+}
+
+/* ---- views ---------------------------------------------------------------------------------- */
+
+/* Tokens of the span of an entry: the packed block's rows, or the rows an FP16 page holds for
+   the sequence (FP16 blocks are readable by prefix). */
+static int32_t kvmix__span_tokens(const kvmix_cache_page *p, const kvmix_cache_entry *e) {
+    if (p->key_format == KVMIX_FORMAT_FP16 && p->value_format == KVMIX_FORMAT_FP16)
+        return e->n_rows;
+    return p->n_rows;
+}
+
+static int kvmix__row_live(const kvmix_cache *c, const uint32_t *slots,
+                           const kvmix_cache_entry *e, int32_t row) {
+    return row < e->n_rows && slots[e->first_pos + row] == kvmix__slot(c, e->page, row);
+}
+
+static kvmix_result kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs,
+                                        int32_t n_seqs) {
+    int32_t i;
+    if (n_seqs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_seqs > 0 && !seqs) return KVMIX_ERR_NULL_POINTER;
+    for (i = 0; i < n_seqs; i++) {
+        kvmix_result r = kvmix__cache_seq_ok(c, seqs[i]);
+        if (r != KVMIX_SUCCESS) return r;
+    }
+    return KVMIX_SUCCESS;
+}
+
+static void kvmix__view_count(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs,
+                              int64_t *n_spans, int64_t *n_dead) {
+    int32_t i, j, row;
+    *n_spans = *n_dead = 0;
+    for (i = 0; i < n_seqs; i++) {
+        const kvmix_cache_entry *e = kvmix__seq_entries(c, seqs[i]);
+        const uint32_t *slots = kvmix__seq_slots(c, seqs[i]);
+        for (j = 0; j < c->seqs[seqs[i]].n_entries; j++) {
+            int32_t n = kvmix__span_tokens(&c->pages[e[j].page], &e[j]);
+            if (n <= 0) continue;
+            (*n_spans)++;
+            for (row = 0; row < n; row++)
+                if (!kvmix__row_live(c, slots, &e[j], row)) {
+                    *n_dead += n;
+                    break;
+                }
+        }
+    }
+}
+
+KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const int32_t *seqs,
+                                              int32_t n_seqs, int32_t *out_n_spans,
+                                              int32_t *out_n_dead_flags) {
+    int64_t n_spans, n_dead;
+    kvmix_result r;
+    if (!cache || !out_n_spans || !out_n_dead_flags) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs)) != KVMIX_SUCCESS) return r;
+    kvmix__view_count(cache, seqs, n_seqs, &n_spans, &n_dead);
+    if (n_spans > 0x7fffffff || n_dead > 0x7fffffff) return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_n_spans = (int32_t)n_spans;
+    *out_n_dead_flags = (int32_t)n_dead;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer,
+                                       const int32_t *seqs, int32_t n_seqs,
+                                       kvmix_view_span *spans, int32_t max_spans,
+                                       int32_t *seq_first_span, uint8_t *dead,
+                                       int32_t max_dead_flags, kvmix_view *out_view) {
+    int64_t n_spans, n_dead;
+    int32_t i, j, row, k = 0, f = 0;
+    kvmix_result r;
+    if (!cache || !seq_first_span || !out_view) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs)) != KVMIX_SUCCESS) return r;
+    if (layer < 0 || layer >= cache->desc.n_layers || max_spans < 0 || max_dead_flags < 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    kvmix__view_count(cache, seqs, n_seqs, &n_spans, &n_dead);
+    if (n_spans > max_spans || n_dead > max_dead_flags) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if ((n_spans > 0 && !spans) || (n_dead > 0 && !dead)) return KVMIX_ERR_NULL_POINTER;
+    for (i = 0; i < n_seqs; i++) {
+        const kvmix_cache_entry *e = kvmix__seq_entries(cache, seqs[i]);
+        const uint32_t *slots = kvmix__seq_slots(cache, seqs[i]);
+        seq_first_span[i] = k;
+        for (j = 0; j < cache->seqs[seqs[i]].n_entries; j++) {
+            const kvmix_cache_page *p = &cache->pages[e[j].page];
+            kvmix__geom g = kvmix__geom_of(cache, p);
+            kvmix_view_span *vs = &spans[k];
+            int32_t n = kvmix__span_tokens(p, &e[j]), n_live = 0;
+            if (n <= 0) continue;
+            memset(vs, 0, sizeof *vs);
+            vs->key_offset = p->offset + kvmix__block_offset(cache, &g, layer, 0, 0);
+            vs->value_offset = p->offset + kvmix__block_offset(cache, &g, layer, 1, 0);
+            vs->key_head_bytes = (uint32_t)g.key_bytes;
+            vs->value_head_bytes = (uint32_t)g.value_bytes;
+            vs->n_tokens = n;
+            vs->key_format = p->key_format;
+            vs->value_format = p->value_format;
+            vs->dead_index = -1;
+            for (row = 0; row < n; row++) n_live += kvmix__row_live(cache, slots, &e[j], row);
+            if (n_live < n) {
+                vs->dead_index = f;
+                for (row = 0; row < n; row++)
+                    dead[f++] = (uint8_t)!kvmix__row_live(cache, slots, &e[j], row);
+            }
+            k++;
+        }
+    }
+    seq_first_span[n_seqs] = k;
+    memset(out_view, 0, sizeof *out_view);
+    out_view->n_seqs = n_seqs;
+    out_view->n_kv_heads = cache->desc.n_kv_heads;
+    out_view->head_dim = cache->desc.head_dim;
+    out_view->group_size = cache->desc.group_size;
+    out_view->n_boost = cache->desc.n_boost;
+    out_view->n_spans = k;
+    out_view->n_dead_flags = f;
+    out_view->base = cache->arena;
+    out_view->base_bytes = (size_t)cache->n_granules * cache->desc.granule_bytes;
+    out_view->spans = spans;
+    out_view->seq_first_span = seq_first_span;
+    out_view->dead = dead;
+    return KVMIX_SUCCESS;
+}
+
+static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
+
+KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
+                                                       const int32_t *seqs, int32_t n_seqs,
+                                                       size_t *out_bytes) {
+    int32_t n_spans, n_dead;
+    kvmix_result r;
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead)) != KVMIX_SUCCESS)
+        return r;
+    *out_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span)) +
+                 kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t)) + (size_t)n_dead;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t layer,
+                                             const int32_t *seqs, int32_t n_seqs,
+                                             int32_t n_q_heads, float scale, const float *q,
+                                             float *out, float *lse, void *workspace,
+                                             size_t workspace_bytes) {
+    int32_t n_spans, n_dead;
+    size_t need, spans_bytes, first_bytes;
+    uint8_t *w = (uint8_t *)workspace;
+    kvmix_view view;
+    kvmix_result r;
+    if (!cache || !q || !out || !lse || !workspace) return KVMIX_ERR_NULL_POINTER;
+    if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((r = kvmix_cache_ref_decode_workspace(cache, seqs, n_seqs, &need)) != KVMIX_SUCCESS)
+        return r;
+    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead);
+    spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
+    first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
+    r = kvmix_cache_view(cache, layer, seqs, n_seqs, (kvmix_view_span *)(void *)w, n_spans,
+                         (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes,
+                         n_dead, &view);
+    if (r != KVMIX_SUCCESS) return r;
+    return kvmix_ref_view_decode(&view, n_q_heads, scale, q, out, lse);
+}
+
+/* ---- accounting ----------------------------------------------------------------------------- */
+
+static void kvmix__page_format_bytes(const kvmix_cache *c, const kvmix_cache_page *p,
+                                     size_t *format_bytes) {
+    kvmix__geom g = kvmix__geom_of(c, p);
+    size_t blocks = (size_t)c->desc.n_layers * (size_t)c->desc.n_kv_heads;
+    format_bytes[p->key_format] += blocks * g.key_bytes;
+    format_bytes[p->value_format] += blocks * g.value_bytes;
+    format_bytes[0] += (size_t)p->n_granules * c->desc.granule_bytes - g.total_bytes;
+}
+
+static double kvmix__elements(const kvmix_cache *c, int64_t n_live) {
+    return (double)n_live * c->desc.n_layers * c->desc.n_kv_heads * c->desc.head_dim * 2.0;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cache_stats *out) {
+    kvmix_cache_stats st;
+    int64_t i, run = 0, best = 0;
+    int32_t s;
+    double elements;
+    if (!cache || !out) return KVMIX_ERR_NULL_POINTER;
+    if (!cache->seqs) return KVMIX_ERR_INVALID_ARGUMENT;
+    memset(&st, 0, sizeof st);
+    st.arena_bytes = (size_t)cache->n_granules * cache->desc.granule_bytes;
+    st.arena_free_bytes = (size_t)cache->n_free_granules * cache->desc.granule_bytes;
+    st.arena_used_bytes = st.arena_bytes - st.arena_free_bytes;
+    st.metadata_bytes = cache->memory_bytes;
+    for (i = 0; i < cache->n_granules; i++) {
+        run = kvmix__granule_used(cache->bitmap, i) ? 0 : run + 1;
+        if (run > best) best = run;
+    }
+    st.largest_free_bytes = (size_t)best * cache->desc.granule_bytes;
+    for (i = 1; i < cache->max_pages; i++) {
+        const kvmix_cache_page *p = &cache->pages[i];
+        if (p->refcount == 0) continue;
+        st.n_pages++;
+        if (p->refcount > 1) st.n_shared_pages++;
+        if (!p->sealed) st.n_buffer_pages++;
+        kvmix__page_format_bytes(cache, p, st.format_bytes);
+    }
+    for (s = 0; s < cache->desc.max_seqs; s++) {
+        if (!cache->seqs[s].in_use) continue;
+        st.n_seqs++;
+        st.n_tokens += cache->seqs[s].n_tokens;
+        st.n_live_tokens += cache->seqs[s].n_live;
+    }
+    elements = kvmix__elements(cache, st.n_live_tokens);
+    if (elements > 0) {
+        st.arena_bits_per_element = (double)st.arena_used_bytes * 8.0 / elements;
+        st.bits_per_element = ((double)st.arena_used_bytes + (double)st.metadata_bytes) * 8.0 / elements;
+    }
+    *out = st;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_t seq,
+                                                kvmix_cache_seq_stats *out) {
+    kvmix_cache_seq_stats st;
+    const kvmix_cache_entry *e;
+    const uint32_t *slots;
+    kvmix_result r;
+    int32_t j, row;
+    double elements;
+    if (!cache || !out) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    memset(&st, 0, sizeof st);
+    e = kvmix__seq_entries(cache, seq);
+    slots = kvmix__seq_slots(cache, seq);
+    st.n_tokens = cache->seqs[seq].n_tokens;
+    st.n_live_tokens = cache->seqs[seq].n_live;
+    st.metadata_bytes = (size_t)cache->desc.max_tokens_per_seq * sizeof(uint32_t) +
+                        (size_t)cache->desc.max_pages_per_seq * sizeof(kvmix_cache_entry) +
+                        sizeof(kvmix_cache_seq);
+    st.attributed_bytes = (double)st.metadata_bytes;
+    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
+        const kvmix_cache_page *p = &cache->pages[e[j].page];
+        size_t bytes = (size_t)p->n_granules * cache->desc.granule_bytes;
+        st.n_pages++;
+        if (p->refcount > 1) st.n_shared_pages++;
+        st.referenced_bytes += bytes;
+        st.attributed_bytes += (double)bytes / (double)p->refcount;
+        kvmix__page_format_bytes(cache, p, st.format_bytes);
+        if (p->key_format == KVMIX_FORMAT_FP16 && p->value_format == KVMIX_FORMAT_FP16)
+            for (row = 0; row < e[j].n_rows; row++)
+                st.n_fp16_rows += kvmix__row_live(cache, slots, &e[j], row);
+    }
+    elements = kvmix__elements(cache, st.n_live_tokens);
+    if (elements > 0) st.bits_per_element = st.attributed_bytes * 8.0 / elements;
+    *out = st;
+    return KVMIX_SUCCESS;
+}
+
+/* ---- invariants ----------------------------------------------------------------------------- */
+
+KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
+    const kvmix_cache_desc *d;
+    int64_t used = 0, bits = 0, i;
+    int32_t s, j, k, n_live_pages = 0;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (!cache->seqs) return KVMIX_ERR_INVALID_ARGUMENT;
+    d = &cache->desc;
+    if (cache->pages[0].refcount != 1 || cache->pages[0].n_granules != 0)
+        return KVMIX_ERR_CORRUPT_DATA;
+    /* descriptors: reference counts, arena extents */
+    for (i = 1; i < cache->max_pages; i++) {
+        const kvmix_cache_page *p = &cache->pages[i];
+        int64_t refs = 0, start, g;
+        if (p->refcount == 0) {
+            if (p->n_granules != 0) return KVMIX_ERR_CORRUPT_DATA;
+            continue;
+        }
+        n_live_pages++;
+        for (s = 0; s < d->max_seqs; s++) {
+            const kvmix_cache_entry *e = kvmix__seq_entries(cache, s);
+            if (!cache->seqs[s].in_use) continue;
+            for (j = 0; j < cache->seqs[s].n_entries; j++) refs += e[j].page == (uint32_t)i;
+        }
+        if (refs != p->refcount) return KVMIX_ERR_CORRUPT_DATA;
+        if (p->offset % d->granule_bytes != 0 || p->n_granules == 0 ||
+            kvmix__geom_of(cache, p).total_bytes > (size_t)p->n_granules * d->granule_bytes ||
+            p->n_rows < 0 || p->n_rows > p->capacity || p->capacity > d->page_tokens)
+            return KVMIX_ERR_CORRUPT_DATA;
+        start = (int64_t)(p->offset / d->granule_bytes);
+        if (start + (int64_t)p->n_granules > cache->n_granules) return KVMIX_ERR_CORRUPT_DATA;
+        for (g = start; g < start + (int64_t)p->n_granules; g++)
+            if (!kvmix__granule_used(cache->bitmap, g)) return KVMIX_ERR_CORRUPT_DATA;
+        used += p->n_granules;
+    }
+    for (i = 0; i < cache->n_granules; i++) bits += kvmix__granule_used(cache->bitmap, i);
+    for (i = 0; i < cache->first_free_hint && i < cache->n_granules; i++)
+        if (!kvmix__granule_used(cache->bitmap, i)) return KVMIX_ERR_CORRUPT_DATA;
+    /* disjoint extents: each page's granules are set and their sum is the set bits */
+    if (bits != used || cache->n_granules - cache->n_free_granules != used)
+        return KVMIX_ERR_CORRUPT_DATA;
+    /* the free stack holds exactly the free descriptors, once each */
+    if (cache->n_free_pages + n_live_pages != cache->max_pages - 1) return KVMIX_ERR_CORRUPT_DATA;
+    for (j = 0; j < cache->n_free_pages; j++) {
+        uint32_t id = cache->free_pages[j];
+        if (id == 0 || id >= (uint32_t)cache->max_pages || cache->pages[id].refcount != 0)
+            return KVMIX_ERR_CORRUPT_DATA;
+        for (k = 0; k < j; k++)
+            if (cache->free_pages[k] == id) return KVMIX_ERR_CORRUPT_DATA;
+    }
+    /* sequences: ordered entries, slot maps that point into their own entries */
+    for (s = 0; s < d->max_seqs; s++) {
+        const kvmix_cache_seq *q = &cache->seqs[s];
+        const kvmix_cache_entry *e = kvmix__seq_entries(cache, s);
+        const uint32_t *slots = kvmix__seq_slots(cache, s);
+        int32_t pos, live = 0, end = 0;
+        if (!q->in_use) continue;
+        if (q->n_entries < 0 || q->n_entries > d->max_pages_per_seq || q->n_tokens < 0 ||
+            q->n_tokens > d->max_tokens_per_seq)
+            return KVMIX_ERR_CORRUPT_DATA;
+        for (j = 0; j < q->n_entries; j++) {
+            const kvmix_cache_page *p = &cache->pages[e[j].page];
+            if (e[j].page == 0 || e[j].page >= (uint32_t)cache->max_pages || p->refcount <= 0 ||
+                e[j].first_pos < end || e[j].n_rows <= 0 ||
+                e[j].first_pos + e[j].n_rows > q->n_tokens || e[j].n_rows > p->n_rows)
+                return KVMIX_ERR_CORRUPT_DATA;
+            end = e[j].first_pos + e[j].n_rows;
+        }
+        for (pos = 0; pos < q->n_tokens; pos++) {
+            const kvmix_cache_entry *hit;
+            uint32_t slot = slots[pos];
+            if (slot == KVMIX_CACHE_DEAD_SLOT) continue;
+            live++;
+            hit = kvmix__entry_at(cache, s, pos);
+            if (!hit || slot != kvmix__slot(cache, hit->page, pos - hit->first_pos))
+                return KVMIX_ERR_CORRUPT_DATA;
+        }
+        if (live != q->n_live) return KVMIX_ERR_CORRUPT_DATA;
     }
     return KVMIX_SUCCESS;
 }
