@@ -153,7 +153,8 @@ KVMIXDEF kvmix_result kvmix_ref_quantize(const kvmix_layout *layout, const float
                                          int32_t row_stride, void *dst, size_t dst_bytes);
 
 /* Dequantizes a whole block into dst [n_tokens][row_stride floats]. Packed bytes are validated
-   first (scales and minima finite, scales >= 0, boost index a permutation of its slots): on
+   first (FP16 rows, scales and minima finite, scales >= 0, boost index a permutation of its
+   slots): on
    KVMIX_ERR_CORRUPT_DATA nothing is written. */
 KVMIXDEF kvmix_result kvmix_ref_dequantize(const kvmix_layout *layout, const void *src,
                                            size_t src_bytes, float *dst, int32_t row_stride);
@@ -245,6 +246,16 @@ KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view);
    Validates the view and every packed block before writing. */
 KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads,
                                             float scale, const float *q, float *out, float *lse);
+
+/* QueryMemory scores of sequence `seq` of a host view, for eviction: for each token t of the
+   sequence (all spans in order, dead ones included), scores[t] = sum over q heads h of
+   dot(memory[h], key_t of kv head h / (n_q_heads / n_kv_heads)), summed in float over heads,
+   then channels; dead tokens score -INFINITY. memory: [n_q_heads][head_dim]; scores:
+   [capacity_tokens]; tokens past capacity_tokens are not scored (as on the GPU, which cannot
+   know a sequence's length ahead). Validates the view and the sequence's blocks first. */
+KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq,
+                                           int32_t n_q_heads, const float *memory,
+                                           float *scores, int32_t capacity_tokens);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Paged mixed-precision cache. One model shape (layers, kv heads, head_dim), one byte arena of    */
@@ -938,12 +949,17 @@ static int kvmix__qparams_valid(const uint8_t *meta) {
     return scale >= 0.0f && kvmix__representable(scale) && kvmix__representable(min);
 }
 
-/* Checks what a quantize call guarantees about packed bytes: finite parameters, and a boost index
-   that gives each of the n_boost slots to exactly one channel. */
+/* Checks what a quantize call guarantees about packed bytes: finite FP16 rows and parameters,
+   non-negative scales, and a boost index that gives each of the n_boost slots to exactly one
+   channel. */
 static kvmix_result kvmix__check_block(const kvmix_layout *l, const uint8_t *block) {
     kvmix__sections s = kvmix__layout_sections(l);
     size_t meta_end = s.index_offset, i;
-    if (l->n_tokens == 0 || l->format == KVMIX_FORMAT_FP16) return KVMIX_SUCCESS;
+    if (l->format == KVMIX_FORMAT_FP16) {
+        for (i = 0; i < s.total_bytes; i += 2)
+            if ((kvmix__load_u16(block + i) & 0x7c00u) == 0x7c00u) return KVMIX_ERR_CORRUPT_DATA;
+        return KVMIX_SUCCESS;
+    }
     for (i = s.meta_offset; i < meta_end; i += 4)
         if (!kvmix__qparams_valid(block + i)) return KVMIX_ERR_CORRUPT_DATA;
     if (l->format == KVMIX_FORMAT_BOOSTED) {
@@ -1070,7 +1086,9 @@ static kvmix_result kvmix__check_span(const kvmix_attention_desc *d, const kvmix
         if (!blocks[i]) return KVMIX_ERR_NULL_POINTER;
         if (head_bytes[i] == 0) head_bytes[i] = s.total_bytes;
         if (head_bytes[i] < s.total_bytes) return KVMIX_ERR_INVALID_ARGUMENT;
-        if (extent_bytes[i] < head_bytes[i] * (size_t)(d->n_kv_heads - 1) + s.total_bytes)
+        if (extent_bytes[i] < s.total_bytes ||
+            (d->n_kv_heads > 1 &&
+             head_bytes[i] > (extent_bytes[i] - s.total_bytes) / (size_t)(d->n_kv_heads - 1)))
             return KVMIX_ERR_BUFFER_TOO_SMALL;
         for (h = 0; h < d->n_kv_heads; h++) {
             r = kvmix__check_block(&l, (const uint8_t *)blocks[i] + head_bytes[i] * (size_t)h);
@@ -1383,6 +1401,52 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
         size_t first = (size_t)s * (size_t)n_q_heads;
         kvmix__attend_sequence(&desc, &list, q + first * view->head_dim,
                                out + first * view->head_dim, lse + first);
+    }
+    return KVMIX_SUCCESS;
+}
+
+/* Score of token t of a checked span: see kvmix_ref_view_score. */
+static float kvmix__score_token(const kvmix_span *span, const kvmix_layout *kl,
+                                const kvmix__sections *ks, int32_t t, int32_t n_kv_heads,
+                                int32_t group, const float *memory) {
+    float key[KVMIX_MAX_HEAD_DIM], sum = 0.0f;
+    int32_t h, g, c, dim = kl->head_dim;
+    for (h = 0; h < n_kv_heads; h++) {
+        kvmix__decode_row(kl, ks, kvmix__head_block(span->keys, span->key_head_bytes, ks, h), t, key);
+        for (g = 0; g < group; g++)
+            for (c = 0; c < dim; c++) sum += memory[(size_t)(h * group + g) * dim + c] * key[c];
+    }
+    return sum;
+}
+
+KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq,
+                                           int32_t n_q_heads, const float *memory,
+                                           float *scores, int32_t capacity_tokens) {
+    kvmix_attention_desc desc;
+    kvmix__span_list list;
+    kvmix_result r;
+    int32_t pos = 0, i, t;
+    if (!memory || !scores) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_view_check(view)) != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    desc.n_q_heads = n_q_heads;
+    desc.n_kv_heads = view->n_kv_heads;
+    desc.head_dim = view->head_dim;
+    desc.scale = 0.0f;
+    if ((r = kvmix__check_desc(&desc)) != KVMIX_SUCCESS) return r;
+    list = kvmix__view_sequence(view, seq);
+    if ((r = kvmix__check_span_list(&desc, &list)) != KVMIX_SUCCESS) return r;
+    for (i = 0; i < list.count; i++) {
+        kvmix_span span = kvmix__span_at(&list, i);
+        kvmix_layout kl = span.key_layout;
+        kvmix__sections ks;
+        kvmix_layout_resolve(&kl);
+        ks = kvmix__layout_sections(&kl);
+        for (t = 0; t < kl.n_tokens && pos < capacity_tokens; t++, pos++)
+            scores[pos] = span.dead && span.dead[t]
+                              ? -INFINITY
+                              : kvmix__score_token(&span, &kl, &ks, t, view->n_kv_heads,
+                                                   n_q_heads / view->n_kv_heads, memory);
     }
     return KVMIX_SUCCESS;
 }

@@ -1,0 +1,103 @@
+# kvmix: one Makefile for the demo, the tests, the benchmarks and the CUDA kernel pack.
+#   make demo        build and run examples/quickstart
+#   make test        header compile checks, host tests under ASan+UBSan, fuzz smoke runs,
+#                    model tests (when $(SHARED)/models exists), nvcc build of the kernel pack
+#   make test-cuda   GPU tests (needs an sm_90 GPU)
+#   make bench       CPU benchmarks
+#   make fuzz        libFuzzer targets (clang)
+#   make format-check
+
+CC ?= cc
+CXX ?= c++
+SHARED ?= ../shared
+BUILD := build
+
+WARN := -Wall -Wextra -Werror -pedantic
+# No fused multiply-add contraction: the CPU references define exact float arithmetic.
+CFLAGS := -std=c11 $(WARN) -O2 -ffp-contract=off
+SANITIZE := -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+LDLIBS := -lm
+
+NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall,-Wextra,-Werror
+
+UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
+FUZZ_TARGETS := $(patsubst tests/fuzz_%.c,%,$(filter-out tests/fuzz_driver.c,$(wildcard tests/fuzz_*.c)))
+FUZZ_RUNS ?= 20000
+
+.PHONY: all demo test test-host test-cuda bench fuzz format-check clean header-checks cuda-build
+
+all: $(BUILD)/quickstart $(BUILD)/unit_tests $(BUILD)/bench_formats
+
+$(BUILD):
+	mkdir -p $(BUILD)
+
+# ---- demo -----------------------------------------------------------------------------------
+$(BUILD)/quickstart: examples/quickstart.c kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS)
+
+demo: $(BUILD)/quickstart
+	./$(BUILD)/quickstart
+
+# ---- tests ----------------------------------------------------------------------------------
+# The header must compile as C99, C11 and C++, and with KVMIX_STATIC, under $(WARN).
+$(BUILD)/check_c99: tests/compile_check.c kvmix.h | $(BUILD)
+	$(CC) -std=c99 $(WARN) $< -o $@ $(LDLIBS)
+$(BUILD)/check_c11: tests/compile_check.c kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $< -o $@ $(LDLIBS)
+$(BUILD)/check_cpp: tests/compile_check.c kvmix.h | $(BUILD)
+	$(CXX) -std=c++11 $(WARN) -x c++ $< -o $@ $(LDLIBS)
+$(BUILD)/check_static: tests/compile_check.c kvmix.h | $(BUILD)
+	$(CC) -std=c99 $(WARN) -DKVMIX_STATIC $< -o $@ $(LDLIBS)
+
+HEADER_CHECKS := $(BUILD)/check_c99 $(BUILD)/check_c11 $(BUILD)/check_cpp $(BUILD)/check_static
+header-checks: $(HEADER_CHECKS)
+
+$(BUILD)/unit_tests: $(UNIT_SRC) tests/harness.h kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. $(UNIT_SRC) -o $@ $(LDLIBS)
+
+$(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
+
+cuda-build: | $(BUILD)
+ifeq ($(strip $(NVCC)),)
+	@echo "nvcc not found: CUDA kernel pack not built (host parts are complete without it)"
+else
+	$(NVCC) $(NVCCFLAGS) -c kvmix_cuda.cu -o $(BUILD)/kvmix_cuda.o
+	$(CC) -std=c99 $(WARN) -fsyntax-only -x c kvmix_cuda.h
+endif
+
+test: $(HEADER_CHECKS) $(BUILD)/unit_tests $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS)) cuda-build
+	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
+		$(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
+
+$(BUILD)/test_cuda: tests/test_cuda.cu kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) -I. tests/test_cuda.cu kvmix_cuda.cu -o $@
+
+test-cuda: $(BUILD)/test_cuda
+	./$(BUILD)/test_cuda
+
+# ---- benchmarks -----------------------------------------------------------------------------
+$(BUILD)/bench_formats: bench/bench_formats.c kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+bench: $(BUILD)/bench_formats
+	./$(BUILD)/bench_formats
+
+# ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
+FUZZ_SECONDS ?= 60
+fuzz: | $(BUILD)
+	@for t in $(FUZZ_TARGETS); do \
+		clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. tests/fuzz_$$t.c \
+			-o $(BUILD)/fuzz_$$t -lm && \
+		./$(BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) || exit 1; \
+	done
+
+# ---- style ----------------------------------------------------------------------------------
+FORMAT_SRC := kvmix.h $(wildcard kvmix_cuda.h kvmix_cuda.cu examples/*.c examples/*.h tests/*.c \
+	tests/*.h tests/*.cu bench/*.c)
+format-check:
+	clang-format --dry-run --Werror $(FORMAT_SRC)
+
+clean:
+	rm -rf $(BUILD)

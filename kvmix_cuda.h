@@ -1,0 +1,150 @@
+/* kvmix_cuda.h - CUDA kernel pack for kvmix: quantize/pack, dequantize, decode attention over a
+   kvmix_view, QueryMemory scoring. MIT licensed (see LICENSE).
+
+   Build kvmix_cuda.cu with nvcc (sm_90) and link it next to one file that defines
+   KVMIX_IMPLEMENTATION. This header includes no CUDA header and compiles as C99 -pedantic and as
+   C++; a cudaStream_t passes as kvmix_stream without a cast (NULL = the legacy default stream).
+
+   Every launcher: validates its host-side arguments and returns a kvmix_result
+   (KVMIX_ERR_UNSUPPORTED for a valid combination this pack does not implement, KVMIX_ERR_CUDA if
+   the launch fails), never allocates, never synchronizes, never changes the current device, and
+   only enqueues work on `stream`, so it can be captured into a CUDA graph. Device arrays (spans,
+   jobs, dead flags) cannot be read on the host; what the kernels find wrong in them is reported
+   on the device as documented per launcher. Launchers are thread-safe (no global state).
+
+   Alignment: every block a kernel reads or writes as a whole (view spans' key and value blocks,
+   their head strides, quantize destinations) must start at a multiple of 16 bytes of a base that
+   is itself 16-byte aligned (cudaMalloc gives 256). Decode treats a misaligned span as corrupt.
+*/
+#ifndef KVMIX_CUDA_H
+#define KVMIX_CUDA_H
+
+#include "kvmix.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct CUstream_st;
+typedef struct CUstream_st *kvmix_stream;
+
+/* Element type of queries, outputs and dequantized rows. */
+typedef enum kvmix_cuda_dtype {
+    KVMIX_CUDA_FP16 = 1,
+    KVMIX_CUDA_BF16 = 2
+} kvmix_cuda_dtype;
+
+/* ------------------------------------------------------------------------------------------- */
+/* Quantize and pack. One launch packs many blocks of one layout. Each job quantizes n_rows       */
+/* consecutive FP16 source rows into rows [first_row, first_row + n_rows) of a destination block  */
+/* of layout->n_tokens tokens, with bytes equal to kvmix_ref_quantize on the same values          */
+/* converted to float:                                                                           */
+/*   - FP16 and per-token formats (INT8/INT4/INT2): any row range; n_rows = 1 is the decode-time   */
+/*     append of one token (it writes the row's codes and its (scale, min) pairs, nothing else).   */
+/*   - INT2_CHANNEL and BOOSTED: a job must cover the whole block (first_row 0, n_rows =          */
+/*     layout->n_tokens): a page flush. Channel ranking for BOOSTED runs on the GPU.               */
+/* Jobs live in device memory, 24 bytes each, in this layout:                                     */
+typedef struct kvmix_cuda_quantize_job {
+    uint64_t src_offset; /* fp16 elements from src to the job's first source row */
+    uint64_t dst_offset; /* bytes from dst to the destination block (its row 0), 16-byte multiple */
+    int32_t first_row;   /* block row that source row 0 goes to */
+    int32_t n_rows;      /* rows to write, >= 1 */
+} kvmix_cuda_quantize_job;
+
+#define KVMIX_CUDA_QUANTIZE_BAD_VALUE 1 /* error_flags bit: a job's input had inf or NaN */
+#define KVMIX_CUDA_QUANTIZE_BAD_JOB 2   /* error_flags bit: a job's row range is invalid */
+
+/* Quantizes jobs[0 .. n_jobs) (device array) of FP16 rows src (device; row r of a job at
+   src + job.src_offset + r * src_row_stride, head_dim used) into dst (device).
+   layout: format, n_tokens (rows of each destination block), head_dim (a multiple of 32, at most
+   KVMIX_MAX_HEAD_DIM), group_size, n_boost, as kvmix_layout_resolve accepts them.
+   A job whose input holds inf or NaN, or whose row range does not fit the block, writes nothing
+   and ORs its bit into *error_flags (device int32, may be NULL); other jobs are unaffected.
+   Returns NULL_POINTER, INVALID_ARGUMENT (n_jobs < 0, src_row_stride < head_dim, n_tokens < 1),
+   layout errors, CUDA. n_jobs == 0 enqueues nothing. */
+kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const void *src,
+                                 int64_t src_row_stride, void *dst,
+                                 const kvmix_cuda_quantize_job *jobs, int32_t n_jobs,
+                                 int32_t *error_flags, kvmix_stream stream);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Dequantize a sequence of a view (device pointers in base, spans, seq_first_span, dead) into    */
+/* contiguous rows for an external prefill attention kernel:                                     */
+/*   keys_out, values_out: [capacity_tokens][n_kv_heads][head_dim] of dtype.                      */
+/* Token i of the sequence (counting every span's tokens, dead ones included) goes to row i, so a */
+/* row index is the token's position in the view. Dead tokens are written as zeros: the caller     */
+/* masks them (the same dead[] flags) in its attention. Rows past the sequence's length are left   */
+/* as they were; tokens past capacity_tokens are not written. Values are exactly                  */
+/* kvmix_ref_dequantize's floats rounded to dtype. Either output may be NULL (not written).       */
+/* Returns NULL_POINTER, INVALID_ARGUMENT (seq out of range, capacity_tokens < 0), BAD_SHAPE,     */
+/* UNSUPPORTED (dtype), CUDA. */
+kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq,
+                                        kvmix_cuda_dtype dtype, void *keys_out,
+                                        void *values_out, int32_t capacity_tokens,
+                                        kvmix_stream stream);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Decode attention over a view: one query token per sequence, every sequence of the view in one  */
+/* launch, split-KV with a log-sum-exp merge (a second small kernel on the same stream).          */
+/*   q, out: [n_seqs][n_q_heads][head_dim] of dtype; lse: [n_seqs][n_q_heads] float (natural log, */
+/*   as kvmix_ref_view_decode; -INFINITY and a zero row for a sequence with no live token), or   */
+/*   NULL. Query heads i*g .. i*g+g-1 read kv head i (g = n_q_heads / n_kv_heads) and share each */
+/*   K/V load. Each sequence's tokens (all spans, in order) are cut into n_splits equal ranges;   */
+/*   a split walks the spans that overlap its range.                                             */
+/* Supported: head_dim 64, 128, 256; group_size (per-token blocks) a multiple of 16; every        */
+/* format for keys and values, dead flags. The device checks each span it reads (known formats,   */
+/* n_tokens >= 1, blocks inside base_bytes and 16-byte aligned, dead range inside n_dead_flags):  */
+/* a sequence with a bad span gets NaN in out and lse.                                           */
+typedef struct kvmix_cuda_decode_desc {
+    int32_t n_q_heads;      /* a multiple of the view's n_kv_heads */
+    float scale;            /* softmax scale; 0 = 1 / sqrt(head_dim) */
+    kvmix_cuda_dtype dtype; /* of q and out */
+    int32_t n_splits;       /* 1 .. KVMIX_CUDA_MAX_SPLITS ranges per sequence */
+} kvmix_cuda_decode_desc;
+
+#define KVMIX_CUDA_MAX_SPLITS 1024
+
+/* Workspace bytes for decode: n_seqs * n_splits * n_q_heads * (head_dim + 1) * 4.
+   Returns NULL_POINTER, INVALID_ARGUMENT. */
+kvmix_result kvmix_cuda_decode_workspace_bytes(int32_t n_seqs, int32_t n_q_heads,
+                                               int32_t head_dim, int32_t n_splits,
+                                               size_t *out_bytes);
+
+/* A split count that fills n_sms multiprocessors for a batch whose longest sequence has
+   max_seq_tokens tokens (host arithmetic only; at least 1, at most KVMIX_CUDA_MAX_SPLITS). */
+kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads,
+                                             int32_t n_q_heads, int64_t max_seq_tokens,
+                                             int32_t n_sms, int32_t *out_splits);
+
+/* Enqueues decode attention. view: host struct whose pointers are device pointers. workspace:
+   device memory of workspace_bytes >= kvmix_cuda_decode_workspace_bytes (256-byte aligned).
+   Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, BUFFER_TOO_SMALL (workspace),
+   UNSUPPORTED (head_dim, group_size, dtype), CUDA. */
+kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cuda_decode_desc *desc,
+                               const void *q, void *out, float *lse, void *workspace,
+                               size_t workspace_bytes, kvmix_stream stream);
+
+/* Thread blocks of the decode kernel that fit on one multiprocessor of the current device for
+   this head_dim and query group (n_q_heads / n_kv_heads). For tuning and reports. */
+kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
+                                             int32_t *out_blocks);
+
+/* ------------------------------------------------------------------------------------------- */
+/* QueryMemory scoring of one sequence's stored keys: for token t of the sequence (position in    */
+/* the view, dead ones included),                                                               */
+/*   scores[t] = sum over q heads h of dot(memory[h], key_t of kv head h / g), g = n_q/n_kv,      */
+/* with keys dequantized exactly as kvmix_ref_dequantize_row; dead tokens score -INFINITY.       */
+/*   memory: [n_q_heads][head_dim] float (device); scores: [capacity_tokens] float (device).     */
+/* Tokens past capacity_tokens are not scored; entries past the sequence's length are left.       */
+/* Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, CUDA. */
+kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
+                                   const float *memory, float *scores, int32_t capacity_tokens,
+                                   kvmix_stream stream);
+
+/* Transfer payload pack/unpack: not provided yet (the payload format is not defined). */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVMIX_CUDA_H */

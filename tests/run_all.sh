@@ -1,0 +1,55 @@
+#!/bin/sh
+# Runs every test program given after the first three arguments (build dir, shared dir, fuzz
+# iterations), then the model tests when the shared models exist, and prints one final line
+# "N passed, N failed" summing them all. A program that prints its own "N passed, N failed" line
+# counts with its numbers; any other counts as one check that passes when it exits 0.
+build=$1 shared=$2 fuzz_runs=$3
+shift 3
+passed=0 failed=0
+log=$build/test-log.txt
+: >"$log"
+
+count() { # name, exit status, output file
+    line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$3" | tail -n 1)
+    if [ -n "$line" ]; then
+        p=${line%% passed*}
+        f=${line#*passed, }
+        f=${f%% failed}
+        if [ "$2" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi
+    elif [ "$2" -eq 0 ]; then p=1 f=0
+    else p=0 f=1
+    fi
+    passed=$((passed + p))
+    failed=$((failed + f))
+    status=ok
+    [ "$f" -ne 0 ] && status=FAILED
+    echo "$status  $1 ($p passed, $f failed)"
+    if [ "$f" -ne 0 ]; then tail -n 40 "$3"; fi
+    cat "$3" >>"$log"
+}
+
+run() { # name, command...
+    name=$1
+    shift
+    out=$build/.test-out
+    "$@" >"$out" 2>&1
+    count "$name" $? "$out"
+}
+
+for program in "$@"; do
+    case $program in
+    */fuzz_*_run) run "$(basename "$program")" "$program" "$fuzz_runs" ;;
+    *) run "$(basename "$program")" "$program" ;;
+    esac
+done
+
+if [ -d "$shared/models" ]; then
+    for program in "$build"/model_test_*; do
+        [ -x "$program" ] && run "$(basename "$program")" "$program" "$shared"
+    done
+else
+    echo "model tests skipped: $shared/models not found (make test SHARED=path/to/shared)"
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,588 @@
+/* GPU tests of kvmix_cuda.cu against kvmix.h's CPU references.
+   Usage: test_cuda [--quick] [--seed N]. Prints "N passed, N failed"; exit status 1 on failure. */
+#define KVMIX_IMPLEMENTATION
+#include "../kvmix.h"
+#include "../kvmix_cuda.h"
+
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <vector>
+
+static int g_passed, g_failed;
+static uint64_t g_rng;
+
+static void check(bool ok, const char *what) {
+    if (ok) g_passed++;
+    else {
+        g_failed++;
+        printf("FAIL: %s\n", what);
+    }
+}
+
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            printf("FAIL: %s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));     \
+            g_failed++;                                                                            \
+            return;                                                                                \
+        }                                                                                          \
+    } while (0)
+
+static uint64_t rnd(void) {
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return g_rng;
+}
+static float urand(void) { return (float)(rnd() >> 40) / 16777216.0f; }
+static float nrand(void) {
+    float u = urand() + 1e-7f, v = urand();
+    return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
+}
+static int irand(int n) { return (int)(rnd() % (uint64_t)n); }
+
+/* Random fp16 rows [n][stride], D used: mixed distributions, outlier channels, constant
+   channels and groups, negative zeros. */
+static void fill_rows(std::vector<uint16_t> &h, int n, int d, int stride) {
+    h.assign((size_t)n * stride, 0x7e00); /* NaN padding outside the used channels */
+    std::vector<float> ch_scale(d);
+    for (int c = 0; c < d; c++) {
+        float s = 0.5f + urand();
+        if (irand(8) == 0) s *= 20.0f;
+        if (irand(16) == 0) s = 0.0f;
+        ch_scale[c] = s;
+    }
+    int kind = irand(4);
+    for (int t = 0; t < n; t++)
+        for (int c = 0; c < d; c++) {
+            float x = kind == 3 ? (float)(irand(9) - 4) * 0.25f : nrand() * ch_scale[c] + (kind == 1 ? 3.0f : 0.0f);
+            if (ch_scale[c] == 0.0f) x = kind == 2 ? -0.0f : 1.5f;
+            h[(size_t)t * stride + c] = kvmix_fp32_to_fp16(x);
+        }
+}
+
+static std::vector<float> to_float(const std::vector<uint16_t> &h) {
+    std::vector<float> f(h.size());
+    for (size_t i = 0; i < h.size(); i++) f[i] = kvmix_fp16_to_fp32(h[i]);
+    return f;
+}
+
+static size_t align16(size_t x) { return (x + 15) & ~(size_t)15; }
+
+/* ---- quantize ---------------------------------------------------------------------------- */
+
+static void test_quantize_case(kvmix_layout l) {
+    char name[160];
+    const int d = l.head_dim, n = l.n_tokens, stride = d + 8, n_jobs = 3;
+    size_t block_bytes = 0;
+    kvmix_layout_bytes(&l, &block_bytes);
+    std::vector<uint16_t> src;
+    fill_rows(src, n * n_jobs, d, stride);
+    std::vector<float> srcf = to_float(src);
+    size_t gap = 48, pitch = align16(block_bytes + gap), dst_bytes = pitch * n_jobs;
+    std::vector<uint8_t> expect(dst_bytes, 0xA5);
+    std::vector<kvmix_cuda_quantize_job> jobs(n_jobs);
+    for (int j = 0; j < n_jobs; j++) {
+        int jj = n_jobs - 1 - j; /* block j from source rows of job jj: offsets are not in order */
+        jobs[j].src_offset = (uint64_t)jj * n * stride;
+        jobs[j].dst_offset = pitch * j;
+        jobs[j].first_row = 0;
+        jobs[j].n_rows = n;
+        kvmix_ref_quantize(&l, srcf.data() + (size_t)jj * n * stride, stride,
+                           expect.data() + pitch * j, block_bytes);
+    }
+    uint16_t *d_src;
+    uint8_t *d_dst;
+    kvmix_cuda_quantize_job *d_jobs;
+    int32_t *d_flags, flags = 0;
+    CUDA_OK(cudaMalloc(&d_src, src.size() * 2));
+    CUDA_OK(cudaMalloc(&d_dst, dst_bytes));
+    CUDA_OK(cudaMalloc(&d_jobs, sizeof(kvmix_cuda_quantize_job) * (n_jobs + n)));
+    CUDA_OK(cudaMalloc(&d_flags, 4));
+    CUDA_OK(cudaMemcpy(d_src, src.data(), src.size() * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_dst, 0xA5, dst_bytes));
+    CUDA_OK(cudaMemset(d_flags, 0, 4));
+    CUDA_OK(cudaMemcpy(d_jobs, jobs.data(), sizeof(kvmix_cuda_quantize_job) * n_jobs, cudaMemcpyHostToDevice));
+    kvmix_result r = kvmix_cuda_quantize(&l, d_src, stride, d_dst, d_jobs, n_jobs, d_flags, 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint8_t> got(dst_bytes);
+    CUDA_OK(cudaMemcpy(got.data(), d_dst, dst_bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&flags, d_flags, 4, cudaMemcpyDeviceToHost));
+    size_t first_diff = dst_bytes;
+    for (size_t i = 0; i < dst_bytes; i++)
+        if (got[i] != expect[i]) { first_diff = i; break; }
+    snprintf(name, sizeof name, "quantize fmt %d D %d n %d boost %d: bytes equal (first diff %zu of %zu), r %d flags %d",
+             l.format, d, n, l.n_boost, first_diff, dst_bytes, r, flags);
+    check(r == KVMIX_SUCCESS && flags == 0 && first_diff == dst_bytes, name);
+
+    /* decode-time append: one job per row into one block */
+    if (l.format == KVMIX_FORMAT_FP16 || l.format == KVMIX_FORMAT_INT8 ||
+        l.format == KVMIX_FORMAT_INT4 || l.format == KVMIX_FORMAT_INT2) {
+        std::vector<kvmix_cuda_quantize_job> rows(n);
+        for (int t = 0; t < n; t++) {
+            rows[t].src_offset = (uint64_t)t * stride;
+            rows[t].dst_offset = 0;
+            rows[t].first_row = t;
+            rows[t].n_rows = 1;
+        }
+        CUDA_OK(cudaMemcpy(d_jobs, rows.data(), sizeof(kvmix_cuda_quantize_job) * n, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(d_dst, 0xA5, dst_bytes));
+        r = kvmix_cuda_quantize(&l, d_src, stride, d_dst, d_jobs, n, d_flags, 0);
+        CUDA_OK(cudaDeviceSynchronize());
+        CUDA_OK(cudaMemcpy(got.data(), d_dst, dst_bytes, cudaMemcpyDeviceToHost));
+        std::vector<uint8_t> exp1(block_bytes);
+        kvmix_ref_quantize(&l, srcf.data(), stride, exp1.data(), block_bytes);
+        bool same = memcmp(got.data(), exp1.data(), block_bytes) == 0 && got[block_bytes] == 0xA5;
+        snprintf(name, sizeof name, "append fmt %d D %d n %d: bytes equal", l.format, d, n);
+        check(r == KVMIX_SUCCESS && same, name);
+    }
+    /* a job with an infinite input writes nothing and sets the flag */
+    {
+        uint16_t inf = 0x7c00;
+        CUDA_OK(cudaMemcpy(d_src + (size_t)(n - 1) * stride + d / 2, &inf, 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d_jobs, jobs.data(), sizeof(kvmix_cuda_quantize_job) * n_jobs, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(d_dst, 0xA5, dst_bytes));
+        CUDA_OK(cudaMemset(d_flags, 0, 4));
+        r = kvmix_cuda_quantize(&l, d_src, stride, d_dst, d_jobs, n_jobs, d_flags, 0);
+        CUDA_OK(cudaDeviceSynchronize());
+        CUDA_OK(cudaMemcpy(got.data(), d_dst, dst_bytes, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(&flags, d_flags, 4, cudaMemcpyDeviceToHost));
+        /* job 2 reads source block 0 (which holds the inf): its destination stays poisoned */
+        bool untouched = true;
+        for (size_t i = 0; i < block_bytes; i++) untouched &= got[pitch * 2 + i] == 0xA5;
+        bool others = memcmp(got.data(), expect.data(), pitch * 2) == 0;
+        snprintf(name, sizeof name, "quantize fmt %d D %d n %d: inf input flagged, block untouched", l.format, d, n);
+        check(r == KVMIX_SUCCESS && flags == KVMIX_CUDA_QUANTIZE_BAD_VALUE && untouched && others, name);
+    }
+    cudaFree(d_src);
+    cudaFree(d_dst);
+    cudaFree(d_jobs);
+    cudaFree(d_flags);
+}
+
+static void test_quantize(bool quick) {
+    const int dims[] = {64, 128, 256};
+    const int ns[] = {1, 31, 32, 33, 64, 128};
+    for (int di = 0; di < 3; di++)
+        for (int ni = 0; ni < 6; ni++) {
+            if (quick && (di == 2 || (ni != 0 && ni != 3))) continue;
+            for (int f = KVMIX_FORMAT_FP16; f <= KVMIX_FORMAT_BOOSTED; f++)
+                for (int b = 0; b < (f == KVMIX_FORMAT_BOOSTED ? 2 : 1); b++) {
+                    kvmix_layout l;
+                    memset(&l, 0, sizeof l);
+                    l.format = (kvmix_format)f;
+                    l.n_tokens = ns[ni];
+                    l.head_dim = dims[di];
+                    l.n_boost = f == KVMIX_FORMAT_BOOSTED ? (b ? dims[di] / 4 : dims[di] / 8) : 0;
+                    kvmix_layout_resolve(&l);
+                    test_quantize_case(l);
+                }
+        }
+}
+
+/* ---- views ------------------------------------------------------------------------------- */
+
+struct test_view {
+    int d, n_kv, n_seqs, n_boost;
+    std::vector<uint8_t> arena;
+    std::vector<kvmix_view_span> spans;
+    std::vector<int32_t> first;
+    std::vector<uint8_t> dead;
+    std::vector<int64_t> seq_tokens;
+    kvmix_view host;      /* host pointers */
+    kvmix_view dev;       /* device pointers */
+    uint8_t *d_arena;
+    kvmix_view_span *d_spans;
+    int32_t *d_first;
+    uint8_t *d_dead;
+};
+
+static const int key_formats[] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT4,
+                                  KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT2, KVMIX_FORMAT_FP16};
+static const int value_formats[] = {KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT8,
+                                    KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
+
+/* Appends one span of n tokens: keys and values of every kv head quantized by the CPU. */
+static void add_span(test_view &v, int kf, int vf, int n, bool with_dead) {
+    kvmix_view_span s;
+    memset(&s, 0, sizeof s);
+    s.n_tokens = n;
+    s.key_format = (uint8_t)kf;
+    s.value_format = (uint8_t)vf;
+    for (int which = 0; which < 2; which++) {
+        kvmix_layout l;
+        memset(&l, 0, sizeof l);
+        l.format = (kvmix_format)(which ? vf : kf);
+        l.n_tokens = n;
+        l.head_dim = v.d;
+        l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? v.n_boost : 0;
+        kvmix_layout_resolve(&l);
+        size_t bytes = 0;
+        kvmix_layout_bytes(&l, &bytes);
+        size_t head_bytes = align16(bytes) + 16 * (size_t)irand(2);
+        size_t offset = align16(v.arena.size());
+        v.arena.resize(offset + head_bytes * v.n_kv, 0x5A);
+        for (int h = 0; h < v.n_kv; h++) {
+            std::vector<uint16_t> rows;
+            fill_rows(rows, n, v.d, v.d);
+            std::vector<float> f = to_float(rows);
+            kvmix_ref_quantize(&l, f.data(), v.d, v.arena.data() + offset + head_bytes * h, bytes);
+        }
+        if (which) s.value_offset = offset, s.value_head_bytes = (uint32_t)head_bytes;
+        else s.key_offset = offset, s.key_head_bytes = (uint32_t)head_bytes;
+    }
+    s.dead_index = -1;
+    if (with_dead) {
+        s.dead_index = (int32_t)v.dead.size();
+        for (int t = 0; t < n; t++) v.dead.push_back(irand(5) == 0);
+    }
+    v.spans.push_back(s);
+}
+
+/* Sequences of sinks, pages of mixed formats and sizes, a partial buffer, dead tokens; plus an
+   empty sequence and an all-dead one. */
+static void build_view(test_view &v, int d, int n_kv, int n_seqs, int n_boost, bool quick) {
+    v.d = d, v.n_kv = n_kv, v.n_seqs = n_seqs, v.n_boost = n_boost;
+    v.arena.clear(), v.spans.clear(), v.first.clear(), v.dead.clear(), v.seq_tokens.clear();
+    for (int s = 0; s < n_seqs; s++) {
+        v.first.push_back((int32_t)v.spans.size());
+        int64_t tokens = 0;
+        int kind = s % 4;
+        if (kind == 1) { v.seq_tokens.push_back(0); continue; } /* empty */
+        if (kind == 2) {                                        /* one fully dead span */
+            add_span(v, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4, 33, false);
+            v.spans.back().dead_index = (int32_t)v.dead.size();
+            for (int t = 0; t < 33; t++) v.dead.push_back(1);
+            v.seq_tokens.push_back(33);
+            continue;
+        }
+        add_span(v, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 4, false); /* sinks */
+        tokens += 4;
+        int pages = quick ? 3 : 4 + irand(6);
+        for (int i = 0; i < pages; i++) {
+            const int sizes[] = {32, 64, 128};
+            int n = sizes[irand(3)];
+            int kf = key_formats[(i + s) % 6], vf = value_formats[(i + 2 * s) % 6];
+            add_span(v, kf, vf, n, irand(3) == 0);
+            tokens += n;
+        }
+        const int tails[] = {1, 31, 33};
+        int n = tails[irand(3)];
+        add_span(v, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, n, irand(2) == 0); /* buffer */
+        tokens += n;
+        v.seq_tokens.push_back(tokens);
+    }
+    v.first.push_back((int32_t)v.spans.size());
+    if (v.dead.empty()) v.dead.push_back(0);
+    v.arena.resize(align16(v.arena.size()) + 16, 0x5A);
+    memset(&v.host, 0, sizeof v.host);
+    v.host.n_seqs = n_seqs, v.host.n_kv_heads = n_kv, v.host.head_dim = d, v.host.group_size = 32;
+    v.host.n_boost = n_boost, v.host.n_spans = (int32_t)v.spans.size();
+    v.host.n_dead_flags = (int32_t)v.dead.size();
+    v.host.base = v.arena.data(), v.host.base_bytes = v.arena.size();
+    v.host.spans = v.spans.data(), v.host.seq_first_span = v.first.data(), v.host.dead = v.dead.data();
+    v.d_arena = nullptr, v.d_spans = nullptr, v.d_first = nullptr, v.d_dead = nullptr;
+}
+
+static bool upload_view(test_view &v) {
+    bool ok = cudaMalloc(&v.d_arena, v.arena.size()) == cudaSuccess &&
+              cudaMalloc(&v.d_spans, sizeof(kvmix_view_span) * (v.spans.size() + 1)) == cudaSuccess &&
+              cudaMalloc(&v.d_first, 4 * v.first.size()) == cudaSuccess &&
+              cudaMalloc(&v.d_dead, v.dead.size()) == cudaSuccess &&
+              cudaMemcpy(v.d_arena, v.arena.data(), v.arena.size(), cudaMemcpyHostToDevice) == cudaSuccess &&
+              cudaMemcpy(v.d_spans, v.spans.data(), sizeof(kvmix_view_span) * v.spans.size(), cudaMemcpyHostToDevice) == cudaSuccess &&
+              cudaMemcpy(v.d_first, v.first.data(), 4 * v.first.size(), cudaMemcpyHostToDevice) == cudaSuccess &&
+              cudaMemcpy(v.d_dead, v.dead.data(), v.dead.size(), cudaMemcpyHostToDevice) == cudaSuccess;
+    v.dev = v.host;
+    v.dev.base = v.d_arena, v.dev.spans = v.d_spans, v.dev.seq_first_span = v.d_first, v.dev.dead = v.d_dead;
+    check(ok, "upload view");
+    return ok;
+}
+
+static void free_view(test_view &v) {
+    cudaFree(v.d_arena);
+    cudaFree(v.d_spans);
+    cudaFree(v.d_first);
+    cudaFree(v.d_dead);
+}
+
+static double nmse(const std::vector<float> &a, const std::vector<float> &ref, bool *finite_ok) {
+    double num = 0.0, den = 0.0;
+    bool ok = true;
+    for (size_t i = 0; i < a.size(); i++) {
+        if (isinf(ref[i])) { ok &= a[i] == ref[i]; continue; }
+        if (!isfinite(a[i])) { ok = false; continue; }
+        double e = (double)a[i] - ref[i];
+        num += e * e;
+        den += (double)ref[i] * ref[i];
+    }
+    *finite_ok = ok;
+    return den > 0.0 ? num / den : num;
+}
+
+/* ---- decode ------------------------------------------------------------------------------ */
+
+static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_boost, int n_splits,
+                             kvmix_cuda_dtype dtype, bool quick) {
+    char name[200];
+    test_view v;
+    build_view(v, d, n_kv, n_seqs, n_boost, quick);
+    if (!upload_view(v)) return;
+    const int n_q = n_kv * q_per_kv;
+    const size_t n_out = (size_t)n_seqs * n_q * d;
+    std::vector<uint16_t> qh(n_out);
+    std::vector<float> qf(n_out);
+    for (size_t i = 0; i < n_out; i++) {
+        float x = nrand();
+        qh[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x) : kvmix_fp32_to_fp16(x);
+        qf[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(qh[i]) : kvmix_fp16_to_fp32(qh[i]);
+    }
+    std::vector<float> ref_out(n_out), ref_lse((size_t)n_seqs * n_q);
+    kvmix_result rr = kvmix_ref_view_decode(&v.host, n_q, 0.0f, qf.data(), ref_out.data(), ref_lse.data());
+    check(rr == KVMIX_SUCCESS, "reference decode");
+    size_t ws_bytes = 0;
+    kvmix_cuda_decode_workspace_bytes(n_seqs, n_q, d, n_splits, &ws_bytes);
+    uint16_t *d_q, *d_out;
+    float *d_lse;
+    void *d_ws;
+    CUDA_OK(cudaMalloc(&d_q, n_out * 2));
+    CUDA_OK(cudaMalloc(&d_out, n_out * 2));
+    CUDA_OK(cudaMalloc(&d_lse, (size_t)n_seqs * n_q * 4));
+    CUDA_OK(cudaMalloc(&d_ws, ws_bytes));
+    CUDA_OK(cudaMemcpy(d_q, qh.data(), n_out * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(d_out, 0xFF, n_out * 2));
+    CUDA_OK(cudaMemset(d_lse, 0xFF, (size_t)n_seqs * n_q * 4));
+    CUDA_OK(cudaMemset(d_ws, 0xFF, ws_bytes));
+    kvmix_cuda_decode_desc desc;
+    desc.n_q_heads = n_q, desc.scale = 0.0f, desc.dtype = dtype, desc.n_splits = n_splits;
+    kvmix_result r = kvmix_cuda_decode(&v.dev, &desc, d_q, d_out, d_lse, d_ws, ws_bytes, 0);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> out_h(n_out);
+    std::vector<float> out(n_out), lse((size_t)n_seqs * n_q), ref_rounded(n_out);
+    CUDA_OK(cudaMemcpy(out_h.data(), d_out, n_out * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n_out; i++) {
+        out[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(out_h[i]) : kvmix_fp16_to_fp32(out_h[i]);
+        ref_rounded[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(kvmix_fp32_to_bf16(ref_out[i]))
+                                                  : kvmix_fp16_to_fp32(kvmix_fp32_to_fp16(ref_out[i]));
+    }
+    bool ok_out, ok_lse;
+    double e_out = nmse(out, ref_rounded, &ok_out), e_lse = nmse(lse, ref_lse, &ok_lse);
+    snprintf(name, sizeof name,
+             "decode D %d kv %d g %d seqs %d boost %d splits %d %s: nmse out %.2e lse %.2e (r %d)",
+             d, n_kv, q_per_kv, n_seqs, n_boost, n_splits, dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16",
+             e_out, e_lse, r);
+    check(r == KVMIX_SUCCESS && ok_out && ok_lse && e_out <= 1e-6 && e_lse <= 1e-6, name);
+    if (g_failed && getenv("KVMIX_TEST_VERBOSE")) {
+        for (int s = 0; s < n_seqs; s++)
+            printf("  seq %d lse gpu %g ref %g\n", s, lse[(size_t)s * n_q], ref_lse[(size_t)s * n_q]);
+    }
+    cudaFree(d_q);
+    cudaFree(d_out);
+    cudaFree(d_lse);
+    cudaFree(d_ws);
+    free_view(v);
+}
+
+static void test_decode(bool quick) {
+    const int dims[] = {64, 128, 256};
+    for (int di = 0; di < 3; di++) {
+        int d = dims[di];
+        if (quick && d == 256) continue;
+        test_decode_case(d, 2, 4, 5, d / 8, 1, KVMIX_CUDA_FP16, quick);
+        test_decode_case(d, 2, 4, 5, d / 4, 3, KVMIX_CUDA_BF16, quick);
+        if (quick) continue;
+        test_decode_case(d, 4, 1, 4, d / 8, 7, KVMIX_CUDA_FP16, quick);
+        test_decode_case(d, 1, 2, 6, d / 4, 2, KVMIX_CUDA_BF16, quick);
+        test_decode_case(d, 2, 8, 5, d / 8, 17, KVMIX_CUDA_FP16, quick);
+        test_decode_case(d, 3, 6, 3, d / 4, 64, KVMIX_CUDA_BF16, quick);
+    }
+}
+
+/* ---- dequantize and score ---------------------------------------------------------------- */
+
+static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_dtype dtype, bool quick) {
+    char name[200];
+    test_view v;
+    build_view(v, d, n_kv, 4, n_boost, quick);
+    if (!upload_view(v)) return;
+    for (int seq = 0; seq < v.n_seqs; seq++) {
+        int64_t n = v.seq_tokens[seq];
+        int cap = (int)n + 5;
+        size_t elems = (size_t)cap * n_kv * d;
+        uint16_t *d_k, *d_v;
+        float *d_mem, *d_scores;
+        const int g = 2, n_q = n_kv * g;
+        CUDA_OK(cudaMalloc(&d_k, elems * 2));
+        CUDA_OK(cudaMalloc(&d_v, elems * 2));
+        CUDA_OK(cudaMalloc(&d_mem, (size_t)n_q * d * 4));
+        CUDA_OK(cudaMalloc(&d_scores, (size_t)cap * 4));
+        CUDA_OK(cudaMemset(d_k, 0xEE, elems * 2));
+        CUDA_OK(cudaMemset(d_v, 0xEE, elems * 2));
+        CUDA_OK(cudaMemset(d_scores, 0xEE, (size_t)cap * 4));
+        std::vector<float> mem((size_t)n_q * d);
+        for (auto &x : mem) x = nrand();
+        CUDA_OK(cudaMemcpy(d_mem, mem.data(), mem.size() * 4, cudaMemcpyHostToDevice));
+        kvmix_result r1 = kvmix_cuda_view_dequantize(&v.dev, seq, dtype, d_k, d_v, cap, 0);
+        kvmix_result r2 = kvmix_cuda_view_score(&v.dev, seq, n_q, d_mem, d_scores, cap, 0);
+        CUDA_OK(cudaDeviceSynchronize());
+        std::vector<uint16_t> kh(elems), vh(elems);
+        std::vector<float> scores(cap);
+        CUDA_OK(cudaMemcpy(kh.data(), d_k, elems * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(vh.data(), d_v, elems * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(scores.data(), d_scores, (size_t)cap * 4, cudaMemcpyDeviceToHost));
+        /* expected rows, from the CPU decoder */
+        bool same = true;
+        std::vector<float> ref_scores, got_scores;
+        bool dead_ok = true;
+        int64_t pos = 0;
+        std::vector<float> row(d);
+        for (int si = v.first[seq]; si < v.first[seq + 1]; si++) {
+            const kvmix_view_span &sp = v.spans[si];
+            for (int which = 0; which < 2; which++) {
+                kvmix_layout l;
+                memset(&l, 0, sizeof l);
+                l.format = (kvmix_format)(which ? sp.value_format : sp.key_format);
+                l.n_tokens = sp.n_tokens, l.head_dim = d;
+                l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? n_boost : 0;
+                kvmix_layout_resolve(&l);
+                for (int t = 0; t < sp.n_tokens; t++) {
+                    bool dead = sp.dead_index >= 0 && v.dead[sp.dead_index + t];
+                    double sc = 0.0;
+                    for (int h = 0; h < n_kv; h++) {
+                        const uint8_t *blk = v.arena.data() + (which ? sp.value_offset : sp.key_offset) +
+                                             (size_t)h * (which ? sp.value_head_bytes : sp.key_head_bytes);
+                        kvmix_ref_dequantize_row(&l, blk, (size_t)(v.arena.data() + v.arena.size() - blk), t, row.data());
+                        const std::vector<uint16_t> &got = which ? vh : kh;
+                        for (int c = 0; c < d; c++) {
+                            float x = dead ? 0.0f : row[c];
+                            uint16_t e = dtype == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x) : kvmix_fp32_to_fp16(x);
+                            same &= got[((size_t)(pos + t) * n_kv + h) * d + c] == e;
+                            if (!which)
+                                for (int j = 0; j < g; j++) sc += (double)mem[(size_t)(h * g + j) * d + c] * row[c];
+                        }
+                    }
+                    if (!which) {
+                        if (dead) dead_ok &= scores[pos + t] == -INFINITY;
+                        else ref_scores.push_back((float)sc), got_scores.push_back(scores[pos + t]);
+                    }
+                }
+            }
+            pos += sp.n_tokens;
+        }
+        bool tail = true;
+        for (size_t i = (size_t)n * n_kv * d; i < elems; i++) tail &= kh[i] == 0xEEEE && vh[i] == 0xEEEE;
+        snprintf(name, sizeof name, "view dequantize D %d seq %d (%lld tokens) %s: rows equal, tail untouched",
+                 d, seq, (long long)n, dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16");
+        check(r1 == KVMIX_SUCCESS && same && tail, name);
+        bool fin;
+        double e = nmse(got_scores, ref_scores, &fin);
+        snprintf(name, sizeof name, "view score D %d seq %d: nmse %.2e, dead -inf", d, seq, e);
+        check(r2 == KVMIX_SUCCESS && fin && dead_ok && e <= 1e-6, name);
+        cudaFree(d_k);
+        cudaFree(d_v);
+        cudaFree(d_mem);
+        cudaFree(d_scores);
+    }
+    free_view(v);
+}
+
+/* ---- bad arguments ----------------------------------------------------------------------- */
+
+static void test_bad_arguments(void) {
+    char dummy_storage[256];
+    void *dummy = (void *)(((uintptr_t)dummy_storage + 15) & ~(uintptr_t)15);
+    kvmix_layout l;
+    memset(&l, 0, sizeof l);
+    l.format = KVMIX_FORMAT_INT4, l.n_tokens = 32, l.head_dim = 128;
+    kvmix_cuda_quantize_job *jobs = (kvmix_cuda_quantize_job *)dummy;
+    check(kvmix_cuda_quantize(NULL, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_NULL_POINTER, "quantize: NULL layout");
+    check(kvmix_cuda_quantize(&l, NULL, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_NULL_POINTER, "quantize: NULL src");
+    check(kvmix_cuda_quantize(&l, dummy, 64, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_INVALID_ARGUMENT, "quantize: short stride");
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, -1, NULL, 0) == KVMIX_ERR_INVALID_ARGUMENT, "quantize: negative jobs");
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 0, NULL, 0) == KVMIX_SUCCESS, "quantize: no jobs");
+    l.format = (kvmix_format)9;
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_UNKNOWN_FORMAT, "quantize: unknown format");
+    l.format = KVMIX_FORMAT_INT4, l.head_dim = 100;
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_BAD_SHAPE, "quantize: head_dim 100");
+    l.head_dim = 128, l.format = KVMIX_FORMAT_BOOSTED, l.n_boost = 6;
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_BAD_SHAPE, "quantize: n_boost 6");
+
+    kvmix_view v;
+    memset(&v, 0, sizeof v);
+    v.n_seqs = 1, v.n_kv_heads = 2, v.head_dim = 128, v.n_spans = 1, v.n_boost = 16;
+    v.base = (const uint8_t *)dummy, v.base_bytes = 64, v.spans = (const kvmix_view_span *)dummy;
+    v.seq_first_span = (const int32_t *)dummy;
+    kvmix_cuda_decode_desc desc;
+    desc.n_q_heads = 8, desc.scale = 0.0f, desc.dtype = KVMIX_CUDA_BF16, desc.n_splits = 2;
+    size_t ws = 0;
+    check(kvmix_cuda_decode_workspace_bytes(1, 8, 128, 2, &ws) == KVMIX_SUCCESS && ws == (size_t)2 * 8 * 129 * 4, "workspace bytes");
+    check(kvmix_cuda_decode_workspace_bytes(1, 8, 128, 0, &ws) == KVMIX_ERR_INVALID_ARGUMENT, "workspace: 0 splits");
+    check(kvmix_cuda_decode(NULL, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL view");
+    check(kvmix_cuda_decode(&v, NULL, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL desc");
+    check(kvmix_cuda_decode(&v, &desc, NULL, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL q");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, NULL, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL workspace");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws - 4, 0) == KVMIX_ERR_BUFFER_TOO_SMALL, "decode: small workspace");
+    desc.n_q_heads = 7;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_INVALID_ARGUMENT, "decode: heads not a multiple");
+    desc.n_q_heads = 8, desc.n_splits = 0;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_INVALID_ARGUMENT, "decode: 0 splits");
+    desc.n_splits = 2, desc.scale = -1.0f;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_INVALID_ARGUMENT, "decode: negative scale");
+    desc.scale = 0.0f, desc.dtype = (kvmix_cuda_dtype)7;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED, "decode: dtype");
+    desc.dtype = KVMIX_CUDA_FP16;
+    v.head_dim = 96;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED, "decode: head_dim 96");
+    v.head_dim = 100;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_BAD_SHAPE, "decode: head_dim 100");
+    v.head_dim = 128, v.group_size = 8;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED, "decode: group 8");
+    v.group_size = 0, v.base = (const uint8_t *)dummy + 1;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_INVALID_ARGUMENT, "decode: misaligned base");
+    v.base = (const uint8_t *)dummy, v.seq_first_span = NULL;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL seq_first_span");
+    v.seq_first_span = (const int32_t *)dummy;
+    check(kvmix_cuda_view_dequantize(&v, 1, KVMIX_CUDA_FP16, dummy, dummy, 4, 0) == KVMIX_ERR_INVALID_ARGUMENT, "dequantize: seq out of range");
+    check(kvmix_cuda_view_dequantize(&v, 0, (kvmix_cuda_dtype)3, dummy, dummy, 4, 0) == KVMIX_ERR_UNSUPPORTED, "dequantize: dtype");
+    check(kvmix_cuda_view_score(&v, 0, 3, (const float *)dummy, (float *)dummy, 4, 0) == KVMIX_ERR_INVALID_ARGUMENT, "score: heads");
+    check(kvmix_cuda_view_score(&v, 0, 4, NULL, (float *)dummy, 4, 0) == KVMIX_ERR_NULL_POINTER, "score: NULL memory");
+    int32_t splits = 0;
+    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 32768, 132, &splits) == KVMIX_SUCCESS && splits >= 1, "choose splits");
+    check(cudaGetLastError() == cudaSuccess, "no CUDA error left by bad-argument calls");
+}
+
+int main(int argc, char **argv) {
+    bool quick = false;
+    g_rng = (uint64_t)time(NULL) * 2654435761u ^ (uint64_t)clock();
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--quick")) quick = true;
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_rng = strtoull(argv[++i], NULL, 10);
+    }
+    if (g_rng == 0) g_rng = 1;
+    printf("seed %llu%s\n", (unsigned long long)g_rng, quick ? " (quick)" : "");
+    int dev_count = 0;
+    if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+        printf("no CUDA device\n0 passed, 1 failed\n");
+        return 1;
+    }
+    test_bad_arguments();
+    test_quantize(quick);
+    printf("quantize: %d passed, %d failed so far\n", g_passed, g_failed);
+    const int dims[] = {64, 128, 256};
+    for (int di = 0; di < 3; di++) {
+        if (quick && di == 2) continue;
+        test_view_dequantize_score(dims[di], 2, dims[di] / 8, KVMIX_CUDA_FP16, quick);
+        if (!quick) test_view_dequantize_score(dims[di], 3, dims[di] / 4, KVMIX_CUDA_BF16, quick);
+    }
+    printf("dequantize/score: %d passed, %d failed so far\n", g_passed, g_failed);
+    test_decode(quick);
+    printf("%d passed, %d failed\n", g_passed, g_failed);
+    return g_failed ? 1 : 0;
+}
