@@ -81,8 +81,12 @@ test-cuda: $(BUILD)/test_cuda
 $(BUILD)/bench_formats: bench/bench_formats.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
-bench: $(BUILD)/bench_formats
+$(BUILD)/bench_cache: bench/bench_cache.c kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+bench: $(BUILD)/bench_formats $(BUILD)/bench_cache
 	./$(BUILD)/bench_formats
+	./$(BUILD)/bench_cache
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60
