@@ -1614,12 +1614,19 @@ static kvmix_layout kvmix__cache_layout(const kvmix_cache *c, int32_t format, in
     return l;
 }
 
+/* Bytes between consecutive blocks of a page: the block's size rounded up to 16 bytes, so that
+   every block of a view starts 16-byte aligned, as GPU kernels load them in 16-byte vectors. */
 static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int32_t format, int32_t rows,
                                        int32_t capacity) {
     kvmix_layout l;
-    if (format == KVMIX_FORMAT_FP16) return (size_t)capacity * (size_t)c->desc.head_dim * 2;
-    l = kvmix__cache_layout(c, format, rows);
-    return kvmix__layout_sections(&l).total_bytes;
+    size_t bytes;
+    if (format == KVMIX_FORMAT_FP16) {
+        bytes = (size_t)capacity * (size_t)c->desc.head_dim * 2;
+    } else {
+        l = kvmix__cache_layout(c, format, rows);
+        bytes = kvmix__layout_sections(&l).total_bytes;
+    }
+    return (bytes + 15) / 16 * 16;
 }
 
 static kvmix__geom kvmix__page_geom(const kvmix_cache *c, int32_t key_format,
