@@ -1835,7 +1835,7 @@ static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regio
     r->max_pages = (int32_t)max_pages;
     r->n_granules = (int64_t)(d->arena_bytes / d->granule_bytes);
     r->journal_capacity = 4 * d->max_pages_per_seq + 16;
-    return kvmix__region(&cursor, (size_t)d->max_seqs, sizeof(kvmix_cache_seq), &r->seqs) &&
+    if (!(kvmix__region(&cursor, (size_t)d->max_seqs, sizeof(kvmix_cache_seq), &r->seqs) &&
            kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->max_pages_per_seq,
                          sizeof(kvmix_cache_entry), &r->entries) &&
            (size_t)d->max_seqs <= (size_t)-1 / (size_t)d->max_tokens_per_seq &&
@@ -1849,9 +1849,11 @@ static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regio
                          &r->scratch) &&
            kvmix__region(&cursor, (size_t)d->max_pages_per_seq, sizeof(kvmix__sim_page),
                          &r->sim) &&
-           kvmix__region(&cursor, (size_t)r->journal_capacity, sizeof(kvmix__arena_op),
-                         &r->journal) &&
-           (r->total = cursor, 1);
+          kvmix__region(&cursor, (size_t)r->journal_capacity, sizeof(kvmix__arena_op),
+                        &r->journal)))
+        return 0;
+    r->total = cursor;
+    return 1;
 }
 
 static int kvmix__format_value_known(uint8_t format) { return kvmix__format_known(format); }
@@ -1916,7 +1918,7 @@ KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, siz
     if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
     d = *desc;
     if ((r = kvmix_cache_desc_resolve(&d)) != KVMIX_SUCCESS) return r;
-    kvmix__cache_regions_of(&d, &regions);
+    if (!kvmix__cache_regions_of(&d, &regions)) return KVMIX_ERR_INVALID_ARGUMENT;
     *out_bytes = regions.total;
     return KVMIX_SUCCESS;
 }
