@@ -918,6 +918,613 @@ static __global__ void __launch_bounds__(kvmix__decode_threads)
     }
 }
 
+/* ---- decode attention on tensor cores (v2) ---------------------------------------------------
+
+   Per warp: tiles of 16 tokens of one kv head against up to 4 query heads, with
+   mma.sync.m16n8k16 (f16 inputs, f32 accumulators). The 8 columns of every B operand hold
+   4 query heads x (hi, lo): an fp32 value v is carried as hi = fp16(v) and lo = fp16(v - hi),
+   so each product is computed to ~22 bits and the two columns are summed in fp32 afterwards.
+     logits   S^T[16 tokens x 8] += K[16 tokens x 16 dims] * B[16 dims x 8]
+     output   O^T[16 dims x 8]   += V^T[16 dims x 16 tokens] * P^T[16 tokens x 8]
+   Codes become fp16 exactly (code | 0x6400 is 1024 + code). Per-channel key scales are folded
+   into B (per page), their minima into one constant per head. Per-token (scale, min) pairs are
+   applied exactly: code * scale = hi + lo in fp16 (two mmas), and the minima go through one more
+   small mma (keys: k = groups; values: rows = the lane's group). Boosted keys' high bits are one
+   more mma over the boosted slots (B = 4 * q * scale of the slot's channel).
+
+   Fragment geometry (lane L, r = L / 4, c = L % 4):
+     QK A rows r, r + 8 = tokens r, r + 8 of the tile; lane c owns dims [c*D/4, (c+1)*D/4) of both
+        rows, in 16-dim chunks; k-step j uses chunk j / 4, pairs (2v, 2v+8) and (2v+1, 2v+9),
+        v = j % 4 (see kvmix__tc_kdim).
+     PV A rows of m-tile i: row r = dim r*D/8 + 2i, row r + 8 = dim r*D/8 + 2i + 1; k = tokens
+        2c, 2c+1, 2c+8, 2c+9; lane r owns dims [r*D/8, (r+1)*D/8) of its four tokens.
+     C (both): lane holds rows r, r + 8 and columns 2c (hi), 2c+1 (lo) = query head c.
+   P moves from the C layout of S^T to the B layout of P^T with movmatrix.trans. */
+
+constexpr int kvmix__tc_warps = 4;
+constexpr int kvmix__tc_unit_tokens = 128; /* tokens of a span one warp takes at a time */
+
+__device__ __forceinline__ void kvmix__mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                           uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t kvmix__trans(uint32_t x) {
+    uint32_t y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+__device__ __forceinline__ uint32_t kvmix__prmt(uint32_t a, uint32_t b, uint32_t sel) {
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+__device__ __forceinline__ uint32_t kvmix__h2u(__half2 h) { return *(uint32_t *)&h; }
+__device__ __forceinline__ __half2 kvmix__u2h(uint32_t u) { return *(__half2 *)&u; }
+/* (x & mask) | 0x6400 per half is 1024 + code * 2^k; a * x + b gives the code exactly. */
+__device__ __forceinline__ uint32_t kvmix__code(uint32_t x, uint32_t mask, uint32_t a, uint32_t b) {
+    return kvmix__h2u(__hfma2(kvmix__u2h((x & mask) | 0x64006400u), kvmix__u2h(a), kvmix__u2h(b)));
+}
+/* x: two 16-bit halves of 2-bit codes; R[k] = (code k of low half, code k of high half). */
+__device__ __forceinline__ void kvmix__codes2(uint32_t x, uint32_t *R) {
+    R[0] = kvmix__code(x, 0x00030003u, 0x3C003C00u, 0xE400E400u);
+    R[1] = kvmix__code(x, 0x000C000Cu, 0x34003400u, 0xDC00DC00u);
+    R[2] = kvmix__code(x, 0x00300030u, 0x2C002C00u, 0xD400D400u);
+    R[3] = kvmix__code(x, 0x00C000C0u, 0x24002400u, 0xCC00CC00u);
+    R[4] = kvmix__code(x, 0x03000300u, 0x1C001C00u, 0xC400C400u);
+    uint32_t y = x >> 10;
+    R[5] = kvmix__code(y, 0x00030003u, 0x3C003C00u, 0xE400E400u);
+    R[6] = kvmix__code(y, 0x000C000Cu, 0x34003400u, 0xDC00DC00u);
+    R[7] = kvmix__code(y, 0x00300030u, 0x2C002C00u, 0xD400D400u);
+}
+/* x: two halves of 4 nibbles; R[k] = (nibble k low, nibble k high). */
+__device__ __forceinline__ void kvmix__codes4(uint32_t x, uint32_t *R) {
+    R[0] = kvmix__code(x, 0x000F000Fu, 0x3C003C00u, 0xE400E400u);
+    R[1] = kvmix__code(x, 0x00F000F0u, 0x2C002C00u, 0xD400D400u);
+    uint32_t y = x >> 8;
+    R[2] = kvmix__code(y, 0x000F000Fu, 0x3C003C00u, 0xE400E400u);
+    R[3] = kvmix__code(y, 0x00F000F0u, 0x2C002C00u, 0xD400D400u);
+}
+/* R[k] = (byte k of a, byte k of b), k < 4. */
+__device__ __forceinline__ void kvmix__codes8(uint32_t a, uint32_t b, uint32_t *R) {
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        R[k] = kvmix__code(kvmix__prmt(a, b, (uint32_t)(k | ((4 + k) << 8))), 0x00FF00FFu,
+                           0x3C003C00u, 0xE400E400u);
+}
+/* hi or lo half of v's two-term fp16 split. */
+__device__ __forceinline__ uint16_t kvmix__split(float v, int part) {
+    __half h = __float2half_rn(v);
+    if (part) h = __float2half_rn(v - __half2float(h));
+    return __half_as_ushort(h);
+}
+__device__ __forceinline__ uint32_t kvmix__split2(float v) { /* (hi, lo) of v */
+    __half h = __float2half_rn(v);
+    return kvmix__h2u(__halves2half2(h, __float2half_rn(v - __half2float(h))));
+}
+__device__ __forceinline__ uint32_t kvmix__pack(uint16_t lo, uint16_t hi) {
+    return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
+template <int NW>
+__device__ __forceinline__ void kvmix__ldw(const uint8_t *p, uint32_t *w) {
+    if constexpr (NW % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < NW / 4; i++) {
+            uint4 v = __ldg((const uint4 *)p + i);
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+    } else if constexpr (NW == 2) {
+        uint2 v = __ldg((const uint2 *)p);
+        w[0] = v.x, w[1] = v.y;
+    } else {
+        w[0] = __ldg((const uint32_t *)p);
+    }
+}
+
+/* Dim of QK k position e (0..3 for k = 2c, 2c+1, 2c+8, 2c+9) of k-step j for lane slot c. */
+template <int D>
+__device__ __forceinline__ int kvmix__tc_kdim(int c, int j, int e) {
+    int base = c * (D / 4) + 16 * (j / 4), v = j % 4;
+    return base + 2 * v + (e & 1) * 8 + (e >> 1);
+}
+
+template <int F>
+__host__ __device__ constexpr int kvmix__fbits() {
+    return F == KVMIX_FORMAT_FP16 ? 16 : F == KVMIX_FORMAT_INT8 ? 8 : F == KVMIX_FORMAT_INT4 ? 4 : 2;
+}
+
+template <int D>
+struct kvmix__tc_smem {
+    float q[4][D];     /* query * scale * log2(e); 0 for unused head slots */
+    float qsum[4][16]; /* per-token keys: sum of q over each group */
+    uint8_t slot_ch[kvmix__tc_warps][256];
+    union {
+        uint2 b2[kvmix__tc_warps][16][32]; /* boosted keys: B of the high-bit mma */
+        struct {
+            float acc[kvmix__tc_warps][4][D];
+            float m[kvmix__tc_warps][4], l[kvmix__tc_warps][4];
+        } merge;
+    } u;
+    kvmix__walk_smem walk;
+    int error;
+};
+
+template <int D>
+struct kvmix__tc_state {
+    float o[D / 16][4];
+    float om[4];
+    float m, l;
+};
+
+/* Rows of K (per lane: its D/4 dims of tokens r and r+8) -> A registers of one 16-dim chunk:
+   R[k] = (dim k, dim k + 8) of the chunk, k < 8, as exact fp16 codes (or fp16 values). */
+template <int KF>
+__device__ __forceinline__ void kvmix__tc_kchunk(const uint32_t *w, uint32_t *R) {
+    if constexpr (KF == KVMIX_FORMAT_FP16) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) R[k] = kvmix__prmt(w[k / 2], w[4 + k / 2], (k & 1) ? 0x7632u : 0x5410u);
+    } else if constexpr (KF == KVMIX_FORMAT_INT8) {
+        kvmix__codes8(w[0], w[2], R);
+        kvmix__codes8(w[1], w[3], R + 4);
+    } else if constexpr (KF == KVMIX_FORMAT_INT4) {
+        kvmix__codes4(kvmix__prmt(w[0], w[1], 0x5410u), R);
+        kvmix__codes4(kvmix__prmt(w[0], w[1], 0x7632u), R + 4);
+    } else {
+        kvmix__codes2(w[0], R);
+    }
+}
+
+/* V words of two tokens (lane's D/8 dims each) -> R[k] = (token a dim k, token b dim k). */
+template <int VF, int DV>
+__device__ __forceinline__ void kvmix__tc_vpair(const uint32_t *a, const uint32_t *b, uint32_t *R) {
+    if constexpr (VF == KVMIX_FORMAT_FP16) {
+#pragma unroll
+        for (int k = 0; k < DV / 2; k++) {
+            R[2 * k] = kvmix__prmt(a[k], b[k], 0x5410u);
+            R[2 * k + 1] = kvmix__prmt(a[k], b[k], 0x7632u);
+        }
+    } else if constexpr (VF == KVMIX_FORMAT_INT8) {
+#pragma unroll
+        for (int k = 0; k < DV / 4; k++) kvmix__codes8(a[k], b[k], R + 4 * k);
+    } else if constexpr (VF == KVMIX_FORMAT_INT4) {
+#pragma unroll
+        for (int k = 0; k < DV / 8; k++) {
+            kvmix__codes4(kvmix__prmt(a[k], b[k], 0x5410u), R + 8 * k);
+            kvmix__codes4(kvmix__prmt(a[k], b[k], 0x7632u), R + 8 * k + 4);
+        }
+    } else {
+        if constexpr (DV == 8) {
+            kvmix__codes2(kvmix__prmt(a[0], b[0], 0x5410u), R);
+        } else {
+#pragma unroll
+            for (int k = 0; k < DV / 16; k++) {
+                kvmix__codes2(kvmix__prmt(a[k], b[k], 0x5410u), R + 16 * k);
+                kvmix__codes2(kvmix__prmt(a[k], b[k], 0x7632u), R + 16 * k + 8);
+            }
+        }
+    }
+}
+
+/* One warp: tokens [ta, tb) of a span (at most kvmix__tc_unit_tokens), keys KF, values VF. */
+template <int D, int KF, int VF>
+__device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm,
+                                            const kvmix__decode_params &p, const uint8_t *kblk,
+                                            const kvmix__sec &ks, const uint8_t *vblk,
+                                            const kvmix__sec &vs, const uint8_t *dead, int ta,
+                                            int tb) {
+    constexpr int KS = D / 16, DQ = D / 4, DV = D / 8;
+    constexpr int KB = kvmix__fbits<KF>(), VB = kvmix__fbits<VF>();
+    constexpr bool k_chan = KF == KVMIX_FORMAT_INT2_CHANNEL || KF == KVMIX_FORMAT_BOOSTED;
+    constexpr bool k_tok = kvmix__per_token(KF);
+    constexpr bool v_chan = VF == KVMIX_FORMAT_INT2_CHANNEL || VF == KVMIX_FORMAT_BOOSTED;
+    constexpr bool v_tok = kvmix__per_token(VF);
+    constexpr int NWK = DQ * KB / 32;             /* K words per lane per row */
+    constexpr int NWV = DV * VB / 32 > 0 ? DV * VB / 32 : 1; /* V words per lane per token */
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, c = lane & 3;
+    const int G = p.group_size, NG = D / G;
+    const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
+
+    /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 */
+    uint32_t bk[KS][2];
+    {
+        const int h = r >> 1, part = r & 1;
+#pragma unroll
+        for (int j = 0; j < KS; j++) {
+            uint16_t e[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                int d = kvmix__tc_kdim<D>(c, j, x);
+                float v = sm.q[h][d];
+                if constexpr (k_chan) v *= kvmix__h2f((uint16_t)kvmix__ld_u16(kblk + ks.meta_offset + (uint64_t)d * 4));
+                e[x] = kvmix__split(v, part);
+            }
+            bk[j][0] = kvmix__pack(e[0], e[1]);
+            bk[j][1] = kvmix__pack(e[2], e[3]);
+        }
+    }
+    float kconst = 0.0f; /* per-channel keys: sum over channels of q * min (head c) */
+    if constexpr (k_chan) {
+        for (int d = r; d < D; d += 8)
+            kconst += sm.q[c][d] * kvmix__h2f((uint16_t)kvmix__ld_u16(kblk + ks.meta_offset + (uint64_t)d * 4 + 2));
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) kconst += __shfl_xor_sync(0xffffffffu, kconst, off);
+    }
+    uint32_t bm[2] = {0u, 0u}; /* per-token keys: B of the minima mma (k = group 4c + e) */
+    if constexpr (k_tok) {
+        const int h = r >> 1, part = r & 1;
+        uint16_t e[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            int g = 4 * c + x;
+            e[x] = kvmix__split(g < NG ? sm.qsum[h][g] : 0.0f, part);
+        }
+        bm[0] = kvmix__pack(e[0], e[1]);
+        bm[1] = kvmix__pack(e[2], e[3]);
+    }
+    int ks2 = 0; /* boosted keys: k-steps over the slots */
+    if constexpr (KF == KVMIX_FORMAT_BOOSTED) {
+        const int nb = p.n_boost;
+        ks2 = (nb + 15) / 16;
+        for (int d = lane; d < D; d += 32) {
+            int s = kblk[ks.index_offset + d];
+            if (s < nb) sm.slot_ch[warp][s] = (uint8_t)d;
+        }
+        __syncwarp();
+        const int h = r >> 1, part = r & 1;
+        for (int jb = 0; jb < ks2; jb++) {
+            uint16_t e[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                int s = 16 * jb + 4 * c + x;
+                float v = 0.0f;
+                if (s < nb) {
+                    int d = sm.slot_ch[warp][s];
+                    v = 4.0f * sm.q[h][d] *
+                        kvmix__h2f((uint16_t)kvmix__ld_u16(kblk + ks.meta_offset + (uint64_t)d * 4));
+                }
+                e[x] = kvmix__split(v, part);
+            }
+            sm.u.b2[warp][jb][lane] = make_uint2(kvmix__pack(e[0], e[1]), kvmix__pack(e[2], e[3]));
+        }
+        __syncwarp();
+    }
+    float lsp = 0.0f; /* per-channel values: sum of p over this unit (head c, lane partial) */
+
+    for (int t0 = ta; t0 < tb; t0 += 16) {
+        const int tl = tb - 1;
+        /* ---- loads ---- */
+        const int kr0 = min(t0 + r, tl), kr1 = min(t0 + r + 8, tl);
+        uint32_t kw[2][NWK];
+        kvmix__ldw<NWK>(kblk + (uint32_t)kr0 * krow + c * (NWK * 4), kw[0]);
+        kvmix__ldw<NWK>(kblk + (uint32_t)kr1 * krow + c * (NWK * 4), kw[1]);
+        int vt[4];
+        vt[0] = min(t0 + 2 * c, tl), vt[1] = min(t0 + 2 * c + 1, tl);
+        vt[2] = min(t0 + 2 * c + 8, tl), vt[3] = min(t0 + 2 * c + 9, tl);
+        uint32_t vw[4][NWV];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const uint8_t *src = vblk + (uint32_t)vt[x] * vrow + r * (DV * VB / 8);
+            if constexpr (DV * VB / 8 == 2)
+                vw[x][0] = *(const uint16_t *)src;
+            else
+                kvmix__ldw<NWV>(src, vw[x]);
+        }
+        uint32_t vmeta[4] = {0u, 0u, 0u, 0u};
+        if constexpr (v_tok) {
+            const int gv = r * DV / G;
+#pragma unroll
+            for (int x = 0; x < 4; x++)
+                vmeta[x] = __ldg((const uint32_t *)(vblk + vs.meta_offset + ((uint32_t)vt[x] * NG + gv) * 4));
+        }
+
+        /* ---- logits ---- */
+        float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ch = 0; ch < KS / 4; ch++) {
+            uint32_t R0[8], R1[8];
+            if constexpr (KF == KVMIX_FORMAT_FP16 || KF == KVMIX_FORMAT_INT8 || KF == KVMIX_FORMAT_INT4) {
+                constexpr int WPC = 16 * KB / 32; /* words per 16-dim chunk */
+                kvmix__tc_kchunk<KF>(kw[0] + ch * WPC, R0);
+                kvmix__tc_kchunk<KF>(kw[1] + ch * WPC, R1);
+            } else {
+                kvmix__tc_kchunk<KF>(kw[0] + ch, R0);
+                kvmix__tc_kchunk<KF>(kw[1] + ch, R1);
+            }
+            if constexpr (k_tok) {
+                const int g = (c * DQ + 16 * ch) / G;
+                uint32_t m0 = __ldg((const uint32_t *)(kblk + ks.meta_offset + ((uint32_t)kr0 * NG + g) * 4));
+                uint32_t m1 = __ldg((const uint32_t *)(kblk + ks.meta_offset + ((uint32_t)kr1 * NG + g) * 4));
+                __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
+                __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
+#pragma unroll
+                for (int v = 0; v < 4; v++) {
+                    __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0), a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
+                    __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1), a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
+                    __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
+                    __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
+                    __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
+                    __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
+                    const int j = 4 * ch + v;
+                    kvmix__mma(sacc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3), bk[j][0], bk[j][1]);
+                    kvmix__mma(sacc, kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), bk[j][0], bk[j][1]);
+                }
+            } else {
+#pragma unroll
+                for (int v = 0; v < 4; v++) {
+                    const int j = 4 * ch + v;
+                    kvmix__mma(sacc, R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1], bk[j][0], bk[j][1]);
+                }
+            }
+        }
+        if constexpr (k_tok) { /* minima: A[token][group] */
+            uint32_t mn[2][4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                int g = 4 * c + x;
+                mn[0][x] = g < NG ? __ldg((const uint32_t *)(kblk + ks.meta_offset + ((uint32_t)kr0 * NG + g) * 4)) : 0u;
+                mn[1][x] = g < NG ? __ldg((const uint32_t *)(kblk + ks.meta_offset + ((uint32_t)kr1 * NG + g) * 4)) : 0u;
+            }
+            kvmix__mma(sacc, kvmix__prmt(mn[0][0], mn[0][1], 0x7632u), kvmix__prmt(mn[1][0], mn[1][1], 0x7632u),
+                       kvmix__prmt(mn[0][2], mn[0][3], 0x7632u), kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
+        }
+        if constexpr (KF == KVMIX_FORMAT_BOOSTED) { /* high bits of the boosted slots */
+            const uint32_t hrow = (uint32_t)ks.high_row_bytes;
+            const uint8_t *h0 = kblk + ks.high_offset + (uint32_t)kr0 * hrow;
+            const uint8_t *h1 = kblk + ks.high_offset + (uint32_t)kr1 * hrow;
+            for (int jb = 0; jb < ks2; jb++) {
+                uint32_t bi = 4 * jb + c;
+                uint32_t x0 = bi < hrow ? h0[bi] : 0u, x1 = bi < hrow ? h1[bi] : 0u;
+                x0 |= x0 << 14, x1 |= x1 << 14;
+                uint2 b = sm.u.b2[warp][jb][lane];
+                kvmix__mma(sacc, kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                           kvmix__code(x1, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                           kvmix__code(x0 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                           kvmix__code(x1 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u), b.x, b.y);
+            }
+        }
+
+        /* ---- online softmax (head c, tokens r and r + 8) ---- */
+        float s0 = sacc[0] + sacc[1] + kconst, s1 = sacc[2] + sacc[3] + kconst;
+        {
+            int t = t0 + r;
+            if (t > tl || (dead && dead[t])) s0 = -INFINITY;
+            t += 8;
+            if (t > tl || (dead && dead[t])) s1 = -INFINITY;
+        }
+        float tmax = fmaxf(s0, s1);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+        const float mnew = fmaxf(st.m, tmax);
+        const float msafe = mnew == -INFINITY ? 0.0f : mnew;
+        const float alpha = exp2f(st.m - msafe);
+        if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+#pragma unroll
+            for (int i = 0; i < D / 16; i++)
+#pragma unroll
+                for (int x = 0; x < 4; x++) st.o[i][x] *= alpha;
+#pragma unroll
+            for (int x = 0; x < 4; x++) st.om[x] *= alpha;
+            st.l *= alpha;
+            lsp *= alpha;
+        }
+        st.m = mnew;
+        const float p0 = exp2f(s0 - msafe), p1 = exp2f(s1 - msafe);
+        st.l += p0 + p1;
+        if constexpr (v_chan) lsp += p0 + p1;
+        const uint32_t pb0 = kvmix__trans(kvmix__split2(p0)), pb1 = kvmix__trans(kvmix__split2(p1));
+
+        /* ---- values ---- */
+        uint32_t Ra[DV], Rb[DV];
+        kvmix__tc_vpair<VF, DV>(vw[0], vw[1], Ra);
+        kvmix__tc_vpair<VF, DV>(vw[2], vw[3], Rb);
+        if constexpr (VF == KVMIX_FORMAT_BOOSTED) { /* add 4 * high bits of boosted channels */
+            const uint32_t hrow = (uint32_t)vs.high_row_bytes;
+#pragma unroll
+            for (int k = 0; k < DV; k++) {
+                int d = r * DV + k, s = vblk[vs.index_offset + d];
+                if (s != KVMIX_BOOST_NONE) {
+                    uint32_t hv[4];
+#pragma unroll
+                    for (int x = 0; x < 4; x++)
+                        hv[x] = (vblk[vs.high_offset + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) & 3u;
+                    __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]), __ushort2half_rn((unsigned short)hv[1]));
+                    __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]), __ushort2half_rn((unsigned short)hv[3]));
+                    Ra[k] = kvmix__h2u(__hfma2(ha, __float2half2_rn(4.0f), kvmix__u2h(Ra[k])));
+                    Rb[k] = kvmix__h2u(__hfma2(hb, __float2half2_rn(4.0f), kvmix__u2h(Rb[k])));
+                }
+            }
+        }
+        if constexpr (VF == KVMIX_FORMAT_FP16) {
+#pragma unroll
+            for (int i = 0; i < D / 16; i++) kvmix__mma(st.o[i], Ra[2 * i], Ra[2 * i + 1], Rb[2 * i], Rb[2 * i + 1], pb0, pb1);
+        } else {
+            __half2 sa, sb;
+            if constexpr (v_tok) {
+                sa = kvmix__u2h(kvmix__prmt(vmeta[0], vmeta[1], 0x5410u));
+                sb = kvmix__u2h(kvmix__prmt(vmeta[2], vmeta[3], 0x5410u));
+            }
+#pragma unroll
+            for (int i = 0; i < D / 16; i++) {
+                __half2 s0a = sa, s0b = sb, s1a = sa, s1b = sb;
+                if constexpr (v_chan) {
+                    int d = r * DV + 2 * i;
+                    s0a = s0b = __half2half2(__ushort_as_half((uint16_t)kvmix__ld_u16(vblk + vs.meta_offset + (uint64_t)d * 4)));
+                    s1a = s1b = __half2half2(__ushort_as_half((uint16_t)kvmix__ld_u16(vblk + vs.meta_offset + (uint64_t)(d + 1) * 4)));
+                }
+                __half2 a0 = __hmul2(kvmix__u2h(Ra[2 * i]), s0a), a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
+                __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b), a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
+                __half2 l0 = __hfma2(kvmix__u2h(Ra[2 * i]), s0a, __hneg2(a0));
+                __half2 l1 = __hfma2(kvmix__u2h(Ra[2 * i + 1]), s1a, __hneg2(a1));
+                __half2 l2 = __hfma2(kvmix__u2h(Rb[2 * i]), s0b, __hneg2(a2));
+                __half2 l3 = __hfma2(kvmix__u2h(Rb[2 * i + 1]), s1b, __hneg2(a3));
+                kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3), pb0, pb1);
+                kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), pb0, pb1);
+            }
+            if constexpr (v_tok) {
+                uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u), mb = kvmix__prmt(vmeta[2], vmeta[3], 0x7632u);
+                kvmix__mma(st.om, ma, ma, mb, mb, pb0, pb1);
+            }
+        }
+    }
+    if constexpr (v_chan) { /* per-channel minima: o += min * sum of p over the unit */
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) lsp += __shfl_xor_sync(0xffffffffu, lsp, off);
+#pragma unroll
+        for (int i = 0; i < D / 16; i++) {
+            int d = r * DV + 2 * i;
+            st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__ld_u16(vblk + vs.meta_offset + (uint64_t)d * 4 + 2));
+            st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__ld_u16(vblk + vs.meta_offset + (uint64_t)(d + 1) * 4 + 2));
+        }
+    }
+}
+
+#define KVMIX__TC_V(D_, KF_)                                                                       \
+    switch (vf) {                                                                                  \
+    case KVMIX_FORMAT_FP16: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_FP16>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
+    case KVMIX_FORMAT_INT8: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_INT8>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
+    case KVMIX_FORMAT_INT4: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_INT4>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
+    case KVMIX_FORMAT_INT2: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_INT2>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
+    case KVMIX_FORMAT_INT2_CHANNEL: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_INT2_CHANNEL>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
+    default: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_BOOSTED>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
+    }
+
+/* Grid (n_splits, n_kv_heads * q_chunks, n_seqs), 128 threads; a block serves query heads
+   [kv * q_per_kv + chunk * 4, + 4) (fewer in the last chunk) over its split's token range. */
+template <int D>
+static __global__ void __launch_bounds__(kvmix__tc_warps * 32) kvmix__tc_decode_kernel(kvmix__decode_params p) {
+    __shared__ kvmix__tc_smem<D> sm;
+    const int split = blockIdx.x, seq = blockIdx.z;
+    const int kv = blockIdx.y / p.q_chunks, chunk = blockIdx.y % p.q_chunks;
+    const int qh0 = kv * p.q_per_kv + chunk * 4, nq = min(4, p.q_per_kv - chunk * 4);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int G = p.group_size, NG = D / G;
+
+    for (int e = threadIdx.x; e < 4 * D; e += blockDim.x) {
+        int h = e / D;
+        sm.q[h][e % D] = h < nq ? kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype) * p.scale_log2
+                                : 0.0f;
+    }
+    if (threadIdx.x == 0) sm.error = 0;
+    __syncthreads();
+    for (int e = threadIdx.x; e < 4 * 16; e += blockDim.x) {
+        int h = e / 16, g = e % 16;
+        float s = 0.0f;
+        if (g < NG)
+            for (int d = g * G; d < g * G + G; d++) s += sm.q[h][d];
+        sm.qsum[h][g] = s;
+    }
+
+    const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
+    int64_t total_tokens = 0;
+    int bad_count = 0;
+    for (int c0 = first; c0 < last; c0 += blockDim.x) {
+        int i = c0 + threadIdx.x;
+        int n = i < last ? p.spans[i].n_tokens : 1;
+        int64_t part = i < last ? (int64_t)max(n, 0) : 0, sum;
+        kvmix__block_scan(part, sm.walk.scratch, &sum);
+        total_tokens += sum;
+        bad_count += __syncthreads_count(n < 1);
+    }
+    const int64_t lo = total_tokens * split / p.n_splits;
+    const int64_t hi = total_tokens * (split + 1) / p.n_splits;
+
+    kvmix__tc_state<D> st;
+#pragma unroll
+    for (int i = 0; i < D / 16; i++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) st.o[i][x] = 0.0f;
+#pragma unroll
+    for (int x = 0; x < 4; x++) st.om[x] = 0.0f;
+    st.m = -INFINITY, st.l = 0.0f;
+    __syncthreads();
+    int unit_base = 0;
+    /* the spans overlapping [lo, hi), walked inline (no lambda: the state must stay in registers) */
+    int64_t span_base = 0;
+    for (int c0 = first; bad_count == 0 && c0 < last && span_base < hi; c0 += blockDim.x) {
+        const int i = c0 + (int)threadIdx.x;
+        int64_t n = i < last ? (int64_t)max(p.spans[i].n_tokens, 0) : 0, total;
+        int64_t end = span_base + kvmix__block_scan(n, sm.walk.scratch, &total);
+        sm.walk.start[threadIdx.x] = end - n;
+        const int j_begin = __syncthreads_count(i < last && end <= lo);
+        const int j_end = __syncthreads_count(i < last && end - n < hi);
+        for (int jj = j_begin; jj < j_end; jj++) {
+            const int si = c0 + jj;
+            const int64_t start = sm.walk.start[jj];
+            const kvmix_view_span sp = p.spans[si];
+            kvmix__sec ks, vs;
+            bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
+                                      p.n_kv_heads, D, p.group_size, p.n_boost, p.base_bytes, &ks) &&
+                      kvmix__block_ok(sp.value_format, sp.n_tokens, sp.value_offset,
+                                      sp.value_head_bytes, p.n_kv_heads, D, p.group_size,
+                                      p.n_boost, p.base_bytes, &vs) &&
+                      (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+            if (!ok) {
+                if (threadIdx.x == 0) sm.error = 1;
+                continue;
+            }
+            const uint8_t *kblk = p.base + sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
+            const uint8_t *vblk = p.base + sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
+            const int kf = sp.key_format, vf = sp.value_format;
+            const uint8_t *dead = sp.dead_index >= 0 ? p.dead + sp.dead_index : nullptr;
+            const int ta = (int)(max(lo, start) - start), tb = (int)(min(hi, start + (int64_t)sp.n_tokens) - start);
+            const int n_units = (tb - ta + kvmix__tc_unit_tokens - 1) / kvmix__tc_unit_tokens;
+            for (int u = (warp - unit_base % kvmix__tc_warps + kvmix__tc_warps) % kvmix__tc_warps; u < n_units;
+                 u += kvmix__tc_warps) {
+                const int ua = ta + u * kvmix__tc_unit_tokens, ub = min(tb, ua + kvmix__tc_unit_tokens);
+                switch (kf) {
+                case KVMIX_FORMAT_FP16: KVMIX__TC_V(D, KVMIX_FORMAT_FP16) break;
+                case KVMIX_FORMAT_INT8: KVMIX__TC_V(D, KVMIX_FORMAT_INT8) break;
+                case KVMIX_FORMAT_INT4: KVMIX__TC_V(D, KVMIX_FORMAT_INT4) break;
+                case KVMIX_FORMAT_INT2: KVMIX__TC_V(D, KVMIX_FORMAT_INT2) break;
+                case KVMIX_FORMAT_INT2_CHANNEL: KVMIX__TC_V(D, KVMIX_FORMAT_INT2_CHANNEL) break;
+                default: KVMIX__TC_V(D, KVMIX_FORMAT_BOOSTED) break;
+                }
+            }
+            unit_base += n_units % kvmix__tc_warps;
+        }
+        span_base += total;
+        __syncthreads();
+    }
+    if (bad_count != 0 && threadIdx.x == 0) sm.error = 1;
+
+    /* the warp's sum of p per head, then merge the block's warps */
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) st.l += __shfl_xor_sync(0xffffffffu, st.l, off);
+    __syncthreads(); /* b2 (union) no longer in use */
+    {
+        const int r = lane >> 2, c = lane & 3;
+        constexpr int DV = D / 8;
+        const float omin = st.om[0] + st.om[1];
+#pragma unroll
+        for (int i = 0; i < D / 16; i++) {
+            sm.u.merge.acc[warp][c][r * DV + 2 * i] = st.o[i][0] + st.o[i][1] + omin;
+            sm.u.merge.acc[warp][c][r * DV + 2 * i + 1] = st.o[i][2] + st.o[i][3] + omin;
+        }
+        if (r == 0) sm.u.merge.m[warp][c] = st.m, sm.u.merge.l[warp][c] = st.l;
+    }
+    __syncthreads();
+    const size_t part = ((size_t)seq * p.n_splits + split) * p.n_q_heads + qh0;
+    for (int e = threadIdx.x; e < nq * D; e += blockDim.x) {
+        int h = e / D, c = e % D;
+        float mx = -INFINITY;
+        for (int w = 0; w < kvmix__tc_warps; w++) mx = fmaxf(mx, sm.u.merge.m[w][h]);
+        float sum = 0.0f, o = 0.0f;
+        if (mx != -INFINITY)
+            for (int w = 0; w < kvmix__tc_warps; w++) {
+                float wt = exp2f(sm.u.merge.m[w][h] - mx);
+                sum += wt * sm.u.merge.l[w][h];
+                o += wt * sm.u.merge.acc[w][h][c];
+            }
+        float nan = __int_as_float(0x7fffffff);
+        bool err = sm.error != 0;
+        p.part_out[part * D + e] = err ? nan : (sum > 0.0f ? o / sum : 0.0f);
+        if (c == 0) p.part_lse[part + h] = err ? nan : (sum > 0.0f ? mx + log2f(sum) : -INFINITY);
+    }
+}
+
 struct kvmix__merge_params {
     const float *part_out, *part_lse;
     int n_splits, n_q_heads, head_dim, dtype;
@@ -1087,10 +1694,11 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
         max_seq_tokens < 0 || n_sms <= 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
     int g = n_q_heads / n_kv_heads;
-    int nq = g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1;
-    int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * (g / nq);
-    int64_t want = (4 * (int64_t)n_sms + blocks - 1) / blocks; /* about 4 blocks per SM */
-    int64_t most = max_seq_tokens / 512;                       /* at least ~512 tokens a split */
+    /* one block per (sequence, kv head, 4 query heads, split); about 4 blocks fit on an SM:
+       fill the machine in one wave, with at least ~256 tokens per split */
+    int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
+    int64_t want = 4 * (int64_t)n_sms / blocks;
+    int64_t most = max_seq_tokens / 256;
     if (want > most) want = most;
     if (want < 1) want = 1;
     if (want > KVMIX_CUDA_MAX_SPLITS) want = KVMIX_CUDA_MAX_SPLITS;
@@ -1139,15 +1747,19 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cu
     if (r != KVMIX_SUCCESS) return r;
     if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
     if (((uintptr_t)workspace & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    const int q_per_kv = desc->n_q_heads / view->n_kv_heads, nq = kvmix__heads_per_block(q_per_kv);
-    const int64_t grid_y = (int64_t)view->n_kv_heads * (q_per_kv / nq);
+    const int q_per_kv = desc->n_q_heads / view->n_kv_heads;
+    /* tensor-core kernel unless a value lane's D/8 dims would span two groups (D 256, G 16) */
+    const bool tc = d / 8 <= group;
+    const int nq = tc ? 4 : kvmix__heads_per_block(q_per_kv);
+    const int q_chunks = tc ? (q_per_kv + 3) / 4 : q_per_kv / nq;
+    const int64_t grid_y = (int64_t)view->n_kv_heads * q_chunks;
     if (grid_y > 65535 || view->n_seqs > 65535) return KVMIX_ERR_UNSUPPORTED;
 
     kvmix__decode_params p;
     p.base = view->base, p.base_bytes = view->base_bytes, p.spans = view->spans;
     p.seq_first_span = view->seq_first_span, p.dead = view->dead;
     p.n_dead_flags = view->n_dead_flags, p.n_seqs = view->n_seqs, p.n_kv_heads = view->n_kv_heads;
-    p.n_q_heads = desc->n_q_heads, p.q_per_kv = q_per_kv, p.q_chunks = q_per_kv / nq;
+    p.n_q_heads = desc->n_q_heads, p.q_per_kv = q_per_kv, p.q_chunks = q_chunks;
     p.group_size = group, p.n_boost = view->n_boost, p.n_splits = desc->n_splits;
     p.dtype = desc->dtype;
     float scale = desc->scale > 0.0f ? desc->scale : 1.0f / sqrtf((float)d);
@@ -1158,10 +1770,15 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cu
 
     dim3 grid((unsigned)desc->n_splits, (unsigned)grid_y, (unsigned)view->n_seqs);
     cudaStream_t s = (cudaStream_t)stream;
-    switch (d) {
-    case 64: kvmix__decode_dispatch_nq<64>(nq, grid, s, p); break;
-    case 128: kvmix__decode_dispatch_nq<128>(nq, grid, s, p); break;
-    default: kvmix__decode_dispatch_nq<256>(nq, grid, s, p); break;
+    const unsigned threads = kvmix__tc_warps * 32;
+    if (tc) {
+        switch (d) {
+        case 64: kvmix__tc_decode_kernel<64><<<grid, threads, 0, s>>>(p); break;
+        case 128: kvmix__tc_decode_kernel<128><<<grid, threads, 0, s>>>(p); break;
+        default: kvmix__tc_decode_kernel<256><<<grid, threads, 0, s>>>(p); break;
+        }
+    } else {
+        kvmix__decode_dispatch_nq<256>(nq, grid, s, p); /* SIMT kernel (v1) */
     }
     if ((r = kvmix__launch_status()) != KVMIX_SUCCESS) return r;
 
@@ -1177,16 +1794,12 @@ extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_
                                                         int32_t *out_blocks) {
     if (!out_blocks) return KVMIX_ERR_NULL_POINTER;
     if (q_per_kv <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    int nq = kvmix__heads_per_block(q_per_kv), blocks = 0;
+    int blocks = 0;
     cudaError_t e = cudaErrorInvalidValue;
-#define KVMIX__OCC(D_, NQ_)                                                                        \
-    if (head_dim == D_ && nq == NQ_)                                                               \
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__decode_kernel<D_, NQ_>,  \
-                                                          kvmix__decode_threads, 0);
-    KVMIX__OCC(64, 1) KVMIX__OCC(64, 2) KVMIX__OCC(64, 4)
-    KVMIX__OCC(128, 1) KVMIX__OCC(128, 2) KVMIX__OCC(128, 4)
-    KVMIX__OCC(256, 1) KVMIX__OCC(256, 2) KVMIX__OCC(256, 4)
-#undef KVMIX__OCC
+    const int threads = kvmix__tc_warps * 32;
+    if (head_dim == 64) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<64>, threads, 0);
+    if (head_dim == 128) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<128>, threads, 0);
+    if (head_dim == 256) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<256>, threads, 0);
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
     if (e != cudaSuccess) return KVMIX_ERR_CUDA;
     *out_blocks = blocks;
