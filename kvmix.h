@@ -153,8 +153,8 @@ KVMIXDEF kvmix_result kvmix_ref_quantize(const kvmix_layout *layout, const float
                                          int32_t row_stride, void *dst, size_t dst_bytes);
 
 /* Dequantizes a whole block into dst [n_tokens][row_stride floats]. Packed bytes are validated
-   first (FP16 rows, scales and minima finite, scales >= 0, boost index a permutation of its
-   slots): on
+   first (FP16 rows, scales and minima finite, scales' sign bit clear, boost index a
+   permutation of its slots): on
    KVMIX_ERR_CORRUPT_DATA nothing is written. */
 KVMIXDEF kvmix_result kvmix_ref_dequantize(const kvmix_layout *layout, const void *src,
                                            size_t src_bytes, float *dst, int32_t row_stride);
@@ -943,18 +943,22 @@ KVMIXDEF kvmix_result kvmix_ref_quantize(const kvmix_layout *layout, const float
     return KVMIX_SUCCESS;
 }
 
+/* Parameters a quantize call can write: a finite scale with the sign bit clear (never -0) and a
+   finite minimum. */
 static int kvmix__qparams_valid(const uint8_t *meta) {
-    float scale = kvmix_fp16_to_fp32(kvmix__load_u16(meta));
+    uint16_t scale_h = kvmix__load_u16(meta);
     float min = kvmix_fp16_to_fp32(kvmix__load_u16(meta + 2));
-    return scale >= 0.0f && kvmix__representable(scale) && kvmix__representable(min);
+    return (scale_h & 0x8000u) == 0 && kvmix__representable(kvmix_fp16_to_fp32(scale_h)) &&
+           kvmix__representable(min);
 }
 
 /* Checks what a quantize call guarantees about packed bytes: finite FP16 rows and parameters,
-   non-negative scales, and a boost index that gives each of the n_boost slots to exactly one
+   scales with the sign bit clear, and a boost index that gives each of the n_boost slots to exactly one
    channel. */
 static kvmix_result kvmix__check_block(const kvmix_layout *l, const uint8_t *block) {
     kvmix__sections s = kvmix__layout_sections(l);
     size_t meta_end = s.index_offset, i;
+    if (l->n_tokens == 0) return KVMIX_SUCCESS;
     if (l->format == KVMIX_FORMAT_FP16) {
         for (i = 0; i < s.total_bytes; i += 2)
             if ((kvmix__load_u16(block + i) & 0x7c00u) == 0x7c00u) return KVMIX_ERR_CORRUPT_DATA;
