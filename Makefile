@@ -79,7 +79,7 @@ test-cuda: $(BUILD)/test_cuda
 
 # ---- benchmarks -----------------------------------------------------------------------------
 $(BUILD)/bench_formats: bench/bench_formats.c kvmix.h | $(BUILD)
-	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
 
 $(BUILD)/bench_cache: bench/bench_cache.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
