@@ -22,11 +22,6 @@
 
 namespace {
 
-#ifndef KVMIX__DECODE_U
-#define KVMIX__DECODE_U 4
-#endif
-constexpr int kvmix__decode_warps = 4;
-constexpr int kvmix__decode_threads = kvmix__decode_warps * 32;
 constexpr int kvmix__view_tile_tokens = 32; /* tokens per block of dequantize and score */
 
 __device__ __forceinline__ float kvmix__h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
@@ -208,31 +203,6 @@ __device__ inline bool kvmix__block_ok(int format, int n, uint64_t offset, uint3
     if (offset > base_bytes || extent > base_bytes - offset) return false;
     *out = s;
     return true;
-}
-
-/* 1 + code * 2^-B as a float, for the B-bit code at bit `pos` of w (pos a compile-time value
-   in unrolled loops): the code is moved under the exponent of 1.0f. */
-template <int B>
-__device__ __forceinline__ float kvmix__code1(uint32_t w, int pos) {
-    constexpr int target = 23 - B;
-    uint32_t moved = pos <= target ? (w << (target - pos)) : (w >> (pos - target));
-    return __uint_as_float((moved & (((1u << B) - 1u) << target)) | 0x3f800000u);
-}
-
-template <int N>
-__device__ __forceinline__ void kvmix__load_words(const uint8_t *p, uint32_t *w) {
-    if constexpr (N == 1) {
-        w[0] = *(const uint32_t *)p;
-    } else if constexpr (N == 2) {
-        uint2 v = *(const uint2 *)p;
-        w[0] = v.x, w[1] = v.y;
-    } else {
-#pragma unroll
-        for (int i = 0; i < N / 4; i++) {
-            uint4 v = ((const uint4 *)p)[i];
-            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
-        }
-    }
 }
 
 } // namespace
@@ -499,426 +469,7 @@ struct kvmix__decode_params {
     float *part_lse;  /* [n_seqs][n_splits][n_q_heads], log2 domain */
 };
 
-/* Lane geometry: a lane owns CPL consecutive channels of one token; LPT lanes hold a token;
-   a warp step covers TPW tokens; a chunk is U steps. */
-template <int D, int NQ>
-struct kvmix__geo {
-    static constexpr int CPL = 16;
-    static constexpr int LPT = D / CPL;
-    static constexpr int TPW = 32 / LPT;
-    static constexpr int U = KVMIX__DECODE_U;
-    static constexpr int CHUNK = TPW * U;
-};
-
-template <int D, int NQ>
-struct kvmix__decode_smem {
-    float q[NQ][D];
-    union {
-        float qh[kvmix__decode_warps][D][NQ]; /* boosted keys: weight of a slot's high bits */
-        struct {
-            float acc[kvmix__decode_warps][NQ][D];
-            float m[kvmix__decode_warps][NQ], l[kvmix__decode_warps][NQ];
-        } merge;
-    } u;
-    float vmeta[kvmix__decode_warps][2][D]; /* per-channel values: 4 * scale, min - 4 * scale */
-    uint8_t vslot[kvmix__decode_warps][D];  /* boosted values: channel slot */
-    kvmix__walk_smem walk;
-    int error;
-};
-
-/* Per-warp online-softmax state and the current span's key preparation. */
-template <int D, int NQ>
-struct kvmix__warp_state {
-    using G = kvmix__geo<D, NQ>;
-    float acc[NQ][G::CPL];
-    float accmin[NQ];
-    float m[NQ], l[NQ];
-    float qk[NQ][G::CPL]; /* query prepared for the span's key format */
-    float kaux[NQ];       /* per-token keys: sum of qk; per-channel keys: constant term */
-};
-
-/* Logits (log2 domain, partial over the lane's channels, then reduced over the token's lanes)
-   of U steps of tokens. */
-template <int D, int NQ, int KF>
-__device__ __forceinline__ void kvmix__chunk_logits(const kvmix__warp_state<D, NQ> &st,
-                                                    const uint8_t *kblk, const kvmix__sec &ks,
-                                                    int group_size, int n_boost,
-                                                    const float (*qh)[NQ], int tok0,
-                                                    int tlast, int gi, int li,
-                                                    float (&s)[kvmix__geo<D, NQ>::U][NQ]) {
-    using G = kvmix__geo<D, NQ>;
-    constexpr int B = KF == KVMIX_FORMAT_FP16 ? 16 : KF == KVMIX_FORMAT_INT8 ? 8 : KF == KVMIX_FORMAT_INT4 ? 4 : 2;
-    constexpr int KW = G::CPL * B / 32;
-    constexpr int SB = KW >= 8 ? 4 : G::U;
-    const int c0 = li * G::CPL;
-#pragma unroll
-    for (int u0 = 0; u0 < G::U; u0 += SB) {
-        uint32_t w[SB][KW];
-        uint32_t meta[SB];
-#pragma unroll
-        for (int u = 0; u < SB; u++) {
-            int t = min(tok0 + (u0 + u) * G::TPW + gi, tlast);
-            kvmix__load_words<KW>(kblk + (uint32_t)t * (uint32_t)(D * B / 8) + c0 * B / 8, w[u]);
-            if constexpr (kvmix__per_token(KF))
-                meta[u] = *(const uint32_t *)(kblk + (uint32_t)ks.meta_offset +
-                                              ((uint32_t)t * (uint32_t)(D / group_size) + c0 / group_size) * 4);
-        }
-#pragma unroll
-        for (int u = 0; u < SB; u++) {
-            float dot[NQ];
-#pragma unroll
-            for (int h = 0; h < NQ; h++) dot[h] = 0.0f;
-            if constexpr (KF == KVMIX_FORMAT_FP16) {
-#pragma unroll
-                for (int i = 0; i < G::CPL / 2; i++) {
-                    float2 x = __half22float2(*(const __half2 *)&w[u][i]);
-#pragma unroll
-                    for (int h = 0; h < NQ; h++)
-                        dot[h] = fmaf(st.qk[h][2 * i + 1], x.y, fmaf(st.qk[h][2 * i], x.x, dot[h]));
-                }
-            } else {
-#pragma unroll
-                for (int i = 0; i < G::CPL; i++) {
-                    float f = kvmix__code1<B>(w[u][(i * B) / 32], (i * B) % 32);
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) dot[h] = fmaf(st.qk[h][i], f, dot[h]);
-                }
-                if constexpr (kvmix__per_token(KF)) {
-                    float sc = kvmix__h2f((uint16_t)(meta[u] & 0xffffu)) * (float)(1 << B);
-                    float mn = kvmix__h2f((uint16_t)(meta[u] >> 16));
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) dot[h] = fmaf(dot[h] - st.kaux[h], sc, mn * st.kaux[h]);
-                } else {
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) dot[h] += st.kaux[h];
-                    if constexpr (KF == KVMIX_FORMAT_BOOSTED) {
-                        int t = min(tok0 + (u0 + u) * G::TPW + gi, tlast);
-                        const uint8_t *high = kblk + (uint32_t)ks.high_offset + (uint32_t)t * (uint32_t)ks.high_row_bytes;
-                        for (int slot = li; slot < n_boost; slot += G::LPT) {
-                            float code = (float)((high[slot >> 2] >> ((slot & 3) * 2)) & 3u);
-#pragma unroll
-                            for (int h = 0; h < NQ; h++) dot[h] = fmaf(qh[slot][h], code, dot[h]);
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int off = 1; off < G::LPT; off <<= 1)
-#pragma unroll
-                for (int h = 0; h < NQ; h++) dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], off);
-#pragma unroll
-            for (int h = 0; h < NQ; h++) s[u0 + u][h] = dot[h];
-        }
-    }
-}
-
-/* acc += p * v over U steps of tokens. */
-template <int D, int NQ, int VF>
-__device__ __forceinline__ void kvmix__chunk_values(kvmix__warp_state<D, NQ> &st,
-                                                    const uint8_t *vblk, const kvmix__sec &vs,
-                                                    int group_size, const float (*vmeta)[D],
-                                                    const uint8_t *vslot, int tok0,
-                                                    int tlast, int gi, int li,
-                                                    const float (&pr)[kvmix__geo<D, NQ>::U][NQ]) {
-    using G = kvmix__geo<D, NQ>;
-    constexpr int B = VF == KVMIX_FORMAT_FP16 ? 16 : VF == KVMIX_FORMAT_INT8 ? 8 : VF == KVMIX_FORMAT_INT4 ? 4 : 2;
-    constexpr int KW = G::CPL * B / 32;
-    constexpr int SB = KW >= 8 ? 4 : G::U;
-    const int c0 = li * G::CPL;
-#pragma unroll
-    for (int u0 = 0; u0 < G::U; u0 += SB) {
-        uint32_t w[SB][KW];
-        uint32_t meta[SB];
-#pragma unroll
-        for (int u = 0; u < SB; u++) {
-            int t = min(tok0 + (u0 + u) * G::TPW + gi, tlast);
-            kvmix__load_words<KW>(vblk + (uint32_t)t * (uint32_t)(D * B / 8) + c0 * B / 8, w[u]);
-            if constexpr (kvmix__per_token(VF))
-                meta[u] = *(const uint32_t *)(vblk + (uint32_t)vs.meta_offset +
-                                              ((uint32_t)t * (uint32_t)(D / group_size) + c0 / group_size) * 4);
-        }
-#pragma unroll
-        for (int u = 0; u < SB; u++) {
-            if constexpr (VF == KVMIX_FORMAT_FP16) {
-#pragma unroll
-                for (int i = 0; i < G::CPL / 2; i++) {
-                    float2 x = __half22float2(*(const __half2 *)&w[u][i]);
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) {
-                        st.acc[h][2 * i] = fmaf(pr[u0 + u][h], x.x, st.acc[h][2 * i]);
-                        st.acc[h][2 * i + 1] = fmaf(pr[u0 + u][h], x.y, st.acc[h][2 * i + 1]);
-                    }
-                }
-            } else if constexpr (kvmix__per_token(VF)) {
-                float sc = kvmix__h2f((uint16_t)(meta[u] & 0xffffu)) * (float)(1 << B);
-                float mn = kvmix__h2f((uint16_t)(meta[u] >> 16));
-                float ps[NQ];
-#pragma unroll
-                for (int h = 0; h < NQ; h++) {
-                    ps[h] = pr[u0 + u][h] * sc;
-                    st.accmin[h] += fmaf(pr[u0 + u][h], mn, -ps[h]);
-                }
-#pragma unroll
-                for (int i = 0; i < G::CPL; i++) {
-                    float f = kvmix__code1<B>(w[u][(i * B) / 32], (i * B) % 32);
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) st.acc[h][i] = fmaf(ps[h], f, st.acc[h][i]);
-                }
-            } else {
-                int t = min(tok0 + (u0 + u) * G::TPW + gi, tlast);
-                const uint8_t *high = vblk + (uint32_t)vs.high_offset + (uint32_t)t * (uint32_t)vs.high_row_bytes;
-#pragma unroll
-                for (int i = 0; i < G::CPL; i++) {
-                    float f = kvmix__code1<2>(w[u][(i * 2) / 32], (i * 2) % 32);
-                    float v = fmaf(f, vmeta[0][c0 + i], vmeta[1][c0 + i]);
-                    if constexpr (VF == KVMIX_FORMAT_BOOSTED) {
-                        int slot = vslot[c0 + i];
-                        if (slot != KVMIX_BOOST_NONE)
-                            v = fmaf((float)((high[slot >> 2] >> ((slot & 3) * 2)) & 3u),
-                                     vmeta[0][c0 + i], v);
-                    }
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) st.acc[h][i] = fmaf(pr[u0 + u][h], v, st.acc[h][i]);
-                }
-            }
-        }
-    }
-}
-
-/* Grid (n_splits, n_kv_heads * q_chunks, n_seqs), 128 threads. Each block: query heads
-   [kv * q_per_kv + chunk * NQ, + NQ) of one sequence over its split's token range. */
-template <int D, int NQ>
-static __global__ void __launch_bounds__(kvmix__decode_threads)
-    kvmix__decode_kernel(kvmix__decode_params p) {
-    using G = kvmix__geo<D, NQ>;
-    __shared__ kvmix__decode_smem<D, NQ> sm;
-    const int split = blockIdx.x, seq = blockIdx.z;
-    const int kv = blockIdx.y / p.q_chunks, qh0 = kv * p.q_per_kv + (blockIdx.y % p.q_chunks) * NQ;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gi = lane / G::LPT, li = lane % G::LPT, c0 = li * G::CPL;
-
-    for (int e = threadIdx.x; e < NQ * D; e += blockDim.x)
-        sm.q[e / D][e % D] =
-            kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype) * p.scale_log2;
-    if (threadIdx.x == 0) sm.error = 0;
-
-    /* the sequence's token count, then this split's range */
-    const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
-    int64_t total_tokens = 0;
-    int bad_count = 0;
-    for (int c = first; c < last; c += blockDim.x) {
-        int i = c + threadIdx.x;
-        int n = i < last ? p.spans[i].n_tokens : 1;
-        int64_t part = i < last ? (int64_t)max(n, 0) : 0, sum;
-        kvmix__block_scan(part, sm.walk.scratch, &sum);
-        total_tokens += sum;
-        bad_count += __syncthreads_count(n < 1);
-    }
-    const int64_t lo = total_tokens * split / p.n_splits;
-    const int64_t hi = total_tokens * (split + 1) / p.n_splits;
-
-    kvmix__warp_state<D, NQ> st;
-#pragma unroll
-    for (int h = 0; h < NQ; h++) {
-        st.m[h] = -INFINITY, st.l[h] = 0.0f, st.accmin[h] = 0.0f, st.kaux[h] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < G::CPL; i++) st.acc[h][i] = 0.0f, st.qk[h][i] = 0.0f;
-    }
-    __syncthreads();
-    int chunk_base = 0;
-    if (bad_count == 0)
-        kvmix__for_spans(p.spans, first, last, lo, hi, sm.walk, [&](int si, int64_t start) {
-            const kvmix_view_span sp = p.spans[si];
-            kvmix__sec ks, vs;
-            bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
-                                      p.n_kv_heads, D, p.group_size, p.n_boost, p.base_bytes, &ks) &&
-                      kvmix__block_ok(sp.value_format, sp.n_tokens, sp.value_offset,
-                                      sp.value_head_bytes, p.n_kv_heads, D, p.group_size,
-                                      p.n_boost, p.base_bytes, &vs) &&
-                      (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
-            if (!ok) {
-                if (threadIdx.x == 0) sm.error = 1;
-                return;
-            }
-            const uint8_t *kblk = p.base + sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
-            const uint8_t *vblk = p.base + sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
-            const int kf = sp.key_format, vf = sp.value_format;
-            /* prepare the query for this span's key format */
-            if (kf == KVMIX_FORMAT_INT2_CHANNEL || kf == KVMIX_FORMAT_BOOSTED) {
-#pragma unroll
-                for (int h = 0; h < NQ; h++) st.kaux[h] = 0.0f;
-#pragma unroll
-                for (int i = 0; i < G::CPL; i++) {
-                    uint32_t mw = *(const uint32_t *)(kblk + ks.meta_offset + (uint64_t)(c0 + i) * 4);
-                    float sc = kvmix__h2f((uint16_t)(mw & 0xffffu)), mn = kvmix__h2f((uint16_t)(mw >> 16));
-                    int slot = kf == KVMIX_FORMAT_BOOSTED ? kblk[ks.index_offset + c0 + i] : KVMIX_BOOST_NONE;
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) {
-                        float qs = sm.q[h][c0 + i] * sc;
-                        st.qk[h][i] = 4.0f * qs;
-                        st.kaux[h] += fmaf(sm.q[h][c0 + i], mn, -4.0f * qs);
-                        if (slot < p.n_boost && gi == 0) sm.u.qh[warp][slot][h] = 4.0f * qs;
-                    }
-                }
-                __syncwarp();
-            } else {
-#pragma unroll
-                for (int h = 0; h < NQ; h++) {
-                    st.kaux[h] = 0.0f;
-#pragma unroll
-                    for (int i = 0; i < G::CPL; i++) {
-                        st.qk[h][i] = sm.q[h][c0 + i];
-                        st.kaux[h] += st.qk[h][i];
-                    }
-                }
-            }
-            if (vf == KVMIX_FORMAT_INT2_CHANNEL || vf == KVMIX_FORMAT_BOOSTED) {
-                for (int c = lane; c < D; c += 32) {
-                    uint32_t mw = *(const uint32_t *)(vblk + vs.meta_offset + (uint64_t)c * 4);
-                    float sc = kvmix__h2f((uint16_t)(mw & 0xffffu)), mn = kvmix__h2f((uint16_t)(mw >> 16));
-                    sm.vmeta[warp][0][c] = 4.0f * sc;
-                    sm.vmeta[warp][1][c] = mn - 4.0f * sc;
-                    sm.vslot[warp][c] =
-                        vf == KVMIX_FORMAT_BOOSTED ? vblk[vs.index_offset + c] : (uint8_t)KVMIX_BOOST_NONE;
-                }
-                __syncwarp();
-            }
-            const int ta = (int)(max(lo, start) - start), tb = (int)(min(hi, start + (int64_t)sp.n_tokens) - start);
-            const int n_chunks = (tb - ta + G::CHUNK - 1) / G::CHUNK;
-            const uint8_t *dead = sp.dead_index >= 0 ? p.dead + sp.dead_index : nullptr;
-            for (int ch = (warp - chunk_base % kvmix__decode_warps + kvmix__decode_warps) %
-                          kvmix__decode_warps;
-                 ch < n_chunks; ch += kvmix__decode_warps) {
-                const int tok0 = ta + ch * G::CHUNK, tlast = tb - 1;
-                float s[G::U][NQ];
-                switch (kf) {
-                case KVMIX_FORMAT_FP16:
-                    kvmix__chunk_logits<D, NQ, KVMIX_FORMAT_FP16>(st, kblk, ks, p.group_size, p.n_boost, sm.u.qh[warp], tok0, tlast, gi, li, s);
-                    break;
-                case KVMIX_FORMAT_INT8:
-                    kvmix__chunk_logits<D, NQ, KVMIX_FORMAT_INT8>(st, kblk, ks, p.group_size, p.n_boost, sm.u.qh[warp], tok0, tlast, gi, li, s);
-                    break;
-                case KVMIX_FORMAT_INT4:
-                    kvmix__chunk_logits<D, NQ, KVMIX_FORMAT_INT4>(st, kblk, ks, p.group_size, p.n_boost, sm.u.qh[warp], tok0, tlast, gi, li, s);
-                    break;
-                case KVMIX_FORMAT_INT2:
-                    kvmix__chunk_logits<D, NQ, KVMIX_FORMAT_INT2>(st, kblk, ks, p.group_size, p.n_boost, sm.u.qh[warp], tok0, tlast, gi, li, s);
-                    break;
-                case KVMIX_FORMAT_INT2_CHANNEL:
-                    kvmix__chunk_logits<D, NQ, KVMIX_FORMAT_INT2_CHANNEL>(st, kblk, ks, p.group_size, p.n_boost, sm.u.qh[warp], tok0, tlast, gi, li, s);
-                    break;
-                default:
-                    kvmix__chunk_logits<D, NQ, KVMIX_FORMAT_BOOSTED>(st, kblk, ks, p.group_size, p.n_boost, sm.u.qh[warp], tok0, tlast, gi, li, s);
-                    break;
-                }
-                /* mask, online softmax over the chunk */
-                float cmax[NQ];
-#pragma unroll
-                for (int h = 0; h < NQ; h++) cmax[h] = -INFINITY;
-#pragma unroll
-                for (int u = 0; u < G::U; u++) {
-                    int t = tok0 + u * G::TPW + gi;
-                    bool live = t <= tlast && !(dead && dead[t]);
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) {
-                        s[u][h] = live ? s[u][h] : -INFINITY;
-                        cmax[h] = fmaxf(cmax[h], s[u][h]);
-                    }
-                }
-#pragma unroll
-                for (int off = G::LPT; off < 32; off <<= 1)
-#pragma unroll
-                    for (int h = 0; h < NQ; h++)
-                        cmax[h] = fmaxf(cmax[h], __shfl_xor_sync(0xffffffffu, cmax[h], off));
-                bool any = false;
-#pragma unroll
-                for (int h = 0; h < NQ; h++) {
-                    if (cmax[h] > st.m[h]) {
-                        float alpha = exp2f(st.m[h] - cmax[h]);
-                        st.m[h] = cmax[h];
-                        st.l[h] *= alpha;
-                        st.accmin[h] *= alpha;
-#pragma unroll
-                        for (int i = 0; i < G::CPL; i++) st.acc[h][i] *= alpha;
-                    }
-                    any |= st.m[h] != -INFINITY;
-                }
-                if (!any) continue;
-#pragma unroll
-                for (int u = 0; u < G::U; u++)
-#pragma unroll
-                    for (int h = 0; h < NQ; h++) {
-                        s[u][h] = st.m[h] == -INFINITY ? 0.0f : exp2f(s[u][h] - st.m[h]);
-                        st.l[h] += s[u][h];
-                    }
-                switch (vf) {
-                case KVMIX_FORMAT_FP16:
-                    kvmix__chunk_values<D, NQ, KVMIX_FORMAT_FP16>(st, vblk, vs, p.group_size, sm.vmeta[warp], sm.vslot[warp], tok0, tlast, gi, li, s);
-                    break;
-                case KVMIX_FORMAT_INT8:
-                    kvmix__chunk_values<D, NQ, KVMIX_FORMAT_INT8>(st, vblk, vs, p.group_size, sm.vmeta[warp], sm.vslot[warp], tok0, tlast, gi, li, s);
-                    break;
-                case KVMIX_FORMAT_INT4:
-                    kvmix__chunk_values<D, NQ, KVMIX_FORMAT_INT4>(st, vblk, vs, p.group_size, sm.vmeta[warp], sm.vslot[warp], tok0, tlast, gi, li, s);
-                    break;
-                case KVMIX_FORMAT_INT2:
-                    kvmix__chunk_values<D, NQ, KVMIX_FORMAT_INT2>(st, vblk, vs, p.group_size, sm.vmeta[warp], sm.vslot[warp], tok0, tlast, gi, li, s);
-                    break;
-                case KVMIX_FORMAT_INT2_CHANNEL:
-                    kvmix__chunk_values<D, NQ, KVMIX_FORMAT_INT2_CHANNEL>(st, vblk, vs, p.group_size, sm.vmeta[warp], sm.vslot[warp], tok0, tlast, gi, li, s);
-                    break;
-                default:
-                    kvmix__chunk_values<D, NQ, KVMIX_FORMAT_BOOSTED>(st, vblk, vs, p.group_size, sm.vmeta[warp], sm.vslot[warp], tok0, tlast, gi, li, s);
-                    break;
-                }
-            }
-            chunk_base += n_chunks % kvmix__decode_warps;
-            __syncwarp();
-        });
-    else if (threadIdx.x == 0)
-        sm.error = 1;
-
-    /* reduce over the warp's token groups, then merge the block's warps */
-#pragma unroll
-    for (int off = G::LPT; off < 32; off <<= 1)
-#pragma unroll
-        for (int h = 0; h < NQ; h++) {
-            st.l[h] += __shfl_xor_sync(0xffffffffu, st.l[h], off);
-            st.accmin[h] += __shfl_xor_sync(0xffffffffu, st.accmin[h], off);
-#pragma unroll
-            for (int i = 0; i < G::CPL; i++)
-                st.acc[h][i] += __shfl_xor_sync(0xffffffffu, st.acc[h][i], off);
-        }
-    __syncthreads();
-    if (gi == 0) {
-#pragma unroll
-        for (int h = 0; h < NQ; h++) {
-#pragma unroll
-            for (int i = 0; i < G::CPL; i++) sm.u.merge.acc[warp][h][c0 + i] = st.acc[h][i] + st.accmin[h];
-            if (li == 0) sm.u.merge.m[warp][h] = st.m[h], sm.u.merge.l[warp][h] = st.l[h];
-        }
-    }
-    __syncthreads();
-    const size_t part = ((size_t)seq * p.n_splits + split) * p.n_q_heads + qh0;
-    for (int e = threadIdx.x; e < NQ * D; e += blockDim.x) {
-        int h = e / D, c = e % D;
-        float mx = -INFINITY;
-        for (int w = 0; w < kvmix__decode_warps; w++) mx = fmaxf(mx, sm.u.merge.m[w][h]);
-        float sum = 0.0f, o = 0.0f;
-        if (mx != -INFINITY)
-            for (int w = 0; w < kvmix__decode_warps; w++) {
-                float wt = exp2f(sm.u.merge.m[w][h] - mx);
-                sum += wt * sm.u.merge.l[w][h];
-                o += wt * sm.u.merge.acc[w][h][c];
-            }
-        float nan = __int_as_float(0x7fffffff);
-        bool err = sm.error != 0;
-        p.part_out[part * D + e] = err ? nan : (sum > 0.0f ? o / sum : 0.0f);
-        if (c == 0) p.part_lse[part + h] = err ? nan : (sum > 0.0f ? mx + log2f(sum) : -INFINITY);
-    }
-}
-
-/* ---- decode attention on tensor cores (v2) ---------------------------------------------------
+/* ---- decode attention on tensor cores (v3: mma.sync tiles, K/V staged by cp.async) ----------
 
    Per warp: tiles of 16 tokens of one kv head against up to 4 query heads, with
    mma.sync.m16n8k16 (f16 inputs, f32 accumulators). The 8 columns of every B operand hold
@@ -942,7 +493,6 @@ static __global__ void __launch_bounds__(kvmix__decode_threads)
    P moves from the C layout of S^T to the B layout of P^T with movmatrix.trans. */
 
 constexpr int kvmix__tc_warps = 4;
-constexpr int kvmix__tc_unit_tokens = 128; /* tokens of a span one warp takes at a time */
 
 __device__ __forceinline__ void kvmix__mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                            uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -1035,29 +585,143 @@ template <int F>
 __host__ __device__ constexpr int kvmix__fbits() {
     return F == KVMIX_FORMAT_FP16 ? 16 : F == KVMIX_FORMAT_INT8 ? 8 : F == KVMIX_FORMAT_INT4 ? 4 : 2;
 }
+__host__ __device__ constexpr bool kvmix__per_channel(int f) {
+    return f == KVMIX_FORMAT_INT2_CHANNEL || f == KVMIX_FORMAT_BOOSTED;
+}
+
+/* Staging: each warp owns two stage buffers of kvmix__tc_cfg<D>::stage bytes in dynamic shared
+   memory. A unit (up to 128 tokens of one span, fewer for wide formats so that it fits) is copied
+   there with cp.async (16-byte copies, zero-filled past the block's end) while the warp computes
+   the previous unit from the other buffer. The regions of a unit, each starting at a 16-byte
+   boundary plus the source's misalignment: K rows, K meta (per-token rows or per-channel table),
+   K boost index and high rows, scratch for the boosted-key B operand and slot->channel table,
+   then the same for V. */
+#ifndef KVMIX__TC_STAGE_128
+#define KVMIX__TC_STAGE_128 12288
+#endif
+#ifndef KVMIX__TC_BLOCKS_128
+#define KVMIX__TC_BLOCKS_128 2
+#endif
+template <int D>
+struct kvmix__tc_cfg {
+    /* at least 16 tokens of FP16 keys and values (64 * D bytes) */
+    static constexpr int stage = D == 128 ? KVMIX__TC_STAGE_128 : 64 * D;
+    static constexpr int min_blocks = D == 64 ? 4 : D == 128 ? KVMIX__TC_BLOCKS_128 : 1;
+    static constexpr int dyn_bytes = 2 * kvmix__tc_warps * stage;
+};
+
+struct kvmix__tc_plan { /* spans of one walk chunk (index = thread of the block) */
+    uint64_t koff[128], voff[128]; /* bytes from base to this kv head's key / value block */
+    int ta[128], tb[128], ntok[128], ut[128], dead[128], ub[128], ue[128];
+    uint8_t kf[128], vf[128];
+};
 
 template <int D>
 struct kvmix__tc_smem {
     float q[4][D];     /* query * scale * log2(e); 0 for unused head slots */
     float qsum[4][16]; /* per-token keys: sum of q over each group */
-    uint8_t slot_ch[kvmix__tc_warps][256];
-    union {
-        uint2 b2[kvmix__tc_warps][16][32]; /* boosted keys: B of the high-bit mma */
-        struct {
-            float acc[kvmix__tc_warps][4][D];
-            float m[kvmix__tc_warps][4], l[kvmix__tc_warps][4];
-        } merge;
-    } u;
-    kvmix__walk_smem walk;
+    uint2 bq[D / 16][32]; /* B of the logits for every non-channel key format (lane fragments) */
+    kvmix__tc_plan plan;
+    int64_t scratch[32];
     int error;
+};
+
+template <int D>
+struct kvmix__tc_merge { /* aliases the stage buffers after the walk */
+    float acc[kvmix__tc_warps][4][D];
+    float m[kvmix__tc_warps][4], l[kvmix__tc_warps][4];
 };
 
 template <int D>
 struct kvmix__tc_state {
     float o[D / 16][4];
-    float om[4];
+    float om[4], om2[4]; /* per-token value minima (om2: the lane's second group, D/8 > G) */
     float m, l;
 };
+
+struct kvmix__tc_regions {
+    int k, km, ki, kh, b2, sl, v, vm, vi, vh, end;
+};
+
+__device__ __forceinline__ void kvmix__cp_async(uint32_t dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void kvmix__cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void kvmix__cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+/* Places a region of len bytes whose source is at block offset src; with COPY, the warp copies
+   it (the 16-byte words covering it, never past the block's total bytes). worst: assume the
+   largest misalignment (for sizing). Returns the stage offset of the region's first byte. */
+template <bool COPY>
+__device__ __forceinline__ int kvmix__tc_put(int &off, uint64_t src, int len, bool worst, uint32_t stage,
+                                             const uint8_t *blk, uint64_t total, int lane) {
+    const int delta = worst ? 15 : (int)(src & 15u);
+    const int pos = off + delta, words = (delta + len + 15) >> 4;
+    if constexpr (COPY) {
+        const uint64_t s0 = src & ~(uint64_t)15;
+        for (int i = lane; i < words; i += 32) {
+            const uint64_t rel = s0 + 16u * (uint64_t)i;
+            const int n = total > rel ? (int)min((uint64_t)16, total - rel) : 0;
+            kvmix__cp_async(stage + (uint32_t)(off + 16 * i), blk + rel, n);
+        }
+    }
+    off += words << 4;
+    return pos;
+}
+
+/* The regions of tokens [a, a + n) of a span (sections ks, vs); COPY issues the copies. */
+template <int D, bool COPY>
+__device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(int kf, int vf, const kvmix__sec &ks,
+                                                              const kvmix__sec &vs, int a, int n, int G,
+                                                              int nb, bool worst, uint32_t stage,
+                                                              const uint8_t *kblk, const uint8_t *vblk,
+                                                              int lane) {
+    kvmix__tc_regions g;
+    int off = 0;
+    const int NG = D / G;
+    g.km = g.ki = g.kh = g.b2 = g.sl = g.vm = g.vi = g.vh = 0;
+    g.k = kvmix__tc_put<COPY>(off, (uint64_t)a * ks.row_bytes, n * (int)ks.row_bytes, false, stage, kblk, ks.total_bytes, lane);
+    if (kvmix__per_token(kf))
+        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset + (uint64_t)a * NG * 4, n * NG * 4, worst, stage, kblk, ks.total_bytes, lane);
+    else if (kvmix__per_channel(kf))
+        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset, D * 4, worst, stage, kblk, ks.total_bytes, lane);
+    if (kf == KVMIX_FORMAT_BOOSTED) {
+        g.ki = kvmix__tc_put<COPY>(off, ks.index_offset, D, worst, stage, kblk, ks.total_bytes, lane);
+        g.kh = kvmix__tc_put<COPY>(off, ks.high_offset + (uint64_t)a * ks.high_row_bytes, n * (int)ks.high_row_bytes,
+                                   worst, stage, kblk, ks.total_bytes, lane);
+        g.b2 = off;
+        off += ((nb + 15) / 16) * 256;
+        g.sl = off;
+        off += D;
+    }
+    g.v = kvmix__tc_put<COPY>(off, (uint64_t)a * vs.row_bytes, n * (int)vs.row_bytes, false, stage, vblk, vs.total_bytes, lane);
+    if (kvmix__per_token(vf))
+        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset + (uint64_t)a * NG * 4, n * NG * 4, worst, stage, vblk, vs.total_bytes, lane);
+    else if (kvmix__per_channel(vf))
+        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset, D * 4, worst, stage, vblk, vs.total_bytes, lane);
+    if (vf == KVMIX_FORMAT_BOOSTED) {
+        g.vi = kvmix__tc_put<COPY>(off, vs.index_offset, D, worst, stage, vblk, vs.total_bytes, lane);
+        g.vh = kvmix__tc_put<COPY>(off, vs.high_offset + (uint64_t)a * vs.high_row_bytes, n * (int)vs.high_row_bytes,
+                                   worst, stage, vblk, vs.total_bytes, lane);
+    }
+    g.end = off;
+    return g;
+}
+
+/* Tokens per unit of a format pair: the largest multiple of 16 (at most 128) that fits a stage. */
+template <int D>
+__device__ inline int kvmix__tc_unit_tokens(int kf, int vf, int ntok, int G, int nb) {
+    const kvmix__sec ks = kvmix__sections(kf, ntok, D, G, nb), vs = kvmix__sections(vf, ntok, D, G, nb);
+    int n = 128;
+    while (n > 16 && kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, G, nb, true, 0u, nullptr, nullptr, 0).end >
+                         kvmix__tc_cfg<D>::stage)
+        n -= 16;
+    return n;
+}
+
+__device__ __forceinline__ uint32_t kvmix__lds32(const uint8_t *p) { return *(const uint32_t *)p; }
+__device__ __forceinline__ uint32_t kvmix__lds16(const uint8_t *p) { return *(const uint16_t *)p; }
 
 /* Rows of K (per lane: its D/4 dims of tokens r and r+8) -> A registers of one 16-dim chunk:
    R[k] = (dim k, dim k + 8) of the chunk, k < 8, as exact fp16 codes (or fp16 values). */
@@ -1108,28 +772,79 @@ __device__ __forceinline__ void kvmix__tc_vpair(const uint32_t *a, const uint32_
     }
 }
 
-/* One warp: tokens [ta, tb) of a span (at most kvmix__tc_unit_tokens), keys KF, values VF. */
-template <int D, int KF, int VF>
+/* A registers of 16-dim chunk ch of a K row segment (the lane's D/4 dims) in shared memory. */
+__device__ __forceinline__ void kvmix__tc_kload(int kf, const uint8_t *row, int ch, uint32_t *R) {
+    if (kf == KVMIX_FORMAT_FP16) {
+        uint4 x = *(const uint4 *)(row + ch * 32), y = *(const uint4 *)(row + ch * 32 + 16);
+        uint32_t w[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+        kvmix__tc_kchunk<KVMIX_FORMAT_FP16>(w, R);
+    } else if (kf == KVMIX_FORMAT_INT8) {
+        uint4 x = *(const uint4 *)(row + ch * 16);
+        uint32_t w[4] = {x.x, x.y, x.z, x.w};
+        kvmix__tc_kchunk<KVMIX_FORMAT_INT8>(w, R);
+    } else if (kf == KVMIX_FORMAT_INT4) {
+        uint2 x = *(const uint2 *)(row + ch * 8);
+        uint32_t w[2] = {x.x, x.y};
+        kvmix__tc_kchunk<KVMIX_FORMAT_INT4>(w, R);
+    } else {
+        uint32_t w = kvmix__lds32(row + ch * 4);
+        kvmix__tc_kchunk<KVMIX_FORMAT_INT2>(&w, R);
+    }
+}
+
+/* The lane's D/8 dims of one V row (bytes = DV * bits / 8) into w. */
+template <int DV>
+__device__ __forceinline__ void kvmix__tc_vload(int vb, const uint8_t *src, uint32_t *w) {
+    const int bytes = DV * vb / 8;
+    if (bytes == 2) {
+        w[0] = kvmix__lds16(src);
+    } else if (bytes == 4) {
+        w[0] = kvmix__lds32(src);
+    } else if (bytes == 8) {
+        uint2 x = *(const uint2 *)src;
+        w[0] = x.x, w[1] = x.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < DV / 8; i++) { /* DV * 16 / 8 bytes at most: DV / 8 words of 16 bytes */
+            if (16 * i < bytes) {
+                uint4 x = ((const uint4 *)src)[i];
+                w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+            }
+        }
+    }
+}
+
+template <int DV>
+__device__ __forceinline__ void kvmix__tc_vconv(int vf, const uint32_t *a, const uint32_t *b, uint32_t *R) {
+    if (vf == KVMIX_FORMAT_FP16) kvmix__tc_vpair<KVMIX_FORMAT_FP16, DV>(a, b, R);
+    else if (vf == KVMIX_FORMAT_INT8) kvmix__tc_vpair<KVMIX_FORMAT_INT8, DV>(a, b, R);
+    else if (vf == KVMIX_FORMAT_INT4) kvmix__tc_vpair<KVMIX_FORMAT_INT4, DV>(a, b, R);
+    else kvmix__tc_vpair<KVMIX_FORMAT_INT2, DV>(a, b, R);
+}
+
+/* One warp: tokens [a, a + n) of a span, staged at stg (regions rg). KFT / VFT: the key / value
+   format when known at compile time, 0 for the generic path (formats kf_rt / vf_rt). */
+template <int D, int KFT, int VFT>
 __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm,
-                                            const kvmix__decode_params &p, const uint8_t *kblk,
-                                            const kvmix__sec &ks, const uint8_t *vblk,
-                                            const kvmix__sec &vs, const uint8_t *dead, int ta,
-                                            int tb) {
+                                            const kvmix__decode_params &p, uint8_t *stg,
+                                            const kvmix__tc_regions &rg, int kf_rt, int vf_rt,
+                                            const kvmix__sec &ks, const kvmix__sec &vs, int n,
+                                            const uint8_t *dead) {
     constexpr int KS = D / 16, DQ = D / 4, DV = D / 8;
-    constexpr int KB = kvmix__fbits<KF>(), VB = kvmix__fbits<VF>();
-    constexpr bool k_chan = KF == KVMIX_FORMAT_INT2_CHANNEL || KF == KVMIX_FORMAT_BOOSTED;
-    constexpr bool k_tok = kvmix__per_token(KF);
-    constexpr bool v_chan = VF == KVMIX_FORMAT_INT2_CHANNEL || VF == KVMIX_FORMAT_BOOSTED;
-    constexpr bool v_tok = kvmix__per_token(VF);
-    constexpr int NWK = DQ * KB / 32;             /* K words per lane per row */
-    constexpr int NWV = DV * VB / 32 > 0 ? DV * VB / 32 : 1; /* V words per lane per token */
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, c = lane & 3;
+    constexpr int NWV = DV / 2; /* V words per lane per token, FP16 (the widest) */
+    const int kf = KFT ? KFT : kf_rt, vf = VFT ? VFT : vf_rt;
+    const bool k_chan = kvmix__per_channel(kf), k_tok = kvmix__per_token(kf);
+    const bool v_chan = kvmix__per_channel(vf), v_tok = kvmix__per_token(vf);
+    const int KB = kvmix__bits_of(kf), VB = kvmix__bits_of(vf);
+    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
     const int G = p.group_size, NG = D / G;
+    const bool two = DV > G; /* a value lane's dims span two groups (D 256, G 16) */
     const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
+    const uint8_t *K = stg + rg.k, *KM = stg + rg.km, *V = stg + rg.v, *VM = stg + rg.vm;
 
     /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 */
     uint32_t bk[KS][2];
-    {
+    if (k_chan) {
         const int h = r >> 1, part = r & 1;
 #pragma unroll
         for (int j = 0; j < KS; j++) {
@@ -1137,23 +852,27 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 int d = kvmix__tc_kdim<D>(c, j, x);
-                float v = sm.q[h][d];
-                if constexpr (k_chan) v *= kvmix__h2f((uint16_t)kvmix__ld_u16(kblk + ks.meta_offset + (uint64_t)d * 4));
-                e[x] = kvmix__split(v, part);
+                e[x] = kvmix__split(sm.q[h][d] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4)), part);
             }
             bk[j][0] = kvmix__pack(e[0], e[1]);
             bk[j][1] = kvmix__pack(e[2], e[3]);
         }
+    } else {
+#pragma unroll
+        for (int j = 0; j < KS; j++) {
+            uint2 b = sm.bq[j][lane];
+            bk[j][0] = b.x, bk[j][1] = b.y;
+        }
     }
     float kconst = 0.0f; /* per-channel keys: sum over channels of q * min (head c) */
-    if constexpr (k_chan) {
-        for (int d = r; d < D; d += 8)
-            kconst += sm.q[c][d] * kvmix__h2f((uint16_t)kvmix__ld_u16(kblk + ks.meta_offset + (uint64_t)d * 4 + 2));
+    if (k_chan) {
+#pragma unroll 4
+        for (int d = r; d < D; d += 8) kconst += sm.q[c][d] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4 + 2));
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) kconst += __shfl_xor_sync(0xffffffffu, kconst, off);
     }
     uint32_t bm[2] = {0u, 0u}; /* per-token keys: B of the minima mma (k = group 4c + e) */
-    if constexpr (k_tok) {
+    if (k_tok) {
         const int h = r >> 1, part = r & 1;
         uint16_t e[4];
 #pragma unroll
@@ -1165,12 +884,14 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
         bm[1] = kvmix__pack(e[2], e[3]);
     }
     int ks2 = 0; /* boosted keys: k-steps over the slots */
-    if constexpr (KF == KVMIX_FORMAT_BOOSTED) {
+    uint2 *b2 = (uint2 *)(stg + rg.b2);
+    if (kf == KVMIX_FORMAT_BOOSTED) {
         const int nb = p.n_boost;
+        uint8_t *slot_ch = stg + rg.sl;
         ks2 = (nb + 15) / 16;
         for (int d = lane; d < D; d += 32) {
-            int s = kblk[ks.index_offset + d];
-            if (s < nb) sm.slot_ch[warp][s] = (uint8_t)d;
+            int s = stg[rg.ki + d];
+            if (s < nb) slot_ch[s] = (uint8_t)d;
         }
         __syncwarp();
         const int h = r >> 1, part = r & 1;
@@ -1181,62 +902,50 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                 int s = 16 * jb + 4 * c + x;
                 float v = 0.0f;
                 if (s < nb) {
-                    int d = sm.slot_ch[warp][s];
-                    v = 4.0f * sm.q[h][d] *
-                        kvmix__h2f((uint16_t)kvmix__ld_u16(kblk + ks.meta_offset + (uint64_t)d * 4));
+                    int d = slot_ch[s] & (D - 1);
+                    v = 4.0f * sm.q[h][d] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
                 }
                 e[x] = kvmix__split(v, part);
             }
-            sm.u.b2[warp][jb][lane] = make_uint2(kvmix__pack(e[0], e[1]), kvmix__pack(e[2], e[3]));
+            b2[jb * 32 + lane] = make_uint2(kvmix__pack(e[0], e[1]), kvmix__pack(e[2], e[3]));
         }
         __syncwarp();
     }
     float lsp = 0.0f; /* per-channel values: sum of p over this unit (head c, lane partial) */
 
-    for (int t0 = ta; t0 < tb; t0 += 16) {
-        const int tl = tb - 1;
-        /* ---- loads ---- */
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int tl = n - 1;
         const int kr0 = min(t0 + r, tl), kr1 = min(t0 + r + 8, tl);
-        uint32_t kw[2][NWK];
-        kvmix__ldw<NWK>(kblk + (uint32_t)kr0 * krow + c * (NWK * 4), kw[0]);
-        kvmix__ldw<NWK>(kblk + (uint32_t)kr1 * krow + c * (NWK * 4), kw[1]);
         int vt[4];
         vt[0] = min(t0 + 2 * c, tl), vt[1] = min(t0 + 2 * c + 1, tl);
         vt[2] = min(t0 + 2 * c + 8, tl), vt[3] = min(t0 + 2 * c + 9, tl);
+        /* ---- values and meta first (shared memory loads, used after the softmax) ---- */
         uint32_t vw[4][NWV];
 #pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const uint8_t *src = vblk + (uint32_t)vt[x] * vrow + r * (DV * VB / 8);
-            if constexpr (DV * VB / 8 == 2)
-                vw[x][0] = *(const uint16_t *)src;
-            else
-                kvmix__ldw<NWV>(src, vw[x]);
-        }
-        uint32_t vmeta[4] = {0u, 0u, 0u, 0u};
-        if constexpr (v_tok) {
+        for (int x = 0; x < 4; x++) kvmix__tc_vload<DV>(VB, V + (uint32_t)vt[x] * vrow + r * (DV * VB / 8), vw[x]);
+        uint32_t vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
+        if (v_tok) {
             const int gv = r * DV / G;
 #pragma unroll
-            for (int x = 0; x < 4; x++)
-                vmeta[x] = __ldg((const uint32_t *)(vblk + vs.meta_offset + ((uint32_t)vt[x] * NG + gv) * 4));
+            for (int x = 0; x < 4; x++) {
+                vmeta[x] = kvmix__lds32(VM + ((uint32_t)vt[x] * NG + gv) * 4);
+                if (two) vmeta2[x] = kvmix__lds32(VM + ((uint32_t)vt[x] * NG + gv + 1) * 4);
+            }
         }
 
         /* ---- logits ---- */
-        float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sacc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const uint8_t *k0 = K + (uint32_t)kr0 * krow + c * (DQ * KB / 8);
+        const uint8_t *k1 = K + (uint32_t)kr1 * krow + c * (DQ * KB / 8);
 #pragma unroll
         for (int ch = 0; ch < KS / 4; ch++) {
             uint32_t R0[8], R1[8];
-            if constexpr (KF == KVMIX_FORMAT_FP16 || KF == KVMIX_FORMAT_INT8 || KF == KVMIX_FORMAT_INT4) {
-                constexpr int WPC = 16 * KB / 32; /* words per 16-dim chunk */
-                kvmix__tc_kchunk<KF>(kw[0] + ch * WPC, R0);
-                kvmix__tc_kchunk<KF>(kw[1] + ch * WPC, R1);
-            } else {
-                kvmix__tc_kchunk<KF>(kw[0] + ch, R0);
-                kvmix__tc_kchunk<KF>(kw[1] + ch, R1);
-            }
-            if constexpr (k_tok) {
+            kvmix__tc_kload(kf, k0, ch, R0);
+            kvmix__tc_kload(kf, k1, ch, R1);
+            if (k_tok) {
                 const int g = (c * DQ + 16 * ch) / G;
-                uint32_t m0 = __ldg((const uint32_t *)(kblk + ks.meta_offset + ((uint32_t)kr0 * NG + g) * 4));
-                uint32_t m1 = __ldg((const uint32_t *)(kblk + ks.meta_offset + ((uint32_t)kr1 * NG + g) * 4));
+                uint32_t m0 = kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4);
+                uint32_t m1 = kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4);
                 __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
                 __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
 #pragma unroll
@@ -1249,37 +958,37 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                     __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
                     const int j = 4 * ch + v;
                     kvmix__mma(sacc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3), bk[j][0], bk[j][1]);
-                    kvmix__mma(sacc, kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), bk[j][0], bk[j][1]);
+                    kvmix__mma(sacc2, kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), bk[j][0], bk[j][1]);
                 }
             } else {
 #pragma unroll
                 for (int v = 0; v < 4; v++) {
                     const int j = 4 * ch + v;
-                    kvmix__mma(sacc, R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1], bk[j][0], bk[j][1]);
+                    kvmix__mma((v & 1) ? sacc2 : sacc, R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1], bk[j][0], bk[j][1]);
                 }
             }
         }
-        if constexpr (k_tok) { /* minima: A[token][group] */
+        if (k_tok) { /* minima: A[token][group] */
             uint32_t mn[2][4];
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 int g = 4 * c + x;
-                mn[0][x] = g < NG ? __ldg((const uint32_t *)(kblk + ks.meta_offset + ((uint32_t)kr0 * NG + g) * 4)) : 0u;
-                mn[1][x] = g < NG ? __ldg((const uint32_t *)(kblk + ks.meta_offset + ((uint32_t)kr1 * NG + g) * 4)) : 0u;
+                mn[0][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4) : 0u;
+                mn[1][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4) : 0u;
             }
             kvmix__mma(sacc, kvmix__prmt(mn[0][0], mn[0][1], 0x7632u), kvmix__prmt(mn[1][0], mn[1][1], 0x7632u),
                        kvmix__prmt(mn[0][2], mn[0][3], 0x7632u), kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
         }
-        if constexpr (KF == KVMIX_FORMAT_BOOSTED) { /* high bits of the boosted slots */
+        if (kf == KVMIX_FORMAT_BOOSTED) { /* high bits of the boosted slots */
             const uint32_t hrow = (uint32_t)ks.high_row_bytes;
-            const uint8_t *h0 = kblk + ks.high_offset + (uint32_t)kr0 * hrow;
-            const uint8_t *h1 = kblk + ks.high_offset + (uint32_t)kr1 * hrow;
+            const uint8_t *h0 = stg + rg.kh + (uint32_t)kr0 * hrow;
+            const uint8_t *h1 = stg + rg.kh + (uint32_t)kr1 * hrow;
             for (int jb = 0; jb < ks2; jb++) {
                 uint32_t bi = 4 * jb + c;
                 uint32_t x0 = bi < hrow ? h0[bi] : 0u, x1 = bi < hrow ? h1[bi] : 0u;
                 x0 |= x0 << 14, x1 |= x1 << 14;
-                uint2 b = sm.u.b2[warp][jb][lane];
-                kvmix__mma(sacc, kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                uint2 b = b2[jb * 32 + lane];
+                kvmix__mma(sacc2, kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
                            kvmix__code(x1, 0x00030003u, 0x3C003C00u, 0xE400E400u),
                            kvmix__code(x0 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u),
                            kvmix__code(x1 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u), b.x, b.y);
@@ -1287,7 +996,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
         }
 
         /* ---- online softmax (head c, tokens r and r + 8) ---- */
-        float s0 = sacc[0] + sacc[1] + kconst, s1 = sacc[2] + sacc[3] + kconst;
+        float s0 = (sacc[0] + sacc2[0]) + (sacc[1] + sacc2[1]) + kconst;
+        float s1 = (sacc[2] + sacc2[2]) + (sacc[3] + sacc2[3]) + kconst;
         {
             int t = t0 + r;
             if (t > tl || (dead && dead[t])) s0 = -INFINITY;
@@ -1306,30 +1016,30 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
 #pragma unroll
                 for (int x = 0; x < 4; x++) st.o[i][x] *= alpha;
 #pragma unroll
-            for (int x = 0; x < 4; x++) st.om[x] *= alpha;
+            for (int x = 0; x < 4; x++) st.om[x] *= alpha, st.om2[x] *= alpha;
             st.l *= alpha;
             lsp *= alpha;
         }
         st.m = mnew;
         const float p0 = exp2f(s0 - msafe), p1 = exp2f(s1 - msafe);
         st.l += p0 + p1;
-        if constexpr (v_chan) lsp += p0 + p1;
+        if (v_chan) lsp += p0 + p1;
         const uint32_t pb0 = kvmix__trans(kvmix__split2(p0)), pb1 = kvmix__trans(kvmix__split2(p1));
 
         /* ---- values ---- */
         uint32_t Ra[DV], Rb[DV];
-        kvmix__tc_vpair<VF, DV>(vw[0], vw[1], Ra);
-        kvmix__tc_vpair<VF, DV>(vw[2], vw[3], Rb);
-        if constexpr (VF == KVMIX_FORMAT_BOOSTED) { /* add 4 * high bits of boosted channels */
+        kvmix__tc_vconv<DV>(vf, vw[0], vw[1], Ra);
+        kvmix__tc_vconv<DV>(vf, vw[2], vw[3], Rb);
+        if (vf == KVMIX_FORMAT_BOOSTED) { /* add 4 * high bits of boosted channels */
             const uint32_t hrow = (uint32_t)vs.high_row_bytes;
 #pragma unroll
             for (int k = 0; k < DV; k++) {
-                int d = r * DV + k, s = vblk[vs.index_offset + d];
+                int d = r * DV + k, s = stg[rg.vi + d];
                 if (s != KVMIX_BOOST_NONE) {
                     uint32_t hv[4];
 #pragma unroll
                     for (int x = 0; x < 4; x++)
-                        hv[x] = (vblk[vs.high_offset + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) & 3u;
+                        hv[x] = (stg[rg.vh + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) & 3u;
                     __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]), __ushort2half_rn((unsigned short)hv[1]));
                     __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]), __ushort2half_rn((unsigned short)hv[3]));
                     Ra[k] = kvmix__h2u(__hfma2(ha, __float2half2_rn(4.0f), kvmix__u2h(Ra[k])));
@@ -1337,22 +1047,25 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                 }
             }
         }
-        if constexpr (VF == KVMIX_FORMAT_FP16) {
+        if (vf == KVMIX_FORMAT_FP16) {
 #pragma unroll
             for (int i = 0; i < D / 16; i++) kvmix__mma(st.o[i], Ra[2 * i], Ra[2 * i + 1], Rb[2 * i], Rb[2 * i + 1], pb0, pb1);
         } else {
-            __half2 sa, sb;
-            if constexpr (v_tok) {
+            __half2 sa = __float2half2_rn(0.0f), sb = sa, sa2 = sa, sb2 = sa;
+            if (v_tok) {
                 sa = kvmix__u2h(kvmix__prmt(vmeta[0], vmeta[1], 0x5410u));
                 sb = kvmix__u2h(kvmix__prmt(vmeta[2], vmeta[3], 0x5410u));
+                sa2 = kvmix__u2h(kvmix__prmt(vmeta2[0], vmeta2[1], 0x5410u));
+                sb2 = kvmix__u2h(kvmix__prmt(vmeta2[2], vmeta2[3], 0x5410u));
             }
 #pragma unroll
             for (int i = 0; i < D / 16; i++) {
-                __half2 s0a = sa, s0b = sb, s1a = sa, s1b = sb;
-                if constexpr (v_chan) {
+                const bool second = two && 2 * i >= G;
+                __half2 s0a = second ? sa2 : sa, s0b = second ? sb2 : sb, s1a = s0a, s1b = s0b;
+                if (v_chan) {
                     int d = r * DV + 2 * i;
-                    s0a = s0b = __half2half2(__ushort_as_half((uint16_t)kvmix__ld_u16(vblk + vs.meta_offset + (uint64_t)d * 4)));
-                    s1a = s1b = __half2half2(__ushort_as_half((uint16_t)kvmix__ld_u16(vblk + vs.meta_offset + (uint64_t)(d + 1) * 4)));
+                    s0a = s0b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + d * 4)));
+                    s1a = s1b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + (d + 1) * 4)));
                 }
                 __half2 a0 = __hmul2(kvmix__u2h(Ra[2 * i]), s0a), a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
                 __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b), a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
@@ -1363,39 +1076,55 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                 kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3), pb0, pb1);
                 kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), pb0, pb1);
             }
-            if constexpr (v_tok) {
+            if (v_tok) {
                 uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u), mb = kvmix__prmt(vmeta[2], vmeta[3], 0x7632u);
                 kvmix__mma(st.om, ma, ma, mb, mb, pb0, pb1);
+                if (two) {
+                    ma = kvmix__prmt(vmeta2[0], vmeta2[1], 0x7632u), mb = kvmix__prmt(vmeta2[2], vmeta2[3], 0x7632u);
+                    kvmix__mma(st.om2, ma, ma, mb, mb, pb0, pb1);
+                }
             }
         }
     }
-    if constexpr (v_chan) { /* per-channel minima: o += min * sum of p over the unit */
+    if (v_chan) { /* per-channel minima: o += min * sum of p over the unit */
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) lsp += __shfl_xor_sync(0xffffffffu, lsp, off);
 #pragma unroll
         for (int i = 0; i < D / 16; i++) {
             int d = r * DV + 2 * i;
-            st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__ld_u16(vblk + vs.meta_offset + (uint64_t)d * 4 + 2));
-            st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__ld_u16(vblk + vs.meta_offset + (uint64_t)(d + 1) * 4 + 2));
+            st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + d * 4 + 2));
+            st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + (d + 1) * 4 + 2));
         }
     }
 }
 
-#define KVMIX__TC_V(D_, KF_)                                                                       \
-    switch (vf) {                                                                                  \
-    case KVMIX_FORMAT_FP16: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_FP16>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
-    case KVMIX_FORMAT_INT8: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_INT8>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
-    case KVMIX_FORMAT_INT4: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_INT4>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
-    case KVMIX_FORMAT_INT2: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_INT2>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
-    case KVMIX_FORMAT_INT2_CHANNEL: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_INT2_CHANNEL>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
-    default: kvmix__tc_unit<D_, KF_, KVMIX_FORMAT_BOOSTED>(st, sm, p, kblk, ks, vblk, vs, dead, ua, ub); break; \
-    }
+/* Issues the copies of unit k (span jj of the plan) into the stage at `stage`. */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm, const kvmix__decode_params &p,
+                                                int jj, int k, uint8_t *stage, int lane) {
+    const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj], ntok = sm.plan.ntok[jj];
+    const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
+    const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
+    const kvmix__sec ks = kvmix__sections(kf, ntok, D, p.group_size, p.n_boost);
+    const kvmix__sec vs = kvmix__sections(vf, ntok, D, p.group_size, p.n_boost);
+    kvmix__tc_layout<D, true>(kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false,
+                              (uint32_t)__cvta_generic_to_shared(stage), p.base + sm.plan.koff[jj],
+                              p.base + sm.plan.voff[jj], lane);
+}
+
+#define KVMIX__TC_PAIR(KF_, VF_)                                                                   \
+    if (kf == KF_ && vf == VF_)                                                                    \
+        kvmix__tc_unit<D, KF_, VF_>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);                  \
+    else
 
 /* Grid (n_splits, n_kv_heads * q_chunks, n_seqs), 128 threads; a block serves query heads
    [kv * q_per_kv + chunk * 4, + 4) (fewer in the last chunk) over its split's token range. */
 template <int D>
-static __global__ void __launch_bounds__(kvmix__tc_warps * 32) kvmix__tc_decode_kernel(kvmix__decode_params p) {
+static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>::min_blocks)
+    kvmix__tc_decode_kernel(kvmix__decode_params p) {
+    extern __shared__ __align__(16) uint8_t kvmix__tc_dyn[];
     __shared__ kvmix__tc_smem<D> sm;
+    constexpr int W = kvmix__tc_warps, STAGE = kvmix__tc_cfg<D>::stage;
     const int split = blockIdx.x, seq = blockIdx.z;
     const int kv = blockIdx.y / p.q_chunks, chunk = blockIdx.y % p.q_chunks;
     const int qh0 = kv * p.q_per_kv + chunk * 4, nq = min(4, p.q_per_kv - chunk * 4);
@@ -1416,6 +1145,13 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32) kvmix__tc_decode_
             for (int d = g * G; d < g * G + G; d++) s += sm.q[h][d];
         sm.qsum[h][g] = s;
     }
+    for (int e = threadIdx.x; e < (D / 16) * 32; e += blockDim.x) {
+        const int j = e / 32, L = e % 32, h = (L >> 2) >> 1, part = (L >> 2) & 1, c = L & 3;
+        uint16_t v[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) v[x] = kvmix__split(sm.q[h][kvmix__tc_kdim<D>(c, j, x)], part);
+        sm.bq[j][L] = make_uint2(kvmix__pack(v[0], v[1]), kvmix__pack(v[2], v[3]));
+    }
 
     const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
     int64_t total_tokens = 0;
@@ -1424,7 +1160,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32) kvmix__tc_decode_
         int i = c0 + threadIdx.x;
         int n = i < last ? p.spans[i].n_tokens : 1;
         int64_t part = i < last ? (int64_t)max(n, 0) : 0, sum;
-        kvmix__block_scan(part, sm.walk.scratch, &sum);
+        kvmix__block_scan(part, sm.scratch, &sum);
         total_tokens += sum;
         bad_count += __syncthreads_count(n < 1);
     }
@@ -1437,54 +1173,90 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32) kvmix__tc_decode_
 #pragma unroll
         for (int x = 0; x < 4; x++) st.o[i][x] = 0.0f;
 #pragma unroll
-    for (int x = 0; x < 4; x++) st.om[x] = 0.0f;
+    for (int x = 0; x < 4; x++) st.om[x] = 0.0f, st.om2[x] = 0.0f;
     st.m = -INFINITY, st.l = 0.0f;
     __syncthreads();
+    uint8_t *const stage0 = kvmix__tc_dyn + warp * 2 * STAGE;
     int unit_base = 0;
-    /* the spans overlapping [lo, hi), walked inline (no lambda: the state must stay in registers) */
+    /* the spans overlapping [lo, hi), 128 at a time: plan their units (up to 128 tokens each),
+       then every warp walks its units with the next unit's copy in flight */
     int64_t span_base = 0;
     for (int c0 = first; bad_count == 0 && c0 < last && span_base < hi; c0 += blockDim.x) {
         const int i = c0 + (int)threadIdx.x;
         int64_t n = i < last ? (int64_t)max(p.spans[i].n_tokens, 0) : 0, total;
-        int64_t end = span_base + kvmix__block_scan(n, sm.walk.scratch, &total);
-        sm.walk.start[threadIdx.x] = end - n;
-        const int j_begin = __syncthreads_count(i < last && end <= lo);
-        const int j_end = __syncthreads_count(i < last && end - n < hi);
-        for (int jj = j_begin; jj < j_end; jj++) {
-            const int si = c0 + jj;
-            const int64_t start = sm.walk.start[jj];
-            const kvmix_view_span sp = p.spans[si];
+        const int64_t end = span_base + kvmix__block_scan(n, sm.scratch, &total), start = end - n;
+        int nu = 0;
+        if (i < last && n > 0 && end > lo && start < hi) {
+            const kvmix_view_span sp = p.spans[i];
             kvmix__sec ks, vs;
             bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
-                                      p.n_kv_heads, D, p.group_size, p.n_boost, p.base_bytes, &ks) &&
+                                      p.n_kv_heads, D, G, p.n_boost, p.base_bytes, &ks) &&
                       kvmix__block_ok(sp.value_format, sp.n_tokens, sp.value_offset,
-                                      sp.value_head_bytes, p.n_kv_heads, D, p.group_size,
+                                      sp.value_head_bytes, p.n_kv_heads, D, G,
                                       p.n_boost, p.base_bytes, &vs) &&
                       (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
             if (!ok) {
-                if (threadIdx.x == 0) sm.error = 1;
-                continue;
+                atomicExch(&sm.error, 1);
+            } else {
+                const int ta = (int)(max(lo, start) - start), tb = (int)(min(hi, end) - start);
+                const int ut = kvmix__tc_unit_tokens<D>(sp.key_format, sp.value_format, sp.n_tokens, G, p.n_boost);
+                const int t = threadIdx.x;
+                sm.plan.koff[t] = sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
+                sm.plan.voff[t] = sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
+                sm.plan.ta[t] = ta, sm.plan.tb[t] = tb, sm.plan.ntok[t] = sp.n_tokens, sm.plan.ut[t] = ut;
+                sm.plan.dead[t] = sp.dead_index;
+                sm.plan.kf[t] = sp.key_format, sm.plan.vf[t] = sp.value_format;
+                nu = (tb - ta + ut - 1) / ut;
             }
-            const uint8_t *kblk = p.base + sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
-            const uint8_t *vblk = p.base + sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
-            const int kf = sp.key_format, vf = sp.value_format;
-            const uint8_t *dead = sp.dead_index >= 0 ? p.dead + sp.dead_index : nullptr;
-            const int ta = (int)(max(lo, start) - start), tb = (int)(min(hi, start + (int64_t)sp.n_tokens) - start);
-            const int n_units = (tb - ta + kvmix__tc_unit_tokens - 1) / kvmix__tc_unit_tokens;
-            for (int u = (warp - unit_base % kvmix__tc_warps + kvmix__tc_warps) % kvmix__tc_warps; u < n_units;
-                 u += kvmix__tc_warps) {
-                const int ua = ta + u * kvmix__tc_unit_tokens, ub = min(tb, ua + kvmix__tc_unit_tokens);
-                switch (kf) {
-                case KVMIX_FORMAT_FP16: KVMIX__TC_V(D, KVMIX_FORMAT_FP16) break;
-                case KVMIX_FORMAT_INT8: KVMIX__TC_V(D, KVMIX_FORMAT_INT8) break;
-                case KVMIX_FORMAT_INT4: KVMIX__TC_V(D, KVMIX_FORMAT_INT4) break;
-                case KVMIX_FORMAT_INT2: KVMIX__TC_V(D, KVMIX_FORMAT_INT2) break;
-                case KVMIX_FORMAT_INT2_CHANNEL: KVMIX__TC_V(D, KVMIX_FORMAT_INT2_CHANNEL) break;
-                default: KVMIX__TC_V(D, KVMIX_FORMAT_BOOSTED) break;
+        }
+        int64_t total_units;
+        const int ue = (int)kvmix__block_scan(nu, sm.scratch, &total_units);
+        sm.plan.ub[threadIdx.x] = ue - nu, sm.plan.ue[threadIdx.x] = ue;
+        __syncthreads();
+        const int n_units = (int)total_units;
+        int k = (warp - unit_base % W + W) % W, jj = 0, buf = 0;
+        if (k < n_units) {
+            while (sm.plan.ue[jj] <= k) jj++;
+            kvmix__tc_stage<D>(sm, p, jj, k, stage0, lane);
+        }
+        kvmix__cp_commit();
+        while (k < n_units) {
+            const int k2 = k + W;
+            int jj2 = jj;
+            if (k2 < n_units) {
+                while (sm.plan.ue[jj2] <= k2) jj2++;
+                kvmix__tc_stage<D>(sm, p, jj2, k2, stage0 + (buf ^ 1) * STAGE, lane);
+            }
+            kvmix__cp_commit();
+            kvmix__cp_wait<1>();
+            __syncwarp();
+            {
+                uint8_t *stg = stage0 + buf * STAGE;
+                const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj], ntok = sm.plan.ntok[jj];
+                const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
+                const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
+                const kvmix__sec ks = kvmix__sections(kf, ntok, D, G, p.n_boost);
+                const kvmix__sec vs = kvmix__sections(vf, ntok, D, G, p.n_boost);
+                const kvmix__tc_regions rg = kvmix__tc_layout<D, false>(kf, vf, ks, vs, a, n, G, p.n_boost, false, 0u,
+                                                                        nullptr, nullptr, lane);
+                const uint8_t *dead = sm.plan.dead[jj] >= 0 ? p.dead + sm.plan.dead[jj] + a : nullptr;
+                if constexpr (D == 128) {
+                    KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
+                    KVMIX__TC_PAIR(KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4)
+                    KVMIX__TC_PAIR(KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2)
+                    KVMIX__TC_PAIR(KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2)
+                    KVMIX__TC_PAIR(KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8)
+                    KVMIX__TC_PAIR(KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16)
+                    kvmix__tc_unit<D, 0, 0>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
+                } else {
+                    kvmix__tc_unit<D, 0, 0>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
                 }
             }
-            unit_base += n_units % kvmix__tc_warps;
+            __syncwarp();
+            k = k2, jj = jj2, buf ^= 1;
         }
+        kvmix__cp_wait<0>();
+        unit_base += n_units % W;
         span_base += total;
         __syncthreads();
     }
@@ -1493,30 +1265,32 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32) kvmix__tc_decode_
     /* the warp's sum of p per head, then merge the block's warps */
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) st.l += __shfl_xor_sync(0xffffffffu, st.l, off);
-    __syncthreads(); /* b2 (union) no longer in use */
+    __syncthreads(); /* stage buffers no longer in use */
+    kvmix__tc_merge<D> &mg = *reinterpret_cast<kvmix__tc_merge<D> *>(kvmix__tc_dyn);
     {
         const int r = lane >> 2, c = lane & 3;
         constexpr int DV = D / 8;
-        const float omin = st.om[0] + st.om[1];
+        const float omin = st.om[0] + st.om[1], omin2 = st.om2[0] + st.om2[1];
 #pragma unroll
         for (int i = 0; i < D / 16; i++) {
-            sm.u.merge.acc[warp][c][r * DV + 2 * i] = st.o[i][0] + st.o[i][1] + omin;
-            sm.u.merge.acc[warp][c][r * DV + 2 * i + 1] = st.o[i][2] + st.o[i][3] + omin;
+            const float om = DV > G && 2 * i >= G ? omin2 : omin;
+            mg.acc[warp][c][r * DV + 2 * i] = st.o[i][0] + st.o[i][1] + om;
+            mg.acc[warp][c][r * DV + 2 * i + 1] = st.o[i][2] + st.o[i][3] + om;
         }
-        if (r == 0) sm.u.merge.m[warp][c] = st.m, sm.u.merge.l[warp][c] = st.l;
+        if (r == 0) mg.m[warp][c] = st.m, mg.l[warp][c] = st.l;
     }
     __syncthreads();
     const size_t part = ((size_t)seq * p.n_splits + split) * p.n_q_heads + qh0;
     for (int e = threadIdx.x; e < nq * D; e += blockDim.x) {
         int h = e / D, c = e % D;
         float mx = -INFINITY;
-        for (int w = 0; w < kvmix__tc_warps; w++) mx = fmaxf(mx, sm.u.merge.m[w][h]);
+        for (int w = 0; w < W; w++) mx = fmaxf(mx, mg.m[w][h]);
         float sum = 0.0f, o = 0.0f;
         if (mx != -INFINITY)
-            for (int w = 0; w < kvmix__tc_warps; w++) {
-                float wt = exp2f(sm.u.merge.m[w][h] - mx);
-                sum += wt * sm.u.merge.l[w][h];
-                o += wt * sm.u.merge.acc[w][h][c];
+            for (int w = 0; w < W; w++) {
+                float wt = exp2f(mg.m[w][h] - mx);
+                sum += wt * mg.l[w][h];
+                o += wt * mg.acc[w][h][c];
             }
         float nan = __int_as_float(0x7fffffff);
         bool err = sm.error != 0;
@@ -1694,10 +1468,10 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
         max_seq_tokens < 0 || n_sms <= 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
     int g = n_q_heads / n_kv_heads;
-    /* one block per (sequence, kv head, 4 query heads, split); about 4 blocks fit on an SM:
+    /* one block per (sequence, kv head, 4 query heads, split); min_blocks (2 at D 128) fit on an SM:
        fill the machine in one wave, with at least ~256 tokens per split */
     int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
-    int64_t want = 4 * (int64_t)n_sms / blocks;
+    int64_t want = kvmix__tc_cfg<128>::min_blocks * (int64_t)n_sms / blocks;
     int64_t most = max_seq_tokens / 256;
     if (want > most) want = most;
     if (want < 1) want = 1;
@@ -1706,24 +1480,13 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
     return KVMIX_SUCCESS;
 }
 
-template <int D, int NQ>
-static void kvmix__decode_dispatch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p) {
-    kvmix__decode_kernel<D, NQ><<<grid, kvmix__decode_threads, 0, stream>>>(p);
-}
-
 template <int D>
-static void kvmix__decode_dispatch_nq(int nq, dim3 grid, cudaStream_t stream,
-                                      const kvmix__decode_params &p) {
-    switch (nq) {
-    case 1: kvmix__decode_dispatch<D, 1>(grid, stream, p); break;
-    case 2: kvmix__decode_dispatch<D, 2>(grid, stream, p); break;
-    default: kvmix__decode_dispatch<D, 4>(grid, stream, p); break;
-    }
-}
-
-/* Query heads per block: 4, 2 or 1 (a group of 8 runs as two blocks of 4 heads). */
-static int kvmix__heads_per_block(int q_per_kv) {
-    return q_per_kv % 4 == 0 ? 4 : q_per_kv % 2 == 0 ? 2 : 1;
+static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p) {
+    constexpr int bytes = kvmix__tc_cfg<D>::dyn_bytes;
+    cudaError_t e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+    kvmix__tc_decode_kernel<D><<<grid, kvmix__tc_warps * 32, bytes, stream>>>(p);
+    return cudaSuccess;
 }
 
 extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cuda_decode_desc *desc,
@@ -1748,10 +1511,7 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cu
     if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
     if (((uintptr_t)workspace & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
     const int q_per_kv = desc->n_q_heads / view->n_kv_heads;
-    /* tensor-core kernel unless a value lane's D/8 dims would span two groups (D 256, G 16) */
-    const bool tc = d / 8 <= group;
-    const int nq = tc ? 4 : kvmix__heads_per_block(q_per_kv);
-    const int q_chunks = tc ? (q_per_kv + 3) / 4 : q_per_kv / nq;
+    const int q_chunks = (q_per_kv + 3) / 4; /* blocks of up to 4 query heads per kv head */
     const int64_t grid_y = (int64_t)view->n_kv_heads * q_chunks;
     if (grid_y > 65535 || view->n_seqs > 65535) return KVMIX_ERR_UNSUPPORTED;
 
@@ -1770,16 +1530,13 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cu
 
     dim3 grid((unsigned)desc->n_splits, (unsigned)grid_y, (unsigned)view->n_seqs);
     cudaStream_t s = (cudaStream_t)stream;
-    const unsigned threads = kvmix__tc_warps * 32;
-    if (tc) {
-        switch (d) {
-        case 64: kvmix__tc_decode_kernel<64><<<grid, threads, 0, s>>>(p); break;
-        case 128: kvmix__tc_decode_kernel<128><<<grid, threads, 0, s>>>(p); break;
-        default: kvmix__tc_decode_kernel<256><<<grid, threads, 0, s>>>(p); break;
-        }
-    } else {
-        kvmix__decode_dispatch_nq<256>(nq, grid, s, p); /* SIMT kernel (v1) */
+    cudaError_t ce;
+    switch (d) {
+    case 64: ce = kvmix__tc_launch<64>(grid, s, p); break;
+    case 128: ce = kvmix__tc_launch<128>(grid, s, p); break;
+    default: ce = kvmix__tc_launch<256>(grid, s, p); break;
     }
+    if (ce != cudaSuccess) return KVMIX_ERR_CUDA;
     if ((r = kvmix__launch_status()) != KVMIX_SUCCESS) return r;
 
     kvmix__merge_params m;
@@ -1797,9 +1554,12 @@ extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_
     int blocks = 0;
     cudaError_t e = cudaErrorInvalidValue;
     const int threads = kvmix__tc_warps * 32;
-    if (head_dim == 64) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<64>, threads, 0);
-    if (head_dim == 128) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<128>, threads, 0);
-    if (head_dim == 256) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<256>, threads, 0);
+    if (head_dim == 64 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, kvmix__tc_cfg<64>::dyn_bytes)) == cudaSuccess)
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<64>, threads, kvmix__tc_cfg<64>::dyn_bytes);
+    if (head_dim == 128 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, kvmix__tc_cfg<128>::dyn_bytes)) == cudaSuccess)
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<128>, threads, kvmix__tc_cfg<128>::dyn_bytes);
+    if (head_dim == 256 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize, kvmix__tc_cfg<256>::dyn_bytes)) == cudaSuccess)
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<256>, threads, kvmix__tc_cfg<256>::dyn_bytes);
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
     if (e != cudaSuccess) return KVMIX_ERR_CUDA;
     *out_blocks = blocks;

@@ -159,6 +159,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lib", default="build/libkvmix_cuda_bench.so")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="BATCH,CTX,MIX: one kvmix case, no baselines (for profilers)")
     args = ap.parse_args()
     lib = Lib(args.lib)
     dev = torch.cuda.get_device_properties(0)
@@ -189,6 +190,23 @@ def main():
     src = (torch.randn(512, P, D, device="cuda") * (1 + 3 * torch.rand(512, 1, D, device="cuda"))).half()
     batches = [1, 8, 32]
     contexts = [4096, 32768, 131072]
+    if args.only:
+        b, t, mix = args.only.split(",", 2)
+        B, T = int(b), int(t)
+        arena = Arena(lib, mix, B, T, H, D, P, NB, src, stream)
+        splits = C.c_int32(0)
+        lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, T, n_sms, C.byref(splits)), "splits")
+        ws_bytes = C.c_size_t(0)
+        lib.check(lib.lib.kvmix_cuda_decode_workspace_bytes(B, HQ, D, splits.value, C.byref(ws_bytes)), "ws")
+        ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device="cuda")
+        qh = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+        desc = DecodeDesc(HQ, 0.0, 2, splits.value)
+        fn = lambda: lib.check(lib.lib.kvmix_cuda_decode(C.byref(arena.view), C.byref(desc), qh.data_ptr(), out.data_ptr(),
+                                                         None, ws.data_ptr(), ws_bytes.value, stream), "decode")
+        ms = time_calls([fn], 3, 10)
+        print(f"{B} {T} {mix}: {ms:.4f} ms, {arena.bytes / 1e6:.1f} MB, splits {splits.value}")
+        return
     if args.quick:
         batches, contexts = [1, 8], [4096, 32768]
     results = []

@@ -202,6 +202,8 @@ struct test_view {
     uint8_t *d_dead;
 };
 
+static int g_group = 32; /* group size of the per-token blocks of the views built next */
+
 static const int key_formats[] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT4,
                                   KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT2, KVMIX_FORMAT_FP16};
 static const int value_formats[] = {KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT8,
@@ -221,6 +223,8 @@ static void add_span(test_view &v, int kf, int vf, int n, bool with_dead) {
         l.n_tokens = n;
         l.head_dim = v.d;
         l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? v.n_boost : 0;
+        l.group_size = (l.format == KVMIX_FORMAT_INT8 || l.format == KVMIX_FORMAT_INT4 ||
+                        l.format == KVMIX_FORMAT_INT2) ? g_group : 0;
         kvmix_layout_resolve(&l);
         size_t bytes = 0;
         kvmix_layout_bytes(&l, &bytes);
@@ -281,7 +285,7 @@ static void build_view(test_view &v, int d, int n_kv, int n_seqs, int n_boost, b
     if (v.dead.empty()) v.dead.push_back(0);
     v.arena.resize(align16(v.arena.size()) + 16, 0x5A);
     memset(&v.host, 0, sizeof v.host);
-    v.host.n_seqs = n_seqs, v.host.n_kv_heads = n_kv, v.host.head_dim = d, v.host.group_size = 32;
+    v.host.n_seqs = n_seqs, v.host.n_kv_heads = n_kv, v.host.head_dim = d, v.host.group_size = g_group;
     v.host.n_boost = n_boost, v.host.n_spans = (int32_t)v.spans.size();
     v.host.n_dead_flags = (int32_t)v.dead.size();
     v.host.base = v.arena.data(), v.host.base_bytes = v.arena.size();
@@ -375,8 +379,8 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     bool ok_out, ok_lse;
     double e_out = nmse(out, ref_rounded, &ok_out), e_lse = nmse(lse, ref_lse, &ok_lse);
     snprintf(name, sizeof name,
-             "decode D %d kv %d g %d seqs %d boost %d splits %d %s: nmse out %.2e lse %.2e (r %d)",
-             d, n_kv, q_per_kv, n_seqs, n_boost, n_splits, dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16",
+             "decode D %d G %d kv %d g %d seqs %d boost %d splits %d %s: nmse out %.2e lse %.2e (r %d)",
+             d, g_group, n_kv, q_per_kv, n_seqs, n_boost, n_splits, dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16",
              e_out, e_lse, r);
     check(r == KVMIX_SUCCESS && ok_out && ok_lse && e_out <= 1e-6 && e_lse <= 1e-6, name);
     if (g_failed && getenv("KVMIX_TEST_VERBOSE")) {
@@ -403,6 +407,15 @@ static void test_decode(bool quick) {
         test_decode_case(d, 2, 8, 5, d / 8, 17, KVMIX_CUDA_FP16, quick);
         test_decode_case(d, 3, 6, 3, d / 4, 64, KVMIX_CUDA_BF16, quick);
     }
+    /* group 16: at D 256 a value lane's 32 dims span two groups */
+    g_group = 16;
+    for (int di = 0; di < 3; di++) {
+        int d = dims[di];
+        if (quick && d != 128) continue;
+        test_decode_case(d, 2, 4, 5, d / 8, 3, KVMIX_CUDA_BF16, quick);
+        if (!quick) test_decode_case(d, 2, 8, 4, d / 4, 5, KVMIX_CUDA_FP16, quick);
+    }
+    g_group = 32;
 }
 
 /* ---- dequantize and score ---------------------------------------------------------------- */
