@@ -513,9 +513,17 @@ __device__ __forceinline__ uint32_t kvmix__prmt(uint32_t a, uint32_t b, uint32_t
 }
 __device__ __forceinline__ uint32_t kvmix__h2u(__half2 h) { return *(uint32_t *)&h; }
 __device__ __forceinline__ __half2 kvmix__u2h(uint32_t u) { return *(__half2 *)&u; }
-/* (x & mask) | 0x6400 per half is 1024 + code * 2^k; a * x + b gives the code exactly. */
+/* (x & mask) | 0x6400 per half is 1024 + code * 2^k (one lop3); a * x + b gives the code exactly. */
 __device__ __forceinline__ uint32_t kvmix__code(uint32_t x, uint32_t mask, uint32_t a, uint32_t b) {
-    return kvmix__h2u(__hfma2(kvmix__u2h((x & mask) | 0x64006400u), kvmix__u2h(a), kvmix__u2h(b)));
+    uint32_t y;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(y) : "r"(x), "r"(mask), "r"(0x64006400u));
+    return kvmix__h2u(__hfma2(kvmix__u2h(y), kvmix__u2h(a), kvmix__u2h(b)));
+}
+/* 2^x for the online softmax (x <= 0; results under 2^-126 flush to 0). */
+__device__ __forceinline__ float kvmix__ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 /* x: two 16-bit halves of 2-bit codes; R[k] = (code k of low half, code k of high half). */
 __device__ __forceinline__ void kvmix__codes2(uint32_t x, uint32_t *R) {
@@ -646,6 +654,9 @@ struct kvmix__tc_regions {
 __device__ __forceinline__ void kvmix__cp_async(uint32_t dst, const void *src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
+__device__ __forceinline__ void kvmix__cp_async16(uint32_t dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void kvmix__cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void kvmix__cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -660,10 +671,16 @@ __device__ __forceinline__ int kvmix__tc_put(int &off, uint64_t src, int len, bo
     const int pos = off + delta, words = (delta + len + 15) >> 4;
     if constexpr (COPY) {
         const uint64_t s0 = src & ~(uint64_t)15;
-        for (int i = lane; i < words; i += 32) {
-            const uint64_t rel = s0 + 16u * (uint64_t)i;
-            const int n = total > rel ? (int)min((uint64_t)16, total - rel) : 0;
-            kvmix__cp_async(stage + (uint32_t)(off + 16 * i), blk + rel, n);
+        if (s0 + 16u * (uint64_t)words <= total) { /* whole words: no clamps */
+            const uint8_t *g = blk + s0 + 16 * lane;
+            const uint32_t d = stage + (uint32_t)(off + 16 * lane);
+            for (int i = lane; i < words; i += 32, g += 512) kvmix__cp_async16(d + 16 * (i - lane), g);
+        } else {
+            for (int i = lane; i < words; i += 32) {
+                const uint64_t rel = s0 + 16u * (uint64_t)i;
+                const int n = total > rel ? (int)min((uint64_t)16, total - rel) : 0;
+                kvmix__cp_async(stage + (uint32_t)(off + 16 * i), blk + rel, n);
+            }
         }
     }
     off += words << 4;
@@ -772,10 +789,18 @@ __device__ __forceinline__ void kvmix__tc_vpair(const uint32_t *a, const uint32_
     }
 }
 
+/* 16 bytes from shared memory, or from global memory (GL: FP16 spans read in place). */
+template <bool GL>
+__device__ __forceinline__ uint4 kvmix__ld16(const uint8_t *p) {
+    if constexpr (GL) return __ldg((const uint4 *)p);
+    else return *(const uint4 *)p;
+}
+
 /* A registers of 16-dim chunk ch of a K row segment (the lane's D/4 dims) in shared memory. */
+template <bool GL>
 __device__ __forceinline__ void kvmix__tc_kload(int kf, const uint8_t *row, int ch, uint32_t *R) {
     if (kf == KVMIX_FORMAT_FP16) {
-        uint4 x = *(const uint4 *)(row + ch * 32), y = *(const uint4 *)(row + ch * 32 + 16);
+        uint4 x = kvmix__ld16<GL>(row + ch * 32), y = kvmix__ld16<GL>(row + ch * 32 + 16);
         uint32_t w[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
         kvmix__tc_kchunk<KVMIX_FORMAT_FP16>(w, R);
     } else if (kf == KVMIX_FORMAT_INT8) {
@@ -793,7 +818,7 @@ __device__ __forceinline__ void kvmix__tc_kload(int kf, const uint8_t *row, int 
 }
 
 /* The lane's D/8 dims of one V row (bytes = DV * bits / 8) into w. */
-template <int DV>
+template <int DV, bool GL>
 __device__ __forceinline__ void kvmix__tc_vload(int vb, const uint8_t *src, uint32_t *w) {
     const int bytes = DV * vb / 8;
     if (bytes == 2) {
@@ -807,7 +832,7 @@ __device__ __forceinline__ void kvmix__tc_vload(int vb, const uint8_t *src, uint
 #pragma unroll
         for (int i = 0; i < DV / 8; i++) { /* DV * 16 / 8 bytes at most: DV / 8 words of 16 bytes */
             if (16 * i < bytes) {
-                uint4 x = ((const uint4 *)src)[i];
+                uint4 x = kvmix__ld16<GL>(src + 16 * i);
                 w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
             }
         }
@@ -823,13 +848,15 @@ __device__ __forceinline__ void kvmix__tc_vconv(int vf, const uint32_t *a, const
 }
 
 /* One warp: tokens [a, a + n) of a span, staged at stg (regions rg). KFT / VFT: the key / value
-   format when known at compile time, 0 for the generic path (formats kf_rt / vf_rt). */
-template <int D, int KFT, int VFT>
+   format when known at compile time, 0 for the generic path (formats kf_rt / vf_rt). GL: K and V
+   rows are read in place from global memory at kg / vg (FP16 pairs: no staging). */
+template <int D, int KFT, int VFT, bool GL = false>
 __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm,
                                             const kvmix__decode_params &p, uint8_t *stg,
                                             const kvmix__tc_regions &rg, int kf_rt, int vf_rt,
                                             const kvmix__sec &ks, const kvmix__sec &vs, int n,
-                                            const uint8_t *dead) {
+                                            const uint8_t *dead, const uint8_t *kg = nullptr,
+                                            const uint8_t *vg = nullptr) {
     constexpr int KS = D / 16, DQ = D / 4, DV = D / 8;
     constexpr int NWV = DV / 2; /* V words per lane per token, FP16 (the widest) */
     const int kf = KFT ? KFT : kf_rt, vf = VFT ? VFT : vf_rt;
@@ -840,7 +867,7 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
     const int G = p.group_size, NG = D / G;
     const bool two = DV > G; /* a value lane's dims span two groups (D 256, G 16) */
     const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
-    const uint8_t *K = stg + rg.k, *KM = stg + rg.km, *V = stg + rg.v, *VM = stg + rg.vm;
+    const uint8_t *K = GL ? kg : stg + rg.k, *KM = stg + rg.km, *V = GL ? vg : stg + rg.v, *VM = stg + rg.vm;
 
     /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 */
     uint32_t bk[KS][2];
@@ -922,7 +949,7 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
         /* ---- values and meta first (shared memory loads, used after the softmax) ---- */
         uint32_t vw[4][NWV];
 #pragma unroll
-        for (int x = 0; x < 4; x++) kvmix__tc_vload<DV>(VB, V + (uint32_t)vt[x] * vrow + r * (DV * VB / 8), vw[x]);
+        for (int x = 0; x < 4; x++) kvmix__tc_vload<DV, GL>(VB, V + (uint32_t)vt[x] * vrow + r * (DV * VB / 8), vw[x]);
         uint32_t vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
         if (v_tok) {
             const int gv = r * DV / G;
@@ -940,8 +967,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
 #pragma unroll
         for (int ch = 0; ch < KS / 4; ch++) {
             uint32_t R0[8], R1[8];
-            kvmix__tc_kload(kf, k0, ch, R0);
-            kvmix__tc_kload(kf, k1, ch, R1);
+            kvmix__tc_kload<GL>(kf, k0, ch, R0);
+            kvmix__tc_kload<GL>(kf, k1, ch, R1);
             if (k_tok) {
                 const int g = (c * DQ + 16 * ch) / G;
                 uint32_t m0 = kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4);
@@ -1009,7 +1036,7 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
         for (int off = 4; off < 32; off <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
         const float mnew = fmaxf(st.m, tmax);
         const float msafe = mnew == -INFINITY ? 0.0f : mnew;
-        const float alpha = exp2f(st.m - msafe);
+        const float alpha = kvmix__ex2(st.m - msafe);
         if (__any_sync(0xffffffffu, alpha != 1.0f)) {
 #pragma unroll
             for (int i = 0; i < D / 16; i++)
@@ -1021,7 +1048,7 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
             lsp *= alpha;
         }
         st.m = mnew;
-        const float p0 = exp2f(s0 - msafe), p1 = exp2f(s1 - msafe);
+        const float p0 = kvmix__ex2(s0 - msafe), p1 = kvmix__ex2(s1 - msafe);
         st.l += p0 + p1;
         if (v_chan) lsp += p0 + p1;
         const uint32_t pb0 = kvmix__trans(kvmix__split2(p0)), pb1 = kvmix__trans(kvmix__split2(p1));
@@ -1098,11 +1125,19 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
     }
 }
 
+/* FP16 keys and values at D 128 are read in place (units of 128 tokens, no staging): their
+   16-token tiles are 8 KiB, enough bytes in flight per warp without a copy stage. */
+template <int D>
+__host__ __device__ constexpr bool kvmix__tc_direct(int kf, int vf) {
+    return D == 128 && kf == KVMIX_FORMAT_FP16 && vf == KVMIX_FORMAT_FP16;
+}
+
 /* Issues the copies of unit k (span jj of the plan) into the stage at `stage`. */
 template <int D>
 __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm, const kvmix__decode_params &p,
                                                 int jj, int k, uint8_t *stage, int lane) {
     const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj], ntok = sm.plan.ntok[jj];
+    if (kvmix__tc_direct<D>(kf, vf)) return;
     const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
     const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
     const kvmix__sec ks = kvmix__sections(kf, ntok, D, p.group_size, p.n_boost);
@@ -1199,7 +1234,9 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
                 atomicExch(&sm.error, 1);
             } else {
                 const int ta = (int)(max(lo, start) - start), tb = (int)(min(hi, end) - start);
-                const int ut = kvmix__tc_unit_tokens<D>(sp.key_format, sp.value_format, sp.n_tokens, G, p.n_boost);
+                const int ut = kvmix__tc_direct<D>(sp.key_format, sp.value_format)
+                                   ? 128
+                                   : kvmix__tc_unit_tokens<D>(sp.key_format, sp.value_format, sp.n_tokens, G, p.n_boost);
                 const int t = threadIdx.x;
                 sm.plan.koff[t] = sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
                 sm.plan.voff[t] = sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
@@ -1241,12 +1278,17 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
                                                                         nullptr, nullptr, lane);
                 const uint8_t *dead = sm.plan.dead[jj] >= 0 ? p.dead + sm.plan.dead[jj] + a : nullptr;
                 if constexpr (D == 128) {
+                    if (kvmix__tc_direct<D>(kf, vf))
+                        kvmix__tc_unit<D, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, true>(
+                            st, sm, p, stg, rg, kf, vf, ks, vs, n, dead,
+                            p.base + sm.plan.koff[jj] + (uint64_t)a * ks.row_bytes,
+                            p.base + sm.plan.voff[jj] + (uint64_t)a * vs.row_bytes);
+                    else
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8)
-                    KVMIX__TC_PAIR(KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16)
                     kvmix__tc_unit<D, 0, 0>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
                 } else {
                     kvmix__tc_unit<D, 0, 0>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);

@@ -160,6 +160,7 @@ def main():
     ap.add_argument("--lib", default="build/libkvmix_cuda_bench.so")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="BATCH,CTX,MIX: one kvmix case, no baselines (for profilers)")
+    ap.add_argument("--shapes", default="", help="BATCH,CTX;BATCH,CTX...: only these shapes (with baselines)")
     args = ap.parse_args()
     lib = Lib(args.lib)
     dev = torch.cuda.get_device_properties(0)
@@ -209,66 +210,68 @@ def main():
         return
     if args.quick:
         batches, contexts = [1, 8], [4096, 32768]
+    shapes = [(B, T) for B in batches for T in contexts]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
     results = []
     print(f"{'batch':>5} {'ctx':>7} {'variant':<18} {'ms':>8} {'MB read':>9} {'GB/s':>7} {'%read':>6} {'x cudnn':>8} {'x flash':>8}")
-    for B in batches:
-        for T in contexts:
-            kv_bf16 = 2 * B * H * T * D * 2
-            if kv_bf16 * 1.3 > free:
-                print(f"{B:>5} {T:>7} skipped: bf16 K/V of {kv_bf16 / 2**30:.1f} GiB does not fit with room to spare")
+    for B, T in shapes:
+        kv_bf16 = 2 * B * H * T * D * 2
+        if kv_bf16 * 1.3 > free:
+            print(f"{B:>5} {T:>7} skipped: bf16 K/V of {kv_bf16 / 2**30:.1f} GiB does not fit with room to spare")
+            continue
+        sets = max(1, min(8, math.ceil(400e6 / kv_bf16)))
+        qs = [torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        ks = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        vs = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+        base = {}
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    fns = [lambda i=i: F.scaled_dot_product_attention(qs[i], ks[i], vs[i], enable_gqa=True) for i in range(sets)]
+                    ms = time_calls(fns)
+                base[name] = ms
+                print(f"{B:>5} {T:>7} {'sdpa ' + name + ' bf16':<18} {ms:8.4f} {kv_bf16 / 1e6:9.1f} {kv_bf16 / ms / 1e6:7.0f} {100 * kv_bf16 / ms / 1e6 / read_bw:5.0f}%")
+            except Exception as e:  # noqa: BLE001
+                print(f"{B:>5} {T:>7} sdpa {name}: not available ({type(e).__name__}: {str(e)[:100]})")
+        del qs, ks, vs
+        torch.cuda.empty_cache()
+        for mix in MIXES:
+            one = Arena.__new__(Arena)
+            # bytes of one set, to size the rotation
+            per_set = sum(
+                sum(H * align16(block_bytes(f, P, D, 32, NB if f == BOOSTED else 0)) for f in MIXES[mix](i))
+                for i in range(T // P)) * B
+            sets = max(1, min(8, math.ceil(400e6 / per_set)))
+            if per_set * sets * 1.2 > torch.cuda.mem_get_info()[0]:
+                print(f"{B:>5} {T:>7} {mix:<18} skipped: arena does not fit")
                 continue
-            sets = max(1, min(8, math.ceil(400e6 / kv_bf16)))
-            qs = [torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-            ks = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-            vs = [torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-            base = {}
-            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-                try:
-                    with sdpa_kernel(backend):
-                        fns = [lambda i=i: F.scaled_dot_product_attention(qs[i], ks[i], vs[i], enable_gqa=True) for i in range(sets)]
-                        ms = time_calls(fns)
-                    base[name] = ms
-                    print(f"{B:>5} {T:>7} {'sdpa ' + name + ' bf16':<18} {ms:8.4f} {kv_bf16 / 1e6:9.1f} {kv_bf16 / ms / 1e6:7.0f} {100 * kv_bf16 / ms / 1e6 / read_bw:5.0f}%")
-                except Exception as e:  # noqa: BLE001
-                    print(f"{B:>5} {T:>7} sdpa {name}: not available ({type(e).__name__}: {str(e)[:100]})")
-            del qs, ks, vs
-            torch.cuda.empty_cache()
-            for mix in MIXES:
-                one = Arena.__new__(Arena)
-                # bytes of one set, to size the rotation
-                per_set = sum(
-                    sum(H * align16(block_bytes(f, P, D, 32, NB if f == BOOSTED else 0)) for f in MIXES[mix](i))
-                    for i in range(T // P)) * B
-                sets = max(1, min(8, math.ceil(400e6 / per_set)))
-                if per_set * sets * 1.2 > torch.cuda.mem_get_info()[0]:
-                    print(f"{B:>5} {T:>7} {mix:<18} skipped: arena does not fit")
-                    continue
-                arenas = [Arena(lib, mix, B, T, H, D, P, NB, src, stream) for _ in range(sets)]
-                splits = C.c_int32(0)
-                lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, T, n_sms, C.byref(splits)), "splits")
-                ws_bytes = C.c_size_t(0)
-                lib.check(lib.lib.kvmix_cuda_decode_workspace_bytes(B, HQ, D, splits.value, C.byref(ws_bytes)), "ws")
-                ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device="cuda")
-                qh = [torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-                out = torch.empty(B, HQ, D, device="cuda", dtype=torch.bfloat16)
-                lse = torch.empty(B, HQ, device="cuda", dtype=torch.float32)
-                desc = DecodeDesc(HQ, 0.0, 2, splits.value)
+            arenas = [Arena(lib, mix, B, T, H, D, P, NB, src, stream) for _ in range(sets)]
+            splits = C.c_int32(0)
+            lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, T, n_sms, C.byref(splits)), "splits")
+            ws_bytes = C.c_size_t(0)
+            lib.check(lib.lib.kvmix_cuda_decode_workspace_bytes(B, HQ, D, splits.value, C.byref(ws_bytes)), "ws")
+            ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device="cuda")
+            qh = [torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+            out = torch.empty(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+            lse = torch.empty(B, HQ, device="cuda", dtype=torch.float32)
+            desc = DecodeDesc(HQ, 0.0, 2, splits.value)
 
-                def call(i):
-                    lib.check(lib.lib.kvmix_cuda_decode(C.byref(arenas[i].view), C.byref(desc), qh[i].data_ptr(),
-                                                        out.data_ptr(), lse.data_ptr(), ws.data_ptr(), ws_bytes.value,
-                                                        stream), "decode")
-                ms = time_calls([lambda i=i: call(i) for i in range(sets)])
-                if not torch.isfinite(out.float()).all():
-                    print("  WARNING: non-finite output")
-                nbytes = arenas[0].bytes
-                bw = nbytes / ms / 1e6
-                xc = base.get("cudnn", float("nan")) / ms
-                xf = base.get("flash", float("nan")) / ms
-                print(f"{B:>5} {T:>7} {mix:<18} {ms:8.4f} {nbytes / 1e6:9.1f} {bw:7.0f} {100 * bw / read_bw:5.0f}% {xc:8.2f} {xf:8.2f}  (splits {splits.value})")
-                results.append((B, T, mix, ms, nbytes, bw, xc, xf))
-                del arenas, ws, qh, out, lse
-                torch.cuda.empty_cache()
+            def call(i):
+                lib.check(lib.lib.kvmix_cuda_decode(C.byref(arenas[i].view), C.byref(desc), qh[i].data_ptr(),
+                                                    out.data_ptr(), lse.data_ptr(), ws.data_ptr(), ws_bytes.value,
+                                                    stream), "decode")
+            ms = time_calls([lambda i=i: call(i) for i in range(sets)])
+            if not torch.isfinite(out.float()).all():
+                print("  WARNING: non-finite output")
+            nbytes = arenas[0].bytes
+            bw = nbytes / ms / 1e6
+            xc = base.get("cudnn", float("nan")) / ms
+            xf = base.get("flash", float("nan")) / ms
+            print(f"{B:>5} {T:>7} {mix:<18} {ms:8.4f} {nbytes / 1e6:9.1f} {bw:7.0f} {100 * bw / read_bw:5.0f}% {xc:8.2f} {xf:8.2f}  (splits {splits.value})")
+            results.append((B, T, mix, ms, nbytes, bw, xc, xf))
+            del arenas, ws, qh, out, lse
+            torch.cuda.empty_cache()
 
     # page flush: one full page per sequence (keys boosted k=16 or int2 per channel, values int2)
     print("page flush (one 128-token page per sequence, 8 kv heads, keys and values):")
