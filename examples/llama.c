@@ -12,7 +12,7 @@
 #include <string.h>
 
 /* Rows per matmul panel: 16 accumulators fit vector registers and keep each row's sum in order. */
-enum { LLAMA_PANEL_ROWS = 16 };
+enum { LLAMA_PANEL_ROWS = 16 }; /* panel_times() spells out this many accumulators */
 
 /* A header bigger than this is refused before parsing (real ones are a few kilobytes). */
 #define LLAMA_MAX_HEADER_BYTES ((uint64_t)100 << 20)
@@ -892,19 +892,35 @@ void llama_runner_free(llama_runner *runner)
     memset(runner, 0, sizeof *runner);
 }
 
+/* out[j] = sum_i panel[i * stride + j] * x[i] for j < 16. Sixteen named accumulators (not an
+ * array) are what lets gcc and clang keep them in vector registers; each sum runs in order of i. */
+static void panel_times(const float *panel, size_t stride, const float *x, int32_t n_in,
+                        float out[LLAMA_PANEL_ROWS])
+{
+    float a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
+    float a8 = 0, a9 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0, a14 = 0, a15 = 0;
+    for (int32_t i = 0; i < n_in; i++) {
+        const float xi = x[i];
+        const float *c = panel + (size_t)i * stride;
+        a0 += c[0] * xi, a1 += c[1] * xi, a2 += c[2] * xi, a3 += c[3] * xi;
+        a4 += c[4] * xi, a5 += c[5] * xi, a6 += c[6] * xi, a7 += c[7] * xi;
+        a8 += c[8] * xi, a9 += c[9] * xi, a10 += c[10] * xi, a11 += c[11] * xi;
+        a12 += c[12] * xi, a13 += c[13] * xi, a14 += c[14] * xi, a15 += c[15] * xi;
+    }
+    const float acc[LLAMA_PANEL_ROWS] = {a0, a1, a2, a3, a4, a5, a6, a7,
+                                         a8, a9, a10, a11, a12, a13, a14, a15};
+    memcpy(out, acc, sizeof acc);
+}
+
 static void matvec_panels(const llama_matrix *w, const float *x, float *y, int32_t p_begin, int32_t p_end)
 {
     for (int32_t p = p_begin; p < p_end; p++) {
-        const float *panel = w->panels + (size_t)p * (size_t)w->n_in * LLAMA_PANEL_ROWS;
-        float acc[LLAMA_PANEL_ROWS] = {0};
-        for (int32_t i = 0; i < w->n_in; i++) {
-            const float xi = x[i];
-            const float *column = panel + (size_t)i * LLAMA_PANEL_ROWS;
-            for (int32_t j = 0; j < LLAMA_PANEL_ROWS; j++) acc[j] += column[j] * xi;
-        }
+        float acc[LLAMA_PANEL_ROWS];
+        panel_times(w->panels + (size_t)p * (size_t)w->n_in * LLAMA_PANEL_ROWS, LLAMA_PANEL_ROWS, x,
+                    w->n_in, acc);
         int32_t row0 = p * LLAMA_PANEL_ROWS;
         int32_t n_rows = w->n_out - row0 < LLAMA_PANEL_ROWS ? w->n_out - row0 : LLAMA_PANEL_ROWS;
-        for (int32_t j = 0; j < n_rows; j++) y[row0 + j] = acc[j];
+        memcpy(y + row0, acc, (size_t)n_rows * sizeof(float));
     }
 }
 
@@ -1104,13 +1120,19 @@ static void attend_one(const kv_fp32 *kv, const float *keys, const float *values
         scores[t] = expf(scores[t] - max_score);
         sum += scores[t];
     }
-    memset(out, 0, (size_t)kv->head_dim * sizeof(float));
-    for (int64_t t = 0; t < n_tokens; t++) {
-        const float *value = values + (size_t)t * kv->head_dim;
-        for (int32_t d = 0; d < kv->head_dim; d++) out[d] += scores[t] * value[d];
-    }
+    /* out = scores . values, 16 dims at a time as a panel whose rows are tokens. */
     float inv_sum = (float)(1.0 / sum);
-    for (int32_t d = 0; d < kv->head_dim; d++) out[d] *= inv_sum;
+    int32_t d = 0;
+    for (; d + LLAMA_PANEL_ROWS <= kv->head_dim; d += LLAMA_PANEL_ROWS) {
+        float acc[LLAMA_PANEL_ROWS];
+        panel_times(values + d, (size_t)kv->head_dim, scores, (int32_t)n_tokens, acc);
+        for (int32_t j = 0; j < LLAMA_PANEL_ROWS; j++) out[d + j] = acc[j] * inv_sum;
+    }
+    for (; d < kv->head_dim; d++) {
+        float acc = 0.0f;
+        for (int64_t t = 0; t < n_tokens; t++) acc += scores[t] * values[(size_t)t * kv->head_dim + d];
+        out[d] = acc * inv_sum;
+    }
 }
 
 static llama_result kv_fp32_attend(void *state, int32_t layer, int32_t kv_head, const float *q,
