@@ -1,15 +1,17 @@
-# Makefile fragment for the reference Llama runner and the quality harness.
-# Include it from the top-level Makefile; every output goes under build/.
-#   make build/kvmix-eval        the harness CLI
-#   make eval-test               unit + quality tests (needs ../shared/models/kvm-small.safetensors)
-#   make eval-test-sanitize      the same tests under AddressSanitizer + UBSan
-#   make eval-fuzz-driver        the safetensors/capture fuzz target as a plain deterministic driver
-#   make build/fuzz-safetensors  the libFuzzer target (clang)
+# Makefile fragment for the reference Llama runner and the quality harness; the top-level
+# Makefile includes it. Every output goes under build/. Needs libcjson (Debian libcjson-dev).
+#   make build/kvmix-eval            the harness CLI
+#   make eval-test                   runner tests + fuzz driver (reads ../shared/models, ../shared/data)
+#   make eval-test-sanitize          the same under AddressSanitizer + UndefinedBehaviorSanitizer
+#   make build/fuzz_safetensors      the libFuzzer target (clang)
+# build/model_test_llama takes the shared directory as its argument, and
+# build/fuzz_safetensors_run a mutation count, like the other model tests and fuzz drivers.
 
 CC ?= cc
-EVAL_CFLAGS ?= -std=c11 -Wall -Wextra -Werror -pedantic -O2
+EVAL_SHARED ?= ../shared
+EVAL_CFLAGS ?= -std=c11 -Wall -Wextra -Werror -pedantic -O2 -ffp-contract=off
 EVAL_LDLIBS := -lcjson -lm -lpthread
-EVAL_SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+EVAL_SAN := -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 EVAL_FUZZ_CC ?= clang
 EVAL_DEPS := examples/llama.c examples/llama.h
 
@@ -17,29 +19,31 @@ build/kvmix-eval: examples/kvmix_eval.c $(EVAL_DEPS)
 	@mkdir -p build
 	$(CC) $(EVAL_CFLAGS) -o $@ examples/kvmix_eval.c examples/llama.c $(EVAL_LDLIBS)
 
-build/test-llama: tests/test_llama.c $(EVAL_DEPS)
+build/model_test_llama: tests/test_llama.c $(EVAL_DEPS)
 	@mkdir -p build
 	$(CC) $(EVAL_CFLAGS) -Iexamples -o $@ tests/test_llama.c examples/llama.c $(EVAL_LDLIBS)
 
-build/test-llama-san: tests/test_llama.c $(EVAL_DEPS)
+build/model_test_llama_san: tests/test_llama.c $(EVAL_DEPS)
 	@mkdir -p build
-	$(CC) $(EVAL_CFLAGS) -g $(EVAL_SAN) -Iexamples -o $@ tests/test_llama.c examples/llama.c $(EVAL_LDLIBS)
+	$(CC) $(EVAL_CFLAGS) $(EVAL_SAN) -Iexamples -o $@ tests/test_llama.c examples/llama.c \
+		$(EVAL_LDLIBS)
 
-build/fuzz-safetensors-driver: tests/fuzz_safetensors.c $(EVAL_DEPS)
+# The fuzz target as a plain driver (no libFuzzer needed), under the sanitizers.
+build/fuzz_safetensors_run: tests/fuzz_safetensors.c $(EVAL_DEPS)
 	@mkdir -p build
-	$(CC) $(EVAL_CFLAGS) -g $(EVAL_SAN) -DFUZZ_DRIVER -Iexamples -o $@ tests/fuzz_safetensors.c examples/llama.c $(EVAL_LDLIBS)
+	$(CC) $(EVAL_CFLAGS) $(EVAL_SAN) -DFUZZ_DRIVER -Iexamples -o $@ tests/fuzz_safetensors.c \
+		examples/llama.c $(EVAL_LDLIBS)
 
-build/fuzz-safetensors: tests/fuzz_safetensors.c $(EVAL_DEPS)
+build/fuzz_safetensors: tests/fuzz_safetensors.c $(EVAL_DEPS)
 	@mkdir -p build
-	$(EVAL_FUZZ_CC) $(EVAL_CFLAGS) -g -fsanitize=fuzzer,address,undefined -Iexamples -o $@ tests/fuzz_safetensors.c examples/llama.c $(EVAL_LDLIBS)
+	$(EVAL_FUZZ_CC) $(EVAL_CFLAGS) -g -fsanitize=fuzzer,address,undefined -Iexamples -o $@ \
+		tests/fuzz_safetensors.c examples/llama.c $(EVAL_LDLIBS)
 
-.PHONY: eval-test eval-test-sanitize eval-fuzz-driver
-eval-test: build/test-llama build/fuzz-safetensors-driver
-	./build/test-llama
-	./build/fuzz-safetensors-driver
+.PHONY: eval-test eval-test-sanitize
+eval-test: build/model_test_llama build/fuzz_safetensors_run
+	./build/model_test_llama $(EVAL_SHARED)
+	./build/fuzz_safetensors_run 20000
 
-eval-test-sanitize: build/test-llama-san
-	./build/test-llama-san
-
-eval-fuzz-driver: build/fuzz-safetensors-driver
-	./build/fuzz-safetensors-driver
+eval-test-sanitize: build/model_test_llama_san build/fuzz_safetensors_run
+	./build/model_test_llama_san $(EVAL_SHARED)
+	./build/fuzz_safetensors_run 20000

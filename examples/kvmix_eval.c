@@ -35,23 +35,23 @@ static const policy *const REFERENCE_POLICY = &POLICIES[0];
 typedef struct options {
     const char *model_path;
     const char *data_path;
-    const char *kind;    /* NULL: every text */
-    int64_t limit;       /* 0: no limit */
+    const char *kind; /* NULL: every text */
+    int64_t limit;    /* 0: no limit */
     const char *policy;
     int32_t n_threads;
     const char *capture_path; /* NULL: no capture */
     bool list_policies;
 } options;
 
-static void usage(FILE *f)
-{
-    fprintf(f, "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]\n"
-               "                  [--policy P] [--threads N] [--capture PATH]\n"
-               "       kvmix-eval --list-policies\n");
+static void usage(FILE *f) {
+    fprintf(
+        f,
+        "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]\n"
+        "                  [--policy P] [--threads N] [--capture PATH]\n"
+        "       kvmix-eval --list-policies\n");
 }
 
-static bool parse_count(const char *s, int64_t min, int64_t *out)
-{
+static bool parse_count(const char *s, int64_t min, int64_t *out) {
     char *end;
     long long v = strtoll(s, &end, 10);
     if (*s == 0 || *end != 0 || v < min) return false;
@@ -59,8 +59,7 @@ static bool parse_count(const char *s, int64_t min, int64_t *out)
     return true;
 }
 
-static bool parse_options(int argc, char **argv, options *o)
-{
+static bool parse_options(int argc, char **argv, options *o) {
     *o = (options){NULL, NULL, NULL, 0, "fp32", 2, NULL, false};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
@@ -74,13 +73,20 @@ static bool parse_options(int argc, char **argv, options *o)
             return false;
         }
         i++;
-        if (strcmp(a, "--model") == 0) o->model_path = value;
-        else if (strcmp(a, "--data") == 0) o->data_path = value;
-        else if (strcmp(a, "--kind") == 0) o->kind = value;
-        else if (strcmp(a, "--policy") == 0) o->policy = value;
-        else if (strcmp(a, "--capture") == 0) o->capture_path = value;
-        else if (strcmp(a, "--limit") == 0 && parse_count(value, 1, &n)) o->limit = n;
-        else if (strcmp(a, "--threads") == 0 && parse_count(value, 1, &n) && n <= 256) o->n_threads = (int32_t)n;
+        if (strcmp(a, "--model") == 0)
+            o->model_path = value;
+        else if (strcmp(a, "--data") == 0)
+            o->data_path = value;
+        else if (strcmp(a, "--kind") == 0)
+            o->kind = value;
+        else if (strcmp(a, "--policy") == 0)
+            o->policy = value;
+        else if (strcmp(a, "--capture") == 0)
+            o->capture_path = value;
+        else if (strcmp(a, "--limit") == 0 && parse_count(value, 1, &n))
+            o->limit = n;
+        else if (strcmp(a, "--threads") == 0 && parse_count(value, 1, &n) && n <= 256)
+            o->n_threads = (int32_t)n;
         else {
             fprintf(stderr, "kvmix-eval: bad option %s %s\n", a, value);
             return false;
@@ -98,8 +104,7 @@ static bool parse_options(int argc, char **argv, options *o)
     return true;
 }
 
-static const policy *find_policy(const char *name)
-{
+static const policy *find_policy(const char *name) {
     for (size_t i = 0; i < N_POLICIES; i++)
         if (strcmp(POLICIES[i].name, name) == 0) return &POLICIES[i];
     return NULL;
@@ -111,16 +116,14 @@ typedef struct texts {
     int64_t n;
 } texts;
 
-static void texts_free(texts *t)
-{
+static void texts_free(texts *t) {
     for (int64_t i = 0; i < t->n; i++) free(t->items[i]);
     free(t->items);
     t->items = NULL;
     t->n = 0;
 }
 
-static char *read_file(const char *path, size_t *n_bytes)
-{
+static char *read_file(const char *path, size_t *n_bytes) {
     FILE *f = fopen(path, "rb");
     if (f == NULL) return NULL;
     size_t capacity = 1 << 20, n = 0;
@@ -145,8 +148,7 @@ static char *read_file(const char *path, size_t *n_bytes)
 }
 
 /* Appends the text of one JSONL line when its kind matches. Returns false on a malformed line. */
-static bool take_line(const char *line, size_t n_bytes, const char *kind, texts *out)
-{
+static bool take_line(const char *line, size_t n_bytes, const char *kind, texts *out) {
     const char *end = line;
     cJSON *root = cJSON_ParseWithLengthOpts(line, n_bytes, &end, 0);
     const cJSON *k = cJSON_GetObjectItemCaseSensitive(root, "kind");
@@ -169,8 +171,7 @@ static bool take_line(const char *line, size_t n_bytes, const char *kind, texts 
     return ok;
 }
 
-static bool load_texts(const options *o, texts *out, char *err)
-{
+static bool load_texts(const options *o, texts *out, char *err) {
     *out = (texts){NULL, 0};
     size_t n_bytes;
     char *data = read_file(o->data_path, &n_bytes);
@@ -200,8 +201,8 @@ static bool load_texts(const options *o, texts *out, char *err)
 typedef struct totals {
     llama_score score;
     int64_t n_texts;
-    size_t kv_bytes_max;   /* the most bytes the cache held, at the end of any text */
-    double avg_bits_sum;   /* avg_bits weighted by the tokens held at the end of each text */
+    size_t kv_bytes_max; /* the most bytes the cache held, at the end of any text */
+    double avg_bits_sum; /* avg_bits weighted by the tokens held at the end of each text */
     int64_t held_tokens;
 } totals;
 
@@ -219,8 +220,7 @@ typedef struct eval {
 } eval;
 
 /* Tokens of one text: <|endoftext|> first, then the text, cut to context + 1 ids. */
-static int64_t encode_text(const eval *e, const char *text)
-{
+static int64_t encode_text(const eval *e, const char *text) {
     const llama_model *m = e->model;
     int64_t n = 0;
     size_t len = strlen(text);
@@ -234,8 +234,7 @@ static int64_t encode_text(const eval *e, const char *text)
     return n;
 }
 
-static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals *t)
-{
+static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals *t) {
     const llama_model *m = e->model;
     llama_mark_answer_tokens(&m->tokenizer, e->ids, n, e->mask);
     llama_score ignored = {0};
@@ -260,13 +259,13 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
 }
 
 /* Scores the first text through a recording wrapper and writes the capture file. */
-static llama_result capture_first_text(eval *e, int64_t n, totals *t)
-{
+static llama_result capture_first_text(eval *e, int64_t n, totals *t) {
     llama_capture cap;
     llama_kv_cache wrapped;
     llama_result r = llama_capture_init(&cap, &e->model->config, (int32_t)(n - 1));
     if (r != LLAMA_OK) {
-        snprintf(e->err, sizeof e->err, "cannot allocate a capture of %lld tokens", (long long)n - 1);
+        snprintf(e->err, sizeof e->err, "cannot allocate a capture of %lld tokens",
+                 (long long)n - 1);
         return r;
     }
     memcpy(cap.token_ids, e->ids, (size_t)(n - 1) * sizeof *e->ids);
@@ -280,8 +279,7 @@ static llama_result capture_first_text(eval *e, int64_t n, totals *t)
     return r;
 }
 
-static llama_result run_texts(eval *e, const texts *list, totals *t)
-{
+static llama_result run_texts(eval *e, const texts *list, totals *t) {
     for (int64_t i = 0; i < list->n; i++) {
         int64_t n = encode_text(e, list->items[i]);
         if (n < 0) {
@@ -296,38 +294,44 @@ static llama_result run_texts(eval *e, const texts *list, totals *t)
     return LLAMA_OK;
 }
 
-static double ratio_or_nan(int64_t num, int64_t den)
-{
+static double ratio_or_nan(int64_t num, int64_t den) {
     return den > 0 ? (double)num / (double)den : NAN;
 }
 
-static void add_number_or_null(cJSON *obj, const char *key, double value)
-{
-    if (!isnan(value)) cJSON_AddNumberToObject(obj, key, value);
-    else cJSON_AddNullToObject(obj, key);
+static void add_number_or_null(cJSON *obj, const char *key, double value) {
+    if (!isnan(value))
+        cJSON_AddNumberToObject(obj, key, value);
+    else
+        cJSON_AddNullToObject(obj, key);
 }
 
-static bool print_report(const options *o, const llama_model *m, const totals *t, double seconds)
-{
+static bool print_report(const options *o, const llama_model *m, const totals *t, double seconds) {
     cJSON *obj = cJSON_CreateObject();
     cJSON_AddStringToObject(obj, "model", o->model_path);
     cJSON_AddStringToObject(obj, "model_name", m->config.name);
     cJSON_AddStringToObject(obj, "data", o->data_path);
-    if (o->kind != NULL) cJSON_AddStringToObject(obj, "kind", o->kind);
-    else cJSON_AddNullToObject(obj, "kind");
+    if (o->kind != NULL)
+        cJSON_AddStringToObject(obj, "kind", o->kind);
+    else
+        cJSON_AddNullToObject(obj, "kind");
     add_number_or_null(obj, "limit", o->limit > 0 ? (double)o->limit : NAN);
     cJSON_AddStringToObject(obj, "policy", o->policy);
     cJSON_AddNumberToObject(obj, "n_texts", (double)t->n_texts);
     cJSON_AddNumberToObject(obj, "n_tokens", (double)t->score.n_scored);
-    add_number_or_null(obj, "bits_per_token", t->score.n_scored > 0 ? t->score.bits / (double)t->score.n_scored : NAN);
+    add_number_or_null(obj, "bits_per_token",
+                       t->score.n_scored > 0 ? t->score.bits / (double)t->score.n_scored : NAN);
     cJSON_AddNumberToObject(obj, "n_answer_tokens", (double)t->score.n_answer);
-    add_number_or_null(obj, "answer_accuracy", ratio_or_nan(t->score.n_answer_correct, t->score.n_answer));
-    add_number_or_null(obj, "answer_agreement", ratio_or_nan(t->score.n_answer_agree, t->score.n_answer));
+    add_number_or_null(obj, "answer_accuracy",
+                       ratio_or_nan(t->score.n_answer_correct, t->score.n_answer));
+    add_number_or_null(obj, "answer_agreement",
+                       ratio_or_nan(t->score.n_answer_agree, t->score.n_answer));
     cJSON_AddNumberToObject(obj, "kv_bytes", (double)t->kv_bytes_max);
-    add_number_or_null(obj, "avg_bits", t->held_tokens > 0 ? t->avg_bits_sum / (double)t->held_tokens : NAN);
+    add_number_or_null(obj, "avg_bits",
+                       t->held_tokens > 0 ? t->avg_bits_sum / (double)t->held_tokens : NAN);
     cJSON_AddNumberToObject(obj, "threads", o->n_threads);
     cJSON_AddNumberToObject(obj, "seconds", seconds);
-    cJSON_AddNumberToObject(obj, "tokens_per_second", seconds > 0 ? (double)t->score.n_scored / seconds : 0.0);
+    cJSON_AddNumberToObject(obj, "tokens_per_second",
+                            seconds > 0 ? (double)t->score.n_scored / seconds : 0.0);
     char *text = cJSON_Print(obj);
     bool ok = text != NULL;
     if (ok) printf("%s\n", text);
@@ -336,20 +340,18 @@ static bool print_report(const options *o, const llama_model *m, const totals *t
     return ok;
 }
 
-static void list_policies(void)
-{
-    for (size_t i = 0; i < N_POLICIES; i++) printf("%-8s %s\n", POLICIES[i].name, POLICIES[i].description);
+static void list_policies(void) {
+    for (size_t i = 0; i < N_POLICIES; i++)
+        printf("%-8s %s\n", POLICIES[i].name, POLICIES[i].description);
 }
 
-static double now_seconds(void)
-{
+static double now_seconds(void) {
     struct timespec ts;
     timespec_get(&ts, TIME_UTC);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static llama_result eval_init(eval *e, const options *o, const policy *p, const llama_model *m)
-{
+static llama_result eval_init(eval *e, const options *o, const policy *p, const llama_model *m) {
     int64_t capacity = (int64_t)m->config.context + 1;
     e->opt = o;
     e->model = m;
@@ -363,15 +365,16 @@ static llama_result eval_init(eval *e, const options *o, const policy *p, const 
     }
     llama_result r = llama_runner_init(&e->runner, m, o->n_threads, e->err, sizeof e->err);
     if (r == LLAMA_OK && (r = p->create(&m->config, capacity, &e->cache)) != LLAMA_OK)
-        snprintf(e->err, sizeof e->err, "cannot create the %s cache: %s", p->name, llama_result_string(r));
+        snprintf(e->err, sizeof e->err, "cannot create the %s cache: %s", p->name,
+                 llama_result_string(r));
     if (r == LLAMA_OK && e->separate_reference &&
         (r = REFERENCE_POLICY->create(&m->config, capacity, &e->reference)) != LLAMA_OK)
-        snprintf(e->err, sizeof e->err, "cannot create the reference cache: %s", llama_result_string(r));
+        snprintf(e->err, sizeof e->err, "cannot create the reference cache: %s",
+                 llama_result_string(r));
     return r;
 }
 
-static void eval_free(eval *e)
-{
+static void eval_free(eval *e) {
     if (e->cache.destroy != NULL) e->cache.destroy(e->cache.state);
     if (e->reference.destroy != NULL) e->reference.destroy(e->reference.state);
     if (e->runner.model != NULL) llama_runner_free(&e->runner);
@@ -380,8 +383,7 @@ static void eval_free(eval *e)
     free(e->ref_argmax);
 }
 
-static int run(const options *o)
-{
+static int run(const options *o) {
     const policy *p = find_policy(o->policy);
     if (p == NULL) {
         fprintf(stderr, "kvmix-eval: unknown policy %s (see --list-policies)\n", o->policy);
@@ -408,8 +410,7 @@ static int run(const options *o)
     return r == LLAMA_OK ? 0 : 1;
 }
 
-int main(int argc, char **argv)
-{
+int main(int argc, char **argv) {
     options o;
     if (!parse_options(argc, argv, &o)) {
         usage(stderr);

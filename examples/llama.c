@@ -22,8 +22,7 @@ enum { LLAMA_MAX_CONFIG_DIM = 1 << 20 };
 
 // >>errors
 
-const char *llama_result_string(llama_result result)
-{
+const char *llama_result_string(llama_result result) {
     switch (result) {
     case LLAMA_OK: return "ok";
     case LLAMA_ERR_IO: return "i/o error";
@@ -39,8 +38,8 @@ const char *llama_result_string(llama_result result)
 #if defined(__GNUC__)
 __attribute__((format(printf, 4, 5)))
 #endif
-static llama_result fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...)
-{
+static llama_result
+fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...) {
     if (err != NULL && err_bytes > 0) {
         va_list args;
         va_start(args, fmt);
@@ -50,26 +49,22 @@ static llama_result fail(char *err, size_t err_bytes, llama_result result, const
     return result;
 }
 
-static bool mul_fits(uint64_t a, uint64_t b, uint64_t limit, uint64_t *product)
-{
+static bool mul_fits(uint64_t a, uint64_t b, uint64_t limit, uint64_t *product) {
     if (a != 0 && b > limit / a) return false;
     *product = a * b;
     return true;
 }
 
-static uint32_t get_u32_le(const uint8_t *p)
-{
+static uint32_t get_u32_le(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-static uint64_t get_u64_le(const uint8_t *p)
-{
+static uint64_t get_u64_le(const uint8_t *p) {
     return (uint64_t)get_u32_le(p) | (uint64_t)get_u32_le(p + 4) << 32;
 }
 
 static llama_result read_whole_file(const char *path, uint8_t **bytes, size_t *n_bytes, char *err,
-                                    size_t err_bytes)
-{
+                                    size_t err_bytes) {
     *bytes = NULL;
     *n_bytes = 0;
     FILE *f = fopen(path, "rb");
@@ -83,7 +78,8 @@ static llama_result read_whole_file(const char *path, uint8_t **bytes, size_t *n
     uint8_t *buf = malloc((size_t)size + 1); /* +1: room for a terminating NUL */
     if (buf == NULL) {
         fclose(f);
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %ld bytes for %s", size, path);
+        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %ld bytes for %s", size,
+                    path);
     }
     size_t got = fread(buf, 1, (size_t)size, f);
     fclose(f);
@@ -100,8 +96,7 @@ static llama_result read_whole_file(const char *path, uint8_t **bytes, size_t *n
 // >>safetensors
 
 /* A JSON number that is a whole number in [0, 2^53], the range where doubles are exact. */
-static bool json_to_size(const cJSON *item, uint64_t *value)
-{
+static bool json_to_size(const cJSON *item, uint64_t *value) {
     if (!cJSON_IsNumber(item)) return false;
     double d = item->valuedouble;
     if (!(d >= 0.0 && d <= 9007199254740992.0) || d != floor(d)) return false;
@@ -110,8 +105,7 @@ static bool json_to_size(const cJSON *item, uint64_t *value)
 }
 
 static llama_result parse_dtype(const cJSON *tensor, const char *name, llama_dtype *dtype,
-                                size_t *elem_bytes, char *err, size_t err_bytes)
-{
+                                size_t *elem_bytes, char *err, size_t err_bytes) {
     const cJSON *item = cJSON_GetObjectItemCaseSensitive(tensor, "dtype");
     if (!cJSON_IsString(item))
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s has no dtype string", name);
@@ -133,8 +127,7 @@ static llama_result parse_dtype(const cJSON *tensor, const char *name, llama_dty
 }
 
 static llama_result parse_shape(const cJSON *tensor, llama_tensor_info *info, uint64_t *n_elems,
-                                char *err, size_t err_bytes)
-{
+                                char *err, size_t err_bytes) {
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(tensor, "shape");
     if (!cJSON_IsArray(shape))
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s has no shape array", info->name);
@@ -156,9 +149,9 @@ static llama_result parse_shape(const cJSON *tensor, llama_tensor_info *info, ui
     return LLAMA_OK;
 }
 
-static llama_result parse_offsets(const cJSON *tensor, llama_tensor_info *info, uint64_t expected_bytes,
-                                  size_t data_begin, size_t data_bytes, char *err, size_t err_bytes)
-{
+static llama_result parse_offsets(const cJSON *tensor, llama_tensor_info *info,
+                                  uint64_t expected_bytes, size_t data_begin, size_t data_bytes,
+                                  char *err, size_t err_bytes) {
     const cJSON *offsets = cJSON_GetObjectItemCaseSensitive(tensor, "data_offsets");
     uint64_t begin, end;
     if (!cJSON_IsArray(offsets) || cJSON_GetArraySize(offsets) != 2 ||
@@ -179,12 +172,12 @@ static llama_result parse_offsets(const cJSON *tensor, llama_tensor_info *info, 
 }
 
 static llama_result parse_tensor(const cJSON *tensor, llama_tensor_info *info, size_t data_begin,
-                                 size_t data_bytes, char *err, size_t err_bytes)
-{
+                                 size_t data_bytes, char *err, size_t err_bytes) {
     memset(info, 0, sizeof *info);
     if (strlen(tensor->string) >= LLAMA_MAX_NAME)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "tensor name longer than %d bytes: %.40s...",
-                    LLAMA_MAX_NAME - 1, tensor->string);
+        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                    "tensor name longer than %d bytes: %.40s...", LLAMA_MAX_NAME - 1,
+                    tensor->string);
     strcpy(info->name, tensor->string);
     if (!cJSON_IsObject(tensor))
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s is not a JSON object", info->name);
@@ -193,12 +186,12 @@ static llama_result parse_tensor(const cJSON *tensor, llama_tensor_info *info, s
     llama_result r = parse_dtype(tensor, info->name, &info->dtype, &elem_bytes, err, err_bytes);
     if (r == LLAMA_OK) r = parse_shape(tensor, info, &n_elems, err, err_bytes);
     if (r != LLAMA_OK) return r;
-    return parse_offsets(tensor, info, n_elems * elem_bytes, data_begin, data_bytes, err, err_bytes);
+    return parse_offsets(tensor, info, n_elems * elem_bytes, data_begin, data_bytes, err,
+                         err_bytes);
 }
 
 static llama_result parse_metadata(const cJSON *metadata, llama_safetensors *out, char *err,
-                                   size_t err_bytes)
-{
+                                   size_t err_bytes) {
     if (!cJSON_IsObject(metadata))
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "__metadata__ is not a JSON object");
     const cJSON *config = cJSON_GetObjectItemCaseSensitive(metadata, "config");
@@ -214,14 +207,14 @@ static llama_result parse_metadata(const cJSON *metadata, llama_safetensors *out
 }
 
 static llama_result parse_header_json(const cJSON *root, size_t data_begin, size_t data_bytes,
-                                      llama_safetensors *out, char *err, size_t err_bytes)
-{
+                                      llama_safetensors *out, char *err, size_t err_bytes) {
     if (!cJSON_IsObject(root))
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "safetensors header is not a JSON object");
     int n_entries = cJSON_GetArraySize(root);
     out->tensors = calloc(n_entries > 0 ? (size_t)n_entries : 1, sizeof *out->tensors);
     if (out->tensors == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %d tensor entries", n_entries);
+        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %d tensor entries",
+                    n_entries);
     for (const cJSON *entry = root->child; entry != NULL; entry = entry->next) {
         llama_result r;
         if (strcmp(entry->string, "__metadata__") == 0) {
@@ -237,8 +230,7 @@ static llama_result parse_header_json(const cJSON *root, size_t data_begin, size
 }
 
 llama_result llama_safetensors_parse(const uint8_t *file, size_t file_bytes, llama_safetensors *out,
-                                     char *err, size_t err_bytes)
-{
+                                     char *err, size_t err_bytes) {
     if (out == NULL || (file == NULL && file_bytes > 0))
         return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "safetensors: NULL argument");
     memset(out, 0, sizeof *out);
@@ -260,14 +252,14 @@ llama_result llama_safetensors_parse(const uint8_t *file, size_t file_bytes, lla
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "header JSON is malformed near byte %lld",
                     (long long)(end - json));
     size_t data_begin = 8 + (size_t)header_bytes;
-    llama_result r = parse_header_json(root, data_begin, file_bytes - data_begin, out, err, err_bytes);
+    llama_result r =
+        parse_header_json(root, data_begin, file_bytes - data_begin, out, err, err_bytes);
     cJSON_Delete(root);
     if (r != LLAMA_OK) llama_safetensors_free(out);
     return r;
 }
 
-void llama_safetensors_free(llama_safetensors *st)
-{
+void llama_safetensors_free(llama_safetensors *st) {
     if (st == NULL) return;
     free(st->tensors);
     free(st->config_json);
@@ -277,8 +269,7 @@ void llama_safetensors_free(llama_safetensors *st)
 // >>config
 
 static llama_result config_int(const cJSON *root, const char *key, int32_t fallback, int32_t *value,
-                               char *err, size_t err_bytes)
-{
+                               char *err, size_t err_bytes) {
     const cJSON *item = cJSON_GetObjectItemCaseSensitive(root, key);
     uint64_t v;
     if (item == NULL && fallback > 0) {
@@ -294,8 +285,7 @@ static llama_result config_int(const cJSON *root, const char *key, int32_t fallb
 }
 
 static llama_result config_float(const cJSON *root, const char *key, double fallback, float *value,
-                                 char *err, size_t err_bytes)
-{
+                                 char *err, size_t err_bytes) {
     const cJSON *item = cJSON_GetObjectItemCaseSensitive(root, key);
     if (item == NULL) {
         *value = (float)fallback;
@@ -309,17 +299,16 @@ static llama_result config_float(const cJSON *root, const char *key, double fall
 
 /* A string field that, when present, must equal the one value this runner implements. */
 static llama_result config_expect(const cJSON *root, const char *key, const char *expected,
-                                  char *err, size_t err_bytes)
-{
+                                  char *err, size_t err_bytes) {
     const cJSON *item = cJSON_GetObjectItemCaseSensitive(root, key);
     if (item == NULL || cJSON_IsNull(item)) return LLAMA_OK;
     if (!cJSON_IsString(item) || strcmp(item->valuestring, expected) != 0)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "config %s must be \"%s\"", key, expected);
+        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "config %s must be \"%s\"", key,
+                    expected);
     return LLAMA_OK;
 }
 
-static llama_result config_shapes(const cJSON *root, llama_config *c, char *err, size_t err_bytes)
-{
+static llama_result config_shapes(const cJSON *root, llama_config *c, char *err, size_t err_bytes) {
     llama_result r = config_int(root, "hidden_size", 0, &c->hidden, err, err_bytes);
     if (r == LLAMA_OK) r = config_int(root, "num_hidden_layers", 0, &c->n_layers, err, err_bytes);
     if (r == LLAMA_OK) r = config_int(root, "num_attention_heads", 0, &c->n_heads, err, err_bytes);
@@ -328,12 +317,14 @@ static llama_result config_shapes(const cJSON *root, llama_config *c, char *err,
     if (r == LLAMA_OK)
         r = config_int(root, "head_dim", c->hidden / c->n_heads, &c->head_dim, err, err_bytes);
     if (r == LLAMA_OK) r = config_int(root, "intermediate_size", 0, &c->ffn, err, err_bytes);
-    if (r == LLAMA_OK) r = config_int(root, "max_position_embeddings", 0, &c->context, err, err_bytes);
+    if (r == LLAMA_OK)
+        r = config_int(root, "max_position_embeddings", 0, &c->context, err, err_bytes);
     if (r == LLAMA_OK) r = config_int(root, "vocab_size", 0, &c->vocab, err, err_bytes);
     if (r != LLAMA_OK) return r;
     if (c->n_heads % c->n_kv_heads != 0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "%d attention heads is not a multiple of %d kv heads",
-                    c->n_heads, c->n_kv_heads);
+        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                    "%d attention heads is not a multiple of %d kv heads", c->n_heads,
+                    c->n_kv_heads);
     if (c->head_dim % 2 != 0)
         return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "RoPE needs an even head_dim, got %d",
                     c->head_dim);
@@ -343,8 +334,7 @@ static llama_result config_shapes(const cJSON *root, llama_config *c, char *err,
     return LLAMA_OK;
 }
 
-static llama_result config_flags(const cJSON *root, llama_config *c, char *err, size_t err_bytes)
-{
+static llama_result config_flags(const cJSON *root, llama_config *c, char *err, size_t err_bytes) {
     llama_result r = config_float(root, "rope_theta", 10000.0, &c->rope_theta, err, err_bytes);
     if (r == LLAMA_OK) r = config_float(root, "rms_norm_eps", 1e-6, &c->norm_eps, err, err_bytes);
     if (r == LLAMA_OK) r = config_expect(root, "model_type", "llama", err, err_bytes);
@@ -354,20 +344,22 @@ static llama_result config_flags(const cJSON *root, llama_config *c, char *err, 
     const cJSON *scaling = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
     if (scaling != NULL && !cJSON_IsNull(scaling))
         return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "rope_scaling is not implemented");
-    c->tied_embeddings = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(root, "tie_word_embeddings"));
+    c->tied_embeddings =
+        cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(root, "tie_word_embeddings"));
     const cJSON *name = cJSON_GetObjectItemCaseSensitive(root, "name");
     if (cJSON_IsString(name)) snprintf(c->name, sizeof c->name, "%s", name->valuestring);
     return LLAMA_OK;
 }
 
-static llama_result config_tokenizer(const cJSON *root, int32_t vocab, llama_tokenizer *tok, char *err,
-                                     size_t err_bytes)
-{
+static llama_result config_tokenizer(const cJSON *root, int32_t vocab, llama_tokenizer *tok,
+                                     char *err, size_t err_bytes) {
     memset(tok, 0, sizeof *tok);
+    for (int32_t i = 0; i < 256; i++) tok->byte_text[i] = (char)(unsigned char)i;
     const cJSON *tokenizer = cJSON_GetObjectItemCaseSensitive(root, "tokenizer");
     const cJSON *specials = cJSON_GetObjectItemCaseSensitive(tokenizer, "special_tokens");
     if (!cJSON_IsObject(specials))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "config has no tokenizer.special_tokens object");
+        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                    "config has no tokenizer.special_tokens object");
     for (const cJSON *s = specials->child; s != NULL; s = s->next) {
         uint64_t id;
         size_t n = strlen(s->string);
@@ -386,8 +378,7 @@ static llama_result config_tokenizer(const cJSON *root, int32_t vocab, llama_tok
 }
 
 llama_result llama_config_parse(const char *json, size_t json_bytes, llama_config *config,
-                                llama_tokenizer *tokenizer, char *err, size_t err_bytes)
-{
+                                llama_tokenizer *tokenizer, char *err, size_t err_bytes) {
     if (json == NULL || config == NULL || tokenizer == NULL)
         return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "config: NULL argument");
     memset(config, 0, sizeof *config);
@@ -408,25 +399,9 @@ llama_result llama_config_parse(const char *json, size_t json_bytes, llama_confi
 
 // >>tokenizer
 
-static const char BYTE_TEXT[256] = {
-    0,   1,   2,   3,   4,   5,   6,   7,   8,   9,   10,  11,  12,  13,  14,  15,  16,  17,  18,
-    19,  20,  21,  22,  23,  24,  25,  26,  27,  28,  29,  30,  31,  32,  33,  34,  35,  36,  37,
-    38,  39,  40,  41,  42,  43,  44,  45,  46,  47,  48,  49,  50,  51,  52,  53,  54,  55,  56,
-    57,  58,  59,  60,  61,  62,  63,  64,  65,  66,  67,  68,  69,  70,  71,  72,  73,  74,  75,
-    76,  77,  78,  79,  80,  81,  82,  83,  84,  85,  86,  87,  88,  89,  90,  91,  92,  93,  94,
-    95,  96,  97,  98,  99,  100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 110, 111, 112, 113,
-    114, 115, 116, 117, 118, 119, 120, 121, 122, 123, 124, 125, 126, 127, -128, -127, -126, -125,
-    -124, -123, -122, -121, -120, -119, -118, -117, -116, -115, -114, -113, -112, -111, -110, -109,
-    -108, -107, -106, -105, -104, -103, -102, -101, -100, -99, -98, -97, -96, -95, -94, -93, -92,
-    -91, -90, -89, -88, -87, -86, -85, -84, -83, -82, -81, -80, -79, -78, -77, -76, -75, -74, -73,
-    -72, -71, -70, -69, -68, -67, -66, -65, -64, -63, -62, -61, -60, -59, -58, -57, -56, -55, -54,
-    -53, -52, -51, -50, -49, -48, -47, -46, -45, -44, -43, -42, -41, -40, -39, -38, -37, -36, -35,
-    -34, -33, -32, -31, -30, -29, -28, -27, -26, -25, -24, -23, -22, -21, -20, -19, -18, -17, -16,
-    -15, -14, -13, -12, -11, -10, -9,  -8,  -7,  -6,  -5,  -4,  -3,  -2,  -1};
-
 /* The longest special token starting at text (so "<tool_call>" never loses to a prefix), or -1. */
-static int32_t match_special(const llama_tokenizer *tok, const char *text, size_t left, size_t *n_matched)
-{
+static int32_t match_special(const llama_tokenizer *tok, const char *text, size_t left,
+                             size_t *n_matched) {
     int32_t best = -1;
     *n_matched = 0;
     for (int32_t s = 0; s < tok->n_special; s++) {
@@ -440,8 +415,7 @@ static int32_t match_special(const llama_tokenizer *tok, const char *text, size_
 }
 
 llama_result llama_tokenize(const llama_tokenizer *tok, const char *text, size_t text_bytes,
-                            int32_t *ids, int64_t *n_ids)
-{
+                            int32_t *ids, int64_t *n_ids) {
     if (tok == NULL || (text == NULL && text_bytes > 0) || ids == NULL || n_ids == NULL)
         return LLAMA_ERR_ARGUMENT;
     int64_t n = 0;
@@ -460,18 +434,16 @@ llama_result llama_tokenize(const llama_tokenizer *tok, const char *text, size_t
     return LLAMA_OK;
 }
 
-int32_t llama_special_id(const llama_tokenizer *tok, const char *text)
-{
+int32_t llama_special_id(const llama_tokenizer *tok, const char *text) {
     for (int32_t s = 0; s < tok->n_special; s++)
         if (strcmp(tok->special_text[s], text) == 0) return tok->special_id[s];
     return -1;
 }
 
-const char *llama_token_bytes(const llama_tokenizer *tok, int32_t id, size_t *n_bytes)
-{
+const char *llama_token_bytes(const llama_tokenizer *tok, int32_t id, size_t *n_bytes) {
     if (id >= 0 && id < 256) {
         *n_bytes = 1;
-        return &BYTE_TEXT[id];
+        return &tok->byte_text[id];
     }
     for (int32_t s = 0; s < tok->n_special; s++) {
         if (tok->special_id[s] == id) {
@@ -485,8 +457,7 @@ const char *llama_token_bytes(const llama_tokenizer *tok, int32_t id, size_t *n_
 
 // >>load
 
-static float f16_to_f32(uint16_t h)
-{
+static float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h >> 15) << 31;
     uint32_t exponent = (h >> 10) & 31;
     uint32_t mantissa = h & 0x3ff;
@@ -501,15 +472,13 @@ static float f16_to_f32(uint16_t h)
     return f;
 }
 
-static float bits_to_f32(uint32_t bits)
-{
+static float bits_to_f32(uint32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
 }
 
-static void tensor_to_f32(const uint8_t *file, const llama_tensor_info *t, float *out)
-{
+static void tensor_to_f32(const uint8_t *file, const llama_tensor_info *t, float *out) {
     const uint8_t *p = file + t->offset_bytes;
     size_t elem_bytes = t->dtype == LLAMA_DTYPE_F32 ? 4 : 2;
     size_t n = t->size_bytes / elem_bytes;
@@ -531,16 +500,15 @@ typedef struct loader {
     size_t err_bytes;
 } loader;
 
-static const llama_tensor_info *find_tensor(const llama_safetensors *st, const char *name)
-{
+static const llama_tensor_info *find_tensor(const llama_safetensors *st, const char *name) {
     for (int32_t i = 0; i < st->n_tensors; i++)
         if (strcmp(st->tensors[i].name, name) == 0) return &st->tensors[i];
     return NULL;
 }
 
 /* Converts tensor `name`, which must have shape [rows, cols] (cols == 0: shape [rows]), into dst. */
-static llama_result load_tensor(const loader *ld, const char *name, int64_t rows, int64_t cols, float *dst)
-{
+static llama_result load_tensor(const loader *ld, const char *name, int64_t rows, int64_t cols,
+                                float *dst) {
     const llama_tensor_info *t = find_tensor(ld->st, name);
     if (t == NULL) return fail(ld->err, ld->err_bytes, LLAMA_ERR_FORMAT, "missing tensor %s", name);
     bool ok = cols == 0 ? t->n_dims == 1 && t->shape[0] == rows
@@ -558,17 +526,16 @@ static llama_result load_tensor(const loader *ld, const char *name, int64_t rows
     return LLAMA_OK;
 }
 
-static llama_result load_vector(const loader *ld, const char *name, int64_t n, float **dst)
-{
+static llama_result load_vector(const loader *ld, const char *name, int64_t n, float **dst) {
     *dst = malloc((size_t)n * sizeof(float));
-    if (*dst == NULL) return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %s", name);
+    if (*dst == NULL)
+        return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %s", name);
     return load_tensor(ld, name, n, 0, *dst);
 }
 
 /* Packs row-major rows into panels: row r = p*LLAMA_PANEL_ROWS + j, column i lives at
  * panels[(p*n_in + i)*LLAMA_PANEL_ROWS + j]; rows past n_out are zero. */
-static llama_result pack_matrix(const float *rows, int32_t n_out, int32_t n_in, llama_matrix *m)
-{
+static llama_result pack_matrix(const float *rows, int32_t n_out, int32_t n_in, llama_matrix *m) {
     int32_t n_panels = (n_out + LLAMA_PANEL_ROWS - 1) / LLAMA_PANEL_ROWS;
     size_t n_floats = (size_t)n_panels * LLAMA_PANEL_ROWS * (size_t)n_in;
     m->panels = aligned_alloc(64, n_floats * sizeof(float)); /* a multiple of 64 bytes */
@@ -588,13 +555,14 @@ static llama_result pack_matrix(const float *rows, int32_t n_out, int32_t n_in, 
 /* Loads tensors named by `names` (a printf pattern with the layer), stacked top to bottom, into one
  * packed matrix: fusing q/k/v and gate/up halves the thread handoffs per token. */
 static llama_result load_matrix(const loader *ld, int32_t layer, const char *const *names,
-                                const int32_t *rows, int32_t n_parts, int32_t n_in, llama_matrix *m)
-{
+                                const int32_t *rows, int32_t n_parts, int32_t n_in,
+                                llama_matrix *m) {
     int32_t n_out = 0;
     for (int32_t i = 0; i < n_parts; i++) n_out += rows[i];
     float *stacked = malloc((size_t)n_out * (size_t)n_in * sizeof(float));
     if (stacked == NULL)
-        return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a %d x %d matrix", n_out, n_in);
+        return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a %d x %d matrix",
+                    n_out, n_in);
     llama_result r = LLAMA_OK;
     size_t row0 = 0;
     for (int32_t i = 0; i < n_parts && r == LLAMA_OK; i++) {
@@ -604,14 +572,14 @@ static llama_result load_matrix(const loader *ld, int32_t layer, const char *con
         row0 += (size_t)rows[i];
     }
     if (r == LLAMA_OK && pack_matrix(stacked, n_out, n_in, m) != LLAMA_OK)
-        r = fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a packed %d x %d matrix",
-                 n_out, n_in);
+        r = fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY,
+                 "cannot allocate a packed %d x %d matrix", n_out, n_in);
     free(stacked);
     return r;
 }
 
-static llama_result load_layer(const loader *ld, const llama_config *c, int32_t l, llama_layer *layer)
-{
+static llama_result load_layer(const loader *ld, const llama_config *c, int32_t l,
+                               llama_layer *layer) {
     static const char *const qkv[] = {"model.layers.%d.self_attn.q_proj.weight",
                                       "model.layers.%d.self_attn.k_proj.weight",
                                       "model.layers.%d.self_attn.v_proj.weight"};
@@ -633,8 +601,7 @@ static llama_result load_layer(const loader *ld, const llama_config *c, int32_t 
     return r;
 }
 
-static llama_result load_weights(const loader *ld, llama_model *m)
-{
+static llama_result load_weights(const loader *ld, llama_model *m) {
     const llama_config *c = &m->config;
     static const char *const embed[] = {"model.embed_tokens.weight"};
     static const char *const head[] = {"lm_head.weight"};
@@ -642,7 +609,8 @@ static llama_result load_weights(const loader *ld, llama_model *m)
     llama_result r = load_vector(ld, "model.norm.weight", c->hidden, &m->final_norm);
     if (r != LLAMA_OK) return r;
     m->embed = malloc((size_t)c->vocab * (size_t)c->hidden * sizeof(float));
-    if (m->embed == NULL) return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate embeddings");
+    if (m->embed == NULL)
+        return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate embeddings");
     r = load_tensor(ld, embed[0], c->vocab, c->hidden, m->embed);
     if (r == LLAMA_OK && !has_head && !c->tied_embeddings)
         r = fail(ld->err, ld->err_bytes, LLAMA_ERR_FORMAT,
@@ -652,21 +620,22 @@ static llama_result load_weights(const loader *ld, llama_model *m)
     m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
     if (r == LLAMA_OK && m->layers == NULL)
         r = fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate layers");
-    for (int32_t l = 0; l < c->n_layers && r == LLAMA_OK; l++) r = load_layer(ld, c, l, &m->layers[l]);
+    for (int32_t l = 0; l < c->n_layers && r == LLAMA_OK; l++)
+        r = load_layer(ld, c, l, &m->layers[l]);
     return r;
 }
 
 /* The config JSON: __metadata__.config, else config.json next to the checkpoint. */
 static llama_result load_config(const char *path, const llama_safetensors *st, llama_model *m,
-                                char *err, size_t err_bytes)
-{
+                                char *err, size_t err_bytes) {
     if (st->config_json != NULL)
-        return llama_config_parse(st->config_json, strlen(st->config_json), &m->config, &m->tokenizer,
-                                  err, err_bytes);
+        return llama_config_parse(st->config_json, strlen(st->config_json), &m->config,
+                                  &m->tokenizer, err, err_bytes);
     const char *slash = strrchr(path, '/');
     size_t dir_bytes = slash != NULL ? (size_t)(slash - path) + 1 : 0;
     char *config_path = malloc(dir_bytes + sizeof "config.json");
-    if (config_path == NULL) return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a path");
+    if (config_path == NULL)
+        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a path");
     memcpy(config_path, path, dir_bytes);
     memcpy(config_path + dir_bytes, "config.json", sizeof "config.json");
     uint8_t *json;
@@ -676,15 +645,16 @@ static llama_result load_config(const char *path, const llama_safetensors *st, l
         r = fail(err, err_bytes, r, "%s has no __metadata__.config and %s is unreadable", path,
                  config_path);
     else
-        r = llama_config_parse((const char *)json, json_bytes, &m->config, &m->tokenizer, err, err_bytes);
+        r = llama_config_parse((const char *)json, json_bytes, &m->config, &m->tokenizer, err,
+                               err_bytes);
     free(json);
     free(config_path);
     return r;
 }
 
-llama_result llama_model_load(const char *path, llama_model *model, char *err, size_t err_bytes)
-{
-    if (path == NULL || model == NULL) return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "NULL argument");
+llama_result llama_model_load(const char *path, llama_model *model, char *err, size_t err_bytes) {
+    if (path == NULL || model == NULL)
+        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "NULL argument");
     memset(model, 0, sizeof *model);
     uint8_t *file;
     size_t file_bytes;
@@ -703,8 +673,7 @@ llama_result llama_model_load(const char *path, llama_model *model, char *err, s
     return r;
 }
 
-void llama_model_free(llama_model *model)
-{
+void llama_model_free(llama_model *model) {
     if (model == NULL) return;
     if (model->layers != NULL) {
         for (int32_t l = 0; l < model->config.n_layers; l++) {
@@ -749,8 +718,7 @@ typedef struct pool_worker_arg {
     int32_t part;
 } pool_worker_arg;
 
-static uint64_t pool_wait_job(llama_pool *pool, uint64_t seen)
-{
+static uint64_t pool_wait_job(llama_pool *pool, uint64_t seen) {
     for (int32_t spin = 0; spin < LLAMA_SPIN_LIMIT; spin++) {
         uint64_t g = atomic_load(&pool->generation);
         if (g != seen) return g;
@@ -761,8 +729,7 @@ static uint64_t pool_wait_job(llama_pool *pool, uint64_t seen)
     return atomic_load(&pool->generation);
 }
 
-static void *pool_worker(void *arg)
-{
+static void *pool_worker(void *arg) {
     pool_worker_arg a = *(pool_worker_arg *)arg;
     free(arg);
     uint64_t seen = 0;
@@ -774,8 +741,7 @@ static void *pool_worker(void *arg)
     }
 }
 
-static void pool_run(llama_pool *pool, llama_job_fn fn, void *ctx)
-{
+static void pool_run(llama_pool *pool, llama_job_fn fn, void *ctx) {
     if (pool->n_threads == 1) {
         fn(ctx, 0, 1);
         return;
@@ -793,8 +759,7 @@ static void pool_run(llama_pool *pool, llama_job_fn fn, void *ctx)
     }
 }
 
-static void pool_free(llama_pool *pool, int32_t n_started)
-{
+static void pool_free(llama_pool *pool, int32_t n_started) {
     if (pool == NULL) return;
     atomic_store(&pool->stop, true);
     atomic_fetch_add(&pool->generation, 1);
@@ -808,8 +773,7 @@ static void pool_free(llama_pool *pool, int32_t n_started)
     free(pool);
 }
 
-static llama_result pool_create(int32_t n_threads, llama_pool **out)
-{
+static llama_result pool_create(int32_t n_threads, llama_pool **out) {
     llama_pool *pool = calloc(1, sizeof *pool);
     if (pool == NULL) return LLAMA_ERR_MEMORY;
     pool->n_threads = n_threads;
@@ -846,10 +810,10 @@ static llama_result pool_create(int32_t n_threads, llama_pool **out)
 // >>forward
 
 llama_result llama_runner_init(llama_runner *runner, const llama_model *model, int32_t n_threads,
-                               char *err, size_t err_bytes)
-{
+                               char *err, size_t err_bytes) {
     if (runner == NULL || model == NULL || n_threads < 1 || n_threads > 256)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "runner needs a model and 1 to 256 threads");
+        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                    "runner needs a model and 1 to 256 threads");
     memset(runner, 0, sizeof *runner);
     const llama_config *c = &model->config;
     size_t q_floats = (size_t)c->n_heads * (size_t)c->head_dim;
@@ -865,8 +829,8 @@ llama_result llama_runner_init(llama_runner *runner, const llama_model *model, i
     runner->logits = malloc((size_t)c->vocab * sizeof(float));
     runner->inv_freq = malloc((size_t)c->head_dim / 2 * sizeof(double));
     runner->part_results = malloc((size_t)c->n_kv_heads * sizeof(llama_result));
-    if (!runner->x || !runner->xn || !runner->qkv || !runner->att || !runner->ffn || !runner->rope ||
-        !runner->logits || !runner->inv_freq || !runner->part_results ||
+    if (!runner->x || !runner->xn || !runner->qkv || !runner->att || !runner->ffn ||
+        !runner->rope || !runner->logits || !runner->inv_freq || !runner->part_results ||
         pool_create(n_threads, &runner->pool) != LLAMA_OK) {
         llama_runner_free(runner);
         return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate runner buffers or threads");
@@ -876,8 +840,7 @@ llama_result llama_runner_init(llama_runner *runner, const llama_model *model, i
     return LLAMA_OK;
 }
 
-void llama_runner_free(llama_runner *runner)
-{
+void llama_runner_free(llama_runner *runner) {
     if (runner == NULL) return;
     pool_free(runner->pool, runner->pool != NULL ? runner->pool->n_threads - 1 : 0);
     free(runner->x);
@@ -895,8 +858,7 @@ void llama_runner_free(llama_runner *runner)
 /* out[j] = sum_i panel[i * stride + j] * x[i] for j < 16. Sixteen named accumulators (not an
  * array) are what lets gcc and clang keep them in vector registers; each sum runs in order of i. */
 static void panel_times(const float *panel, size_t stride, const float *x, int32_t n_in,
-                        float out[LLAMA_PANEL_ROWS])
-{
+                        float out[LLAMA_PANEL_ROWS]) {
     float a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
     float a8 = 0, a9 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0, a14 = 0, a15 = 0;
     for (int32_t i = 0; i < n_in; i++) {
@@ -907,13 +869,13 @@ static void panel_times(const float *panel, size_t stride, const float *x, int32
         a8 += c[8] * xi, a9 += c[9] * xi, a10 += c[10] * xi, a11 += c[11] * xi;
         a12 += c[12] * xi, a13 += c[13] * xi, a14 += c[14] * xi, a15 += c[15] * xi;
     }
-    const float acc[LLAMA_PANEL_ROWS] = {a0, a1, a2, a3, a4, a5, a6, a7,
+    const float acc[LLAMA_PANEL_ROWS] = {a0, a1, a2,  a3,  a4,  a5,  a6,  a7,
                                          a8, a9, a10, a11, a12, a13, a14, a15};
     memcpy(out, acc, sizeof acc);
 }
 
-static void matvec_panels(const llama_matrix *w, const float *x, float *y, int32_t p_begin, int32_t p_end)
-{
+static void matvec_panels(const llama_matrix *w, const float *x, float *y, int32_t p_begin,
+                          int32_t p_end) {
     for (int32_t p = p_begin; p < p_end; p++) {
         float acc[LLAMA_PANEL_ROWS];
         panel_times(w->panels + (size_t)p * (size_t)w->n_in * LLAMA_PANEL_ROWS, LLAMA_PANEL_ROWS, x,
@@ -930,22 +892,20 @@ typedef struct matvec_job {
     float *y;
 } matvec_job;
 
-static void matvec_part(void *ctx, int32_t part, int32_t n_parts)
-{
+static void matvec_part(void *ctx, int32_t part, int32_t n_parts) {
     const matvec_job *job = ctx;
     int32_t n_panels = (job->w->n_out + LLAMA_PANEL_ROWS - 1) / LLAMA_PANEL_ROWS;
-    matvec_panels(job->w, job->x, job->y, n_panels * part / n_parts, n_panels * (part + 1) / n_parts);
+    matvec_panels(job->w, job->x, job->y, n_panels * part / n_parts,
+                  n_panels * (part + 1) / n_parts);
 }
 
 /* y[n_out] = W x, output rows split across the runner's threads. */
-static void matvec(llama_runner *runner, const llama_matrix *w, const float *x, float *y)
-{
+static void matvec(llama_runner *runner, const llama_matrix *w, const float *x, float *y) {
     matvec_job job = {w, x, y};
     pool_run(runner->pool, matvec_part, &job);
 }
 
-static void rms_norm(float *out, const float *x, const float *weight, int32_t n, float eps)
-{
+static void rms_norm(float *out, const float *x, const float *weight, int32_t n, float eps) {
     double sum_squares = 0.0;
     for (int32_t i = 0; i < n; i++) sum_squares += (double)x[i] * x[i];
     float scale = (float)(1.0 / sqrt(sum_squares / n + eps));
@@ -953,8 +913,7 @@ static void rms_norm(float *out, const float *x, const float *weight, int32_t n,
 }
 
 /* Rotate-half RoPE: dimension i pairs with i + head_dim/2. rope holds cos then sin [head_dim/2]. */
-static void apply_rope(float *heads, int32_t n_heads, int32_t head_dim, const float *rope)
-{
+static void apply_rope(float *heads, int32_t n_heads, int32_t head_dim, const float *rope) {
     int32_t half = head_dim / 2;
     for (int32_t h = 0; h < n_heads; h++) {
         float *x = heads + (size_t)h * head_dim;
@@ -975,8 +934,7 @@ typedef struct attend_job {
     llama_result *results; /* [n_kv_heads] */
 } attend_job;
 
-static void attend_part(void *ctx, int32_t part, int32_t n_parts)
-{
+static void attend_part(void *ctx, int32_t part, int32_t n_parts) {
     const attend_job *job = ctx;
     for (int32_t kv = part; kv < job->n_kv_heads; kv += n_parts) {
         size_t offset = (size_t)kv * job->group * job->head_dim;
@@ -986,8 +944,7 @@ static void attend_part(void *ctx, int32_t part, int32_t n_parts)
 }
 
 static llama_result attention(llama_runner *runner, llama_kv_cache *cache, int32_t l, int64_t pos,
-                              char *err, size_t err_bytes)
-{
+                              char *err, size_t err_bytes) {
     const llama_config *c = &runner->model->config;
     float *q = runner->qkv;
     float *k = q + (size_t)c->n_heads * c->head_dim;
@@ -996,9 +953,17 @@ static llama_result attention(llama_runner *runner, llama_kv_cache *cache, int32
     apply_rope(k, c->n_kv_heads, c->head_dim, runner->rope);
     llama_result r = cache->store(cache->state, l, pos, k, v);
     if (r != LLAMA_OK)
-        return fail(err, err_bytes, r, "kv cache store failed at layer %d, position %lld", l, (long long)pos);
-    attend_job job = {cache, l, c->n_kv_heads, c->n_heads / c->n_kv_heads, c->head_dim,
-                      (float)(1.0 / sqrt((double)c->head_dim)), q, runner->att, runner->part_results};
+        return fail(err, err_bytes, r, "kv cache store failed at layer %d, position %lld", l,
+                    (long long)pos);
+    attend_job job = {cache,
+                      l,
+                      c->n_kv_heads,
+                      c->n_heads / c->n_kv_heads,
+                      c->head_dim,
+                      (float)(1.0 / sqrt((double)c->head_dim)),
+                      q,
+                      runner->att,
+                      runner->part_results};
     pool_run(runner->pool, attend_part, &job);
     for (int32_t kv = 0; kv < c->n_kv_heads; kv++)
         if (runner->part_results[kv] != LLAMA_OK)
@@ -1008,21 +973,18 @@ static llama_result attention(llama_runner *runner, llama_kv_cache *cache, int32
     return LLAMA_OK;
 }
 
-static void add_into(float *x, const float *delta, int32_t n)
-{
+static void add_into(float *x, const float *delta, int32_t n) {
     for (int32_t i = 0; i < n; i++) x[i] += delta[i];
 }
 
-static void swiglu(float *gate_up, int32_t ffn)
-{
+static void swiglu(float *gate_up, int32_t ffn) {
     for (int32_t i = 0; i < ffn; i++) {
         float g = gate_up[i];
         gate_up[i] = g / (1.0f + expf(-g)) * gate_up[ffn + i];
     }
 }
 
-static void rope_table(llama_runner *runner, int64_t pos)
-{
+static void rope_table(llama_runner *runner, int64_t pos) {
     int32_t half = runner->model->config.head_dim / 2;
     for (int32_t i = 0; i < half; i++) {
         double angle = (double)pos * runner->inv_freq[i];
@@ -1032,17 +994,17 @@ static void rope_table(llama_runner *runner, int64_t pos)
 }
 
 llama_result llama_forward(llama_runner *runner, llama_kv_cache *cache, int32_t token, int64_t pos,
-                           float *logits, char *err, size_t err_bytes)
-{
+                           float *logits, char *err, size_t err_bytes) {
     if (runner == NULL || cache == NULL || logits == NULL)
         return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "forward: NULL argument");
     const llama_model *m = runner->model;
     const llama_config *c = &m->config;
     if (token < 0 || token >= c->vocab)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "token %d is outside the vocab of %d", token, c->vocab);
+        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "token %d is outside the vocab of %d",
+                    token, c->vocab);
     if (pos < 0 || pos >= c->context)
-        return fail(err, err_bytes, LLAMA_ERR_CAPACITY, "position %lld is outside the context of %d",
-                    (long long)pos, c->context);
+        return fail(err, err_bytes, LLAMA_ERR_CAPACITY,
+                    "position %lld is outside the context of %d", (long long)pos, c->context);
     memcpy(runner->x, m->embed + (size_t)token * c->hidden, (size_t)c->hidden * sizeof(float));
     rope_table(runner, pos);
     for (int32_t l = 0; l < c->n_layers; l++) {
@@ -1073,17 +1035,18 @@ typedef struct kv_fp32 {
     int64_t capacity;
     int64_t *n_tokens; /* [n_layers] */
     float *k, *v;
-    float *scores; /* [n_kv_heads, capacity]: one row per kv head, so concurrent attends never share */
+    float *
+        scores; /* [n_kv_heads, capacity]: one row per kv head, so concurrent attends never share */
 } kv_fp32;
 
-static size_t kv_fp32_offset(const kv_fp32 *kv, int32_t layer, int32_t head, int64_t token)
-{
-    return (((size_t)layer * kv->n_kv_heads + (size_t)head) * (size_t)kv->capacity + (size_t)token) *
+static size_t kv_fp32_offset(const kv_fp32 *kv, int32_t layer, int32_t head, int64_t token) {
+    return (((size_t)layer * kv->n_kv_heads + (size_t)head) * (size_t)kv->capacity +
+            (size_t)token) *
            (size_t)kv->head_dim;
 }
 
-static llama_result kv_fp32_store(void *state, int32_t layer, int64_t pos, const float *k, const float *v)
-{
+static llama_result kv_fp32_store(void *state, int32_t layer, int64_t pos, const float *k,
+                                  const float *v) {
     kv_fp32 *kv = state;
     if (layer < 0 || layer >= kv->n_layers || pos != kv->n_tokens[layer]) return LLAMA_ERR_ARGUMENT;
     if (pos >= kv->capacity) return LLAMA_ERR_CAPACITY;
@@ -1097,8 +1060,7 @@ static llama_result kv_fp32_store(void *state, int32_t layer, int64_t pos, const
 }
 
 /* Eight partial sums, so the compiler can keep them in vector registers. */
-static float dot(const float *a, const float *b, int32_t n)
-{
+static float dot(const float *a, const float *b, int32_t n) {
     float acc[8] = {0};
     int32_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -1108,8 +1070,7 @@ static float dot(const float *a, const float *b, int32_t n)
 }
 
 static void attend_one(const kv_fp32 *kv, const float *keys, const float *values, int64_t n_tokens,
-                       const float *q, float scale, float *scores, float *out)
-{
+                       const float *q, float scale, float *scores, float *out) {
     float max_score = -INFINITY;
     for (int64_t t = 0; t < n_tokens; t++) {
         scores[t] = scale * dot(q, keys + (size_t)t * kv->head_dim, kv->head_dim);
@@ -1130,14 +1091,14 @@ static void attend_one(const kv_fp32 *kv, const float *keys, const float *values
     }
     for (; d < kv->head_dim; d++) {
         float acc = 0.0f;
-        for (int64_t t = 0; t < n_tokens; t++) acc += scores[t] * values[(size_t)t * kv->head_dim + d];
+        for (int64_t t = 0; t < n_tokens; t++)
+            acc += scores[t] * values[(size_t)t * kv->head_dim + d];
         out[d] = acc * inv_sum;
     }
 }
 
 static llama_result kv_fp32_attend(void *state, int32_t layer, int32_t kv_head, const float *q,
-                                   int32_t n_q, float scale, float *out)
-{
+                                   int32_t n_q, float scale, float *out) {
     kv_fp32 *kv = state;
     if (layer < 0 || layer >= kv->n_layers || kv_head < 0 || kv_head >= kv->n_kv_heads)
         return LLAMA_ERR_ARGUMENT;
@@ -1152,20 +1113,17 @@ static llama_result kv_fp32_attend(void *state, int32_t layer, int32_t kv_head, 
     return LLAMA_OK;
 }
 
-static void kv_fp32_begin_request(void *state, int64_t pos)
-{
+static void kv_fp32_begin_request(void *state, int64_t pos) {
     (void)state; /* a full-precision cache keeps everything; nothing to re-tag */
     (void)pos;
 }
 
-static void kv_fp32_reset(void *state)
-{
+static void kv_fp32_reset(void *state) {
     kv_fp32 *kv = state;
     memset(kv->n_tokens, 0, (size_t)kv->n_layers * sizeof *kv->n_tokens);
 }
 
-static void kv_fp32_stats(const void *state, llama_kv_stats *out)
-{
+static void kv_fp32_stats(const void *state, llama_kv_stats *out) {
     const kv_fp32 *kv = state;
     int64_t n_tokens = kv->n_tokens[0];
     out->n_tokens = n_tokens;
@@ -1174,8 +1132,7 @@ static void kv_fp32_stats(const void *state, llama_kv_stats *out)
     out->avg_bits = 32.0;
 }
 
-static void kv_fp32_destroy(void *state)
-{
+static void kv_fp32_destroy(void *state) {
     kv_fp32 *kv = state;
     if (kv == NULL) return;
     free(kv->n_tokens);
@@ -1185,8 +1142,8 @@ static void kv_fp32_destroy(void *state)
     free(kv);
 }
 
-llama_result llama_kv_fp32_create(const llama_config *config, int64_t capacity, llama_kv_cache *out)
-{
+llama_result llama_kv_fp32_create(const llama_config *config, int64_t capacity,
+                                  llama_kv_cache *out) {
     if (config == NULL || out == NULL || capacity < 1 || capacity > LLAMA_MAX_CONFIG_DIM)
         return LLAMA_ERR_ARGUMENT;
     kv_fp32 *kv = calloc(1, sizeof *kv);
@@ -1216,18 +1173,15 @@ llama_result llama_kv_fp32_create(const llama_config *config, int64_t capacity, 
 
 // >>capture
 
-static size_t capture_q_floats(const llama_capture *cap)
-{
+static size_t capture_q_floats(const llama_capture *cap) {
     return (size_t)cap->n_tokens * (size_t)cap->n_heads * (size_t)cap->head_dim;
 }
 
-static size_t capture_kv_floats(const llama_capture *cap)
-{
+static size_t capture_kv_floats(const llama_capture *cap) {
     return (size_t)cap->n_tokens * (size_t)cap->n_kv_heads * (size_t)cap->head_dim;
 }
 
-static llama_result capture_alloc(llama_capture *cap)
-{
+static llama_result capture_alloc(llama_capture *cap) {
     size_t layers = (size_t)cap->n_layers;
     cap->token_ids = calloc((size_t)cap->n_tokens, sizeof *cap->token_ids);
     cap->q = calloc(layers * capture_q_floats(cap), sizeof(float));
@@ -1240,17 +1194,22 @@ static llama_result capture_alloc(llama_capture *cap)
     return LLAMA_OK;
 }
 
-llama_result llama_capture_init(llama_capture *cap, const llama_config *config, int32_t n_tokens)
-{
+llama_result llama_capture_init(llama_capture *cap, const llama_config *config, int32_t n_tokens) {
     if (cap == NULL || config == NULL || n_tokens < 1 || n_tokens > LLAMA_CAPTURE_MAX_DIM)
         return LLAMA_ERR_ARGUMENT;
-    *cap = (llama_capture){config->n_layers, config->n_heads, config->n_kv_heads, config->head_dim,
-                           n_tokens, NULL, NULL, NULL, NULL};
+    *cap = (llama_capture){config->n_layers,
+                           config->n_heads,
+                           config->n_kv_heads,
+                           config->head_dim,
+                           n_tokens,
+                           NULL,
+                           NULL,
+                           NULL,
+                           NULL};
     return capture_alloc(cap);
 }
 
-void llama_capture_free(llama_capture *cap)
-{
+void llama_capture_free(llama_capture *cap) {
     if (cap == NULL) return;
     free(cap->token_ids);
     free(cap->q);
@@ -1265,8 +1224,8 @@ typedef struct kv_capture {
     int64_t *last_pos; /* [n_layers]: the position attend() is answering for */
 } kv_capture;
 
-static llama_result kv_capture_store(void *state, int32_t layer, int64_t pos, const float *k, const float *v)
-{
+static llama_result kv_capture_store(void *state, int32_t layer, int64_t pos, const float *k,
+                                     const float *v) {
     kv_capture *w = state;
     const llama_capture *cap = w->cap;
     if (layer < 0 || layer >= cap->n_layers) return LLAMA_ERR_ARGUMENT;
@@ -1281,8 +1240,7 @@ static llama_result kv_capture_store(void *state, int32_t layer, int64_t pos, co
 }
 
 static llama_result kv_capture_attend(void *state, int32_t layer, int32_t kv_head, const float *q,
-                                      int32_t n_q, float scale, float *out)
-{
+                                      int32_t n_q, float scale, float *out) {
     kv_capture *w = state;
     const llama_capture *cap = w->cap;
     int64_t pos = layer >= 0 && layer < cap->n_layers ? w->last_pos[layer] : -1;
@@ -1296,34 +1254,29 @@ static llama_result kv_capture_attend(void *state, int32_t layer, int32_t kv_hea
     return w->inner.attend(w->inner.state, layer, kv_head, q, n_q, scale, out);
 }
 
-static void kv_capture_begin_request(void *state, int64_t pos)
-{
+static void kv_capture_begin_request(void *state, int64_t pos) {
     kv_capture *w = state;
     w->inner.begin_request(w->inner.state, pos);
 }
 
-static void kv_capture_reset(void *state)
-{
+static void kv_capture_reset(void *state) {
     kv_capture *w = state;
     w->inner.reset(w->inner.state);
 }
 
-static void kv_capture_stats(const void *state, llama_kv_stats *out)
-{
+static void kv_capture_stats(const void *state, llama_kv_stats *out) {
     const kv_capture *w = state;
     w->inner.stats(w->inner.state, out);
 }
 
-static void kv_capture_destroy(void *state)
-{
+static void kv_capture_destroy(void *state) {
     kv_capture *w = state;
     if (w == NULL) return;
     free(w->last_pos);
     free(w);
 }
 
-llama_result llama_kv_capture_wrap(llama_kv_cache *inner, llama_capture *cap, llama_kv_cache *out)
-{
+llama_result llama_kv_capture_wrap(llama_kv_cache *inner, llama_capture *cap, llama_kv_cache *out) {
     if (inner == NULL || cap == NULL || out == NULL || cap->n_layers < 1) return LLAMA_ERR_ARGUMENT;
     kv_capture *w = calloc(1, sizeof *w);
     if (w == NULL) return LLAMA_ERR_MEMORY;
@@ -1344,8 +1297,7 @@ llama_result llama_kv_capture_wrap(llama_kv_cache *inner, llama_capture *cap, ll
     return LLAMA_OK;
 }
 
-static void put_u32_le(uint8_t *p, uint32_t v)
-{
+static void put_u32_le(uint8_t *p, uint32_t v) {
     p[0] = (uint8_t)v;
     p[1] = (uint8_t)(v >> 8);
     p[2] = (uint8_t)(v >> 16);
@@ -1353,8 +1305,7 @@ static void put_u32_le(uint8_t *p, uint32_t v)
 }
 
 /* Writes n 32-bit words (floats or ints, by their bits) little-endian, a chunk at a time. */
-static bool write_words(FILE *f, const void *words, size_t n)
-{
+static bool write_words(FILE *f, const void *words, size_t n) {
     uint8_t chunk[4096];
     const uint8_t *src = words;
     for (size_t done = 0; done < n;) {
@@ -1370,16 +1321,17 @@ static bool write_words(FILE *f, const void *words, size_t n)
     return true;
 }
 
-llama_result llama_capture_write(const llama_capture *cap, const char *path, char *err, size_t err_bytes)
-{
+llama_result llama_capture_write(const llama_capture *cap, const char *path, char *err,
+                                 size_t err_bytes) {
     if (cap == NULL || path == NULL || cap->q == NULL)
         return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "capture: nothing to write");
     FILE *f = fopen(path, "wb");
     if (f == NULL) return fail(err, err_bytes, LLAMA_ERR_IO, "cannot create %s", path);
     uint8_t header[LLAMA_CAPTURE_HEADER_BYTES];
     memcpy(header, "KVMXCAPT", 8);
-    const uint32_t fields[] = {LLAMA_CAPTURE_VERSION, (uint32_t)cap->n_layers, (uint32_t)cap->n_heads,
-                               (uint32_t)cap->n_kv_heads, (uint32_t)cap->head_dim, (uint32_t)cap->n_tokens};
+    const uint32_t fields[] = {LLAMA_CAPTURE_VERSION,   (uint32_t)cap->n_layers,
+                               (uint32_t)cap->n_heads,  (uint32_t)cap->n_kv_heads,
+                               (uint32_t)cap->head_dim, (uint32_t)cap->n_tokens};
     for (size_t i = 0; i < 6; i++) put_u32_le(header + 8 + 4 * i, fields[i]);
     bool ok = fwrite(header, 1, sizeof header, f) == sizeof header &&
               write_words(f, cap->token_ids, (size_t)cap->n_tokens);
@@ -1392,8 +1344,7 @@ llama_result llama_capture_write(const llama_capture *cap, const char *path, cha
     return ok ? LLAMA_OK : fail(err, err_bytes, LLAMA_ERR_IO, "cannot write %s", path);
 }
 
-static void read_words(const uint8_t *src, void *dst, size_t n)
-{
+static void read_words(const uint8_t *src, void *dst, size_t n) {
     uint8_t *out = dst;
     for (size_t i = 0; i < n; i++) {
         uint32_t word = get_u32_le(src + 4 * i);
@@ -1402,54 +1353,59 @@ static void read_words(const uint8_t *src, void *dst, size_t n)
 }
 
 /* Total file bytes the header's dimensions imply, or false when that overflows. */
-static bool capture_expected_bytes(const llama_capture *cap, uint64_t *total)
-{
-    uint64_t per_token = (uint64_t)(cap->n_heads + 2 * cap->n_kv_heads) * (uint64_t)cap->head_dim, body;
+static bool capture_expected_bytes(const llama_capture *cap, uint64_t *total) {
+    uint64_t per_token = (uint64_t)(cap->n_heads + 2 * cap->n_kv_heads) * (uint64_t)cap->head_dim,
+             body;
     return mul_fits(per_token, (uint64_t)cap->n_tokens, SIZE_MAX / 4, &body) &&
            mul_fits(body, (uint64_t)cap->n_layers, SIZE_MAX / 4, &body) &&
-           mul_fits(body + (uint64_t)cap->n_tokens, 4, SIZE_MAX - LLAMA_CAPTURE_HEADER_BYTES, total) &&
+           mul_fits(body + (uint64_t)cap->n_tokens, 4, SIZE_MAX - LLAMA_CAPTURE_HEADER_BYTES,
+                    total) &&
            (*total += LLAMA_CAPTURE_HEADER_BYTES, true);
 }
 
 static llama_result capture_parse_header(const uint8_t *bytes, size_t n_bytes, llama_capture *cap,
-                                         char *err, size_t err_bytes)
-{
+                                         char *err, size_t err_bytes) {
     if (n_bytes < LLAMA_CAPTURE_HEADER_BYTES)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "capture of %zu bytes is shorter than its header", n_bytes);
+        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                    "capture of %zu bytes is shorter than its header", n_bytes);
     if (memcmp(bytes, "KVMXCAPT", 8) != 0)
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "not a capture: bad magic");
     uint32_t version = get_u32_le(bytes + 8);
     if (version != LLAMA_CAPTURE_VERSION)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "capture version %u, expected %d", version,
-                    LLAMA_CAPTURE_VERSION);
-    int32_t *dims[] = {&cap->n_layers, &cap->n_heads, &cap->n_kv_heads, &cap->head_dim, &cap->n_tokens};
+        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "capture version %u, expected %d",
+                    version, LLAMA_CAPTURE_VERSION);
+    int32_t *dims[] = {&cap->n_layers, &cap->n_heads, &cap->n_kv_heads, &cap->head_dim,
+                       &cap->n_tokens};
     for (size_t i = 0; i < 5; i++) {
         uint32_t v = get_u32_le(bytes + 12 + 4 * i);
         if (v < 1 || v > LLAMA_CAPTURE_MAX_DIM)
-            return fail(err, err_bytes, LLAMA_ERR_FORMAT, "capture dimension %zu is %u, outside [1, %d]",
-                        i, v, LLAMA_CAPTURE_MAX_DIM);
+            return fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                        "capture dimension %zu is %u, outside [1, %d]", i, v,
+                        LLAMA_CAPTURE_MAX_DIM);
         *dims[i] = (int32_t)v;
     }
     if (cap->n_heads % cap->n_kv_heads != 0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "capture: %d heads not a multiple of %d kv heads",
-                    cap->n_heads, cap->n_kv_heads);
+        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                    "capture: %d heads not a multiple of %d kv heads", cap->n_heads,
+                    cap->n_kv_heads);
     uint64_t expected = 0;
     if (!capture_expected_bytes(cap, &expected) || expected != n_bytes)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "capture holds %zu bytes, its header implies %llu",
-                    n_bytes, (unsigned long long)expected);
+        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                    "capture holds %zu bytes, its header implies %llu", n_bytes,
+                    (unsigned long long)expected);
     return LLAMA_OK;
 }
 
-llama_result llama_capture_parse(const uint8_t *bytes, size_t n_bytes, llama_capture *cap, char *err,
-                                 size_t err_bytes)
-{
+llama_result llama_capture_parse(const uint8_t *bytes, size_t n_bytes, llama_capture *cap,
+                                 char *err, size_t err_bytes) {
     if (cap == NULL || (bytes == NULL && n_bytes > 0))
         return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "capture: NULL argument");
     memset(cap, 0, sizeof *cap);
     llama_result r = capture_parse_header(bytes, n_bytes, cap, err, err_bytes);
     if (r != LLAMA_OK) return r;
     if (capture_alloc(cap) != LLAMA_OK)
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a %zu-byte capture", n_bytes);
+        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a %zu-byte capture",
+                    n_bytes);
     const uint8_t *p = bytes + LLAMA_CAPTURE_HEADER_BYTES;
     read_words(p, cap->token_ids, (size_t)cap->n_tokens);
     p += 4 * (size_t)cap->n_tokens;
@@ -1457,7 +1413,8 @@ llama_result llama_capture_parse(const uint8_t *bytes, size_t n_bytes, llama_cap
         if (cap->token_ids[t] < 0) {
             int32_t bad = cap->token_ids[t];
             llama_capture_free(cap);
-            return fail(err, err_bytes, LLAMA_ERR_FORMAT, "capture token %d has negative id %d", t, bad);
+            return fail(err, err_bytes, LLAMA_ERR_FORMAT, "capture token %d has negative id %d", t,
+                        bad);
         }
     }
     size_t q_floats = capture_q_floats(cap), kv_floats = capture_kv_floats(cap);
@@ -1475,8 +1432,7 @@ llama_result llama_capture_parse(const uint8_t *bytes, size_t n_bytes, llama_cap
 // >>score
 
 bool llama_is_message_start(const llama_tokenizer *tok, const int32_t *ids, int64_t n, int64_t i,
-                            const char *role)
-{
+                            const char *role) {
     if (i < 0 || i >= n || ids[i] != llama_special_id(tok, "<|im_start|>")) return false;
     size_t role_bytes = strlen(role);
     if ((uint64_t)(n - i - 1) < role_bytes + 1) return false;
@@ -1485,8 +1441,8 @@ bool llama_is_message_start(const llama_tokenizer *tok, const int32_t *ids, int6
     return ids[i + 1 + (int64_t)role_bytes] == '\n';
 }
 
-void llama_mark_answer_tokens(const llama_tokenizer *tok, const int32_t *ids, int64_t n, uint8_t *mask)
-{
+void llama_mark_answer_tokens(const llama_tokenizer *tok, const int32_t *ids, int64_t n,
+                              uint8_t *mask) {
     const int32_t im_end = llama_special_id(tok, "<|im_end|>");
     const int32_t think_end = llama_special_id(tok, "</think>");
     const int32_t call_open = llama_special_id(tok, "<tool_call>");
@@ -1510,8 +1466,7 @@ void llama_mark_answer_tokens(const llama_tokenizer *tok, const int32_t *ids, in
     }
 }
 
-double llama_bits_of(const float *logits, int32_t vocab, int32_t target)
-{
+double llama_bits_of(const float *logits, int32_t vocab, int32_t target) {
     float max_logit = logits[0];
     for (int32_t i = 1; i < vocab; i++)
         if (logits[i] > max_logit) max_logit = logits[i];
@@ -1520,8 +1475,7 @@ double llama_bits_of(const float *logits, int32_t vocab, int32_t target)
     return (log(sum) - ((double)logits[target] - max_logit)) / log(2.0);
 }
 
-int32_t llama_argmax(const float *logits, int32_t vocab)
-{
+int32_t llama_argmax(const float *logits, int32_t vocab) {
     int32_t best = 0;
     for (int32_t i = 1; i < vocab; i++)
         if (logits[i] > logits[best]) best = i;
@@ -1531,8 +1485,7 @@ int32_t llama_argmax(const float *logits, int32_t vocab)
 llama_result llama_score_sequence(llama_runner *runner, llama_kv_cache *cache, const int32_t *ids,
                                   int64_t n, const uint8_t *mask, int32_t *argmax_out,
                                   const int32_t *ref_argmax, llama_score *score, char *err,
-                                  size_t err_bytes)
-{
+                                  size_t err_bytes) {
     if (runner == NULL || cache == NULL || ids == NULL || score == NULL)
         return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "score: NULL argument");
     const llama_model *m = runner->model;
@@ -1543,7 +1496,8 @@ llama_result llama_score_sequence(llama_runner *runner, llama_kv_cache *cache, c
     for (int64_t pos = 0; pos + 1 < n; pos++) {
         if (llama_is_message_start(&m->tokenizer, ids, n, pos, "user"))
             cache->begin_request(cache->state, pos);
-        llama_result r = llama_forward(runner, cache, ids[pos], pos, runner->logits, err, err_bytes);
+        llama_result r =
+            llama_forward(runner, cache, ids[pos], pos, runner->logits, err, err_bytes);
         if (r != LLAMA_OK) return r;
         int32_t next = ids[pos + 1], top = llama_argmax(runner->logits, m->config.vocab);
         if (next < 0 || next >= m->config.vocab)

@@ -71,6 +71,7 @@ typedef struct llama_tokenizer {
     int32_t n_special;
     int32_t special_id[LLAMA_MAX_SPECIAL]; /* ids are >= 256 */
     char special_text[LLAMA_MAX_SPECIAL][LLAMA_MAX_SPECIAL_BYTES];
+    char byte_text[256]; /* byte_text[i] == i: what llama_token_bytes points at for a byte id */
 } llama_tokenizer;
 
 typedef struct llama_config {
@@ -113,8 +114,8 @@ const char *llama_token_bytes(const llama_tokenizer *tok, int32_t id, size_t *n_
  * however it likes inside attend().
  */
 typedef struct llama_kv_stats {
-    size_t bytes;    /* bytes the cache holds for stored keys and values (payload + metadata) */
-    double avg_bits; /* bits per stored key/value element */
+    size_t bytes;     /* bytes the cache holds for stored keys and values (payload + metadata) */
+    double avg_bits;  /* bits per stored key/value element */
     int64_t n_tokens; /* tokens currently held (per layer) */
 } llama_kv_stats;
 
@@ -138,7 +139,8 @@ typedef struct llama_kv_cache {
 } llama_kv_cache;
 
 /* The reference cache: keys and values kept as fp32, room for `capacity` tokens. */
-llama_result llama_kv_fp32_create(const llama_config *config, int64_t capacity, llama_kv_cache *out);
+llama_result llama_kv_fp32_create(const llama_config *config, int64_t capacity,
+                                  llama_kv_cache *out);
 
 /* ---------------------------------------------------------------------------------------------
  * Model and runner
@@ -150,8 +152,8 @@ typedef struct llama_matrix {
 } llama_matrix;
 
 typedef struct llama_layer {
-    float *attn_norm; /* [hidden] */
-    float *ffn_norm;  /* [hidden] */
+    float *attn_norm;     /* [hidden] */
+    float *ffn_norm;      /* [hidden] */
     llama_matrix qkv;     /* [(n_heads + 2 n_kv_heads) head_dim, hidden]: q, k, v projections */
     llama_matrix out;     /* [hidden, n_heads head_dim] */
     llama_matrix gate_up; /* [2 ffn, hidden]: gate rows, then up rows */
@@ -211,7 +213,11 @@ llama_result llama_forward(llama_runner *runner, llama_kv_cache *cache, int32_t 
  *           4*n_tokens*n_kv_heads*head_dim  f32 v [n_tokens, n_kv_heads, head_dim]
  * and nothing after. Every dimension is at least 1 and at most LLAMA_CAPTURE_MAX_DIM.
  */
-enum { LLAMA_CAPTURE_VERSION = 1, LLAMA_CAPTURE_HEADER_BYTES = 32, LLAMA_CAPTURE_MAX_DIM = 1 << 20 };
+enum {
+    LLAMA_CAPTURE_VERSION = 1,
+    LLAMA_CAPTURE_HEADER_BYTES = 32,
+    LLAMA_CAPTURE_MAX_DIM = 1 << 20
+};
 
 typedef struct llama_capture {
     int32_t n_layers, n_heads, n_kv_heads, head_dim, n_tokens;
@@ -232,8 +238,8 @@ llama_result llama_kv_capture_wrap(llama_kv_cache *inner, llama_capture *cap, ll
 llama_result llama_capture_write(const llama_capture *cap, const char *path, char *err,
                                  size_t err_bytes);
 /* Validates and decodes a capture held in memory; free with llama_capture_free. */
-llama_result llama_capture_parse(const uint8_t *bytes, size_t n_bytes, llama_capture *cap, char *err,
-                                 size_t err_bytes);
+llama_result llama_capture_parse(const uint8_t *bytes, size_t n_bytes, llama_capture *cap,
+                                 char *err, size_t err_bytes);
 
 /* ---------------------------------------------------------------------------------------------
  * Scoring a sequence

@@ -1,7 +1,8 @@
 /* Tests for the Llama runner: tokenizer, safetensors/config errors, the forward pass against a
  * plain double-precision reference on a tiny random model, the fp32 cache, captures, answer marks,
  * and the quality of kvm-small on a slice of eval-dev.
- * Run from the repository root (it reads ../shared/models and ../shared/data).
+ * Usage: test_llama [SHARED_DIR]; SHARED_DIR (default ../shared, beside the repository root)
+ * holds models/kvm-small.safetensors and data/eval-dev.jsonl. A missing model is a failure.
  * Prints one line per failed check and "N passed, N failed"; exits nonzero on any failure. */
 #define _POSIX_C_SOURCE 200809L
 #include "llama.h"
@@ -13,18 +14,15 @@
 #include <string.h>
 #include <unistd.h>
 
-static const char *const SMALL_MODEL = "../shared/models/kvm-small.safetensors";
-static const char *const EVAL_DATA = "../shared/data/eval-dev.jsonl";
-
 /* Bits per token of kvm-small over the first 3 trace and 2 code texts of eval-dev, measured with this runner (fp32 cache); the
  * full 60 + 60 text runs match the model card's figures within 1%. */
 static const double SMALL_SLICE_BITS = 0.518374;
 
 static int n_passed, n_failed;
 
-static bool check_at(bool ok, int line, const char *what)
-{
-    if (ok) n_passed++;
+static bool check_at(bool ok, int line, const char *what) {
+    if (ok)
+        n_passed++;
     else {
         n_failed++;
         printf("FAIL line %d: %s\n", line, what);
@@ -34,11 +32,11 @@ static bool check_at(bool ok, int line, const char *what)
 #define CHECK(cond) check_at((cond), __LINE__, #cond)
 
 /* An error result with a message that mentions `word`. */
-static bool check_error_at(llama_result got, llama_result want, const char *err, const char *word, int line)
-{
+static bool check_error_at(llama_result got, llama_result want, const char *err, const char *word,
+                           int line) {
     char what[640];
-    snprintf(what, sizeof what, "expected %s mentioning \"%s\", got %s: %s", llama_result_string(want),
-             word, llama_result_string(got), err);
+    snprintf(what, sizeof what, "expected %s mentioning \"%s\", got %s: %s",
+             llama_result_string(want), word, llama_result_string(got), err);
     return check_at(got == want && strstr(err, word) != NULL, line, what);
 }
 #define CHECK_ERROR(got, want, err, word) check_error_at((got), (want), (err), (word), __LINE__)
@@ -70,8 +68,7 @@ static const char TINY_CONFIG[] =
     " \"</tool_call>\": 262, \"<tool_response>\": 263, \"</tool_response>\": 264,"
     " \"<|vision_start|>\": 265, \"<|vision_end|>\": 266, \"<|image_pad|>\": 267}}}";
 
-static uint32_t next_random(uint32_t *state)
-{
+static uint32_t next_random(uint32_t *state) {
     *state ^= *state << 13;
     *state ^= *state >> 17;
     *state ^= *state << 5;
@@ -79,14 +76,13 @@ static uint32_t next_random(uint32_t *state)
 }
 
 /* Multiples of 1/64 in [-1, 1] (plus `center`): exact in F16, BF16 and F32 alike. */
-static void fill_exact(float *data, size_t n, float center, uint32_t *rng)
-{
-    for (size_t i = 0; i < n; i++) data[i] = center + (float)((int32_t)(next_random(rng) % 129) - 64) / 64.0f;
+static void fill_exact(float *data, size_t n, float center, uint32_t *rng) {
+    for (size_t i = 0; i < n; i++)
+        data[i] = center + (float)((int32_t)(next_random(rng) % 129) - 64) / 64.0f;
 }
 
 static void tiny_add(tiny_model *t, const char *name, int32_t layer, int32_t rows, int32_t cols,
-                     float center, uint32_t *rng)
-{
+                     float center, uint32_t *rng) {
     tiny_tensor *x = &t->tensors[t->n_tensors++];
     snprintf(x->name, sizeof x->name, name, layer);
     x->rows = rows;
@@ -98,8 +94,7 @@ static void tiny_add(tiny_model *t, const char *name, int32_t layer, int32_t row
         for (size_t i = 0; i < n; i++) x->data[i] *= 0.25f;
 }
 
-static void tiny_build(tiny_model *t)
-{
+static void tiny_build(tiny_model *t) {
     llama_tokenizer tok;
     char err[256];
     memset(t, 0, sizeof *t);
@@ -120,21 +115,18 @@ static void tiny_build(tiny_model *t)
     tiny_add(t, "model.layers.%d.mlp.down_proj.weight", 0, c->hidden, c->ffn, 0.0f, &rng);
 }
 
-static void tiny_free(tiny_model *t)
-{
+static void tiny_free(tiny_model *t) {
     for (int32_t i = 0; i < t->n_tensors; i++) free(t->tensors[i].data);
 }
 
-static const float *tiny_get(const tiny_model *t, const char *name)
-{
+static const float *tiny_get(const tiny_model *t, const char *name) {
     for (int32_t i = 0; i < t->n_tensors; i++)
         if (strcmp(t->tensors[i].name, name) == 0) return t->tensors[i].data;
     return NULL;
 }
 
 /* The bytes of an exactly representable float in the given dtype, little-endian. */
-static size_t encode_value(float f, const char *dtype, uint8_t *out)
-{
+static size_t encode_value(float f, const char *dtype, uint8_t *out) {
     uint32_t bits;
     memcpy(&bits, &f, 4);
     if (strcmp(dtype, "F32") == 0) {
@@ -142,9 +134,13 @@ static size_t encode_value(float f, const char *dtype, uint8_t *out)
         return 4;
     }
     uint16_t half;
-    if (strcmp(dtype, "BF16") == 0) half = (uint16_t)(bits >> 16);
-    else if (f == 0.0f) half = (uint16_t)((bits >> 16) & 0x8000);
-    else half = (uint16_t)(((bits >> 16) & 0x8000) | ((((bits >> 23) & 0xff) - 112) << 10) | ((bits >> 13) & 0x3ff));
+    if (strcmp(dtype, "BF16") == 0)
+        half = (uint16_t)(bits >> 16);
+    else if (f == 0.0f)
+        half = (uint16_t)((bits >> 16) & 0x8000);
+    else
+        half = (uint16_t)(((bits >> 16) & 0x8000) | ((((bits >> 23) & 0xff) - 112) << 10) |
+                          ((bits >> 13) & 0x3ff));
     out[0] = (uint8_t)half;
     out[1] = (uint8_t)(half >> 8);
     return 2;
@@ -157,11 +153,11 @@ typedef struct tiny_file {
     size_t data_bytes;
 } tiny_file;
 
-static void tiny_encode(const tiny_model *t, const char *dtype, bool with_config, tiny_file *f)
-{
+static void tiny_encode(const tiny_model *t, const char *dtype, bool with_config, tiny_file *f) {
     size_t elem = strcmp(dtype, "F32") == 0 ? 4 : 2, total = 0;
     for (int32_t i = 0; i < t->n_tensors; i++)
-        total += (size_t)t->tensors[i].rows * (size_t)(t->tensors[i].cols ? t->tensors[i].cols : 1) * elem;
+        total += (size_t)t->tensors[i].rows *
+                 (size_t)(t->tensors[i].cols ? t->tensors[i].cols : 1) * elem;
     f->header = cJSON_CreateObject();
     f->data = malloc(total);
     f->data_bytes = 0;
@@ -172,7 +168,8 @@ static void tiny_encode(const tiny_model *t, const char *dtype, bool with_config
     for (int32_t i = 0; i < t->n_tensors; i++) {
         const tiny_tensor *x = &t->tensors[i];
         size_t n = (size_t)x->rows * (size_t)(x->cols ? x->cols : 1), begin = f->data_bytes;
-        for (size_t j = 0; j < n; j++) f->data_bytes += encode_value(x->data[j], dtype, f->data + f->data_bytes);
+        for (size_t j = 0; j < n; j++)
+            f->data_bytes += encode_value(x->data[j], dtype, f->data + f->data_bytes);
         cJSON *entry = cJSON_AddObjectToObject(f->header, x->name);
         cJSON_AddStringToObject(entry, "dtype", dtype);
         const int shape[2] = {x->rows, x->cols};
@@ -184,8 +181,7 @@ static void tiny_encode(const tiny_model *t, const char *dtype, bool with_config
 }
 
 /* Writes the file, keeping only its first keep_bytes bytes when keep_bytes is not SIZE_MAX. */
-static bool tiny_write(const tiny_file *f, const char *path, size_t keep_bytes)
-{
+static bool tiny_write(const tiny_file *f, const char *path, size_t keep_bytes) {
     char *json = cJSON_PrintUnformatted(f->header);
     size_t json_bytes = strlen(json), total = 8 + json_bytes + f->data_bytes;
     uint8_t *file = malloc(total);
@@ -201,16 +197,14 @@ static bool tiny_write(const tiny_file *f, const char *path, size_t keep_bytes)
     return ok;
 }
 
-static void tiny_file_free(tiny_file *f)
-{
+static void tiny_file_free(tiny_file *f) {
     cJSON_Delete(f->header);
     free(f->data);
 }
 
 static char temp_dir[64];
 
-static const char *temp_path(const char *name)
-{
+static const char *temp_path(const char *name) {
     static char path[128];
     snprintf(path, sizeof path, "%s/%s", temp_dir, name);
     return path;
@@ -225,8 +219,7 @@ typedef struct reference {
     double *keys, *values; /* [context, n_kv_heads * head_dim] */
 } reference;
 
-static void ref_matvec(const float *w, int32_t rows, int32_t cols, const double *x, double *y)
-{
+static void ref_matvec(const float *w, int32_t rows, int32_t cols, const double *x, double *y) {
     for (int32_t r = 0; r < rows; r++) {
         double s = 0;
         for (int32_t i = 0; i < cols; i++) s += (double)w[(size_t)r * cols + i] * x[i];
@@ -234,16 +227,14 @@ static void ref_matvec(const float *w, int32_t rows, int32_t cols, const double 
     }
 }
 
-static void ref_norm(const double *x, const float *w, int32_t n, double eps, double *y)
-{
+static void ref_norm(const double *x, const float *w, int32_t n, double eps, double *y) {
     double ss = 0;
     for (int32_t i = 0; i < n; i++) ss += x[i] * x[i];
     double scale = 1.0 / sqrt(ss / n + eps);
     for (int32_t i = 0; i < n; i++) y[i] = x[i] * scale * w[i];
 }
 
-static void ref_rope(double *head, int32_t dim, int64_t pos, double theta)
-{
+static void ref_rope(double *head, int32_t dim, int64_t pos, double theta) {
     for (int32_t i = 0; i < dim / 2; i++) {
         double angle = (double)pos * pow(theta, -2.0 * i / dim), a = head[i], b = head[i + dim / 2];
         head[i] = a * cos(angle) - b * sin(angle);
@@ -251,8 +242,7 @@ static void ref_rope(double *head, int32_t dim, int64_t pos, double theta)
     }
 }
 
-static void ref_attention(const reference *ref, const double *q, int64_t pos, double *out)
-{
+static void ref_attention(const reference *ref, const double *q, int64_t pos, double *out) {
     const llama_config *c = &ref->t->config;
     int32_t d = c->head_dim, kv_width = c->n_kv_heads * d, group = c->n_heads / c->n_kv_heads;
     double *w = malloc((size_t)(pos + 1) * sizeof *w);
@@ -261,33 +251,38 @@ static void ref_attention(const reference *ref, const double *q, int64_t pos, do
         double max = -INFINITY, sum = 0;
         for (int64_t t = 0; t <= pos; t++) {
             double s = 0;
-            for (int32_t i = 0; i < d; i++) s += q[h * d + i] * ref->keys[t * kv_width + kv * d + i];
+            for (int32_t i = 0; i < d; i++)
+                s += q[h * d + i] * ref->keys[t * kv_width + kv * d + i];
             w[t] = s / sqrt((double)d);
             if (w[t] > max) max = w[t];
         }
         for (int64_t t = 0; t <= pos; t++) sum += (w[t] = exp(w[t] - max));
         for (int32_t i = 0; i < d; i++) {
             double o = 0;
-            for (int64_t t = 0; t <= pos; t++) o += w[t] / sum * ref->values[t * kv_width + kv * d + i];
+            for (int64_t t = 0; t <= pos; t++)
+                o += w[t] / sum * ref->values[t * kv_width + kv * d + i];
             out[h * d + i] = o;
         }
     }
     free(w);
 }
 
-static void ref_forward(reference *ref, int32_t token, int64_t pos, double *logits)
-{
+static void ref_forward(reference *ref, int32_t token, int64_t pos, double *logits) {
     const tiny_model *t = ref->t;
     const llama_config *c = &t->config;
     int32_t H = c->hidden, d = c->head_dim, q_width = c->n_heads * d, kv_width = c->n_kv_heads * d;
     double x[64], xn[64], q[128], att[128], tmp[64], gate[64], up[64];
-    for (int32_t i = 0; i < H; i++) x[i] = tiny_get(t, "model.embed_tokens.weight")[(size_t)token * H + i];
+    for (int32_t i = 0; i < H; i++)
+        x[i] = tiny_get(t, "model.embed_tokens.weight")[(size_t)token * H + i];
     ref_norm(x, tiny_get(t, "model.layers.0.input_layernorm.weight"), H, c->norm_eps, xn);
     ref_matvec(tiny_get(t, "model.layers.0.self_attn.q_proj.weight"), q_width, H, xn, q);
-    ref_matvec(tiny_get(t, "model.layers.0.self_attn.k_proj.weight"), kv_width, H, xn, ref->keys + pos * kv_width);
-    ref_matvec(tiny_get(t, "model.layers.0.self_attn.v_proj.weight"), kv_width, H, xn, ref->values + pos * kv_width);
+    ref_matvec(tiny_get(t, "model.layers.0.self_attn.k_proj.weight"), kv_width, H, xn,
+               ref->keys + pos * kv_width);
+    ref_matvec(tiny_get(t, "model.layers.0.self_attn.v_proj.weight"), kv_width, H, xn,
+               ref->values + pos * kv_width);
     for (int32_t h = 0; h < c->n_heads; h++) ref_rope(q + h * d, d, pos, c->rope_theta);
-    for (int32_t h = 0; h < c->n_kv_heads; h++) ref_rope(ref->keys + pos * kv_width + h * d, d, pos, c->rope_theta);
+    for (int32_t h = 0; h < c->n_kv_heads; h++)
+        ref_rope(ref->keys + pos * kv_width + h * d, d, pos, c->rope_theta);
     ref_attention(ref, q, pos, att);
     ref_matvec(tiny_get(t, "model.layers.0.self_attn.o_proj.weight"), H, q_width, att, tmp);
     for (int32_t i = 0; i < H; i++) x[i] += tmp[i];
@@ -304,12 +299,12 @@ static void ref_forward(reference *ref, int32_t token, int64_t pos, double *logi
 /* ------------------------------------------------------------------------------------------------
  * Tests
  */
-static void test_tokenizer(void)
-{
+static void test_tokenizer(void) {
     llama_config config;
     llama_tokenizer tok;
     char err[256] = "";
-    CHECK(llama_config_parse(TINY_CONFIG, strlen(TINY_CONFIG), &config, &tok, err, sizeof err) == LLAMA_OK);
+    CHECK(llama_config_parse(TINY_CONFIG, strlen(TINY_CONFIG), &config, &tok, err, sizeof err) ==
+          LLAMA_OK);
     const char text[] = "<|im_start|>user\nh\xc3\xa9 \xe6\x97\xa5 <tool_call>{\"a\": 1}</tool_call>"
                         "<|im_end|> <think <|im_end| </think><";
     int32_t ids[sizeof text];
@@ -334,8 +329,7 @@ static void test_tokenizer(void)
     CHECK(llama_token_bytes(&tok, 300, &len) == NULL);
 }
 
-static void test_config_errors(void)
-{
+static void test_config_errors(void) {
     llama_config config;
     llama_tokenizer tok;
     char err[256] = "";
@@ -345,16 +339,17 @@ static void test_config_errors(void)
     const char *missing = "{\"hidden_size\": 32}";
     CHECK_ERROR(llama_config_parse(missing, strlen(missing), &config, &tok, err, sizeof err),
                 LLAMA_ERR_FORMAT, err, "num_hidden_layers");
-    const char *scaled = "{\"hidden_size\": 32, \"num_hidden_layers\": 1, \"num_attention_heads\": 4,"
-                         " \"intermediate_size\": 8, \"max_position_embeddings\": 8, \"vocab_size\": 300,"
-                         " \"rope_scaling\": {\"type\": \"linear\"}}";
+    const char *scaled =
+        "{\"hidden_size\": 32, \"num_hidden_layers\": 1, \"num_attention_heads\": 4,"
+        " \"intermediate_size\": 8, \"max_position_embeddings\": 8, \"vocab_size\": 300,"
+        " \"rope_scaling\": {\"type\": \"linear\"}}";
     CHECK_ERROR(llama_config_parse(scaled, strlen(scaled), &config, &tok, err, sizeof err),
                 LLAMA_ERR_UNSUPPORTED, err, "rope_scaling");
 }
 
 /* Loads a tiny file variant and checks the error. */
-static void expect_load_error(const tiny_file *f, size_t keep_bytes, llama_result want, const char *word)
-{
+static void expect_load_error(const tiny_file *f, size_t keep_bytes, llama_result want,
+                              const char *word) {
     llama_model model;
     char err[256] = "";
     const char *path = temp_path("bad.safetensors");
@@ -364,13 +359,12 @@ static void expect_load_error(const tiny_file *f, size_t keep_bytes, llama_resul
     if (r == LLAMA_OK) llama_model_free(&model);
 }
 
-static void set_tensor_field(cJSON *header, const char *tensor, const char *field, cJSON *value)
-{
-    cJSON_ReplaceItemInObjectCaseSensitive(cJSON_GetObjectItemCaseSensitive(header, tensor), field, value);
+static void set_tensor_field(cJSON *header, const char *tensor, const char *field, cJSON *value) {
+    cJSON_ReplaceItemInObjectCaseSensitive(cJSON_GetObjectItemCaseSensitive(header, tensor), field,
+                                           value);
 }
 
-static void test_safetensors_errors(const tiny_model *t)
-{
+static void test_safetensors_errors(const tiny_model *t) {
     const char *q = "model.layers.0.self_attn.q_proj.weight";
     tiny_file f;
     tiny_encode(t, "F16", true, &f);
@@ -398,7 +392,8 @@ static void test_safetensors_errors(const tiny_model *t)
 
     tiny_encode(t, "F16", true, &f);
     cJSON_DeleteItemFromObjectCaseSensitive(f.header, "model.layers.0.mlp.up_proj.weight");
-    expect_load_error(&f, SIZE_MAX, LLAMA_ERR_FORMAT, "missing tensor model.layers.0.mlp.up_proj.weight");
+    expect_load_error(&f, SIZE_MAX, LLAMA_ERR_FORMAT,
+                      "missing tensor model.layers.0.mlp.up_proj.weight");
     tiny_file_free(&f);
 
     tiny_encode(t, "F16", true, &f);
@@ -418,8 +413,8 @@ static void test_safetensors_errors(const tiny_model *t)
                 LLAMA_ERR_FORMAT, err, "malformed");
 }
 
-static void test_forward_matches_reference(const tiny_model *t, const char *dtype, bool config_beside)
-{
+static void test_forward_matches_reference(const tiny_model *t, const char *dtype,
+                                           bool config_beside) {
     tiny_file f;
     tiny_encode(t, dtype, !config_beside, &f);
     const char *path = temp_path("tiny.safetensors");
@@ -431,7 +426,8 @@ static void test_forward_matches_reference(const tiny_model *t, const char *dtyp
     }
     llama_model model;
     char err[256] = "";
-    if (!CHECK(llama_model_load(temp_path("tiny.safetensors"), &model, err, sizeof err) == LLAMA_OK)) {
+    if (!CHECK(llama_model_load(temp_path("tiny.safetensors"), &model, err, sizeof err) ==
+               LLAMA_OK)) {
         printf("  %s\n", err);
         return;
     }
@@ -441,18 +437,22 @@ static void test_forward_matches_reference(const tiny_model *t, const char *dtyp
     llama_kv_cache cache;
     CHECK(llama_runner_init(&runner, &model, 2, err, sizeof err) == LLAMA_OK);
     CHECK(llama_kv_fp32_create(c, c->context, &cache) == LLAMA_OK);
-    reference ref = {t, calloc((size_t)c->context * 64, sizeof(double)), calloc((size_t)c->context * 64, sizeof(double))};
+    reference ref = {t, calloc((size_t)c->context * 64, sizeof(double)),
+                     calloc((size_t)c->context * 64, sizeof(double))};
     float logits[268];
     double want[268], worst = 0;
-    const int32_t tokens[] = {256, 257, 'u', 's', 'e', 'r', '\n', 'h', 'i', 258, 10, 200, 3, 267, 99, 100};
+    const int32_t tokens[] = {256, 257, 'u', 's', 'e', 'r', '\n', 'h',
+                              'i', 258, 10,  200, 3,   267, 99,   100};
     for (int64_t pos = 0; pos < c->context; pos++) {
-        CHECK(llama_forward(&runner, &cache, tokens[pos], pos, logits, err, sizeof err) == LLAMA_OK);
+        CHECK(llama_forward(&runner, &cache, tokens[pos], pos, logits, err, sizeof err) ==
+              LLAMA_OK);
         ref_forward(&ref, tokens[pos], pos, want);
         for (int32_t i = 0; i < c->vocab; i++)
             if (fabs(logits[i] - want[i]) > worst) worst = fabs(logits[i] - want[i]);
     }
     char what[96];
-    snprintf(what, sizeof what, "%s logits within 1e-4 of the reference (worst %.3g)", dtype, worst);
+    snprintf(what, sizeof what, "%s logits within 1e-4 of the reference (worst %.3g)", dtype,
+             worst);
     check_at(worst < 1e-4, __LINE__, what);
     CHECK_ERROR(llama_forward(&runner, &cache, 1, c->context, logits, err, sizeof err),
                 LLAMA_ERR_CAPACITY, err, "context");
@@ -464,8 +464,7 @@ static void test_forward_matches_reference(const tiny_model *t, const char *dtyp
 }
 
 /* The fp32 cache's attention against a direct softmax in double, on random keys and values. */
-static void test_fp32_cache_attend(void)
-{
+static void test_fp32_cache_attend(void) {
     llama_config c = {.n_layers = 2, .n_heads = 6, .n_kv_heads = 2, .head_dim = 40};
     enum { T = 37, G = 3, D = 40 };
     llama_kv_cache cache;
@@ -477,7 +476,8 @@ static void test_fp32_cache_attend(void)
     fill_exact(&v[0][0], sizeof v / sizeof(float), 0.0f, &rng);
     fill_exact(q, G * D, 0.0f, &rng);
     for (int64_t t = 0; t < T; t++)
-        for (int32_t l = 0; l < c.n_layers; l++) CHECK(cache.store(cache.state, l, t, k[t], v[t]) == LLAMA_OK);
+        for (int32_t l = 0; l < c.n_layers; l++)
+            CHECK(cache.store(cache.state, l, t, k[t], v[t]) == LLAMA_OK);
     CHECK(cache.store(cache.state, 0, T, k[0], v[0]) == LLAMA_ERR_CAPACITY);
     CHECK(cache.attend(cache.state, 1, 1, q, G, 0.3f, out) == LLAMA_OK);
     double worst = 0;
@@ -498,23 +498,24 @@ static void test_fp32_cache_attend(void)
     CHECK(worst < 1e-5);
     llama_kv_stats stats;
     cache.stats(cache.state, &stats);
-    CHECK(stats.n_tokens == T && stats.bytes == (size_t)2 * T * 2 * 2 * D * 4 && stats.avg_bits == 32.0);
+    CHECK(stats.n_tokens == T && stats.bytes == (size_t)2 * T * 2 * 2 * D * 4 &&
+          stats.avg_bits == 32.0);
     cache.reset(cache.state);
     cache.stats(cache.state, &stats);
     CHECK(stats.n_tokens == 0 && stats.bytes == 0);
     cache.destroy(cache.state);
 }
 
-static void test_answer_marks(void)
-{
+static void test_answer_marks(void) {
     llama_config config;
     llama_tokenizer tok;
     char err[256];
     llama_config_parse(TINY_CONFIG, strlen(TINY_CONFIG), &config, &tok, err, sizeof err);
     /* Answer bytes are upper case; everything else lower case. */
-    const char text[] = "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>A"
-                        "<tool_call>B</tool_call>C<|im_end|>\n<|im_start|>assistant\nx<tool_call>D"
-                        "</tool_call>y<|im_end|><|im_start|>tool\n<tool_call>z</tool_call><|im_end|>";
+    const char text[] =
+        "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>A"
+        "<tool_call>B</tool_call>C<|im_end|>\n<|im_start|>assistant\nx<tool_call>D"
+        "</tool_call>y<|im_end|><|im_start|>tool\n<tool_call>z</tool_call><|im_end|>";
     int32_t ids[sizeof text];
     uint8_t mask[sizeof text];
     int64_t n;
@@ -531,18 +532,20 @@ static void test_answer_marks(void)
     char what[400];
     snprintf(what, sizeof what, "answer tokens are \"%s\", want \"%s\"", marked, want);
     check_at(strcmp(marked, want) == 0, __LINE__, what);
-    CHECK(llama_is_message_start(&tok, ids, n, 0, "user") && !llama_is_message_start(&tok, ids, n, 0, "assistant"));
+    CHECK(llama_is_message_start(&tok, ids, n, 0, "user") &&
+          !llama_is_message_start(&tok, ids, n, 0, "assistant"));
 }
 
-static void test_capture_round_trip(const tiny_model *t)
-{
+static void test_capture_round_trip(const tiny_model *t) {
     llama_model model;
     char err[256] = "";
     tiny_file tf;
     tiny_encode(t, "F32", true, &tf);
     CHECK(tiny_write(&tf, temp_path("tiny.safetensors"), SIZE_MAX));
     tiny_file_free(&tf);
-    if (!CHECK(llama_model_load(temp_path("tiny.safetensors"), &model, err, sizeof err) == LLAMA_OK)) return;
+    if (!CHECK(llama_model_load(temp_path("tiny.safetensors"), &model, err, sizeof err) ==
+               LLAMA_OK))
+        return;
     const llama_config *c = &model.config;
     llama_runner runner;
     llama_kv_cache inner, wrapped;
@@ -565,10 +568,12 @@ static void test_capture_round_trip(const tiny_model *t)
     CHECK(n == want_bytes);
     if (CHECK(llama_capture_parse(bytes, n, &back, err, sizeof err) == LLAMA_OK)) {
         size_t q_floats = (size_t)5 * 4 * 16, kv_floats = (size_t)5 * 2 * 16;
-        CHECK(back.n_tokens == 5 && back.n_heads == 4 && back.n_kv_heads == 2 && back.head_dim == 16);
+        CHECK(back.n_tokens == 5 && back.n_heads == 4 && back.n_kv_heads == 2 &&
+              back.head_dim == 16);
         CHECK(memcmp(back.token_ids, cap.token_ids, 5 * sizeof(int32_t)) == 0);
         CHECK(memcmp(back.q, cap.q, q_floats * sizeof(float)) == 0);
-        CHECK(memcmp(back.k, cap.k, kv_floats * sizeof(float)) == 0 && memcmp(back.v, cap.v, kv_floats * sizeof(float)) == 0);
+        CHECK(memcmp(back.k, cap.k, kv_floats * sizeof(float)) == 0 &&
+              memcmp(back.v, cap.v, kv_floats * sizeof(float)) == 0);
         bool q_filled = true; /* every query row was recorded (no row left all zero) */
         for (size_t row = 0; row < q_floats / 16; row++) {
             float norm = 0;
@@ -578,9 +583,11 @@ static void test_capture_round_trip(const tiny_model *t)
         CHECK(q_filled);
         llama_capture_free(&back);
     }
-    CHECK_ERROR(llama_capture_parse(bytes, n - 1, &back, err, sizeof err), LLAMA_ERR_FORMAT, err, "implies");
+    CHECK_ERROR(llama_capture_parse(bytes, n - 1, &back, err, sizeof err), LLAMA_ERR_FORMAT, err,
+                "implies");
     bytes[0] = 'X';
-    CHECK_ERROR(llama_capture_parse(bytes, n, &back, err, sizeof err), LLAMA_ERR_FORMAT, err, "magic");
+    CHECK_ERROR(llama_capture_parse(bytes, n, &back, err, sizeof err), LLAMA_ERR_FORMAT, err,
+                "magic");
     wrapped.destroy(wrapped.state);
     inner.destroy(inner.state);
     llama_capture_free(&cap);
@@ -595,9 +602,9 @@ typedef struct slice {
     int32_t n_texts;
 } slice;
 
-static bool load_slice(const llama_tokenizer *tok, int32_t n_trace, int32_t n_code, int64_t max_tokens, slice *s)
-{
-    FILE *f = fopen(EVAL_DATA, "rb");
+static bool load_slice(const char *data_path, const llama_tokenizer *tok, int32_t n_trace,
+                       int32_t n_code, int64_t max_tokens, slice *s) {
+    FILE *f = fopen(data_path, "rb");
     if (f == NULL) return false;
     static char line[1 << 20];
     int32_t want[2] = {n_trace, n_code};
@@ -623,22 +630,25 @@ static bool load_slice(const llama_tokenizer *tok, int32_t n_trace, int32_t n_co
     return s->n_texts == n_trace + n_code;
 }
 
-static double slice_bits(llama_runner *runner, llama_kv_cache *cache, const slice *s, int64_t *n_scored)
-{
+static double slice_bits(llama_runner *runner, llama_kv_cache *cache, const slice *s,
+                         int64_t *n_scored) {
     llama_score score = {0};
     char err[256] = "";
     for (int32_t i = 0; i < s->n_texts; i++)
-        if (!CHECK(llama_score_sequence(runner, cache, s->ids[i], s->n[i], NULL, NULL, NULL, &score, err, sizeof err) == LLAMA_OK))
+        if (!CHECK(llama_score_sequence(runner, cache, s->ids[i], s->n[i], NULL, NULL, NULL, &score,
+                                        err, sizeof err) == LLAMA_OK))
             printf("  %s\n", err);
     *n_scored = score.n_scored;
     return score.n_scored > 0 ? score.bits / (double)score.n_scored : 0.0;
 }
 
-static void test_small_model_quality(void)
-{
+static void test_small_model_quality(const char *shared_dir) {
+    char model_path[512], data_path[512];
+    snprintf(model_path, sizeof model_path, "%s/models/kvm-small.safetensors", shared_dir);
+    snprintf(data_path, sizeof data_path, "%s/data/eval-dev.jsonl", shared_dir);
     llama_model model;
     char err[256] = "";
-    if (!CHECK(llama_model_load(SMALL_MODEL, &model, err, sizeof err) == LLAMA_OK)) {
+    if (!CHECK(llama_model_load(model_path, &model, err, sizeof err) == LLAMA_OK)) {
         printf("  %s (the quality test needs it)\n", err);
         return;
     }
@@ -646,18 +656,20 @@ static void test_small_model_quality(void)
     llama_runner two, one;
     llama_kv_cache cache;
     int64_t n_scored, n_scored_one;
-    if (CHECK(load_slice(&model.tokenizer, 3, 2, model.config.context + 1, &s)) &&
+    if (CHECK(load_slice(data_path, &model.tokenizer, 3, 2, model.config.context + 1, &s)) &&
         CHECK(llama_runner_init(&two, &model, 2, err, sizeof err) == LLAMA_OK)) {
         CHECK(llama_kv_fp32_create(&model.config, model.config.context + 1, &cache) == LLAMA_OK);
         double bits = slice_bits(&two, &cache, &s, &n_scored);
         char what[160];
-        snprintf(what, sizeof what, "kvm-small slice: %.6f bits/token over %lld tokens, want %.5f +- 2%%",
-                 bits, (long long)n_scored, SMALL_SLICE_BITS);
+        snprintf(what, sizeof what,
+                 "kvm-small slice: %.6f bits/token over %lld tokens, want %.5f +- 2%%", bits,
+                 (long long)n_scored, SMALL_SLICE_BITS);
         check_at(fabs(bits - SMALL_SLICE_BITS) <= 0.02 * SMALL_SLICE_BITS, __LINE__, what);
         /* Threads split rows, never a sum: one thread must give the same bits exactly. */
         slice first = {{s.ids[0]}, {s.n[0] < 300 ? s.n[0] : 300}, 1};
         CHECK(llama_runner_init(&one, &model, 1, err, sizeof err) == LLAMA_OK);
-        CHECK(slice_bits(&one, &cache, &first, &n_scored_one) == slice_bits(&two, &cache, &first, &n_scored));
+        CHECK(slice_bits(&one, &cache, &first, &n_scored_one) ==
+              slice_bits(&two, &cache, &first, &n_scored));
         llama_runner_free(&one);
         llama_runner_free(&two);
         cache.destroy(cache.state);
@@ -666,8 +678,8 @@ static void test_small_model_quality(void)
     llama_model_free(&model);
 }
 
-int main(void)
-{
+int main(int argc, char **argv) {
+    const char *shared_dir = argc > 1 ? argv[1] : "../shared";
     snprintf(temp_dir, sizeof temp_dir, "/tmp/test-llama-XXXXXX");
     if (mkdtemp(temp_dir) == NULL) {
         printf("FAIL: cannot create a temporary directory\n");
@@ -684,7 +696,7 @@ int main(void)
     test_fp32_cache_attend();
     test_answer_marks();
     test_capture_round_trip(&tiny);
-    test_small_model_quality();
+    test_small_model_quality(shared_dir);
     tiny_free(&tiny);
     const char *names[] = {"tiny.safetensors", "bad.safetensors", "cap.bin", "config.json"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) remove(temp_path(names[i]));
