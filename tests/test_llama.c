@@ -595,6 +595,82 @@ static void test_capture_round_trip(const tiny_model *t) {
     llama_model_free(&model);
 }
 
+/* Forwards to an fp32 cache and records where begin_request was called. */
+typedef struct counting_cache {
+    llama_kv_cache inner;
+    int64_t starts[8];
+    int32_t n_starts;
+} counting_cache;
+
+static llama_result counting_store(void *state, int32_t layer, int64_t pos, const float *k,
+                                   const float *v) {
+    counting_cache *c = state;
+    return c->inner.store(c->inner.state, layer, pos, k, v);
+}
+
+static llama_result counting_attend(void *state, int32_t layer, int32_t kv_head, const float *q,
+                                    int32_t n_q, float scale, float *out) {
+    counting_cache *c = state;
+    return c->inner.attend(c->inner.state, layer, kv_head, q, n_q, scale, out);
+}
+
+static void counting_begin_request(void *state, int64_t pos) {
+    counting_cache *c = state;
+    if (c->n_starts < 8) c->starts[c->n_starts++] = pos;
+}
+
+static void counting_reset(void *state) {
+    counting_cache *c = state;
+    c->inner.reset(c->inner.state);
+}
+
+static void counting_stats(const void *state, llama_kv_stats *out) {
+    const counting_cache *c = state;
+    c->inner.stats(c->inner.state, out);
+}
+
+static void counting_destroy(void *state) { (void)state; }
+
+/* llama_score_sequence: begin_request at each user turn, and the answer statistics. */
+static void test_score_sequence(void) {
+    llama_model model;
+    char err[256] = "";
+    if (!CHECK(llama_model_load(temp_path("tiny.safetensors"), &model, err, sizeof err) ==
+               LLAMA_OK))
+        return;
+    llama_runner runner;
+    counting_cache counter = {0};
+    CHECK(llama_runner_init(&runner, &model, 2, err, sizeof err) == LLAMA_OK);
+    CHECK(llama_kv_fp32_create(&model.config, model.config.context, &counter.inner) == LLAMA_OK);
+    llama_kv_cache cache = {&counter,       counting_store, counting_attend, counting_begin_request,
+                            counting_reset, counting_stats, counting_destroy};
+    const int32_t ids[16] = {256, 257, 'u', 's', 'e', 'r', '\n', 'a',
+                             258, 257, 'u', 's', 'e', 'r', '\n', 'b'};
+    uint8_t mask[16];
+    int32_t argmax[16], ref[16];
+    memset(mask, 1, sizeof mask);
+    llama_score first = {0}, second = {0};
+    CHECK(llama_score_sequence(&runner, &cache, ids, 16, mask, argmax, argmax, &first, err,
+                               sizeof err) == LLAMA_OK);
+    CHECK(counter.n_starts == 2 && counter.starts[0] == 1 && counter.starts[1] == 9);
+    int64_t correct = 0;
+    for (int32_t pos = 0; pos < 15; pos++) correct += argmax[pos] == ids[pos + 1];
+    CHECK(first.n_scored == 15 && first.n_answer == 15 && first.n_answer_agree == 15);
+    CHECK(first.n_answer_correct == correct && first.bits > 0);
+    memcpy(ref, argmax, sizeof ref);
+    ref[3] = (ref[3] + 1) % model.config.vocab; /* a reference that disagrees once */
+    mask[5] = 0;                                /* and position 4 no longer counts */
+    CHECK(llama_score_sequence(&runner, &cache, ids, 16, mask, NULL, ref, &second, err,
+                               sizeof err) == LLAMA_OK);
+    CHECK(second.n_answer == 14 && second.n_answer_agree == 13 && second.bits == first.bits);
+    CHECK_ERROR(
+        llama_score_sequence(&runner, &cache, ids, 1, NULL, NULL, NULL, &second, err, sizeof err),
+        LLAMA_ERR_ARGUMENT, err, "need 2");
+    counter.inner.destroy(counter.inner.state);
+    llama_runner_free(&runner);
+    llama_model_free(&model);
+}
+
 /* The first n_trace trace texts and n_code code texts of eval-dev, cut to max_tokens ids each. */
 typedef struct slice {
     int32_t *ids[8];
@@ -696,6 +772,7 @@ int main(int argc, char **argv) {
     test_fp32_cache_attend();
     test_answer_marks();
     test_capture_round_trip(&tiny);
+    test_score_sequence();
     test_small_model_quality(shared_dir);
     tiny_free(&tiny);
     const char *names[] = {"tiny.safetensors", "bad.safetensors", "cap.bin", "config.json"};
