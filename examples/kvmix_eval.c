@@ -3,6 +3,7 @@
  *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]
  *              [--policy P] [--threads N] [--capture PATH]
  *   kvmix-eval --list-policies
+ *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
  * Each selected text becomes <|endoftext|> + its tokens, cut to the first context + 1 ids, and is
  * fed one token at a time; every position after the first is scored. One JSON object is printed.
@@ -41,6 +42,7 @@ typedef struct options {
     int32_t n_threads;
     const char *capture_path; /* NULL: no capture */
     bool list_policies;
+    const char *read_capture_path; /* NULL: evaluate */
 } options;
 
 static void usage(FILE *f) {
@@ -48,7 +50,8 @@ static void usage(FILE *f) {
         f,
         "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]\n"
         "                  [--policy P] [--threads N] [--capture PATH]\n"
-        "       kvmix-eval --list-policies\n");
+        "       kvmix-eval --list-policies\n"
+        "       kvmix-eval --read-capture PATH\n");
 }
 
 static bool parse_count(const char *s, int64_t min, int64_t *out) {
@@ -59,8 +62,28 @@ static bool parse_count(const char *s, int64_t min, int64_t *out) {
     return true;
 }
 
+/* Stores the value of a string flag; false when flag is not one. */
+static bool take_string_flag(options *o, const char *flag, const char *value) {
+    const struct {
+        const char *flag;
+        const char **dest;
+    } flags[] = {{"--model", &o->model_path},
+                 {"--data", &o->data_path},
+                 {"--kind", &o->kind},
+                 {"--policy", &o->policy},
+                 {"--capture", &o->capture_path},
+                 {"--read-capture", &o->read_capture_path}};
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
+        if (strcmp(flag, flags[i].flag) == 0) {
+            *flags[i].dest = value;
+            return true;
+        }
+    }
+    return false;
+}
+
 static bool parse_options(int argc, char **argv, options *o) {
-    *o = (options){NULL, NULL, NULL, 0, "fp32", 2, NULL, false};
+    *o = (options){NULL, NULL, NULL, 0, "fp32", 2, NULL, false, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -73,26 +96,17 @@ static bool parse_options(int argc, char **argv, options *o) {
             return false;
         }
         i++;
-        if (strcmp(a, "--model") == 0)
-            o->model_path = value;
-        else if (strcmp(a, "--data") == 0)
-            o->data_path = value;
-        else if (strcmp(a, "--kind") == 0)
-            o->kind = value;
-        else if (strcmp(a, "--policy") == 0)
-            o->policy = value;
-        else if (strcmp(a, "--capture") == 0)
-            o->capture_path = value;
-        else if (strcmp(a, "--limit") == 0 && parse_count(value, 1, &n))
+        if (take_string_flag(o, a, value)) continue;
+        if (strcmp(a, "--limit") == 0 && parse_count(value, 1, &n)) {
             o->limit = n;
-        else if (strcmp(a, "--threads") == 0 && parse_count(value, 1, &n) && n <= 256)
+        } else if (strcmp(a, "--threads") == 0 && parse_count(value, 1, &n) && n <= 256) {
             o->n_threads = (int32_t)n;
-        else {
+        } else {
             fprintf(stderr, "kvmix-eval: bad option %s %s\n", a, value);
             return false;
         }
     }
-    if (o->list_policies) return true;
+    if (o->list_policies || o->read_capture_path != NULL) return true;
     if (o->model_path == NULL || o->data_path == NULL) {
         fprintf(stderr, "kvmix-eval: --model and --data are required\n");
         return false;
@@ -340,6 +354,42 @@ static bool print_report(const options *o, const llama_model *m, const totals *t
     return ok;
 }
 
+/* Validates a capture with the library reader and prints its shape as JSON. */
+static int read_capture(const char *path) {
+    size_t n_bytes;
+    char err[ERR_BYTES];
+    char *bytes = read_file(path, &n_bytes);
+    if (bytes == NULL) {
+        fprintf(stderr, "kvmix-eval: cannot read %s\n", path);
+        return 1;
+    }
+    llama_capture cap;
+    llama_result r = llama_capture_parse((const uint8_t *)bytes, n_bytes, &cap, err, sizeof err);
+    free(bytes);
+    if (r != LLAMA_OK) {
+        fprintf(stderr, "kvmix-eval: %s: %s\n", path, err);
+        return 1;
+    }
+    cJSON *obj = cJSON_CreateObject();
+    cJSON_AddStringToObject(obj, "capture", path);
+    const struct {
+        const char *key;
+        int32_t value;
+    } fields[] = {{"n_layers", cap.n_layers},
+                  {"n_heads", cap.n_heads},
+                  {"n_kv_heads", cap.n_kv_heads},
+                  {"head_dim", cap.head_dim},
+                  {"n_tokens", cap.n_tokens}};
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        cJSON_AddNumberToObject(obj, fields[i].key, fields[i].value);
+    char *text = cJSON_PrintUnformatted(obj);
+    if (text != NULL) printf("%s\n", text);
+    free(text);
+    cJSON_Delete(obj);
+    llama_capture_free(&cap);
+    return 0;
+}
+
 static void list_policies(void) {
     for (size_t i = 0; i < N_POLICIES; i++)
         printf("%-8s %s\n", POLICIES[i].name, POLICIES[i].description);
@@ -420,5 +470,6 @@ int main(int argc, char **argv) {
         list_policies();
         return 0;
     }
+    if (o.read_capture_path != NULL) return read_capture(o.read_capture_path);
     return run(&o);
 }

@@ -11,8 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Rows per matmul panel: 16 accumulators fit vector registers and keep each row's sum in order. */
-enum { LLAMA_PANEL_ROWS = 16 }; /* panel_times() spells out this many accumulators */
+/* Rows per matmul panel: 16 accumulators fit vector registers and keep each row's sum in order;
+ * panel_times() spells out this many. */
+enum { LLAMA_PANEL_ROWS = 16 };
 
 /* A header bigger than this is refused before parsing (real ones are a few kilobytes). */
 #define LLAMA_MAX_HEADER_BYTES ((uint64_t)100 << 20)
@@ -36,10 +37,16 @@ const char *llama_result_string(llama_result result) {
 }
 
 #if defined(__GNUC__)
-__attribute__((format(printf, 4, 5)))
+#define LLAMA_PRINTF_LIKE(fmt, args) __attribute__((format(printf, fmt, args)))
+#else
+#define LLAMA_PRINTF_LIKE(fmt, args)
 #endif
-static llama_result
-fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...) {
+
+/* Writes the message into the caller's buffer and returns result. */
+static llama_result fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...)
+    LLAMA_PRINTF_LIKE(4, 5);
+
+static llama_result fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...) {
     if (err != NULL && err_bytes > 0) {
         va_list args;
         va_start(args, fmt);
@@ -196,6 +203,8 @@ static llama_result parse_metadata(const cJSON *metadata, llama_safetensors *out
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "__metadata__ is not a JSON object");
     const cJSON *config = cJSON_GetObjectItemCaseSensitive(metadata, "config");
     if (config == NULL) return LLAMA_OK;
+    if (out->config_json != NULL)
+        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "header has two __metadata__ entries");
     if (!cJSON_IsString(config))
         return fail(err, err_bytes, LLAMA_ERR_FORMAT, "__metadata__.config is not a string");
     size_t n = strlen(config->valuestring);
