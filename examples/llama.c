@@ -429,7 +429,7 @@ llama_result llama_tokenize(const llama_tokenizer *tok, const char *text, size_t
         return LLAMA_ERR_ARGUMENT;
     int64_t n = 0;
     for (size_t i = 0; i < text_bytes;) {
-        size_t matched;
+        size_t matched = 0;
         int32_t id = text[i] == '<' ? match_special(tok, text + i, text_bytes - i, &matched) : -1;
         if (id >= 0) {
             ids[n++] = id;
@@ -873,10 +873,22 @@ static void panel_times(const float *panel, size_t stride, const float *x, int32
     for (int32_t i = 0; i < n_in; i++) {
         const float xi = x[i];
         const float *c = panel + (size_t)i * stride;
-        a0 += c[0] * xi, a1 += c[1] * xi, a2 += c[2] * xi, a3 += c[3] * xi;
-        a4 += c[4] * xi, a5 += c[5] * xi, a6 += c[6] * xi, a7 += c[7] * xi;
-        a8 += c[8] * xi, a9 += c[9] * xi, a10 += c[10] * xi, a11 += c[11] * xi;
-        a12 += c[12] * xi, a13 += c[13] * xi, a14 += c[14] * xi, a15 += c[15] * xi;
+        a0 += c[0] * xi;
+        a1 += c[1] * xi;
+        a2 += c[2] * xi;
+        a3 += c[3] * xi;
+        a4 += c[4] * xi;
+        a5 += c[5] * xi;
+        a6 += c[6] * xi;
+        a7 += c[7] * xi;
+        a8 += c[8] * xi;
+        a9 += c[9] * xi;
+        a10 += c[10] * xi;
+        a11 += c[11] * xi;
+        a12 += c[12] * xi;
+        a13 += c[13] * xi;
+        a14 += c[14] * xi;
+        a15 += c[15] * xi;
     }
     const float acc[LLAMA_PANEL_ROWS] = {a0, a1, a2,  a3,  a4,  a5,  a6,  a7,
                                          a8, a9, a10, a11, a12, a13, a14, a15};
@@ -1363,13 +1375,15 @@ static void read_words(const uint8_t *src, void *dst, size_t n) {
 
 /* Total file bytes the header's dimensions imply, or false when that overflows. */
 static bool capture_expected_bytes(const llama_capture *cap, uint64_t *total) {
-    uint64_t per_token = (uint64_t)(cap->n_heads + 2 * cap->n_kv_heads) * (uint64_t)cap->head_dim,
-             body;
-    return mul_fits(per_token, (uint64_t)cap->n_tokens, SIZE_MAX / 4, &body) &&
-           mul_fits(body, (uint64_t)cap->n_layers, SIZE_MAX / 4, &body) &&
-           mul_fits(body + (uint64_t)cap->n_tokens, 4, SIZE_MAX - LLAMA_CAPTURE_HEADER_BYTES,
-                    total) &&
-           (*total += LLAMA_CAPTURE_HEADER_BYTES, true);
+    uint64_t per_token = (uint64_t)(cap->n_heads + 2 * cap->n_kv_heads) * (uint64_t)cap->head_dim;
+    uint64_t floats;
+    if (!mul_fits(per_token, (uint64_t)cap->n_tokens, SIZE_MAX / 4, &floats) ||
+        !mul_fits(floats, (uint64_t)cap->n_layers, SIZE_MAX / 4, &floats))
+        return false;
+    uint64_t words = floats + (uint64_t)cap->n_tokens;
+    if (words > (SIZE_MAX - LLAMA_CAPTURE_HEADER_BYTES) / 4) return false;
+    *total = LLAMA_CAPTURE_HEADER_BYTES + 4 * words;
+    return true;
 }
 
 static llama_result capture_parse_header(const uint8_t *bytes, size_t n_bytes, llama_capture *cap,
