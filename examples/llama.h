@@ -111,7 +111,10 @@ const char *llama_token_bytes(const llama_tokenizer *tok, int32_t id, size_t *n_
  * The model never touches key/value memory itself: for every layer and token it hands the
  * post-RoPE keys and the values to store(), and asks attend() for the attention output of the
  * query heads that share one kv head. A compressed cache keeps its own format and dequantizes
- * however it likes inside attend().
+ * however it likes inside attend(). Keys arrive already rotated for their absolute position, so
+ * a cache may drop or reorder tokens without touching RoPE.
+ * Functions returning llama_result return LLAMA_OK, LLAMA_ERR_CAPACITY when full, or
+ * LLAMA_ERR_ARGUMENT for a layer/head/position out of order or range.
  */
 typedef struct llama_kv_stats {
     size_t bytes;     /* bytes the cache holds for stored keys and values (payload + metadata) */
@@ -134,11 +137,14 @@ typedef struct llama_kv_cache {
     void (*begin_request)(void *state, int64_t pos);
     /* Drops every token: a new, unrelated sequence starts at position 0. */
     void (*reset)(void *state);
+    /* What the cache holds now; called between tokens. */
     void (*stats)(const void *state, llama_kv_stats *out);
+    /* Frees state and everything it owns. */
     void (*destroy)(void *state);
 } llama_kv_cache;
 
-/* The reference cache: keys and values kept as fp32, room for `capacity` tokens. */
+/* The reference cache: keys and values kept as fp32, room for `capacity` tokens; store() takes
+ * positions 0, 1, 2, ... without gaps. */
 llama_result llama_kv_fp32_create(const llama_config *config, int64_t capacity,
                                   llama_kv_cache *out);
 
