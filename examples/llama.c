@@ -1,10 +1,12 @@
 /* llama.c - see llama.h. Sections: >>errors >>safetensors >>config >>tokenizer >>load >>pool
  * >>forward >>fp32cache >>capture >>score */
+#define _POSIX_C_SOURCE 200809L /* sched_yield */
 #include "llama.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -708,7 +710,8 @@ void llama_model_free(llama_model *model) {
  * during a forward pass, and a futex wake per matmul would cost more than the matmul. */
 enum { LLAMA_SPIN_LIMIT = 1 << 16 };
 
-typedef void (*llama_job_fn)(void *ctx, int32_t part, int32_t n_parts);
+/* Runs items [begin, end) of a job. */
+typedef void (*llama_job_fn)(void *ctx, int32_t begin, int32_t end);
 
 struct llama_pool {
     int32_t n_threads;
@@ -717,15 +720,23 @@ struct llama_pool {
     pthread_cond_t wake;
     atomic_uint_fast64_t generation; /* bumped once per job */
     atomic_int_fast32_t n_done;      /* workers finished with the current job */
+    atomic_int_fast32_t next_item;   /* the first item of the current job nobody took yet */
     atomic_bool stop;
     llama_job_fn fn;
     void *ctx;
+    int32_t n_items, chunk;
 };
 
-typedef struct pool_worker_arg {
-    llama_pool *pool;
-    int32_t part;
-} pool_worker_arg;
+/* Threads take chunks of items until none is left, so a thread that the OS pauses (other work
+ * on the machine) delays the job by one chunk at most, not by its whole share. */
+static void pool_take_items(llama_pool *pool) {
+    for (;;) {
+        int32_t begin = (int32_t)atomic_fetch_add(&pool->next_item, pool->chunk);
+        if (begin >= pool->n_items) return;
+        int32_t end = begin + pool->chunk < pool->n_items ? begin + pool->chunk : pool->n_items;
+        pool->fn(pool->ctx, begin, end);
+    }
+}
 
 static uint64_t pool_wait_job(llama_pool *pool, uint64_t seen) {
     for (int32_t spin = 0; spin < LLAMA_SPIN_LIMIT; spin++) {
@@ -739,33 +750,37 @@ static uint64_t pool_wait_job(llama_pool *pool, uint64_t seen) {
 }
 
 static void *pool_worker(void *arg) {
-    pool_worker_arg a = *(pool_worker_arg *)arg;
-    free(arg);
+    llama_pool *pool = arg;
     uint64_t seen = 0;
     for (;;) {
-        seen = pool_wait_job(a.pool, seen);
-        if (atomic_load(&a.pool->stop)) return NULL;
-        a.pool->fn(a.pool->ctx, a.part, a.pool->n_threads);
-        atomic_fetch_add(&a.pool->n_done, 1);
+        seen = pool_wait_job(pool, seen);
+        if (atomic_load(&pool->stop)) return NULL;
+        pool_take_items(pool);
+        atomic_fetch_add(&pool->n_done, 1);
     }
 }
 
-static void pool_run(llama_pool *pool, llama_job_fn fn, void *ctx) {
+/* Runs fn over items [0, n_items) in chunks, on the caller's thread and the workers. */
+static void pool_run(llama_pool *pool, llama_job_fn fn, void *ctx, int32_t n_items, int32_t chunk) {
     if (pool->n_threads == 1) {
-        fn(ctx, 0, 1);
+        fn(ctx, 0, n_items);
         return;
     }
     pool->fn = fn;
     pool->ctx = ctx;
+    pool->n_items = n_items;
+    pool->chunk = chunk;
+    atomic_store(&pool->next_item, 0);
     atomic_store(&pool->n_done, 0);
     atomic_fetch_add(&pool->generation, 1);
     /* Under the mutex so that a worker between its check and its wait cannot miss the wake. */
     pthread_mutex_lock(&pool->mutex);
     pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->mutex);
-    fn(ctx, 0, pool->n_threads);
-    while (atomic_load(&pool->n_done) < pool->n_threads - 1) {
-    }
+    pool_take_items(pool);
+    /* A worker still inside its last chunk may have been paused: spin briefly, then yield. */
+    for (int32_t spin = 0; atomic_load(&pool->n_done) < pool->n_threads - 1; spin++)
+        if (spin > LLAMA_SPIN_LIMIT) sched_yield();
 }
 
 static void pool_free(llama_pool *pool, int32_t n_started) {
@@ -791,22 +806,15 @@ static llama_result pool_create(int32_t n_threads, llama_pool **out) {
     pthread_cond_init(&pool->wake, NULL);
     atomic_init(&pool->generation, 0);
     atomic_init(&pool->n_done, 0);
+    atomic_init(&pool->next_item, 0);
     atomic_init(&pool->stop, false);
     int32_t started = 0;
     llama_result r = pool->threads != NULL ? LLAMA_OK : LLAMA_ERR_MEMORY;
     for (int32_t i = 1; i < n_threads && r == LLAMA_OK; i++) {
-        pool_worker_arg *arg = malloc(sizeof *arg);
-        if (arg == NULL) {
+        if (pthread_create(&pool->threads[started], NULL, pool_worker, pool) != 0)
             r = LLAMA_ERR_MEMORY;
-            break;
-        }
-        *arg = (pool_worker_arg){pool, i};
-        if (pthread_create(&pool->threads[started], NULL, pool_worker, arg) != 0) {
-            free(arg);
-            r = LLAMA_ERR_MEMORY;
-            break;
-        }
-        started++;
+        else
+            started++;
     }
     if (r != LLAMA_OK) {
         pool_free(pool, started);
@@ -913,17 +921,19 @@ typedef struct matvec_job {
     float *y;
 } matvec_job;
 
-static void matvec_part(void *ctx, int32_t part, int32_t n_parts) {
+static void matvec_part(void *ctx, int32_t panel_begin, int32_t panel_end) {
     const matvec_job *job = ctx;
-    int32_t n_panels = (job->w->n_out + LLAMA_PANEL_ROWS - 1) / LLAMA_PANEL_ROWS;
-    matvec_panels(job->w, job->x, job->y, n_panels * part / n_parts,
-                  n_panels * (part + 1) / n_parts);
+    matvec_panels(job->w, job->x, job->y, panel_begin, panel_end);
 }
+
+/* Panels per work item: 64 rows, enough work to hide the handoff. */
+enum { LLAMA_PANELS_PER_CHUNK = 4 };
 
 /* y[n_out] = W x, output rows split across the runner's threads. */
 static void matvec(llama_runner *runner, const llama_matrix *w, const float *x, float *y) {
     matvec_job job = {w, x, y};
-    pool_run(runner->pool, matvec_part, &job);
+    int32_t n_panels = (w->n_out + LLAMA_PANEL_ROWS - 1) / LLAMA_PANEL_ROWS;
+    pool_run(runner->pool, matvec_part, &job, n_panels, LLAMA_PANELS_PER_CHUNK);
 }
 
 static void rms_norm(float *out, const float *x, const float *weight, int32_t n, float eps) {
@@ -955,9 +965,9 @@ typedef struct attend_job {
     llama_result *results; /* [n_kv_heads] */
 } attend_job;
 
-static void attend_part(void *ctx, int32_t part, int32_t n_parts) {
+static void attend_part(void *ctx, int32_t kv_begin, int32_t kv_end) {
     const attend_job *job = ctx;
-    for (int32_t kv = part; kv < job->n_kv_heads; kv += n_parts) {
+    for (int32_t kv = kv_begin; kv < kv_end; kv++) {
         size_t offset = (size_t)kv * job->group * job->head_dim;
         job->results[kv] = job->cache->attend(job->cache->state, job->layer, kv, job->q + offset,
                                               job->group, job->scale, job->out + offset);
@@ -985,7 +995,7 @@ static llama_result attention(llama_runner *runner, llama_kv_cache *cache, int32
                       q,
                       runner->att,
                       runner->part_results};
-    pool_run(runner->pool, attend_part, &job);
+    pool_run(runner->pool, attend_part, &job, c->n_kv_heads, 1);
     for (int32_t kv = 0; kv < c->n_kv_heads; kv++)
         if (runner->part_results[kv] != LLAMA_OK)
             return fail(err, err_bytes, runner->part_results[kv],
