@@ -5,8 +5,19 @@
  *   kvmix-eval --list-policies
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
- * Each selected text becomes <|endoftext|> + its tokens, cut to the first context + 1 ids, and is
- * fed one token at a time; every position after the first is scored. One JSON object is printed.
+ * Each selected text (the first N of the kind, in file order) becomes <|endoftext|> + its tokens,
+ * cut to the first context + 1 ids, and is fed one token at a time from a reset cache; every
+ * position after the first is scored. One JSON object is printed:
+ *   bits_per_token    mean cross-entropy (bits) of the true next token over all scored positions
+ *   answer_accuracy   over answer positions: top-1 prediction == true next token
+ *   answer_agreement  over answer positions: top-1 == top-1 of the same model with the fp32 cache
+ *   kv_bytes          the most bytes the cache held at the end of any text
+ *   avg_bits          bits per stored key/value element, weighted by tokens held
+ * An answer position is one whose *next* token is an answer token: inside an assistant message,
+ * after its </think> up to and including its <|im_end|>, or inside one of its tool calls from
+ * after <tool_call> up to and including </tool_call> (llama_mark_answer_tokens in llama.h).
+ * Before each token that opens a user message ("<|im_start|>user\n") the cache's begin_request
+ * hook runs. --capture writes the first text's queries, keys and values (format in llama.h).
  */
 #include "llama.h"
 
