@@ -298,7 +298,9 @@ static void ref_forward(reference *ref, int32_t token, int64_t pos, double *logi
     ref_matvec(tiny_get(t, "model.layers.0.mlp.down_proj.weight"), H, c->ffn, gate, tmp);
     for (int32_t i = 0; i < H; i++) x[i] += tmp[i];
     ref_norm(x, tiny_get(t, "model.norm.weight"), H, c->norm_eps, xn);
-    ref_matvec(tiny_get(t, "model.embed_tokens.weight"), c->vocab, H, xn, logits);
+    const float *head = tiny_get(t, "lm_head.weight"); /* the embeddings when tied */
+    ref_matvec(head != NULL ? head : tiny_get(t, "model.embed_tokens.weight"), c->vocab, H, xn,
+               logits);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -466,6 +468,27 @@ static void test_forward_matches_reference(const tiny_model *t, const char *dtyp
     llama_model_free(&model);
     free(ref.keys);
     free(ref.values);
+}
+
+/* With lm_head.weight present the runner uses it; untied without it is an error. */
+static void test_untied_head(tiny_model *t) {
+    uint32_t rng = 777;
+    tiny_add(t, "lm_head.weight", 0, t->config.vocab, t->config.hidden, 0.0f, &rng);
+    test_forward_matches_reference(t, "F32", false);
+    t->n_tensors--;
+    free(t->tensors[t->n_tensors].data);
+
+    tiny_file f;
+    tiny_encode(t, "F32", false, &f);
+    char untied[sizeof TINY_CONFIG + 8];
+    snprintf(untied, sizeof untied, "%s", TINY_CONFIG);
+    char *tie = strstr(untied, "\"tie_word_embeddings\": true");
+    memcpy(tie, "\"tie_word_embeddings\": 0   ", strlen("\"tie_word_embeddings\": true"));
+    FILE *cf = fopen(temp_path("config.json"), "wb");
+    CHECK(cf != NULL && fputs(untied, cf) >= 0 && fclose(cf) == 0);
+    expect_load_error(&f, SIZE_MAX, LLAMA_ERR_FORMAT, "missing tensor lm_head.weight");
+    remove(temp_path("config.json"));
+    tiny_file_free(&f);
 }
 
 /* The fp32 cache's attention against a direct softmax in double, on random keys and values. */
@@ -774,6 +797,7 @@ int main(int argc, char **argv) {
     test_forward_matches_reference(&tiny, "F32", false);
     test_forward_matches_reference(&tiny, "BF16", false);
     test_forward_matches_reference(&tiny, "F16", true);
+    test_untied_head(&tiny);
     test_fp32_cache_attend();
     test_answer_marks();
     test_capture_round_trip(&tiny);
