@@ -1,0 +1,486 @@
+/* kvmix-eval: next-token quality of a Llama model with a given KV-cache policy.
+ *
+ *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]
+ *              [--policy P] [--threads N] [--capture PATH]
+ *   kvmix-eval --list-policies
+ *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
+ *
+ * Each selected text (the first N of the kind, in file order) becomes <|endoftext|> + its tokens,
+ * cut to the first context + 1 ids, and is fed one token at a time from a reset cache; every
+ * position after the first is scored. One JSON object is printed:
+ *   bits_per_token    mean cross-entropy (bits) of the true next token over all scored positions
+ *   answer_accuracy   over answer positions: top-1 prediction == true next token
+ *   answer_agreement  over answer positions: top-1 == top-1 of the same model with the fp32 cache
+ *   kv_bytes          the most bytes the cache held at the end of any text
+ *   avg_bits          bits per stored key/value element, weighted by tokens held
+ * An answer position is one whose *next* token is an answer token: inside an assistant message,
+ * after its </think> up to and including its <|im_end|>, or inside one of its tool calls from
+ * after <tool_call> up to and including </tool_call> (llama_mark_answer_tokens in llama.h).
+ * Before each token that opens a user message ("<|im_start|>user\n") the cache's begin_request
+ * hook runs. --capture writes the first text's queries, keys and values (format in llama.h).
+ */
+#include "llama.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { ERR_BYTES = 512 };
+
+/* A policy decides how the cache stores keys and values. The fp32 cache is the reference that
+ * answer_agreement compares against; new kvmix formats are added to this table. */
+typedef struct policy {
+    const char *name;
+    const char *description;
+    llama_result (*create)(const llama_config *config, int64_t capacity, llama_kv_cache *out);
+} policy;
+
+static const policy POLICIES[] = {
+    {"fp32", "keys and values kept as fp32 (the reference)", llama_kv_fp32_create},
+};
+static const size_t N_POLICIES = sizeof POLICIES / sizeof POLICIES[0];
+static const policy *const REFERENCE_POLICY = &POLICIES[0];
+
+typedef struct options {
+    const char *model_path;
+    const char *data_path;
+    const char *kind; /* NULL: every text */
+    int64_t limit;    /* 0: no limit */
+    const char *policy;
+    int32_t n_threads;
+    const char *capture_path; /* NULL: no capture */
+    bool list_policies;
+    const char *read_capture_path; /* NULL: evaluate */
+} options;
+
+static void usage(FILE *f) {
+    fprintf(
+        f,
+        "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]\n"
+        "                  [--policy P] [--threads N] [--capture PATH]\n"
+        "       kvmix-eval --list-policies\n"
+        "       kvmix-eval --read-capture PATH\n");
+}
+
+static bool parse_count(const char *s, int64_t min, int64_t *out) {
+    char *end;
+    long long v = strtoll(s, &end, 10);
+    if (*s == 0 || *end != 0 || v < min) return false;
+    *out = v;
+    return true;
+}
+
+/* Stores the value of a string flag; false when flag is not one. */
+static bool take_string_flag(options *o, const char *flag, const char *value) {
+    const struct {
+        const char *flag;
+        const char **dest;
+    } flags[] = {{"--model", &o->model_path},
+                 {"--data", &o->data_path},
+                 {"--kind", &o->kind},
+                 {"--policy", &o->policy},
+                 {"--capture", &o->capture_path},
+                 {"--read-capture", &o->read_capture_path}};
+    for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
+        if (strcmp(flag, flags[i].flag) == 0) {
+            *flags[i].dest = value;
+            return true;
+        }
+    }
+    return false;
+}
+
+static bool parse_options(int argc, char **argv, options *o) {
+    *o = (options){NULL, NULL, NULL, 0, "fp32", 2, NULL, false, NULL};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
+        int64_t n;
+        if (strcmp(a, "--list-policies") == 0) {
+            o->list_policies = true;
+            continue;
+        }
+        if (value == NULL) {
+            fprintf(stderr, "kvmix-eval: %s needs a value\n", a);
+            return false;
+        }
+        i++;
+        if (take_string_flag(o, a, value)) continue;
+        if (strcmp(a, "--limit") == 0 && parse_count(value, 1, &n)) {
+            o->limit = n;
+        } else if (strcmp(a, "--threads") == 0 && parse_count(value, 1, &n) && n <= 256) {
+            o->n_threads = (int32_t)n;
+        } else {
+            fprintf(stderr, "kvmix-eval: bad option %s %s\n", a, value);
+            return false;
+        }
+    }
+    if (o->list_policies || o->read_capture_path != NULL) return true;
+    if (o->model_path == NULL || o->data_path == NULL) {
+        fprintf(stderr, "kvmix-eval: --model and --data are required\n");
+        return false;
+    }
+    if (o->kind != NULL && strcmp(o->kind, "trace") != 0 && strcmp(o->kind, "code") != 0) {
+        fprintf(stderr, "kvmix-eval: --kind must be trace or code\n");
+        return false;
+    }
+    return true;
+}
+
+static const policy *find_policy(const char *name) {
+    for (size_t i = 0; i < N_POLICIES; i++)
+        if (strcmp(POLICIES[i].name, name) == 0) return &POLICIES[i];
+    return NULL;
+}
+
+/* The texts of the data file that pass the kind filter and the limit, in file order. */
+typedef struct texts {
+    char **items;
+    int64_t n;
+} texts;
+
+static void texts_free(texts *t) {
+    for (int64_t i = 0; i < t->n; i++) free(t->items[i]);
+    free(t->items);
+    t->items = NULL;
+    t->n = 0;
+}
+
+static char *read_file(const char *path, size_t *n_bytes) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) return NULL;
+    size_t capacity = 1 << 20, n = 0;
+    char *buf = malloc(capacity);
+    while (buf != NULL) {
+        n += fread(buf + n, 1, capacity - n - 1, f);
+        if (n + 1 < capacity) break;
+        char *grown = realloc(buf, capacity * 2);
+        if (grown == NULL) free(buf);
+        buf = grown;
+        capacity *= 2;
+    }
+    bool failed = ferror(f) != 0;
+    fclose(f);
+    if (buf == NULL || failed) {
+        free(buf);
+        return NULL;
+    }
+    buf[n] = 0;
+    *n_bytes = n;
+    return buf;
+}
+
+/* Appends the text of one JSONL line when its kind matches. Returns false on a malformed line. */
+static bool take_line(const char *line, size_t n_bytes, const char *kind, texts *out) {
+    const char *end = line;
+    cJSON *root = cJSON_ParseWithLengthOpts(line, n_bytes, &end, 0);
+    const cJSON *k = cJSON_GetObjectItemCaseSensitive(root, "kind");
+    const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "text");
+    bool ok = cJSON_IsString(k) && cJSON_IsString(text);
+    if (ok && (kind == NULL || strcmp(k->valuestring, kind) == 0)) {
+        char **grown = realloc(out->items, (size_t)(out->n + 1) * sizeof *out->items);
+        size_t len = strlen(text->valuestring);
+        char *copy = malloc(len + 1);
+        ok = grown != NULL && copy != NULL;
+        if (grown != NULL) out->items = grown;
+        if (ok) {
+            memcpy(copy, text->valuestring, len + 1);
+            out->items[out->n++] = copy;
+        } else {
+            free(copy);
+        }
+    }
+    cJSON_Delete(root);
+    return ok;
+}
+
+static bool load_texts(const options *o, texts *out, char *err) {
+    *out = (texts){NULL, 0};
+    size_t n_bytes;
+    char *data = read_file(o->data_path, &n_bytes);
+    if (data == NULL) {
+        snprintf(err, ERR_BYTES, "cannot read %s", o->data_path);
+        return false;
+    }
+    int64_t line_no = 0;
+    bool ok = true;
+    for (char *line = data; ok && line < data + n_bytes && (o->limit == 0 || out->n < o->limit);) {
+        char *newline = memchr(line, '\n', (size_t)(data + n_bytes - line));
+        size_t len = newline != NULL ? (size_t)(newline - line) : (size_t)(data + n_bytes - line);
+        line_no++;
+        if (len > 0 && !take_line(line, len, o->kind, out)) {
+            snprintf(err, ERR_BYTES, "%s:%lld: needs {\"kind\": string, \"text\": string}",
+                     o->data_path, (long long)line_no);
+            ok = false;
+        }
+        line += len + 1;
+    }
+    free(data);
+    if (!ok) texts_free(out);
+    return ok;
+}
+
+/* What one run accumulates over all texts. */
+typedef struct totals {
+    llama_score score;
+    int64_t n_texts;
+    size_t kv_bytes_max; /* the most bytes the cache held, at the end of any text */
+    double avg_bits_sum; /* avg_bits weighted by the tokens held at the end of each text */
+    int64_t held_tokens;
+} totals;
+
+typedef struct eval {
+    const options *opt;
+    const llama_model *model;
+    llama_runner runner;
+    llama_kv_cache cache;     /* the policy under test */
+    llama_kv_cache reference; /* fp32; only used when the policy is another one */
+    bool separate_reference;
+    int32_t *ids;
+    uint8_t *mask;
+    int32_t *ref_argmax;
+    char err[ERR_BYTES];
+} eval;
+
+/* Tokens of one text: <|endoftext|> first, then the text, cut to context + 1 ids. */
+static int64_t encode_text(const eval *e, const char *text) {
+    const llama_model *m = e->model;
+    int64_t n = 0;
+    size_t len = strlen(text);
+    int32_t *all = malloc((len + 1) * sizeof *all);
+    if (all == NULL) return -1;
+    all[0] = llama_special_id(&m->tokenizer, "<|endoftext|>");
+    llama_tokenize(&m->tokenizer, text, len, all + 1, &n);
+    n = n + 1 < (int64_t)m->config.context + 1 ? n + 1 : (int64_t)m->config.context + 1;
+    memcpy(e->ids, all, (size_t)n * sizeof *all);
+    free(all);
+    return n;
+}
+
+static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals *t) {
+    const llama_model *m = e->model;
+    llama_mark_answer_tokens(&m->tokenizer, e->ids, n, e->mask);
+    llama_score ignored = {0};
+    llama_result r = LLAMA_OK;
+    /* answer_agreement compares top-1 against an fp32 run of the same text; when the policy is
+     * fp32 that run is this one, so it records its own top-1 and agrees with itself. */
+    if (e->separate_reference)
+        r = llama_score_sequence(&e->runner, &e->reference, e->ids, n, NULL, e->ref_argmax, NULL,
+                                 &ignored, e->err, sizeof e->err);
+    int32_t *own_argmax = e->separate_reference ? NULL : e->ref_argmax;
+    if (r == LLAMA_OK)
+        r = llama_score_sequence(&e->runner, cache, e->ids, n, e->mask, own_argmax, e->ref_argmax,
+                                 &t->score, e->err, sizeof e->err);
+    if (r != LLAMA_OK) return r;
+    llama_kv_stats stats;
+    cache->stats(cache->state, &stats);
+    if (stats.bytes > t->kv_bytes_max) t->kv_bytes_max = stats.bytes;
+    t->avg_bits_sum += stats.avg_bits * (double)stats.n_tokens;
+    t->held_tokens += stats.n_tokens;
+    t->n_texts++;
+    return LLAMA_OK;
+}
+
+/* Scores the first text through a recording wrapper and writes the capture file. */
+static llama_result capture_first_text(eval *e, int64_t n, totals *t) {
+    llama_capture cap;
+    llama_kv_cache wrapped;
+    llama_result r = llama_capture_init(&cap, &e->model->config, (int32_t)(n - 1));
+    if (r != LLAMA_OK) {
+        snprintf(e->err, sizeof e->err, "cannot allocate a capture of %lld tokens",
+                 (long long)n - 1);
+        return r;
+    }
+    memcpy(cap.token_ids, e->ids, (size_t)(n - 1) * sizeof *e->ids);
+    r = llama_kv_capture_wrap(&e->cache, &cap, &wrapped);
+    if (r == LLAMA_OK) {
+        r = score_text(e, &wrapped, n, t);
+        wrapped.destroy(wrapped.state);
+    }
+    if (r == LLAMA_OK) r = llama_capture_write(&cap, e->opt->capture_path, e->err, sizeof e->err);
+    llama_capture_free(&cap);
+    return r;
+}
+
+static llama_result run_texts(eval *e, const texts *list, totals *t) {
+    for (int64_t i = 0; i < list->n; i++) {
+        int64_t n = encode_text(e, list->items[i]);
+        if (n < 0) {
+            snprintf(e->err, sizeof e->err, "cannot allocate tokens for text %lld", (long long)i);
+            return LLAMA_ERR_MEMORY;
+        }
+        if (n < 2) continue; /* an empty text has nothing to predict */
+        llama_result r = i == 0 && e->opt->capture_path != NULL ? capture_first_text(e, n, t)
+                                                                : score_text(e, &e->cache, n, t);
+        if (r != LLAMA_OK) return r;
+    }
+    return LLAMA_OK;
+}
+
+static double ratio_or_nan(int64_t num, int64_t den) {
+    return den > 0 ? (double)num / (double)den : NAN;
+}
+
+static void add_number_or_null(cJSON *obj, const char *key, double value) {
+    if (!isnan(value))
+        cJSON_AddNumberToObject(obj, key, value);
+    else
+        cJSON_AddNullToObject(obj, key);
+}
+
+static bool print_report(const options *o, const llama_model *m, const totals *t, double seconds) {
+    cJSON *obj = cJSON_CreateObject();
+    cJSON_AddStringToObject(obj, "model", o->model_path);
+    cJSON_AddStringToObject(obj, "model_name", m->config.name);
+    cJSON_AddStringToObject(obj, "data", o->data_path);
+    if (o->kind != NULL)
+        cJSON_AddStringToObject(obj, "kind", o->kind);
+    else
+        cJSON_AddNullToObject(obj, "kind");
+    add_number_or_null(obj, "limit", o->limit > 0 ? (double)o->limit : NAN);
+    cJSON_AddStringToObject(obj, "policy", o->policy);
+    cJSON_AddNumberToObject(obj, "n_texts", (double)t->n_texts);
+    cJSON_AddNumberToObject(obj, "n_tokens", (double)t->score.n_scored);
+    add_number_or_null(obj, "bits_per_token",
+                       t->score.n_scored > 0 ? t->score.bits / (double)t->score.n_scored : NAN);
+    cJSON_AddNumberToObject(obj, "n_answer_tokens", (double)t->score.n_answer);
+    add_number_or_null(obj, "answer_accuracy",
+                       ratio_or_nan(t->score.n_answer_correct, t->score.n_answer));
+    add_number_or_null(obj, "answer_agreement",
+                       ratio_or_nan(t->score.n_answer_agree, t->score.n_answer));
+    cJSON_AddNumberToObject(obj, "kv_bytes", (double)t->kv_bytes_max);
+    add_number_or_null(obj, "avg_bits",
+                       t->held_tokens > 0 ? t->avg_bits_sum / (double)t->held_tokens : NAN);
+    cJSON_AddNumberToObject(obj, "threads", o->n_threads);
+    cJSON_AddNumberToObject(obj, "seconds", seconds);
+    cJSON_AddNumberToObject(obj, "tokens_per_second",
+                            seconds > 0 ? (double)t->score.n_scored / seconds : 0.0);
+    char *text = cJSON_Print(obj);
+    bool ok = text != NULL;
+    if (ok) printf("%s\n", text);
+    free(text);
+    cJSON_Delete(obj);
+    return ok;
+}
+
+/* Validates a capture with the library reader and prints its shape as JSON. */
+static int read_capture(const char *path) {
+    size_t n_bytes;
+    char err[ERR_BYTES];
+    char *bytes = read_file(path, &n_bytes);
+    if (bytes == NULL) {
+        fprintf(stderr, "kvmix-eval: cannot read %s\n", path);
+        return 1;
+    }
+    llama_capture cap;
+    llama_result r = llama_capture_parse((const uint8_t *)bytes, n_bytes, &cap, err, sizeof err);
+    free(bytes);
+    if (r != LLAMA_OK) {
+        fprintf(stderr, "kvmix-eval: %s: %s\n", path, err);
+        return 1;
+    }
+    cJSON *obj = cJSON_CreateObject();
+    cJSON_AddStringToObject(obj, "capture", path);
+    const struct {
+        const char *key;
+        int32_t value;
+    } fields[] = {{"n_layers", cap.n_layers},
+                  {"n_heads", cap.n_heads},
+                  {"n_kv_heads", cap.n_kv_heads},
+                  {"head_dim", cap.head_dim},
+                  {"n_tokens", cap.n_tokens}};
+    for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++)
+        cJSON_AddNumberToObject(obj, fields[i].key, fields[i].value);
+    char *text = cJSON_PrintUnformatted(obj);
+    if (text != NULL) printf("%s\n", text);
+    free(text);
+    cJSON_Delete(obj);
+    llama_capture_free(&cap);
+    return 0;
+}
+
+static void list_policies(void) {
+    for (size_t i = 0; i < N_POLICIES; i++)
+        printf("%-8s %s\n", POLICIES[i].name, POLICIES[i].description);
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static llama_result eval_init(eval *e, const options *o, const policy *p, const llama_model *m) {
+    int64_t capacity = (int64_t)m->config.context + 1;
+    e->opt = o;
+    e->model = m;
+    e->separate_reference = p != REFERENCE_POLICY;
+    e->ids = malloc((size_t)capacity * sizeof *e->ids);
+    e->mask = malloc((size_t)capacity);
+    e->ref_argmax = malloc((size_t)capacity * sizeof *e->ref_argmax);
+    if (e->ids == NULL || e->mask == NULL || e->ref_argmax == NULL) {
+        snprintf(e->err, sizeof e->err, "cannot allocate token buffers");
+        return LLAMA_ERR_MEMORY;
+    }
+    llama_result r = llama_runner_init(&e->runner, m, o->n_threads, e->err, sizeof e->err);
+    if (r == LLAMA_OK && (r = p->create(&m->config, capacity, &e->cache)) != LLAMA_OK)
+        snprintf(e->err, sizeof e->err, "cannot create the %s cache: %s", p->name,
+                 llama_result_string(r));
+    if (r == LLAMA_OK && e->separate_reference &&
+        (r = REFERENCE_POLICY->create(&m->config, capacity, &e->reference)) != LLAMA_OK)
+        snprintf(e->err, sizeof e->err, "cannot create the reference cache: %s",
+                 llama_result_string(r));
+    return r;
+}
+
+static void eval_free(eval *e) {
+    if (e->cache.destroy != NULL) e->cache.destroy(e->cache.state);
+    if (e->reference.destroy != NULL) e->reference.destroy(e->reference.state);
+    if (e->runner.model != NULL) llama_runner_free(&e->runner);
+    free(e->ids);
+    free(e->mask);
+    free(e->ref_argmax);
+}
+
+static int run(const options *o) {
+    const policy *p = find_policy(o->policy);
+    if (p == NULL) {
+        fprintf(stderr, "kvmix-eval: unknown policy %s (see --list-policies)\n", o->policy);
+        return 2;
+    }
+    llama_model model;
+    eval e = {0};
+    texts list = {NULL, 0};
+    totals t = {0};
+    double start = now_seconds();
+    llama_result r = llama_model_load(o->model_path, &model, e.err, sizeof e.err);
+    if (r != LLAMA_OK) {
+        fprintf(stderr, "kvmix-eval: %s: %s\n", o->model_path, e.err);
+        return 1;
+    }
+    if (!load_texts(o, &list, e.err)) r = LLAMA_ERR_FORMAT;
+    if (r == LLAMA_OK) r = eval_init(&e, o, p, &model);
+    if (r == LLAMA_OK) r = run_texts(&e, &list, &t);
+    if (r == LLAMA_OK && !print_report(o, &model, &t, now_seconds() - start)) r = LLAMA_ERR_MEMORY;
+    if (r != LLAMA_OK) fprintf(stderr, "kvmix-eval: %s\n", e.err);
+    eval_free(&e);
+    texts_free(&list);
+    llama_model_free(&model);
+    return r == LLAMA_OK ? 0 : 1;
+}
+
+int main(int argc, char **argv) {
+    options o;
+    if (!parse_options(argc, argv, &o)) {
+        usage(stderr);
+        return 2;
+    }
+    if (o.list_policies) {
+        list_policies();
+        return 0;
+    }
+    if (o.read_capture_path != NULL) return read_capture(o.read_capture_path);
+    return run(&o);
+}
