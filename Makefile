@@ -1,5 +1,6 @@
 # kvmix: one Makefile for the demo, the tests, the benchmarks and the CUDA kernel pack.
 #   make demo        build and run examples/quickstart
+#   make eval        build build/kvmix-eval, the reference-model runner and quality harness
 #   make test        header compile checks, host tests under ASan+UBSan, fuzz smoke runs,
 #                    model tests (when $(SHARED)/models exists), nvcc build of the kernel pack
 #   make test-cuda   GPU tests (needs an sm_90 GPU)
@@ -17,17 +18,21 @@ WARN := -Wall -Wextra -Werror -pedantic
 CFLAGS := -std=c11 $(WARN) -O2 -ffp-contract=off
 SANITIZE := -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 LDLIBS := -lm
+# The runner reads JSON (safetensors headers, configs, policies) through the system cJSON.
+EVAL_LDLIBS := -lcjson -lm -lpthread
+LLAMA_SRC := examples/llama.c examples/llama.h
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall,-Wextra,-Werror
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
-FUZZ_TARGETS := $(patsubst tests/fuzz_%.c,%,$(filter-out tests/fuzz_driver.c,$(wildcard tests/fuzz_*.c)))
 FUZZ_RUNS ?= 20000
+FUZZ_RUNNERS := $(BUILD)/fuzz_formats_run $(BUILD)/fuzz_safetensors_run
+MODEL_TESTS := $(BUILD)/model_test_llama
 
-.PHONY: all demo test test-host test-cuda bench fuzz format-check clean header-checks cuda-build
+.PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
 
-all: $(BUILD)/quickstart $(BUILD)/unit_tests $(BUILD)/bench_formats
+all: $(BUILD)/quickstart $(BUILD)/kvmix-eval $(BUILD)/unit_tests $(BUILD)/bench_formats
 
 $(BUILD):
 	mkdir -p $(BUILD)
@@ -38,6 +43,12 @@ $(BUILD)/quickstart: examples/quickstart.c kvmix.h | $(BUILD)
 
 demo: $(BUILD)/quickstart
 	./$(BUILD)/quickstart
+
+# ---- reference-model runner and quality harness ----------------------------------------------
+$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) -Iexamples examples/kvmix_eval.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+
+eval: $(BUILD)/kvmix-eval
 
 # ---- tests ----------------------------------------------------------------------------------
 # The header must compile as C99, C11 and C++, and with KVMIX_STATIC, under $(WARN).
@@ -56,8 +67,17 @@ header-checks: $(HEADER_CHECKS)
 $(BUILD)/unit_tests: $(UNIT_SRC) tests/harness.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. $(UNIT_SRC) -o $@ $(LDLIBS)
 
-$(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
+# Model tests take the shared folder as their argument (tests/run_all.sh passes it).
+$(BUILD)/model_test_llama: tests/test_llama.c $(LLAMA_SRC) kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -Iexamples tests/test_llama.c \
+		examples/llama.c -o $@ $(EVAL_LDLIBS)
+
+# Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
+$(BUILD)/fuzz_formats_run: tests/fuzz_formats.c tests/fuzz_driver.c kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. tests/fuzz_formats.c tests/fuzz_driver.c -o $@ $(LDLIBS)
+$(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
+		examples/llama.c -o $@ $(EVAL_LDLIBS)
 
 cuda-build: | $(BUILD)
 ifeq ($(strip $(NVCC)),)
@@ -67,9 +87,9 @@ else
 	$(CC) -std=c99 $(WARN) -fsyntax-only -x c kvmix_cuda.h
 endif
 
-test: $(HEADER_CHECKS) $(BUILD)/unit_tests $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS)) cuda-build
+test: $(HEADER_CHECKS) $(BUILD)/unit_tests $(FUZZ_RUNNERS) $(MODEL_TESTS) cuda-build
 	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
-		$(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
+		$(FUZZ_RUNNERS)
 
 $(BUILD)/test_cuda: tests/test_cuda.cu kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 	$(NVCC) $(NVCCFLAGS) -I. tests/test_cuda.cu kvmix_cuda.cu -o $@
@@ -90,12 +110,15 @@ bench: $(BUILD)/bench_formats $(BUILD)/bench_cache
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60
-fuzz: | $(BUILD)
-	@for t in $(FUZZ_TARGETS); do \
-		clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. tests/fuzz_$$t.c \
-			-o $(BUILD)/fuzz_$$t -lm && \
-		./$(BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) || exit 1; \
-	done
+LIBFUZZER := clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. -Iexamples
+$(BUILD)/fuzz_formats: tests/fuzz_formats.c kvmix.h | $(BUILD)
+	$(LIBFUZZER) tests/fuzz_formats.c -o $@ $(LDLIBS)
+$(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
+	$(LIBFUZZER) tests/fuzz_safetensors.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+
+fuzz: $(BUILD)/fuzz_formats $(BUILD)/fuzz_safetensors
+	./$(BUILD)/fuzz_formats -max_total_time=$(FUZZ_SECONDS)
+	./$(BUILD)/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS)
 
 # ---- style ----------------------------------------------------------------------------------
 FORMAT_SRC := kvmix.h $(wildcard kvmix_cuda.h kvmix_cuda.cu examples/*.c examples/*.h tests/*.c \
