@@ -337,9 +337,10 @@ typedef struct kvmix_cache_entry {
 
 typedef struct kvmix_cache_seq {
     int32_t in_use;
-    int32_t n_tokens;  /* positions 0 .. n_tokens - 1 exist */
+    int32_t n_tokens;  /* positions 0 .. n_tokens - 1 exist (reserved) */
     int32_t n_live;    /* of them, not evicted */
     int32_t n_entries; /* page-table entries in use */
+    int32_t n_written; /* positions 0 .. n_written - 1 have rows on every layer */
 } kvmix_cache_seq;
 
 /* A cache. Transparent so that tests and tools can read it; change it only through the
@@ -360,6 +361,8 @@ typedef struct kvmix_cache {
     kvmix_cache_seq *seqs;        /* [max_seqs] */
     kvmix_cache_entry *entries;   /* [max_seqs][max_pages_per_seq] */
     uint32_t *slots;              /* [max_seqs][max_tokens_per_seq]: page * page_tokens + row */
+    int32_t *written;             /* [max_seqs][n_layers]: positions 0 .. written - 1 of the
+                                     layer have rows (kvmix_cache_write) */
     kvmix_cache_page *pages;      /* [max_pages] */
     uint32_t *free_pages;         /* [max_pages] stack of free descriptors */
     uint64_t *bitmap;             /* [ceil(n_granules / 64)] one bit per used granule */
@@ -432,22 +435,65 @@ KVMIXDEF void kvmix_cache_deinit(kvmix_cache *cache);
 KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_seq);
 
 /* Creates a sequence whose positions 0 .. n_prefix - 1 are those of `parent` (0 <= n_prefix <=
-   parent's n_tokens): pages are shared by reference count, slot-map entries copied (positions the
-   parent evicted stay evicted in the child; later evictions are private). A shared buffer page
-   is copied when either sequence writes it. Never allocates arena bytes. */
+   parent's n_written: rows written on every layer): pages are shared by reference count,
+   slot-map entries copied (positions the parent evicted stay evicted in the child; later
+   evictions are private). A shared buffer page is copied when either sequence adds positions to
+   it. Never allocates arena bytes. */
 KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
                                            int32_t *out_seq);
 
 /* Frees a sequence: pages that no other sequence references return to the arena. */
 KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq);
 
-/* Appends n_tokens positions (n_tokens, n_tokens + 1, ...) to a sequence. keys, values:
+/* Writing rows. A position first exists (kvmix_cache_reserve), then gets its rows layer by layer
+   (kvmix_cache_write), as an inference loop computes them: reserve the step's tokens, then after
+   layer l has computed their K/V, write layer l and run its attention, which sees them.
+   kvmix_cache_ingest and kvmix_cache_append do both for every layer in one call.
+
+   Per layer, rows are written in position order without gaps: a sequence keeps, per layer, the
+   count of positions written (cache->written) and n_written, the count written on every layer.
+   Positions reserved but not yet written on a layer are invisible on that layer: kvmix_cache_read
+   refuses them and views of the layer (so decode) end before them; views of other layers are not
+   affected. Sealing rule: a page is sealed only when all its positions are below n_written, that
+   is written on every layer; sealing happens in reserve, ingest, append and finish, never in write,
+   so rows written after the reserve that took their page are sealed by a later call.
+   Positions past n_written can be neither evicted nor forked from. */
+
+/* Appends n_tokens positions (n_tokens, n_tokens + 1, ...) to a sequence without rows: slot map,
+   page table and FP16 buffer rows (allocated, copy on write of a shared buffer page done), to be
+   filled by kvmix_cache_write on every layer. precisions: [n_tokens] requested formats (NULL =
+   desc.default_precision); sink positions are FP16 whatever they ask. Pages that became sealable
+   (see the sealing rule above; only positions written before this call count) are sealed on the
+   way. *out_first_position (may be NULL) receives the first new position. n_tokens 0 does
+   nothing. Returns NULL_POINTER, INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq),
+   UNKNOWN_FORMAT, or OUT_OF_MEMORY (arena, page table or descriptors full), leaving the cache
+   exactly as before. */
+KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                          const kvmix_cache_precision *precisions,
+                                          int32_t *out_first_position);
+
+/* Writes layer `layer`'s rows of positions first_position .. first_position + n_tokens - 1 of a
+   sequence into its FP16 buffer. keys, values: [n_tokens][n_kv_heads][head_dim] floats, each
+   finite with |x| <= 65504. first_position may not exceed the layer's written count (no gaps) and
+   the positions must be reserved; a position already written may be written again while its page
+   is an unsealed buffer that only this sequence references and it is not evicted. Never
+   allocates, never seals. Returns NULL_POINTER, INVALID_ARGUMENT (seq, layer, a position out of
+   range, a gap, a rewrite of a sealed, shared or evicted row) or BAD_VALUE; nothing is written
+   on error. n_tokens 0 does nothing. Thread safety: as every non-const call, not concurrently
+   with any other call on the cache, writes of other layers or sequences included. */
+KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                        int32_t first_position, int32_t n_tokens,
+                                        const float *keys, const float *values);
+
+/* Appends n_tokens positions with their rows on every layer: kvmix_cache_reserve and
+   kvmix_cache_write of every layer in one call, except that the new rows count as written for
+   the sealing of this very call (a prefill seals the pages it fills). keys, values:
    [n_layers][n_tokens][n_kv_heads][head_dim] floats, each finite with |x| <= 65504 (else
-   BAD_VALUE). precisions: [n_tokens] requested formats (NULL = desc.default_precision); sink
-   positions are FP16 whatever they ask. Rows go to the sequence's FP16 buffer page; pages that
-   are full and older than the window are sealed (quantized) on the way. Returns NULL_POINTER,
-   INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq), UNKNOWN_FORMAT, BAD_VALUE, or
-   OUT_OF_MEMORY (arena, page table or descriptors full), leaving the cache exactly as before. */
+   BAD_VALUE). precisions as kvmix_cache_reserve. Rows go to the sequence's FP16 buffer page;
+   pages that are full and older than the window are sealed (quantized) on the way. Returns
+   NULL_POINTER, INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq, a reserved position
+   not written on every layer yet), UNKNOWN_FORMAT, BAD_VALUE, or OUT_OF_MEMORY (arena, page
+   table or descriptors full), leaving the cache exactly as before. */
 KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                          const float *keys, const float *values,
                                          const kvmix_cache_precision *precisions);
@@ -457,11 +503,13 @@ KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const 
                                          const float *values, kvmix_cache_precision precision);
 
 /* Ends a request: seals every full buffer page it does not share, whatever the window, then
-   applies desc.partial to its partial last page if not shared. The sequence stays usable (later rows start a new page if the last one
-   was sealed). Errors as kvmix_cache_ingest. */
+   applies desc.partial to its partial last page if not shared; pages with positions not written
+   on every layer are left as they are. The sequence stays usable (later rows start a new page if
+   the last one was sealed). Returns NULL_POINTER, INVALID_ARGUMENT (seq) or OUT_OF_MEMORY,
+   leaving the cache exactly as before. */
 KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq);
 
-/* Evicts positions (each in [0, n_tokens); repeats and already evicted ones are fine): their
+/* Evicts positions (each in [0, n_written); repeats and already evicted ones are fine): their
    slot-map entries become KVMIX_CACHE_DEAD_SLOT, no row moves. A page none of whose rows the
    sequence still uses is released (returned to the arena when no one else references it), except
    the buffer page that is still being filled. Validates all positions before changing anything. */
@@ -486,12 +534,14 @@ KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, 
 
 /* Reads back one position of one layer, dequantized: keys, values [n_kv_heads][head_dim] (either
    may be NULL), and the storage formats when out_precision is not NULL.
-   Returns NOT_FOUND for an evicted position (nothing written). */
+   Returns NOT_FOUND for an evicted position and INVALID_ARGUMENT for one not written on that
+   layer yet (nothing written to the outputs). */
 KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t position,
                                        int32_t layer, float *keys, float *values,
                                        kvmix_cache_precision *out_precision);
 
-/* Sizes of a view of these sequences (the same for every layer). */
+/* Sizes of a view of these sequences: enough for every layer (exact when every reserved
+   position is written; a layer with reserved positions not written yet may need less). */
 KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const int32_t *seqs,
                                               int32_t n_seqs, int32_t *out_n_spans,
                                               int32_t *out_n_dead_flags);
@@ -501,7 +551,9 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
    kvmix_cache_view_counts). base is the arena, offsets are from it, so the same view describes a
    device copy of the arena. Each page a sequence references is one span (its blocks: one per kv
    head, strided by the head bytes); rows the sequence does not use (evicted, past its fork point)
-   are dead flags. The view stays valid until the next write to the cache. */
+   are dead flags. A sequence's span of an FP16 page ends at the positions the layer has rows for
+   (reserved positions not written on the layer are left out). The view stays valid until the
+   next call that changes the cache. */
 KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer,
                                        const int32_t *seqs, int32_t n_seqs,
                                        kvmix_view_span *spans, int32_t max_spans,
@@ -1483,6 +1535,22 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq,
    order) and a slot map: position -> page * P + row, or KVMIX_CACHE_DEAD_SLOT. A position's row
    never moves: eviction rewrites the slot-map entry only; RoPE phases stay what they were.
 
+   Reserve, then write by layer. A model computes layer l's K/V of a new token only after layers
+   0 .. l-1 ran, and layer l's attention must already see it. So a position is first reserved
+   (slot map, page-table entry, a row of the FP16 buffer page: everything that can fail, planned
+   like any allocating call), then its rows are written layer by layer (kvmix_cache_write: FP16
+   stores into rows that exist, which cannot fail once validated). Each sequence keeps per layer
+   the count of positions written, written in order without gaps, and n_written, their minimum.
+   Unwritten rows are never read: kvmix_cache_read refuses them, a view of layer l clips a
+   sequence's FP16 spans at that layer's count, and sealing (below) waits for n_written. Keeping
+   the rows' state as counters costs one int32 per sequence and layer, and a check per span;
+   per-row flags would cost a bit per row and layer in every page. The counters also make the
+   other invariants cheap: eviction and fork only take positions below n_written, so a row not
+   yet written is used by its own sequence only, and sealed pages hold written rows only.
+   ingest and append are the same plan with the rows stored as each position is reserved, so the
+   rows count as written for the seals of that same call (a prefill seals the pages it fills,
+   as if it were reserve + write per layer with sealing after the writes).
+
    Precision. Every token carries a requested (key, value) format from a policy. Tokens of a page
    share its formats: the page is sealed to the highest precision any of its rows asked for, per
    key and value separately, in the order FP16 > INT8 > INT4 > BOOSTED > INT2 > INT2_CHANNEL
@@ -1491,44 +1559,51 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq,
    Buffer, window, sealing (KIVI-style). New rows always land in the sequence's FP16 buffer page
    (in the arena, so views reach it from the same base). A page is sealed, that is quantized in
    one step into a new allocation of its requested formats and its FP16 bytes freed, when it is
-   full and all its positions are older than the window: first_pos + P <= n_tokens - n_window.
-   The FP16 tail therefore holds the n_window most recent tokens plus the part of the current
-   page, at most n_window + 2P - 1 tokens: the window is the buffer's tail, counted in whole
-   pages. Per-channel keys (INT2_CHANNEL, BOOSTED) are computed over a full page, and decode
-   tokens reach them exactly like prefill tokens; the cost of a seal is amortized over the P
-   appends that filled the page. A page that asked for FP16 only is sealed by flag, without a
+   full, all its positions are older than the window, first_pos + P <= n_tokens - n_window
+   (n_tokens counts reserved positions), and all are written on every layer, first_pos + P <=
+   n_written. Seals happen in the allocating calls (reserve, ingest, append, finish) only; with
+   reserve + write, the page that the last write filled is sealed by the next reserve.
+   The FP16 tail therefore holds the n_window most recent tokens plus the part of the current page,
+   at most n_window + 2P - 1 tokens when rows come by ingest or append (with reserve + write, full
+   pages also wait for their last rows and the next reserve): the window is the buffer's tail,
+   counted in whole pages. Per-channel keys (INT2_CHANNEL, BOOSTED) are computed over a full page,
+   and decode tokens reach them exactly like prefill tokens; the cost of a seal is amortized over
+   the P appends that filled the page. A page that asked for FP16 only is sealed by flag, without a
    copy. kvmix_cache_seq_finish seals every full page the sequence does not share and applies
-   desc.partial to its partial one if not shared (pages shared with another sequence are left to
-   the window, so that one request's end never quantizes another's recent rows): KEEP_FP16 leaves it as the buffer; QUANTIZE seals its n rows now, with per-channel
-   formats replaced by per-token ones of no lower precision (INT2_CHANNEL -> INT2, BOOSTED ->
-   INT4), since per-channel statistics over a few rows are not what the policy asked for. Rows
-   appended after a sealed partial page start a new page.
+   desc.partial to its partial one if not shared (pages shared with another sequence are left to the
+   window, so that one request's end never quantizes another's recent rows): KEEP_FP16 leaves it as
+   the buffer; QUANTIZE seals its n rows now, with per-channel formats replaced by per-token ones of
+   no lower precision (INT2_CHANNEL -> INT2, BOOSTED -> INT4), since per-channel statistics over a
+   few rows are not what the policy asked for. Rows appended after a sealed partial page start a new
+   page.
 
    Sharing. kvmix_cache_seq_fork copies the parent's page-table entries of a prefix (the last one
-   clipped to the prefix) and its slot map; each page's reference count counts page-table
-   entries. A shared page has one format for all its sharers: sealing or re-tiering it changes
-   the descriptor, never the slot maps; the window promise holds for pages a sequence does not
-   share, a shared page being sealed when it leaves the window of the sharer that passes it
-   first (shared prefixes are usually old). A buffer page with refcount > 1 is copied before a write
-   (copy on write of the rows the writer uses); a sealed page cannot take rows, so a child forked
-   inside one starts a new page and the page's rows past its fork point are dead to it (views
-   flag them). A page returns to the arena when its count reaches zero: when the last sequence
-   that references it is freed, or evicts all its rows there.
+   clipped to the prefix) and its slot map; each page's reference count counts page-table entries. A
+   shared page has one format for all its sharers: sealing or re-tiering it changes the descriptor,
+   never the slot maps; the window promise holds for pages a sequence does not share, a shared page
+   being sealed when it leaves the window of the sharer that passes it first (shared prefixes are
+   usually old). A buffer page with refcount > 1 is copied before a sequence adds positions to it
+   (copy on write of the rows it uses, in reserve, ingest, append; kvmix_cache_write never copies:
+   its new rows are the writer's alone, see above); a sealed page cannot take rows, so a child
+   forked inside one starts a new page and the page's rows past its fork point are dead to it (views
+   flag them). A page returns to the arena when its count reaches zero: when the last sequence that
+   references it is freed, or evicts all its rows there.
 
    Failure atomicity (check, then commit). Every call validates its arguments first. Calls that
-   allocate (ingest, append, finish) first run a plan: the same decisions as the real run, on a
-   small copy of the sequence's unsealed pages, with the arena operations applied to the bitmap
+   allocate (reserve, ingest, append, finish) first run a plan: the same decisions as the real run,
+   on a small copy of the sequence's unsealed pages, with the arena operations applied to the bitmap
    and journaled. If any allocation fails the journal is undone, which restores the bitmap and
-   counters bit for bit, and the call returns KVMIX_ERR_OUT_OF_MEMORY before any other byte
-   changed. Otherwise the journal is undone too and the real run repeats the plan; since
-   allocation is deterministic it gets the same offsets and cannot fail. Retier allocates at
-   most once (nothing when the new blocks fit the old bytes) and validates before writing.
+   counters bit for bit, and the call returns KVMIX_ERR_OUT_OF_MEMORY before any other byte changed.
+   Otherwise the journal is undone too and the real run repeats the plan; since allocation is
+   deterministic it gets the same offsets and cannot fail. Retier allocates at most once (nothing
+   when the new blocks fit the old bytes) and validates before writing.
 
    Memory. kvmix_cache_memory_bytes covers all bookkeeping: sequence records, page tables
-   [max_seqs][max_pages_per_seq], slot maps [max_seqs][max_tokens_per_seq] (4 bytes a
-   position), page descriptors (max_seqs * max_pages_per_seq + 1: every page is referenced by an
-   entry, so they never run out), the descriptor free stack, the granule bitmap, a scratch block
-   of P * head_dim floats and the plan state. Stats count all of it in bits per element.
+   [max_seqs][max_pages_per_seq], slot maps [max_seqs][max_tokens_per_seq] (4 bytes a position),
+   written counts [max_seqs][n_layers], page descriptors (max_seqs * max_pages_per_seq + 1: every
+   page is referenced by an entry, so they never run out), the descriptor free stack, the granule
+   bitmap, a scratch block of P * head_dim floats and the plan state. Stats count all of it in bits
+   per element.
 
    Threads: one writer per cache (see the declarations).
 */
@@ -1568,6 +1643,7 @@ typedef struct kvmix__plan {
     int32_t n;          /* pages[] used */
     int32_t next_seal;  /* first page that may still need sealing */
     int32_t len;        /* the sequence's n_tokens as the run goes */
+    int32_t written;    /* positions written on every layer as the run goes (seals wait for it) */
     int32_t n_entries;
     int32_t tail_open;  /* pages[n - 1] is the last page-table entry and unsealed */
     int32_t new_pages;  /* descriptors taken */
@@ -1665,6 +1741,17 @@ static kvmix_cache_entry *kvmix__seq_entries(const kvmix_cache *c, int32_t seq) 
 
 static uint32_t *kvmix__seq_slots(const kvmix_cache *c, int32_t seq) {
     return c->slots + (size_t)seq * (size_t)c->desc.max_tokens_per_seq;
+}
+
+/* [n_layers] positions written per layer. */
+static int32_t *kvmix__seq_written(const kvmix_cache *c, int32_t seq) {
+    return c->written + (size_t)seq * (size_t)c->desc.n_layers;
+}
+
+static void kvmix__seq_set_written(kvmix_cache *c, int32_t seq, int32_t n) {
+    int32_t *w = kvmix__seq_written(c, seq), layer;
+    for (layer = 0; layer < c->desc.n_layers; layer++) w[layer] = n;
+    c->seqs[seq].n_written = n;
 }
 
 static uint32_t kvmix__slot(const kvmix_cache *c, uint32_t page, int32_t row) {
@@ -1817,7 +1904,7 @@ static void kvmix__page_block_read(const kvmix_cache *c, const kvmix_cache_page 
 
 /* Where each table lives in the metadata memory. */
 typedef struct kvmix__cache_regions {
-    size_t seqs, entries, slots, pages, free_pages, bitmap, scratch, sim, journal, total;
+    size_t seqs, entries, slots, written, pages, free_pages, bitmap, scratch, sim, journal, total;
     int64_t n_granules;
     int32_t max_pages;
     int32_t journal_capacity;
@@ -1845,6 +1932,8 @@ static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regio
            (size_t)d->max_seqs <= (size_t)-1 / (size_t)d->max_tokens_per_seq &&
            kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->max_tokens_per_seq,
                          sizeof(uint32_t), &r->slots) &&
+           kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->n_layers, sizeof(int32_t),
+                         &r->written) &&
            kvmix__region(&cursor, (size_t)r->max_pages, sizeof(kvmix_cache_page), &r->pages) &&
            kvmix__region(&cursor, (size_t)r->max_pages, sizeof(uint32_t), &r->free_pages) &&
            kvmix__region(&cursor, (size_t)((r->n_granules + 63) / 64), sizeof(uint64_t),
@@ -1953,6 +2042,7 @@ KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *des
     cache->seqs = (kvmix_cache_seq *)(void *)(m + g.seqs);
     cache->entries = (kvmix_cache_entry *)(void *)(m + g.entries);
     cache->slots = (uint32_t *)(void *)(m + g.slots);
+    cache->written = (int32_t *)(void *)(m + g.written);
     cache->pages = (kvmix_cache_page *)(void *)(m + g.pages);
     cache->free_pages = (uint32_t *)(void *)(m + g.free_pages);
     cache->bitmap = (uint64_t *)(void *)(m + g.bitmap);
@@ -2088,7 +2178,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, i
     if (!cache || !out_seq) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__cache_seq_ok(cache, parent)) != KVMIX_SUCCESS) return r;
     ps = &cache->seqs[parent];
-    if (n_prefix < 0 || n_prefix > ps->n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_prefix < 0 || n_prefix > ps->n_written) return KVMIX_ERR_INVALID_ARGUMENT;
     if ((child = kvmix__free_seq_id(cache)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
     cs = &cache->seqs[child];
     pe = kvmix__seq_entries(cache, parent);
@@ -2096,6 +2186,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, i
     memset(cs, 0, sizeof *cs);
     cs->in_use = 1;
     cs->n_tokens = n_prefix;
+    kvmix__seq_set_written(cache, child, n_prefix); /* also cs->n_written */
     for (i = 0; i < ps->n_entries && pe[i].first_pos < n_prefix; i++) {
         ce[i] = pe[i];
         if (ce[i].n_rows > n_prefix - ce[i].first_pos) ce[i].n_rows = n_prefix - ce[i].first_pos;
@@ -2124,6 +2215,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq) {
         kvmix__page_release(cache, e[i].page);
         memset(&e[i], 0, sizeof e[i]);
     }
+    kvmix__seq_set_written(cache, seq, 0);
     memset(s, 0, sizeof *s);
     return KVMIX_SUCCESS;
 }
@@ -2141,7 +2233,7 @@ KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const i
     if (!positions) return KVMIX_ERR_NULL_POINTER;
     s = &cache->seqs[seq];
     for (i = 0; i < n_positions; i++)
-        if (positions[i] < 0 || positions[i] >= s->n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
+        if (positions[i] < 0 || positions[i] >= s->n_written) return KVMIX_ERR_INVALID_ARGUMENT;
     slots = kvmix__seq_slots(cache, seq);
     for (i = 0; i < n_positions; i++)
         if (slots[positions[i]] != KVMIX_CACHE_DEAD_SLOT) {
@@ -2163,6 +2255,7 @@ static void kvmix__plan_begin(kvmix_cache *c, int32_t seq, kvmix__plan *plan, in
     plan->pages = (kvmix__sim_page *)c->sim;
     plan->ops = (kvmix__arena_op *)c->journal;
     plan->len = s->n_tokens;
+    plan->written = s->n_written;
     plan->n_entries = s->n_entries;
     while (i > 0 && !c->pages[e[i - 1].page].sealed) i--;
     for (j = i; j < s->n_entries; j++) {
@@ -2269,11 +2362,10 @@ static kvmix_result kvmix__plan_new_page(kvmix_cache *c, int32_t seq, kvmix__pla
     return KVMIX_SUCCESS;
 }
 
-/* Writes one position's rows (every layer) into the buffer page sp. keys, values point at the
-   token's [n_kv_heads][head_dim] rows of layer 0; layer_stride floats between layers. */
-static void kvmix__plan_write(kvmix_cache *c, int32_t seq, kvmix__plan *plan, kvmix__sim_page *sp,
-                              const float *keys, const float *values, size_t layer_stride,
-                              kvmix_cache_precision want) {
+/* Reserves the next position in buffer page sp: its row, slot-map entry and the page's requested
+   formats. Its rows are stored separately (kvmix__rows_store). */
+static void kvmix__plan_reserve(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
+                                kvmix__sim_page *sp, kvmix_cache_precision want) {
     if (!sp->sink) {
         sp->want_key = kvmix__higher_format(sp->want_key, want.key_format);
         sp->want_value = kvmix__higher_format(sp->want_value, want.value_format);
@@ -2281,19 +2373,7 @@ static void kvmix__plan_write(kvmix_cache *c, int32_t seq, kvmix__plan *plan, kv
     if (!plan->dry) {
         kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[sp->entry];
         kvmix_cache_page *p = &c->pages[e->page];
-        kvmix__geom g = kvmix__geom_of(c, p);
-        int32_t d = c->desc.head_dim, layer, h, i, row = sp->rows;
-        for (layer = 0; layer < c->desc.n_layers; layer++)
-            for (h = 0; h < c->desc.n_kv_heads; h++) {
-                const float *k = keys + layer_stride * (size_t)layer + (size_t)h * d;
-                const float *v = values + layer_stride * (size_t)layer + (size_t)h * d;
-                uint8_t *kb = kvmix__page_block(c, p, &g, layer, 0, h) + (size_t)row * d * 2;
-                uint8_t *vb = kvmix__page_block(c, p, &g, layer, 1, h) + (size_t)row * d * 2;
-                for (i = 0; i < d; i++) {
-                    kvmix__store_u16(kb + 2 * i, kvmix_fp32_to_fp16(k[i]));
-                    kvmix__store_u16(vb + 2 * i, kvmix_fp32_to_fp16(v[i]));
-                }
-            }
+        int32_t row = sp->rows;
         p->n_rows = row + 1;
         p->want_key = sp->want_key;
         p->want_value = sp->want_value;
@@ -2305,6 +2385,24 @@ static void kvmix__plan_write(kvmix_cache *c, int32_t seq, kvmix__plan *plan, kv
     sp->rows++;
     sp->page_rows = sp->rows;
     plan->len++;
+}
+
+/* Stores one position's FP16 rows of one layer into row `row` of buffer page p: keys, values
+   [n_kv_heads][head_dim], FP16-representable. */
+static void kvmix__rows_store(kvmix_cache *c, const kvmix_cache_page *p, int32_t layer,
+                              int32_t row, const float *keys, const float *values) {
+    kvmix__geom g = kvmix__geom_of(c, p);
+    int32_t d = c->desc.head_dim, h, i;
+    KVMIX_ASSERT(!p->sealed && row < p->capacity);
+    for (h = 0; h < c->desc.n_kv_heads; h++) {
+        const float *k = keys + (size_t)h * d, *v = values + (size_t)h * d;
+        uint8_t *kb = kvmix__page_block(c, p, &g, layer, 0, h) + (size_t)row * d * 2;
+        uint8_t *vb = kvmix__page_block(c, p, &g, layer, 1, h) + (size_t)row * d * 2;
+        for (i = 0; i < d; i++) {
+            kvmix__store_u16(kb + 2 * i, kvmix_fp32_to_fp16(k[i]));
+            kvmix__store_u16(vb + 2 * i, kvmix_fp32_to_fp16(v[i]));
+        }
+    }
 }
 
 /* Seals buffer page sp with `rows` rows into (key_format, value_format): by flag when both are
@@ -2368,7 +2466,9 @@ static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__p
         for (i = plan->next_seal; i < plan->n; i++) {
             kvmix__sim_page *sp = &plan->pages[i];
             kvmix_result r;
-            if (sp->sealed || sp->shared || sp->rows < sp->capacity) continue;
+            if (sp->sealed || sp->shared || sp->rows < sp->capacity ||
+                (int64_t)sp->first_pos + sp->capacity > plan->written)
+                continue;
             r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, sp->want_value, sp->capacity);
             if (r != KVMIX_SUCCESS) return r;
         }
@@ -2378,7 +2478,9 @@ static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__p
         kvmix__sim_page *sp = &plan->pages[plan->next_seal];
         kvmix_result r;
         if (!sp->sealed) {
-            if (sp->rows < sp->capacity) break;
+            if (sp->rows < sp->capacity ||
+                (int64_t)sp->first_pos + sp->capacity > plan->written)
+                break;
             if (!force && !sp->sink &&
                 (int64_t)sp->first_pos + sp->capacity > (int64_t)plan->len - c->desc.n_window)
                 break;
@@ -2390,7 +2492,9 @@ static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__p
     return KVMIX_SUCCESS;
 }
 
-/* The whole write: n_tokens rows, then (finish) sealing and the partial-page policy. */
+/* The whole call: n_tokens positions reserved, with their rows of every layer stored when keys
+   is not NULL (then they count as written for the seals that follow), then (finish) sealing and
+   the partial-page policy. keys, values: [n_layers][n_tokens][n_kv_heads][head_dim] or NULL. */
 static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
                                     int32_t n_tokens, const float *keys, const float *values,
                                     const kvmix_cache_precision *precisions, int finish) {
@@ -2407,9 +2511,19 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
             if ((r = kvmix__plan_new_page(c, seq, plan)) != KVMIX_SUCCESS) return r;
             tail = &plan->pages[plan->n - 1];
         }
-        kvmix__plan_write(c, seq, plan, tail, keys + token_floats * (size_t)t,
-                          values + token_floats * (size_t)t, layer_stride,
-                          precisions ? precisions[t] : c->desc.default_precision);
+        kvmix__plan_reserve(c, seq, plan, tail,
+                            precisions ? precisions[t] : c->desc.default_precision);
+        if (keys) {
+            if (!plan->dry) {
+                const kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[tail->entry];
+                size_t at = token_floats * (size_t)t;
+                int32_t layer;
+                for (layer = 0; layer < c->desc.n_layers; layer++, at += layer_stride)
+                    kvmix__rows_store(c, &c->pages[e->page], layer, e->n_rows - 1, keys + at,
+                                      values + at);
+            }
+            plan->written = plan->len;
+        }
         if ((r = kvmix__plan_seal_ready(c, seq, plan, 0)) != KVMIX_SUCCESS) return r;
     }
     if (finish) {
@@ -2417,7 +2531,8 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
         if ((r = kvmix__plan_seal_ready(c, seq, plan, 1)) != KVMIX_SUCCESS) return r;
         tail = plan->tail_open ? &plan->pages[plan->n - 1] : NULL;
         if (c->desc.partial == KVMIX_CACHE_PARTIAL_QUANTIZE && tail && !tail->sealed &&
-            !tail->sink && !tail->shared && tail->rows > 0 && tail->rows < tail->capacity) {
+            !tail->sink && !tail->shared && tail->rows > 0 && tail->rows < tail->capacity &&
+            (int64_t)tail->first_pos + tail->rows <= plan->written) {
             r = kvmix__plan_seal(c, seq, plan, tail, kvmix__per_token_format(tail->want_key),
                                  kvmix__per_token_format(tail->want_value), tail->rows);
             if (r != KVMIX_SUCCESS) return r;
@@ -2426,10 +2541,10 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
     return plan->overflow ? KVMIX_ERR_OUT_OF_MEMORY : KVMIX_SUCCESS;
 }
 
-/* Plans the write (undoing its arena operations), then runs it for real. */
-static kvmix_result kvmix__cache_write(kvmix_cache *c, int32_t seq, int32_t n_tokens,
-                                       const float *keys, const float *values,
-                                       const kvmix_cache_precision *precisions, int finish) {
+/* Plans the call (undoing its arena operations), then runs it for real. */
+static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_tokens,
+                                        const float *keys, const float *values,
+                                        const kvmix_cache_precision *precisions, int finish) {
     kvmix__plan plan;
     int64_t hint = c->first_free_hint;
     kvmix_result r;
@@ -2448,6 +2563,7 @@ static kvmix_result kvmix__cache_write(kvmix_cache *c, int32_t seq, int32_t n_to
     if (plan.n_sealed > 0)
         memset(c->scratch, 0,
                (size_t)c->desc.page_tokens * (size_t)c->desc.head_dim * sizeof(float));
+    if (keys) kvmix__seq_set_written(c, seq, c->seqs[seq].n_tokens);
     return r;
 }
 
@@ -2458,28 +2574,105 @@ static int kvmix__rows_representable(const float *x, size_t n) {
     return 1;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
-                                         const float *keys, const float *values,
-                                         const kvmix_cache_precision *precisions) {
+/* The checks shared by reserve and ingest: the sequence, the count, the formats. */
+static kvmix_result kvmix__extend_ok(const kvmix_cache *c, int32_t seq, int32_t n_tokens,
+                                     const kvmix_cache_precision *precisions) {
     kvmix_result r;
-    size_t n;
     int32_t t;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    if (n_tokens < 0 || n_tokens > cache->desc.max_tokens_per_seq - cache->seqs[seq].n_tokens)
+    if ((r = kvmix__cache_seq_ok(c, seq)) != KVMIX_SUCCESS) return r;
+    if (n_tokens < 0 || n_tokens > c->desc.max_tokens_per_seq - c->seqs[seq].n_tokens)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_tokens == 0) return KVMIX_SUCCESS;
-    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
     if (precisions)
         for (t = 0; t < n_tokens; t++)
             if (!kvmix__format_known(precisions[t].key_format) ||
                 !kvmix__format_known(precisions[t].value_format))
                 return KVMIX_ERR_UNKNOWN_FORMAT;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                          const kvmix_cache_precision *precisions,
+                                          int32_t *out_first_position) {
+    kvmix_result r;
+    int32_t first;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__extend_ok(cache, seq, n_tokens, precisions)) != KVMIX_SUCCESS) return r;
+    first = cache->seqs[seq].n_tokens;
+    if (n_tokens > 0 &&
+        (r = kvmix__plan_and_run(cache, seq, n_tokens, NULL, NULL, precisions, 0)) != KVMIX_SUCCESS)
+        return r;
+    if (out_first_position) *out_first_position = first;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                        int32_t first_position, int32_t n_tokens,
+                                        const float *keys, const float *values) {
+    const uint32_t *slots;
+    kvmix_cache_seq *s;
+    kvmix_result r;
+    int32_t *written, t, end, l, least;
+    uint32_t page_tokens;
+    size_t hd;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    s = &cache->seqs[seq];
+    written = kvmix__seq_written(cache, seq);
+    if (layer < 0 || layer >= cache->desc.n_layers || n_tokens < 0 || first_position < 0 ||
+        first_position > written[layer] || n_tokens > s->n_tokens - first_position)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_tokens == 0) return KVMIX_SUCCESS;
+    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
+    slots = kvmix__seq_slots(cache, seq);
+    page_tokens = (uint32_t)cache->desc.page_tokens;
+    /* a row written before is rewritten only where no one else sees it; rows not written yet are
+       in unsealed pages, live, and used by this sequence only (seals wait for n_written, eviction
+       and fork take positions below it) */
+    end = first_position + n_tokens < written[layer] ? first_position + n_tokens : written[layer];
+    for (t = first_position; t < end; t++) {
+        const kvmix_cache_page *p = &cache->pages[slots[t] / page_tokens];
+        if (slots[t] == KVMIX_CACHE_DEAD_SLOT || p->sealed || p->refcount > 1)
+            return KVMIX_ERR_INVALID_ARGUMENT;
+    }
+    hd = (size_t)cache->desc.n_kv_heads * (size_t)cache->desc.head_dim;
+    if (!kvmix__rows_representable(keys, (size_t)n_tokens * hd) ||
+        !kvmix__rows_representable(values, (size_t)n_tokens * hd))
+        return KVMIX_ERR_BAD_VALUE;
+    for (t = 0; t < n_tokens; t++) {
+        uint32_t slot = slots[first_position + t];
+        KVMIX_ASSERT(slot != KVMIX_CACHE_DEAD_SLOT);
+        kvmix__rows_store(cache, &cache->pages[slot / page_tokens], layer,
+                          (int32_t)(slot % page_tokens), keys + hd * (size_t)t,
+                          values + hd * (size_t)t);
+    }
+    if (first_position + n_tokens > written[layer]) {
+        int was_least = written[layer] == s->n_written;
+        written[layer] = first_position + n_tokens;
+        if (was_least) {
+            least = written[0];
+            for (l = 1; l < cache->desc.n_layers; l++)
+                if (written[l] < least) least = written[l];
+            s->n_written = least;
+        }
+    }
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                         const float *keys, const float *values,
+                                         const kvmix_cache_precision *precisions) {
+    kvmix_result r;
+    size_t n;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__extend_ok(cache, seq, n_tokens, precisions)) != KVMIX_SUCCESS) return r;
+    if (n_tokens == 0) return KVMIX_SUCCESS;
+    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
+    if (cache->seqs[seq].n_written != cache->seqs[seq].n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
     n = (size_t)cache->desc.n_layers * (size_t)n_tokens * (size_t)cache->desc.n_kv_heads *
         (size_t)cache->desc.head_dim;
     if (!kvmix__rows_representable(keys, n) || !kvmix__rows_representable(values, n))
         return KVMIX_ERR_BAD_VALUE;
-    return kvmix__cache_write(cache, seq, n_tokens, keys, values, precisions, 0);
+    return kvmix__plan_and_run(cache, seq, n_tokens, keys, values, precisions, 0);
 }
 
 KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
@@ -2491,7 +2684,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq) {
     kvmix_result r;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    return kvmix__cache_write(cache, seq, 0, NULL, NULL, NULL, 1);
+    return kvmix__plan_and_run(cache, seq, 0, NULL, NULL, NULL, 1);
 }
 
 /* ---- re-tiering ----------------------------------------------------------------------------- */
@@ -2637,8 +2830,8 @@ KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, in
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
     if (position < 0 || position >= cache->seqs[seq].n_tokens || layer < 0 ||
-        layer >= cache->desc.n_layers)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+        layer >= cache->desc.n_layers || position >= kvmix__seq_written(cache, seq)[layer])
+        return KVMIX_ERR_INVALID_ARGUMENT; /* beyond the sequence, or its row not written yet */
     slot = kvmix__seq_slots(cache, seq)[position];
     if (slot == KVMIX_CACHE_DEAD_SLOT) return KVMIX_ERR_NOT_FOUND;
     p = &cache->pages[slot / (uint32_t)cache->desc.page_tokens];
@@ -2662,12 +2855,17 @@ KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, in
 
 /* ---- views ---------------------------------------------------------------------------------- */
 
-/* Tokens of the span of an entry: the packed block's rows, or the rows an FP16 page holds for
-   the sequence (FP16 blocks are readable by prefix). */
-static int32_t kvmix__span_tokens(const kvmix_cache_page *p, const kvmix_cache_entry *e) {
-    if (p->key_format == KVMIX_FORMAT_FP16 && p->value_format == KVMIX_FORMAT_FP16)
-        return e->n_rows;
-    return p->n_rows;
+/* Tokens of the span of an entry on a layer: the packed block's rows (all written: seals wait for
+   n_written), or the rows an FP16 page holds for the sequence that the layer has written (FP16
+   blocks are readable by prefix); layer -1: every reserved row, the most of any layer. */
+static int32_t kvmix__span_tokens(const kvmix_cache *c, int32_t seq, int32_t layer,
+                                  const kvmix_cache_page *p, const kvmix_cache_entry *e) {
+    int32_t n = e->n_rows;
+    if (p->key_format != KVMIX_FORMAT_FP16 || p->value_format != KVMIX_FORMAT_FP16)
+        return p->n_rows;
+    if (layer >= 0 && kvmix__seq_written(c, seq)[layer] - e->first_pos < n)
+        n = kvmix__seq_written(c, seq)[layer] - e->first_pos;
+    return n;
 }
 
 static int kvmix__row_live(const kvmix_cache *c, const uint32_t *slots,
@@ -2687,15 +2885,16 @@ static kvmix_result kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seq
     return KVMIX_SUCCESS;
 }
 
-static void kvmix__view_count(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs,
-                              int64_t *n_spans, int64_t *n_dead) {
+/* Spans and dead flags of a view of a layer (-1: enough for every layer). */
+static void kvmix__view_count(const kvmix_cache *c, int32_t layer, const int32_t *seqs,
+                              int32_t n_seqs, int64_t *n_spans, int64_t *n_dead) {
     int32_t i, j, row;
     *n_spans = *n_dead = 0;
     for (i = 0; i < n_seqs; i++) {
         const kvmix_cache_entry *e = kvmix__seq_entries(c, seqs[i]);
         const uint32_t *slots = kvmix__seq_slots(c, seqs[i]);
         for (j = 0; j < c->seqs[seqs[i]].n_entries; j++) {
-            int32_t n = kvmix__span_tokens(&c->pages[e[j].page], &e[j]);
+            int32_t n = kvmix__span_tokens(c, seqs[i], layer, &c->pages[e[j].page], &e[j]);
             if (n <= 0) continue;
             (*n_spans)++;
             for (row = 0; row < n; row++)
@@ -2714,7 +2913,7 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
     kvmix_result r;
     if (!cache || !out_n_spans || !out_n_dead_flags) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs)) != KVMIX_SUCCESS) return r;
-    kvmix__view_count(cache, seqs, n_seqs, &n_spans, &n_dead);
+    kvmix__view_count(cache, -1, seqs, n_seqs, &n_spans, &n_dead);
     if (n_spans > 0x7fffffff || n_dead > 0x7fffffff) return KVMIX_ERR_INVALID_ARGUMENT;
     *out_n_spans = (int32_t)n_spans;
     *out_n_dead_flags = (int32_t)n_dead;
@@ -2733,7 +2932,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer,
     if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs)) != KVMIX_SUCCESS) return r;
     if (layer < 0 || layer >= cache->desc.n_layers || max_spans < 0 || max_dead_flags < 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    kvmix__view_count(cache, seqs, n_seqs, &n_spans, &n_dead);
+    kvmix__view_count(cache, layer, seqs, n_seqs, &n_spans, &n_dead);
     if (n_spans > max_spans || n_dead > max_dead_flags) return KVMIX_ERR_BUFFER_TOO_SMALL;
     if ((n_spans > 0 && !spans) || (n_dead > 0 && !dead)) return KVMIX_ERR_NULL_POINTER;
     for (i = 0; i < n_seqs; i++) {
@@ -2744,7 +2943,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer,
             const kvmix_cache_page *p = &cache->pages[e[j].page];
             kvmix__geom g = kvmix__geom_of(cache, p);
             kvmix_view_span *vs = &spans[k];
-            int32_t n = kvmix__span_tokens(p, &e[j]), n_live = 0;
+            int32_t n = kvmix__span_tokens(cache, seqs[i], layer, p, &e[j]), n_live = 0;
             if (n <= 0) continue;
             memset(vs, 0, sizeof *vs);
             vs->key_offset = p->offset + kvmix__block_offset(cache, &g, layer, 0, 0);
@@ -2969,17 +3168,29 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
         const kvmix_cache_seq *q = &cache->seqs[s];
         const kvmix_cache_entry *e = kvmix__seq_entries(cache, s);
         const uint32_t *slots = kvmix__seq_slots(cache, s);
-        int32_t pos, live = 0, end = 0;
-        if (!q->in_use) continue;
+        const int32_t *written = kvmix__seq_written(cache, s);
+        int32_t pos, live = 0, end = 0, least = 0x7fffffff, layer;
+        if (!q->in_use) {
+            for (layer = 0; layer < d->n_layers; layer++)
+                if (written[layer] != 0) return KVMIX_ERR_CORRUPT_DATA;
+            continue;
+        }
         if (q->n_entries < 0 || q->n_entries > d->max_pages_per_seq || q->n_tokens < 0 ||
             q->n_tokens > d->max_tokens_per_seq)
             return KVMIX_ERR_CORRUPT_DATA;
+        /* written counts: at most the reserved positions, n_written their minimum */
+        for (layer = 0; layer < d->n_layers; layer++) {
+            if (written[layer] < 0 || written[layer] > q->n_tokens) return KVMIX_ERR_CORRUPT_DATA;
+            if (written[layer] < least) least = written[layer];
+        }
+        if (least != q->n_written) return KVMIX_ERR_CORRUPT_DATA;
         for (j = 0; j < q->n_entries; j++) {
             const kvmix_cache_page *p = &cache->pages[e[j].page];
             if (e[j].page == 0 || e[j].page >= (uint32_t)cache->max_pages || p->refcount <= 0 ||
                 e[j].first_pos < end || e[j].n_rows <= 0 ||
-                e[j].first_pos + e[j].n_rows > q->n_tokens || e[j].n_rows > p->n_rows)
-                return KVMIX_ERR_CORRUPT_DATA;
+                e[j].first_pos + e[j].n_rows > q->n_tokens || e[j].n_rows > p->n_rows ||
+                (p->sealed && e[j].first_pos + e[j].n_rows > q->n_written))
+                return KVMIX_ERR_CORRUPT_DATA; /* sealed pages hold written rows only */
             end = e[j].first_pos + e[j].n_rows;
         }
         for (pos = 0; pos < q->n_tokens; pos++) {

@@ -1,7 +1,8 @@
 /* unit_cache: the paged mixed-precision cache. Random operation sequences (ingest, append,
-   evict, fork, finish, demote, upgrade, free) checked after every step against a plain model of
-   what each sequence holds; failed calls compared byte for byte with the state before them;
-   views and the reference decode against attention over the read-back rows; bad inputs. */
+   reserve, per-layer write, append by layers, evict, fork, finish, demote, upgrade, free) checked
+   after every step against a plain model of what each sequence holds, rows written per layer
+   included; failed calls compared byte for byte with the state before them; views and the
+   reference decode of every layer against attention over the read-back rows; bad inputs. */
 #include "harness.h"
 
 #include <math.h>
@@ -10,6 +11,7 @@
 #include <string.h>
 
 #define CT_MAX_SEQS 6
+#define CT_MAX_LAYERS 4
 
 static const uint8_t ct_formats[6] = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8,
                                       KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT2,
@@ -50,6 +52,7 @@ typedef struct ct_seq {
     float *debt_k, *debt_v;     /* [max_tokens] error carried over from earlier quantizations */
     uint8_t *retiered;          /* [max_tokens] its page was re-tiered: no format promise */
     uint8_t *exempt;            /* [max_tokens] no window promise (finished, shared) */
+    int32_t written[CT_MAX_LAYERS]; /* positions with rows, per layer */
 } ct_seq;
 
 typedef struct ct_model {
@@ -85,6 +88,10 @@ static void ct_open(ct_model *m, const kvmix_cache_desc *desc, const char *strea
     m->snap_memory = (uint8_t *)test_alloc(m->memory_bytes);
     m->snap_arena = (uint8_t *)test_alloc(m->arena_bytes);
     m->token_floats = m->desc.n_layers * m->desc.n_kv_heads * m->desc.head_dim;
+    if (m->desc.n_layers > CT_MAX_LAYERS) {
+        printf("ct_open: at most %d layers\n", CT_MAX_LAYERS);
+        exit(2);
+    }
     for (s = 0; s < CT_MAX_SEQS; s++) {
         ct_seq *q = &m->seqs[s];
         size_t n = (size_t)m->desc.max_tokens_per_seq;
@@ -182,15 +189,32 @@ static uint32_t ct_page_of(const ct_model *m, uint32_t slot) {
     return slot / (uint32_t)m->cache.desc.page_tokens;
 }
 
-/* Every position of a sequence against the model. */
+/* Positions written on every layer (the model's n_written). */
+static int32_t ct_n_written(const ct_model *m, int32_t s) {
+    int32_t layer, least = m->seqs[s].written[0];
+    for (layer = 1; layer < m->desc.n_layers; layer++)
+        if (m->seqs[s].written[layer] < least) least = m->seqs[s].written[layer];
+    return least;
+}
+
+static void ct_set_written(ct_model *m, int32_t s, int32_t n) {
+    int32_t layer;
+    for (layer = 0; layer < CT_MAX_LAYERS; layer++) m->seqs[s].written[layer] = n;
+}
+
+/* Every position of a sequence against the model; a row not written yet cannot be read. */
 static void ct_verify_seq(ct_model *m, int32_t s) {
     const ct_seq *q = &m->seqs[s];
     const kvmix_cache *c = &m->cache;
     int32_t d = c->desc.head_dim, nh = c->desc.n_kv_heads, pos, layer, h, i, n_alive = 0;
+    int32_t n_written = ct_n_written(m, s);
     float keys[4 * 64], values[4 * 64];
     test_context("sequence %d of length %d", (int)s, (int)q->len);
     CHECK_EQ_INT(c->seqs[s].in_use, 1);
     CHECK_EQ_INT(c->seqs[s].n_tokens, q->len);
+    CHECK_EQ_INT(c->seqs[s].n_written, n_written);
+    for (layer = 0; layer < c->desc.n_layers; layer++)
+        CHECK_EQ_INT(c->written[(size_t)s * c->desc.n_layers + layer], q->written[layer]);
     for (pos = 0; pos < q->len; pos++) {
         uint32_t slot = 0xffffffffu;
         kvmix_cache_precision f;
@@ -204,6 +228,12 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
         if (!CHECK(slot != KVMIX_CACHE_DEAD_SLOT)) continue;
         for (layer = 0; layer < c->desc.n_layers; layer++) {
             double bk, bv, worst_k = 0.0, worst_v = 0.0;
+            if (pos >= q->written[layer]) {
+                CHECK_RESULT(kvmix_cache_read(c, s, pos, layer, keys, values, &f),
+                             KVMIX_ERR_INVALID_ARGUMENT);
+                CHECK(!c->pages[ct_page_of(m, slot)].sealed); /* seals wait for the rows */
+                continue;
+            }
             if (!CHECK_RESULT(kvmix_cache_read(c, s, pos, layer, keys, values, &f), KVMIX_SUCCESS))
                 break;
             bk = ct_bound(f.key_format) + q->debt_k[pos];
@@ -222,7 +252,7 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
             CHECK_MSG(worst_v <= bv, "seq %d pos %d layer %d value error %g > bound %g (format %d)",
                       (int)s, (int)pos, (int)layer, worst_v, bv, f.value_format);
         }
-        if (q->retiered[pos]) continue;
+        if (q->retiered[pos] || pos >= n_written) continue;
         if (pos < c->desc.n_sink) {
             CHECK_EQ_INT(f.key_format, KVMIX_FORMAT_FP16);
             CHECK_EQ_INT(f.value_format, KVMIX_FORMAT_FP16);
@@ -264,9 +294,10 @@ static void ct_verify(ct_model *m) {
         seqs[n_live_seqs++] = s;
         ct_verify_seq(m, s);
     }
-    /* a view flags exactly the dead rows: live flags per sequence = live positions */
+    /* a view of each layer flags exactly the dead rows and holds the rows written on that layer:
+       live flags per sequence = live positions written on the layer */
     if (n_live_seqs > 0) {
-        int32_t n_spans = 0, n_dead = 0, k;
+        int32_t n_spans = 0, n_dead = 0, k, layer, pos;
         kvmix_view view;
         kvmix_view_span *spans;
         int32_t first[CT_MAX_SEQS + 1];
@@ -274,28 +305,34 @@ static void ct_verify(ct_model *m) {
         CHECK_RESULT(kvmix_cache_view_counts(c, seqs, n_live_seqs, &n_spans, &n_dead), KVMIX_SUCCESS);
         spans = (kvmix_view_span *)test_alloc((size_t)(n_spans + 1) * sizeof *spans);
         dead = (uint8_t *)test_alloc((size_t)n_dead + 1);
-        CHECK_RESULT(kvmix_cache_view(c, c->desc.n_layers - 1, seqs, n_live_seqs, spans, n_spans,
-                                      first, dead, n_dead, &view),
-                     KVMIX_SUCCESS);
-        CHECK_RESULT(kvmix_view_check(&view), KVMIX_SUCCESS);
-        for (i = 0; i < n_live_seqs; i++) {
-            int64_t live = 0;
-            for (k = first[i]; k < first[i + 1]; k++) {
-                int32_t t;
-                for (t = 0; t < spans[k].n_tokens; t++)
-                    live += spans[k].dead_index < 0 || !dead[spans[k].dead_index + t];
+        for (layer = 0; layer < c->desc.n_layers; layer++) {
+            CHECK_RESULT(kvmix_cache_view(c, layer, seqs, n_live_seqs, spans, n_spans, first, dead,
+                                          n_dead, &view),
+                         KVMIX_SUCCESS);
+            CHECK_RESULT(kvmix_view_check(&view), KVMIX_SUCCESS);
+            for (i = 0; i < n_live_seqs; i++) {
+                const ct_seq *q = &m->seqs[seqs[i]];
+                int64_t live = 0, want = 0;
+                for (k = first[i]; k < first[i + 1]; k++) {
+                    int32_t t;
+                    for (t = 0; t < spans[k].n_tokens; t++)
+                        live += spans[k].dead_index < 0 || !dead[spans[k].dead_index + t];
+                }
+                for (pos = 0; pos < q->written[layer]; pos++) want += q->alive[pos];
+                CHECK_MSG(live == want, "layer %d seq %d: %lld live rows in the view, %lld written",
+                          (int)layer, (int)seqs[i], (long long)live, (long long)want);
             }
-            CHECK_EQ_INT(live, c->seqs[seqs[i]].n_live);
         }
         free(spans);
         free(dead);
     }
 }
 
-/* Decode attention through the cache's view against attention over the rows read back. */
-static void ct_verify_decode(ct_model *m) {
+/* Decode attention of a layer through the cache's view against attention over the rows read
+   back: the positions written on that layer, the newest included. */
+static void ct_verify_decode(ct_model *m, int32_t layer) {
     const kvmix_cache *c = &m->cache;
-    int32_t seqs[CT_MAX_SEQS], n = 0, s, i, h, t, layer = c->desc.n_layers - 1;
+    int32_t seqs[CT_MAX_SEQS], n = 0, s, i, h, t;
     int32_t nq = 2 * c->desc.n_kv_heads, d = c->desc.head_dim;
     float *q, *out, *lse, *keys, *values;
     size_t ws_bytes = 0;
@@ -320,7 +357,7 @@ static void ct_verify_decode(ct_model *m) {
             double mx = -INFINITY, sum = 0.0, acc[64], scale = 1.0 / sqrt((double)d);
             int32_t kvh = h / 2, c2, n_live = 0;
             for (c2 = 0; c2 < d; c2++) acc[c2] = 0.0;
-            for (t = 0; t < cs->len; t++) { /* pass 1: max logit */
+            for (t = 0; t < cs->written[layer]; t++) { /* pass 1: max logit */
                 double dot = 0.0;
                 if (!cs->alive[t]) continue;
                 kvmix_cache_read(c, seqs[i], t, layer, keys, values, NULL);
@@ -328,7 +365,7 @@ static void ct_verify_decode(ct_model *m) {
                 if (dot * scale > mx) mx = dot * scale;
                 n_live++;
             }
-            for (t = 0; t < cs->len; t++) {
+            for (t = 0; t < cs->written[layer]; t++) {
                 double dot = 0.0, w;
                 if (!cs->alive[t]) continue;
                 kvmix_cache_read(c, seqs[i], t, layer, keys, values, NULL);
@@ -386,6 +423,7 @@ static void ct_op_create(ct_model *m) {
     if (!CHECK(s >= 0 && s < CT_MAX_SEQS && !m->seqs[s].in_use)) return;
     m->seqs[s].in_use = 1;
     m->seqs[s].len = 0;
+    ct_set_written(m, s, 0);
 }
 
 static void ct_op_ingest(ct_model *m, int32_t s, int32_t n) {
@@ -397,8 +435,8 @@ static void ct_op_ingest(ct_model *m, int32_t s, int32_t n) {
     if (n > m->desc.max_tokens_per_seq - q->len) n = m->desc.max_tokens_per_seq - q->len;
     if (n <= 0) return;
     toks = (int32_t *)test_alloc((size_t)n * sizeof *toks);
-    prec = (kvmix_cache_precision *)test_alloc((size_t)n * sizeof *prec);
     keys = (float *)test_alloc((size_t)n * m->token_floats * sizeof(float));
+    prec = (kvmix_cache_precision *)test_alloc((size_t)n * sizeof *prec);
     values = (float *)test_alloc((size_t)n * m->token_floats * sizeof(float));
     for (t = 0; t < n; t++) {
         toks[t] = ct_new_token(m);
@@ -409,11 +447,24 @@ static void ct_op_ingest(ct_model *m, int32_t s, int32_t n) {
             memcpy(keys + ((size_t)layer * n + t) * hd, ct_key(m, toks[t], layer, 0), (size_t)hd * sizeof(float));
             memcpy(values + ((size_t)layer * n + t) * hd, ct_value(m, toks[t], layer, 0), (size_t)hd * sizeof(float));
         }
-    if (n == 1 && test_rng_range(&m->rng, 0, 1))
+    if (ct_n_written(m, s) < q->len) {
+        /* reserved positions without all their rows: no ingest until they are written */
+        ct_snapshot(m);
+        if (n == 1)
+            CHECK_RESULT(kvmix_cache_append(&m->cache, s, keys, values, prec[0]),
+                         KVMIX_ERR_INVALID_ARGUMENT);
+        else
+            CHECK_RESULT(kvmix_cache_ingest(&m->cache, s, n, keys, values, prec),
+                         KVMIX_ERR_INVALID_ARGUMENT);
+        ct_unchanged(m);
+        r = KVMIX_ERR_INVALID_ARGUMENT;
+    } else if (n == 1 && test_rng_range(&m->rng, 0, 1)) {
         CT_CALL(m, kvmix_cache_append(&m->cache, s, keys, values, prec[0]), r);
-    else
+    } else {
         CT_CALL(m, kvmix_cache_ingest(&m->cache, s, n, keys, values, prec), r);
-    if (r == KVMIX_SUCCESS)
+    }
+    if (r == KVMIX_SUCCESS) {
+        ct_set_written(m, s, q->len + n);
         for (t = 0; t < n; t++) {
             int32_t pos = q->len++;
             q->tok[pos] = toks[t];
@@ -423,6 +474,7 @@ static void ct_op_ingest(ct_model *m, int32_t s, int32_t n) {
             q->retiered[pos] = 0;
             q->exempt[pos] = 0;
         }
+    }
     free(toks);
     free(prec);
     free(keys);
@@ -431,24 +483,54 @@ static void ct_op_ingest(ct_model *m, int32_t s, int32_t n) {
 
 static void ct_op_evict(ct_model *m, int32_t s) {
     ct_seq *q = &m->seqs[s];
-    int32_t positions[16], n, i;
-    if (q->len == 0) return;
+    int32_t positions[16], n, i, n_written = ct_n_written(m, s);
+    if (n_written < q->len && test_rng_range(&m->rng, 0, 3) == 0) {
+        /* a position not written on every layer cannot be evicted */
+        positions[0] = n_written > 0 ? test_rng_range(&m->rng, 0, n_written - 1) : 0;
+        positions[1] = test_rng_range(&m->rng, n_written, q->len - 1);
+        ct_snapshot(m);
+        CHECK_RESULT(kvmix_cache_evict(&m->cache, s, positions, 2), KVMIX_ERR_INVALID_ARGUMENT);
+        ct_unchanged(m);
+        return;
+    }
+    if (n_written == 0) return;
     n = test_rng_range(&m->rng, 1, 16);
-    for (i = 0; i < n; i++) positions[i] = test_rng_range(&m->rng, 0, q->len - 1);
+    for (i = 0; i < n; i++) positions[i] = test_rng_range(&m->rng, 0, n_written - 1);
     if (!CHECK_RESULT(kvmix_cache_evict(&m->cache, s, positions, n), KVMIX_SUCCESS)) return;
     for (i = 0; i < n; i++) q->alive[positions[i]] = 0;
 }
 
+static int32_t ct_fork_at(ct_model *m, int32_t s, int32_t n_prefix);
+
 static void ct_op_fork(ct_model *m, int32_t s) {
+    ct_seq *q = &m->seqs[s];
+    int32_t child = -1, n_written = ct_n_written(m, s);
+    int32_t n_prefix = test_rng_range(&m->rng, 0, n_written);
+    if (n_written < q->len && test_rng_range(&m->rng, 0, 3) == 0) {
+        /* a prefix with positions not written on every layer cannot be forked */
+        ct_snapshot(m);
+        CHECK_RESULT(kvmix_cache_seq_fork(&m->cache, s, test_rng_range(&m->rng, n_written + 1, q->len),
+                                          &child),
+                     KVMIX_ERR_INVALID_ARGUMENT);
+        ct_unchanged(m);
+        return;
+    }
+    ct_fork_at(m, s, n_prefix);
+}
+
+/* Forks s at n_prefix (an out-of-memory failure is checked to change nothing); returns the child
+   or -1. */
+static int32_t ct_fork_at(ct_model *m, int32_t s, int32_t n_prefix) {
     ct_seq *q = &m->seqs[s], *cq;
-    int32_t child = -1, n_prefix = test_rng_range(&m->rng, 0, q->len), i;
+    int32_t child = -1, i;
     kvmix_result r;
     CT_CALL(m, kvmix_cache_seq_fork(&m->cache, s, n_prefix, &child), r);
-    if (r != KVMIX_SUCCESS) return;
-    if (!CHECK(child >= 0 && child < CT_MAX_SEQS && !m->seqs[child].in_use)) return;
+    if (r != KVMIX_SUCCESS) return -1;
+    if (!CHECK(child >= 0 && child < CT_MAX_SEQS && !m->seqs[child].in_use)) return -1;
     cq = &m->seqs[child];
     cq->in_use = 1;
     cq->len = n_prefix;
+    ct_set_written(m, child, n_prefix);
     memcpy(cq->tok, q->tok, (size_t)n_prefix * sizeof *q->tok);
     memcpy(cq->alive, q->alive, (size_t)n_prefix);
     memcpy(cq->req, q->req, (size_t)n_prefix * sizeof *q->req);
@@ -457,6 +539,7 @@ static void ct_op_fork(ct_model *m, int32_t s) {
     memcpy(cq->retiered, q->retiered, (size_t)n_prefix);
     /* a shared page is sealed by whichever sharer's window passes it first */
     for (i = 0; i < n_prefix; i++) q->exempt[i] = cq->exempt[i] = 1;
+    return child;
 }
 
 static void ct_op_finish(ct_model *m, int32_t s) {
@@ -471,6 +554,132 @@ static void ct_op_free(ct_model *m, int32_t s) {
     CHECK_RESULT(kvmix_cache_seq_free(&m->cache, s), KVMIX_SUCCESS);
     m->seqs[s].in_use = 0;
     m->seqs[s].len = 0;
+    ct_set_written(m, s, 0);
+}
+
+/* Reserves n positions with new pool tokens for their rows, all asking for *as, or (as NULL)
+   for random or default precisions. */
+static kvmix_result ct_reserve(ct_model *m, int32_t s, int32_t n, const kvmix_cache_precision *as) {
+    ct_seq *q = &m->seqs[s];
+    kvmix_cache_precision *prec;
+    int use_default = !as && test_rng_range(&m->rng, 0, 3) == 0;
+    int32_t t, first = -1;
+    kvmix_result r;
+    if (n > m->desc.max_tokens_per_seq - q->len) n = m->desc.max_tokens_per_seq - q->len;
+    if (n <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    prec = (kvmix_cache_precision *)test_alloc((size_t)n * sizeof *prec);
+    for (t = 0; t < n; t++)
+        prec[t] = as ? *as : use_default ? m->cache.desc.default_precision : ct_random_precision(m);
+    CT_CALL(m, kvmix_cache_reserve(&m->cache, s, n, use_default ? NULL : prec, &first), r);
+    if (r == KVMIX_SUCCESS) {
+        CHECK_EQ_INT(first, q->len);
+        for (t = 0; t < n; t++) {
+            int32_t pos = q->len++;
+            q->tok[pos] = ct_new_token(m);
+            q->alive[pos] = 1;
+            q->req[pos] = prec[t];
+            q->debt_k[pos] = q->debt_v[pos] = 0.0f;
+            q->retiered[pos] = 0;
+            q->exempt[pos] = 0;
+        }
+    }
+    free(prec);
+    return r;
+}
+
+/* A new pool token equal to `base` except on `layer`, which gets fresh values. */
+static int32_t ct_new_token_from(ct_model *m, int32_t base, int32_t layer) {
+    int32_t tok = ct_new_token(m), l;
+    size_t hd = (size_t)m->desc.n_kv_heads * m->desc.head_dim;
+    for (l = 0; l < m->desc.n_layers; l++) {
+        if (l == layer) continue;
+        memcpy((float *)ct_key(m, tok, l, 0), ct_key(m, base, l, 0), hd * sizeof(float));
+        memcpy((float *)ct_value(m, tok, l, 0), ct_value(m, base, l, 0), hd * sizeof(float));
+    }
+    return tok;
+}
+
+/* kvmix_cache_write of one layer's rows of positions [first, first + n) from the model's
+   tokens; updates the model's written count on success. */
+static kvmix_result ct_write_layer(ct_model *m, int32_t s, int32_t layer, int32_t first,
+                                   int32_t n) {
+    ct_seq *q = &m->seqs[s];
+    size_t hd = (size_t)m->desc.n_kv_heads * m->desc.head_dim;
+    float *keys = (float *)test_alloc((size_t)n * hd * sizeof(float) + 1);
+    float *values = (float *)test_alloc((size_t)n * hd * sizeof(float) + 1);
+    kvmix_result r;
+    int32_t t;
+    for (t = 0; t < n; t++) {
+        memcpy(keys + (size_t)t * hd, ct_key(m, q->tok[first + t], layer, 0), hd * sizeof(float));
+        memcpy(values + (size_t)t * hd, ct_value(m, q->tok[first + t], layer, 0), hd * sizeof(float));
+    }
+    r = kvmix_cache_write(&m->cache, s, layer, first, n, keys, values);
+    if (r == KVMIX_SUCCESS && first + n > q->written[layer]) q->written[layer] = first + n;
+    free(keys);
+    free(values);
+    return r;
+}
+
+/* One random write: the next rows of a layer, or a rewrite of rows written before (accepted
+   exactly when they are live rows of an unsealed buffer page that only this sequence uses). */
+static void ct_op_write(ct_model *m, int32_t s) {
+    ct_seq *q = &m->seqs[s];
+    const kvmix_cache *c = &m->cache;
+    int32_t layer = test_rng_range(&m->rng, 0, m->desc.n_layers - 1), first, n, t, end;
+    int valid = 1;
+    kvmix_result r;
+    for (t = 0; t < m->desc.n_layers && q->written[layer] == q->len; t++)
+        layer = (layer + 1) % m->desc.n_layers; /* prefer a layer with rows to write */
+    first = q->written[layer];
+    if (q->written[layer] > 0 && test_rng_range(&m->rng, 0, 3) == 0)
+        first = test_rng_range(&m->rng, q->written[layer] > 4 ? q->written[layer] - 4 : 0,
+                               q->written[layer] - 1);
+    if (first >= q->len) return;
+    n = test_rng_range(&m->rng, 1, q->len - first);
+    end = first + n < q->written[layer] ? first + n : q->written[layer];
+    for (t = first; t < end; t++) {
+        uint32_t slot = 0;
+        const kvmix_cache_page *p;
+        kvmix_cache_locate(c, s, t, &slot);
+        p = &c->pages[ct_page_of(m, slot)];
+        valid &= slot != KVMIX_CACHE_DEAD_SLOT && !p->sealed && p->refcount == 1;
+    }
+    if (valid)
+        for (t = first; t < end; t++) q->tok[t] = ct_new_token_from(m, q->tok[t], layer);
+    ct_snapshot(m);
+    r = ct_write_layer(m, s, layer, first, n);
+    CHECK_RESULT(r, valid ? KVMIX_SUCCESS : KVMIX_ERR_INVALID_ARGUMENT);
+    if (r != KVMIX_SUCCESS) ct_unchanged(m);
+}
+
+/* A decode step as an inference loop runs it: reserve, then per layer write the rows and check
+   that the layer's reads, view and decode see the new positions while the next layer's do not. */
+static void ct_op_append_layers(ct_model *m, int32_t s, int32_t n) {
+    ct_seq *q = &m->seqs[s];
+    const kvmix_cache *c = &m->cache;
+    float keys[4 * 64], values[4 * 64];
+    int32_t layer, last, hd = m->desc.n_kv_heads * m->desc.head_dim, i;
+    if (ct_reserve(m, s, n, NULL) != KVMIX_SUCCESS) return;
+    last = q->len - 1;
+    for (layer = 0; layer < c->desc.n_layers; layer++) {
+        int32_t from = q->written[layer], split;
+        CHECK_RESULT(kvmix_cache_read(c, s, last, layer, keys, values, NULL),
+                     KVMIX_ERR_INVALID_ARGUMENT);
+        split = test_rng_range(&m->rng, from, q->len);
+        if (split > from) CHECK_RESULT(ct_write_layer(m, s, layer, from, split - from), KVMIX_SUCCESS);
+        if (q->len > split) CHECK_RESULT(ct_write_layer(m, s, layer, split, q->len - split), KVMIX_SUCCESS);
+        /* the new rows are FP16 buffer rows: read back exactly */
+        if (CHECK_RESULT(kvmix_cache_read(c, s, last, layer, keys, values, NULL), KVMIX_SUCCESS))
+            for (i = 0; i < hd; i++) {
+                CHECK_EQ_FLOAT_BITS(keys[i], ct_key(m, q->tok[last], layer, 0)[i]);
+                CHECK_EQ_FLOAT_BITS(values[i], ct_value(m, q->tok[last], layer, 0)[i]);
+            }
+        if (layer + 1 < c->desc.n_layers && q->written[layer + 1] <= last)
+            CHECK_RESULT(kvmix_cache_read(c, s, last, layer + 1, keys, values, NULL),
+                         KVMIX_ERR_INVALID_ARGUMENT);
+        ct_verify(m); /* views of every layer: this one holds the new rows, later ones do not */
+        ct_verify_decode(m, layer);
+    }
 }
 
 static uint8_t ct_format_ranked(ct_model *m, uint8_t current, int up) {
@@ -601,7 +810,7 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
     ct_random_desc(&cfg, &desc);
     ct_open(&m, &desc, stream);
     for (op = 0; op < n_ops; op++) {
-        int32_t kind = test_rng_range(&m.rng, 0, 99);
+        int32_t kind = test_rng_range(&m.rng, 0, 123);
         s = ct_pick_seq(&m);
         test_context("config %d op %d kind %d seq %d", (int)config, (int)op, (int)kind, (int)s);
         if (s < 0 || kind < 6)
@@ -620,10 +829,16 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
             ct_op_retier(&m, s, 0);
         else if (kind < 91)
             ct_op_retier(&m, s, 1);
-        else
+        else if (kind < 100)
             ct_op_free(&m, s);
+        else if (kind < 106)
+            ct_reserve(&m, s, test_rng_range(&m.rng, 1, 16), NULL);
+        else if (kind < 112)
+            ct_op_write(&m, s);
+        else
+            ct_op_append_layers(&m, s, test_rng_range(&m.rng, 1, 3));
         ct_verify(&m);
-        if (op % 16 == 0) ct_verify_decode(&m);
+        if (op % 16 == 0) ct_verify_decode(&m, test_rng_range(&m.rng, 0, m.desc.n_layers - 1));
         if (test_failed_count() > 0) break;
     }
     test_context("config %d: freeing everything", (int)config);
@@ -673,6 +888,7 @@ static void ct_fill(ct_model *m, int32_t s, int32_t n, uint8_t kf, uint8_t vf) {
         m->seqs[s].debt_k[pos] = m->seqs[s].debt_v[pos] = 0.0f;
         m->seqs[s].retiered[pos] = m->seqs[s].exempt[pos] = 0;
         m->seqs[s].len++;
+        ct_set_written(m, s, m->seqs[s].len);
         free(keys);
         free(values);
     }
@@ -717,7 +933,7 @@ static void test_decode_reaches_2bit(void) {
     CHECK_EQ_INT(ct_format_at(&m, s, 70).key_format, KVMIX_FORMAT_INT8);
     CHECK_EQ_INT(ct_format_at(&m, s, 70).value_format, KVMIX_FORMAT_INT4);
     ct_verify(&m);
-    ct_verify_decode(&m);
+    ct_verify_decode(&m, m.desc.n_layers - 1);
     {
         kvmix_cache_stats st;
         kvmix_cache_seq_stats ss;
@@ -749,6 +965,7 @@ static void test_fork_sharing(void) {
         ct_seq *qa = &m.seqs[a], *qb = &m.seqs[b];
         qb->in_use = 1;
         qb->len = 21;
+        ct_set_written(&m, b, 21);
         memcpy(qb->tok, qa->tok, 21 * sizeof(int32_t));
         memcpy(qb->alive, qa->alive, 21);
         memcpy(qb->req, qa->req, 21 * sizeof(kvmix_cache_precision));
@@ -771,6 +988,7 @@ static void test_fork_sharing(void) {
         ct_seq *qa = &m.seqs[a], *qc = &m.seqs[c2];
         qc->in_use = 1;
         qc->len = 5;
+        ct_set_written(&m, c2, 5);
         memcpy(qc->tok, qa->tok, 5 * sizeof(int32_t));
         memcpy(qc->alive, qa->alive, 5);
         memcpy(qc->req, qa->req, 5 * sizeof(kvmix_cache_precision));
@@ -783,10 +1001,10 @@ static void test_fork_sharing(void) {
     CHECK_EQ_INT(ct_format_at(&m, c2, 3).key_format, KVMIX_FORMAT_INT4);
     CHECK_EQ_INT(ct_format_at(&m, c2, 6).key_format, KVMIX_FORMAT_INT8);
     ct_verify(&m);
-    ct_verify_decode(&m);
+    ct_verify_decode(&m, m.desc.n_layers - 1);
     ct_op_free(&m, a);
     ct_verify(&m);
-    ct_verify_decode(&m);
+    ct_verify_decode(&m, m.desc.n_layers - 1);
     ct_close(&m);
 }
 
@@ -823,6 +1041,201 @@ static void test_demote_full_arena(void) {
     CHECK_EQ_INT(ct_format_at(&m, s, 3).key_format, KVMIX_FORMAT_INT2_CHANNEL);
     ct_verify(&m);
     CHECK(m.cache.n_free_granules > 0);
+    ct_close(&m);
+}
+
+static int ct_sealed_at(ct_model *m, int32_t s, int32_t pos) {
+    uint32_t slot = 0;
+    kvmix_cache_locate(&m->cache, s, pos, &slot);
+    return m->cache.pages[ct_page_of(m, slot)].sealed;
+}
+
+/* One decode query per kv head against layer `layer` of sequence s: out [H][D], lse [H]. */
+static void ct_decode_one(ct_model *m, int32_t s, int32_t layer, const float *q, float *out,
+                          float *lse) {
+    size_t ws_bytes = 0;
+    void *ws;
+    CHECK_RESULT(kvmix_cache_ref_decode_workspace(&m->cache, &s, 1, &ws_bytes), KVMIX_SUCCESS);
+    ws = test_alloc(ws_bytes + 8);
+    CHECK_RESULT(kvmix_cache_ref_decode(&m->cache, layer, &s, 1, m->desc.n_kv_heads, 0.0f, q, out,
+                                        lse, ws, ws_bytes),
+                 KVMIX_SUCCESS);
+    free(ws);
+}
+
+/* Reserve, then write by layer: pages are sealed only once all their rows are written on every
+   layer (by the next reserve or finish), and the decode of each layer sees a new token as soon
+   as that layer's rows are written, and not before. */
+static void test_reserve_write(void) {
+    ct_model m;
+    kvmix_cache_desc d;
+    kvmix_cache_precision p4;
+    int32_t s = -1, pos, layer, h, i, tok, nh, dim;
+    float q[2 * 64], out[2 * 64], lse[2];
+    ct_small_desc(&d); /* 2 layers, 2 kv heads, head_dim 64, pages of 16, no window */
+    ct_open(&m, &d, "cache reserve write");
+    nh = m.desc.n_kv_heads;
+    dim = m.desc.head_dim;
+    CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &s), KVMIX_SUCCESS);
+    m.seqs[s].in_use = 1;
+    p4.key_format = p4.value_format = KVMIX_FORMAT_INT4;
+    /* 16 decode steps fill the first page; the next reserve seals it */
+    for (pos = 0; pos < 16; pos++) {
+        CHECK_RESULT(ct_reserve(&m, s, 1, &p4), KVMIX_SUCCESS);
+        for (layer = 0; layer < 2; layer++) CHECK_RESULT(ct_write_layer(&m, s, layer, pos, 1), KVMIX_SUCCESS);
+    }
+    CHECK(!ct_sealed_at(&m, s, 0));
+    CHECK_RESULT(ct_reserve(&m, s, 1, &p4), KVMIX_SUCCESS);
+    CHECK(ct_sealed_at(&m, s, 0));
+    CHECK_EQ_INT(ct_format_at(&m, s, 0).key_format, KVMIX_FORMAT_INT4);
+    for (layer = 0; layer < 2; layer++) CHECK_RESULT(ct_write_layer(&m, s, layer, 16, 1), KVMIX_SUCCESS);
+    ct_verify(&m);
+    /* a full page with a layer not written stays FP16 through reserves and finish */
+    CHECK_RESULT(ct_reserve(&m, s, 15, &p4), KVMIX_SUCCESS); /* [17, 32): the second page is full */
+    CHECK_RESULT(ct_write_layer(&m, s, 0, 17, 15), KVMIX_SUCCESS);
+    CHECK_RESULT(ct_reserve(&m, s, 16, &p4), KVMIX_SUCCESS); /* [32, 48) */
+    CHECK(!ct_sealed_at(&m, s, 16));
+    CHECK_RESULT(kvmix_cache_seq_finish(&m.cache, s), KVMIX_SUCCESS);
+    CHECK(!ct_sealed_at(&m, s, 16) && !ct_sealed_at(&m, s, 32));
+    CHECK_EQ_INT(m.cache.seqs[s].n_written, 17);
+    ct_verify(&m);
+    for (layer = 0; layer < 2; layer++) ct_verify_decode(&m, layer);
+    CHECK_RESULT(ct_write_layer(&m, s, 1, 17, 31), KVMIX_SUCCESS);
+    CHECK_RESULT(ct_write_layer(&m, s, 0, 32, 16), KVMIX_SUCCESS);
+    CHECK(!ct_sealed_at(&m, s, 16)); /* write never seals */
+    CHECK_RESULT(kvmix_cache_seq_finish(&m.cache, s), KVMIX_SUCCESS);
+    for (i = 0; i < m.seqs[s].len; i++) m.seqs[s].exempt[i] = 1;
+    CHECK(ct_sealed_at(&m, s, 16) && ct_sealed_at(&m, s, 32));
+    CHECK_EQ_INT(ct_format_at(&m, s, 40).value_format, KVMIX_FORMAT_INT4);
+    ct_verify(&m);
+    /* a new token whose key dominates a query: each layer's decode weighs it once written */
+    CHECK_RESULT(ct_reserve(&m, s, 1, &p4), KVMIX_SUCCESS); /* position 48 */
+    tok = m.seqs[s].tok[48];
+    for (layer = 0; layer < 2; layer++)
+        for (h = 0; h < nh; h++) {
+            float *k = (float *)ct_key(&m, tok, layer, h);
+            for (i = 0; i < dim; i++) k[i] = 0.0f;
+            k[0] = 64.0f;
+        }
+    for (i = 0; i < nh * dim; i++) q[i] = i % dim == 0 ? 1.0f : 0.0f;
+    for (layer = 0; layer < 2; layer++) {
+        /* logits of the other tokens are at most 1/8: lse <= 1/8 + log 48 */
+        ct_decode_one(&m, s, layer, q, out, lse);
+        for (h = 0; h < nh; h++) CHECK_MSG(lse[h] < 4.5f, "layer %d before its write: lse %g", (int)layer, lse[h]);
+        CHECK_RESULT(ct_write_layer(&m, s, layer, 48, 1), KVMIX_SUCCESS);
+        ct_decode_one(&m, s, layer, q, out, lse);
+        for (h = 0; h < nh; h++) {
+            const float *v = ct_value(&m, tok, layer, h);
+            CHECK_MSG(lse[h] > 7.9f, "layer %d after its write: lse %g", (int)layer, lse[h]);
+            for (i = 0; i < dim; i++) CHECK_NEAR(out[h * dim + i], v[i], 0.05);
+        }
+        if (layer + 1 < 2) {
+            ct_decode_one(&m, s, layer + 1, q, out, lse);
+            for (h = 0; h < nh; h++) CHECK(lse[h] < 4.5f);
+        }
+        ct_verify(&m);
+        ct_verify_decode(&m, layer);
+    }
+    ct_close(&m);
+}
+
+/* Bad reserves and writes are rejected and change nothing; so are the calls that need every
+   layer written (ingest, append, evict, fork) and reads of rows not written. */
+static void test_reserve_write_bad_inputs(void) {
+    ct_model m;
+    kvmix_cache_desc d;
+    kvmix_cache_precision p4, wrong;
+    int32_t s = -1, child, first = -7, evicted = 17, pos, hd, i;
+    float *rows, *bad;
+    float one[2 * 2 * 64];
+    uint32_t slot;
+    ct_small_desc(&d);
+    ct_open(&m, &d, "cache reserve write bad");
+    hd = m.desc.n_kv_heads * m.desc.head_dim;
+    rows = (float *)test_alloc((size_t)3 * hd * sizeof(float));
+    bad = (float *)test_alloc((size_t)3 * hd * sizeof(float));
+    for (i = 0; i < 3 * hd; i++) rows[i] = bad[i] = 0.25f;
+    for (i = 0; i < 2 * hd; i++) one[i] = 0.5f;
+    CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &s), KVMIX_SUCCESS);
+    m.seqs[s].in_use = 1;
+    ct_fill(&m, s, 20, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4); /* [0, 16) sealed, [16, 20) buffer */
+    CHECK_RESULT(kvmix_cache_evict(&m.cache, s, &evicted, 1), KVMIX_SUCCESS);
+    m.seqs[s].alive[evicted] = 0;
+    p4.key_format = p4.value_format = KVMIX_FORMAT_INT4;
+    wrong.key_format = KVMIX_FORMAT_INT4;
+    wrong.value_format = 0;
+    ct_snapshot(&m);
+    CHECK_RESULT(kvmix_cache_reserve(NULL, s, 1, NULL, &first), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_cache_reserve(&m.cache, -1, 1, NULL, &first), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_reserve(&m.cache, 4, 1, NULL, &first), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_reserve(&m.cache, s, -1, NULL, &first), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_reserve(&m.cache, s, 77, NULL, &first), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_reserve(&m.cache, s, 1, &wrong, &first), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK_EQ_INT(first, -7);
+    ct_unchanged(&m);
+    CHECK_RESULT(kvmix_cache_reserve(&m.cache, s, 0, NULL, &first), KVMIX_SUCCESS);
+    CHECK_EQ_INT(first, 20);
+    ct_unchanged(&m);
+    CHECK_RESULT(ct_reserve(&m, s, 2, &p4), KVMIX_SUCCESS); /* positions 20, 21 */
+    ct_snapshot(&m);
+    /* writes */
+    CHECK_RESULT(kvmix_cache_write(NULL, s, 0, 20, 2, rows, rows), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, 3, 0, 20, 2, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, -1, 20, 2, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 2, 20, 2, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 3, rows, rows), KVMIX_ERR_INVALID_ARGUMENT); /* 22 not reserved */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 22, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 21, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT); /* a gap */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, -1, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, -1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 1, 3, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT); /* sealed */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 16, 3, rows, rows), KVMIX_ERR_INVALID_ARGUMENT); /* 17 evicted */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, NULL, rows), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, rows, NULL), KVMIX_ERR_NULL_POINTER);
+    bad[2 * hd - 1] = NAN; /* the last row of position 21 */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, rows, bad), KVMIX_ERR_BAD_VALUE);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 1, 19, 3, bad, rows), KVMIX_ERR_BAD_VALUE); /* a rewrite of 19 too */
+    bad[2 * hd - 1] = -INFINITY;
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, bad, rows), KVMIX_ERR_BAD_VALUE);
+    bad[2 * hd - 1] = 70000.0f;
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, bad, rows), KVMIX_ERR_BAD_VALUE);
+    /* calls that need every layer written; reads of rows not written */
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 20, 0, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    pos = 20;
+    CHECK_RESULT(kvmix_cache_evict(&m.cache, s, &pos, 1), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_seq_fork(&m.cache, s, 21, &child), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_append(&m.cache, s, one, one, p4), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_ingest(&m.cache, s, 1, one, one, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 0, NULL, NULL), KVMIX_SUCCESS);
+    ct_unchanged(&m);
+    /* layer 0 written: its rows read, layer 1's still refused, still no fork past them */
+    CHECK_RESULT(ct_write_layer(&m, s, 0, 20, 2), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 0, rows, rows, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_seq_fork(&m.cache, s, 21, &child), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(ct_write_layer(&m, s, 1, 20, 2), KVMIX_SUCCESS);
+    ct_verify(&m);
+    /* a rewrite of a written row of the own buffer page; refused while the page is shared */
+    m.seqs[s].tok[18] = ct_new_token_from(&m, m.seqs[s].tok[18], 1);
+    CHECK_RESULT(ct_write_layer(&m, s, 1, 18, 1), KVMIX_SUCCESS);
+    ct_verify(&m);
+    child = ct_fork_at(&m, s, 22);
+    CHECK(child >= 0);
+    kvmix_cache_locate(&m.cache, child, 18, &slot);
+    CHECK(m.cache.pages[ct_page_of(&m, slot)].refcount == 2);
+    ct_snapshot(&m);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 1, 18, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, child, 0, 21, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_unchanged(&m);
+    CHECK_RESULT(ct_reserve(&m, s, 1, &p4), KVMIX_SUCCESS); /* copies the page on write */
+    m.seqs[s].tok[18] = ct_new_token_from(&m, m.seqs[s].tok[18], 0);
+    CHECK_RESULT(ct_write_layer(&m, s, 0, 18, 1), KVMIX_SUCCESS);
+    for (i = 0; i < 2; i++) CHECK_RESULT(ct_write_layer(&m, s, i, 22, 1), KVMIX_SUCCESS);
+    ct_verify(&m);
+    for (i = 0; i < 2; i++) ct_verify_decode(&m, i);
+    free(rows);
+    free(bad);
     ct_close(&m);
 }
 
@@ -1044,5 +1457,7 @@ void unit_cache(void) {
     test_fork_sharing();
     test_demote_full_arena();
     test_release_and_check();
-    for (config = 0; config < 24 && test_failed_count() == 0; config++) ct_random_run(config, 400);
+    test_reserve_write();
+    test_reserve_write_bad_inputs();
+    for (config = 0; config < 24 && test_failed_count() == 0; config++) ct_random_run(config, 480);
 }
