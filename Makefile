@@ -32,7 +32,8 @@ MODEL_TESTS := $(BUILD)/model_test_llama
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
 
-all: $(BUILD)/quickstart $(BUILD)/kvmix-eval $(BUILD)/unit_tests $(BUILD)/bench_formats
+all: $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/unit_tests \
+	$(BUILD)/bench_formats
 
 $(BUILD):
 	mkdir -p $(BUILD)
@@ -43,6 +44,9 @@ $(BUILD)/quickstart: examples/quickstart.c kvmix.h | $(BUILD)
 
 demo: $(BUILD)/quickstart
 	./$(BUILD)/quickstart
+
+$(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS)
 
 # ---- reference-model runner and quality harness ----------------------------------------------
 $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) kvmix.h | $(BUILD)
@@ -67,6 +71,10 @@ header-checks: $(HEADER_CHECKS)
 $(BUILD)/unit_tests: $(UNIT_SRC) tests/harness.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. $(UNIT_SRC) -o $@ $(LDLIBS)
 
+# The cache example runs as a test too, under the sanitizers.
+$(BUILD)/example_cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) $< -o $@ $(LDLIBS)
+
 # Model tests take the shared folder as their argument (tests/run_all.sh passes it).
 $(BUILD)/model_test_llama: tests/test_llama.c $(LLAMA_SRC) kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -Iexamples tests/test_llama.c \
@@ -87,9 +95,10 @@ else
 	$(CC) -std=c99 $(WARN) -fsyntax-only -x c kvmix_cuda.h
 endif
 
-test: $(HEADER_CHECKS) $(BUILD)/unit_tests $(FUZZ_RUNNERS) $(MODEL_TESTS) cuda-build
+test: $(HEADER_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
+	$(MODEL_TESTS) cuda-build
 	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
-		$(FUZZ_RUNNERS)
+		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
 
 $(BUILD)/test_cuda: tests/test_cuda.cu kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 	$(NVCC) $(NVCCFLAGS) -I. tests/test_cuda.cu kvmix_cuda.cu -o $@
