@@ -29,9 +29,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define KVMIX_VERSION_MAJOR 0
-#define KVMIX_VERSION_MINOR 1
-#define KVMIX_VERSION_PATCH 0
+#define KVMIX_VERSION_MAJOR  0
+#define KVMIX_VERSION_MINOR  1
+#define KVMIX_VERSION_PATCH  0
 #define KVMIX_VERSION_STRING "0.1.0"
 
 #ifndef KVMIXDEF
@@ -118,8 +118,8 @@ typedef enum kvmix_format {
 } kvmix_format;
 
 #define KVMIX_GROUP_SIZE_DEFAULT 32
-#define KVMIX_MAX_HEAD_DIM 512
-#define KVMIX_BOOST_NONE 0xFF /* channel-to-slot index entry of a channel that is not boosted */
+#define KVMIX_MAX_HEAD_DIM       512
+#define KVMIX_BOOST_NONE         0xFF /* channel-to-slot index entry of a channel that is not boosted */
 
 /* The shape of one block. Zero fields take defaults: group_size 0 means 32 (per-token formats).
    Constraints: head_dim a positive multiple of 32, at most KVMIX_MAX_HEAD_DIM; n_tokens >= 0;
@@ -169,22 +169,22 @@ KVMIXDEF kvmix_result kvmix_ref_dequantize_row(const kvmix_layout *layout, const
 /* local window, a not-yet-full page ...). The result over disjoint span lists can be merged.      */
 
 typedef struct kvmix_span {
-    kvmix_layout key_layout;   /* n_tokens and head_dim must equal value_layout's */
+    kvmix_layout key_layout; /* n_tokens and head_dim must equal value_layout's */
     kvmix_layout value_layout;
-    const void *keys;          /* kv head h's block starts at keys + h * key_head_bytes */
-    const void *values;        /* kv head h's block starts at values + h * value_head_bytes */
-    size_t key_head_bytes;     /* 0 = the key block's size (heads packed back to back) */
-    size_t value_head_bytes;   /* 0 = the value block's size */
-    size_t keys_bytes;         /* readable bytes at keys, checked against the heads' extent */
+    const void *keys;        /* kv head h's block starts at keys + h * key_head_bytes */
+    const void *values;      /* kv head h's block starts at values + h * value_head_bytes */
+    size_t key_head_bytes;   /* 0 = the key block's size (heads packed back to back) */
+    size_t value_head_bytes; /* 0 = the value block's size */
+    size_t keys_bytes;       /* readable bytes at keys, checked against the heads' extent */
     size_t values_bytes;
-    const uint8_t *dead;       /* [n_tokens], nonzero = the token is evicted and skipped; or NULL */
+    const uint8_t *dead; /* [n_tokens], nonzero = the token is evicted and skipped; or NULL */
 } kvmix_span;
 
 typedef struct kvmix_attention_desc {
-    int32_t n_q_heads;  /* a multiple of n_kv_heads; q head i reads kv head i / (n_q / n_kv) */
+    int32_t n_q_heads; /* a multiple of n_kv_heads; q head i reads kv head i / (n_q / n_kv) */
     int32_t n_kv_heads;
     int32_t head_dim;
-    float scale;        /* softmax scale; 0 = 1 / sqrt(head_dim) */
+    float scale; /* softmax scale; 0 = 1 / sqrt(head_dim) */
 } kvmix_attention_desc;
 
 /* One decode step: out[h] = softmax(scale * q[h] . K^T) V over every live token of every span,
@@ -199,8 +199,8 @@ KVMIXDEF kvmix_result kvmix_ref_attention_decode(const kvmix_attention_desc *des
    out_*: [n_heads][head_dim], lse_*: [n_heads]. out/lse may alias a or b. */
 KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_dim,
                                                 const float *out_a, const float *lse_a,
-                                                const float *out_b, const float *lse_b,
-                                                float *out, float *lse);
+                                                const float *out_b, const float *lse_b, float *out,
+                                                float *lse);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Cache views: the read-only description of many cached sequences that decode attention reads,   */
@@ -224,15 +224,15 @@ typedef struct kvmix_view {
     int32_t n_seqs;
     int32_t n_kv_heads;
     int32_t head_dim;
-    int32_t group_size;             /* of every per-token integer block; 0 = 32 */
-    int32_t n_boost;                /* of every BOOSTED block */
+    int32_t group_size; /* of every per-token integer block; 0 = 32 */
+    int32_t n_boost;    /* of every BOOSTED block */
     int32_t n_spans;
     int32_t n_dead_flags;
-    const uint8_t *base;            /* blocks lie in [base, base + base_bytes) */
+    const uint8_t *base; /* blocks lie in [base, base + base_bytes) */
     size_t base_bytes;
-    const kvmix_view_span *spans;   /* [n_spans], sequence after sequence */
-    const int32_t *seq_first_span;  /* [n_seqs + 1]: sequence s owns spans [first[s], first[s+1]) */
-    const uint8_t *dead;            /* [n_dead_flags], nonzero = evicted token */
+    const kvmix_view_span *spans;  /* [n_spans], sequence after sequence */
+    const int32_t *seq_first_span; /* [n_seqs + 1]: sequence s owns spans [first[s], first[s+1]) */
+    const uint8_t *dead;           /* [n_dead_flags], nonzero = evicted token */
 } kvmix_view;
 
 /* Checks a host view's structure: counts, formats, sequence boundaries, block extents inside
@@ -244,8 +244,8 @@ KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view);
 /* Decode attention for every sequence of a host view: q, out [n_seqs][n_q_heads][head_dim],
    lse [n_seqs][n_q_heads], as kvmix_ref_attention_decode per sequence; scale 0 = 1/sqrt(D).
    Validates the view and every packed block before writing. */
-KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads,
-                                            float scale, const float *q, float *out, float *lse);
+KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads, float scale,
+                                            const float *q, float *out, float *lse);
 
 /* QueryMemory scores of sequence `seq` of a host view, for eviction: for each token t of the
    sequence (all spans in order, dead ones included), scores[t] = sum over q heads h of
@@ -253,9 +253,9 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
    then channels; dead tokens score -INFINITY. memory: [n_q_heads][head_dim]; scores:
    [capacity_tokens]; tokens past capacity_tokens are not scored (as on the GPU, which cannot
    know a sequence's length ahead). Validates the view and the sequence's blocks first. */
-KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq,
-                                           int32_t n_q_heads, const float *memory,
-                                           float *scores, int32_t capacity_tokens);
+KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
+                                           const float *memory, float *scores,
+                                           int32_t capacity_tokens);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Paged mixed-precision cache. One model shape (layers, kv heads, head_dim), one byte arena of    */
@@ -289,39 +289,40 @@ typedef struct kvmix_cache_precision {
 /* Zero fields take defaults; kvmix_cache_desc_resolve and the inits write the resolved values
    back. Required: n_layers, n_kv_heads, head_dim, arena_bytes. */
 typedef struct kvmix_cache_desc {
-    int32_t n_layers;           /* 1 .. 4096 */
-    int32_t n_kv_heads;         /* 1 .. 4096 */
-    int32_t head_dim;           /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
-    int32_t page_tokens;        /* 0 = 64; a multiple of 8 in 8 .. 1024 */
-    int32_t max_seqs;           /* 0 = 64; live sequences at once, 1 .. 2^20 */
-    int32_t max_tokens_per_seq; /* 0 = 4096; positions per sequence, 1 .. 2^26 */
-    int32_t max_pages_per_seq;  /* 0 = ceil(max_tokens_per_seq / page_tokens) + 8 */
-    int32_t n_sink;             /* first positions kept FP16 forever, 0 .. page_tokens */
-    int32_t n_window;           /* most recent positions kept FP16, 0 .. max_tokens_per_seq */
-    int32_t group_size;         /* 0 = 32; of the per-token integer formats */
-    int32_t n_boost;            /* 0 = 16; boosted channels of BOOSTED blocks */
-    kvmix_cache_partial partial;           /* what kvmix_cache_seq_finish does to a partial page */
-    kvmix_cache_precision default_precision; /* for NULL precisions; {0, 0} = INT4 keys, INT4 values */
-    size_t arena_bytes;         /* bytes of the page arena (required; a multiple of granule_bytes
+    int32_t n_layers;            /* 1 .. 4096 */
+    int32_t n_kv_heads;          /* 1 .. 4096 */
+    int32_t head_dim;            /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
+    int32_t page_tokens;         /* 0 = 64; a multiple of 8 in 8 .. 1024 */
+    int32_t max_seqs;            /* 0 = 64; live sequences at once, 1 .. 2^20 */
+    int32_t max_tokens_per_seq;  /* 0 = 4096; positions per sequence, 1 .. 2^26 */
+    int32_t max_pages_per_seq;   /* 0 = ceil(max_tokens_per_seq / page_tokens) + 8 */
+    int32_t n_sink;              /* first positions kept FP16 forever, 0 .. page_tokens */
+    int32_t n_window;            /* most recent positions kept FP16, 0 .. max_tokens_per_seq */
+    int32_t group_size;          /* 0 = 32; of the per-token integer formats */
+    int32_t n_boost;             /* 0 = 16; boosted channels of BOOSTED blocks */
+    kvmix_cache_partial partial; /* what kvmix_cache_seq_finish does to a partial page */
+    kvmix_cache_precision
+        default_precision; /* for NULL precisions; {0, 0} = INT4 keys, INT4 values */
+    size_t arena_bytes;    /* bytes of the page arena (required; a multiple of granule_bytes
                                    is used, the rest ignored) */
-    size_t granule_bytes;       /* 0 = 256; allocation unit of the arena, a power of two 64 .. 2^20 */
+    size_t granule_bytes;  /* 0 = 256; allocation unit of the arena, a power of two 64 .. 2^20 */
 } kvmix_cache_desc;
 
 /* A page descriptor (read-only for callers). Page 0 is the sentinel: it owns no bytes and is
    never freed; evicted positions point at it. */
 typedef struct kvmix_cache_page {
-    uint64_t offset;       /* bytes from the arena start */
-    uint32_t n_granules;   /* arena granules held; 0 for a free descriptor and the sentinel */
-    int32_t refcount;      /* page-table entries that reference it; 0 = free */
-    int32_t n_rows;        /* rows written (buffer) or rows of the packed blocks (sealed) */
-    int32_t capacity;      /* rows an FP16 block is laid out for (its kv-head stride); = n_rows
+    uint64_t offset;     /* bytes from the arena start */
+    uint32_t n_granules; /* arena granules held; 0 for a free descriptor and the sentinel */
+    int32_t refcount;    /* page-table entries that reference it; 0 = free */
+    int32_t n_rows;      /* rows written (buffer) or rows of the packed blocks (sealed) */
+    int32_t capacity;    /* rows an FP16 block is laid out for (its kv-head stride); = n_rows
                               for packed pages */
-    uint8_t key_format;    /* storage formats (kvmix_format) */
+    uint8_t key_format;  /* storage formats (kvmix_format) */
     uint8_t value_format;
-    uint8_t want_key;      /* formats the page is sealed to: the highest precision its rows asked */
+    uint8_t want_key; /* formats the page is sealed to: the highest precision its rows asked */
     uint8_t want_value;
-    uint8_t sealed;        /* 0: an FP16 buffer that accepts rows; 1: sealed */
-    uint8_t sink;          /* holds sink positions (stays FP16 when sealed) */
+    uint8_t sealed; /* 0: an FP16 buffer that accepts rows; 1: sealed */
+    uint8_t sink;   /* holds sink positions (stays FP16 when sealed) */
     uint8_t reserved[2];
 } kvmix_cache_page;
 
@@ -352,57 +353,57 @@ typedef struct kvmix_cache {
     size_t memory_bytes;
     kvmix_allocator allocator; /* of kvmix_cache_init_allocator; owns_memory says whether used */
     int32_t owns_memory;
-    int32_t max_pages;        /* page descriptors, the sentinel included */
-    int32_t n_free_pages;     /* descriptors on the free stack */
+    int32_t max_pages;    /* page descriptors, the sentinel included */
+    int32_t n_free_pages; /* descriptors on the free stack */
     int32_t journal_capacity;
-    int64_t n_granules;       /* arena granules */
+    int64_t n_granules; /* arena granules */
     int64_t n_free_granules;
-    int64_t first_free_hint;  /* no free granule below it */
-    kvmix_cache_seq *seqs;        /* [max_seqs] */
-    kvmix_cache_entry *entries;   /* [max_seqs][max_pages_per_seq] */
-    uint32_t *slots;              /* [max_seqs][max_tokens_per_seq]: page * page_tokens + row */
-    int32_t *written;             /* [max_seqs][n_layers]: positions 0 .. written - 1 of the
+    int64_t first_free_hint;    /* no free granule below it */
+    kvmix_cache_seq *seqs;      /* [max_seqs] */
+    kvmix_cache_entry *entries; /* [max_seqs][max_pages_per_seq] */
+    uint32_t *slots;            /* [max_seqs][max_tokens_per_seq]: page * page_tokens + row */
+    int32_t *written;           /* [max_seqs][n_layers]: positions 0 .. written - 1 of the
                                      layer have rows (kvmix_cache_write) */
-    kvmix_cache_page *pages;      /* [max_pages] */
-    uint32_t *free_pages;         /* [max_pages] stack of free descriptors */
-    uint64_t *bitmap;             /* [ceil(n_granules / 64)] one bit per used granule */
-    float *scratch;               /* [page_tokens * head_dim] */
-    void *sim;                    /* planning state of one call */
-    void *journal;                /* allocator operations of one call's plan */
+    kvmix_cache_page *pages;    /* [max_pages] */
+    uint32_t *free_pages;       /* [max_pages] stack of free descriptors */
+    uint64_t *bitmap;           /* [ceil(n_granules / 64)] one bit per used granule */
+    float *scratch;             /* [page_tokens * head_dim] */
+    void *sim;                  /* planning state of one call */
+    void *journal;              /* allocator operations of one call's plan */
 } kvmix_cache;
 
 /* Accounting of a whole cache. Bytes per format count key blocks under the key format and value
    blocks under the value format; FP16 buffers count their whole allocation (unused rows too). */
 typedef struct kvmix_cache_stats {
-    size_t arena_bytes;        /* usable: n_granules * granule_bytes */
-    size_t arena_used_bytes;   /* granules held by pages */
+    size_t arena_bytes;      /* usable: n_granules * granule_bytes */
+    size_t arena_used_bytes; /* granules held by pages */
     size_t arena_free_bytes;
     size_t largest_free_bytes; /* the largest run of free granules (fragmentation) */
     size_t metadata_bytes;     /* the metadata memory: tables, slot maps, free lists, scratch */
     size_t format_bytes[8];    /* indexed by kvmix_format; [0] = allocation padding */
     int32_t n_seqs;
-    int32_t n_pages;           /* live page descriptors */
-    int32_t n_shared_pages;    /* of them, referenced more than once */
-    int32_t n_buffer_pages;    /* of them, FP16 buffers not sealed yet */
-    int64_t n_tokens;          /* positions, summed over sequences */
-    int64_t n_live_tokens;     /* not evicted, summed over sequences */
-    double arena_bits_per_element;  /* arena_used_bytes * 8 / (live tokens * L * H * D * 2) */
-    double bits_per_element;        /* (arena_used_bytes + metadata_bytes) * 8 / the same */
+    int32_t n_pages;               /* live page descriptors */
+    int32_t n_shared_pages;        /* of them, referenced more than once */
+    int32_t n_buffer_pages;        /* of them, FP16 buffers not sealed yet */
+    int64_t n_tokens;              /* positions, summed over sequences */
+    int64_t n_live_tokens;         /* not evicted, summed over sequences */
+    double arena_bits_per_element; /* arena_used_bytes * 8 / (live tokens * L * H * D * 2) */
+    double bits_per_element;       /* (arena_used_bytes + metadata_bytes) * 8 / the same */
 } kvmix_cache_stats;
 
 /* Accounting of one sequence. Shared pages are attributed in equal shares to their sharers. */
 typedef struct kvmix_cache_seq_stats {
     int32_t n_tokens;
     int32_t n_live_tokens;
-    int32_t n_pages;           /* referenced pages */
-    int32_t n_shared_pages;    /* of them, also referenced by another sequence */
-    int32_t n_fp16_rows;       /* live positions stored in FP16 (sinks, window, buffer) */
+    int32_t n_pages;        /* referenced pages */
+    int32_t n_shared_pages; /* of them, also referenced by another sequence */
+    int32_t n_fp16_rows;    /* live positions stored in FP16 (sinks, window, buffer) */
     int32_t reserved;
-    size_t referenced_bytes;   /* arena bytes of every page it references */
-    size_t metadata_bytes;     /* its slot map, page table and sequence record */
-    double attributed_bytes;   /* sum of page bytes / refcount, plus metadata_bytes */
-    double bits_per_element;   /* attributed_bytes * 8 / (live tokens * L * H * D * 2) */
-    size_t format_bytes[8];    /* of the referenced pages, as in kvmix_cache_stats */
+    size_t referenced_bytes; /* arena bytes of every page it references */
+    size_t metadata_bytes;   /* its slot map, page table and sequence record */
+    double attributed_bytes; /* sum of page bytes / refcount, plus metadata_bytes */
+    double bits_per_element; /* attributed_bytes * 8 / (live tokens * L * H * D * 2) */
+    size_t format_bytes[8];  /* of the referenced pages, as in kvmix_cache_stats */
 } kvmix_cache_seq_stats;
 
 /* Checks a desc and writes it back with defaults resolved. Returns KVMIX_ERR_NULL_POINTER,
@@ -482,8 +483,8 @@ KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32
    on error. n_tokens 0 does nothing. Thread safety: as every non-const call, not concurrently
    with any other call on the cache, writes of other layers or sequences included. */
 KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
-                                        int32_t first_position, int32_t n_tokens,
-                                        const float *keys, const float *values);
+                                        int32_t first_position, int32_t n_tokens, const float *keys,
+                                        const float *values);
 
 /* Appends n_tokens positions with their rows on every layer: kvmix_cache_reserve and
    kvmix_cache_write of every layer in one call, except that the new rows count as written for
@@ -554,9 +555,8 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
    are dead flags. A sequence's span of an FP16 page ends at the positions the layer has rows for
    (reserved positions not written on the layer are left out). The view stays valid until the
    next call that changes the cache. */
-KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer,
-                                       const int32_t *seqs, int32_t n_seqs,
-                                       kvmix_view_span *spans, int32_t max_spans,
+KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, const int32_t *seqs,
+                                       int32_t n_seqs, kvmix_view_span *spans, int32_t max_spans,
                                        int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view);
 
@@ -569,10 +569,9 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
    `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
    [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim). */
 KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t layer,
-                                             const int32_t *seqs, int32_t n_seqs,
-                                             int32_t n_q_heads, float scale, const float *q,
-                                             float *out, float *lse, void *workspace,
-                                             size_t workspace_bytes);
+                                             const int32_t *seqs, int32_t n_seqs, int32_t n_q_heads,
+                                             float scale, const float *q, float *out, float *lse,
+                                             void *workspace, size_t workspace_bytes);
 
 KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cache_stats *out);
 KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_t seq,
@@ -602,7 +601,7 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache);
 #ifndef KVMIX_MALLOC
 #include <stdlib.h>
 #define KVMIX_MALLOC(bytes) malloc(bytes)
-#define KVMIX_FREE(ptr) free(ptr)
+#define KVMIX_FREE(ptr)     free(ptr)
 #endif
 #ifndef KVMIX_ASSERT
 #include <assert.h>
@@ -649,14 +648,14 @@ KVMIXDEF uint16_t kvmix_fp32_to_fp16(float value) {
     uint32_t bits = kvmix__float_bits(value);
     uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
     uint32_t magnitude = bits & 0x7fffffffu;
-    if (magnitude > 0x7f800000u) return 0x7fff;                /* NaN */
+    if (magnitude > 0x7f800000u) return 0x7fff;                      /* NaN */
     if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
-    if (magnitude >= 0x38800000u) {                            /* normal half: >= 2^-14 */
+    if (magnitude >= 0x38800000u) {                                  /* normal half: >= 2^-14 */
         uint32_t odd = (magnitude >> 13) & 1u;
         magnitude += 0xfffu + odd;
         return (uint16_t)(sign | ((magnitude - 0x38000000u) >> 13));
     }
-    if (magnitude < 0x33000000u) return sign;                  /* below 2^-25: rounds to zero */
+    if (magnitude < 0x33000000u) return sign; /* below 2^-25: rounds to zero */
     {
         /* subnormal half: count units of 2^-24, rounding the dropped bits to even */
         int32_t shift = 126 - (int32_t)(magnitude >> 23);
@@ -914,7 +913,8 @@ static void kvmix__quantize_per_token(const kvmix_layout *l, const float *src, i
                 if (x[c] > hi) hi = x[c];
             }
             p = kvmix__choose_qparams(lo, hi, levels);
-            for (c = c0; c < c1; c++) kvmix__put_code(row, c, bits, kvmix__quantize_value(x[c], &p, levels));
+            for (c = c0; c < c1; c++)
+                kvmix__put_code(row, c, bits, kvmix__quantize_value(x[c], &p, levels));
             kvmix__store_qparams(dst + s.meta_offset + ((size_t)t * groups + g) * 4, &p);
         }
     }
@@ -959,7 +959,8 @@ static void kvmix__quantize_per_channel(const kvmix_layout *l, const float *src,
             uint32_t q = kvmix__quantize_value(src[(size_t)t * stride + c], &p, levels);
             kvmix__put_code(dst + (size_t)t * s.row_bytes, c, 2, q & 3u);
             if (is_boosted[c])
-                kvmix__put_code(dst + s.high_offset + (size_t)t * s.high_row_bytes, slot, 2, q >> 2);
+                kvmix__put_code(dst + s.high_offset + (size_t)t * s.high_row_bytes, slot, 2,
+                                q >> 2);
         }
         kvmix__store_qparams(dst + s.meta_offset + (size_t)c * 4, &p);
         if (l->format == KVMIX_FORMAT_BOOSTED)
@@ -1070,8 +1071,8 @@ static void kvmix__decode_row(const kvmix_layout *l, const kvmix__sections *s, c
 }
 
 /* Resolves the layout and checks the packed block `src` of `src_bytes`. */
-static kvmix_result kvmix__open_block(const kvmix_layout *layout, const void *src,
-                                      size_t src_bytes, kvmix_layout *l, kvmix__sections *s) {
+static kvmix_result kvmix__open_block(const kvmix_layout *layout, const void *src, size_t src_bytes,
+                                      kvmix_layout *l, kvmix__sections *s) {
     kvmix_result r;
     if (!layout) return KVMIX_ERR_NULL_POINTER;
     *l = *layout;
@@ -1213,8 +1214,7 @@ static void kvmix__attend_span(const kvmix_span *span, int32_t h, const float *q
     }
 }
 
-static void kvmix__heads_begin(kvmix__softmax_state *states, float *acc, int32_t n_q,
-                               int32_t dim) {
+static void kvmix__heads_begin(kvmix__softmax_state *states, float *acc, int32_t n_q, int32_t dim) {
     int32_t g, c;
     for (g = 0; g < n_q; g++) {
         states[g].max = -INFINITY;
@@ -1348,8 +1348,8 @@ KVMIXDEF kvmix_result kvmix_ref_attention_decode(const kvmix_attention_desc *des
 
 KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_dim,
                                                 const float *out_a, const float *lse_a,
-                                                const float *out_b, const float *lse_b,
-                                                float *out, float *lse) {
+                                                const float *out_b, const float *lse_b, float *out,
+                                                float *lse) {
     int32_t h, c;
     if (!out_a || !lse_a || !out_b || !lse_b || !out || !lse) return KVMIX_ERR_NULL_POINTER;
     if (n_heads < 0 || head_dim < 0) return KVMIX_ERR_INVALID_ARGUMENT;
@@ -1419,7 +1419,8 @@ KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view) {
     if (view->seq_first_span[0] != 0 || view->seq_first_span[view->n_seqs] != view->n_spans)
         return KVMIX_ERR_INVALID_ARGUMENT;
     for (s = 0; s < view->n_seqs; s++)
-        if (view->seq_first_span[s + 1] < view->seq_first_span[s]) return KVMIX_ERR_INVALID_ARGUMENT;
+        if (view->seq_first_span[s + 1] < view->seq_first_span[s])
+            return KVMIX_ERR_INVALID_ARGUMENT;
     for (i = 0; i < view->n_spans; i++) {
         kvmix_result r = kvmix__check_view_span(view, &view->spans[i]);
         if (r != KVMIX_SUCCESS) return r;
@@ -1436,8 +1437,8 @@ static kvmix__span_list kvmix__view_sequence(const kvmix_view *view, int32_t s) 
     return list;
 }
 
-KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads,
-                                            float scale, const float *q, float *out, float *lse) {
+KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads, float scale,
+                                            const float *q, float *out, float *lse) {
     kvmix_attention_desc desc;
     kvmix_result r;
     int32_t s;
@@ -1468,16 +1469,17 @@ static float kvmix__score_token(const kvmix_span *span, const kvmix_layout *kl,
     float key[KVMIX_MAX_HEAD_DIM], sum = 0.0f;
     int32_t h, g, c, dim = kl->head_dim;
     for (h = 0; h < n_kv_heads; h++) {
-        kvmix__decode_row(kl, ks, kvmix__head_block(span->keys, span->key_head_bytes, ks, h), t, key);
+        kvmix__decode_row(kl, ks, kvmix__head_block(span->keys, span->key_head_bytes, ks, h), t,
+                          key);
         for (g = 0; g < group; g++)
             for (c = 0; c < dim; c++) sum += memory[(size_t)(h * group + g) * dim + c] * key[c];
     }
     return sum;
 }
 
-KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq,
-                                           int32_t n_q_heads, const float *memory,
-                                           float *scores, int32_t capacity_tokens) {
+KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
+                                           const float *memory, float *scores,
+                                           int32_t capacity_tokens) {
     kvmix_attention_desc desc;
     kvmix__span_list list;
     kvmix_result r;
@@ -1608,18 +1610,18 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq,
    Threads: one writer per cache (see the declarations).
 */
 
-#define KVMIX__CACHE_ALIGN 64
+#define KVMIX__CACHE_ALIGN      64
 #define KVMIX__CACHE_MAX_LAYERS 4096
-#define KVMIX__CACHE_MAX_HEADS 4096
+#define KVMIX__CACHE_MAX_HEADS  4096
 
 /* One unsealed page of the sequence a plan works on, oldest first. */
 typedef struct kvmix__sim_page {
-    int32_t entry;     /* index in the sequence's page table */
+    int32_t entry; /* index in the sequence's page table */
     int32_t first_pos;
     int32_t rows;      /* rows the sequence uses */
     int32_t page_rows; /* rows of the descriptor */
     int32_t capacity;
-    uint8_t shared;    /* refcount > 1 */
+    uint8_t shared; /* refcount > 1 */
     uint8_t sealed;
     uint8_t sink;
     uint8_t want_key;
@@ -1640,15 +1642,15 @@ typedef struct kvmix__plan {
     int dry;
     int overflow;
     int32_t n_ops;
-    int32_t n;          /* pages[] used */
-    int32_t next_seal;  /* first page that may still need sealing */
-    int32_t len;        /* the sequence's n_tokens as the run goes */
-    int32_t written;    /* positions written on every layer as the run goes (seals wait for it) */
+    int32_t n;         /* pages[] used */
+    int32_t next_seal; /* first page that may still need sealing */
+    int32_t len;       /* the sequence's n_tokens as the run goes */
+    int32_t written;   /* positions written on every layer as the run goes (seals wait for it) */
     int32_t n_entries;
-    int32_t tail_open;  /* pages[n - 1] is the last page-table entry and unsealed */
-    int32_t new_pages;  /* descriptors taken */
-    int32_t max_ops;    /* journal entries written */
-    int32_t n_sealed;   /* seals that used the scratch block */
+    int32_t tail_open; /* pages[n - 1] is the last page-table entry and unsealed */
+    int32_t new_pages; /* descriptors taken */
+    int32_t max_ops;   /* journal entries written */
+    int32_t n_sealed;  /* seals that used the scratch block */
     kvmix__sim_page *pages;
     kvmix__arena_op *ops;
 } kvmix__plan;
@@ -1709,8 +1711,8 @@ static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int32_t format, int
     return (bytes + 15) / 16 * 16;
 }
 
-static kvmix__geom kvmix__page_geom(const kvmix_cache *c, int32_t key_format,
-                                    int32_t value_format, int32_t rows, int32_t capacity) {
+static kvmix__geom kvmix__page_geom(const kvmix_cache *c, int32_t key_format, int32_t value_format,
+                                    int32_t rows, int32_t capacity) {
     kvmix__geom g;
     g.key_bytes = kvmix__cache_block_bytes(c, key_format, rows, capacity);
     g.value_bytes = kvmix__cache_block_bytes(c, value_format, rows, capacity);
@@ -1727,7 +1729,8 @@ static kvmix__geom kvmix__geom_of(const kvmix_cache *c, const kvmix_cache_page *
 static size_t kvmix__block_offset(const kvmix_cache *c, const kvmix__geom *g, int32_t layer,
                                   int is_value, int32_t head) {
     size_t at = g->layer_bytes * (size_t)layer;
-    if (is_value) return at + (size_t)c->desc.n_kv_heads * g->key_bytes + g->value_bytes * (size_t)head;
+    if (is_value)
+        return at + (size_t)c->desc.n_kv_heads * g->key_bytes + g->value_bytes * (size_t)head;
     return at + g->key_bytes * (size_t)head;
 }
 
@@ -1810,8 +1813,7 @@ static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n) {
     return -1;
 }
 
-static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int64_t n,
-                          int taken) {
+static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int64_t n, int taken) {
     if (!plan || !plan->dry) return 1;
     if (plan->n_ops >= c->journal_capacity) {
         plan->overflow = 1;
@@ -1864,7 +1866,8 @@ static void kvmix__page_release(kvmix_cache *c, uint32_t id) {
     kvmix_cache_page *p = &c->pages[id];
     KVMIX_ASSERT(id != 0 && p->refcount > 0);
     if (--p->refcount > 0) return;
-    kvmix__arena_give(c, NULL, (int64_t)(p->offset / c->desc.granule_bytes), (int64_t)p->n_granules);
+    kvmix__arena_give(c, NULL, (int64_t)(p->offset / c->desc.granule_bytes),
+                      (int64_t)p->n_granules);
     memset(p, 0, sizeof *p);
     c->free_pages[c->n_free_pages++] = id;
 }
@@ -1890,8 +1893,8 @@ static void kvmix__cache_quantize(const kvmix_cache *c, int32_t format, int32_t 
 
 /* Dequantizes rows [0, rows) of a page's block into dst [rows][head_dim]. */
 static void kvmix__page_block_read(const kvmix_cache *c, const kvmix_cache_page *p,
-                                   const kvmix__geom *g, int32_t layer, int is_value,
-                                   int32_t head, float *dst) {
+                                   const kvmix__geom *g, int32_t layer, int is_value, int32_t head,
+                                   float *dst) {
     kvmix_layout l = kvmix__cache_layout(c, is_value ? p->value_format : p->key_format, p->n_rows);
     kvmix__sections s = kvmix__layout_sections(&l);
     const uint8_t *block = kvmix__page_block(c, p, g, layer, is_value, head);
@@ -1927,21 +1930,20 @@ static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regio
     r->n_granules = (int64_t)(d->arena_bytes / d->granule_bytes);
     r->journal_capacity = 4 * d->max_pages_per_seq + 16;
     if (!(kvmix__region(&cursor, (size_t)d->max_seqs, sizeof(kvmix_cache_seq), &r->seqs) &&
-           kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->max_pages_per_seq,
-                         sizeof(kvmix_cache_entry), &r->entries) &&
-           (size_t)d->max_seqs <= (size_t)-1 / (size_t)d->max_tokens_per_seq &&
-           kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->max_tokens_per_seq,
-                         sizeof(uint32_t), &r->slots) &&
-           kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->n_layers, sizeof(int32_t),
-                         &r->written) &&
-           kvmix__region(&cursor, (size_t)r->max_pages, sizeof(kvmix_cache_page), &r->pages) &&
-           kvmix__region(&cursor, (size_t)r->max_pages, sizeof(uint32_t), &r->free_pages) &&
-           kvmix__region(&cursor, (size_t)((r->n_granules + 63) / 64), sizeof(uint64_t),
-                         &r->bitmap) &&
-           kvmix__region(&cursor, (size_t)d->page_tokens * (size_t)d->head_dim, sizeof(float),
-                         &r->scratch) &&
-           kvmix__region(&cursor, (size_t)d->max_pages_per_seq, sizeof(kvmix__sim_page),
-                         &r->sim) &&
+          kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->max_pages_per_seq,
+                        sizeof(kvmix_cache_entry), &r->entries) &&
+          (size_t)d->max_seqs <= (size_t)-1 / (size_t)d->max_tokens_per_seq &&
+          kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->max_tokens_per_seq,
+                        sizeof(uint32_t), &r->slots) &&
+          kvmix__region(&cursor, (size_t)d->max_seqs * (size_t)d->n_layers, sizeof(int32_t),
+                        &r->written) &&
+          kvmix__region(&cursor, (size_t)r->max_pages, sizeof(kvmix_cache_page), &r->pages) &&
+          kvmix__region(&cursor, (size_t)r->max_pages, sizeof(uint32_t), &r->free_pages) &&
+          kvmix__region(&cursor, (size_t)((r->n_granules + 63) / 64), sizeof(uint64_t),
+                        &r->bitmap) &&
+          kvmix__region(&cursor, (size_t)d->page_tokens * (size_t)d->head_dim, sizeof(float),
+                        &r->scratch) &&
+          kvmix__region(&cursor, (size_t)d->max_pages_per_seq, sizeof(kvmix__sim_page), &r->sim) &&
           kvmix__region(&cursor, (size_t)r->journal_capacity, sizeof(kvmix__arena_op),
                         &r->journal)))
         return 0;
@@ -2077,7 +2079,10 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
     if (!memory) return KVMIX_ERR_OUT_OF_MEMORY;
     arena = a.alloc_fn ? a.alloc_fn(d.arena_bytes, a.user) : KVMIX_MALLOC(d.arena_bytes);
     if (!arena) {
-        if (a.free_fn) a.free_fn(memory, a.user); else KVMIX_FREE(memory);
+        if (a.free_fn)
+            a.free_fn(memory, a.user);
+        else
+            KVMIX_FREE(memory);
         return KVMIX_ERR_OUT_OF_MEMORY;
     }
     r = kvmix_cache_init(cache, &d, memory, bytes, arena);
@@ -2364,8 +2369,8 @@ static kvmix_result kvmix__plan_new_page(kvmix_cache *c, int32_t seq, kvmix__pla
 
 /* Reserves the next position in buffer page sp: its row, slot-map entry and the page's requested
    formats. Its rows are stored separately (kvmix__rows_store). */
-static void kvmix__plan_reserve(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
-                                kvmix__sim_page *sp, kvmix_cache_precision want) {
+static void kvmix__plan_reserve(kvmix_cache *c, int32_t seq, kvmix__plan *plan, kvmix__sim_page *sp,
+                                kvmix_cache_precision want) {
     if (!sp->sink) {
         sp->want_key = kvmix__higher_format(sp->want_key, want.key_format);
         sp->want_value = kvmix__higher_format(sp->want_value, want.value_format);
@@ -2389,8 +2394,8 @@ static void kvmix__plan_reserve(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
 
 /* Stores one position's FP16 rows of one layer into row `row` of buffer page p: keys, values
    [n_kv_heads][head_dim], FP16-representable. */
-static void kvmix__rows_store(kvmix_cache *c, const kvmix_cache_page *p, int32_t layer,
-                              int32_t row, const float *keys, const float *values) {
+static void kvmix__rows_store(kvmix_cache *c, const kvmix_cache_page *p, int32_t layer, int32_t row,
+                              const float *keys, const float *values) {
     kvmix__geom g = kvmix__geom_of(c, p);
     int32_t d = c->desc.head_dim, h, i;
     KVMIX_ASSERT(!p->sealed && row < p->capacity);
@@ -2408,8 +2413,8 @@ static void kvmix__rows_store(kvmix_cache *c, const kvmix_cache_page *p, int32_t
 /* Seals buffer page sp with `rows` rows into (key_format, value_format): by flag when both are
    FP16, otherwise quantized into a new allocation and the FP16 bytes freed. */
 static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
-                                    kvmix__sim_page *sp, uint8_t key_format, uint8_t value_format,
-                                    int32_t rows) {
+                                     kvmix__sim_page *sp, uint8_t key_format, uint8_t value_format,
+                                     int32_t rows) {
     kvmix__geom g;
     int64_t n, start;
     if (sp->sink || key_format == 0) key_format = KVMIX_FORMAT_FP16;
@@ -2460,7 +2465,7 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
 /* Seals, oldest first, full buffer pages that left the window; forced (at the end of a
    request), every full page the sequence does not share, whatever the window. */
 static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
-                                          int force) {
+                                           int force) {
     int32_t i;
     if (force) {
         for (i = plan->next_seal; i < plan->n; i++) {
@@ -2478,8 +2483,7 @@ static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__p
         kvmix__sim_page *sp = &plan->pages[plan->next_seal];
         kvmix_result r;
         if (!sp->sealed) {
-            if (sp->rows < sp->capacity ||
-                (int64_t)sp->first_pos + sp->capacity > plan->written)
+            if (sp->rows < sp->capacity || (int64_t)sp->first_pos + sp->capacity > plan->written)
                 break;
             if (!force && !sp->sink &&
                 (int64_t)sp->first_pos + sp->capacity > (int64_t)plan->len - c->desc.n_window)
@@ -2606,8 +2610,8 @@ KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32
 }
 
 KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
-                                        int32_t first_position, int32_t n_tokens,
-                                        const float *keys, const float *values) {
+                                        int32_t first_position, int32_t n_tokens, const float *keys,
+                                        const float *values) {
     const uint32_t *slots;
     kvmix_cache_seq *s;
     kvmix_result r;
@@ -2718,7 +2722,8 @@ static int kvmix__retier_valid(const kvmix_cache *c, const kvmix_cache_page *p,
     int32_t d = c->desc.head_dim, t, i;
     size_t heads = (size_t)c->desc.n_kv_heads;
     for (t = 0; t < p->n_rows; t++) {
-        const float *x = rows_in ? rows_in + (((size_t)layer * p->n_rows + t) * heads + (size_t)head) * d : NULL;
+        const float *x =
+            rows_in ? rows_in + (((size_t)layer * p->n_rows + t) * heads + (size_t)head) * d : NULL;
         if (!x || mode == KVMIX_CACHE_ROWS_RESIDUAL) kvmix__decode_row(&l, &s, block, t, row);
         for (i = 0; i < d; i++) {
             float y = !x ? row[i] : mode == KVMIX_CACHE_ROWS_ORIGINAL ? x[i] : row[i] + x[i];
@@ -2766,8 +2771,8 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     if (!p->sealed) return KVMIX_ERR_INVALID_ARGUMENT;
     d = cache->desc.head_dim;
     og = kvmix__geom_of(cache, p);
-    ng = kvmix__page_geom(cache, precision.key_format, precision.value_format, p->n_rows,
-                          p->n_rows);
+    ng =
+        kvmix__page_geom(cache, precision.key_format, precision.value_format, p->n_rows, p->n_rows);
     /* validate every block's new contents before writing any (no byte of the cache changes) */
     for (layer = 0; layer < cache->desc.n_layers; layer++)
         for (kv = 0; kv < 2; kv++)
@@ -2803,7 +2808,8 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     p->want_key = precision.key_format;
     p->want_value = precision.value_format;
     p->capacity = p->n_rows;
-    memset(cache->scratch, 0, (size_t)p->n_rows * (size_t)d * sizeof(float)); /* zero between calls */
+    memset(cache->scratch, 0,
+           (size_t)p->n_rows * (size_t)d * sizeof(float)); /* zero between calls */
     return KVMIX_SUCCESS;
 }
 
@@ -2839,7 +2845,8 @@ KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, in
     g = kvmix__geom_of(cache, p);
     for (kv = 0; kv < 2; kv++) {
         float *out = kv ? values : keys;
-        kvmix_layout l = kvmix__cache_layout(cache, kv ? p->value_format : p->key_format, p->n_rows);
+        kvmix_layout l =
+            kvmix__cache_layout(cache, kv ? p->value_format : p->key_format, p->n_rows);
         kvmix__sections s = kvmix__layout_sections(&l);
         if (!out) continue;
         for (h = 0; h < cache->desc.n_kv_heads; h++)
@@ -2868,13 +2875,12 @@ static int32_t kvmix__span_tokens(const kvmix_cache *c, int32_t seq, int32_t lay
     return n;
 }
 
-static int kvmix__row_live(const kvmix_cache *c, const uint32_t *slots,
-                           const kvmix_cache_entry *e, int32_t row) {
+static int kvmix__row_live(const kvmix_cache *c, const uint32_t *slots, const kvmix_cache_entry *e,
+                           int32_t row) {
     return row < e->n_rows && slots[e->first_pos + row] == kvmix__slot(c, e->page, row);
 }
 
-static kvmix_result kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs,
-                                        int32_t n_seqs) {
+static kvmix_result kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs) {
     int32_t i;
     if (n_seqs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     if (n_seqs > 0 && !seqs) return KVMIX_ERR_NULL_POINTER;
@@ -2920,9 +2926,8 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer,
-                                       const int32_t *seqs, int32_t n_seqs,
-                                       kvmix_view_span *spans, int32_t max_spans,
+KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, const int32_t *seqs,
+                                       int32_t n_seqs, kvmix_view_span *spans, int32_t max_spans,
                                        int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view) {
     int64_t n_spans, n_dead;
@@ -2996,10 +3001,9 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
 }
 
 KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t layer,
-                                             const int32_t *seqs, int32_t n_seqs,
-                                             int32_t n_q_heads, float scale, const float *q,
-                                             float *out, float *lse, void *workspace,
-                                             size_t workspace_bytes) {
+                                             const int32_t *seqs, int32_t n_seqs, int32_t n_q_heads,
+                                             float scale, const float *q, float *out, float *lse,
+                                             void *workspace, size_t workspace_bytes) {
     int32_t n_spans, n_dead;
     size_t need, spans_bytes, first_bytes;
     uint8_t *w = (uint8_t *)workspace;
@@ -3069,7 +3073,8 @@ KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cach
     elements = kvmix__elements(cache, st.n_live_tokens);
     if (elements > 0) {
         st.arena_bits_per_element = (double)st.arena_used_bytes * 8.0 / elements;
-        st.bits_per_element = ((double)st.arena_used_bytes + (double)st.metadata_bytes) * 8.0 / elements;
+        st.bits_per_element =
+            ((double)st.arena_used_bytes + (double)st.metadata_bytes) * 8.0 / elements;
     }
     *out = st;
     return KVMIX_SUCCESS;

@@ -74,9 +74,10 @@ static int bench_run(const bench_config *bc, int32_t n_seqs, int32_t steps, int 
     d.max_seqs = n_seqs;
     d.max_tokens_per_seq = bc->prefill + steps + 1;
     /* buffer, window and sealed pages of every sequence, with room to spare */
-    d.arena_bytes = (size_t)n_seqs *
-                    (fp16_page * (size_t)(2 + (bc->n_window + bc->page_tokens - 1) / bc->page_tokens) +
-                     fp16_page / 4 * (size_t)((bc->prefill + steps) / bc->page_tokens + 1));
+    d.arena_bytes =
+        (size_t)n_seqs *
+        (fp16_page * (size_t)(2 + (bc->n_window + bc->page_tokens - 1) / bc->page_tokens) +
+         fp16_page / 4 * (size_t)((bc->prefill + steps) / bc->page_tokens + 1));
     r = kvmix_cache_init_allocator(&cache, &d, NULL);
     if (r != KVMIX_SUCCESS) {
         printf("init: %s\n", kvmix_result_string(r));
@@ -85,7 +86,8 @@ static int bench_run(const bench_config *bc, int32_t n_seqs, int32_t steps, int 
     memset(cache.arena, 0, cache.desc.arena_bytes); /* a warm arena: no first-touch page faults */
     for (s = 0; s < n_seqs; s++) {
         if ((r = kvmix_cache_seq_create(&cache, &seqs[s])) != KVMIX_SUCCESS ||
-            (r = kvmix_cache_ingest(&cache, seqs[s], bc->prefill, rows, rows, precs)) != KVMIX_SUCCESS) {
+            (r = kvmix_cache_ingest(&cache, seqs[s], bc->prefill, rows, rows, precs)) !=
+                KVMIX_SUCCESS) {
             printf("prefill: %s\n", kvmix_result_string(r));
             return 1;
         }

@@ -33,7 +33,7 @@ static void fill(float *x, size_t n) {
     do {                                                                                           \
         kvmix_result r_ = (call);                                                                  \
         if (r_ != KVMIX_SUCCESS) {                                                                 \
-            fprintf(stderr, "cache_loop: %s failed: %s\n", #call, kvmix_result_string(r_));         \
+            fprintf(stderr, "cache_loop: %s failed: %s\n", #call, kvmix_result_string(r_));        \
             return 1;                                                                              \
         }                                                                                          \
     } while (0)
@@ -77,7 +77,8 @@ static int decode_step(kvmix_cache *cache, int32_t seq, workspace *w) {
 static void print_stats(const kvmix_cache *cache, int32_t seq, const char *name) {
     kvmix_cache_seq_stats s;
     if (kvmix_cache_seq_stats_get(cache, seq, &s) != KVMIX_SUCCESS) return;
-    printf("%-8s %6d tokens %6d live %4d pages (%d shared) %6d fp16 rows %9.0f bytes %6.3f bits/elem\n",
+    printf("%-8s %6d tokens %6d live %4d pages (%d shared) %6d fp16 rows %9.0f bytes %6.3f "
+           "bits/elem\n",
            name, s.n_tokens, s.n_live_tokens, s.n_pages, s.n_shared_pages, s.n_fp16_rows,
            s.attributed_bytes, s.bits_per_element);
 }

@@ -52,7 +52,9 @@ static double uniform(void) {
     return ((double)(rng_state >> 11) + 0.5) / 9007199254740992.0;
 }
 
-static double gaussian(void) { return sqrt(-2.0 * log(uniform())) * cos(6.283185307179586 * uniform()); }
+static double gaussian(void) {
+    return sqrt(-2.0 * log(uniform())) * cos(6.283185307179586 * uniform());
+}
 
 /* Rotate-half RoPE at `position`: pairs (i, i + D/2), theta 10000. */
 static void apply_rope(float *x, int32_t position) {
@@ -83,7 +85,8 @@ static void make_data(float *keys, float *values, float *queries) {
                 k[c] = (float)gaussian();
                 v[c] = value_mean[c] + (float)(0.5 * gaussian());
             }
-            for (i = 0; i < N_OUTLIER_CHANNELS; i++) k[outlier[i]] = (float)(8.0 + 3.0 * gaussian());
+            for (i = 0; i < N_OUTLIER_CHANNELS; i++)
+                k[outlier[i]] = (float)(8.0 + 3.0 * gaussian());
             if (t < N_SINKS)
                 for (c = 0; c < HEAD_DIM; c++) k[c] += 1.7f * sink_direction[c];
             apply_rope(k, t);
@@ -134,7 +137,8 @@ static kvmix_result pack_blocks(const kvmix_layout *layout, const float *rows, i
     if (!blocks) return KVMIX_ERR_OUT_OF_MEMORY;
     for (h = 0; h < N_KV_HEADS; h++) {
         const float *src = rows + ((size_t)first * N_KV_HEADS + h) * HEAD_DIM;
-        r = kvmix_ref_quantize(layout, src, N_KV_HEADS * HEAD_DIM, blocks + head_bytes * h, head_bytes);
+        r = kvmix_ref_quantize(layout, src, N_KV_HEADS * HEAD_DIM, blocks + head_bytes * h,
+                               head_bytes);
         if (r != KVMIX_SUCCESS) {
             free(blocks);
             return r;
@@ -165,7 +169,8 @@ static kvmix_result add_span(kvmix_span *span, const float *keys, const float *v
     span->key_layout = make_layout(key_format, n, n_boost);
     span->value_layout = make_layout(value_format, n, n_boost);
     r = pack_blocks(&span->key_layout, keys, first, &k, &span->keys_bytes);
-    if (r == KVMIX_SUCCESS) r = pack_blocks(&span->value_layout, values, first, &v, &span->values_bytes);
+    if (r == KVMIX_SUCCESS)
+        r = pack_blocks(&span->value_layout, values, first, &v, &span->values_bytes);
     if (r != KVMIX_SUCCESS) {
         free(k);
         return r;
@@ -227,8 +232,8 @@ static double full_page_bits(const policy *p) {
     return (key_bits + value_bits) / 2.0;
 }
 
-static int run_policy(const policy *p, const float *keys, const float *values,
-                      const float *queries, const float *reference) {
+static int run_policy(const policy *p, const float *keys, const float *values, const float *queries,
+                      const float *reference) {
     enum { MAX_SPANS = N_TOKENS / PAGE_TOKENS + 3 };
     static float out[N_Q_HEADS * HEAD_DIM];
     float lse[N_Q_HEADS];
@@ -279,8 +284,7 @@ int main(void) {
     printf("FP32 K+V would take %zu bytes. 'page bits': K/V bits per element of a full page;\n"
            "'all bits': of all %d tokens, where the partial last page stays FP16.\n",
            kv_floats * 2 * sizeof(float), N_TOKENS);
-    printf("%-22s %10s %10s %10s %12s\n", "format", "bytes", "page bits", "all bits",
-           "attn NMSE");
+    printf("%-22s %10s %10s %10s %12s\n", "format", "bytes", "page bits", "all bits", "attn NMSE");
     for (i = 0; i < sizeof POLICIES / sizeof POLICIES[0]; i++)
         failed |= run_policy(&POLICIES[i], keys, values, queries, reference);
     free(keys);

@@ -10,11 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CT_MAX_SEQS 6
+#define CT_MAX_SEQS   6
 #define CT_MAX_LAYERS 4
 
-static const uint8_t ct_formats[6] = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8,
-                                      KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT2,
+static const uint8_t ct_formats[6] = {KVMIX_FORMAT_FP16,         KVMIX_FORMAT_INT8,
+                                      KVMIX_FORMAT_INT4,         KVMIX_FORMAT_INT2,
                                       KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
 
 /* Precision order the cache promises: FP16 > INT8 > INT4 > BOOSTED > INT2 > INT2_CHANNEL. */
@@ -46,12 +46,12 @@ static double ct_bound(uint8_t f) {
 typedef struct ct_seq {
     int in_use;
     int32_t len;
-    int32_t *tok;               /* [max_tokens] pool index of each position */
-    uint8_t *alive;             /* [max_tokens] */
-    kvmix_cache_precision *req; /* [max_tokens] requested formats */
-    float *debt_k, *debt_v;     /* [max_tokens] error carried over from earlier quantizations */
-    uint8_t *retiered;          /* [max_tokens] its page was re-tiered: no format promise */
-    uint8_t *exempt;            /* [max_tokens] no window promise (finished, shared) */
+    int32_t *tok;                   /* [max_tokens] pool index of each position */
+    uint8_t *alive;                 /* [max_tokens] */
+    kvmix_cache_precision *req;     /* [max_tokens] requested formats */
+    float *debt_k, *debt_v;         /* [max_tokens] error carried over from earlier quantizations */
+    uint8_t *retiered;              /* [max_tokens] its page was re-tiered: no format promise */
+    uint8_t *exempt;                /* [max_tokens] no window promise (finished, shared) */
     int32_t written[CT_MAX_LAYERS]; /* positions with rows, per layer */
 } ct_seq;
 
@@ -146,8 +146,10 @@ static int32_t ct_new_token(ct_model *m) {
     float *k, *v;
     if (m->n_pool == m->pool_capacity) {
         m->pool_capacity = m->pool_capacity ? 2 * m->pool_capacity : 256;
-        m->pool_k = (float *)realloc(m->pool_k, (size_t)m->pool_capacity * m->token_floats * sizeof(float));
-        m->pool_v = (float *)realloc(m->pool_v, (size_t)m->pool_capacity * m->token_floats * sizeof(float));
+        m->pool_k =
+            (float *)realloc(m->pool_k, (size_t)m->pool_capacity * m->token_floats * sizeof(float));
+        m->pool_v =
+            (float *)realloc(m->pool_v, (size_t)m->pool_capacity * m->token_floats * sizeof(float));
         if (!m->pool_k || !m->pool_v) {
             printf("out of memory\n");
             exit(2);
@@ -239,7 +241,8 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
             bk = ct_bound(f.key_format) + q->debt_k[pos];
             bv = ct_bound(f.value_format) + q->debt_v[pos];
             for (h = 0; h < nh; h++) {
-                const float *k = ct_key(m, q->tok[pos], layer, h), *v = ct_value(m, q->tok[pos], layer, h);
+                const float *k = ct_key(m, q->tok[pos], layer, h),
+                            *v = ct_value(m, q->tok[pos], layer, h);
                 for (i = 0; i < d; i++) {
                     double ek = fabs((double)keys[h * d + i] - k[i]);
                     double ev = fabs((double)values[h * d + i] - v[i]);
@@ -284,7 +287,8 @@ static void ct_verify(ct_model *m) {
         for (s = 0; s < c->desc.max_seqs; s++)
             if (c->seqs[s].in_use)
                 for (j = 0; j < c->seqs[s].n_entries; j++)
-                    refs += c->entries[(size_t)s * c->desc.max_pages_per_seq + j].page == (uint32_t)i;
+                    refs +=
+                        c->entries[(size_t)s * c->desc.max_pages_per_seq + j].page == (uint32_t)i;
         CHECK_EQ_INT(c->pages[i].refcount, refs);
     }
     CHECK_EQ_INT(c->pages[0].refcount, 1); /* the sentinel */
@@ -302,7 +306,8 @@ static void ct_verify(ct_model *m) {
         kvmix_view_span *spans;
         int32_t first[CT_MAX_SEQS + 1];
         uint8_t *dead;
-        CHECK_RESULT(kvmix_cache_view_counts(c, seqs, n_live_seqs, &n_spans, &n_dead), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_view_counts(c, seqs, n_live_seqs, &n_spans, &n_dead),
+                     KVMIX_SUCCESS);
         spans = (kvmix_view_span *)test_alloc((size_t)(n_spans + 1) * sizeof *spans);
         dead = (uint8_t *)test_alloc((size_t)n_dead + 1);
         for (layer = 0; layer < c->desc.n_layers; layer++) {
@@ -401,18 +406,18 @@ static int32_t ct_pick_seq(ct_model *m) {
 }
 
 /* Runs a call that may fail: a failure must leave every byte as it was. */
-#define CT_CALL(m, expr, result)                                                                 \
-    do {                                                                                         \
-        ct_snapshot(m);                                                                          \
-        result = (expr);                                                                         \
-        if (result != KVMIX_SUCCESS) {                                                           \
-            ct_unchanged(m);                                                                     \
-            CHECK_MSG(result == KVMIX_ERR_OUT_OF_MEMORY, "%s: %s", #expr,                        \
-                      kvmix_result_string(result));                                              \
-            (m)->n_oom++;                                                                        \
-        } else {                                                                                 \
-            (m)->n_ops_ok++;                                                                     \
-        }                                                                                        \
+#define CT_CALL(m, expr, result)                                                                   \
+    do {                                                                                           \
+        ct_snapshot(m);                                                                            \
+        result = (expr);                                                                           \
+        if (result != KVMIX_SUCCESS) {                                                             \
+            ct_unchanged(m);                                                                       \
+            CHECK_MSG(result == KVMIX_ERR_OUT_OF_MEMORY, "%s: %s", #expr,                          \
+                      kvmix_result_string(result));                                                \
+            (m)->n_oom++;                                                                          \
+        } else {                                                                                   \
+            (m)->n_ops_ok++;                                                                       \
+        }                                                                                          \
     } while (0)
 
 static void ct_op_create(ct_model *m) {
@@ -444,8 +449,10 @@ static void ct_op_ingest(ct_model *m, int32_t s, int32_t n) {
     }
     for (layer = 0; layer < m->desc.n_layers; layer++)
         for (t = 0; t < n; t++) {
-            memcpy(keys + ((size_t)layer * n + t) * hd, ct_key(m, toks[t], layer, 0), (size_t)hd * sizeof(float));
-            memcpy(values + ((size_t)layer * n + t) * hd, ct_value(m, toks[t], layer, 0), (size_t)hd * sizeof(float));
+            memcpy(keys + ((size_t)layer * n + t) * hd, ct_key(m, toks[t], layer, 0),
+                   (size_t)hd * sizeof(float));
+            memcpy(values + ((size_t)layer * n + t) * hd, ct_value(m, toks[t], layer, 0),
+                   (size_t)hd * sizeof(float));
         }
     if (ct_n_written(m, s) < q->len) {
         /* reserved positions without all their rows: no ingest until they are written */
@@ -509,8 +516,8 @@ static void ct_op_fork(ct_model *m, int32_t s) {
     if (n_written < q->len && test_rng_range(&m->rng, 0, 3) == 0) {
         /* a prefix with positions not written on every layer cannot be forked */
         ct_snapshot(m);
-        CHECK_RESULT(kvmix_cache_seq_fork(&m->cache, s, test_rng_range(&m->rng, n_written + 1, q->len),
-                                          &child),
+        CHECK_RESULT(kvmix_cache_seq_fork(&m->cache, s,
+                                          test_rng_range(&m->rng, n_written + 1, q->len), &child),
                      KVMIX_ERR_INVALID_ARGUMENT);
         ct_unchanged(m);
         return;
@@ -611,7 +618,8 @@ static kvmix_result ct_write_layer(ct_model *m, int32_t s, int32_t layer, int32_
     int32_t t;
     for (t = 0; t < n; t++) {
         memcpy(keys + (size_t)t * hd, ct_key(m, q->tok[first + t], layer, 0), hd * sizeof(float));
-        memcpy(values + (size_t)t * hd, ct_value(m, q->tok[first + t], layer, 0), hd * sizeof(float));
+        memcpy(values + (size_t)t * hd, ct_value(m, q->tok[first + t], layer, 0),
+               hd * sizeof(float));
     }
     r = kvmix_cache_write(&m->cache, s, layer, first, n, keys, values);
     if (r == KVMIX_SUCCESS && first + n > q->written[layer]) q->written[layer] = first + n;
@@ -666,8 +674,10 @@ static void ct_op_append_layers(ct_model *m, int32_t s, int32_t n) {
         CHECK_RESULT(kvmix_cache_read(c, s, last, layer, keys, values, NULL),
                      KVMIX_ERR_INVALID_ARGUMENT);
         split = test_rng_range(&m->rng, from, q->len);
-        if (split > from) CHECK_RESULT(ct_write_layer(m, s, layer, from, split - from), KVMIX_SUCCESS);
-        if (q->len > split) CHECK_RESULT(ct_write_layer(m, s, layer, split, q->len - split), KVMIX_SUCCESS);
+        if (split > from)
+            CHECK_RESULT(ct_write_layer(m, s, layer, from, split - from), KVMIX_SUCCESS);
+        if (q->len > split)
+            CHECK_RESULT(ct_write_layer(m, s, layer, split, q->len - split), KVMIX_SUCCESS);
         /* the new rows are FP16 buffer rows: read back exactly */
         if (CHECK_RESULT(kvmix_cache_read(c, s, last, layer, keys, values, NULL), KVMIX_SUCCESS))
             for (i = 0; i < hd; i++) {
@@ -710,8 +720,9 @@ static void ct_op_retier(ct_model *m, int32_t s, int up) {
         kvmix_cache_precision p16;
         p16.key_format = p16.value_format = KVMIX_FORMAT_FP16;
         ct_snapshot(m);
-        CHECK_RESULT(kvmix_cache_retier(&m->cache, s, pos, p16, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL),
-                     KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(
+            kvmix_cache_retier(&m->cache, s, pos, p16, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL),
+            KVMIX_ERR_INVALID_ARGUMENT);
         ct_unchanged(m);
         return;
     }
@@ -741,11 +752,13 @@ static void ct_op_retier(ct_model *m, int32_t s, int up) {
                     kvmix_cache_read(c, s2, p2, layer, keys, values, NULL);
                     for (h = 0; h < c->desc.n_kv_heads; h++)
                         for (i = 0; i < d; i++) {
-                            size_t at = (((size_t)layer * n_rows + row) * c->desc.n_kv_heads + h) * d + i;
+                            size_t at =
+                                (((size_t)layer * n_rows + row) * c->desc.n_kv_heads + h) * d + i;
                             float ok = ct_key(m, q2->tok[p2], layer, h)[i];
                             float ov = ct_value(m, q2->tok[p2], layer, h)[i];
                             rk[at] = mode == KVMIX_CACHE_ROWS_ORIGINAL ? ok : ok - keys[h * d + i];
-                            rv[at] = mode == KVMIX_CACHE_ROWS_ORIGINAL ? ov : ov - values[h * d + i];
+                            rv[at] =
+                                mode == KVMIX_CACHE_ROWS_ORIGINAL ? ov : ov - values[h * d + i];
                         }
                 }
             }
@@ -877,7 +890,8 @@ static void ct_fill(ct_model *m, int32_t s, int32_t n, uint8_t kf, uint8_t vf) {
         float *values = (float *)test_alloc((size_t)m->token_floats * sizeof(float));
         for (layer = 0; layer < m->desc.n_layers; layer++) {
             memcpy(keys + (size_t)layer * hd, ct_key(m, tok, layer, 0), (size_t)hd * sizeof(float));
-            memcpy(values + (size_t)layer * hd, ct_value(m, tok, layer, 0), (size_t)hd * sizeof(float));
+            memcpy(values + (size_t)layer * hd, ct_value(m, tok, layer, 0),
+                   (size_t)hd * sizeof(float));
         }
         p.key_format = kf;
         p.value_format = vf;
@@ -939,11 +953,13 @@ static void test_decode_reaches_2bit(void) {
         kvmix_cache_seq_stats ss;
         CHECK_RESULT(kvmix_cache_stats_get(&m.cache, &st), KVMIX_SUCCESS);
         CHECK_RESULT(kvmix_cache_seq_stats_get(&m.cache, s, &ss), KVMIX_SUCCESS);
-        CHECK(st.format_bytes[KVMIX_FORMAT_INT2_CHANNEL] > 0 && st.format_bytes[KVMIX_FORMAT_INT8] > 0);
+        CHECK(st.format_bytes[KVMIX_FORMAT_INT2_CHANNEL] > 0 &&
+              st.format_bytes[KVMIX_FORMAT_INT8] > 0);
         CHECK(st.bits_per_element > st.arena_bits_per_element && st.arena_bits_per_element > 2.0);
         CHECK_EQ_INT(ss.n_fp16_rows, 4 + 16); /* sinks and the full window page [84, 100) */
         CHECK_EQ_INT(st.n_buffer_pages, 1);
-        CHECK_NEAR(ss.attributed_bytes - (double)ss.metadata_bytes, (double)st.arena_used_bytes, 0.5);
+        CHECK_NEAR(ss.attributed_bytes - (double)ss.metadata_bytes, (double)st.arena_used_bytes,
+                   0.5);
     }
     ct_close(&m);
 }
@@ -1082,13 +1098,15 @@ static void test_reserve_write(void) {
     /* 16 decode steps fill the first page; the next reserve seals it */
     for (pos = 0; pos < 16; pos++) {
         CHECK_RESULT(ct_reserve(&m, s, 1, &p4), KVMIX_SUCCESS);
-        for (layer = 0; layer < 2; layer++) CHECK_RESULT(ct_write_layer(&m, s, layer, pos, 1), KVMIX_SUCCESS);
+        for (layer = 0; layer < 2; layer++)
+            CHECK_RESULT(ct_write_layer(&m, s, layer, pos, 1), KVMIX_SUCCESS);
     }
     CHECK(!ct_sealed_at(&m, s, 0));
     CHECK_RESULT(ct_reserve(&m, s, 1, &p4), KVMIX_SUCCESS);
     CHECK(ct_sealed_at(&m, s, 0));
     CHECK_EQ_INT(ct_format_at(&m, s, 0).key_format, KVMIX_FORMAT_INT4);
-    for (layer = 0; layer < 2; layer++) CHECK_RESULT(ct_write_layer(&m, s, layer, 16, 1), KVMIX_SUCCESS);
+    for (layer = 0; layer < 2; layer++)
+        CHECK_RESULT(ct_write_layer(&m, s, layer, 16, 1), KVMIX_SUCCESS);
     ct_verify(&m);
     /* a full page with a layer not written stays FP16 through reserves and finish */
     CHECK_RESULT(ct_reserve(&m, s, 15, &p4), KVMIX_SUCCESS); /* [17, 32): the second page is full */
@@ -1121,7 +1139,8 @@ static void test_reserve_write(void) {
     for (layer = 0; layer < 2; layer++) {
         /* logits of the other tokens are at most 1/8: lse <= 1/8 + log 48 */
         ct_decode_one(&m, s, layer, q, out, lse);
-        for (h = 0; h < nh; h++) CHECK_MSG(lse[h] < 4.5f, "layer %d before its write: lse %g", (int)layer, lse[h]);
+        for (h = 0; h < nh; h++)
+            CHECK_MSG(lse[h] < 4.5f, "layer %d before its write: lse %g", (int)layer, lse[h]);
         CHECK_RESULT(ct_write_layer(&m, s, layer, 48, 1), KVMIX_SUCCESS);
         ct_decode_one(&m, s, layer, q, out, lse);
         for (h = 0; h < nh; h++) {
@@ -1183,25 +1202,32 @@ static void test_reserve_write_bad_inputs(void) {
     CHECK_RESULT(kvmix_cache_write(&m.cache, 3, 0, 20, 2, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, -1, 20, 2, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 2, 20, 2, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 3, rows, rows), KVMIX_ERR_INVALID_ARGUMENT); /* 22 not reserved */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 3, rows, rows),
+                 KVMIX_ERR_INVALID_ARGUMENT); /* 22 not reserved */
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 22, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 21, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT); /* a gap */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 21, 1, rows, rows),
+                 KVMIX_ERR_INVALID_ARGUMENT); /* a gap */
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, -1, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, -1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 1, 3, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT); /* sealed */
-    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 16, 3, rows, rows), KVMIX_ERR_INVALID_ARGUMENT); /* 17 evicted */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 1, 3, 1, rows, rows),
+                 KVMIX_ERR_INVALID_ARGUMENT); /* sealed */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 16, 3, rows, rows),
+                 KVMIX_ERR_INVALID_ARGUMENT); /* 17 evicted */
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, NULL, rows), KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, rows, NULL), KVMIX_ERR_NULL_POINTER);
     bad[2 * hd - 1] = NAN; /* the last row of position 21 */
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, rows, bad), KVMIX_ERR_BAD_VALUE);
-    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 1, 19, 3, bad, rows), KVMIX_ERR_BAD_VALUE); /* a rewrite of 19 too */
+    CHECK_RESULT(kvmix_cache_write(&m.cache, s, 1, 19, 3, bad, rows),
+                 KVMIX_ERR_BAD_VALUE); /* a rewrite of 19 too */
     bad[2 * hd - 1] = -INFINITY;
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, bad, rows), KVMIX_ERR_BAD_VALUE);
     bad[2 * hd - 1] = 70000.0f;
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, bad, rows), KVMIX_ERR_BAD_VALUE);
     /* calls that need every layer written; reads of rows not written */
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 20, 0, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 20, 0, rows, rows, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
     pos = 20;
     CHECK_RESULT(kvmix_cache_evict(&m.cache, s, &pos, 1), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_seq_fork(&m.cache, s, 21, &child), KVMIX_ERR_INVALID_ARGUMENT);
@@ -1212,7 +1238,8 @@ static void test_reserve_write_bad_inputs(void) {
     /* layer 0 written: its rows read, layer 1's still refused, still no fork past them */
     CHECK_RESULT(ct_write_layer(&m, s, 0, 20, 2), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 0, rows, rows, NULL), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_seq_fork(&m.cache, s, 21, &child), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(ct_write_layer(&m, s, 1, 20, 2), KVMIX_SUCCESS);
     ct_verify(&m);
@@ -1226,7 +1253,8 @@ static void test_reserve_write_bad_inputs(void) {
     CHECK(m.cache.pages[ct_page_of(&m, slot)].refcount == 2);
     ct_snapshot(&m);
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 1, 18, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_write(&m.cache, child, 0, 21, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write(&m.cache, child, 0, 21, 1, rows, rows),
+                 KVMIX_ERR_INVALID_ARGUMENT);
     ct_unchanged(&m);
     CHECK_RESULT(ct_reserve(&m, s, 1, &p4), KVMIX_SUCCESS); /* copies the page on write */
     m.seqs[s].tok[18] = ct_new_token_from(&m, m.seqs[s].tok[18], 0);
@@ -1256,27 +1284,39 @@ static void test_bad_inputs(void) {
     ct_small_desc(&d);
     /* descs */
     CHECK_RESULT(kvmix_cache_desc_resolve(NULL), KVMIX_ERR_NULL_POINTER);
-    bad = d; bad.n_layers = 0;
+    bad = d;
+    bad.n_layers = 0;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
-    bad = d; bad.head_dim = 48;
+    bad = d;
+    bad.head_dim = 48;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
-    bad = d; bad.page_tokens = 12;
+    bad = d;
+    bad.page_tokens = 12;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
-    bad = d; bad.n_sink = 17;
+    bad = d;
+    bad.n_sink = 17;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
-    bad = d; bad.group_size = 24;
+    bad = d;
+    bad.group_size = 24;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
-    bad = d; bad.n_boost = 6;
+    bad = d;
+    bad.n_boost = 6;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
-    bad = d; bad.granule_bytes = 100;
+    bad = d;
+    bad.granule_bytes = 100;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
-    bad = d; bad.arena_bytes = 0;
+    bad = d;
+    bad.arena_bytes = 0;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
-    bad = d; bad.partial = (kvmix_cache_partial)7;
+    bad = d;
+    bad.partial = (kvmix_cache_partial)7;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
-    bad = d; bad.default_precision.key_format = 9;
+    bad = d;
+    bad.default_precision.key_format = 9;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_UNKNOWN_FORMAT);
-    bad = d; bad.max_seqs = 1 << 20; bad.max_tokens_per_seq = 1 << 26;
+    bad = d;
+    bad.max_seqs = 1 << 20;
+    bad.max_tokens_per_seq = 1 << 26;
     CHECK_RESULT(kvmix_cache_memory_bytes(&bad, &bytes),
                  sizeof(size_t) >= 8 ? KVMIX_ERR_INVALID_ARGUMENT : KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
@@ -1289,8 +1329,9 @@ static void test_bad_inputs(void) {
         kvmix_cache other;
         CHECK_RESULT(kvmix_cache_init(&other, &bad, m.memory, m.memory_bytes - 1, m.arena),
                      KVMIX_ERR_BUFFER_TOO_SMALL);
-        CHECK_RESULT(kvmix_cache_init(&other, &bad, (uint8_t *)m.memory + 1, m.memory_bytes, m.arena),
-                     KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(
+            kvmix_cache_init(&other, &bad, (uint8_t *)m.memory + 1, m.memory_bytes, m.arena),
+            KVMIX_ERR_INVALID_ARGUMENT);
         CHECK_RESULT(kvmix_cache_init(&other, &bad, NULL, m.memory_bytes, m.arena),
                      KVMIX_ERR_NULL_POINTER);
     }
@@ -1358,7 +1399,8 @@ static void test_bad_inputs(void) {
     }
     ct_unchanged(&m);
     /* sequences run out */
-    for (i = 0; i < CT_MAX_SEQS - 1; i++) CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &out), KVMIX_SUCCESS);
+    for (i = 0; i < CT_MAX_SEQS - 1; i++)
+        CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &out), KVMIX_SUCCESS);
     ct_snapshot(&m);
     CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &out), KVMIX_ERR_OUT_OF_MEMORY);
     CHECK_RESULT(kvmix_cache_seq_fork(&m.cache, s, 3, &out), KVMIX_ERR_OUT_OF_MEMORY);
@@ -1403,7 +1445,8 @@ static void test_allocator_init(void) {
     p.key_format = KVMIX_FORMAT_BOOSTED;
     p.value_format = KVMIX_FORMAT_INT2;
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
-    for (i = 0; i < 40; i++) CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, p), KVMIX_SUCCESS);
+    for (i = 0; i < 40; i++)
+        CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, p), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
     kvmix_cache_deinit(&cache);
     CHECK_EQ_INT(count.live, 0);

@@ -1363,10 +1363,10 @@ static void test_corrupt_data(void) {
                 int field; /* 0 = scale, 1 = min */
                 uint16_t half;
                 const char *what;
-            } cases[] = {{0, 0x7e00, "a NaN scale"},      {0, 0xbc00, "a negative scale (-1)"},
-                         {0, 0xfbff, "scale -65504"},     {0, 0x7c00, "an infinite scale"},
-                         {0, 0x8001, "scale -2^-24"},     {1, 0x7c00, "an infinite min"},
-                         {1, 0xfc00, "a -infinite min"},  {1, 0xfe01, "a NaN min"},
+            } cases[] = {{0, 0x7e00, "a NaN scale"},       {0, 0xbc00, "a negative scale (-1)"},
+                         {0, 0xfbff, "scale -65504"},      {0, 0x7c00, "an infinite scale"},
+                         {0, 0x8001, "scale -2^-24"},      {1, 0x7c00, "an infinite min"},
+                         {1, 0xfc00, "a -infinite min"},   {1, 0xfe01, "a NaN min"},
                          {0, 0xfc00, "a -infinite scale"}, {0, 0x8000, "scale -0"}};
             for (i = 0; i < N_ELEMS(cases); i++) {
                 /* first, last and a random entry of the meta section */

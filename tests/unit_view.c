@@ -11,8 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define VIEW_MAX_SPANS 16
-#define VIEW_MAX_SEQS 4
+#define VIEW_MAX_SPANS  16
+#define VIEW_MAX_SEQS   4
 #define VIEW_BASE_BYTES (8u << 20) /* room for the largest random view: 16 spans of 70 FP16 rows */
 
 typedef struct test_view {
@@ -25,8 +25,8 @@ typedef struct test_view {
 
 static const kvmix_format KEY_FORMATS[] = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4,
                                            KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
-static const kvmix_format VALUE_FORMATS[] = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4,
-                                             KVMIX_FORMAT_INT2};
+static const kvmix_format VALUE_FORMATS[] = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8,
+                                             KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT2};
 
 static kvmix_layout view_layout(const kvmix_view *v, kvmix_format format, int32_t n_tokens) {
     kvmix_layout l;
@@ -87,8 +87,8 @@ static void build_view(test_rng *rng, test_view *tv, int32_t n_seqs, int32_t n_k
             vs->value_format = (uint8_t)VALUE_FORMATS[test_rng_range(rng, 0, 3)];
             vs->key_offset = put_blocks(rng, tv, (kvmix_format)vs->key_format, n_tokens, &used,
                                         &vs->key_head_bytes);
-            vs->value_offset = put_blocks(rng, tv, (kvmix_format)vs->value_format, n_tokens,
-                                          &used, &vs->value_head_bytes);
+            vs->value_offset = put_blocks(rng, tv, (kvmix_format)vs->value_format, n_tokens, &used,
+                                          &vs->value_head_bytes);
             vs->dead_index = -1;
             if (test_rng_range(rng, 0, 1)) {
                 vs->dead_index = tv->view.n_dead_flags;
@@ -110,8 +110,9 @@ static void span_row(const test_view *tv, const kvmix_view_span *vs, int is_valu
     uint32_t stride = is_value ? vs->value_head_bytes : vs->key_head_bytes;
     size_t block = 0;
     kvmix_layout_bytes(&l, &block);
-    CHECK_RESULT(kvmix_ref_dequantize_row(&l, tv->base + offset + (size_t)stride * h, block, t, row),
-                 KVMIX_SUCCESS);
+    CHECK_RESULT(
+        kvmix_ref_dequantize_row(&l, tv->base + offset + (size_t)stride * h, block, t, row),
+        KVMIX_SUCCESS);
 }
 
 static int token_dead(const test_view *tv, const kvmix_view_span *vs, int32_t t) {
@@ -119,8 +120,8 @@ static int token_dead(const test_view *tv, const kvmix_view_span *vs, int32_t t)
 }
 
 /* Double-precision decode of one query row q over kv head h of sequence s. */
-static void reference_decode(const test_view *tv, int32_t s, int32_t h, const float *q,
-                             double *out, double *lse) {
+static void reference_decode(const test_view *tv, int32_t s, int32_t h, const float *q, double *out,
+                             double *lse) {
     int32_t d = tv->view.head_dim, i, t, c, pass;
     double max = -INFINITY, sum = 0.0, scale = 1.0 / sqrt((double)d);
     float key[KVMIX_MAX_HEAD_DIM], value[KVMIX_MAX_HEAD_DIM];
@@ -206,8 +207,10 @@ static void check_score(test_rng *rng, test_view *tv, int32_t n_q) {
                 }
                 CHECK_NEAR(scores[pos], sum, 1e-5 * magnitude);
             }
-        for (i = pos < capacity ? pos : capacity; i < (int32_t)(sizeof scores / sizeof scores[0]); i++)
-            CHECK_MSG(scores[i] == 12345.0f, "score %d past the sequence or capacity written", (int)i);
+        for (i = pos < capacity ? pos : capacity; i < (int32_t)(sizeof scores / sizeof scores[0]);
+             i++)
+            CHECK_MSG(scores[i] == 12345.0f, "score %d past the sequence or capacity written",
+                      (int)i);
     }
     free(memory);
 }
@@ -220,7 +223,7 @@ static void check_bad_views(test_rng *rng, test_view *tv) {
     kvmix_view_span span0;
     int32_t first0, i;
     for (i = 0; i < N_Q * 64; i++) q[i] = memory[i] = (float)test_rng_normal(rng);
-#define EXPECT_VIEW(code, what)                                                                   \
+#define EXPECT_VIEW(code, what)                                                                    \
     do {                                                                                           \
         test_context("bad view: %s", what);                                                        \
         test_poison(out, sizeof out, 1);                                                           \
