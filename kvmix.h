@@ -117,6 +117,10 @@ typedef enum kvmix_format {
     KVMIX_FORMAT_BOOSTED = 6       /* per channel, top-k channels by mean |x| keep 4 bits (keys) */
 } kvmix_format;
 
+/* The format's lowercase name ("fp16", "int8", "int4", "int2", "int2_channel", "boosted"), as
+   policy documents spell it; "unknown" for a value that is not a kvmix_format. Never NULL. */
+KVMIXDEF const char *kvmix_format_name(kvmix_format format);
+
 #define KVMIX_GROUP_SIZE_DEFAULT 32
 #define KVMIX_MAX_HEAD_DIM       512
 #define KVMIX_BOOST_NONE         0xFF /* channel-to-slot index entry of a channel that is not boosted */
@@ -746,6 +750,18 @@ static int kvmix__format_bits(kvmix_format format) {
     case KVMIX_FORMAT_BOOSTED: return 2;
     }
     return 0;
+}
+
+KVMIXDEF const char *kvmix_format_name(kvmix_format format) {
+    switch (format) {
+    case KVMIX_FORMAT_FP16: return "fp16";
+    case KVMIX_FORMAT_INT8: return "int8";
+    case KVMIX_FORMAT_INT4: return "int4";
+    case KVMIX_FORMAT_INT2: return "int2";
+    case KVMIX_FORMAT_INT2_CHANNEL: return "int2_channel";
+    case KVMIX_FORMAT_BOOSTED: return "boosted";
+    }
+    return "unknown";
 }
 
 static int kvmix__is_per_token_int(kvmix_format format) {

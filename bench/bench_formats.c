@@ -127,18 +127,6 @@ static double time_op(bench_state *s, const bench_config *cfg, double *busy) {
     return reps[cfg->reps / 2];
 }
 
-static const char *format_name(kvmix_format f) {
-    switch (f) {
-    case KVMIX_FORMAT_FP16: return "FP16";
-    case KVMIX_FORMAT_INT8: return "INT8";
-    case KVMIX_FORMAT_INT4: return "INT4";
-    case KVMIX_FORMAT_INT2: return "INT2";
-    case KVMIX_FORMAT_INT2_CHANNEL: return "INT2_CHANNEL";
-    case KVMIX_FORMAT_BOOSTED: return "BOOSTED";
-    }
-    return "?";
-}
-
 static void print_cpu(void) {
     FILE *f = fopen("/proc/cpuinfo", "r");
     char line[256];
@@ -276,7 +264,7 @@ int main(int argc, char **argv) {
         if (formats[f] == KVMIX_FORMAT_BOOSTED) l.n_boost = cfg.boost;
         if (kvmix_layout_bytes(&l, &s.block_bytes) != KVMIX_SUCCESS ||
             kvmix_layout_bits(&l, &bits) != KVMIX_SUCCESS) {
-            printf("%-13s invalid layout for this configuration\n", format_name(formats[f]));
+            printf("%-13s invalid layout for this configuration\n", kvmix_format_name(formats[f]));
             status = 1;
             continue;
         }
@@ -289,14 +277,14 @@ int main(int argc, char **argv) {
             secs = time_op(&s, &cfg, &busy);
             if (busy < min_busy) min_busy = busy;
             if (s.failed) {
-                printf("%-13s %-10s failed\n", format_name(formats[f]),
+                printf("%-13s %-10s failed\n", kvmix_format_name(formats[f]),
                        b ? "dequantize" : "quantize");
                 status = 1;
                 continue;
             }
-            printf("%-13s %-10s %10.3f %11.3f %9.4g %10.4f %10.2f %5.0f\n", format_name(formats[f]),
-                   b ? "dequantize" : "quantize", fp32_bytes / secs * 1e-9,
-                   packed_bytes / secs * 1e-9, bits, memcpy_s / secs,
+            printf("%-13s %-10s %10.3f %11.3f %9.4g %10.4f %10.2f %5.0f\n",
+                   kvmix_format_name(formats[f]), b ? "dequantize" : "quantize",
+                   fp32_bytes / secs * 1e-9, packed_bytes / secs * 1e-9, bits, memcpy_s / secs,
                    secs / BLOCKS_PER_BUFFER * 1e6, 100.0 * busy);
         }
     }

@@ -224,6 +224,18 @@ double test_rng_normal(test_rng *rng) {
 }
 
 /* ---- shared references -------------------------------------------------------------------- */
+kvmix_layout test_layout(kvmix_format format, int32_t n_tokens, int32_t head_dim,
+                         int32_t group_size, int32_t n_boost) {
+    kvmix_layout l;
+    memset(&l, 0, sizeof l);
+    l.format = format;
+    l.n_tokens = n_tokens;
+    l.head_dim = head_dim;
+    l.group_size = group_size;
+    l.n_boost = n_boost;
+    return l;
+}
+
 uint32_t test_float_bits(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);

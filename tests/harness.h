@@ -97,6 +97,10 @@ uint16_t test_ref_fp32_to_fp16(float value);
 /* The same for bfloat16 (neighbours by truncating the float's bits). */
 uint16_t test_ref_fp32_to_bf16(float value);
 
+/* A layout of the given fields (format, n_tokens, head_dim, group_size, n_boost). */
+kvmix_layout test_layout(kvmix_format format, int32_t n_tokens, int32_t head_dim,
+                         int32_t group_size, int32_t n_boost);
+
 uint32_t test_float_bits(float value);
 float test_bits_float(uint32_t bits);
 

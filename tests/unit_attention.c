@@ -41,17 +41,6 @@ typedef struct built_span {
     float *kdec, *vdec; /* [n_kv][n][D] dequantized keys and values */
 } built_span;
 
-static kvmix_layout make_layout(kvmix_format f, int32_t n, int32_t d, int32_t g, int32_t k) {
-    kvmix_layout l;
-    memset(&l, 0, sizeof l);
-    l.format = f;
-    l.n_tokens = n;
-    l.head_dim = d;
-    l.group_size = g;
-    l.n_boost = k;
-    return l;
-}
-
 /* Keys: per-channel offsets and a few high-magnitude channels, as in real models; values:
    smaller, centred. */
 static void gen_rows(test_rng *rng, float *x, int32_t n, int32_t d, int is_key) {
@@ -97,9 +86,9 @@ static uint8_t *build_blocks(test_rng *rng, const kvmix_layout *l, int32_t n_kv,
 static void build_span(test_rng *rng, built_span *b, const span_desc *s, int32_t n_kv, int32_t d) {
     int32_t t;
     memset(b, 0, sizeof *b);
-    b->span.key_layout = make_layout(s->key_format, s->n_tokens, d, s->key_group, s->key_boost);
+    b->span.key_layout = test_layout(s->key_format, s->n_tokens, d, s->key_group, s->key_boost);
     b->span.value_layout =
-        make_layout(s->value_format, s->n_tokens, d, s->value_group, s->value_boost);
+        test_layout(s->value_format, s->n_tokens, d, s->value_group, s->value_boost);
     b->keys = build_blocks(rng, &b->span.key_layout, n_kv, s->key_pad, 1, &b->span.key_head_bytes,
                            &b->span.keys_bytes, &b->kdec);
     b->values = build_blocks(rng, &b->span.value_layout, n_kv, s->value_pad, 0,

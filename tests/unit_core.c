@@ -285,7 +285,28 @@ static void test_bf16_random(void) {
               kvmix_fp32_to_bf16(first), test_ref_fp32_to_bf16(first));
 }
 
+/* Format names are the lowercase spellings policies use; unknown values say so. */
+static void test_format_names(void) {
+    static const struct {
+        kvmix_format format;
+        const char *name;
+    } names[] = {{KVMIX_FORMAT_FP16, "fp16"},
+                 {KVMIX_FORMAT_INT8, "int8"},
+                 {KVMIX_FORMAT_INT4, "int4"},
+                 {KVMIX_FORMAT_INT2, "int2"},
+                 {KVMIX_FORMAT_INT2_CHANNEL, "int2_channel"},
+                 {KVMIX_FORMAT_BOOSTED, "boosted"}};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++)
+        CHECK_MSG(strcmp(kvmix_format_name(names[i].format), names[i].name) == 0,
+                  "format %d is named %s, expected %s", (int)names[i].format,
+                  kvmix_format_name(names[i].format), names[i].name);
+    CHECK(strcmp(kvmix_format_name((kvmix_format)0), "unknown") == 0);
+    CHECK(strcmp(kvmix_format_name((kvmix_format)7), "unknown") == 0);
+}
+
 void unit_core(void) {
+    test_format_names();
     test_result_strings();
     test_version();
     test_fp16_exhaustive();

@@ -19,31 +19,8 @@ static const kvmix_format ALL_FORMATS[] = {KVMIX_FORMAT_FP16,         KVMIX_FORM
                                            KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
 #define N_ELEMS(a) (sizeof(a) / sizeof((a)[0]))
 
-static const char *format_name(kvmix_format f) {
-    switch (f) {
-    case KVMIX_FORMAT_FP16: return "FP16";
-    case KVMIX_FORMAT_INT8: return "INT8";
-    case KVMIX_FORMAT_INT4: return "INT4";
-    case KVMIX_FORMAT_INT2: return "INT2";
-    case KVMIX_FORMAT_INT2_CHANNEL: return "INT2_CHANNEL";
-    case KVMIX_FORMAT_BOOSTED: return "BOOSTED";
-    }
-    return "?";
-}
-
 static int is_per_token(kvmix_format f) {
     return f == KVMIX_FORMAT_INT8 || f == KVMIX_FORMAT_INT4 || f == KVMIX_FORMAT_INT2;
-}
-
-static kvmix_layout make_layout(kvmix_format f, int32_t n, int32_t d, int32_t g, int32_t k) {
-    kvmix_layout l;
-    memset(&l, 0, sizeof l);
-    l.format = f;
-    l.n_tokens = n;
-    l.head_dim = d;
-    l.group_size = g;
-    l.n_boost = k;
-    return l;
 }
 
 /* ---- the documented layout, re-implemented ------------------------------------------------ */
@@ -394,7 +371,7 @@ static void gen_data(test_rng *rng, float *x, int32_t n, int32_t d, int32_t stri
 /* ---- round trip over every shape ---------------------------------------------------------- */
 static void roundtrip_case(test_rng *rng, kvmix_format format, int32_t d, int32_t n, int32_t g,
                            int32_t k) {
-    kvmix_layout l = make_layout(format, n, d, g, k), resolved = l;
+    kvmix_layout l = test_layout(format, n, d, g, k), resolved = l;
     spec s = spec_of(&l);
     int32_t stride = d + ((test_rng_u32(rng) & 1) ? test_rng_range(rng, 1, 9) : 0);
     int32_t dst_stride = d + ((test_rng_u32(rng) & 1) ? test_rng_range(rng, 1, 5) : 0);
@@ -404,8 +381,8 @@ static void roundtrip_case(test_rng *rng, kvmix_format format, int32_t d, int32_
     uint8_t *packed, *packed_compact, *exact;
     findings f;
     int32_t t, c;
-    test_context("round trip %s D=%d n=%d G=%d k=%d stride=%d", format_name(format), (int)d, (int)n,
-                 (int)g, (int)k, (int)stride);
+    test_context("round trip %s D=%d n=%d G=%d k=%d stride=%d", kvmix_format_name(format), (int)d,
+                 (int)n, (int)g, (int)k, (int)stride);
     if (!CHECK_RESULT(kvmix_layout_resolve(&resolved), KVMIX_SUCCESS)) return;
     CHECK_EQ_INT(resolved.group_size, is_per_token(format) ? (g ? g : 32) : 0);
     if (!CHECK_RESULT(kvmix_layout_bytes(&l, &bytes), KVMIX_SUCCESS)) return;
@@ -553,9 +530,9 @@ static void test_sizes_and_bits(void) {
     size_t i;
     for (i = 0; i < N_ELEMS(cases); i++) {
         kvmix_layout l =
-            make_layout(cases[i].format, cases[i].n, cases[i].d, cases[i].g, cases[i].k);
+            test_layout(cases[i].format, cases[i].n, cases[i].d, cases[i].g, cases[i].k);
         double bits = -1.0;
-        test_context("bits %s n=%d D=%d G=%d k=%d", format_name(l.format), (int)l.n_tokens,
+        test_context("bits %s n=%d D=%d G=%d k=%d", kvmix_format_name(l.format), (int)l.n_tokens,
                      (int)l.head_dim, (int)l.group_size, (int)l.n_boost);
         CHECK_RESULT(kvmix_layout_bits(&l, &bits), KVMIX_SUCCESS);
         CHECK_MSG(bits == cases[i].bits, "kvmix_layout_bits = %.17g, expected exactly %.17g", bits,
@@ -564,7 +541,7 @@ static void test_sizes_and_bits(void) {
     test_context(NULL);
     /* n_tokens 0: no bits per element; the output is not written */
     {
-        kvmix_layout l = make_layout(KVMIX_FORMAT_INT4, 0, 64, 0, 0);
+        kvmix_layout l = test_layout(KVMIX_FORMAT_INT4, 0, 64, 0, 0);
         double bits = 7.0;
         size_t bytes = 99;
         CHECK_RESULT(kvmix_layout_bits(&l, &bits), KVMIX_ERR_INVALID_ARGUMENT);
@@ -585,11 +562,11 @@ static void test_sizes_and_bits(void) {
     }
     /* large blocks: sizes are size_t arithmetic (no int overflow) */
     {
-        kvmix_layout l = make_layout(KVMIX_FORMAT_FP16, INT32_MAX, 512, 0, 0);
+        kvmix_layout l = test_layout(KVMIX_FORMAT_FP16, INT32_MAX, 512, 0, 0);
         size_t bytes = 0;
         CHECK_RESULT(kvmix_layout_bytes(&l, &bytes), KVMIX_SUCCESS);
         CHECK_EQ_UINT(bytes, (size_t)2 * 512 * (size_t)INT32_MAX);
-        l = make_layout(KVMIX_FORMAT_BOOSTED, INT32_MAX, 512, 0, 252);
+        l = test_layout(KVMIX_FORMAT_BOOSTED, INT32_MAX, 512, 0, 252);
         CHECK_RESULT(kvmix_layout_bytes(&l, &bytes), KVMIX_SUCCESS);
         CHECK_EQ_UINT(bytes, formula_bytes(l.format, (size_t)INT32_MAX, 512, 0, 252));
     }
@@ -676,7 +653,7 @@ static void golden_fp16(void) {
     x[11] = -65500.0f;
     x[12] = 0x1p-14f;
     x[13] = 1.0f - 0x1p-12f;
-    golden("FP16 D=32 n=2", make_layout(KVMIX_FORMAT_FP16, 2, 32, 0, 0), x, want, sizeof want);
+    golden("FP16 D=32 n=2", test_layout(KVMIX_FORMAT_FP16, 2, 32, 0, 0), x, want, sizeof want);
 }
 
 /* INT8, D = 32, G = 8, 2 tokens: data [2][32] codes, then meta [2][4] (scale, min).
@@ -722,7 +699,7 @@ static void golden_int8(void) {
         x[24 + c] = -8.0f + k3[c] / 32.0f;
     }
     for (c = 0; c < 32; c++) x[32 + c] = (float)c;
-    golden("INT8 D=32 G=8 n=2", make_layout(KVMIX_FORMAT_INT8, 2, 32, 8, 0), x, want, sizeof want);
+    golden("INT8 D=32 G=8 n=2", test_layout(KVMIX_FORMAT_INT8, 2, 32, 8, 0), x, want, sizeof want);
 }
 
 /* INT4, D = 32, G = 16, 1 token: data 16 bytes (channel 2i in the low nibble of byte i), then
@@ -747,7 +724,7 @@ static void golden_int4(void) {
         x[c] = -3.0f + 0.5f * k0[c];
         x[16 + c] = u1[c] * 0x1p-24f;
     }
-    golden("INT4 D=32 G=16 n=1", make_layout(KVMIX_FORMAT_INT4, 1, 32, 16, 0), x, want,
+    golden("INT4 D=32 G=16 n=1", test_layout(KVMIX_FORMAT_INT4, 1, 32, 16, 0), x, want,
            sizeof want);
 }
 
@@ -769,7 +746,7 @@ static void golden_int2(void) {
         x[c] = c < 8 ? head[c] : (float)(-1 + c % 4);
         x[32 + c] = 5.0f;
     }
-    golden("INT2 D=32 G=0 n=2", make_layout(KVMIX_FORMAT_INT2, 2, 32, 0, 0), x, want, sizeof want);
+    golden("INT2 D=32 G=0 n=2", test_layout(KVMIX_FORMAT_INT2, 2, 32, 0, 0), x, want, sizeof want);
 }
 
 /* INT2_CHANNEL, D = 32, 4 tokens: data [4][8], then meta [32] per channel over the 4 tokens.
@@ -811,7 +788,7 @@ static void golden_int2_channel(void) {
     x[1 * 32 + 1] = 2.0f / 3.0f;
     x[2 * 32 + 1] = 1.0f;
     x[3 * 32 + 1] = 0.0f;
-    golden("INT2_CHANNEL D=32 n=4", make_layout(KVMIX_FORMAT_INT2_CHANNEL, 4, 32, 0, 0), x, want,
+    golden("INT2_CHANNEL D=32 n=4", test_layout(KVMIX_FORMAT_INT2_CHANNEL, 4, 32, 0, 0), x, want,
            sizeof want);
 }
 
@@ -859,7 +836,7 @@ static void golden_boosted(void) {
     static const float ch30[4] = {0, 0, 24, 0};
     uint8_t want[196];
     float x[4 * 32], dec[4 * 32];
-    kvmix_layout l = make_layout(KVMIX_FORMAT_BOOSTED, 4, 32, 0, 4);
+    kvmix_layout l = test_layout(KVMIX_FORMAT_BOOSTED, 4, 32, 0, 4);
     int t, c;
     memcpy(want, dense_high, sizeof dense_high);
     for (c = 0; c < 32; c++) {
@@ -935,7 +912,7 @@ static void test_boost_ranking(void) {
     test_rng_init(&rng, "formats/boost_ranking");
     /* sum of |x|, not max |x| or sum of x: channel 21 alternates +-5 (sum of x is 0) */
     {
-        kvmix_layout l = make_layout(KVMIX_FORMAT_BOOSTED, 8, 32, 0, 4);
+        kvmix_layout l = test_layout(KVMIX_FORMAT_BOOSTED, 8, 32, 0, 4);
         float x[8 * 32];
         uint8_t block[8 * 8 + 8 * 1 + 5 * 32];
         spec s = spec_of(&l);
@@ -963,7 +940,7 @@ static void test_boost_ranking(void) {
     for (trial = 0; trial < 200; trial++) {
         static const int32_t ks[] = {4, 8, 16, 32, 60, 64};
         int32_t k = ks[trial % 6], d = 64, n = test_rng_range(&rng, 1, 9);
-        kvmix_layout l = make_layout(KVMIX_FORMAT_BOOSTED, n, d, 0, k);
+        kvmix_layout l = test_layout(KVMIX_FORMAT_BOOSTED, n, d, 0, k);
         float x[9 * 64];
         uint8_t *block;
         size_t bytes = spec_of(&l).total;
@@ -998,7 +975,7 @@ static void test_constant_groups(void) {
         for (vi = 0; vi < N_ELEMS(values); vi++) {
             kvmix_format f = ALL_FORMATS[fi];
             kvmix_layout l =
-                make_layout(f, 5, 64, is_per_token(f) ? 16 : 0, f == KVMIX_FORMAT_BOOSTED ? 8 : 0);
+                test_layout(f, 5, 64, is_per_token(f) ? 16 : 0, f == KVMIX_FORMAT_BOOSTED ? 8 : 0);
             spec s = spec_of(&l);
             float x[5 * 64], dec[5 * 64];
             uint8_t *block = (uint8_t *)test_alloc(s.total);
@@ -1006,7 +983,7 @@ static void test_constant_groups(void) {
                 test_ref_fp16_value(test_ref_fp32_to_fp16(values[vi])) == (double)values[vi];
             findings found;
             int i;
-            test_context("constant block %s value %a", format_name(f), (double)values[vi]);
+            test_context("constant block %s value %a", kvmix_format_name(f), (double)values[vi]);
             for (i = 0; i < 5 * 64; i++) x[i] = values[vi];
             memset(&found, 0, sizeof found);
             if (CHECK_RESULT(kvmix_ref_quantize(&l, x, 0, block, s.total), KVMIX_SUCCESS)) {
@@ -1032,7 +1009,7 @@ static void test_constant_groups(void) {
 #define BAD_STRIDE (BAD_D + 3)
 
 static kvmix_layout bad_base_layout(kvmix_format f) {
-    return make_layout(f, BAD_N, BAD_D, is_per_token(f) ? 16 : 0,
+    return test_layout(f, BAD_N, BAD_D, is_per_token(f) ? 16 : 0,
                        f == KVMIX_FORMAT_BOOSTED ? 8 : 0);
 }
 
@@ -1068,7 +1045,7 @@ static void test_quantize_bad_input(void) {
         kvmix_layout base = bad_base_layout(f), l;
         size_t bytes = spec_of(&base).total;
         uint8_t *good = (uint8_t *)test_alloc(bytes);
-        test_context("quantize bad input, %s", format_name(f));
+        test_context("quantize bad input, %s", kvmix_format_name(f));
         CHECK_RESULT(kvmix_ref_quantize(&base, src, BAD_STRIDE, good, bytes), KVMIX_SUCCESS);
 
         expect_quantize(KVMIX_ERR_NULL_POINTER, NULL, src, BAD_STRIDE, bytes, "a NULL layout");
@@ -1148,7 +1125,7 @@ static void test_quantize_bad_input(void) {
                 float *big = (float *)test_alloc(sizeof(float) * 512 * 2);
                 uint8_t *out;
                 for (i = 0; i < 1024; i++) big[i] = (float)test_rng_normal(&rng);
-                l = make_layout(KVMIX_FORMAT_BOOSTED, 2, 512, 0, 256);
+                l = test_layout(KVMIX_FORMAT_BOOSTED, 2, 512, 0, 256);
                 expect_quantize(KVMIX_ERR_BAD_SHAPE, &l, big, 0, 1 << 16,
                                 "n_boost 256 with head_dim 512");
                 l.n_boost = 252;
@@ -1205,7 +1182,7 @@ static void test_quantize_bad_input(void) {
     }
     /* kvmix_layout_resolve: writes back only on success */
     {
-        kvmix_layout l = make_layout(KVMIX_FORMAT_INT4, 3, 64, 0, 0), copy;
+        kvmix_layout l = test_layout(KVMIX_FORMAT_INT4, 3, 64, 0, 0), copy;
         CHECK_RESULT(kvmix_layout_resolve(NULL), KVMIX_ERR_NULL_POINTER);
         CHECK_RESULT(kvmix_layout_resolve(&l), KVMIX_SUCCESS);
         CHECK_EQ_INT(l.group_size, 32);
@@ -1213,7 +1190,7 @@ static void test_quantize_bad_input(void) {
         copy = l;
         CHECK_RESULT(kvmix_layout_resolve(&l), KVMIX_ERR_BAD_SHAPE);
         CHECK(memcmp(&l, &copy, sizeof l) == 0);
-        l = make_layout(KVMIX_FORMAT_BOOSTED, 3, 64, 0, 0);
+        l = test_layout(KVMIX_FORMAT_BOOSTED, 3, 64, 0, 0);
         CHECK_RESULT(kvmix_layout_resolve(&l), KVMIX_SUCCESS);
         CHECK_EQ_INT(l.n_boost, 0);
         CHECK_EQ_INT(l.group_size, 0);
@@ -1265,7 +1242,7 @@ static void test_dequantize_bad_input(void) {
         kvmix_layout base = bad_base_layout(f), l;
         size_t bytes = spec_of(&base).total;
         uint8_t *block = (uint8_t *)test_alloc(bytes);
-        test_context("dequantize bad input, %s", format_name(f));
+        test_context("dequantize bad input, %s", kvmix_format_name(f));
         CHECK_RESULT(kvmix_ref_quantize(&base, src, 0, block, bytes), KVMIX_SUCCESS);
         expect_dequantize(KVMIX_SUCCESS, &base, block, bytes, BAD_STRIDE, "valid input (control)");
         expect_dequantize(KVMIX_ERR_NULL_POINTER, NULL, block, bytes, 0, "a NULL layout");
@@ -1342,7 +1319,7 @@ static void test_corrupt_data(void) {
         spec s = spec_of(&l);
         uint8_t *good = (uint8_t *)test_alloc(s.total), *bad = (uint8_t *)test_alloc(s.total);
         size_t n_meta = (s.index_offset - s.meta_offset) / 4;
-        test_context("corrupt data, %s", format_name(f));
+        test_context("corrupt data, %s", kvmix_format_name(f));
         CHECK_RESULT(kvmix_ref_quantize(&l, src, 0, good, s.total), KVMIX_SUCCESS);
         if (f == KVMIX_FORMAT_FP16) {
             /* halves that no quantize call writes: infinities and NaN (inputs must be finite
