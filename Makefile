@@ -27,7 +27,8 @@ NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
-FUZZ_RUNNERS := $(BUILD)/fuzz_formats_run $(BUILD)/fuzz_safetensors_run
+FUZZ_TARGETS := formats view safetensors
+FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
@@ -81,8 +82,8 @@ $(BUILD)/model_test_llama: tests/test_llama.c $(LLAMA_SRC) kvmix.h | $(BUILD)
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
 
 # Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
-$(BUILD)/fuzz_formats_run: tests/fuzz_formats.c tests/fuzz_driver.c kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. tests/fuzz_formats.c tests/fuzz_driver.c -o $@ $(LDLIBS)
+$(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
@@ -120,14 +121,13 @@ bench: $(BUILD)/bench_formats $(BUILD)/bench_cache
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60
 LIBFUZZER := clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. -Iexamples
-$(BUILD)/fuzz_formats: tests/fuzz_formats.c kvmix.h | $(BUILD)
-	$(LIBFUZZER) tests/fuzz_formats.c -o $@ $(LDLIBS)
+$(BUILD)/fuzz_%: tests/fuzz_%.c kvmix.h | $(BUILD)
+	$(LIBFUZZER) $< -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_safetensors.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
-fuzz: $(BUILD)/fuzz_formats $(BUILD)/fuzz_safetensors
-	./$(BUILD)/fuzz_formats -max_total_time=$(FUZZ_SECONDS)
-	./$(BUILD)/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS)
+fuzz: $(patsubst %,$(BUILD)/fuzz_%,$(FUZZ_TARGETS))
+	@for t in $(FUZZ_TARGETS); do ./$(BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) || exit 1; done
 
 # ---- style ----------------------------------------------------------------------------------
 FORMAT_SRC := kvmix.h $(wildcard kvmix_cuda.h kvmix_cuda.cu examples/*.c examples/*.h tests/*.c \

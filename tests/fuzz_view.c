@@ -1,0 +1,220 @@
+/* Fuzz target: cache views from outside bytes, read by kvmix_view_check, kvmix_ref_view_decode
+   and kvmix_ref_view_score.
+
+   Build with libFuzzer:  clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. \
+                              tests/fuzz_view.c -o build/fuzz_view -lm
+   or with the plain driver (any C compiler): add tests/fuzz_driver.c.
+
+   Random bytes rarely make a view that gets past the first check, so the input drives a valid
+   view and then damages it:
+     0     sequences      1 + b % 3; mutations applied at most (b >> 2) % 8
+     1     kv heads       1 + b % 3; q heads per kv head 1 + (b >> 2) % 4
+     2     head_dim       32, 64 or 128 (b % 3); n_boost head_dim / 8 or / 4 (b >> 2 & 1)
+     3..6  seed           formats, span lengths, dead flags, K/V values, queries
+     7..   mutations      4 bytes each: target b0 % 4 (span records, sequence boundaries, dead
+                          flags, packed blocks), a 16-bit offset (b1, b2) into it, the new byte b3
+   Every array is a heap copy of exactly its size, so AddressSanitizer sees any overread.
+   Invariants (abort on violation): failed calls leave their outputs untouched; a successful
+   decode writes finite outputs and an lse that is finite or -infinity; a successful score
+   writes no entry past its capacity. */
+#define KVMIX_IMPLEMENTATION
+#include "kvmix.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_Q = 12, SCORE_CAPACITY = 64, POISON = 0x5a };
+
+static uint32_t fuzz_rng;
+
+static uint32_t next_random(void) {
+    fuzz_rng = fuzz_rng * 1664525u + 1013904223u;
+    return fuzz_rng >> 8;
+}
+
+static void require(int ok, const char *what) {
+    if (!ok) {
+        fprintf(stderr, "fuzz_view: invariant violated: %s\n", what);
+        abort();
+    }
+}
+
+static int all_poisoned(const void *p, size_t n) {
+    const uint8_t *b = (const uint8_t *)p;
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (b[i] != POISON) return 0;
+    return 1;
+}
+
+static kvmix_layout layout_of(const kvmix_view *v, uint8_t format, int32_t n_tokens) {
+    kvmix_layout l;
+    memset(&l, 0, sizeof l);
+    l.format = (kvmix_format)format;
+    l.n_tokens = n_tokens;
+    l.head_dim = v->head_dim;
+    l.n_boost = format == KVMIX_FORMAT_BOOSTED ? v->n_boost : 0;
+    return l;
+}
+
+/* Quantizes random rows for every kv head at base + *used; returns the block offset. */
+static uint64_t put_blocks(kvmix_view *v, uint8_t *base, size_t base_bytes, uint8_t format,
+                           int32_t n_tokens, size_t *used, uint32_t *head_bytes) {
+    kvmix_layout l = layout_of(v, format, n_tokens);
+    float rows[MAX_TOKENS * 128];
+    size_t block = 0;
+    uint64_t offset = *used;
+    int32_t h, i;
+    kvmix_layout_bytes(&l, &block);
+    block = (block + 15) / 16 * 16;
+    for (h = 0; h < v->n_kv_heads; h++) {
+        for (i = 0; i < n_tokens * v->head_dim; i++)
+            rows[i] = (float)((int32_t)(next_random() % 2001) - 1000) / 250.0f;
+        if (*used + block <= base_bytes)
+            kvmix_ref_quantize(&l, rows, 0, base + *used, base_bytes - *used);
+        *used += block;
+    }
+    *head_bytes = (uint32_t)block;
+    return offset;
+}
+
+typedef struct fuzz_view {
+    kvmix_view view;
+    kvmix_view_span *spans;
+    int32_t *first;
+    uint8_t *dead;
+    uint8_t *base;
+} fuzz_view;
+
+static void build(fuzz_view *f, const uint8_t *data, int32_t *n_q) {
+    static const uint8_t KEYS[] = {KVMIX_FORMAT_FP16,         KVMIX_FORMAT_INT8,
+                                   KVMIX_FORMAT_INT4,         KVMIX_FORMAT_INT2,
+                                   KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
+    static const int32_t DIMS[] = {32, 64, 128};
+    kvmix_view *v = &f->view;
+    size_t base_bytes, used = 0;
+    int32_t s, i, t, n_spans = 0, n_dead = 0;
+    memset(v, 0, sizeof *v);
+    v->n_seqs = 1 + data[0] % 3;
+    v->n_kv_heads = 1 + data[1] % 3;
+    *n_q = v->n_kv_heads * (1 + (data[1] >> 2) % 4);
+    v->head_dim = DIMS[data[2] % 3];
+    v->n_boost = v->head_dim / ((data[2] >> 2) & 1 ? 4 : 8);
+    fuzz_rng = (uint32_t)data[3] | (uint32_t)data[4] << 8 | (uint32_t)data[5] << 16 |
+               (uint32_t)data[6] << 24;
+    base_bytes = (size_t)MAX_SPANS * 2 * 3 * (MAX_TOKENS * 128 * 2 + 16);
+    f->spans = (kvmix_view_span *)calloc(MAX_SPANS, sizeof(kvmix_view_span));
+    f->first = (int32_t *)calloc((size_t)v->n_seqs + 1, sizeof(int32_t));
+    f->dead = (uint8_t *)calloc(MAX_SPANS * MAX_TOKENS, 1);
+    f->base = (uint8_t *)calloc(base_bytes, 1);
+    for (s = 0; s < v->n_seqs; s++) {
+        int32_t count = (int32_t)(next_random() % 4);
+        for (i = 0; i < count && n_spans < MAX_SPANS; i++) {
+            kvmix_view_span *vs = &f->spans[n_spans++];
+            vs->n_tokens = 1 + (int32_t)(next_random() % MAX_TOKENS);
+            vs->key_format = KEYS[next_random() % 6];
+            vs->value_format = KEYS[next_random() % 4];
+            vs->key_offset = put_blocks(v, f->base, base_bytes, vs->key_format, vs->n_tokens, &used,
+                                        &vs->key_head_bytes);
+            vs->value_offset = put_blocks(v, f->base, base_bytes, vs->value_format, vs->n_tokens,
+                                          &used, &vs->value_head_bytes);
+            vs->dead_index = -1;
+            if (next_random() % 2) {
+                vs->dead_index = n_dead;
+                for (t = 0; t < vs->n_tokens; t++) f->dead[n_dead++] = next_random() % 3 == 0;
+            }
+        }
+        f->first[s + 1] = n_spans;
+    }
+    v->n_spans = n_spans;
+    v->n_dead_flags = n_dead;
+    v->base = f->base;
+    v->base_bytes = used < base_bytes ? used : base_bytes;
+    v->spans = f->spans;
+    v->seq_first_span = f->first;
+    v->dead = f->dead;
+}
+
+/* Mutation target: bytes of the span records, the boundaries, the dead flags or the blocks. */
+static void mutate(fuzz_view *f, const uint8_t *m) {
+    uint8_t *bytes[4];
+    size_t sizes[4], at;
+    bytes[0] = (uint8_t *)f->spans;
+    sizes[0] = (size_t)f->view.n_spans * sizeof(kvmix_view_span);
+    bytes[1] = (uint8_t *)f->first;
+    sizes[1] = ((size_t)f->view.n_seqs + 1) * sizeof(int32_t);
+    bytes[2] = f->dead;
+    sizes[2] = (size_t)f->view.n_dead_flags;
+    bytes[3] = f->base;
+    sizes[3] = f->view.base_bytes;
+    if (sizes[m[0] % 4] == 0) return;
+    at = ((size_t)m[1] | (size_t)m[2] << 8) % sizes[m[0] % 4];
+    bytes[m[0] % 4][at] = m[3];
+}
+
+static void check_calls(const kvmix_view *v, int32_t n_q) {
+    float q[3 * MAX_Q * 128], out[3 * MAX_Q * 128], lse[3 * MAX_Q], memory[MAX_Q * 128];
+    float scores[SCORE_CAPACITY + 8];
+    size_t n = (size_t)v->n_seqs * (size_t)n_q, i;
+    kvmix_result r;
+    for (i = 0; i < n * (size_t)v->head_dim; i++)
+        q[i] = (float)(next_random() % 200) / 100.0f - 1.0f;
+    for (i = 0; i < (size_t)n_q * (size_t)v->head_dim; i++) memory[i] = q[i];
+    kvmix_view_check(v);
+    memset(out, POISON, sizeof out);
+    memset(lse, POISON, sizeof lse);
+    r = kvmix_ref_view_decode(v, n_q, 0.0f, q, out, lse);
+    if (r != KVMIX_SUCCESS) {
+        require(all_poisoned(out, sizeof out) && all_poisoned(lse, sizeof lse),
+                "failed decode wrote its outputs");
+    } else {
+        for (i = 0; i < n * (size_t)v->head_dim; i++)
+            require(isfinite(out[i]), "output not finite");
+        for (i = 0; i < n; i++)
+            require(isfinite(lse[i]) || lse[i] == -INFINITY, "lse is NaN or +inf");
+    }
+    memset(scores, POISON, sizeof scores);
+    r = kvmix_ref_view_score(v, 0, n_q, memory, scores, SCORE_CAPACITY);
+    if (r != KVMIX_SUCCESS) require(all_poisoned(scores, sizeof scores), "failed score wrote");
+    require(all_poisoned(scores + SCORE_CAPACITY, 8 * sizeof(float)), "score past its capacity");
+}
+
+/* A heap copy of exactly n bytes (at least one, so malloc(0) never returns NULL). */
+static void *exact_copy(const void *src, size_t n) {
+    void *copy = malloc(n ? n : 1);
+    if (!copy) abort();
+    memcpy(copy, src, n);
+    return copy;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    fuzz_view f;
+    kvmix_view exact;
+    int32_t n_q;
+    size_t i;
+    if (size < 7) return 0;
+    build(&f, data, &n_q);
+    for (i = 7; i + 4 <= size && i < 7 + 4 * (size_t)((data[0] >> 2) % 8); i += 4)
+        mutate(&f, data + i);
+    exact = f.view;
+    exact.spans = (const kvmix_view_span *)exact_copy(f.spans, (size_t)f.view.n_spans *
+                                                                   sizeof(kvmix_view_span));
+    exact.seq_first_span =
+        (const int32_t *)exact_copy(f.first, ((size_t)f.view.n_seqs + 1) * sizeof(int32_t));
+    exact.dead = (const uint8_t *)exact_copy(f.dead, (size_t)f.view.n_dead_flags);
+    exact.base = (const uint8_t *)exact_copy(f.base, f.view.base_bytes);
+    check_calls(&exact, n_q);
+    free((void *)exact.spans);
+    free((void *)exact.seq_first_span);
+    free((void *)exact.dead);
+    free((void *)exact.base);
+    free(f.spans);
+    free(f.first);
+    free(f.dead);
+    free(f.base);
+    return 0;
+}
