@@ -607,6 +607,9 @@ __host__ __device__ constexpr bool kvmix__per_channel(int f) {
 #ifndef KVMIX__TC_STAGE_128
 #define KVMIX__TC_STAGE_128 12288
 #endif
+#ifndef KVMIX__SPLIT_WAVES
+#define KVMIX__SPLIT_WAVES 1 /* waves of blocks kvmix_cuda_decode_choose_splits aims for */
+#endif
 #ifndef KVMIX__TC_BLOCKS_128
 #define KVMIX__TC_BLOCKS_128 2
 #endif
@@ -624,12 +627,18 @@ struct kvmix__tc_plan { /* spans of one walk chunk (index = thread of the block)
     uint8_t kf[128], vf[128];
 };
 
+/* Index of (head h, dim d) in kvmix__tc_smem::q: dim-major with the 4 heads inner and one pad
+   word quad after every 32 dims, so that the lanes building a B operand (head r / 2, dims 32
+   apart across c) hit 16 different banks instead of one. */
+__device__ __forceinline__ int kvmix__qi(int h, int d) { return ((d + (d >> 5)) << 2) + h; }
+
 template <int D>
 struct kvmix__tc_smem {
-    float q[4][D];     /* query * scale * log2(e); 0 for unused head slots */
+    float q[4 * (D + D / 32)]; /* query * scale * log2(e), 0 for unused head slots; at kvmix__qi */
     float qsum[4][16]; /* per-token keys: sum of q over each group */
     uint2 bq[D / 16][32]; /* B of the logits for every non-channel key format (lane fragments) */
     kvmix__tc_plan plan;
+    int64_t ctok[64]; /* tokens of each run of 128 spans of the sequence (the first 64 runs) */
     int64_t scratch[32];
     int error;
 };
@@ -646,6 +655,30 @@ struct kvmix__tc_state {
     float om[4], om2[4]; /* per-token value minima (om2: the lane's second group, D/8 > G) */
     float m, l;
 };
+
+/* Sections of one block in 32 bits (a block lies inside its head stride, a uint32): the
+   per-unit arithmetic of the walk (kvmix__sections is 64-bit and stays for the checks). */
+struct kvmix__tsec {
+    uint32_t row_bytes, high_row_bytes, high_offset, meta_offset, index_offset, total_bytes;
+};
+
+template <int D>
+__device__ __forceinline__ kvmix__tsec kvmix__tc_sections(int format, uint32_t n, int group, int n_boost) {
+    kvmix__tsec s;
+    const bool boosted = format == KVMIX_FORMAT_BOOSTED;
+    s.row_bytes = (uint32_t)(D * kvmix__bits_of(format) / 8);
+    s.high_row_bytes = boosted ? (uint32_t)n_boost / 4 : 0u;
+    s.high_offset = n * s.row_bytes;
+    s.meta_offset = s.high_offset + n * s.high_row_bytes;
+    if (format == KVMIX_FORMAT_FP16)
+        s.index_offset = s.meta_offset;
+    else if (kvmix__per_token(format))
+        s.index_offset = s.meta_offset + n * (uint32_t)(D / group) * 4u;
+    else
+        s.index_offset = s.meta_offset + D * 4u;
+    s.total_bytes = s.index_offset + (boosted ? (uint32_t)D : 0u);
+    return s;
+}
 
 struct kvmix__tc_regions {
     int k, km, ki, kh, b2, sl, v, vm, vi, vh, end;
@@ -665,20 +698,20 @@ __device__ __forceinline__ void kvmix__cp_wait() { asm volatile("cp.async.wait_g
    it (the 16-byte words covering it, never past the block's total bytes). worst: assume the
    largest misalignment (for sizing). Returns the stage offset of the region's first byte. */
 template <bool COPY>
-__device__ __forceinline__ int kvmix__tc_put(int &off, uint64_t src, int len, bool worst, uint32_t stage,
-                                             const uint8_t *blk, uint64_t total, int lane) {
+__device__ __forceinline__ int kvmix__tc_put(int &off, uint32_t src, int len, bool worst, uint32_t stage,
+                                             const uint8_t *blk, uint32_t total, int lane) {
     const int delta = worst ? 15 : (int)(src & 15u);
     const int pos = off + delta, words = (delta + len + 15) >> 4;
     if constexpr (COPY) {
-        const uint64_t s0 = src & ~(uint64_t)15;
-        if (s0 + 16u * (uint64_t)words <= total) { /* whole words: no clamps */
+        const uint32_t s0 = src & ~15u;
+        if (16u * (uint32_t)words <= total - s0) { /* whole words: no clamps (s0 <= src < total) */
             const uint8_t *g = blk + s0 + 16 * lane;
             const uint32_t d = stage + (uint32_t)(off + 16 * lane);
             for (int i = lane; i < words; i += 32, g += 512) kvmix__cp_async16(d + 16 * (i - lane), g);
         } else {
             for (int i = lane; i < words; i += 32) {
-                const uint64_t rel = s0 + 16u * (uint64_t)i;
-                const int n = total > rel ? (int)min((uint64_t)16, total - rel) : 0;
+                const uint64_t rel = (uint64_t)s0 + 16u * (uint64_t)i;
+                const int n = (uint64_t)total > rel ? (int)min((uint64_t)16, (uint64_t)total - rel) : 0;
                 kvmix__cp_async(stage + (uint32_t)(off + 16 * i), blk + rel, n);
             }
         }
@@ -689,8 +722,8 @@ __device__ __forceinline__ int kvmix__tc_put(int &off, uint64_t src, int len, bo
 
 /* The regions of tokens [a, a + n) of a span (sections ks, vs); COPY issues the copies. */
 template <int D, bool COPY>
-__device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(int kf, int vf, const kvmix__sec &ks,
-                                                              const kvmix__sec &vs, int a, int n, int G,
+__device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(int kf, int vf, const kvmix__tsec &ks,
+                                                              const kvmix__tsec &vs, int a, int n, int G,
                                                               int nb, bool worst, uint32_t stage,
                                                               const uint8_t *kblk, const uint8_t *vblk,
                                                               int lane) {
@@ -698,28 +731,28 @@ __device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(int kf, int vf, co
     int off = 0;
     const int NG = D / G;
     g.km = g.ki = g.kh = g.b2 = g.sl = g.vm = g.vi = g.vh = 0;
-    g.k = kvmix__tc_put<COPY>(off, (uint64_t)a * ks.row_bytes, n * (int)ks.row_bytes, false, stage, kblk, ks.total_bytes, lane);
+    g.k = kvmix__tc_put<COPY>(off, (uint32_t)a * ks.row_bytes, n * (int)ks.row_bytes, false, stage, kblk, ks.total_bytes, lane);
     if (kvmix__per_token(kf))
-        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset + (uint64_t)a * NG * 4, n * NG * 4, worst, stage, kblk, ks.total_bytes, lane);
+        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst, stage, kblk, ks.total_bytes, lane);
     else if (kvmix__per_channel(kf))
         g.km = kvmix__tc_put<COPY>(off, ks.meta_offset, D * 4, worst, stage, kblk, ks.total_bytes, lane);
     if (kf == KVMIX_FORMAT_BOOSTED) {
         g.ki = kvmix__tc_put<COPY>(off, ks.index_offset, D, worst, stage, kblk, ks.total_bytes, lane);
-        g.kh = kvmix__tc_put<COPY>(off, ks.high_offset + (uint64_t)a * ks.high_row_bytes, n * (int)ks.high_row_bytes,
+        g.kh = kvmix__tc_put<COPY>(off, ks.high_offset + (uint32_t)a * ks.high_row_bytes, n * (int)ks.high_row_bytes,
                                    worst, stage, kblk, ks.total_bytes, lane);
         g.b2 = off;
         off += ((nb + 15) / 16) * 256;
         g.sl = off;
         off += D;
     }
-    g.v = kvmix__tc_put<COPY>(off, (uint64_t)a * vs.row_bytes, n * (int)vs.row_bytes, false, stage, vblk, vs.total_bytes, lane);
+    g.v = kvmix__tc_put<COPY>(off, (uint32_t)a * vs.row_bytes, n * (int)vs.row_bytes, false, stage, vblk, vs.total_bytes, lane);
     if (kvmix__per_token(vf))
-        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset + (uint64_t)a * NG * 4, n * NG * 4, worst, stage, vblk, vs.total_bytes, lane);
+        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst, stage, vblk, vs.total_bytes, lane);
     else if (kvmix__per_channel(vf))
         g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset, D * 4, worst, stage, vblk, vs.total_bytes, lane);
     if (vf == KVMIX_FORMAT_BOOSTED) {
         g.vi = kvmix__tc_put<COPY>(off, vs.index_offset, D, worst, stage, vblk, vs.total_bytes, lane);
-        g.vh = kvmix__tc_put<COPY>(off, vs.high_offset + (uint64_t)a * vs.high_row_bytes, n * (int)vs.high_row_bytes,
+        g.vh = kvmix__tc_put<COPY>(off, vs.high_offset + (uint32_t)a * vs.high_row_bytes, n * (int)vs.high_row_bytes,
                                    worst, stage, vblk, vs.total_bytes, lane);
     }
     g.end = off;
@@ -729,7 +762,8 @@ __device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(int kf, int vf, co
 /* Tokens per unit of a format pair: the largest multiple of 16 (at most 128) that fits a stage. */
 template <int D>
 __device__ inline int kvmix__tc_unit_tokens(int kf, int vf, int ntok, int G, int nb) {
-    const kvmix__sec ks = kvmix__sections(kf, ntok, D, G, nb), vs = kvmix__sections(vf, ntok, D, G, nb);
+    const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, G, nb);
+    const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, G, nb);
     int n = 128;
     while (n > 16 && kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, G, nb, true, 0u, nullptr, nullptr, 0).end >
                          kvmix__tc_cfg<D>::stage)
@@ -758,9 +792,12 @@ __device__ __forceinline__ void kvmix__tc_kchunk(const uint32_t *w, uint32_t *R)
     }
 }
 
-/* V words of two tokens (lane's D/8 dims each) -> R[k] = (token a dim k, token b dim k). */
+/* V words of two tokens (lane's D/8 dims each) -> R[k] = (token a dim k, token b dim k).
+   INT2 / INT4: slo / shi are the byte selectors 0x5410 / 0x7632, or 0x1054 / 0x3276 when the
+   lane loaded the two tokens in swapped order (bank-conflict swizzle of the V loads). */
 template <int VF, int DV>
-__device__ __forceinline__ void kvmix__tc_vpair(const uint32_t *a, const uint32_t *b, uint32_t *R) {
+__device__ __forceinline__ void kvmix__tc_vpair(const uint32_t *a, const uint32_t *b, uint32_t *R,
+                                                uint32_t slo = 0x5410u, uint32_t shi = 0x7632u) {
     if constexpr (VF == KVMIX_FORMAT_FP16) {
 #pragma unroll
         for (int k = 0; k < DV / 2; k++) {
@@ -773,17 +810,17 @@ __device__ __forceinline__ void kvmix__tc_vpair(const uint32_t *a, const uint32_
     } else if constexpr (VF == KVMIX_FORMAT_INT4) {
 #pragma unroll
         for (int k = 0; k < DV / 8; k++) {
-            kvmix__codes4(kvmix__prmt(a[k], b[k], 0x5410u), R + 8 * k);
-            kvmix__codes4(kvmix__prmt(a[k], b[k], 0x7632u), R + 8 * k + 4);
+            kvmix__codes4(kvmix__prmt(a[k], b[k], slo), R + 8 * k);
+            kvmix__codes4(kvmix__prmt(a[k], b[k], shi), R + 8 * k + 4);
         }
     } else {
         if constexpr (DV == 8) {
-            kvmix__codes2(kvmix__prmt(a[0], b[0], 0x5410u), R);
+            kvmix__codes2(kvmix__prmt(a[0], b[0], slo), R);
         } else {
 #pragma unroll
             for (int k = 0; k < DV / 16; k++) {
-                kvmix__codes2(kvmix__prmt(a[k], b[k], 0x5410u), R + 16 * k);
-                kvmix__codes2(kvmix__prmt(a[k], b[k], 0x7632u), R + 16 * k + 8);
+                kvmix__codes2(kvmix__prmt(a[k], b[k], slo), R + 16 * k);
+                kvmix__codes2(kvmix__prmt(a[k], b[k], shi), R + 16 * k + 8);
             }
         }
     }
@@ -840,11 +877,12 @@ __device__ __forceinline__ void kvmix__tc_vload(int vb, const uint8_t *src, uint
 }
 
 template <int DV>
-__device__ __forceinline__ void kvmix__tc_vconv(int vf, const uint32_t *a, const uint32_t *b, uint32_t *R) {
+__device__ __forceinline__ void kvmix__tc_vconv(int vf, const uint32_t *a, const uint32_t *b, uint32_t *R,
+                                                uint32_t slo, uint32_t shi) {
     if (vf == KVMIX_FORMAT_FP16) kvmix__tc_vpair<KVMIX_FORMAT_FP16, DV>(a, b, R);
     else if (vf == KVMIX_FORMAT_INT8) kvmix__tc_vpair<KVMIX_FORMAT_INT8, DV>(a, b, R);
-    else if (vf == KVMIX_FORMAT_INT4) kvmix__tc_vpair<KVMIX_FORMAT_INT4, DV>(a, b, R);
-    else kvmix__tc_vpair<KVMIX_FORMAT_INT2, DV>(a, b, R);
+    else if (vf == KVMIX_FORMAT_INT4) kvmix__tc_vpair<KVMIX_FORMAT_INT4, DV>(a, b, R, slo, shi);
+    else kvmix__tc_vpair<KVMIX_FORMAT_INT2, DV>(a, b, R, slo, shi);
 }
 
 /* One warp: tokens [a, a + n) of a span, staged at stg (regions rg). KFT / VFT: the key / value
@@ -854,7 +892,7 @@ template <int D, int KFT, int VFT, bool GL = false>
 __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm,
                                             const kvmix__decode_params &p, uint8_t *stg,
                                             const kvmix__tc_regions &rg, int kf_rt, int vf_rt,
-                                            const kvmix__sec &ks, const kvmix__sec &vs, int n,
+                                            const kvmix__tsec &ks, const kvmix__tsec &vs, int n,
                                             const uint8_t *dead, const uint8_t *kg = nullptr,
                                             const uint8_t *vg = nullptr) {
     constexpr int KS = D / 16, DQ = D / 4, DV = D / 8;
@@ -879,7 +917,7 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 int d = kvmix__tc_kdim<D>(c, j, x);
-                e[x] = kvmix__split(sm.q[h][d] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4)), part);
+                e[x] = kvmix__split(sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4)), part);
             }
             bk[j][0] = kvmix__pack(e[0], e[1]);
             bk[j][1] = kvmix__pack(e[2], e[3]);
@@ -894,7 +932,7 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
     float kconst = 0.0f; /* per-channel keys: sum over channels of q * min (head c) */
     if (k_chan) {
 #pragma unroll 4
-        for (int d = r; d < D; d += 8) kconst += sm.q[c][d] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4 + 2));
+        for (int d = r; d < D; d += 8) kconst += sm.q[kvmix__qi(c, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4 + 2));
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) kconst += __shfl_xor_sync(0xffffffffu, kconst, off);
     }
@@ -930,7 +968,7 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                 float v = 0.0f;
                 if (s < nb) {
                     int d = slot_ch[s] & (D - 1);
-                    v = 4.0f * sm.q[h][d] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
+                    v = 4.0f * sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
                 }
                 e[x] = kvmix__split(v, part);
             }
@@ -939,6 +977,11 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
         __syncwarp();
     }
     float lsp = 0.0f; /* per-channel values: sum of p over this unit (head c, lane partial) */
+#ifndef KVMIX__TC_VSWZ
+#define KVMIX__TC_VSWZ 1
+#endif
+    const bool vswz = KVMIX__TC_VSWZ && !GL && (VFT == KVMIX_FORMAT_INT2 || VFT == KVMIX_FORMAT_INT4);
+    const uint32_t vslo = vswz && (c >> 1) ? 0x1054u : 0x5410u; /* vshi = vslo + 0x2222 */
 
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int tl = n - 1;
@@ -947,9 +990,14 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
         vt[0] = min(t0 + 2 * c, tl), vt[1] = min(t0 + 2 * c + 1, tl);
         vt[2] = min(t0 + 2 * c + 8, tl), vt[3] = min(t0 + 2 * c + 9, tl);
         /* ---- values and meta first (shared memory loads, used after the softmax) ---- */
+        /* INT2 / INT4 rows: lanes c >= 2 load the two tokens of each pair in swapped order, so that
+           the four token rows a load instruction touches fall into different banks */
         uint32_t vw[4][NWV];
 #pragma unroll
-        for (int x = 0; x < 4; x++) kvmix__tc_vload<DV, GL>(VB, V + (uint32_t)vt[x] * vrow + r * (DV * VB / 8), vw[x]);
+        for (int x = 0; x < 4; x++) {
+            const int vx = vswz ? min(t0 + 2 * c + ((x & 1) ^ (c >> 1)) + 8 * (x >> 1), tl) : vt[x];
+            kvmix__tc_vload<DV, GL>(VB, V + (uint32_t)vx * vrow + r * (DV * VB / 8), vw[x]);
+        }
         uint32_t vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
         if (v_tok) {
             const int gv = r * DV / G;
@@ -1055,8 +1103,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
 
         /* ---- values ---- */
         uint32_t Ra[DV], Rb[DV];
-        kvmix__tc_vconv<DV>(vf, vw[0], vw[1], Ra);
-        kvmix__tc_vconv<DV>(vf, vw[2], vw[3], Rb);
+        kvmix__tc_vconv<DV>(vf, vw[0], vw[1], Ra, vslo, vslo + 0x2222u);
+        kvmix__tc_vconv<DV>(vf, vw[2], vw[3], Rb, vslo, vslo + 0x2222u);
         if (vf == KVMIX_FORMAT_BOOSTED) { /* add 4 * high bits of boosted channels */
             const uint32_t hrow = (uint32_t)vs.high_row_bytes;
 #pragma unroll
@@ -1140,16 +1188,37 @@ __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm, con
     if (kvmix__tc_direct<D>(kf, vf)) return;
     const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
     const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
-    const kvmix__sec ks = kvmix__sections(kf, ntok, D, p.group_size, p.n_boost);
-    const kvmix__sec vs = kvmix__sections(vf, ntok, D, p.group_size, p.n_boost);
+    const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, p.group_size, p.n_boost);
+    const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, p.group_size, p.n_boost);
     kvmix__tc_layout<D, true>(kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false,
                               (uint32_t)__cvta_generic_to_shared(stage), p.base + sm.plan.koff[jj],
                               p.base + sm.plan.voff[jj], lane);
 }
 
+/* Sections, regions and the unit itself, with the formats known at compile time where KFT / VFT
+   are (the set-up arithmetic then folds to constants). */
+template <int D, int KFT, int VFT, bool GL = false>
+__device__ __forceinline__ void kvmix__tc_run(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm,
+                                              const kvmix__decode_params &p, uint8_t *stg, int kf_rt,
+                                              int vf_rt, int jj, int a, int n, const uint8_t *dead, int lane) {
+    const int kf = KFT ? KFT : kf_rt, vf = VFT ? VFT : vf_rt, ntok = sm.plan.ntok[jj];
+    const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, p.group_size, p.n_boost);
+    const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, p.group_size, p.n_boost);
+    if constexpr (GL) {
+        kvmix__tc_regions rg{};
+        kvmix__tc_unit<D, KFT, VFT, true>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead,
+                                          p.base + sm.plan.koff[jj] + (uint64_t)((uint32_t)a * ks.row_bytes),
+                                          p.base + sm.plan.voff[jj] + (uint64_t)((uint32_t)a * vs.row_bytes));
+    } else {
+        const kvmix__tc_regions rg = kvmix__tc_layout<D, false>(kf, vf, ks, vs, a, n, p.group_size, p.n_boost,
+                                                                false, 0u, nullptr, nullptr, lane);
+        kvmix__tc_unit<D, KFT, VFT>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
+    }
+}
+
 #define KVMIX__TC_PAIR(KF_, VF_)                                                                   \
     if (kf == KF_ && vf == VF_)                                                                    \
-        kvmix__tc_unit<D, KF_, VF_>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);                  \
+        kvmix__tc_run<D, KF_, VF_>(st, sm, p, stg, kf, vf, jj, a, n, dead, lane);                  \
     else
 
 /* Grid (n_splits, n_kv_heads * q_chunks, n_seqs), 128 threads; a block serves query heads
@@ -1168,7 +1237,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
 
     for (int e = threadIdx.x; e < 4 * D; e += blockDim.x) {
         int h = e / D;
-        sm.q[h][e % D] = h < nq ? kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype) * p.scale_log2
+        sm.q[kvmix__qi(h, e % D)] = h < nq ? kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype) * p.scale_log2
                                 : 0.0f;
     }
     if (threadIdx.x == 0) sm.error = 0;
@@ -1177,27 +1246,43 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         int h = e / 16, g = e % 16;
         float s = 0.0f;
         if (g < NG)
-            for (int d = g * G; d < g * G + G; d++) s += sm.q[h][d];
+            for (int d = g * G; d < g * G + G; d++) s += sm.q[kvmix__qi(h, d)];
         sm.qsum[h][g] = s;
     }
     for (int e = threadIdx.x; e < (D / 16) * 32; e += blockDim.x) {
         const int j = e / 32, L = e % 32, h = (L >> 2) >> 1, part = (L >> 2) & 1, c = L & 3;
         uint16_t v[4];
 #pragma unroll
-        for (int x = 0; x < 4; x++) v[x] = kvmix__split(sm.q[h][kvmix__tc_kdim<D>(c, j, x)], part);
+        for (int x = 0; x < 4; x++) v[x] = kvmix__split(sm.q[kvmix__qi(h, kvmix__tc_kdim<D>(c, j, x))], part);
         sm.bq[j][L] = make_uint2(kvmix__pack(v[0], v[1]), kvmix__pack(v[2], v[3]));
     }
 
     const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
     int64_t total_tokens = 0;
     int bad_count = 0;
-    for (int c0 = first; c0 < last; c0 += blockDim.x) {
-        int i = c0 + threadIdx.x;
-        int n = i < last ? p.spans[i].n_tokens : 1;
-        int64_t part = i < last ? (int64_t)max(n, 0) : 0, sum;
+    /* 8 spans per thread per pass (1024 per pass at 128 threads); the tokens of each run of 128
+       spans are kept so that the walk below can start at the run that holds the split's first
+       token instead of planning every span before it */
+    for (int c0 = first; c0 < last; c0 += 8 * (int)blockDim.x) {
+        int64_t part = 0, sum;
+        int bad = 0;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            const int i = c0 + 8 * (int)threadIdx.x + u;
+            if (i < last) {
+                const int n = p.spans[i].n_tokens;
+                part += max(n, 0);
+                bad |= n < 1;
+            }
+        }
+        int64_t run = part;
+#pragma unroll
+        for (int off = 1; off < 16; off <<= 1) run += __shfl_xor_sync(0xffffffffu, run, off);
+        const int ci = (c0 - first) / 128 + (int)threadIdx.x / 16;
+        if ((threadIdx.x & 15) == 0 && ci < 64) sm.ctok[ci] = run;
         kvmix__block_scan(part, sm.scratch, &sum);
         total_tokens += sum;
-        bad_count += __syncthreads_count(n < 1);
+        bad_count += __syncthreads_count(bad);
     }
     const int64_t lo = total_tokens * split / p.n_splits;
     const int64_t hi = total_tokens * (split + 1) / p.n_splits;
@@ -1216,7 +1301,14 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     /* the spans overlapping [lo, hi), 128 at a time: plan their units (up to 128 tokens each),
        then every warp walks its units with the next unit's copy in flight */
     int64_t span_base = 0;
-    for (int c0 = first; bad_count == 0 && c0 < last && span_base < hi; c0 += blockDim.x) {
+    int c_start = first;
+    { /* skip the runs of 128 spans that end at or before lo (uniform over the block) */
+        const int runs = min(64, (last - first + 127) / 128);
+        int ci = 0;
+        while (ci < runs && span_base + sm.ctok[ci] <= lo) span_base += sm.ctok[ci++];
+        c_start = first + 128 * ci;
+    }
+    for (int c0 = c_start; bad_count == 0 && c0 < last && span_base < hi; c0 += blockDim.x) {
         const int i = c0 + (int)threadIdx.x;
         int64_t n = i < last ? (int64_t)max(p.spans[i].n_tokens, 0) : 0, total;
         const int64_t end = span_base + kvmix__block_scan(n, sm.scratch, &total), start = end - n;
@@ -1269,29 +1361,23 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             __syncwarp();
             {
                 uint8_t *stg = stage0 + buf * STAGE;
-                const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj], ntok = sm.plan.ntok[jj];
+                const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj];
                 const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
                 const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
-                const kvmix__sec ks = kvmix__sections(kf, ntok, D, G, p.n_boost);
-                const kvmix__sec vs = kvmix__sections(vf, ntok, D, G, p.n_boost);
-                const kvmix__tc_regions rg = kvmix__tc_layout<D, false>(kf, vf, ks, vs, a, n, G, p.n_boost, false, 0u,
-                                                                        nullptr, nullptr, lane);
                 const uint8_t *dead = sm.plan.dead[jj] >= 0 ? p.dead + sm.plan.dead[jj] + a : nullptr;
                 if constexpr (D == 128) {
                     if (kvmix__tc_direct<D>(kf, vf))
-                        kvmix__tc_unit<D, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, true>(
-                            st, sm, p, stg, rg, kf, vf, ks, vs, n, dead,
-                            p.base + sm.plan.koff[jj] + (uint64_t)a * ks.row_bytes,
-                            p.base + sm.plan.voff[jj] + (uint64_t)a * vs.row_bytes);
+                        kvmix__tc_run<D, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, true>(st, sm, p, stg, kf, vf, jj, a, n,
+                                                                                   dead, lane);
                     else
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8)
-                    kvmix__tc_unit<D, 0, 0>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
+                    kvmix__tc_run<D, 0, 0>(st, sm, p, stg, kf, vf, jj, a, n, dead, lane);
                 } else {
-                    kvmix__tc_unit<D, 0, 0>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
+                    kvmix__tc_run<D, 0, 0>(st, sm, p, stg, kf, vf, jj, a, n, dead, lane);
                 }
             }
             __syncwarp();
@@ -1513,7 +1599,7 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
     /* one block per (sequence, kv head, 4 query heads, split); min_blocks (2 at D 128) fit on an SM:
        fill the machine in one wave, with at least ~256 tokens per split */
     int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
-    int64_t want = kvmix__tc_cfg<128>::min_blocks * (int64_t)n_sms / blocks;
+    int64_t want = KVMIX__SPLIT_WAVES * kvmix__tc_cfg<128>::min_blocks * (int64_t)n_sms / blocks;
     int64_t most = max_seq_tokens / 256;
     if (want > most) want = most;
     if (want < 1) want = 1;

@@ -1,7 +1,9 @@
 """Decode attention benchmark: kvmix (compressed cache views) against PyTorch SDPA in BF16
 (cuDNN and flash backends) and kvmix's own all-FP16 path, on the same shapes, in one process.
 
-Usage: python3 bench/bench_decode.py [--lib build/libkvmix_cuda_bench.so] [--quick]
+Usage: python3 bench/bench_decode.py [--lib build/libkvmix_cuda_bench.so[,other.so...]] [--quick]
+    [--shapes B,T;B,T] [--mixes int4,...] (several --lib paths: each variant is timed on the same
+    arenas, one after another, for A/B comparisons in one process)
 Prints the configuration, then one line per (batch, context, variant): median time, bytes the
 kernel must read (compressed K/V of the batch), achieved bandwidth, fraction of the measured
 read bandwidth, and speedup over cuDNN and flash. Times: CUDA events around each call, median
@@ -10,6 +12,7 @@ of many calls after warm-up, rotating among input sets whose total exceeds sever
 import argparse
 import ctypes as C
 import math
+import os
 import statistics
 import sys
 
@@ -161,8 +164,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="", help="BATCH,CTX,MIX: one kvmix case, no baselines (for profilers)")
     ap.add_argument("--shapes", default="", help="BATCH,CTX;BATCH,CTX...: only these shapes (with baselines)")
+    ap.add_argument("--mixes", default="", help="comma-separated mix names (prefixes): only these mixes")
     args = ap.parse_args()
-    lib = Lib(args.lib)
+    libs = [Lib(x) for x in args.lib.split(",")]
+    lib = libs[0]
     dev = torch.cuda.get_device_properties(0)
     n_sms = dev.multi_processor_count
     free, total = torch.cuda.mem_get_info()
@@ -237,7 +242,8 @@ def main():
         del qs, ks, vs
         torch.cuda.empty_cache()
         for mix in MIXES:
-            one = Arena.__new__(Arena)
+            if args.mixes and not any(mix.startswith(m) for m in args.mixes.split(",")):
+                continue
             # bytes of one set, to size the rotation
             per_set = sum(
                 sum(H * align16(block_bytes(f, P, D, 32, NB if f == BOOSTED else 0)) for f in MIXES[mix](i))
@@ -247,33 +253,46 @@ def main():
                 print(f"{B:>5} {T:>7} {mix:<18} skipped: arena does not fit")
                 continue
             arenas = [Arena(lib, mix, B, T, H, D, P, NB, src, stream) for _ in range(sets)]
-            splits = C.c_int32(0)
-            lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, T, n_sms, C.byref(splits)), "splits")
-            ws_bytes = C.c_size_t(0)
-            lib.check(lib.lib.kvmix_cuda_decode_workspace_bytes(B, HQ, D, splits.value, C.byref(ws_bytes)), "ws")
-            ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device="cuda")
-            qh = [torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
-            out = torch.empty(B, HQ, D, device="cuda", dtype=torch.bfloat16)
-            lse = torch.empty(B, HQ, device="cuda", dtype=torch.float32)
-            desc = DecodeDesc(HQ, 0.0, 2, splits.value)
-
-            def call(i):
-                lib.check(lib.lib.kvmix_cuda_decode(C.byref(arenas[i].view), C.byref(desc), qh[i].data_ptr(),
-                                                    out.data_ptr(), lse.data_ptr(), ws.data_ptr(), ws_bytes.value,
-                                                    stream), "decode")
-            ms = time_calls([lambda i=i: call(i) for i in range(sets)])
-            if not torch.isfinite(out.float()).all():
-                print("  WARNING: non-finite output")
-            nbytes = arenas[0].bytes
-            bw = nbytes / ms / 1e6
-            xc = base.get("cudnn", float("nan")) / ms
-            xf = base.get("flash", float("nan")) / ms
-            print(f"{B:>5} {T:>7} {mix:<18} {ms:8.4f} {nbytes / 1e6:9.1f} {bw:7.0f} {100 * bw / read_bw:5.0f}% {xc:8.2f} {xf:8.2f}  (splits {splits.value})")
-            results.append((B, T, mix, ms, nbytes, bw, xc, xf))
-            del arenas, ws, qh, out, lse
+            for li, vlib in enumerate(libs):
+                bench_one(vlib, li if len(libs) > 1 else None, arenas, sets, B, T, mix, base, read_bw, results,
+                          n_sms, H, HQ, D, stream)
+            del arenas
             torch.cuda.empty_cache()
+    flush_bench(lib, src, H, D, P, NB, stream)
 
+
+def bench_one(lib, label, arenas, sets, B, T, mix, base, read_bw, results, n_sms, H, HQ, D, stream):
+    splits = C.c_int32(0)
+    lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, T, n_sms, C.byref(splits)), "splits")
+    ws_bytes = C.c_size_t(0)
+    lib.check(lib.lib.kvmix_cuda_decode_workspace_bytes(B, HQ, D, splits.value, C.byref(ws_bytes)), "ws")
+    ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device="cuda")
+    qh = [torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
+    out = torch.empty(B, HQ, D, device="cuda", dtype=torch.bfloat16)
+    lse = torch.empty(B, HQ, device="cuda", dtype=torch.float32)
+    desc = DecodeDesc(HQ, 0.0, 2, splits.value)
+
+    def call(i):
+        lib.check(lib.lib.kvmix_cuda_decode(C.byref(arenas[i].view), C.byref(desc), qh[i].data_ptr(),
+                                            out.data_ptr(), lse.data_ptr(), ws.data_ptr(), ws_bytes.value,
+                                            stream), "decode")
+    ms = time_calls([lambda i=i: call(i) for i in range(sets)])
+    if not torch.isfinite(out.float()).all():
+        print("  WARNING: non-finite output")
+    nbytes = arenas[0].bytes
+    bw = nbytes / ms / 1e6
+    xc = base.get("cudnn", float("nan")) / ms
+    xf = base.get("flash", float("nan")) / ms
+    name = mix if label is None else f"{mix} [{label}]"
+    print(f"{B:>5} {T:>7} {name:<18} {ms:8.4f} {nbytes / 1e6:9.1f} {bw:7.0f} {100 * bw / read_bw:5.0f}% {xc:8.2f} {xf:8.2f}  (splits {splits.value})")
+    results.append((B, T, mix, ms, nbytes, bw, xc, xf))
+    del ws, qh, out, lse
+
+
+def flush_bench(lib, src, H, D, P, NB, stream):
     # page flush: one full page per sequence (keys boosted k=16 or int2 per channel, values int2)
+    if os.environ.get("BENCH_NO_FLUSH"):
+        return
     print("page flush (one 128-token page per sequence, 8 kv heads, keys and values):")
     for B in (8, 32):
         for kf in (BOOSTED, INT2_CHANNEL, INT4):

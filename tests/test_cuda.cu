@@ -202,6 +202,7 @@ struct test_view {
     uint8_t *d_dead;
 };
 
+static double g_decode_max_out, g_decode_max_lse; /* largest decode nmse seen (bound 1e-6) */
 static int g_group = 32; /* group size of the per-token blocks of the views built next */
 
 static const int key_formats[] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT4,
@@ -383,6 +384,8 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
              d, g_group, n_kv, q_per_kv, n_seqs, n_boost, n_splits, dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16",
              e_out, e_lse, r);
     check(r == KVMIX_SUCCESS && ok_out && ok_lse && e_out <= 1e-6 && e_lse <= 1e-6, name);
+    if (e_out > g_decode_max_out) g_decode_max_out = e_out;
+    if (e_lse > g_decode_max_lse) g_decode_max_lse = e_lse;
     if (g_failed && getenv("KVMIX_TEST_VERBOSE")) {
         for (int s = 0; s < n_seqs; s++)
             printf("  seq %d lse gpu %g ref %g\n", s, lse[(size_t)s * n_q], ref_lse[(size_t)s * n_q]);
@@ -596,6 +599,7 @@ int main(int argc, char **argv) {
     }
     printf("dequantize/score: %d passed, %d failed so far\n", g_passed, g_failed);
     test_decode(quick);
+    printf("decode: largest nmse out %.2e, lse %.2e (bound 1e-6)\n", g_decode_max_out, g_decode_max_lse);
     printf("%d passed, %d failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
 }
