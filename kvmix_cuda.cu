@@ -24,9 +24,15 @@ namespace {
 
 constexpr int kvmix__view_tile_tokens = 32; /* tokens per block of dequantize and score */
 
-__device__ __forceinline__ float kvmix__h2f(uint16_t h) { return __half2float(__ushort_as_half(h)); }
-__device__ __forceinline__ uint16_t kvmix__f2h(float x) { return __half_as_ushort(__float2half_rn(x)); }
-__device__ __forceinline__ float kvmix__bf2f(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+__device__ __forceinline__ float kvmix__h2f(uint16_t h) {
+    return __half2float(__ushort_as_half(h));
+}
+__device__ __forceinline__ uint16_t kvmix__f2h(float x) {
+    return __half_as_ushort(__float2half_rn(x));
+}
+__device__ __forceinline__ float kvmix__bf2f(uint16_t b) {
+    return __uint_as_float((uint32_t)b << 16);
+}
 __device__ __forceinline__ uint16_t kvmix__f2bf(float x) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
@@ -51,7 +57,8 @@ __host__ __device__ constexpr int kvmix__bits_of(int format) {
 }
 
 __host__ __device__ constexpr bool kvmix__per_token(int format) {
-    return format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 || format == KVMIX_FORMAT_INT2;
+    return format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 ||
+           format == KVMIX_FORMAT_INT2;
 }
 
 /* Section offsets of one block (the same arithmetic as kvmix.h's kvmix__layout_sections). */
@@ -103,8 +110,7 @@ __device__ inline kvmix__qp kvmix__choose_qparams(float lo, float hi, int levels
     return p;
 }
 
-__device__ __forceinline__ uint32_t kvmix__quantize_value(float x, const kvmix__qp &p,
-                                                          int levels) {
+__device__ __forceinline__ uint32_t kvmix__quantize_value(float x, const kvmix__qp &p, int levels) {
     if (p.scale_h == 0) return 0;
     float q = rintf(__fdiv_rn(__fsub_rn(x, p.min), p.scale));
     q = fminf(fmaxf(q, 0.0f), (float)levels);
@@ -194,8 +200,8 @@ __device__ void kvmix__for_spans(const kvmix_view_span *spans, int first, int la
 
 /* Whether a block of a view span is readable: known format, extent inside base, aligned. */
 __device__ inline bool kvmix__block_ok(int format, int n, uint64_t offset, uint32_t head_bytes,
-                                       int n_kv, int d, int group, int n_boost,
-                                       uint64_t base_bytes, kvmix__sec *out) {
+                                       int n_kv, int d, int group, int n_boost, uint64_t base_bytes,
+                                       kvmix__sec *out) {
     if (kvmix__bits_of(format) == 0 || n < 1) return false;
     kvmix__sec s = kvmix__sections(format, n, d, group, n_boost);
     if (head_bytes < s.total_bytes || ((offset | head_bytes) & 15u) != 0) return false;
@@ -252,7 +258,8 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
         bad |= (h & 0x7c00u) == 0x7c00u;
     }
     if (__syncthreads_or(bad)) {
-        if (threadIdx.x == 0 && p.error_flags) atomicOr(p.error_flags, KVMIX_CUDA_QUANTIZE_BAD_VALUE);
+        if (threadIdx.x == 0 && p.error_flags)
+            atomicOr(p.error_flags, KVMIX_CUDA_QUANTIZE_BAD_VALUE);
         return;
     }
     uint8_t *blk = p.dst + job.dst_offset;
@@ -356,7 +363,8 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
                 int c = sm.slot_channel[b * 4 + k];
                 kvmix__qp qp;
                 qp.scale_h = sm.scale_h[c], qp.scale = sm.scale[c], qp.min = sm.min[c];
-                uint32_t q = kvmix__quantize_value(kvmix__h2f(src[t * p.src_row_stride + c]), qp, 15);
+                uint32_t q =
+                    kvmix__quantize_value(kvmix__h2f(src[t * p.src_row_stride + c]), qp, 15);
                 byte |= (q >> 2) << (2 * k);
             }
             blk[s.high_offset + (uint64_t)t * high_bytes + b] = (uint8_t)byte;
@@ -384,37 +392,39 @@ static __global__ void __launch_bounds__(256) kvmix__view_dequantize_kernel(kvmi
     const int64_t lo = (int64_t)blockIdx.x * kvmix__view_tile_tokens;
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
     const int d = p.head_dim, n_kv = p.n_kv_heads;
-    kvmix__for_spans(p.spans, p.seq_first_span[p.seq], p.seq_first_span[p.seq + 1], lo, hi, sm,
-                     [&](int si, int64_t start) {
-        const kvmix_view_span sp = p.spans[si];
-        int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
-        for (int which = 0; which < 2; which++) {
-            uint16_t *out = which ? p.values_out : p.keys_out;
-            if (!out) continue;
-            int format = which ? sp.value_format : sp.key_format;
-            uint64_t offset = which ? sp.value_offset : sp.key_offset;
-            uint32_t head_bytes = which ? sp.value_head_bytes : sp.key_head_bytes;
-            kvmix__sec s;
-            bool ok = kvmix__block_ok(format, sp.n_tokens, offset, head_bytes, n_kv, d,
-                                      p.group_size, p.n_boost, p.base_bytes, &s) &&
-                      (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
-            int64_t n_elems = (t1 - t0) * n_kv * d;
-            for (int64_t e = threadIdx.x; e < n_elems; e += blockDim.x) {
-                int64_t pos = t0 + e / ((int64_t)n_kv * d);
-                int h = (int)((e / d) % n_kv), c = (int)(e % d);
-                int64_t t = pos - start;
-                float v;
-                if (!ok)
-                    v = __int_as_float(0x7fffffff);
-                else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t])
-                    v = 0.0f;
-                else
-                    v = kvmix__decode_value(format, p.base + offset + (uint64_t)h * head_bytes, s,
-                                            t, c, p.group_size);
-                kvmix__store_elem(out + (uint64_t)pos * n_kv * d + (uint64_t)h * d + c, v, p.dtype);
+    kvmix__for_spans(
+        p.spans, p.seq_first_span[p.seq], p.seq_first_span[p.seq + 1], lo, hi, sm,
+        [&](int si, int64_t start) {
+            const kvmix_view_span sp = p.spans[si];
+            int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
+            for (int which = 0; which < 2; which++) {
+                uint16_t *out = which ? p.values_out : p.keys_out;
+                if (!out) continue;
+                int format = which ? sp.value_format : sp.key_format;
+                uint64_t offset = which ? sp.value_offset : sp.key_offset;
+                uint32_t head_bytes = which ? sp.value_head_bytes : sp.key_head_bytes;
+                kvmix__sec s;
+                bool ok = kvmix__block_ok(format, sp.n_tokens, offset, head_bytes, n_kv, d,
+                                          p.group_size, p.n_boost, p.base_bytes, &s) &&
+                          (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+                int64_t n_elems = (t1 - t0) * n_kv * d;
+                for (int64_t e = threadIdx.x; e < n_elems; e += blockDim.x) {
+                    int64_t pos = t0 + e / ((int64_t)n_kv * d);
+                    int h = (int)((e / d) % n_kv), c = (int)(e % d);
+                    int64_t t = pos - start;
+                    float v;
+                    if (!ok)
+                        v = __int_as_float(0x7fffffff);
+                    else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t])
+                        v = 0.0f;
+                    else
+                        v = kvmix__decode_value(format, p.base + offset + (uint64_t)h * head_bytes,
+                                                s, t, c, p.group_size);
+                    kvmix__store_elem(out + (uint64_t)pos * n_kv * d + (uint64_t)h * d + c, v,
+                                      p.dtype);
+                }
             }
-        }
-    });
+        });
 }
 
 /* Blocks of 32 tokens, one warp per token: scores[t] = sum_h dot(memory[h], key_t[h / g]). */
@@ -424,33 +434,38 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
     const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / p.n_kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    kvmix__for_spans(p.spans, p.seq_first_span[p.seq], p.seq_first_span[p.seq + 1], lo, hi, sm,
-                     [&](int si, int64_t start) {
-        const kvmix_view_span sp = p.spans[si];
-        int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
-        kvmix__sec s;
-        bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
-                                  n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
-                  (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
-        for (int64_t pos = t0 + warp; pos < t1; pos += n_warps) {
-            int64_t t = pos - start;
-            float acc = 0.0f;
-            if (ok)
-                for (int e = lane; e < n_kv * d; e += 32) {
-                    int h = e / d, c = e % d;
-                    float k = kvmix__decode_value(sp.key_format,
-                                                  p.base + sp.key_offset + (uint64_t)h * sp.key_head_bytes,
-                                                  s, t, c, p.group_size);
-                    for (int j = 0; j < g; j++) acc += p.memory[(size_t)(h * g + j) * d + c] * k;
+    kvmix__for_spans(
+        p.spans, p.seq_first_span[p.seq], p.seq_first_span[p.seq + 1], lo, hi, sm,
+        [&](int si, int64_t start) {
+            const kvmix_view_span sp = p.spans[si];
+            int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
+            kvmix__sec s;
+            bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
+                                      n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
+                      (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+            for (int64_t pos = t0 + warp; pos < t1; pos += n_warps) {
+                int64_t t = pos - start;
+                float acc = 0.0f;
+                if (ok)
+                    for (int e = lane; e < n_kv * d; e += 32) {
+                        int h = e / d, c = e % d;
+                        float k = kvmix__decode_value(
+                            sp.key_format, p.base + sp.key_offset + (uint64_t)h * sp.key_head_bytes,
+                            s, t, c, p.group_size);
+                        for (int j = 0; j < g; j++)
+                            acc += p.memory[(size_t)(h * g + j) * d + c] * k;
+                    }
+                for (int off = 16; off > 0; off >>= 1)
+                    acc += __shfl_xor_sync(0xffffffffu, acc, off);
+                if (lane == 0) {
+                    if (!ok)
+                        acc = __int_as_float(0x7fffffff);
+                    else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t])
+                        acc = -INFINITY;
+                    p.scores[pos] = acc;
                 }
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-            if (lane == 0) {
-                if (!ok) acc = __int_as_float(0x7fffffff);
-                else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t]) acc = -INFINITY;
-                p.scores[pos] = acc;
             }
-        }
-    });
+        });
 }
 
 /* ---- decode attention -------------------------------------------------------------------- */
@@ -465,8 +480,8 @@ struct kvmix__decode_params {
     int n_splits, dtype;
     float scale_log2; /* softmax scale * log2(e) */
     const uint16_t *q;
-    float *part_out;  /* [n_seqs][n_splits][n_q_heads][head_dim], normalized */
-    float *part_lse;  /* [n_seqs][n_splits][n_q_heads], log2 domain */
+    float *part_out; /* [n_seqs][n_splits][n_q_heads][head_dim], normalized */
+    float *part_lse; /* [n_seqs][n_splits][n_q_heads], log2 domain */
 };
 
 /* ---- decode attention on tensor cores (v3: mma.sync tiles, K/V staged by cp.async) ----------
@@ -566,8 +581,7 @@ __device__ __forceinline__ uint32_t kvmix__pack(uint16_t lo, uint16_t hi) {
     return (uint32_t)lo | ((uint32_t)hi << 16);
 }
 
-template <int NW>
-__device__ __forceinline__ void kvmix__ldw(const uint8_t *p, uint32_t *w) {
+template <int NW> __device__ __forceinline__ void kvmix__ldw(const uint8_t *p, uint32_t *w) {
     if constexpr (NW % 4 == 0) {
 #pragma unroll
         for (int i = 0; i < NW / 4; i++) {
@@ -583,15 +597,16 @@ __device__ __forceinline__ void kvmix__ldw(const uint8_t *p, uint32_t *w) {
 }
 
 /* Dim of QK k position e (0..3 for k = 2c, 2c+1, 2c+8, 2c+9) of k-step j for lane slot c. */
-template <int D>
-__device__ __forceinline__ int kvmix__tc_kdim(int c, int j, int e) {
+template <int D> __device__ __forceinline__ int kvmix__tc_kdim(int c, int j, int e) {
     int base = c * (D / 4) + 16 * (j / 4), v = j % 4;
     return base + 2 * v + (e & 1) * 8 + (e >> 1);
 }
 
-template <int F>
-__host__ __device__ constexpr int kvmix__fbits() {
-    return F == KVMIX_FORMAT_FP16 ? 16 : F == KVMIX_FORMAT_INT8 ? 8 : F == KVMIX_FORMAT_INT4 ? 4 : 2;
+template <int F> __host__ __device__ constexpr int kvmix__fbits() {
+    return F == KVMIX_FORMAT_FP16   ? 16
+           : F == KVMIX_FORMAT_INT8 ? 8
+           : F == KVMIX_FORMAT_INT4 ? 4
+                                    : 2;
 }
 __host__ __device__ constexpr bool kvmix__per_channel(int f) {
     return f == KVMIX_FORMAT_INT2_CHANNEL || f == KVMIX_FORMAT_BOOSTED;
@@ -613,15 +628,14 @@ __host__ __device__ constexpr bool kvmix__per_channel(int f) {
 #ifndef KVMIX__TC_BLOCKS_128
 #define KVMIX__TC_BLOCKS_128 2
 #endif
-template <int D>
-struct kvmix__tc_cfg {
+template <int D> struct kvmix__tc_cfg {
     /* at least 16 tokens of FP16 keys and values (64 * D bytes) */
     static constexpr int stage = D == 128 ? KVMIX__TC_STAGE_128 : 64 * D;
     static constexpr int min_blocks = D == 64 ? 4 : D == 128 ? KVMIX__TC_BLOCKS_128 : 1;
     static constexpr int dyn_bytes = 2 * kvmix__tc_warps * stage;
 };
 
-struct kvmix__tc_plan { /* spans of one walk chunk (index = thread of the block) */
+struct kvmix__tc_plan {            /* spans of one walk chunk (index = thread of the block) */
     uint64_t koff[128], voff[128]; /* bytes from base to this kv head's key / value block */
     int ta[128], tb[128], ntok[128], ut[128], dead[128], ub[128], ue[128];
     uint8_t kf[128], vf[128];
@@ -632,10 +646,9 @@ struct kvmix__tc_plan { /* spans of one walk chunk (index = thread of the block)
    apart across c) hit 16 different banks instead of one. */
 __device__ __forceinline__ int kvmix__qi(int h, int d) { return ((d + (d >> 5)) << 2) + h; }
 
-template <int D>
-struct kvmix__tc_smem {
+template <int D> struct kvmix__tc_smem {
     float q[4 * (D + D / 32)]; /* query * scale * log2(e), 0 for unused head slots; at kvmix__qi */
-    float qsum[4][16]; /* per-token keys: sum of q over each group */
+    float qsum[4][16];         /* per-token keys: sum of q over each group */
     uint2 bq[D / 16][32]; /* B of the logits for every non-channel key format (lane fragments) */
     kvmix__tc_plan plan;
     int64_t ctok[64]; /* tokens of each run of 128 spans of the sequence (the first 64 runs) */
@@ -643,14 +656,12 @@ struct kvmix__tc_smem {
     int error;
 };
 
-template <int D>
-struct kvmix__tc_merge { /* aliases the stage buffers after the walk */
+template <int D> struct kvmix__tc_merge { /* aliases the stage buffers after the walk */
     float acc[kvmix__tc_warps][4][D];
     float m[kvmix__tc_warps][4], l[kvmix__tc_warps][4];
 };
 
-template <int D>
-struct kvmix__tc_state {
+template <int D> struct kvmix__tc_state {
     float o[D / 16][4];
     float om[4], om2[4]; /* per-token value minima (om2: the lane's second group, D/8 > G) */
     float m, l;
@@ -663,7 +674,8 @@ struct kvmix__tsec {
 };
 
 template <int D>
-__device__ __forceinline__ kvmix__tsec kvmix__tc_sections(int format, uint32_t n, int group, int n_boost) {
+__device__ __forceinline__ kvmix__tsec kvmix__tc_sections(int format, uint32_t n, int group,
+                                                          int n_boost) {
     kvmix__tsec s;
     const bool boosted = format == KVMIX_FORMAT_BOOSTED;
     s.row_bytes = (uint32_t)(D * kvmix__bits_of(format) / 8);
@@ -685,21 +697,26 @@ struct kvmix__tc_regions {
 };
 
 __device__ __forceinline__ void kvmix__cp_async(uint32_t dst, const void *src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+                 : "memory");
 }
 __device__ __forceinline__ void kvmix__cp_async16(uint32_t dst, const void *src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void kvmix__cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void kvmix__cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void kvmix__cp_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void kvmix__cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 
 /* Places a region of len bytes whose source is at block offset src; with COPY, the warp copies
    it (the 16-byte words covering it, never past the block's total bytes). worst: assume the
    largest misalignment (for sizing). Returns the stage offset of the region's first byte. */
 template <bool COPY>
-__device__ __forceinline__ int kvmix__tc_put(int &off, uint32_t src, int len, bool worst, uint32_t stage,
-                                             const uint8_t *blk, uint32_t total, int lane) {
+__device__ __forceinline__ int kvmix__tc_put(int &off, uint32_t src, int len, bool worst,
+                                             uint32_t stage, const uint8_t *blk, uint32_t total,
+                                             int lane) {
     const int delta = worst ? 15 : (int)(src & 15u);
     const int pos = off + delta, words = (delta + len + 15) >> 4;
     if constexpr (COPY) {
@@ -707,11 +724,13 @@ __device__ __forceinline__ int kvmix__tc_put(int &off, uint32_t src, int len, bo
         if (16u * (uint32_t)words <= total - s0) { /* whole words: no clamps (s0 <= src < total) */
             const uint8_t *g = blk + s0 + 16 * lane;
             const uint32_t d = stage + (uint32_t)(off + 16 * lane);
-            for (int i = lane; i < words; i += 32, g += 512) kvmix__cp_async16(d + 16 * (i - lane), g);
+            for (int i = lane; i < words; i += 32, g += 512)
+                kvmix__cp_async16(d + 16 * (i - lane), g);
         } else {
             for (int i = lane; i < words; i += 32) {
                 const uint64_t rel = (uint64_t)s0 + 16u * (uint64_t)i;
-                const int n = (uint64_t)total > rel ? (int)min((uint64_t)16, (uint64_t)total - rel) : 0;
+                const int n =
+                    (uint64_t)total > rel ? (int)min((uint64_t)16, (uint64_t)total - rel) : 0;
                 kvmix__cp_async(stage + (uint32_t)(off + 16 * i), blk + rel, n);
             }
         }
@@ -723,37 +742,47 @@ __device__ __forceinline__ int kvmix__tc_put(int &off, uint32_t src, int len, bo
 /* The regions of tokens [a, a + n) of a span (sections ks, vs); COPY issues the copies. */
 template <int D, bool COPY>
 __device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(int kf, int vf, const kvmix__tsec &ks,
-                                                              const kvmix__tsec &vs, int a, int n, int G,
-                                                              int nb, bool worst, uint32_t stage,
-                                                              const uint8_t *kblk, const uint8_t *vblk,
-                                                              int lane) {
+                                                              const kvmix__tsec &vs, int a, int n,
+                                                              int G, int nb, bool worst,
+                                                              uint32_t stage, const uint8_t *kblk,
+                                                              const uint8_t *vblk, int lane) {
     kvmix__tc_regions g;
     int off = 0;
     const int NG = D / G;
     g.km = g.ki = g.kh = g.b2 = g.sl = g.vm = g.vi = g.vh = 0;
-    g.k = kvmix__tc_put<COPY>(off, (uint32_t)a * ks.row_bytes, n * (int)ks.row_bytes, false, stage, kblk, ks.total_bytes, lane);
+    g.k = kvmix__tc_put<COPY>(off, (uint32_t)a * ks.row_bytes, n * (int)ks.row_bytes, false, stage,
+                              kblk, ks.total_bytes, lane);
     if (kvmix__per_token(kf))
-        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst, stage, kblk, ks.total_bytes, lane);
+        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst,
+                                   stage, kblk, ks.total_bytes, lane);
     else if (kvmix__per_channel(kf))
-        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset, D * 4, worst, stage, kblk, ks.total_bytes, lane);
+        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset, D * 4, worst, stage, kblk, ks.total_bytes,
+                                   lane);
     if (kf == KVMIX_FORMAT_BOOSTED) {
-        g.ki = kvmix__tc_put<COPY>(off, ks.index_offset, D, worst, stage, kblk, ks.total_bytes, lane);
-        g.kh = kvmix__tc_put<COPY>(off, ks.high_offset + (uint32_t)a * ks.high_row_bytes, n * (int)ks.high_row_bytes,
-                                   worst, stage, kblk, ks.total_bytes, lane);
+        g.ki =
+            kvmix__tc_put<COPY>(off, ks.index_offset, D, worst, stage, kblk, ks.total_bytes, lane);
+        g.kh = kvmix__tc_put<COPY>(off, ks.high_offset + (uint32_t)a * ks.high_row_bytes,
+                                   n * (int)ks.high_row_bytes, worst, stage, kblk, ks.total_bytes,
+                                   lane);
         g.b2 = off;
         off += ((nb + 15) / 16) * 256;
         g.sl = off;
         off += D;
     }
-    g.v = kvmix__tc_put<COPY>(off, (uint32_t)a * vs.row_bytes, n * (int)vs.row_bytes, false, stage, vblk, vs.total_bytes, lane);
+    g.v = kvmix__tc_put<COPY>(off, (uint32_t)a * vs.row_bytes, n * (int)vs.row_bytes, false, stage,
+                              vblk, vs.total_bytes, lane);
     if (kvmix__per_token(vf))
-        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst, stage, vblk, vs.total_bytes, lane);
+        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst,
+                                   stage, vblk, vs.total_bytes, lane);
     else if (kvmix__per_channel(vf))
-        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset, D * 4, worst, stage, vblk, vs.total_bytes, lane);
+        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset, D * 4, worst, stage, vblk, vs.total_bytes,
+                                   lane);
     if (vf == KVMIX_FORMAT_BOOSTED) {
-        g.vi = kvmix__tc_put<COPY>(off, vs.index_offset, D, worst, stage, vblk, vs.total_bytes, lane);
-        g.vh = kvmix__tc_put<COPY>(off, vs.high_offset + (uint32_t)a * vs.high_row_bytes, n * (int)vs.high_row_bytes,
-                                   worst, stage, vblk, vs.total_bytes, lane);
+        g.vi =
+            kvmix__tc_put<COPY>(off, vs.index_offset, D, worst, stage, vblk, vs.total_bytes, lane);
+        g.vh = kvmix__tc_put<COPY>(off, vs.high_offset + (uint32_t)a * vs.high_row_bytes,
+                                   n * (int)vs.high_row_bytes, worst, stage, vblk, vs.total_bytes,
+                                   lane);
     }
     g.end = off;
     return g;
@@ -765,8 +794,10 @@ __device__ inline int kvmix__tc_unit_tokens(int kf, int vf, int ntok, int G, int
     const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, G, nb);
     const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, G, nb);
     int n = 128;
-    while (n > 16 && kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, G, nb, true, 0u, nullptr, nullptr, 0).end >
-                         kvmix__tc_cfg<D>::stage)
+    while (
+        n > 16 &&
+        kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, G, nb, true, 0u, nullptr, nullptr, 0).end >
+            kvmix__tc_cfg<D>::stage)
         n -= 16;
     return n;
 }
@@ -776,11 +807,11 @@ __device__ __forceinline__ uint32_t kvmix__lds16(const uint8_t *p) { return *(co
 
 /* Rows of K (per lane: its D/4 dims of tokens r and r+8) -> A registers of one 16-dim chunk:
    R[k] = (dim k, dim k + 8) of the chunk, k < 8, as exact fp16 codes (or fp16 values). */
-template <int KF>
-__device__ __forceinline__ void kvmix__tc_kchunk(const uint32_t *w, uint32_t *R) {
+template <int KF> __device__ __forceinline__ void kvmix__tc_kchunk(const uint32_t *w, uint32_t *R) {
     if constexpr (KF == KVMIX_FORMAT_FP16) {
 #pragma unroll
-        for (int k = 0; k < 8; k++) R[k] = kvmix__prmt(w[k / 2], w[4 + k / 2], (k & 1) ? 0x7632u : 0x5410u);
+        for (int k = 0; k < 8; k++)
+            R[k] = kvmix__prmt(w[k / 2], w[4 + k / 2], (k & 1) ? 0x7632u : 0x5410u);
     } else if constexpr (KF == KVMIX_FORMAT_INT8) {
         kvmix__codes8(w[0], w[2], R);
         kvmix__codes8(w[1], w[3], R + 4);
@@ -827,10 +858,11 @@ __device__ __forceinline__ void kvmix__tc_vpair(const uint32_t *a, const uint32_
 }
 
 /* 16 bytes from shared memory, or from global memory (GL: FP16 spans read in place). */
-template <bool GL>
-__device__ __forceinline__ uint4 kvmix__ld16(const uint8_t *p) {
-    if constexpr (GL) return __ldg((const uint4 *)p);
-    else return *(const uint4 *)p;
+template <bool GL> __device__ __forceinline__ uint4 kvmix__ld16(const uint8_t *p) {
+    if constexpr (GL)
+        return __ldg((const uint4 *)p);
+    else
+        return *(const uint4 *)p;
 }
 
 /* A registers of 16-dim chunk ch of a K row segment (the lane's D/4 dims) in shared memory. */
@@ -877,24 +909,27 @@ __device__ __forceinline__ void kvmix__tc_vload(int vb, const uint8_t *src, uint
 }
 
 template <int DV>
-__device__ __forceinline__ void kvmix__tc_vconv(int vf, const uint32_t *a, const uint32_t *b, uint32_t *R,
-                                                uint32_t slo, uint32_t shi) {
-    if (vf == KVMIX_FORMAT_FP16) kvmix__tc_vpair<KVMIX_FORMAT_FP16, DV>(a, b, R);
-    else if (vf == KVMIX_FORMAT_INT8) kvmix__tc_vpair<KVMIX_FORMAT_INT8, DV>(a, b, R);
-    else if (vf == KVMIX_FORMAT_INT4) kvmix__tc_vpair<KVMIX_FORMAT_INT4, DV>(a, b, R, slo, shi);
-    else kvmix__tc_vpair<KVMIX_FORMAT_INT2, DV>(a, b, R, slo, shi);
+__device__ __forceinline__ void kvmix__tc_vconv(int vf, const uint32_t *a, const uint32_t *b,
+                                                uint32_t *R, uint32_t slo, uint32_t shi) {
+    if (vf == KVMIX_FORMAT_FP16)
+        kvmix__tc_vpair<KVMIX_FORMAT_FP16, DV>(a, b, R);
+    else if (vf == KVMIX_FORMAT_INT8)
+        kvmix__tc_vpair<KVMIX_FORMAT_INT8, DV>(a, b, R);
+    else if (vf == KVMIX_FORMAT_INT4)
+        kvmix__tc_vpair<KVMIX_FORMAT_INT4, DV>(a, b, R, slo, shi);
+    else
+        kvmix__tc_vpair<KVMIX_FORMAT_INT2, DV>(a, b, R, slo, shi);
 }
 
 /* One warp: tokens [a, a + n) of a span, staged at stg (regions rg). KFT / VFT: the key / value
    format when known at compile time, 0 for the generic path (formats kf_rt / vf_rt). GL: K and V
    rows are read in place from global memory at kg / vg (FP16 pairs: no staging). */
 template <int D, int KFT, int VFT, bool GL = false>
-__device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm,
-                                            const kvmix__decode_params &p, uint8_t *stg,
-                                            const kvmix__tc_regions &rg, int kf_rt, int vf_rt,
-                                            const kvmix__tsec &ks, const kvmix__tsec &vs, int n,
-                                            const uint8_t *dead, const uint8_t *kg = nullptr,
-                                            const uint8_t *vg = nullptr) {
+__device__ __forceinline__ void
+kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decode_params &p,
+               uint8_t *stg, const kvmix__tc_regions &rg, int kf_rt, int vf_rt,
+               const kvmix__tsec &ks, const kvmix__tsec &vs, int n, const uint8_t *dead,
+               const uint8_t *kg = nullptr, const uint8_t *vg = nullptr) {
     constexpr int KS = D / 16, DQ = D / 4, DV = D / 8;
     constexpr int NWV = DV / 2; /* V words per lane per token, FP16 (the widest) */
     const int kf = KFT ? KFT : kf_rt, vf = VFT ? VFT : vf_rt;
@@ -905,7 +940,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
     const int G = p.group_size, NG = D / G;
     const bool two = DV > G; /* a value lane's dims span two groups (D 256, G 16) */
     const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
-    const uint8_t *K = GL ? kg : stg + rg.k, *KM = stg + rg.km, *V = GL ? vg : stg + rg.v, *VM = stg + rg.vm;
+    const uint8_t *K = GL ? kg : stg + rg.k, *KM = stg + rg.km, *V = GL ? vg : stg + rg.v,
+                  *VM = stg + rg.vm;
 
     /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 */
     uint32_t bk[KS][2];
@@ -917,7 +953,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 int d = kvmix__tc_kdim<D>(c, j, x);
-                e[x] = kvmix__split(sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4)), part);
+                e[x] = kvmix__split(
+                    sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4)), part);
             }
             bk[j][0] = kvmix__pack(e[0], e[1]);
             bk[j][1] = kvmix__pack(e[2], e[3]);
@@ -932,7 +969,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
     float kconst = 0.0f; /* per-channel keys: sum over channels of q * min (head c) */
     if (k_chan) {
 #pragma unroll 4
-        for (int d = r; d < D; d += 8) kconst += sm.q[kvmix__qi(c, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4 + 2));
+        for (int d = r; d < D; d += 8)
+            kconst += sm.q[kvmix__qi(c, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4 + 2));
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) kconst += __shfl_xor_sync(0xffffffffu, kconst, off);
     }
@@ -968,7 +1006,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                 float v = 0.0f;
                 if (s < nb) {
                     int d = slot_ch[s] & (D - 1);
-                    v = 4.0f * sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
+                    v = 4.0f * sm.q[kvmix__qi(h, d)] *
+                        kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
                 }
                 e[x] = kvmix__split(v, part);
             }
@@ -980,7 +1019,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
 #ifndef KVMIX__TC_VSWZ
 #define KVMIX__TC_VSWZ 1
 #endif
-    const bool vswz = KVMIX__TC_VSWZ && !GL && (VFT == KVMIX_FORMAT_INT2 || VFT == KVMIX_FORMAT_INT4);
+    const bool vswz =
+        KVMIX__TC_VSWZ && !GL && (VFT == KVMIX_FORMAT_INT2 || VFT == KVMIX_FORMAT_INT4);
     const uint32_t vslo = vswz && (c >> 1) ? 0x1054u : 0x5410u; /* vshi = vslo + 0x2222 */
 
     for (int t0 = 0; t0 < n; t0 += 16) {
@@ -1025,21 +1065,26 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                 __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
 #pragma unroll
                 for (int v = 0; v < 4; v++) {
-                    __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0), a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
-                    __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1), a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
+                    __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0),
+                            a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
+                    __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
+                            a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
                     __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
                     __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
                     __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
                     __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
                     const int j = 4 * ch + v;
-                    kvmix__mma(sacc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3), bk[j][0], bk[j][1]);
-                    kvmix__mma(sacc2, kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), bk[j][0], bk[j][1]);
+                    kvmix__mma(sacc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
+                               bk[j][0], bk[j][1]);
+                    kvmix__mma(sacc2, kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
+                               kvmix__h2u(l3), bk[j][0], bk[j][1]);
                 }
             } else {
 #pragma unroll
                 for (int v = 0; v < 4; v++) {
                     const int j = 4 * ch + v;
-                    kvmix__mma((v & 1) ? sacc2 : sacc, R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1], bk[j][0], bk[j][1]);
+                    kvmix__mma((v & 1) ? sacc2 : sacc, R0[2 * v], R1[2 * v], R0[2 * v + 1],
+                               R1[2 * v + 1], bk[j][0], bk[j][1]);
                 }
             }
         }
@@ -1051,8 +1096,10 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                 mn[0][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4) : 0u;
                 mn[1][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4) : 0u;
             }
-            kvmix__mma(sacc, kvmix__prmt(mn[0][0], mn[0][1], 0x7632u), kvmix__prmt(mn[1][0], mn[1][1], 0x7632u),
-                       kvmix__prmt(mn[0][2], mn[0][3], 0x7632u), kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
+            kvmix__mma(sacc, kvmix__prmt(mn[0][0], mn[0][1], 0x7632u),
+                       kvmix__prmt(mn[1][0], mn[1][1], 0x7632u),
+                       kvmix__prmt(mn[0][2], mn[0][3], 0x7632u),
+                       kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
         }
         if (kf == KVMIX_FORMAT_BOOSTED) { /* high bits of the boosted slots */
             const uint32_t hrow = (uint32_t)ks.high_row_bytes;
@@ -1081,7 +1128,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
         }
         float tmax = fmaxf(s0, s1);
 #pragma unroll
-        for (int off = 4; off < 32; off <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+        for (int off = 4; off < 32; off <<= 1)
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
         const float mnew = fmaxf(st.m, tmax);
         const float msafe = mnew == -INFINITY ? 0.0f : mnew;
         const float alpha = kvmix__ex2(st.m - msafe);
@@ -1114,9 +1162,12 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                     uint32_t hv[4];
 #pragma unroll
                     for (int x = 0; x < 4; x++)
-                        hv[x] = (stg[rg.vh + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) & 3u;
-                    __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]), __ushort2half_rn((unsigned short)hv[1]));
-                    __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]), __ushort2half_rn((unsigned short)hv[3]));
+                        hv[x] =
+                            (stg[rg.vh + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) & 3u;
+                    __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]),
+                                                __ushort2half_rn((unsigned short)hv[1]));
+                    __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]),
+                                                __ushort2half_rn((unsigned short)hv[3]));
                     Ra[k] = kvmix__h2u(__hfma2(ha, __float2half2_rn(4.0f), kvmix__u2h(Ra[k])));
                     Rb[k] = kvmix__h2u(__hfma2(hb, __float2half2_rn(4.0f), kvmix__u2h(Rb[k])));
                 }
@@ -1124,7 +1175,8 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
         }
         if (vf == KVMIX_FORMAT_FP16) {
 #pragma unroll
-            for (int i = 0; i < D / 16; i++) kvmix__mma(st.o[i], Ra[2 * i], Ra[2 * i + 1], Rb[2 * i], Rb[2 * i + 1], pb0, pb1);
+            for (int i = 0; i < D / 16; i++)
+                kvmix__mma(st.o[i], Ra[2 * i], Ra[2 * i + 1], Rb[2 * i], Rb[2 * i + 1], pb0, pb1);
         } else {
             __half2 sa = __float2half2_rn(0.0f), sb = sa, sa2 = sa, sb2 = sa;
             if (v_tok) {
@@ -1140,22 +1192,29 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
                 if (v_chan) {
                     int d = r * DV + 2 * i;
                     s0a = s0b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + d * 4)));
-                    s1a = s1b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + (d + 1) * 4)));
+                    s1a = s1b =
+                        __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + (d + 1) * 4)));
                 }
-                __half2 a0 = __hmul2(kvmix__u2h(Ra[2 * i]), s0a), a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
-                __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b), a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
+                __half2 a0 = __hmul2(kvmix__u2h(Ra[2 * i]), s0a),
+                        a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
+                __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b),
+                        a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
                 __half2 l0 = __hfma2(kvmix__u2h(Ra[2 * i]), s0a, __hneg2(a0));
                 __half2 l1 = __hfma2(kvmix__u2h(Ra[2 * i + 1]), s1a, __hneg2(a1));
                 __half2 l2 = __hfma2(kvmix__u2h(Rb[2 * i]), s0b, __hneg2(a2));
                 __half2 l3 = __hfma2(kvmix__u2h(Rb[2 * i + 1]), s1b, __hneg2(a3));
-                kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3), pb0, pb1);
-                kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), pb0, pb1);
+                kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
+                           pb0, pb1);
+                kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3),
+                           pb0, pb1);
             }
             if (v_tok) {
-                uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u), mb = kvmix__prmt(vmeta[2], vmeta[3], 0x7632u);
+                uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u),
+                         mb = kvmix__prmt(vmeta[2], vmeta[3], 0x7632u);
                 kvmix__mma(st.om, ma, ma, mb, mb, pb0, pb1);
                 if (two) {
-                    ma = kvmix__prmt(vmeta2[0], vmeta2[1], 0x7632u), mb = kvmix__prmt(vmeta2[2], vmeta2[3], 0x7632u);
+                    ma = kvmix__prmt(vmeta2[0], vmeta2[1], 0x7632u),
+                    mb = kvmix__prmt(vmeta2[2], vmeta2[3], 0x7632u);
                     kvmix__mma(st.om2, ma, ma, mb, mb, pb0, pb1);
                 }
             }
@@ -1175,15 +1234,15 @@ __device__ __forceinline__ void kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc
 
 /* FP16 keys and values at D 128 are read in place (units of 128 tokens, no staging): their
    16-token tiles are 8 KiB, enough bytes in flight per warp without a copy stage. */
-template <int D>
-__host__ __device__ constexpr bool kvmix__tc_direct(int kf, int vf) {
+template <int D> __host__ __device__ constexpr bool kvmix__tc_direct(int kf, int vf) {
     return D == 128 && kf == KVMIX_FORMAT_FP16 && vf == KVMIX_FORMAT_FP16;
 }
 
 /* Issues the copies of unit k (span jj of the plan) into the stage at `stage`. */
 template <int D>
-__device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm, const kvmix__decode_params &p,
-                                                int jj, int k, uint8_t *stage, int lane) {
+__device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm,
+                                                const kvmix__decode_params &p, int jj, int k,
+                                                uint8_t *stage, int lane) {
     const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj], ntok = sm.plan.ntok[jj];
     if (kvmix__tc_direct<D>(kf, vf)) return;
     const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
@@ -1199,19 +1258,21 @@ __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm, con
    are (the set-up arithmetic then folds to constants). */
 template <int D, int KFT, int VFT, bool GL = false>
 __device__ __forceinline__ void kvmix__tc_run(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm,
-                                              const kvmix__decode_params &p, uint8_t *stg, int kf_rt,
-                                              int vf_rt, int jj, int a, int n, const uint8_t *dead, int lane) {
+                                              const kvmix__decode_params &p, uint8_t *stg,
+                                              int kf_rt, int vf_rt, int jj, int a, int n,
+                                              const uint8_t *dead, int lane) {
     const int kf = KFT ? KFT : kf_rt, vf = VFT ? VFT : vf_rt, ntok = sm.plan.ntok[jj];
     const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, p.group_size, p.n_boost);
     const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, p.group_size, p.n_boost);
     if constexpr (GL) {
         kvmix__tc_regions rg{};
-        kvmix__tc_unit<D, KFT, VFT, true>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead,
-                                          p.base + sm.plan.koff[jj] + (uint64_t)((uint32_t)a * ks.row_bytes),
-                                          p.base + sm.plan.voff[jj] + (uint64_t)((uint32_t)a * vs.row_bytes));
+        kvmix__tc_unit<D, KFT, VFT, true>(
+            st, sm, p, stg, rg, kf, vf, ks, vs, n, dead,
+            p.base + sm.plan.koff[jj] + (uint64_t)((uint32_t)a * ks.row_bytes),
+            p.base + sm.plan.voff[jj] + (uint64_t)((uint32_t)a * vs.row_bytes));
     } else {
-        const kvmix__tc_regions rg = kvmix__tc_layout<D, false>(kf, vf, ks, vs, a, n, p.group_size, p.n_boost,
-                                                                false, 0u, nullptr, nullptr, lane);
+        const kvmix__tc_regions rg = kvmix__tc_layout<D, false>(
+            kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false, 0u, nullptr, nullptr, lane);
         kvmix__tc_unit<D, KFT, VFT>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
     }
 }
@@ -1237,8 +1298,10 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
 
     for (int e = threadIdx.x; e < 4 * D; e += blockDim.x) {
         int h = e / D;
-        sm.q[kvmix__qi(h, e % D)] = h < nq ? kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype) * p.scale_log2
-                                : 0.0f;
+        sm.q[kvmix__qi(h, e % D)] =
+            h < nq ? kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype) *
+                         p.scale_log2
+                   : 0.0f;
     }
     if (threadIdx.x == 0) sm.error = 0;
     __syncthreads();
@@ -1253,7 +1316,8 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         const int j = e / 32, L = e % 32, h = (L >> 2) >> 1, part = (L >> 2) & 1, c = L & 3;
         uint16_t v[4];
 #pragma unroll
-        for (int x = 0; x < 4; x++) v[x] = kvmix__split(sm.q[kvmix__qi(h, kvmix__tc_kdim<D>(c, j, x))], part);
+        for (int x = 0; x < 4; x++)
+            v[x] = kvmix__split(sm.q[kvmix__qi(h, kvmix__tc_kdim<D>(c, j, x))], part);
         sm.bq[j][L] = make_uint2(kvmix__pack(v[0], v[1]), kvmix__pack(v[2], v[3]));
     }
 
@@ -1316,23 +1380,25 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         if (i < last && n > 0 && end > lo && start < hi) {
             const kvmix_view_span sp = p.spans[i];
             kvmix__sec ks, vs;
-            bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
-                                      p.n_kv_heads, D, G, p.n_boost, p.base_bytes, &ks) &&
-                      kvmix__block_ok(sp.value_format, sp.n_tokens, sp.value_offset,
-                                      sp.value_head_bytes, p.n_kv_heads, D, G,
-                                      p.n_boost, p.base_bytes, &vs) &&
-                      (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+            bool ok =
+                kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
+                                p.n_kv_heads, D, G, p.n_boost, p.base_bytes, &ks) &&
+                kvmix__block_ok(sp.value_format, sp.n_tokens, sp.value_offset, sp.value_head_bytes,
+                                p.n_kv_heads, D, G, p.n_boost, p.base_bytes, &vs) &&
+                (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
             if (!ok) {
                 atomicExch(&sm.error, 1);
             } else {
                 const int ta = (int)(max(lo, start) - start), tb = (int)(min(hi, end) - start);
                 const int ut = kvmix__tc_direct<D>(sp.key_format, sp.value_format)
                                    ? 128
-                                   : kvmix__tc_unit_tokens<D>(sp.key_format, sp.value_format, sp.n_tokens, G, p.n_boost);
+                                   : kvmix__tc_unit_tokens<D>(sp.key_format, sp.value_format,
+                                                              sp.n_tokens, G, p.n_boost);
                 const int t = threadIdx.x;
                 sm.plan.koff[t] = sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
                 sm.plan.voff[t] = sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
-                sm.plan.ta[t] = ta, sm.plan.tb[t] = tb, sm.plan.ntok[t] = sp.n_tokens, sm.plan.ut[t] = ut;
+                sm.plan.ta[t] = ta, sm.plan.tb[t] = tb, sm.plan.ntok[t] = sp.n_tokens,
+                sm.plan.ut[t] = ut;
                 sm.plan.dead[t] = sp.dead_index;
                 sm.plan.kf[t] = sp.key_format, sm.plan.vf[t] = sp.value_format;
                 nu = (tb - ta + ut - 1) / ut;
@@ -1364,13 +1430,14 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
                 const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj];
                 const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
                 const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
-                const uint8_t *dead = sm.plan.dead[jj] >= 0 ? p.dead + sm.plan.dead[jj] + a : nullptr;
+                const uint8_t *dead =
+                    sm.plan.dead[jj] >= 0 ? p.dead + sm.plan.dead[jj] + a : nullptr;
                 if constexpr (D == 128) {
                     if (kvmix__tc_direct<D>(kf, vf))
-                        kvmix__tc_run<D, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, true>(st, sm, p, stg, kf, vf, jj, a, n,
-                                                                                   dead, lane);
+                        kvmix__tc_run<D, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, true>(
+                            st, sm, p, stg, kf, vf, jj, a, n, dead, lane);
                     else
-                    KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
+                        KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2)
                     KVMIX__TC_PAIR(KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2)
@@ -1390,7 +1457,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     }
     if (bad_count != 0 && threadIdx.x == 0) sm.error = 1;
 
-    /* the warp's sum of p per head, then merge the block's warps */
+        /* the warp's sum of p per head, then merge the block's warps */
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) st.l += __shfl_xor_sync(0xffffffffu, st.l, off);
     __syncthreads(); /* stage buffers no longer in use */
@@ -1499,7 +1566,8 @@ extern "C" kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const vo
     kvmix_layout l = *layout;
     kvmix_result r = kvmix__resolve(&l);
     if (r != KVMIX_SUCCESS) return r;
-    if (n_jobs < 0 || l.n_tokens < 1 || src_row_stride < l.head_dim) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_jobs < 0 || l.n_tokens < 1 || src_row_stride < l.head_dim)
+        return KVMIX_ERR_INVALID_ARGUMENT;
     if (n_jobs == 0) return KVMIX_SUCCESS;
     if (!src || !dst || !jobs) return KVMIX_ERR_NULL_POINTER;
     kvmix__quantize_params p;
@@ -1554,15 +1622,15 @@ extern "C" kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32
     kvmix__view_params p = kvmix__view_params_of(view, seq);
     p.capacity = capacity_tokens, p.dtype = dtype;
     p.keys_out = (uint16_t *)keys_out, p.values_out = (uint16_t *)values_out;
-    unsigned blocks = (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
+    unsigned blocks =
+        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
     kvmix__view_dequantize_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p);
     return kvmix__launch_status();
 }
 
 extern "C" kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq,
-                                              int32_t n_q_heads, const float *memory,
-                                              float *scores, int32_t capacity_tokens,
-                                              kvmix_stream stream) {
+                                              int32_t n_q_heads, const float *memory, float *scores,
+                                              int32_t capacity_tokens, kvmix_stream stream) {
     kvmix_result r = kvmix__check_device_view(view);
     if (r != KVMIX_SUCCESS) return r;
     if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || n_q_heads <= 0 ||
@@ -1572,7 +1640,8 @@ extern "C" kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t se
     if (!memory || !scores) return KVMIX_ERR_NULL_POINTER;
     kvmix__view_params p = kvmix__view_params_of(view, seq);
     p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory = memory, p.scores = scores;
-    unsigned blocks = (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
+    unsigned blocks =
+        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
     kvmix__view_score_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p);
     return kvmix__launch_status();
 }
@@ -1611,14 +1680,16 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
 template <int D>
 static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p) {
     constexpr int bytes = kvmix__tc_cfg<D>::dyn_bytes;
-    cudaError_t e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    cudaError_t e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<D>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
     kvmix__tc_decode_kernel<D><<<grid, kvmix__tc_warps * 32, bytes, stream>>>(p);
     return cudaSuccess;
 }
 
-extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cuda_decode_desc *desc,
-                                          const void *q, void *out, float *lse, void *workspace,
+extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
+                                          const kvmix_cuda_decode_desc *desc, const void *q,
+                                          void *out, float *lse, void *workspace,
                                           size_t workspace_bytes, kvmix_stream stream) {
     if (!desc) return KVMIX_ERR_NULL_POINTER;
     kvmix_result r = kvmix__check_device_view(view);
@@ -1630,7 +1701,8 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cu
     if (d != 64 && d != 128 && d != 256) return KVMIX_ERR_UNSUPPORTED;
     int group = view->group_size ? view->group_size : KVMIX_GROUP_SIZE_DEFAULT;
     if (group % 16 != 0) return KVMIX_ERR_UNSUPPORTED;
-    if (desc->dtype != KVMIX_CUDA_FP16 && desc->dtype != KVMIX_CUDA_BF16) return KVMIX_ERR_UNSUPPORTED;
+    if (desc->dtype != KVMIX_CUDA_FP16 && desc->dtype != KVMIX_CUDA_BF16)
+        return KVMIX_ERR_UNSUPPORTED;
     if (view->n_seqs == 0) return KVMIX_SUCCESS;
     if (!q || !out || !workspace) return KVMIX_ERR_NULL_POINTER;
     size_t need;
@@ -1671,7 +1743,8 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cu
     m.part_out = p.part_out, m.part_lse = p.part_lse, m.n_splits = desc->n_splits;
     m.n_q_heads = desc->n_q_heads, m.head_dim = d, m.dtype = desc->dtype;
     m.out = (uint16_t *)out, m.lse = lse;
-    kvmix__decode_merge_kernel<<<(unsigned)(view->n_seqs * desc->n_q_heads), (unsigned)d, 0, s>>>(m);
+    kvmix__decode_merge_kernel<<<(unsigned)(view->n_seqs * desc->n_q_heads), (unsigned)d, 0, s>>>(
+        m);
     return kvmix__launch_status();
 }
 
@@ -1682,12 +1755,21 @@ extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_
     int blocks = 0;
     cudaError_t e = cudaErrorInvalidValue;
     const int threads = kvmix__tc_warps * 32;
-    if (head_dim == 64 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<64>, cudaFuncAttributeMaxDynamicSharedMemorySize, kvmix__tc_cfg<64>::dyn_bytes)) == cudaSuccess)
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<64>, threads, kvmix__tc_cfg<64>::dyn_bytes);
-    if (head_dim == 128 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, kvmix__tc_cfg<128>::dyn_bytes)) == cudaSuccess)
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<128>, threads, kvmix__tc_cfg<128>::dyn_bytes);
-    if (head_dim == 256 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize, kvmix__tc_cfg<256>::dyn_bytes)) == cudaSuccess)
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<256>, threads, kvmix__tc_cfg<256>::dyn_bytes);
+    if (head_dim == 64 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<64>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    kvmix__tc_cfg<64>::dyn_bytes)) == cudaSuccess)
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<64>,
+                                                          threads, kvmix__tc_cfg<64>::dyn_bytes);
+    if (head_dim == 128 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<128>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     kvmix__tc_cfg<128>::dyn_bytes)) == cudaSuccess)
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<128>,
+                                                          threads, kvmix__tc_cfg<128>::dyn_bytes);
+    if (head_dim == 256 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<256>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     kvmix__tc_cfg<256>::dyn_bytes)) == cudaSuccess)
+        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<256>,
+                                                          threads, kvmix__tc_cfg<256>::dyn_bytes);
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
     if (e != cudaSuccess) return KVMIX_ERR_CUDA;
     *out_blocks = blocks;

@@ -29,10 +29,7 @@ struct CUstream_st;
 typedef struct CUstream_st *kvmix_stream;
 
 /* Element type of queries, outputs and dequantized rows. */
-typedef enum kvmix_cuda_dtype {
-    KVMIX_CUDA_FP16 = 1,
-    KVMIX_CUDA_BF16 = 2
-} kvmix_cuda_dtype;
+typedef enum kvmix_cuda_dtype { KVMIX_CUDA_FP16 = 1, KVMIX_CUDA_BF16 = 2 } kvmix_cuda_dtype;
 
 /* ------------------------------------------------------------------------------------------- */
 /* Quantize and pack. One launch packs many blocks of one layout. Each job quantizes n_rows       */
@@ -52,7 +49,7 @@ typedef struct kvmix_cuda_quantize_job {
 } kvmix_cuda_quantize_job;
 
 #define KVMIX_CUDA_QUANTIZE_BAD_VALUE 1 /* error_flags bit: a job's input had inf or NaN */
-#define KVMIX_CUDA_QUANTIZE_BAD_JOB 2   /* error_flags bit: a job's row range is invalid */
+#define KVMIX_CUDA_QUANTIZE_BAD_JOB   2 /* error_flags bit: a job's row range is invalid */
 
 /* Quantizes jobs[0 .. n_jobs) (device array) of FP16 rows src (device; row r of a job at
    src + job.src_offset + r * src_row_stride, head_dim used) into dst (device).
@@ -78,9 +75,8 @@ kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const void *src,
 /* kvmix_ref_dequantize's floats rounded to dtype. Either output may be NULL (not written).       */
 /* Returns NULL_POINTER, INVALID_ARGUMENT (seq out of range, capacity_tokens < 0), BAD_SHAPE,     */
 /* UNSUPPORTED (dtype), CUDA. */
-kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq,
-                                        kvmix_cuda_dtype dtype, void *keys_out,
-                                        void *values_out, int32_t capacity_tokens,
+kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvmix_cuda_dtype dtype,
+                                        void *keys_out, void *values_out, int32_t capacity_tokens,
                                         kvmix_stream stream);
 
 /* ------------------------------------------------------------------------------------------- */
@@ -106,15 +102,14 @@ typedef struct kvmix_cuda_decode_desc {
 
 /* Workspace bytes for decode: n_seqs * n_splits * n_q_heads * (head_dim + 1) * 4.
    Returns NULL_POINTER, INVALID_ARGUMENT. */
-kvmix_result kvmix_cuda_decode_workspace_bytes(int32_t n_seqs, int32_t n_q_heads,
-                                               int32_t head_dim, int32_t n_splits,
-                                               size_t *out_bytes);
+kvmix_result kvmix_cuda_decode_workspace_bytes(int32_t n_seqs, int32_t n_q_heads, int32_t head_dim,
+                                               int32_t n_splits, size_t *out_bytes);
 
 /* A split count that fills n_sms multiprocessors for a batch whose longest sequence has
    max_seq_tokens tokens (host arithmetic only; at least 1, at most KVMIX_CUDA_MAX_SPLITS). */
-kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads,
-                                             int32_t n_q_heads, int64_t max_seq_tokens,
-                                             int32_t n_sms, int32_t *out_splits);
+kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads, int32_t n_q_heads,
+                                             int64_t max_seq_tokens, int32_t n_sms,
+                                             int32_t *out_splits);
 
 /* Enqueues decode attention. view: host struct whose pointers are device pointers. workspace:
    device memory of workspace_bytes >= kvmix_cuda_decode_workspace_bytes (256-byte aligned).

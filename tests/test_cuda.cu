@@ -16,7 +16,8 @@ static int g_passed, g_failed;
 static uint64_t g_rng;
 
 static void check(bool ok, const char *what) {
-    if (ok) g_passed++;
+    if (ok)
+        g_passed++;
     else {
         g_failed++;
         printf("FAIL: %s\n", what);
@@ -60,7 +61,8 @@ static void fill_rows(std::vector<uint16_t> &h, int n, int d, int stride) {
     int kind = irand(4);
     for (int t = 0; t < n; t++)
         for (int c = 0; c < d; c++) {
-            float x = kind == 3 ? (float)(irand(9) - 4) * 0.25f : nrand() * ch_scale[c] + (kind == 1 ? 3.0f : 0.0f);
+            float x = kind == 3 ? (float)(irand(9) - 4) * 0.25f
+                                : nrand() * ch_scale[c] + (kind == 1 ? 3.0f : 0.0f);
             if (ch_scale[c] == 0.0f) x = kind == 2 ? -0.0f : 1.5f;
             h[(size_t)t * stride + c] = kvmix_fp32_to_fp16(x);
         }
@@ -107,7 +109,8 @@ static void test_quantize_case(kvmix_layout l) {
     CUDA_OK(cudaMemcpy(d_src, src.data(), src.size() * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemset(d_dst, 0xA5, dst_bytes));
     CUDA_OK(cudaMemset(d_flags, 0, 4));
-    CUDA_OK(cudaMemcpy(d_jobs, jobs.data(), sizeof(kvmix_cuda_quantize_job) * n_jobs, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_jobs, jobs.data(), sizeof(kvmix_cuda_quantize_job) * n_jobs,
+                       cudaMemcpyHostToDevice));
     kvmix_result r = kvmix_cuda_quantize(&l, d_src, stride, d_dst, d_jobs, n_jobs, d_flags, 0);
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint8_t> got(dst_bytes);
@@ -115,9 +118,14 @@ static void test_quantize_case(kvmix_layout l) {
     CUDA_OK(cudaMemcpy(&flags, d_flags, 4, cudaMemcpyDeviceToHost));
     size_t first_diff = dst_bytes;
     for (size_t i = 0; i < dst_bytes; i++)
-        if (got[i] != expect[i]) { first_diff = i; break; }
-    snprintf(name, sizeof name, "quantize fmt %d D %d n %d boost %d: bytes equal (first diff %zu of %zu), r %d flags %d",
-             l.format, d, n, l.n_boost, first_diff, dst_bytes, r, flags);
+        if (got[i] != expect[i]) {
+            first_diff = i;
+            break;
+        }
+    snprintf(
+        name, sizeof name,
+        "quantize fmt %d D %d n %d boost %d: bytes equal (first diff %zu of %zu), r %d flags %d",
+        l.format, d, n, l.n_boost, first_diff, dst_bytes, r, flags);
     check(r == KVMIX_SUCCESS && flags == 0 && first_diff == dst_bytes, name);
 
     /* decode-time append: one job per row into one block */
@@ -130,7 +138,8 @@ static void test_quantize_case(kvmix_layout l) {
             rows[t].first_row = t;
             rows[t].n_rows = 1;
         }
-        CUDA_OK(cudaMemcpy(d_jobs, rows.data(), sizeof(kvmix_cuda_quantize_job) * n, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d_jobs, rows.data(), sizeof(kvmix_cuda_quantize_job) * n,
+                           cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(d_dst, 0xA5, dst_bytes));
         r = kvmix_cuda_quantize(&l, d_src, stride, d_dst, d_jobs, n, d_flags, 0);
         CUDA_OK(cudaDeviceSynchronize());
@@ -144,8 +153,10 @@ static void test_quantize_case(kvmix_layout l) {
     /* a job with an infinite input writes nothing and sets the flag */
     {
         uint16_t inf = 0x7c00;
-        CUDA_OK(cudaMemcpy(d_src + (size_t)(n - 1) * stride + d / 2, &inf, 2, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(d_jobs, jobs.data(), sizeof(kvmix_cuda_quantize_job) * n_jobs, cudaMemcpyHostToDevice));
+        CUDA_OK(
+            cudaMemcpy(d_src + (size_t)(n - 1) * stride + d / 2, &inf, 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d_jobs, jobs.data(), sizeof(kvmix_cuda_quantize_job) * n_jobs,
+                           cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(d_dst, 0xA5, dst_bytes));
         CUDA_OK(cudaMemset(d_flags, 0, 4));
         r = kvmix_cuda_quantize(&l, d_src, stride, d_dst, d_jobs, n_jobs, d_flags, 0);
@@ -156,8 +167,10 @@ static void test_quantize_case(kvmix_layout l) {
         bool untouched = true;
         for (size_t i = 0; i < block_bytes; i++) untouched &= got[pitch * 2 + i] == 0xA5;
         bool others = memcmp(got.data(), expect.data(), pitch * 2) == 0;
-        snprintf(name, sizeof name, "quantize fmt %d D %d n %d: inf input flagged, block untouched", l.format, d, n);
-        check(r == KVMIX_SUCCESS && flags == KVMIX_CUDA_QUANTIZE_BAD_VALUE && untouched && others, name);
+        snprintf(name, sizeof name, "quantize fmt %d D %d n %d: inf input flagged, block untouched",
+                 l.format, d, n);
+        check(r == KVMIX_SUCCESS && flags == KVMIX_CUDA_QUANTIZE_BAD_VALUE && untouched && others,
+              name);
     }
     cudaFree(d_src);
     cudaFree(d_dst);
@@ -194,8 +207,8 @@ struct test_view {
     std::vector<int32_t> first;
     std::vector<uint8_t> dead;
     std::vector<int64_t> seq_tokens;
-    kvmix_view host;      /* host pointers */
-    kvmix_view dev;       /* device pointers */
+    kvmix_view host; /* host pointers */
+    kvmix_view dev;  /* device pointers */
     uint8_t *d_arena;
     kvmix_view_span *d_spans;
     int32_t *d_first;
@@ -205,10 +218,12 @@ struct test_view {
 static double g_decode_max_out, g_decode_max_lse; /* largest decode nmse seen (bound 1e-6) */
 static int g_group = 32; /* group size of the per-token blocks of the views built next */
 
-static const int key_formats[] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT4,
-                                  KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT2, KVMIX_FORMAT_FP16};
-static const int value_formats[] = {KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT8,
-                                    KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
+static const int key_formats[] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED,
+                                  KVMIX_FORMAT_INT4,         KVMIX_FORMAT_INT8,
+                                  KVMIX_FORMAT_INT2,         KVMIX_FORMAT_FP16};
+static const int value_formats[] = {KVMIX_FORMAT_INT2,         KVMIX_FORMAT_INT4,
+                                    KVMIX_FORMAT_INT8,         KVMIX_FORMAT_FP16,
+                                    KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
 
 /* Appends one span of n tokens: keys and values of every kv head quantized by the CPU. */
 static void add_span(test_view &v, int kf, int vf, int n, bool with_dead) {
@@ -225,7 +240,9 @@ static void add_span(test_view &v, int kf, int vf, int n, bool with_dead) {
         l.head_dim = v.d;
         l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? v.n_boost : 0;
         l.group_size = (l.format == KVMIX_FORMAT_INT8 || l.format == KVMIX_FORMAT_INT4 ||
-                        l.format == KVMIX_FORMAT_INT2) ? g_group : 0;
+                        l.format == KVMIX_FORMAT_INT2)
+                           ? g_group
+                           : 0;
         kvmix_layout_resolve(&l);
         size_t bytes = 0;
         kvmix_layout_bytes(&l, &bytes);
@@ -238,8 +255,10 @@ static void add_span(test_view &v, int kf, int vf, int n, bool with_dead) {
             std::vector<float> f = to_float(rows);
             kvmix_ref_quantize(&l, f.data(), v.d, v.arena.data() + offset + head_bytes * h, bytes);
         }
-        if (which) s.value_offset = offset, s.value_head_bytes = (uint32_t)head_bytes;
-        else s.key_offset = offset, s.key_head_bytes = (uint32_t)head_bytes;
+        if (which)
+            s.value_offset = offset, s.value_head_bytes = (uint32_t)head_bytes;
+        else
+            s.key_offset = offset, s.key_head_bytes = (uint32_t)head_bytes;
     }
     s.dead_index = -1;
     if (with_dead) {
@@ -258,8 +277,11 @@ static void build_view(test_view &v, int d, int n_kv, int n_seqs, int n_boost, b
         v.first.push_back((int32_t)v.spans.size());
         int64_t tokens = 0;
         int kind = s % 4;
-        if (kind == 1) { v.seq_tokens.push_back(0); continue; } /* empty */
-        if (kind == 2) {                                        /* one fully dead span */
+        if (kind == 1) {
+            v.seq_tokens.push_back(0);
+            continue;
+        }                /* empty */
+        if (kind == 2) { /* one fully dead span */
             add_span(v, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4, 33, false);
             v.spans.back().dead_index = (int32_t)v.dead.size();
             for (int t = 0; t < 33; t++) v.dead.push_back(1);
@@ -286,25 +308,32 @@ static void build_view(test_view &v, int d, int n_kv, int n_seqs, int n_boost, b
     if (v.dead.empty()) v.dead.push_back(0);
     v.arena.resize(align16(v.arena.size()) + 16, 0x5A);
     memset(&v.host, 0, sizeof v.host);
-    v.host.n_seqs = n_seqs, v.host.n_kv_heads = n_kv, v.host.head_dim = d, v.host.group_size = g_group;
+    v.host.n_seqs = n_seqs, v.host.n_kv_heads = n_kv, v.host.head_dim = d,
+    v.host.group_size = g_group;
     v.host.n_boost = n_boost, v.host.n_spans = (int32_t)v.spans.size();
     v.host.n_dead_flags = (int32_t)v.dead.size();
     v.host.base = v.arena.data(), v.host.base_bytes = v.arena.size();
-    v.host.spans = v.spans.data(), v.host.seq_first_span = v.first.data(), v.host.dead = v.dead.data();
+    v.host.spans = v.spans.data(), v.host.seq_first_span = v.first.data(),
+    v.host.dead = v.dead.data();
     v.d_arena = nullptr, v.d_spans = nullptr, v.d_first = nullptr, v.d_dead = nullptr;
 }
 
 static bool upload_view(test_view &v) {
-    bool ok = cudaMalloc(&v.d_arena, v.arena.size()) == cudaSuccess &&
-              cudaMalloc(&v.d_spans, sizeof(kvmix_view_span) * (v.spans.size() + 1)) == cudaSuccess &&
-              cudaMalloc(&v.d_first, 4 * v.first.size()) == cudaSuccess &&
-              cudaMalloc(&v.d_dead, v.dead.size()) == cudaSuccess &&
-              cudaMemcpy(v.d_arena, v.arena.data(), v.arena.size(), cudaMemcpyHostToDevice) == cudaSuccess &&
-              cudaMemcpy(v.d_spans, v.spans.data(), sizeof(kvmix_view_span) * v.spans.size(), cudaMemcpyHostToDevice) == cudaSuccess &&
-              cudaMemcpy(v.d_first, v.first.data(), 4 * v.first.size(), cudaMemcpyHostToDevice) == cudaSuccess &&
-              cudaMemcpy(v.d_dead, v.dead.data(), v.dead.size(), cudaMemcpyHostToDevice) == cudaSuccess;
+    bool ok =
+        cudaMalloc(&v.d_arena, v.arena.size()) == cudaSuccess &&
+        cudaMalloc(&v.d_spans, sizeof(kvmix_view_span) * (v.spans.size() + 1)) == cudaSuccess &&
+        cudaMalloc(&v.d_first, 4 * v.first.size()) == cudaSuccess &&
+        cudaMalloc(&v.d_dead, v.dead.size()) == cudaSuccess &&
+        cudaMemcpy(v.d_arena, v.arena.data(), v.arena.size(), cudaMemcpyHostToDevice) ==
+            cudaSuccess &&
+        cudaMemcpy(v.d_spans, v.spans.data(), sizeof(kvmix_view_span) * v.spans.size(),
+                   cudaMemcpyHostToDevice) == cudaSuccess &&
+        cudaMemcpy(v.d_first, v.first.data(), 4 * v.first.size(), cudaMemcpyHostToDevice) ==
+            cudaSuccess &&
+        cudaMemcpy(v.d_dead, v.dead.data(), v.dead.size(), cudaMemcpyHostToDevice) == cudaSuccess;
     v.dev = v.host;
-    v.dev.base = v.d_arena, v.dev.spans = v.d_spans, v.dev.seq_first_span = v.d_first, v.dev.dead = v.d_dead;
+    v.dev.base = v.d_arena, v.dev.spans = v.d_spans, v.dev.seq_first_span = v.d_first,
+    v.dev.dead = v.d_dead;
     check(ok, "upload view");
     return ok;
 }
@@ -320,8 +349,14 @@ static double nmse(const std::vector<float> &a, const std::vector<float> &ref, b
     double num = 0.0, den = 0.0;
     bool ok = true;
     for (size_t i = 0; i < a.size(); i++) {
-        if (isinf(ref[i])) { ok &= a[i] == ref[i]; continue; }
-        if (!isfinite(a[i])) { ok = false; continue; }
+        if (isinf(ref[i])) {
+            ok &= a[i] == ref[i];
+            continue;
+        }
+        if (!isfinite(a[i])) {
+            ok = false;
+            continue;
+        }
         double e = (double)a[i] - ref[i];
         num += e * e;
         den += (double)ref[i] * ref[i];
@@ -348,7 +383,8 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
         qf[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(qh[i]) : kvmix_fp16_to_fp32(qh[i]);
     }
     std::vector<float> ref_out(n_out), ref_lse((size_t)n_seqs * n_q);
-    kvmix_result rr = kvmix_ref_view_decode(&v.host, n_q, 0.0f, qf.data(), ref_out.data(), ref_lse.data());
+    kvmix_result rr =
+        kvmix_ref_view_decode(&v.host, n_q, 0.0f, qf.data(), ref_out.data(), ref_lse.data());
     check(rr == KVMIX_SUCCESS, "reference decode");
     size_t ws_bytes = 0;
     kvmix_cuda_decode_workspace_bytes(n_seqs, n_q, d, n_splits, &ws_bytes);
@@ -373,22 +409,26 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     CUDA_OK(cudaMemcpy(out_h.data(), d_out, n_out * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < n_out; i++) {
-        out[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(out_h[i]) : kvmix_fp16_to_fp32(out_h[i]);
-        ref_rounded[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(kvmix_fp32_to_bf16(ref_out[i]))
-                                                  : kvmix_fp16_to_fp32(kvmix_fp32_to_fp16(ref_out[i]));
+        out[i] =
+            dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(out_h[i]) : kvmix_fp16_to_fp32(out_h[i]);
+        ref_rounded[i] = dtype == KVMIX_CUDA_BF16
+                             ? kvmix_bf16_to_fp32(kvmix_fp32_to_bf16(ref_out[i]))
+                             : kvmix_fp16_to_fp32(kvmix_fp32_to_fp16(ref_out[i]));
     }
     bool ok_out, ok_lse;
     double e_out = nmse(out, ref_rounded, &ok_out), e_lse = nmse(lse, ref_lse, &ok_lse);
-    snprintf(name, sizeof name,
-             "decode D %d G %d kv %d g %d seqs %d boost %d splits %d %s: nmse out %.2e lse %.2e (r %d)",
-             d, g_group, n_kv, q_per_kv, n_seqs, n_boost, n_splits, dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16",
-             e_out, e_lse, r);
+    snprintf(
+        name, sizeof name,
+        "decode D %d G %d kv %d g %d seqs %d boost %d splits %d %s: nmse out %.2e lse %.2e (r %d)",
+        d, g_group, n_kv, q_per_kv, n_seqs, n_boost, n_splits,
+        dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16", e_out, e_lse, r);
     check(r == KVMIX_SUCCESS && ok_out && ok_lse && e_out <= 1e-6 && e_lse <= 1e-6, name);
     if (e_out > g_decode_max_out) g_decode_max_out = e_out;
     if (e_lse > g_decode_max_lse) g_decode_max_lse = e_lse;
     if (g_failed && getenv("KVMIX_TEST_VERBOSE")) {
         for (int s = 0; s < n_seqs; s++)
-            printf("  seq %d lse gpu %g ref %g\n", s, lse[(size_t)s * n_q], ref_lse[(size_t)s * n_q]);
+            printf("  seq %d lse gpu %g ref %g\n", s, lse[(size_t)s * n_q],
+                   ref_lse[(size_t)s * n_q]);
     }
     cudaFree(d_q);
     cudaFree(d_out);
@@ -423,7 +463,8 @@ static void test_decode(bool quick) {
 
 /* ---- dequantize and score ---------------------------------------------------------------- */
 
-static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_dtype dtype, bool quick) {
+static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_dtype dtype,
+                                       bool quick) {
     char name[200];
     test_view v;
     build_view(v, d, n_kv, 4, n_boost, quick);
@@ -472,30 +513,39 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
                     bool dead = sp.dead_index >= 0 && v.dead[sp.dead_index + t];
                     double sc = 0.0;
                     for (int h = 0; h < n_kv; h++) {
-                        const uint8_t *blk = v.arena.data() + (which ? sp.value_offset : sp.key_offset) +
-                                             (size_t)h * (which ? sp.value_head_bytes : sp.key_head_bytes);
-                        kvmix_ref_dequantize_row(&l, blk, (size_t)(v.arena.data() + v.arena.size() - blk), t, row.data());
+                        const uint8_t *blk =
+                            v.arena.data() + (which ? sp.value_offset : sp.key_offset) +
+                            (size_t)h * (which ? sp.value_head_bytes : sp.key_head_bytes);
+                        kvmix_ref_dequantize_row(&l, blk,
+                                                 (size_t)(v.arena.data() + v.arena.size() - blk), t,
+                                                 row.data());
                         const std::vector<uint16_t> &got = which ? vh : kh;
                         for (int c = 0; c < d; c++) {
                             float x = dead ? 0.0f : row[c];
-                            uint16_t e = dtype == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x) : kvmix_fp32_to_fp16(x);
+                            uint16_t e = dtype == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x)
+                                                                  : kvmix_fp32_to_fp16(x);
                             same &= got[((size_t)(pos + t) * n_kv + h) * d + c] == e;
                             if (!which)
-                                for (int j = 0; j < g; j++) sc += (double)mem[(size_t)(h * g + j) * d + c] * row[c];
+                                for (int j = 0; j < g; j++)
+                                    sc += (double)mem[(size_t)(h * g + j) * d + c] * row[c];
                         }
                     }
                     if (!which) {
-                        if (dead) dead_ok &= scores[pos + t] == -INFINITY;
-                        else ref_scores.push_back((float)sc), got_scores.push_back(scores[pos + t]);
+                        if (dead)
+                            dead_ok &= scores[pos + t] == -INFINITY;
+                        else
+                            ref_scores.push_back((float)sc), got_scores.push_back(scores[pos + t]);
                     }
                 }
             }
             pos += sp.n_tokens;
         }
         bool tail = true;
-        for (size_t i = (size_t)n * n_kv * d; i < elems; i++) tail &= kh[i] == 0xEEEE && vh[i] == 0xEEEE;
-        snprintf(name, sizeof name, "view dequantize D %d seq %d (%lld tokens) %s: rows equal, tail untouched",
-                 d, seq, (long long)n, dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16");
+        for (size_t i = (size_t)n * n_kv * d; i < elems; i++)
+            tail &= kh[i] == 0xEEEE && vh[i] == 0xEEEE;
+        snprintf(name, sizeof name,
+                 "view dequantize D %d seq %d (%lld tokens) %s: rows equal, tail untouched", d, seq,
+                 (long long)n, dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16");
         check(r1 == KVMIX_SUCCESS && same && tail, name);
         bool fin;
         double e = nmse(got_scores, ref_scores, &fin);
@@ -518,17 +568,26 @@ static void test_bad_arguments(void) {
     memset(&l, 0, sizeof l);
     l.format = KVMIX_FORMAT_INT4, l.n_tokens = 32, l.head_dim = 128;
     kvmix_cuda_quantize_job *jobs = (kvmix_cuda_quantize_job *)dummy;
-    check(kvmix_cuda_quantize(NULL, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_NULL_POINTER, "quantize: NULL layout");
-    check(kvmix_cuda_quantize(&l, NULL, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_NULL_POINTER, "quantize: NULL src");
-    check(kvmix_cuda_quantize(&l, dummy, 64, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_INVALID_ARGUMENT, "quantize: short stride");
-    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, -1, NULL, 0) == KVMIX_ERR_INVALID_ARGUMENT, "quantize: negative jobs");
-    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 0, NULL, 0) == KVMIX_SUCCESS, "quantize: no jobs");
+    check(kvmix_cuda_quantize(NULL, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_NULL_POINTER,
+          "quantize: NULL layout");
+    check(kvmix_cuda_quantize(&l, NULL, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_NULL_POINTER,
+          "quantize: NULL src");
+    check(kvmix_cuda_quantize(&l, dummy, 64, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_INVALID_ARGUMENT,
+          "quantize: short stride");
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, -1, NULL, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "quantize: negative jobs");
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 0, NULL, 0) == KVMIX_SUCCESS,
+          "quantize: no jobs");
     l.format = (kvmix_format)9;
-    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_UNKNOWN_FORMAT, "quantize: unknown format");
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_UNKNOWN_FORMAT,
+          "quantize: unknown format");
     l.format = KVMIX_FORMAT_INT4, l.head_dim = 100;
-    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_BAD_SHAPE, "quantize: head_dim 100");
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_BAD_SHAPE,
+          "quantize: head_dim 100");
     l.head_dim = 128, l.format = KVMIX_FORMAT_BOOSTED, l.n_boost = 6;
-    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_BAD_SHAPE, "quantize: n_boost 6");
+    check(kvmix_cuda_quantize(&l, dummy, 128, dummy, jobs, 1, NULL, 0) == KVMIX_ERR_BAD_SHAPE,
+          "quantize: n_boost 6");
 
     kvmix_view v;
     memset(&v, 0, sizeof v);
@@ -538,39 +597,71 @@ static void test_bad_arguments(void) {
     kvmix_cuda_decode_desc desc;
     desc.n_q_heads = 8, desc.scale = 0.0f, desc.dtype = KVMIX_CUDA_BF16, desc.n_splits = 2;
     size_t ws = 0;
-    check(kvmix_cuda_decode_workspace_bytes(1, 8, 128, 2, &ws) == KVMIX_SUCCESS && ws == (size_t)2 * 8 * 129 * 4, "workspace bytes");
-    check(kvmix_cuda_decode_workspace_bytes(1, 8, 128, 0, &ws) == KVMIX_ERR_INVALID_ARGUMENT, "workspace: 0 splits");
-    check(kvmix_cuda_decode(NULL, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL view");
-    check(kvmix_cuda_decode(&v, NULL, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL desc");
-    check(kvmix_cuda_decode(&v, &desc, NULL, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL q");
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, NULL, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL workspace");
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws - 4, 0) == KVMIX_ERR_BUFFER_TOO_SMALL, "decode: small workspace");
+    check(kvmix_cuda_decode_workspace_bytes(1, 8, 128, 2, &ws) == KVMIX_SUCCESS &&
+              ws == (size_t)2 * 8 * 129 * 4,
+          "workspace bytes");
+    check(kvmix_cuda_decode_workspace_bytes(1, 8, 128, 0, &ws) == KVMIX_ERR_INVALID_ARGUMENT,
+          "workspace: 0 splits");
+    check(kvmix_cuda_decode(NULL, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "decode: NULL view");
+    check(kvmix_cuda_decode(&v, NULL, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER,
+          "decode: NULL desc");
+    check(kvmix_cuda_decode(&v, &desc, NULL, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER,
+          "decode: NULL q");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, NULL, ws, 0) == KVMIX_ERR_NULL_POINTER,
+          "decode: NULL workspace");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws - 4, 0) ==
+              KVMIX_ERR_BUFFER_TOO_SMALL,
+          "decode: small workspace");
     desc.n_q_heads = 7;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_INVALID_ARGUMENT, "decode: heads not a multiple");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "decode: heads not a multiple");
     desc.n_q_heads = 8, desc.n_splits = 0;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_INVALID_ARGUMENT, "decode: 0 splits");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "decode: 0 splits");
     desc.n_splits = 2, desc.scale = -1.0f;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_INVALID_ARGUMENT, "decode: negative scale");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "decode: negative scale");
     desc.scale = 0.0f, desc.dtype = (kvmix_cuda_dtype)7;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED, "decode: dtype");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
+          "decode: dtype");
     desc.dtype = KVMIX_CUDA_FP16;
     v.head_dim = 96;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED, "decode: head_dim 96");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
+          "decode: head_dim 96");
     v.head_dim = 100;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_BAD_SHAPE, "decode: head_dim 100");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_BAD_SHAPE,
+          "decode: head_dim 100");
     v.head_dim = 128, v.group_size = 8;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED, "decode: group 8");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
+          "decode: group 8");
     v.group_size = 0, v.base = (const uint8_t *)dummy + 1;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_INVALID_ARGUMENT, "decode: misaligned base");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "decode: misaligned base");
     v.base = (const uint8_t *)dummy, v.seq_first_span = NULL;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER, "decode: NULL seq_first_span");
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_NULL_POINTER,
+          "decode: NULL seq_first_span");
     v.seq_first_span = (const int32_t *)dummy;
-    check(kvmix_cuda_view_dequantize(&v, 1, KVMIX_CUDA_FP16, dummy, dummy, 4, 0) == KVMIX_ERR_INVALID_ARGUMENT, "dequantize: seq out of range");
-    check(kvmix_cuda_view_dequantize(&v, 0, (kvmix_cuda_dtype)3, dummy, dummy, 4, 0) == KVMIX_ERR_UNSUPPORTED, "dequantize: dtype");
-    check(kvmix_cuda_view_score(&v, 0, 3, (const float *)dummy, (float *)dummy, 4, 0) == KVMIX_ERR_INVALID_ARGUMENT, "score: heads");
-    check(kvmix_cuda_view_score(&v, 0, 4, NULL, (float *)dummy, 4, 0) == KVMIX_ERR_NULL_POINTER, "score: NULL memory");
+    check(kvmix_cuda_view_dequantize(&v, 1, KVMIX_CUDA_FP16, dummy, dummy, 4, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "dequantize: seq out of range");
+    check(kvmix_cuda_view_dequantize(&v, 0, (kvmix_cuda_dtype)3, dummy, dummy, 4, 0) ==
+              KVMIX_ERR_UNSUPPORTED,
+          "dequantize: dtype");
+    check(kvmix_cuda_view_score(&v, 0, 3, (const float *)dummy, (float *)dummy, 4, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "score: heads");
+    check(kvmix_cuda_view_score(&v, 0, 4, NULL, (float *)dummy, 4, 0) == KVMIX_ERR_NULL_POINTER,
+          "score: NULL memory");
     int32_t splits = 0;
-    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 32768, 132, &splits) == KVMIX_SUCCESS && splits >= 1, "choose splits");
+    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 32768, 132, &splits) == KVMIX_SUCCESS &&
+              splits >= 1,
+          "choose splits");
     check(cudaGetLastError() == cudaSuccess, "no CUDA error left by bad-argument calls");
 }
 
@@ -578,8 +669,10 @@ int main(int argc, char **argv) {
     bool quick = false;
     g_rng = (uint64_t)time(NULL) * 2654435761u ^ (uint64_t)clock();
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--quick")) quick = true;
-        else if (!strcmp(argv[i], "--seed") && i + 1 < argc) g_rng = strtoull(argv[++i], NULL, 10);
+        if (!strcmp(argv[i], "--quick"))
+            quick = true;
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
+            g_rng = strtoull(argv[++i], NULL, 10);
     }
     if (g_rng == 0) g_rng = 1;
     printf("seed %llu%s\n", (unsigned long long)g_rng, quick ? " (quick)" : "");
@@ -599,7 +692,8 @@ int main(int argc, char **argv) {
     }
     printf("dequantize/score: %d passed, %d failed so far\n", g_passed, g_failed);
     test_decode(quick);
-    printf("decode: largest nmse out %.2e, lse %.2e (bound 1e-6)\n", g_decode_max_out, g_decode_max_lse);
+    printf("decode: largest nmse out %.2e, lse %.2e (bound 1e-6)\n", g_decode_max_out,
+           g_decode_max_lse);
     printf("%d passed, %d failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
 }
