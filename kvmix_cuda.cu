@@ -1277,6 +1277,21 @@ __device__ __forceinline__ void kvmix__tc_run(kvmix__tc_state<D> &st, kvmix__tc_
     }
 }
 
+#ifdef KVMIX__PROF /* timing probes for profiling builds only: [block][warp][8] */
+__device__ unsigned long long kvmix__prof_buf[4096][4][8];
+__device__ __forceinline__ unsigned long long kvmix__gtime() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+#define KVMIX__PROBE(i, v)                                                                         \
+    do {                                                                                           \
+        if (lane == 0 && kvmix__pbid < 4096) kvmix__prof_buf[kvmix__pbid][warp][i] = (v);          \
+    } while (0)
+#else
+#define KVMIX__PROBE(i, v) ((void)0)
+#endif
+
 #define KVMIX__TC_PAIR(KF_, VF_)                                                                   \
     if (kf == KF_ && vf == VF_)                                                                    \
         kvmix__tc_run<D, KF_, VF_>(st, sm, p, stg, kf, vf, jj, a, n, dead, lane);                  \
@@ -1295,13 +1310,29 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     const int qh0 = kv * p.q_per_kv + chunk * 4, nq = min(4, p.q_per_kv - chunk * 4);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = p.group_size, NG = D / G;
+#ifdef KVMIX__PROF
+    const int kvmix__pbid = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const long long kvmix__c0 = clock64();
+    KVMIX__PROBE(0, kvmix__gtime());
+    int kvmix__nunits = 0;
+    bool kvmix__first = true;
+#endif
 
-    for (int e = threadIdx.x; e < 4 * D; e += blockDim.x) {
-        int h = e / D;
-        sm.q[kvmix__qi(h, e % D)] =
-            h < nq ? kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype) *
-                         p.scale_log2
-                   : 0.0f;
+    { /* all of a thread's query loads in flight at once (a serial loop costs one latency each) */
+        constexpr int T = W * 32, NE = 4 * D / T;
+        float qv[NE];
+#pragma unroll
+        for (int i = 0; i < NE; i++) {
+            const int e = (int)threadIdx.x + i * T;
+            qv[i] = e / D < nq
+                        ? kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype)
+                        : 0.0f;
+        }
+#pragma unroll
+        for (int i = 0; i < NE; i++) {
+            const int e = (int)threadIdx.x + i * T;
+            sm.q[kvmix__qi(e / D, e % D)] = qv[i] * p.scale_log2;
+        }
     }
     if (threadIdx.x == 0) sm.error = 0;
     __syncthreads();
@@ -1360,6 +1391,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     for (int x = 0; x < 4; x++) st.om[x] = 0.0f, st.om2[x] = 0.0f;
     st.m = -INFINITY, st.l = 0.0f;
     __syncthreads();
+    KVMIX__PROBE(1, clock64() - kvmix__c0);
     uint8_t *const stage0 = kvmix__tc_dyn + warp * 2 * STAGE;
     int unit_base = 0;
     /* the spans overlapping [lo, hi), 128 at a time: plan their units (up to 128 tokens each),
@@ -1425,6 +1457,11 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             kvmix__cp_commit();
             kvmix__cp_wait<1>();
             __syncwarp();
+#ifdef KVMIX__PROF
+            if (kvmix__first) KVMIX__PROBE(2, clock64() - kvmix__c0);
+            kvmix__first = false;
+            kvmix__nunits++;
+#endif
             {
                 uint8_t *stg = stage0 + buf * STAGE;
                 const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj];
@@ -1456,8 +1493,10 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         __syncthreads();
     }
     if (bad_count != 0 && threadIdx.x == 0) sm.error = 1;
+    KVMIX__PROBE(3, clock64() - kvmix__c0);
+    KVMIX__PROBE(5, kvmix__nunits);
 
-        /* the warp's sum of p per head, then merge the block's warps */
+    /* the warp's sum of p per head, then merge the block's warps */
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) st.l += __shfl_xor_sync(0xffffffffu, st.l, off);
     __syncthreads(); /* stage buffers no longer in use */
@@ -1492,6 +1531,15 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         p.part_out[part * D + e] = err ? nan : (sum > 0.0f ? o / sum : 0.0f);
         if (c == 0) p.part_lse[part + h] = err ? nan : (sum > 0.0f ? mx + log2f(sum) : -INFINITY);
     }
+    KVMIX__PROBE(4, clock64() - kvmix__c0);
+#ifdef KVMIX__PROF
+    {
+        unsigned smid;
+        asm("mov.u32 %0, %%smid;" : "=r"(smid));
+        KVMIX__PROBE(6, smid);
+        KVMIX__PROBE(7, kvmix__gtime());
+    }
+#endif
 }
 
 struct kvmix__merge_params {
@@ -1503,22 +1551,43 @@ struct kvmix__merge_params {
 
 /* One block per (sequence, query head), head_dim threads: merges the splits' partials. */
 static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__merge_params p) {
+    /* blockDim.x = head_dim (a multiple of 32, at most 256): the splits' lse are read in parallel
+       and their weights kept in shared memory, so that the partial outputs of all splits can be
+       loaded with many reads in flight (a serial walk over 33+ splits was latency-bound) */
+    __shared__ float sw[256], rmx[8];
+    __shared__ int rnan[8];
     const int sh = blockIdx.x, seq = sh / p.n_q_heads, h = sh % p.n_q_heads, c = threadIdx.x;
+    const int lane = c & 31, warp = c >> 5, nw = (int)blockDim.x >> 5, nt = (int)blockDim.x;
     const size_t first = (size_t)seq * p.n_splits * p.n_q_heads + h;
     float mx = -INFINITY;
     bool nan = false;
-    for (int s = 0; s < p.n_splits; s++) {
+    for (int s = c; s < p.n_splits; s += nt) {
         float l = p.part_lse[first + (size_t)s * p.n_q_heads];
         nan |= l != l;
         mx = fmaxf(mx, l);
     }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    nan = __any_sync(0xffffffffu, nan);
+    if (lane == 0) rmx[warp] = mx, rnan[warp] = nan;
+    __syncthreads();
+    mx = -INFINITY, nan = false;
+    for (int w = 0; w < nw; w++) mx = fmaxf(mx, rmx[w]), nan |= rnan[w] != 0;
     float sum = 0.0f, o = 0.0f;
-    if (mx != -INFINITY && !nan)
-        for (int s = 0; s < p.n_splits; s++) {
-            size_t i = first + (size_t)s * p.n_q_heads;
-            float wt = exp2f(p.part_lse[i] - mx);
-            sum += wt;
-            o += wt * p.part_out[i * p.head_dim + c];
+    if (mx != -INFINITY && !nan) /* uniform over the block */
+        for (int s0 = 0; s0 < p.n_splits; s0 += nt) {
+            const int n = min(nt, p.n_splits - s0);
+            __syncthreads(); /* sw of the previous chunk consumed */
+            if (c < n) sw[c] = exp2f(p.part_lse[first + (size_t)(s0 + c) * p.n_q_heads] - mx);
+            __syncthreads();
+            const float *po = p.part_out + (first + (size_t)s0 * p.n_q_heads) * p.head_dim + c;
+            const size_t step = (size_t)p.n_q_heads * p.head_dim;
+#pragma unroll 8
+            for (int j = 0; j < n; j++) {
+                const float wt = sw[j];
+                sum += wt;
+                o += wt * po[j * step];
+            }
         }
     float result = nan ? __int_as_float(0x7fffffff) : (sum > 0.0f ? o / sum : 0.0f);
     kvmix__store_elem(p.out + (size_t)sh * p.head_dim + c, result, p.dtype);
@@ -1528,6 +1597,11 @@ static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__
 }
 
 } // namespace
+#ifdef KVMIX__PROF
+extern "C" int kvmix__prof_get(void *host, size_t bytes) {
+    return (int)cudaMemcpyFromSymbol(host, kvmix__prof_buf, bytes);
+}
+#endif
 
 // >>launch
 
