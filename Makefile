@@ -21,13 +21,15 @@ LDLIBS := -lm
 # The runner reads JSON (safetensors headers, configs, policies) through the system cJSON.
 EVAL_LDLIBS := -lcjson -lm -lpthread
 LLAMA_SRC := examples/llama.c examples/llama.h
+# The kvmix-backed cache and the policies (it compiles the kvmix implementation).
+KV_SRC := examples/kvmix_kv.c examples/kvmix_kv.h kvmix.h
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall,-Wextra,-Werror
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
-FUZZ_RUNNERS := $(BUILD)/fuzz_formats_run $(BUILD)/fuzz_safetensors_run
+FUZZ_RUNNERS := $(BUILD)/fuzz_formats_run $(BUILD)/fuzz_safetensors_run $(BUILD)/fuzz_policy_run
 MODEL_TESTS := $(BUILD)/model_test_llama
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
@@ -45,8 +47,9 @@ demo: $(BUILD)/quickstart
 	./$(BUILD)/quickstart
 
 # ---- reference-model runner and quality harness ----------------------------------------------
-$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) kvmix.h | $(BUILD)
-	$(CC) $(CFLAGS) -Iexamples examples/kvmix_eval.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
+	$(CC) $(CFLAGS) -I. -Iexamples examples/kvmix_eval.c examples/llama.c examples/kvmix_kv.c \
+		-o $@ $(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval
 
@@ -68,9 +71,10 @@ $(BUILD)/unit_tests: $(UNIT_SRC) tests/harness.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. $(UNIT_SRC) -o $@ $(LDLIBS)
 
 # Model tests take the shared folder as their argument (tests/run_all.sh passes it).
-$(BUILD)/model_test_llama: tests/test_llama.c $(LLAMA_SRC) kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -Iexamples tests/test_llama.c \
-		examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_policy.h $(LLAMA_SRC) \
+		$(KV_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples tests/test_llama.c \
+		tests/test_policy.c examples/llama.c examples/kvmix_kv.c -o $@ $(EVAL_LDLIBS)
 
 # Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
 $(BUILD)/fuzz_formats_run: tests/fuzz_formats.c tests/fuzz_driver.c kvmix.h | $(BUILD)
@@ -78,6 +82,9 @@ $(BUILD)/fuzz_formats_run: tests/fuzz_formats.c tests/fuzz_driver.c kvmix.h | $(
 $(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/fuzz_policy_run: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
+		examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
 cuda-build: | $(BUILD)
 ifeq ($(strip $(NVCC)),)
@@ -115,10 +122,13 @@ $(BUILD)/fuzz_formats: tests/fuzz_formats.c kvmix.h | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_formats.c -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_safetensors.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/fuzz_policy: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
+	$(LIBFUZZER) tests/fuzz_policy.c examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
-fuzz: $(BUILD)/fuzz_formats $(BUILD)/fuzz_safetensors
+fuzz: $(BUILD)/fuzz_formats $(BUILD)/fuzz_safetensors $(BUILD)/fuzz_policy
 	./$(BUILD)/fuzz_formats -max_total_time=$(FUZZ_SECONDS)
 	./$(BUILD)/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS)
+	./$(BUILD)/fuzz_policy -max_total_time=$(FUZZ_SECONDS)
 
 # ---- style ----------------------------------------------------------------------------------
 FORMAT_SRC := kvmix.h $(wildcard kvmix_cuda.h kvmix_cuda.cu examples/*.c examples/*.h tests/*.c \
