@@ -2,9 +2,12 @@
  *
  *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]
  *              [--policy P] [--threads N] [--capture PATH]
- *   kvmix-eval --list-policies
+ *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
+ * --policy is a built-in name (fp32, fp16, int8, int4, kivi2, kivi2-sink, kitty-12, kitty-25) or
+ * the path of a policy document (schema: README.md, "Policies"; examples/policies/). fp32 runs
+ * the runner's own fp32 cache; every other policy runs the kvmix paged cache (kvmix_kv.h).
  * Each selected text (the first N of the kind, in file order) becomes <|endoftext|> + its tokens,
  * cut to the first context + 1 ids, and is fed one token at a time from a reset cache; every
  * position after the first is scored. One JSON object is printed:
@@ -12,7 +15,11 @@
  *   answer_accuracy   over answer positions: top-1 prediction == true next token
  *   answer_agreement  over answer positions: top-1 == top-1 of the same model with the fp32 cache
  *   kv_bytes          the most bytes the cache held at the end of any text
- *   avg_bits          bits per stored key/value element, weighted by tokens held
+ *   avg_bits          bits per stored key/value element, weighted by tokens held; for kvmix
+ *                     policies everything the sequence holds: sealed pages with their scales,
+ *                     minima and boost indices, FP16 sink, window and buffer pages at their whole
+ *                     capacity, allocation padding, its slot map and page table (kvmix_kv.c)
+ *   n_tokens          scored positions; policy: the resolved policy object (all fields)
  * An answer position is one whose *next* token is an answer token: inside an assistant message,
  * after its </think> up to and including its <|im_end|>, or inside one of its tool calls from
  * after <tool_call> up to and including </tool_call> (llama_mark_answer_tokens in llama.h).

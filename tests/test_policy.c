@@ -329,7 +329,7 @@ static void test_cache_matches_reference(void) {
 /* ------------------------------------------------------------------------------------------------
  * kvm-small through compressed policies
  */
-enum { QUALITY_TOKENS = 768 };
+enum { QUALITY_TOKENS = 512 };
 
 typedef struct texts2 {
     int32_t *ids[2]; /* the first trace and the first code text of eval-dev */
@@ -481,8 +481,8 @@ static void test_model_quality(const char *shared_dir) {
         snprintf(what, sizeof what, "int8 %.5f bits/token, want within 1%% of fp32 %.5f", bits[1],
                  bits[0]);
         check_at(fabs(bits[1] - bits[0]) <= 0.01 * bits[0], __LINE__, what);
-        /* On these 767-token texts the 128-token FP16 window covers much of what attention
-         * reads, so kivi2 lands about 0.5% above fp32 (int8: 0.005%). */
+        /* On these 511-token texts the 128-token FP16 window covers much of what attention
+         * reads, so kivi2 lands about 1.2% above fp32 (int8: 0.02% below). */
         snprintf(what, sizeof what,
                  "kivi2 %.5f bits/token, want within 5%% of fp32 %.5f and 0.1%% away from it",
                  bits[2], bits[0]);
