@@ -174,11 +174,9 @@ static llama_result policy_check(const kvmix_kv_policy *p, char *err, size_t err
     if (p->n_boost % 4 != 0)
         return fail(err, err_bytes, LLAMA_ERR_FORMAT,
                     "policy field \"n_boost\": must be a multiple of 4 in 0 .. 252");
-    if (boosted && (p->n_boost == 0) == (p->boost_fraction == 0.0))
+    if (boosted && p->n_boost == 0 && p->boost_fraction == 0.0)
         return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "policy field \"%s\": a boosted format needs exactly one of n_boost and "
-                    "boost_fraction",
-                    p->n_boost != 0 ? "boost_fraction" : "n_boost");
+                    "policy field \"n_boost\": a boosted format needs n_boost or boost_fraction");
     if (!boosted && (p->n_boost != 0 || p->boost_fraction != 0.0))
         return fail(err, err_bytes, LLAMA_ERR_FORMAT,
                     "policy field \"%s\": only for the \"boosted\" format",
@@ -311,6 +309,12 @@ llama_result kvmix_kv_policy_resolve(const kvmix_kv_policy *policy, int32_t head
                     "policy field \"group_size\": %d does not divide the model's head_dim %d",
                     p.group_size, head_dim);
     if (p.key_format == KVMIX_FORMAT_BOOSTED || p.value_format == KVMIX_FORMAT_BOOSTED) {
+        if (p.n_boost != 0 && p.boost_fraction != 0.0 &&
+            p.boost_fraction * head_dim != (double)p.n_boost)
+            return fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                        "policy field \"boost_fraction\": %g of head_dim %d disagrees with "
+                        "n_boost %d",
+                        p.boost_fraction, head_dim, p.n_boost);
         if (p.n_boost == 0) {
             double n = p.boost_fraction * head_dim;
             if (n != floor(n) || (int32_t)n % 4 != 0 || n < 4 || n > 252)
@@ -439,7 +443,8 @@ static llama_result kv_kvmix_store(void *state, int32_t layer, int64_t pos, cons
         (layer > 0 && pos >= kv->n_stored[layer - 1]))
         return LLAMA_ERR_ARGUMENT;
     if (pos >= kv->capacity) return LLAMA_ERR_CAPACITY;
-    if (layer == 0) {
+    /* Layer 0 reserves the position, unless an earlier store that failed after reserving it did. */
+    if (layer == 0 && kv->cache.seqs[kv->seq].n_tokens == pos) {
         kvmix_result r = kvmix_cache_reserve(&kv->cache, kv->seq, 1, &kv->precision, NULL);
         if (r == KVMIX_ERR_OUT_OF_MEMORY) return LLAMA_ERR_CAPACITY;
         if (r != KVMIX_SUCCESS) return LLAMA_ERR_ARGUMENT;

@@ -38,7 +38,8 @@ typedef struct kvmix_kv_policy {
     int32_t value_format;
     int32_t group_size;    /* channels per scale of INT8/INT4/INT2 blocks; 8 .. 512, default 32 */
     int32_t n_boost;       /* BOOSTED: channels kept at 4 bits; 0 = head_dim * boost_fraction */
-    double boost_fraction; /* BOOSTED, when n_boost is 0: a fraction of head_dim in (0, 1] */
+    double boost_fraction; /* BOOSTED: a fraction of head_dim in (0, 1]; 0 = n_boost / head_dim;
+                              when both are set they must agree for the model's head_dim */
     int32_t page_tokens;   /* tokens per page (KIVI's key group); 8 .. 1024, multiple of 8 */
     int32_t sink_tokens;   /* first positions kept FP16 forever; 0 .. page_tokens */
     int32_t window_tokens; /* most recent positions kept FP16; 0 .. 2^26 */
