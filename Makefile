@@ -21,13 +21,15 @@ LDLIBS := -lm
 # The runner reads JSON (safetensors headers, configs, policies) through the system cJSON.
 EVAL_LDLIBS := -lcjson -lm -lpthread
 LLAMA_SRC := examples/llama.c examples/llama.h
+# The kvmix-backed cache and the policies (it compiles the kvmix implementation).
+KV_SRC := examples/kvmix_kv.c examples/kvmix_kv.h kvmix.h
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall,-Wextra,-Werror
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
-FUZZ_TARGETS := formats view safetensors
+FUZZ_TARGETS := formats view safetensors policy
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama
 
@@ -50,8 +52,9 @@ $(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS)
 
 # ---- reference-model runner and quality harness ----------------------------------------------
-$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) kvmix.h | $(BUILD)
-	$(CC) $(CFLAGS) -Iexamples examples/kvmix_eval.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
+	$(CC) $(CFLAGS) -I. -Iexamples examples/kvmix_eval.c examples/llama.c examples/kvmix_kv.c \
+		-o $@ $(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval
 
@@ -77,9 +80,10 @@ $(BUILD)/example_cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) $< -o $@ $(LDLIBS)
 
 # Model tests take the shared folder as their argument (tests/run_all.sh passes it).
-$(BUILD)/model_test_llama: tests/test_llama.c $(LLAMA_SRC) kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -Iexamples tests/test_llama.c \
-		examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_policy.h $(LLAMA_SRC) \
+		$(KV_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples tests/test_llama.c \
+		tests/test_policy.c examples/llama.c examples/kvmix_kv.c -o $@ $(EVAL_LDLIBS)
 
 # Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
 $(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c kvmix.h | $(BUILD)
@@ -87,6 +91,9 @@ $(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c kvmix.h | $(BUILD)
 $(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/fuzz_policy_run: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
+		examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
 cuda-build: | $(BUILD)
 ifeq ($(strip $(NVCC)),)
@@ -125,6 +132,8 @@ $(BUILD)/fuzz_%: tests/fuzz_%.c kvmix.h | $(BUILD)
 	$(LIBFUZZER) $< -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_safetensors.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/fuzz_policy: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
+	$(LIBFUZZER) tests/fuzz_policy.c examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
 fuzz: $(patsubst %,$(BUILD)/fuzz_%,$(FUZZ_TARGETS))
 	@for t in $(FUZZ_TARGETS); do ./$(BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) || exit 1; done

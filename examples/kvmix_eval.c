@@ -2,9 +2,12 @@
  *
  *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]
  *              [--policy P] [--threads N] [--capture PATH]
- *   kvmix-eval --list-policies
+ *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
+ * --policy is a built-in name (fp32, fp16, int8, int4, kivi2, kivi2-sink, kitty-12, kitty-25) or
+ * the path of a policy document (schema: README.md, "Policies"; examples/policies/). fp32 runs
+ * the runner's own fp32 cache; every other policy runs the kvmix paged cache (kvmix_kv.h).
  * Each selected text (the first N of the kind, in file order) becomes <|endoftext|> + its tokens,
  * cut to the first context + 1 ids, and is fed one token at a time from a reset cache; every
  * position after the first is scored. One JSON object is printed:
@@ -12,13 +15,18 @@
  *   answer_accuracy   over answer positions: top-1 prediction == true next token
  *   answer_agreement  over answer positions: top-1 == top-1 of the same model with the fp32 cache
  *   kv_bytes          the most bytes the cache held at the end of any text
- *   avg_bits          bits per stored key/value element, weighted by tokens held
+ *   avg_bits          bits per stored key/value element, weighted by tokens held; for kvmix
+ *                     policies everything the sequence holds: sealed pages with their scales,
+ *                     minima and boost indices, FP16 sink, window and buffer pages at their whole
+ *                     capacity, allocation padding, its slot map and page table (kvmix_kv.c)
+ *   n_tokens          scored positions; policy: the resolved policy object (all fields)
  * An answer position is one whose *next* token is an answer token: inside an assistant message,
  * after its </think> up to and including its <|im_end|>, or inside one of its tool calls from
  * after <tool_call> up to and including </tool_call> (llama_mark_answer_tokens in llama.h).
  * Before each token that opens a user message ("<|im_start|>user\n") the cache's begin_request
  * hook runs. --capture writes the first text's queries, keys and values (format in llama.h).
  */
+#include "kvmix_kv.h"
 #include "llama.h"
 
 #include <cjson/cJSON.h>
@@ -29,20 +37,6 @@
 #include <time.h>
 
 enum { ERR_BYTES = 512 };
-
-/* A policy decides how the cache stores keys and values. The fp32 cache is the reference that
- * answer_agreement compares against; new kvmix formats are added to this table. */
-typedef struct policy {
-    const char *name;
-    const char *description;
-    llama_result (*create)(const llama_config *config, int64_t capacity, llama_kv_cache *out);
-} policy;
-
-static const policy POLICIES[] = {
-    {"fp32", "keys and values kept as fp32 (the reference)", llama_kv_fp32_create},
-};
-static const size_t N_POLICIES = sizeof POLICIES / sizeof POLICIES[0];
-static const policy *const REFERENCE_POLICY = &POLICIES[0];
 
 typedef struct options {
     const char *model_path;
@@ -129,12 +123,6 @@ static bool parse_options(int argc, char **argv, options *o) {
     return true;
 }
 
-static const policy *find_policy(const char *name) {
-    for (size_t i = 0; i < N_POLICIES; i++)
-        if (strcmp(POLICIES[i].name, name) == 0) return &POLICIES[i];
-    return NULL;
-}
-
 /* The texts of the data file that pass the kind filter and the limit, in file order. */
 typedef struct texts {
     char **items;
@@ -170,6 +158,29 @@ static char *read_file(const char *path, size_t *n_bytes) {
     buf[n] = 0;
     *n_bytes = n;
     return buf;
+}
+
+/* --policy: a built-in name, else the path of a policy document (schema in README.md). */
+static bool load_policy(const char *arg, kvmix_kv_policy *out, char *err) {
+    const kvmix_kv_policy *builtin = kvmix_kv_policy_builtin(arg);
+    if (builtin != NULL) {
+        *out = *builtin;
+        return true;
+    }
+    size_t n_bytes;
+    char *doc = read_file(arg, &n_bytes);
+    if (doc == NULL) {
+        snprintf(err, ERR_BYTES,
+                 "%s is neither a built-in policy (see --list-policies) nor a "
+                 "readable policy file",
+                 arg);
+        return false;
+    }
+    char why[ERR_BYTES - 64];
+    bool ok = kvmix_kv_policy_parse(doc, n_bytes, out, why, sizeof why) == LLAMA_OK;
+    if (!ok) snprintf(err, ERR_BYTES, "%s: %s", arg, why);
+    free(doc);
+    return ok;
 }
 
 /* Appends the text of one JSONL line when its kind matches. Returns false on a malformed line. */
@@ -235,6 +246,7 @@ typedef struct eval {
     const options *opt;
     const llama_model *model;
     llama_runner runner;
+    kvmix_kv_policy policy;   /* resolved for the model */
     llama_kv_cache cache;     /* the policy under test */
     llama_kv_cache reference; /* fp32; only used when the policy is another one */
     bool separate_reference;
@@ -330,7 +342,8 @@ static void add_number_or_null(cJSON *obj, const char *key, double value) {
         cJSON_AddNullToObject(obj, key);
 }
 
-static bool print_report(const options *o, const llama_model *m, const totals *t, double seconds) {
+static bool print_report(const options *o, const llama_model *m, const kvmix_kv_policy *p,
+                         const totals *t, double seconds) {
     cJSON *obj = cJSON_CreateObject();
     cJSON_AddStringToObject(obj, "model", o->model_path);
     cJSON_AddStringToObject(obj, "model_name", m->config.name);
@@ -340,7 +353,17 @@ static bool print_report(const options *o, const llama_model *m, const totals *t
     else
         cJSON_AddNullToObject(obj, "kind");
     add_number_or_null(obj, "limit", o->limit > 0 ? (double)o->limit : NAN);
-    cJSON_AddStringToObject(obj, "policy", o->policy);
+    char *policy_text = kvmix_kv_policy_json(p);
+    const char *end = NULL;
+    cJSON *policy = policy_text != NULL
+                        ? cJSON_ParseWithLengthOpts(policy_text, strlen(policy_text), &end, 0)
+                        : NULL;
+    free(policy_text);
+    if (policy == NULL || !cJSON_AddItemToObject(obj, "policy", policy)) {
+        cJSON_Delete(policy);
+        cJSON_Delete(obj);
+        return false;
+    }
     cJSON_AddNumberToObject(obj, "n_texts", (double)t->n_texts);
     cJSON_AddNumberToObject(obj, "n_tokens", (double)t->score.n_scored);
     add_number_or_null(obj, "bits_per_token",
@@ -401,9 +424,16 @@ static int read_capture(const char *path) {
     return 0;
 }
 
-static void list_policies(void) {
-    for (size_t i = 0; i < N_POLICIES; i++)
-        printf("%-8s %s\n", POLICIES[i].name, POLICIES[i].description);
+/* One line per built-in: its resolved settings as the JSON object a policy file would hold
+ * (n_boost 0 with a boost_fraction: resolved against each model's head_dim when it runs). */
+static bool list_policies(void) {
+    for (int32_t i = 0; i < kvmix_kv_policy_count(); i++) {
+        char *text = kvmix_kv_policy_json(kvmix_kv_policy_at(i));
+        if (text == NULL) return false;
+        printf("%s\n", text);
+        free(text);
+    }
+    return true;
 }
 
 static double now_seconds(void) {
@@ -412,11 +442,12 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static llama_result eval_init(eval *e, const options *o, const policy *p, const llama_model *m) {
+static llama_result eval_init(eval *e, const options *o, const kvmix_kv_policy *p,
+                              const llama_model *m) {
     int64_t capacity = (int64_t)m->config.context + 1;
     e->opt = o;
     e->model = m;
-    e->separate_reference = p != REFERENCE_POLICY;
+    e->separate_reference = p->key_format != KVMIX_KV_FORMAT_FP32;
     e->ids = malloc((size_t)capacity * sizeof *e->ids);
     e->mask = malloc((size_t)capacity);
     e->ref_argmax = malloc((size_t)capacity * sizeof *e->ref_argmax);
@@ -425,11 +456,12 @@ static llama_result eval_init(eval *e, const options *o, const policy *p, const 
         return LLAMA_ERR_MEMORY;
     }
     llama_result r = llama_runner_init(&e->runner, m, o->n_threads, e->err, sizeof e->err);
-    if (r == LLAMA_OK && (r = p->create(&m->config, capacity, &e->cache)) != LLAMA_OK)
-        snprintf(e->err, sizeof e->err, "cannot create the %s cache: %s", p->name,
-                 llama_result_string(r));
+    if (r == LLAMA_OK)
+        r = kvmix_kv_policy_resolve(p, m->config.head_dim, &e->policy, e->err, sizeof e->err);
+    if (r == LLAMA_OK)
+        r = kvmix_kv_create(&e->policy, &m->config, capacity, &e->cache, e->err, sizeof e->err);
     if (r == LLAMA_OK && e->separate_reference &&
-        (r = REFERENCE_POLICY->create(&m->config, capacity, &e->reference)) != LLAMA_OK)
+        (r = llama_kv_fp32_create(&m->config, capacity, &e->reference)) != LLAMA_OK)
         snprintf(e->err, sizeof e->err, "cannot create the reference cache: %s",
                  llama_result_string(r));
     return r;
@@ -445,13 +477,13 @@ static void eval_free(eval *e) {
 }
 
 static int run(const options *o) {
-    const policy *p = find_policy(o->policy);
-    if (p == NULL) {
-        fprintf(stderr, "kvmix-eval: unknown policy %s (see --list-policies)\n", o->policy);
-        return 2;
-    }
     llama_model model;
     eval e = {0};
+    kvmix_kv_policy p;
+    if (!load_policy(o->policy, &p, e.err)) {
+        fprintf(stderr, "kvmix-eval: %s\n", e.err);
+        return 2;
+    }
     texts list = {NULL, 0};
     totals t = {0};
     double start = now_seconds();
@@ -461,9 +493,10 @@ static int run(const options *o) {
         return 1;
     }
     if (!load_texts(o, &list, e.err)) r = LLAMA_ERR_FORMAT;
-    if (r == LLAMA_OK) r = eval_init(&e, o, p, &model);
+    if (r == LLAMA_OK) r = eval_init(&e, o, &p, &model);
     if (r == LLAMA_OK) r = run_texts(&e, &list, &t);
-    if (r == LLAMA_OK && !print_report(o, &model, &t, now_seconds() - start)) r = LLAMA_ERR_MEMORY;
+    if (r == LLAMA_OK && !print_report(o, &model, &e.policy, &t, now_seconds() - start))
+        r = LLAMA_ERR_MEMORY;
     if (r != LLAMA_OK) fprintf(stderr, "kvmix-eval: %s\n", e.err);
     eval_free(&e);
     texts_free(&list);
@@ -477,10 +510,7 @@ int main(int argc, char **argv) {
         usage(stderr);
         return 2;
     }
-    if (o.list_policies) {
-        list_policies();
-        return 0;
-    }
+    if (o.list_policies) return list_policies() ? 0 : 1;
     if (o.read_capture_path != NULL) return read_capture(o.read_capture_path);
     return run(&o);
 }

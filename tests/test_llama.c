@@ -1,11 +1,13 @@
 /* Tests for the Llama runner: tokenizer, safetensors/config errors, the forward pass against a
  * plain double-precision reference on a tiny random model, the fp32 cache, captures, answer marks,
- * and the quality of kvm-small on a slice of eval-dev.
+ * and the quality of kvm-small on a slice of eval-dev; then the policies and the kvmix-backed
+ * cache (test_policy.c).
  * Usage: test_llama [SHARED_DIR]; SHARED_DIR (default ../shared, beside the repository root)
  * holds models/kvm-small.safetensors and data/eval-dev.jsonl. A missing model is a failure.
  * Prints one line per failed check and "N passed, N failed"; exits nonzero on any failure. */
 #define _POSIX_C_SOURCE 200809L
 #include "llama.h"
+#include "test_policy.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -803,6 +805,7 @@ int main(int argc, char **argv) {
     test_capture_round_trip(&tiny);
     test_score_sequence();
     test_small_model_quality(shared_dir);
+    test_policy_run(shared_dir, &n_passed, &n_failed);
     tiny_free(&tiny);
     const char *names[] = {"tiny.safetensors", "bad.safetensors", "cap.bin", "config.json"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) remove(temp_path(names[i]));
