@@ -20,7 +20,7 @@ SANITIZE := -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -fno-o
 LDLIBS := -lm
 # The runner reads JSON (safetensors headers, configs, policies) through the system cJSON.
 EVAL_LDLIBS := -lcjson -lm -lpthread
-LLAMA_SRC := examples/llama.c examples/llama.h
+LLAMA_SRC := examples/llama.c examples/llama.h kvmix.h
 # The kvmix-backed cache and the policies (it compiles the kvmix implementation).
 KV_SRC := examples/kvmix_kv.c examples/kvmix_kv.h kvmix.h
 

@@ -1,6 +1,5 @@
 /* kvmix_kv.c - KV-cache policies (built-ins, JSON documents) and the kvmix-backed llama_kv_cache.
  * See kvmix_kv.h for the interface and README.md ("Policies") for the JSON schema. */
-#define KVMIX_IMPLEMENTATION
 #include "kvmix_kv.h"
 
 #include <cjson/cJSON.h>

@@ -1,6 +1,9 @@
 /* llama.c - see llama.h. Sections: >>errors >>safetensors >>config >>tokenizer >>load >>pool
  * >>forward >>fp32cache >>capture >>score */
 #define _POSIX_C_SOURCE 200809L /* sched_yield */
+/* The one implementation of kvmix.h in the runner's programs. */
+#define KVMIX_IMPLEMENTATION
+#include "../kvmix.h"
 #include "llama.h"
 
 #include <cjson/cJSON.h>
@@ -468,21 +471,6 @@ const char *llama_token_bytes(const llama_tokenizer *tok, int32_t id, size_t *n_
 
 // >>load
 
-static float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31;
-    uint32_t exponent = (h >> 10) & 31;
-    uint32_t mantissa = h & 0x3ff;
-    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
-        float f = ldexpf((float)mantissa, -24);
-        return sign ? -f : f;
-    }
-    uint32_t bits = exponent == 31 ? sign | 0x7f800000u | mantissa << 13
-                                   : sign | (exponent + 112) << 23 | mantissa << 13;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 static float bits_to_f32(uint32_t bits) {
     float f;
     memcpy(&f, &bits, sizeof f);
@@ -498,8 +486,8 @@ static void tensor_to_f32(const uint8_t *file, const llama_tensor_info *t, float
         uint16_t half = (uint16_t)(e[0] | e[1] << 8);
         switch (t->dtype) {
         case LLAMA_DTYPE_F32: out[i] = bits_to_f32(get_u32_le(e)); break;
-        case LLAMA_DTYPE_F16: out[i] = f16_to_f32(half); break;
-        case LLAMA_DTYPE_BF16: out[i] = bits_to_f32((uint32_t)half << 16); break;
+        case LLAMA_DTYPE_F16: out[i] = kvmix_fp16_to_fp32(half); break;
+        case LLAMA_DTYPE_BF16: out[i] = kvmix_bf16_to_fp32(half); break;
         }
     }
 }
