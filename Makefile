@@ -88,10 +88,12 @@ $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_pol
 # Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
 $(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
-$(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
+$(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c tests/fuzz_seed_driver.h $(LLAMA_SRC) \
+		| $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
-$(BUILD)/fuzz_policy_run: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
+$(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h $(LLAMA_SRC) $(KV_SRC) \
+		| $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
 		examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 

@@ -3,9 +3,9 @@
  *
  * libFuzzer:  clang -fsanitize=fuzzer,address,undefined -I. -Iexamples tests/fuzz_policy.c \
  *                 examples/kvmix_kv.c examples/llama.c -lcjson -lm -lpthread
- * Driver (-DFUZZ_DRIVER, any compiler): `fuzz_policy_run [N] [FILE...]` runs each file, then N
- * (default 4000) seeded mutations of the built-in policies' documents and the files.
- * `--write-seeds DIR` writes the seeds for libFuzzer.
+ * Driver (-DFUZZ_DRIVER, any compiler; tests/fuzz_seed_driver.h): `fuzz_policy_run [N] [FILE...]`
+ * runs each file, then N (default 4000) seeded mutations of the built-in policies' documents and
+ * the files. `--write-seeds DIR` writes the seeds for libFuzzer.
  */
 #include "kvmix_kv.h"
 
@@ -34,19 +34,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
 #ifdef FUZZ_DRIVER
 
-enum { DEFAULT_MUTATIONS = 4000, MAX_INPUT = 1 << 12, MAX_SEEDS = 24 };
+#define FUZZ_MAX_INPUT (1 << 12)
+#include "fuzz_seed_driver.h"
 
-typedef struct buffer {
-    uint8_t bytes[MAX_INPUT];
-    size_t size;
-} buffer;
-
-static uint64_t next_random(uint64_t *state) {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    return *state;
-}
+enum { MAX_SEEDS = 24 };
 
 /* Bytes and words that steer a JSON policy parser into its interesting branches. */
 static const char JSON_BYTES[] = "0123456789-+.eE\"{}[],:\\ntfu \x00\xff";
@@ -66,93 +57,44 @@ static const char *const WORDS[] = {"\"version\"",
                                     "4294967296",
                                     "true"};
 
-static void mutate(buffer *b, uint64_t *rng) {
-    int32_t n_edits = 1 + (int32_t)(next_random(rng) % 4);
-    for (int32_t e = 0; e < n_edits && b->size > 0; e++) {
-        size_t at = (size_t)(next_random(rng) % b->size);
-        switch (next_random(rng) % 5) {
-        case 0:
-            b->bytes[at] = (uint8_t)JSON_BYTES[next_random(rng) % (sizeof JSON_BYTES - 1)];
-            break;
-        case 1: /* delete a run */
-        {
-            size_t n = 1 + (size_t)(next_random(rng) % 8);
-            if (at + n > b->size) n = b->size - at;
-            memmove(b->bytes + at, b->bytes + at + n, b->size - at - n);
-            b->size -= n;
-            break;
-        }
-        case 2: b->size = at; break;
-        default: /* insert a word */
-        {
-            const char *w = WORDS[next_random(rng) % (sizeof WORDS / sizeof WORDS[0])];
-            size_t n = strlen(w);
-            if (b->size + n > MAX_INPUT) break;
-            memmove(b->bytes + at + n, b->bytes + at, b->size - at);
-            memcpy(b->bytes + at, w, n);
-            b->size += n;
-            break;
-        }
-        }
+static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
+    switch (kind) {
+    case 0: b->bytes[at] = (uint8_t)JSON_BYTES[next_random(rng) % (sizeof JSON_BYTES - 1)]; break;
+    case 1: /* delete a run */
+    {
+        size_t n = 1 + (size_t)(next_random(rng) % 8);
+        if (at + n > b->size) n = b->size - at;
+        memmove(b->bytes + at, b->bytes + at + n, b->size - at - n);
+        b->size -= n;
+        break;
+    }
+    case 2: b->size = at; break;
+    default: /* insert a word */
+    {
+        const char *w = WORDS[next_random(rng) % (sizeof WORDS / sizeof WORDS[0])];
+        size_t n = strlen(w);
+        if (b->size + n > FUZZ_MAX_INPUT) break;
+        memmove(b->bytes + at + n, b->bytes + at, b->size - at);
+        memcpy(b->bytes + at, w, n);
+        b->size += n;
+        break;
+    }
     }
 }
 
-static bool read_input(const char *path, buffer *b) {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) return false;
-    b->size = fread(b->bytes, 1, MAX_INPUT, f);
-    fclose(f);
-    return true;
-}
+static void mutate(buffer *b, uint64_t *rng) { fuzz_mutate(b, rng, 5, edit); }
 
 int main(int argc, char **argv) {
-    static buffer seeds[MAX_SEEDS], work;
+    static buffer seeds[MAX_SEEDS];
     int32_t n_seeds = 0;
     for (int32_t i = 0; i < kvmix_kv_policy_count() && n_seeds < MAX_SEEDS; i++) {
         char *text = kvmix_kv_policy_json(kvmix_kv_policy_at(i));
-        if (text == NULL || strlen(text) > MAX_INPUT) return 1;
+        if (text == NULL || strlen(text) > FUZZ_MAX_INPUT) return 1;
         seeds[n_seeds].size = strlen(text);
         memcpy(seeds[n_seeds++].bytes, text, strlen(text));
         free(text);
     }
-    if (argc == 3 && strcmp(argv[1], "--write-seeds") == 0) {
-        for (int32_t i = 0; i < n_seeds; i++) {
-            char path[512];
-            snprintf(path, sizeof path, "%s/seed-%d", argv[2], i);
-            FILE *f = fopen(path, "wb");
-            bool ok = f != NULL && fwrite(seeds[i].bytes, 1, seeds[i].size, f) == seeds[i].size;
-            if (f != NULL) fclose(f);
-            if (!ok) {
-                fprintf(stderr, "fuzz: cannot write %s\n", path);
-                return 1;
-            }
-        }
-        return 0;
-    }
-    long n_mutations = DEFAULT_MUTATIONS;
-    for (int i = 1; i < argc; i++) {
-        char *end;
-        long count = strtol(argv[i], &end, 10);
-        if (*argv[i] != 0 && *end == 0 && count >= 0) {
-            n_mutations = count;
-            continue;
-        }
-        if (!read_input(argv[i], &work)) {
-            fprintf(stderr, "fuzz: cannot read %s\n", argv[i]);
-            return 1;
-        }
-        LLVMFuzzerTestOneInput(work.bytes, work.size);
-        if (n_seeds < MAX_SEEDS) seeds[n_seeds++] = work;
-    }
-    for (int32_t s = 0; s < n_seeds; s++) LLVMFuzzerTestOneInput(seeds[s].bytes, seeds[s].size);
-    uint64_t rng = 0x2545f4914f6cdd1du;
-    for (long i = 0; i < n_mutations; i++) {
-        work = seeds[(size_t)i % (size_t)n_seeds];
-        mutate(&work, &rng);
-        LLVMFuzzerTestOneInput(work.bytes, work.size);
-    }
-    printf("fuzz: %d seeds, %ld mutations, no crash\n", n_seeds, n_mutations);
-    return 0;
+    return fuzz_seed_main(argc, argv, seeds, n_seeds, MAX_SEEDS, 0x2545f4914f6cdd1du, mutate);
 }
 
 #endif /* FUZZ_DRIVER */

@@ -3,9 +3,10 @@
  *
  * libFuzzer:  clang -fsanitize=fuzzer,address,undefined -Iexamples tests/fuzz_safetensors.c \
  *                 examples/llama.c -lcjson -lm -lpthread
- * Driver (-DFUZZ_DRIVER, any compiler): `fuzz_safetensors_run [N] [FILE...]` runs each file, then
- * N (default 4000) seeded mutations of the built-in seeds and the files, so CI without libFuzzer
- * explores the same code deterministically. `--write-seeds DIR` writes the seeds for libFuzzer.
+ * Driver (-DFUZZ_DRIVER, any compiler; tests/fuzz_seed_driver.h): `fuzz_safetensors_run [N]
+ * [FILE...]` runs each file, then N (default 4000) seeded mutations of the built-in seeds and the
+ * files, so CI without libFuzzer explores the same code deterministically. `--write-seeds DIR`
+ * writes the seeds for libFuzzer.
  */
 #include "llama.h"
 
@@ -35,12 +36,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
 #ifdef FUZZ_DRIVER
 
-enum { DEFAULT_MUTATIONS = 4000, MAX_INPUT = 1 << 16 };
+#define FUZZ_MAX_INPUT (1 << 16)
+#include "fuzz_seed_driver.h"
 
-typedef struct buffer {
-    uint8_t bytes[MAX_INPUT];
-    size_t size;
-} buffer;
+enum { MAX_SEEDS = 16 };
 
 static const char SEED_CONFIG[] =
     "{\"hidden_size\": 8, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
@@ -90,13 +89,6 @@ static void seed_config(buffer *b) {
     memcpy(b->bytes, SEED_CONFIG, b->size);
 }
 
-static uint64_t next_random(uint64_t *state) {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    return *state;
-}
-
 /* Bytes that steer a JSON parser into its interesting branches. */
 static const char JSON_BYTES[] = "0123456789-+.eE\"{}[],:\\ntfu \x00\xff";
 
@@ -105,7 +97,7 @@ static bool mutate_header_text(buffer *b, uint64_t *rng) {
     if (b->size < 8) return false;
     uint64_t n = 0;
     for (int i = 7; i >= 0; i--) n = n << 8 | b->bytes[i];
-    if (n == 0 || n > b->size - 8 || b->size + 1 > MAX_INPUT) return false;
+    if (n == 0 || n > b->size - 8 || b->size + 1 > FUZZ_MAX_INPUT) return false;
     size_t at = 8 + (size_t)(next_random(rng) % n);
     char c = JSON_BYTES[next_random(rng) % (sizeof JSON_BYTES - 1)];
     switch (next_random(rng) % 3) {
@@ -126,86 +118,34 @@ static bool mutate_header_text(buffer *b, uint64_t *rng) {
     return true;
 }
 
-static void mutate(buffer *b, uint64_t *rng) {
-    int32_t n_edits = 1 + (int32_t)(next_random(rng) % 4);
-    for (int32_t e = 0; e < n_edits && b->size > 0; e++) {
-        size_t at = (size_t)(next_random(rng) % b->size);
-        switch (next_random(rng) % 6) {
-        case 0: b->bytes[at] ^= (uint8_t)(1u << (next_random(rng) % 8)); break;
-        case 1: b->bytes[at] = (uint8_t)next_random(rng); break;
-        case 2: b->size = at; break;
-        case 3: /* a small or huge number in a header field */
-            if ((at & ~(size_t)3) + 4 <= b->size) {
-                uint32_t v = next_random(rng) % 2 ? (uint32_t)(next_random(rng) % 5)
-                                                  : (uint32_t)next_random(rng);
-                for (int j = 0; j < 4; j++)
-                    b->bytes[(at & ~(size_t)3) + (size_t)j] = (uint8_t)(v >> (8 * j));
-            }
-            break;
-        default:
-            if (!mutate_header_text(b, rng))
-                b->bytes[at] = (uint8_t)JSON_BYTES[at % (sizeof JSON_BYTES - 1)];
-            break;
+static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
+    switch (kind) {
+    case 0: b->bytes[at] ^= (uint8_t)(1u << (next_random(rng) % 8)); break;
+    case 1: b->bytes[at] = (uint8_t)next_random(rng); break;
+    case 2: b->size = at; break;
+    case 3: /* a small or huge number in a header field */
+        if ((at & ~(size_t)3) + 4 <= b->size) {
+            uint32_t v = next_random(rng) % 2 ? (uint32_t)(next_random(rng) % 5)
+                                              : (uint32_t)next_random(rng);
+            for (int j = 0; j < 4; j++)
+                b->bytes[(at & ~(size_t)3) + (size_t)j] = (uint8_t)(v >> (8 * j));
         }
+        break;
+    default:
+        if (!mutate_header_text(b, rng))
+            b->bytes[at] = (uint8_t)JSON_BYTES[at % (sizeof JSON_BYTES - 1)];
+        break;
     }
 }
 
-static bool read_input(const char *path, buffer *b) {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) return false;
-    b->size = fread(b->bytes, 1, MAX_INPUT, f);
-    fclose(f);
-    return true;
-}
-
-static int write_seeds(const char *dir, buffer *seeds, int32_t n_seeds) {
-    for (int32_t i = 0; i < n_seeds; i++) {
-        char path[512];
-        snprintf(path, sizeof path, "%s/seed-%d", dir, i);
-        FILE *f = fopen(path, "wb");
-        if (f == NULL || fwrite(seeds[i].bytes, 1, seeds[i].size, f) != seeds[i].size) {
-            fprintf(stderr, "fuzz: cannot write %s\n", path);
-            if (f != NULL) fclose(f);
-            return 1;
-        }
-        fclose(f);
-    }
-    return 0;
-}
+static void mutate(buffer *b, uint64_t *rng) { fuzz_mutate(b, rng, 6, edit); }
 
 int main(int argc, char **argv) {
-    enum { MAX_SEEDS = 16 };
-    static buffer seeds[MAX_SEEDS], work;
-    int32_t n_seeds = 3;
+    static buffer seeds[MAX_SEEDS];
     seed_safetensors(&seeds[0]);
     seed_capture(&seeds[1]);
     seed_config(&seeds[2]);
-    if (argc == 3 && strcmp(argv[1], "--write-seeds") == 0)
-        return write_seeds(argv[2], seeds, n_seeds);
-    long n_mutations = DEFAULT_MUTATIONS;
-    for (int i = 1; i < argc; i++) {
-        char *end;
-        long count = strtol(argv[i], &end, 10);
-        if (*argv[i] != 0 && *end == 0 && count >= 0) {
-            n_mutations = count;
-            continue;
-        }
-        if (!read_input(argv[i], &work)) {
-            fprintf(stderr, "fuzz: cannot read %s\n", argv[i]);
-            return 1;
-        }
-        LLVMFuzzerTestOneInput(work.bytes, work.size);
-        if (n_seeds < MAX_SEEDS) seeds[n_seeds++] = work;
-    }
-    for (int32_t s = 0; s < n_seeds; s++) LLVMFuzzerTestOneInput(seeds[s].bytes, seeds[s].size);
-    uint64_t rng = 0x9e3779b97f4a7c15u;
-    for (long i = 0; i < n_mutations; i++) {
-        work = seeds[(size_t)i % (size_t)n_seeds];
-        mutate(&work, &rng);
-        LLVMFuzzerTestOneInput(work.bytes, work.size);
-    }
-    printf("fuzz: %d seeds, %ld mutations, no crash\n", n_seeds, n_mutations);
-    return 0;
+    return fuzz_seed_main(argc, argv, seeds, 3, MAX_SEEDS, 0x9e3779b97f4a7c15u, mutate);
 }
 
 #endif /* FUZZ_DRIVER */

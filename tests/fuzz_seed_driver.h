@@ -1,0 +1,109 @@
+/* Plain driver for fuzz targets that bring their own seeds and mutations, for builds without
+ * libFuzzer (any C compiler). A target includes it under FUZZ_DRIVER, after defining
+ * FUZZ_MAX_INPUT (the largest input in bytes), builds its seeds and returns fuzz_seed_main():
+ *
+ *     prog [N] [FILE...]        runs each FILE (also kept as a seed while there is room), then the
+ *                               seeds, then N (default 4000) seeded mutations of the seeds in turn
+ *     prog --write-seeds DIR    writes the seeds as DIR/seed-0, DIR/seed-1, ... for libFuzzer
+ *
+ * A numeric argument anywhere is N. The run is deterministic for a given rng seed. Any crash or
+ * sanitizer report ends the program; otherwise it prints one summary line and exits 0.
+ */
+#ifndef KVMIX_FUZZ_SEED_DRIVER_H
+#define KVMIX_FUZZ_SEED_DRIVER_H
+
+#ifndef FUZZ_MAX_INPUT
+#error "define FUZZ_MAX_INPUT before including fuzz_seed_driver.h"
+#endif
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+enum { FUZZ_DEFAULT_MUTATIONS = 4000 };
+
+typedef struct buffer {
+    uint8_t bytes[FUZZ_MAX_INPUT];
+    size_t size;
+} buffer;
+
+/* xorshift64; the state must not be zero. */
+static uint64_t next_random(uint64_t *state) {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    return *state;
+}
+
+/* One edit of a target's own kind (below the n_kinds given to fuzz_mutate) at byte at < b->size. */
+typedef void fuzz_edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng);
+
+/* 1 to 4 edits, each at a random byte and of a random kind; stops early once b is empty. */
+static void fuzz_mutate(buffer *b, uint64_t *rng, uint64_t n_kinds, fuzz_edit *edit) {
+    int32_t n_edits = 1 + (int32_t)(next_random(rng) % 4);
+    for (int32_t e = 0; e < n_edits && b->size > 0; e++) {
+        size_t at = (size_t)(next_random(rng) % b->size);
+        edit(b, at, next_random(rng) % n_kinds, rng);
+    }
+}
+
+static bool read_input(const char *path, buffer *b) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) return false;
+    b->size = fread(b->bytes, 1, FUZZ_MAX_INPUT, f);
+    fclose(f);
+    return true;
+}
+
+static int write_seeds(const char *dir, const buffer *seeds, int32_t n_seeds) {
+    for (int32_t i = 0; i < n_seeds; i++) {
+        char path[512];
+        snprintf(path, sizeof path, "%s/seed-%d", dir, i);
+        FILE *f = fopen(path, "wb");
+        bool ok = f != NULL && fwrite(seeds[i].bytes, 1, seeds[i].size, f) == seeds[i].size;
+        if (f != NULL) fclose(f);
+        if (!ok) {
+            fprintf(stderr, "fuzz: cannot write %s\n", path);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* seeds has max_seeds slots, the first n_seeds (at least one) filled; rng_seed is not zero. */
+static int fuzz_seed_main(int argc, char **argv, buffer *seeds, int32_t n_seeds, int32_t max_seeds,
+                          uint64_t rng_seed, void (*mutate)(buffer *, uint64_t *)) {
+    static buffer work;
+    if (argc == 3 && strcmp(argv[1], "--write-seeds") == 0)
+        return write_seeds(argv[2], seeds, n_seeds);
+    long n_mutations = FUZZ_DEFAULT_MUTATIONS;
+    for (int i = 1; i < argc; i++) {
+        char *end;
+        long count = strtol(argv[i], &end, 10);
+        if (*argv[i] != 0 && *end == 0 && count >= 0) {
+            n_mutations = count;
+            continue;
+        }
+        if (!read_input(argv[i], &work)) {
+            fprintf(stderr, "fuzz: cannot read %s\n", argv[i]);
+            return 1;
+        }
+        LLVMFuzzerTestOneInput(work.bytes, work.size);
+        if (n_seeds < max_seeds) seeds[n_seeds++] = work;
+    }
+    for (int32_t s = 0; s < n_seeds; s++) LLVMFuzzerTestOneInput(seeds[s].bytes, seeds[s].size);
+    uint64_t rng = rng_seed;
+    for (long i = 0; i < n_mutations; i++) {
+        work = seeds[(size_t)i % (size_t)n_seeds];
+        mutate(&work, &rng);
+        LLVMFuzzerTestOneInput(work.bytes, work.size);
+    }
+    printf("fuzz: %d seeds, %ld mutations, no crash\n", n_seeds, n_mutations);
+    return 0;
+}
+
+#endif /* KVMIX_FUZZ_SEED_DRIVER_H */
