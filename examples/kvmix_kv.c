@@ -4,7 +4,6 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,16 +72,6 @@ static const char *partial_name(int32_t partial) {
     return partial == KVMIX_CACHE_PARTIAL_QUANTIZE ? "quantize" : "keep_fp16";
 }
 
-static llama_result fail(char *err, size_t err_bytes, llama_result r, const char *fmt, ...) {
-    if (err != NULL && err_bytes > 0) {
-        va_list args;
-        va_start(args, fmt);
-        vsnprintf(err, err_bytes, fmt, args);
-        va_end(args);
-    }
-    return r;
-}
-
 /* The fields of a policy document, in the order kvmix_kv_policy_json writes them. */
 static const char *const FIELDS[] = {
     "version", "name",           "description", "key_format",  "value_format",  "group_size",
@@ -93,14 +82,15 @@ enum { N_FIELDS = sizeof FIELDS / sizeof FIELDS[0] };
 static bool take_int(const cJSON *item, const char *field, int64_t lo, int64_t hi, int32_t *out,
                      char *err, size_t err_bytes) {
     if (!cJSON_IsNumber(item)) {
-        fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": must be a number", field);
+        llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": must be a number",
+                   field);
         return false;
     }
     double v = item->valuedouble;
     if (!(v >= (double)lo && v <= (double)hi) || v != floor(v)) {
-        fail(err, err_bytes, LLAMA_ERR_FORMAT,
-             "policy field \"%s\": must be an integer in %lld .. %lld", field, (long long)lo,
-             (long long)hi);
+        llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                   "policy field \"%s\": must be an integer in %lld .. %lld", field, (long long)lo,
+                   (long long)hi);
         return false;
     }
     *out = (int32_t)v;
@@ -110,7 +100,8 @@ static bool take_int(const cJSON *item, const char *field, int64_t lo, int64_t h
 static bool take_text(const cJSON *item, const char *field, char *out, size_t out_bytes, char *err,
                       size_t err_bytes) {
     if (!cJSON_IsString(item) || item->valuestring == NULL) {
-        fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": must be a string", field);
+        llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": must be a string",
+                   field);
         return false;
     }
     size_t len = strlen(item->valuestring);
@@ -118,9 +109,9 @@ static bool take_text(const cJSON *item, const char *field, char *out, size_t ou
     for (size_t i = 0; i < len; i++)
         if ((unsigned char)item->valuestring[i] < 0x20) printable = false;
     if (len >= out_bytes || !printable) {
-        fail(err, err_bytes, LLAMA_ERR_FORMAT,
-             "policy field \"%s\": must be %sat most %zu bytes without control characters", field,
-             out_bytes == KVMIX_KV_MAX_NAME ? "non-empty, " : "", out_bytes - 1);
+        llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                   "policy field \"%s\": must be %sat most %zu bytes without control characters",
+                   field, out_bytes == KVMIX_KV_MAX_NAME ? "non-empty, " : "", out_bytes - 1);
         return false;
     }
     memcpy(out, item->valuestring, len + 1);
@@ -135,10 +126,11 @@ static bool take_format(const cJSON *item, const char *field, int32_t *out, char
                 *out = FORMAT_NAMES[i].format;
                 return true;
             }
-    fail(err, err_bytes, LLAMA_ERR_FORMAT,
-         "policy field \"%s\": must be one of \"fp32\", \"fp16\", \"int8\", \"int4\", \"int2\", "
-         "\"int2_channel\", \"boosted\"",
-         field);
+    llama_fail(
+        err, err_bytes, LLAMA_ERR_FORMAT,
+        "policy field \"%s\": must be one of \"fp32\", \"fp16\", \"int8\", \"int4\", \"int2\", "
+        "\"int2_channel\", \"boosted\"",
+        field);
     return false;
 }
 
@@ -148,38 +140,40 @@ static llama_result policy_check(const kvmix_kv_policy *p, char *err, size_t err
     bool fp32_value = p->value_format == KVMIX_KV_FORMAT_FP32;
     bool boosted = p->key_format == KVMIX_FORMAT_BOOSTED || p->value_format == KVMIX_FORMAT_BOOSTED;
     if (fp32_key != fp32_value)
-        return fail(
+        return llama_fail(
             err, err_bytes, LLAMA_ERR_FORMAT,
             "policy field \"%s\": \"fp32\" is the reference cache, for both keys and values",
             fp32_key ? "value_format" : "key_format");
     if (fp32_key && (p->sink_tokens != 0 || p->window_tokens != 0 || p->n_boost != 0 ||
                      p->boost_fraction != 0.0))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "policy field \"%s\": the fp32 reference cache takes no sinks, window or boost",
-                    p->sink_tokens != 0     ? "sink_tokens"
-                    : p->window_tokens != 0 ? "window_tokens"
-                    : p->n_boost != 0       ? "n_boost"
-                                            : "boost_fraction");
+        return llama_fail(
+            err, err_bytes, LLAMA_ERR_FORMAT,
+            "policy field \"%s\": the fp32 reference cache takes no sinks, window or boost",
+            p->sink_tokens != 0     ? "sink_tokens"
+            : p->window_tokens != 0 ? "window_tokens"
+            : p->n_boost != 0       ? "n_boost"
+                                    : "boost_fraction");
     if (p->group_size % 8 != 0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "policy field \"group_size\": must be a multiple of 8 in 8 .. 512");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "policy field \"group_size\": must be a multiple of 8 in 8 .. 512");
     if (p->page_tokens % 8 != 0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "policy field \"page_tokens\": must be a multiple of 8 in 8 .. 1024");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "policy field \"page_tokens\": must be a multiple of 8 in 8 .. 1024");
     if (p->sink_tokens > p->page_tokens)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "policy field \"sink_tokens\": must be at most page_tokens (%d)",
-                    p->page_tokens);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "policy field \"sink_tokens\": must be at most page_tokens (%d)",
+                          p->page_tokens);
     if (p->n_boost % 4 != 0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "policy field \"n_boost\": must be a multiple of 4 in 0 .. 252");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "policy field \"n_boost\": must be a multiple of 4 in 0 .. 252");
     if (boosted && p->n_boost == 0 && p->boost_fraction == 0.0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "policy field \"n_boost\": a boosted format needs n_boost or boost_fraction");
+        return llama_fail(
+            err, err_bytes, LLAMA_ERR_FORMAT,
+            "policy field \"n_boost\": a boosted format needs n_boost or boost_fraction");
     if (!boosted && (p->n_boost != 0 || p->boost_fraction != 0.0))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "policy field \"%s\": only for the \"boosted\" format",
-                    p->n_boost != 0 ? "n_boost" : "boost_fraction");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "policy field \"%s\": only for the \"boosted\" format",
+                          p->n_boost != 0 ? "n_boost" : "boost_fraction");
     return LLAMA_OK;
 }
 
@@ -196,12 +190,13 @@ static bool take_fields(const cJSON *root, kvmix_kv_policy *p, bool *seen, char 
         int32_t f = 0, version = 0;
         while (f < N_FIELDS && (item->string == NULL || strcmp(item->string, FIELDS[f]) != 0)) f++;
         if (f == N_FIELDS) {
-            fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%.64s\": unknown",
-                 item->string != NULL ? item->string : "");
+            llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%.64s\": unknown",
+                       item->string != NULL ? item->string : "");
             return false;
         }
         if (seen[f]) {
-            fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": given twice", FIELDS[f]);
+            llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": given twice",
+                       FIELDS[f]);
             return false;
         }
         seen[f] = true;
@@ -210,9 +205,9 @@ static bool take_fields(const cJSON *root, kvmix_kv_policy *p, bool *seen, char 
         case 0:
             ok = take_int(item, "version", 0, 1 << 30, &version, err, err_bytes);
             if (ok && version != KVMIX_KV_POLICY_VERSION) {
-                fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
-                     "policy field \"version\": %d is not supported (this reader knows %d)",
-                     version, KVMIX_KV_POLICY_VERSION);
+                llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                           "policy field \"version\": %d is not supported (this reader knows %d)",
+                           version, KVMIX_KV_POLICY_VERSION);
                 seen[N_FIELDS] = true; /* marks a version error */
                 ok = false;
             }
@@ -231,8 +226,8 @@ static bool take_fields(const cJSON *root, kvmix_kv_policy *p, bool *seen, char 
             if (ok)
                 p->boost_fraction = item->valuedouble;
             else
-                fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                     "policy field \"boost_fraction\": must be a number in 0 .. 1");
+                llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                           "policy field \"boost_fraction\": must be a number in 0 .. 1");
             break;
         case 8: ok = take_int(item, "page_tokens", 8, 1024, &p->page_tokens, err, err_bytes); break;
         case 9: ok = take_int(item, "sink_tokens", 0, 1024, &p->sink_tokens, err, err_bytes); break;
@@ -248,8 +243,8 @@ static bool take_fields(const cJSON *root, kvmix_kv_policy *p, bool *seen, char 
                                       ? KVMIX_CACHE_PARTIAL_QUANTIZE
                                       : KVMIX_CACHE_PARTIAL_KEEP_FP16;
             else
-                fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                     "policy field \"partial_page\": must be \"keep_fp16\" or \"quantize\"");
+                llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                           "policy field \"partial_page\": must be \"keep_fp16\" or \"quantize\"");
             break;
         }
         if (!ok) return false;
@@ -260,27 +255,29 @@ static bool take_fields(const cJSON *root, kvmix_kv_policy *p, bool *seen, char 
 llama_result kvmix_kv_policy_parse(const char *json, size_t json_bytes, kvmix_kv_policy *out,
                                    char *err, size_t err_bytes) {
     if (json == NULL || out == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "policy: NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "policy: NULL argument");
     const char *end = json;
     cJSON *root = cJSON_ParseWithLengthOpts(json, json_bytes, &end, 0);
     if (root == NULL) {
         size_t at = end >= json && end <= json + json_bytes ? (size_t)(end - json) : 0;
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: malformed JSON near byte %zu", at);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: malformed JSON near byte %zu",
+                          at);
     }
     llama_result r = LLAMA_OK;
     kvmix_kv_policy p = {"custom", "", -1, -1, 32, 0, 0.0, 32, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16};
     bool seen[N_FIELDS + 1] = {false};
     if (end < json || end > json + json_bytes || !only_space(end, json + json_bytes))
-        r = fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: bytes after the JSON object");
+        r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: bytes after the JSON object");
     else if (!cJSON_IsObject(root))
-        r = fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: the document must be a JSON object");
+        r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                       "policy: the document must be a JSON object");
     else if (!take_fields(root, &p, seen, err, err_bytes))
         r = seen[N_FIELDS] ? LLAMA_ERR_UNSUPPORTED : LLAMA_ERR_FORMAT;
     else if (!seen[0] || !seen[3] || !seen[4])
-        r = fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": required",
-                 !seen[0]   ? "version"
-                 : !seen[3] ? "key_format"
-                            : "value_format");
+        r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": required",
+                       !seen[0]   ? "version"
+                       : !seen[3] ? "key_format"
+                                  : "value_format");
     else
         r = policy_check(&p, err, err_bytes);
     cJSON_Delete(root);
@@ -291,7 +288,7 @@ llama_result kvmix_kv_policy_parse(const char *json, size_t json_bytes, kvmix_kv
 llama_result kvmix_kv_policy_resolve(const kvmix_kv_policy *policy, int32_t head_dim,
                                      kvmix_kv_policy *out, char *err, size_t err_bytes) {
     if (policy == NULL || out == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "policy: NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "policy: NULL argument");
     kvmix_kv_policy p = *policy;
     llama_result r = policy_check(&p, err, err_bytes);
     if (r != LLAMA_OK) return LLAMA_ERR_ARGUMENT;
@@ -300,33 +297,35 @@ llama_result kvmix_kv_policy_resolve(const kvmix_kv_policy *policy, int32_t head
         return LLAMA_OK;
     }
     if (head_dim < 32 || head_dim > KVMIX_MAX_HEAD_DIM || head_dim % 32 != 0)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
-                    "policy %s: kvmix needs head_dim a multiple of 32 up to %d, the model has %d",
-                    p.name, KVMIX_MAX_HEAD_DIM, head_dim);
+        return llama_fail(
+            err, err_bytes, LLAMA_ERR_ARGUMENT,
+            "policy %s: kvmix needs head_dim a multiple of 32 up to %d, the model has %d", p.name,
+            KVMIX_MAX_HEAD_DIM, head_dim);
     if (head_dim % p.group_size != 0)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
-                    "policy field \"group_size\": %d does not divide the model's head_dim %d",
-                    p.group_size, head_dim);
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "policy field \"group_size\": %d does not divide the model's head_dim %d",
+                          p.group_size, head_dim);
     if (p.key_format == KVMIX_FORMAT_BOOSTED || p.value_format == KVMIX_FORMAT_BOOSTED) {
         if (p.n_boost != 0 && p.boost_fraction != 0.0 &&
             p.boost_fraction * head_dim != (double)p.n_boost)
-            return fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
-                        "policy field \"boost_fraction\": %g of head_dim %d disagrees with "
-                        "n_boost %d",
-                        p.boost_fraction, head_dim, p.n_boost);
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                              "policy field \"boost_fraction\": %g of head_dim %d disagrees with "
+                              "n_boost %d",
+                              p.boost_fraction, head_dim, p.n_boost);
         if (p.n_boost == 0) {
             double n = p.boost_fraction * head_dim;
             if (n != floor(n) || (int32_t)n % 4 != 0 || n < 4 || n > 252)
-                return fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
-                            "policy field \"boost_fraction\": %g of head_dim %d is not a multiple "
-                            "of 4 in 4 .. 252",
-                            p.boost_fraction, head_dim);
+                return llama_fail(
+                    err, err_bytes, LLAMA_ERR_ARGUMENT,
+                    "policy field \"boost_fraction\": %g of head_dim %d is not a multiple "
+                    "of 4 in 4 .. 252",
+                    p.boost_fraction, head_dim);
             p.n_boost = (int32_t)n;
         }
         if (p.n_boost > head_dim)
-            return fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
-                        "policy field \"n_boost\": %d exceeds the model's head_dim %d", p.n_boost,
-                        head_dim);
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                              "policy field \"n_boost\": %d exceeds the model's head_dim %d",
+                              p.n_boost, head_dim);
         p.boost_fraction = (double)p.n_boost / head_dim;
     }
     *out = p;
@@ -559,19 +558,19 @@ static void kv_kvmix_destroy(void *state) {
 llama_result kvmix_kv_create(const kvmix_kv_policy *policy, const llama_config *config,
                              int64_t capacity, llama_kv_cache *out, char *err, size_t err_bytes) {
     if (policy == NULL || config == NULL || out == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv cache: NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv cache: NULL argument");
     kvmix_kv_policy p;
     llama_result r = kvmix_kv_policy_resolve(policy, config->head_dim, &p, err, err_bytes);
     if (r != LLAMA_OK) return r;
     if (p.key_format == KVMIX_KV_FORMAT_FP32) {
         r = llama_kv_fp32_create(config, capacity, out);
-        return r == LLAMA_OK ? r : fail(err, err_bytes, r, "cannot create the fp32 cache");
+        return r == LLAMA_OK ? r : llama_fail(err, err_bytes, r, "cannot create the fp32 cache");
     }
     if (capacity < 1 || capacity > (1 << 26))
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv cache: capacity %lld out of range",
-                    (long long)capacity);
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "kv cache: capacity %lld out of range", (long long)capacity);
     kv_kvmix *kv = calloc(1, sizeof *kv);
-    if (kv == NULL) return fail(err, err_bytes, LLAMA_ERR_MEMORY, "kv cache: out of memory");
+    if (kv == NULL) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "kv cache: out of memory");
     kv->n_layers = config->n_layers;
     kv->n_kv_heads = config->n_kv_heads;
     kv->head_dim = config->head_dim;
@@ -602,7 +601,7 @@ llama_result kvmix_kv_create(const kvmix_kv_policy *policy, const llama_config *
     if (kr == KVMIX_SUCCESS) kr = kvmix_cache_seq_create(&kv->cache, &kv->seq);
     if (kr != KVMIX_SUCCESS) {
         kv_kvmix_destroy(kv);
-        return fail(
+        return llama_fail(
             err, err_bytes, kr == KVMIX_ERR_OUT_OF_MEMORY ? LLAMA_ERR_MEMORY : LLAMA_ERR_ARGUMENT,
             "cannot create the kvmix cache for policy %s: %s", p.name, kvmix_result_string(kr));
     }
@@ -618,7 +617,7 @@ llama_result kvmix_kv_create(const kvmix_kv_policy *policy, const llama_config *
     if (!kv->n_stored || !kv->k || !kv->v || !kv->row_k || !kv->row_v || !kv->scores ||
         !kv->marks) {
         kv_kvmix_destroy(kv);
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "kv cache: out of memory");
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "kv cache: out of memory");
     }
     *out = (llama_kv_cache){kv,
                             kv_kvmix_store,

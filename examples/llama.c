@@ -41,17 +41,7 @@ const char *llama_result_string(llama_result result) {
     return "unknown result";
 }
 
-#if defined(__GNUC__)
-#define LLAMA_PRINTF_LIKE(fmt, args) __attribute__((format(printf, fmt, args)))
-#else
-#define LLAMA_PRINTF_LIKE(fmt, args)
-#endif
-
-/* Writes the message into the caller's buffer and returns result. */
-static llama_result fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...)
-    LLAMA_PRINTF_LIKE(4, 5);
-
-static llama_result fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...) {
+llama_result llama_fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...) {
     if (err != NULL && err_bytes > 0) {
         va_list args;
         va_start(args, fmt);
@@ -80,24 +70,24 @@ static llama_result read_whole_file(const char *path, uint8_t **bytes, size_t *n
     *bytes = NULL;
     *n_bytes = 0;
     FILE *f = fopen(path, "rb");
-    if (f == NULL) return fail(err, err_bytes, LLAMA_ERR_IO, "cannot open %s", path);
+    if (f == NULL) return llama_fail(err, err_bytes, LLAMA_ERR_IO, "cannot open %s", path);
     long size = -1;
     if (fseek(f, 0, SEEK_END) == 0) size = ftell(f);
     if (size < 0 || fseek(f, 0, SEEK_SET) != 0) {
         fclose(f);
-        return fail(err, err_bytes, LLAMA_ERR_IO, "cannot seek in %s", path);
+        return llama_fail(err, err_bytes, LLAMA_ERR_IO, "cannot seek in %s", path);
     }
     uint8_t *buf = malloc((size_t)size + 1); /* +1: room for a terminating NUL */
     if (buf == NULL) {
         fclose(f);
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %ld bytes for %s", size,
-                    path);
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %ld bytes for %s",
+                          size, path);
     }
     size_t got = fread(buf, 1, (size_t)size, f);
     fclose(f);
     if (got != (size_t)size) {
         free(buf);
-        return fail(err, err_bytes, LLAMA_ERR_IO, "short read on %s", path);
+        return llama_fail(err, err_bytes, LLAMA_ERR_IO, "short read on %s", path);
     }
     buf[size] = 0;
     *bytes = buf;
@@ -120,7 +110,7 @@ static llama_result parse_dtype(const cJSON *tensor, const char *name, llama_dty
                                 size_t *elem_bytes, char *err, size_t err_bytes) {
     const cJSON *item = cJSON_GetObjectItemCaseSensitive(tensor, "dtype");
     if (!cJSON_IsString(item))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s has no dtype string", name);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s has no dtype string", name);
     const char *s = item->valuestring;
     if (strcmp(s, "F32") == 0) {
         *dtype = LLAMA_DTYPE_F32;
@@ -132,8 +122,8 @@ static llama_result parse_dtype(const cJSON *tensor, const char *name, llama_dty
         *dtype = LLAMA_DTYPE_BF16;
         *elem_bytes = 2;
     } else {
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
-                    "tensor %s has dtype %.16s; only F32, F16 and BF16 are read", name, s);
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "tensor %s has dtype %.16s; only F32, F16 and BF16 are read", name, s);
     }
     return LLAMA_OK;
 }
@@ -142,18 +132,19 @@ static llama_result parse_shape(const cJSON *tensor, llama_tensor_info *info, ui
                                 char *err, size_t err_bytes) {
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(tensor, "shape");
     if (!cJSON_IsArray(shape))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s has no shape array", info->name);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s has no shape array",
+                          info->name);
     int n_dims = cJSON_GetArraySize(shape);
     if (n_dims > LLAMA_MAX_DIMS)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "tensor %s has %d dims (max %d)",
-                    info->name, n_dims, LLAMA_MAX_DIMS);
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "tensor %s has %d dims (max %d)",
+                          info->name, n_dims, LLAMA_MAX_DIMS);
     uint64_t count = 1;
     int d = 0;
     for (const cJSON *dim = shape->child; dim != NULL; dim = dim->next, d++) {
         uint64_t extent;
         if (!json_to_size(dim, &extent) || !mul_fits(count, extent, SIZE_MAX / 8, &count))
-            return fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s has an invalid shape",
-                        info->name);
+            return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s has an invalid shape",
+                              info->name);
         info->shape[d] = (int64_t)extent;
     }
     info->n_dims = n_dims;
@@ -168,16 +159,18 @@ static llama_result parse_offsets(const cJSON *tensor, llama_tensor_info *info,
     uint64_t begin, end;
     if (!cJSON_IsArray(offsets) || cJSON_GetArraySize(offsets) != 2 ||
         !json_to_size(offsets->child, &begin) || !json_to_size(offsets->child->next, &end))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "tensor %s needs data_offsets [begin, end] of whole numbers", info->name);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "tensor %s needs data_offsets [begin, end] of whole numbers", info->name);
     if (begin > end || end > data_bytes)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "tensor %s data_offsets [%llu, %llu] lie outside the %zu-byte data section",
-                    info->name, (unsigned long long)begin, (unsigned long long)end, data_bytes);
+        return llama_fail(
+            err, err_bytes, LLAMA_ERR_FORMAT,
+            "tensor %s data_offsets [%llu, %llu] lie outside the %zu-byte data section", info->name,
+            (unsigned long long)begin, (unsigned long long)end, data_bytes);
     if (end - begin != expected_bytes)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "tensor %s holds %llu bytes but its dtype and shape need %llu", info->name,
-                    (unsigned long long)(end - begin), (unsigned long long)expected_bytes);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "tensor %s holds %llu bytes but its dtype and shape need %llu",
+                          info->name, (unsigned long long)(end - begin),
+                          (unsigned long long)expected_bytes);
     info->offset_bytes = data_begin + (size_t)begin;
     info->size_bytes = (size_t)(end - begin);
     return LLAMA_OK;
@@ -187,12 +180,13 @@ static llama_result parse_tensor(const cJSON *tensor, llama_tensor_info *info, s
                                  size_t data_bytes, char *err, size_t err_bytes) {
     memset(info, 0, sizeof *info);
     if (strlen(tensor->string) >= LLAMA_MAX_NAME)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
-                    "tensor name longer than %d bytes: %.40s...", LLAMA_MAX_NAME - 1,
-                    tensor->string);
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "tensor name longer than %d bytes: %.40s...", LLAMA_MAX_NAME - 1,
+                          tensor->string);
     strcpy(info->name, tensor->string);
     if (!cJSON_IsObject(tensor))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s is not a JSON object", info->name);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "tensor %s is not a JSON object",
+                          info->name);
     size_t elem_bytes = 0;
     uint64_t n_elems = 0;
     llama_result r = parse_dtype(tensor, info->name, &info->dtype, &elem_bytes, err, err_bytes);
@@ -205,17 +199,17 @@ static llama_result parse_tensor(const cJSON *tensor, llama_tensor_info *info, s
 static llama_result parse_metadata(const cJSON *metadata, llama_safetensors *out, char *err,
                                    size_t err_bytes) {
     if (!cJSON_IsObject(metadata))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "__metadata__ is not a JSON object");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "__metadata__ is not a JSON object");
     const cJSON *config = cJSON_GetObjectItemCaseSensitive(metadata, "config");
     if (config == NULL) return LLAMA_OK;
     if (out->config_json != NULL)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "header has two __metadata__ entries");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "header has two __metadata__ entries");
     if (!cJSON_IsString(config))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "__metadata__.config is not a string");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "__metadata__.config is not a string");
     size_t n = strlen(config->valuestring);
     out->config_json = malloc(n + 1);
     if (out->config_json == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot copy the %zu-byte config", n);
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot copy the %zu-byte config", n);
     memcpy(out->config_json, config->valuestring, n + 1);
     return LLAMA_OK;
 }
@@ -223,12 +217,13 @@ static llama_result parse_metadata(const cJSON *metadata, llama_safetensors *out
 static llama_result parse_header_json(const cJSON *root, size_t data_begin, size_t data_bytes,
                                       llama_safetensors *out, char *err, size_t err_bytes) {
     if (!cJSON_IsObject(root))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "safetensors header is not a JSON object");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "safetensors header is not a JSON object");
     int n_entries = cJSON_GetArraySize(root);
     out->tensors = calloc(n_entries > 0 ? (size_t)n_entries : 1, sizeof *out->tensors);
     if (out->tensors == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %d tensor entries",
-                    n_entries);
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %d tensor entries",
+                          n_entries);
     for (const cJSON *entry = root->child; entry != NULL; entry = entry->next) {
         llama_result r;
         if (strcmp(entry->string, "__metadata__") == 0) {
@@ -246,25 +241,26 @@ static llama_result parse_header_json(const cJSON *root, size_t data_begin, size
 llama_result llama_safetensors_parse(const uint8_t *file, size_t file_bytes, llama_safetensors *out,
                                      char *err, size_t err_bytes) {
     if (out == NULL || (file == NULL && file_bytes > 0))
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "safetensors: NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "safetensors: NULL argument");
     memset(out, 0, sizeof *out);
     if (file_bytes < 8)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "file of %zu bytes is shorter than the 8-byte header length", file_bytes);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "file of %zu bytes is shorter than the 8-byte header length", file_bytes);
     uint64_t header_bytes = get_u64_le(file);
     if (header_bytes < 2 || header_bytes > file_bytes - 8)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "header length %llu does not fit the %zu bytes after it",
-                    (unsigned long long)header_bytes, file_bytes - 8);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "header length %llu does not fit the %zu bytes after it",
+                          (unsigned long long)header_bytes, file_bytes - 8);
     if (header_bytes > LLAMA_MAX_HEADER_BYTES)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "header of %llu bytes is over the limit",
-                    (unsigned long long)header_bytes);
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "header of %llu bytes is over the limit",
+                          (unsigned long long)header_bytes);
     const char *json = (const char *)file + 8;
     const char *end = json;
     cJSON *root = cJSON_ParseWithLengthOpts(json, (size_t)header_bytes, &end, 0);
     if (root == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "header JSON is malformed near byte %lld",
-                    (long long)(end - json));
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "header JSON is malformed near byte %lld", (long long)(end - json));
     size_t data_begin = 8 + (size_t)header_bytes;
     llama_result r =
         parse_header_json(root, data_begin, file_bytes - data_begin, out, err, err_bytes);
@@ -290,10 +286,10 @@ static llama_result config_int(const cJSON *root, const char *key, int32_t fallb
         *value = fallback;
         return LLAMA_OK;
     }
-    if (item == NULL) return fail(err, err_bytes, LLAMA_ERR_FORMAT, "config has no %s", key);
+    if (item == NULL) return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "config has no %s", key);
     if (!json_to_size(item, &v) || v < 1 || v > LLAMA_MAX_CONFIG_DIM)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "config %s must be a whole number in [1, %d]",
-                    key, LLAMA_MAX_CONFIG_DIM);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "config %s must be a whole number in [1, %d]", key, LLAMA_MAX_CONFIG_DIM);
     *value = (int32_t)v;
     return LLAMA_OK;
 }
@@ -306,7 +302,8 @@ static llama_result config_float(const cJSON *root, const char *key, double fall
         return LLAMA_OK;
     }
     if (!cJSON_IsNumber(item) || !(item->valuedouble > 0.0 && item->valuedouble < 1e30))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "config %s must be a positive number", key);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "config %s must be a positive number",
+                          key);
     *value = (float)item->valuedouble;
     return LLAMA_OK;
 }
@@ -317,8 +314,8 @@ static llama_result config_expect(const cJSON *root, const char *key, const char
     const cJSON *item = cJSON_GetObjectItemCaseSensitive(root, key);
     if (item == NULL || cJSON_IsNull(item)) return LLAMA_OK;
     if (!cJSON_IsString(item) || strcmp(item->valuestring, expected) != 0)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "config %s must be \"%s\"", key,
-                    expected);
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "config %s must be \"%s\"", key,
+                          expected);
     return LLAMA_OK;
 }
 
@@ -336,15 +333,15 @@ static llama_result config_shapes(const cJSON *root, llama_config *c, char *err,
     if (r == LLAMA_OK) r = config_int(root, "vocab_size", 0, &c->vocab, err, err_bytes);
     if (r != LLAMA_OK) return r;
     if (c->n_heads % c->n_kv_heads != 0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "%d attention heads is not a multiple of %d kv heads", c->n_heads,
-                    c->n_kv_heads);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "%d attention heads is not a multiple of %d kv heads", c->n_heads,
+                          c->n_kv_heads);
     if (c->head_dim % 2 != 0)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "RoPE needs an even head_dim, got %d",
-                    c->head_dim);
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "RoPE needs an even head_dim, got %d", c->head_dim);
     if (c->vocab < 256)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
-                    "vocab_size %d cannot hold the 256 byte tokens", c->vocab);
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "vocab_size %d cannot hold the 256 byte tokens", c->vocab);
     return LLAMA_OK;
 }
 
@@ -357,7 +354,7 @@ static llama_result config_flags(const cJSON *root, llama_config *c, char *err, 
     if (r != LLAMA_OK) return r;
     const cJSON *scaling = cJSON_GetObjectItemCaseSensitive(root, "rope_scaling");
     if (scaling != NULL && !cJSON_IsNull(scaling))
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "rope_scaling is not implemented");
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "rope_scaling is not implemented");
     c->tied_embeddings =
         cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(root, "tie_word_embeddings"));
     const cJSON *name = cJSON_GetObjectItemCaseSensitive(root, "name");
@@ -372,18 +369,18 @@ static llama_result config_tokenizer(const cJSON *root, int32_t vocab, llama_tok
     const cJSON *tokenizer = cJSON_GetObjectItemCaseSensitive(root, "tokenizer");
     const cJSON *specials = cJSON_GetObjectItemCaseSensitive(tokenizer, "special_tokens");
     if (!cJSON_IsObject(specials))
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "config has no tokenizer.special_tokens object");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "config has no tokenizer.special_tokens object");
     for (const cJSON *s = specials->child; s != NULL; s = s->next) {
         uint64_t id;
         size_t n = strlen(s->string);
         if (!json_to_size(s, &id) || id < 256 || id >= (uint64_t)vocab)
-            return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                        "special token %.40s needs an id in [256, %d)", s->string, vocab);
+            return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                              "special token %.40s needs an id in [256, %d)", s->string, vocab);
         if (n == 0 || n >= LLAMA_MAX_SPECIAL_BYTES || tok->n_special == LLAMA_MAX_SPECIAL)
-            return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
-                        "special tokens: at most %d, each 1 to %d bytes", LLAMA_MAX_SPECIAL,
-                        LLAMA_MAX_SPECIAL_BYTES - 1);
+            return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                              "special tokens: at most %d, each 1 to %d bytes", LLAMA_MAX_SPECIAL,
+                              LLAMA_MAX_SPECIAL_BYTES - 1);
         tok->special_id[tok->n_special] = (int32_t)id;
         memcpy(tok->special_text[tok->n_special], s->string, n + 1);
         tok->n_special++;
@@ -394,16 +391,16 @@ static llama_result config_tokenizer(const cJSON *root, int32_t vocab, llama_tok
 llama_result llama_config_parse(const char *json, size_t json_bytes, llama_config *config,
                                 llama_tokenizer *tokenizer, char *err, size_t err_bytes) {
     if (json == NULL || config == NULL || tokenizer == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "config: NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "config: NULL argument");
     memset(config, 0, sizeof *config);
     const char *end = json;
     cJSON *root = cJSON_ParseWithLengthOpts(json, json_bytes, &end, 0);
     if (root == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "config JSON is malformed near byte %lld",
-                    (long long)(end - json));
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "config JSON is malformed near byte %lld", (long long)(end - json));
     llama_result r = LLAMA_OK;
     if (!cJSON_IsObject(root))
-        r = fail(err, err_bytes, LLAMA_ERR_FORMAT, "config is not a JSON object");
+        r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "config is not a JSON object");
     if (r == LLAMA_OK) r = config_shapes(root, config, err, err_bytes);
     if (r == LLAMA_OK) r = config_flags(root, config, err, err_bytes);
     if (r == LLAMA_OK) r = config_tokenizer(root, config->vocab, tokenizer, err, err_bytes);
@@ -509,7 +506,8 @@ static const llama_tensor_info *find_tensor(const llama_safetensors *st, const c
 static llama_result load_tensor(const loader *ld, const char *name, int64_t rows, int64_t cols,
                                 float *dst) {
     const llama_tensor_info *t = find_tensor(ld->st, name);
-    if (t == NULL) return fail(ld->err, ld->err_bytes, LLAMA_ERR_FORMAT, "missing tensor %s", name);
+    if (t == NULL)
+        return llama_fail(ld->err, ld->err_bytes, LLAMA_ERR_FORMAT, "missing tensor %s", name);
     bool ok = cols == 0 ? t->n_dims == 1 && t->shape[0] == rows
                         : t->n_dims == 2 && t->shape[0] == rows && t->shape[1] == cols;
     if (!ok) {
@@ -517,9 +515,9 @@ static llama_result load_tensor(const loader *ld, const char *name, int64_t rows
         for (int32_t d = 0; d < t->n_dims && d < 4; d++)
             snprintf(got + strlen(got), sizeof got - strlen(got), "%s%lld", d ? ", " : "",
                      (long long)t->shape[d]);
-        return fail(ld->err, ld->err_bytes, LLAMA_ERR_FORMAT,
-                    "tensor %s has shape [%s], config needs [%lld%s%.0lld]", name, got,
-                    (long long)rows, cols ? ", " : "", (long long)cols);
+        return llama_fail(ld->err, ld->err_bytes, LLAMA_ERR_FORMAT,
+                          "tensor %s has shape [%s], config needs [%lld%s%.0lld]", name, got,
+                          (long long)rows, cols ? ", " : "", (long long)cols);
     }
     tensor_to_f32(ld->file, t, dst);
     return LLAMA_OK;
@@ -528,7 +526,7 @@ static llama_result load_tensor(const loader *ld, const char *name, int64_t rows
 static llama_result load_vector(const loader *ld, const char *name, int64_t n, float **dst) {
     *dst = malloc((size_t)n * sizeof(float));
     if (*dst == NULL)
-        return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %s", name);
+        return llama_fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate %s", name);
     return load_tensor(ld, name, n, 0, *dst);
 }
 
@@ -560,8 +558,8 @@ static llama_result load_matrix(const loader *ld, int32_t layer, const char *con
     for (int32_t i = 0; i < n_parts; i++) n_out += rows[i];
     float *stacked = malloc((size_t)n_out * (size_t)n_in * sizeof(float));
     if (stacked == NULL)
-        return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a %d x %d matrix",
-                    n_out, n_in);
+        return llama_fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY,
+                          "cannot allocate a %d x %d matrix", n_out, n_in);
     llama_result r = LLAMA_OK;
     size_t row0 = 0;
     for (int32_t i = 0; i < n_parts && r == LLAMA_OK; i++) {
@@ -571,8 +569,8 @@ static llama_result load_matrix(const loader *ld, int32_t layer, const char *con
         row0 += (size_t)rows[i];
     }
     if (r == LLAMA_OK && pack_matrix(stacked, n_out, n_in, m) != LLAMA_OK)
-        r = fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY,
-                 "cannot allocate a packed %d x %d matrix", n_out, n_in);
+        r = llama_fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY,
+                       "cannot allocate a packed %d x %d matrix", n_out, n_in);
     free(stacked);
     return r;
 }
@@ -609,16 +607,16 @@ static llama_result load_weights(const loader *ld, llama_model *m) {
     if (r != LLAMA_OK) return r;
     m->embed = malloc((size_t)c->vocab * (size_t)c->hidden * sizeof(float));
     if (m->embed == NULL)
-        return fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate embeddings");
+        return llama_fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate embeddings");
     r = load_tensor(ld, embed[0], c->vocab, c->hidden, m->embed);
     if (r == LLAMA_OK && !has_head && !c->tied_embeddings)
-        r = fail(ld->err, ld->err_bytes, LLAMA_ERR_FORMAT,
-                 "missing tensor lm_head.weight (config does not tie embeddings)");
+        r = llama_fail(ld->err, ld->err_bytes, LLAMA_ERR_FORMAT,
+                       "missing tensor lm_head.weight (config does not tie embeddings)");
     if (r == LLAMA_OK)
         r = load_matrix(ld, 0, has_head ? head : embed, &c->vocab, 1, c->hidden, &m->head);
     m->layers = calloc((size_t)c->n_layers, sizeof *m->layers);
     if (r == LLAMA_OK && m->layers == NULL)
-        r = fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate layers");
+        r = llama_fail(ld->err, ld->err_bytes, LLAMA_ERR_MEMORY, "cannot allocate layers");
     for (int32_t l = 0; l < c->n_layers && r == LLAMA_OK; l++)
         r = load_layer(ld, c, l, &m->layers[l]);
     return r;
@@ -634,15 +632,15 @@ static llama_result load_config(const char *path, const llama_safetensors *st, l
     size_t dir_bytes = slash != NULL ? (size_t)(slash - path) + 1 : 0;
     char *config_path = malloc(dir_bytes + sizeof "config.json");
     if (config_path == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a path");
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a path");
     memcpy(config_path, path, dir_bytes);
     memcpy(config_path + dir_bytes, "config.json", sizeof "config.json");
     uint8_t *json;
     size_t json_bytes;
     llama_result r = read_whole_file(config_path, &json, &json_bytes, err, err_bytes);
     if (r != LLAMA_OK)
-        r = fail(err, err_bytes, r, "%s has no __metadata__.config and %s is unreadable", path,
-                 config_path);
+        r = llama_fail(err, err_bytes, r, "%s has no __metadata__.config and %s is unreadable",
+                       path, config_path);
     else
         r = llama_config_parse((const char *)json, json_bytes, &m->config, &m->tokenizer, err,
                                err_bytes);
@@ -653,7 +651,7 @@ static llama_result load_config(const char *path, const llama_safetensors *st, l
 
 llama_result llama_model_load(const char *path, llama_model *model, char *err, size_t err_bytes) {
     if (path == NULL || model == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "NULL argument");
     memset(model, 0, sizeof *model);
     uint8_t *file;
     size_t file_bytes;
@@ -817,8 +815,8 @@ static llama_result pool_create(int32_t n_threads, llama_pool **out) {
 llama_result llama_runner_init(llama_runner *runner, const llama_model *model, int32_t n_threads,
                                char *err, size_t err_bytes) {
     if (runner == NULL || model == NULL || n_threads < 1 || n_threads > 256)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
-                    "runner needs a model and 1 to 256 threads");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "runner needs a model and 1 to 256 threads");
     memset(runner, 0, sizeof *runner);
     const llama_config *c = &model->config;
     size_t q_floats = (size_t)c->n_heads * (size_t)c->head_dim;
@@ -838,7 +836,8 @@ llama_result llama_runner_init(llama_runner *runner, const llama_model *model, i
         !runner->rope || !runner->logits || !runner->inv_freq || !runner->part_results ||
         pool_create(n_threads, &runner->pool) != LLAMA_OK) {
         llama_runner_free(runner);
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate runner buffers or threads");
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY,
+                          "cannot allocate runner buffers or threads");
     }
     for (int32_t i = 0; i < c->head_dim / 2; i++)
         runner->inv_freq[i] = pow((double)c->rope_theta, -2.0 * i / c->head_dim);
@@ -972,8 +971,8 @@ static llama_result attention(llama_runner *runner, llama_kv_cache *cache, int32
     apply_rope(k, c->n_kv_heads, c->head_dim, runner->rope);
     llama_result r = cache->store(cache->state, l, pos, k, v);
     if (r != LLAMA_OK)
-        return fail(err, err_bytes, r, "kv cache store failed at layer %d, position %lld", l,
-                    (long long)pos);
+        return llama_fail(err, err_bytes, r, "kv cache store failed at layer %d, position %lld", l,
+                          (long long)pos);
     attend_job job = {cache,
                       l,
                       c->n_kv_heads,
@@ -986,9 +985,9 @@ static llama_result attention(llama_runner *runner, llama_kv_cache *cache, int32
     pool_run(runner->pool, attend_part, &job, c->n_kv_heads, 1);
     for (int32_t kv = 0; kv < c->n_kv_heads; kv++)
         if (runner->part_results[kv] != LLAMA_OK)
-            return fail(err, err_bytes, runner->part_results[kv],
-                        "kv cache attend failed at layer %d, kv head %d, position %lld", l, kv,
-                        (long long)pos);
+            return llama_fail(err, err_bytes, runner->part_results[kv],
+                              "kv cache attend failed at layer %d, kv head %d, position %lld", l,
+                              kv, (long long)pos);
     return LLAMA_OK;
 }
 
@@ -1015,15 +1014,15 @@ static void rope_table(llama_runner *runner, int64_t pos) {
 llama_result llama_forward(llama_runner *runner, llama_kv_cache *cache, int32_t token, int64_t pos,
                            float *logits, char *err, size_t err_bytes) {
     if (runner == NULL || cache == NULL || logits == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "forward: NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "forward: NULL argument");
     const llama_model *m = runner->model;
     const llama_config *c = &m->config;
     if (token < 0 || token >= c->vocab)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "token %d is outside the vocab of %d",
-                    token, c->vocab);
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "token %d is outside the vocab of %d",
+                          token, c->vocab);
     if (pos < 0 || pos >= c->context)
-        return fail(err, err_bytes, LLAMA_ERR_CAPACITY,
-                    "position %lld is outside the context of %d", (long long)pos, c->context);
+        return llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY,
+                          "position %lld is outside the context of %d", (long long)pos, c->context);
     memcpy(runner->x, m->embed + (size_t)token * c->hidden, (size_t)c->hidden * sizeof(float));
     rope_table(runner, pos);
     for (int32_t l = 0; l < c->n_layers; l++) {
@@ -1343,9 +1342,9 @@ static bool write_words(FILE *f, const void *words, size_t n) {
 llama_result llama_capture_write(const llama_capture *cap, const char *path, char *err,
                                  size_t err_bytes) {
     if (cap == NULL || path == NULL || cap->q == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "capture: nothing to write");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "capture: nothing to write");
     FILE *f = fopen(path, "wb");
-    if (f == NULL) return fail(err, err_bytes, LLAMA_ERR_IO, "cannot create %s", path);
+    if (f == NULL) return llama_fail(err, err_bytes, LLAMA_ERR_IO, "cannot create %s", path);
     uint8_t header[LLAMA_CAPTURE_HEADER_BYTES];
     memcpy(header, "KVMXCAPT", 8);
     const uint32_t fields[] = {LLAMA_CAPTURE_VERSION,   (uint32_t)cap->n_layers,
@@ -1360,7 +1359,7 @@ llama_result llama_capture_write(const llama_capture *cap, const char *path, cha
              write_words(f, cap->v + (size_t)l * capture_kv_floats(cap), capture_kv_floats(cap));
     }
     if (fclose(f) != 0) ok = false;
-    return ok ? LLAMA_OK : fail(err, err_bytes, LLAMA_ERR_IO, "cannot write %s", path);
+    return ok ? LLAMA_OK : llama_fail(err, err_bytes, LLAMA_ERR_IO, "cannot write %s", path);
 }
 
 static void read_words(const uint8_t *src, void *dst, size_t n) {
@@ -1387,46 +1386,46 @@ static bool capture_expected_bytes(const llama_capture *cap, uint64_t *total) {
 static llama_result capture_parse_header(const uint8_t *bytes, size_t n_bytes, llama_capture *cap,
                                          char *err, size_t err_bytes) {
     if (n_bytes < LLAMA_CAPTURE_HEADER_BYTES)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "capture of %zu bytes is shorter than its header", n_bytes);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "capture of %zu bytes is shorter than its header", n_bytes);
     if (memcmp(bytes, "KVMXCAPT", 8) != 0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT, "not a capture: bad magic");
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "not a capture: bad magic");
     uint32_t version = get_u32_le(bytes + 8);
     if (version != LLAMA_CAPTURE_VERSION)
-        return fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "capture version %u, expected %d",
-                    version, LLAMA_CAPTURE_VERSION);
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "capture version %u, expected %d",
+                          version, LLAMA_CAPTURE_VERSION);
     int32_t *dims[] = {&cap->n_layers, &cap->n_heads, &cap->n_kv_heads, &cap->head_dim,
                        &cap->n_tokens};
     for (size_t i = 0; i < 5; i++) {
         uint32_t v = get_u32_le(bytes + 12 + 4 * i);
         if (v < 1 || v > LLAMA_CAPTURE_MAX_DIM)
-            return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                        "capture dimension %zu is %u, outside [1, %d]", i, v,
-                        LLAMA_CAPTURE_MAX_DIM);
+            return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                              "capture dimension %zu is %u, outside [1, %d]", i, v,
+                              LLAMA_CAPTURE_MAX_DIM);
         *dims[i] = (int32_t)v;
     }
     if (cap->n_heads % cap->n_kv_heads != 0)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "capture: %d heads not a multiple of %d kv heads", cap->n_heads,
-                    cap->n_kv_heads);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "capture: %d heads not a multiple of %d kv heads", cap->n_heads,
+                          cap->n_kv_heads);
     uint64_t expected = 0;
     if (!capture_expected_bytes(cap, &expected) || expected != n_bytes)
-        return fail(err, err_bytes, LLAMA_ERR_FORMAT,
-                    "capture holds %zu bytes, its header implies %llu", n_bytes,
-                    (unsigned long long)expected);
+        return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                          "capture holds %zu bytes, its header implies %llu", n_bytes,
+                          (unsigned long long)expected);
     return LLAMA_OK;
 }
 
 llama_result llama_capture_parse(const uint8_t *bytes, size_t n_bytes, llama_capture *cap,
                                  char *err, size_t err_bytes) {
     if (cap == NULL || (bytes == NULL && n_bytes > 0))
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "capture: NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "capture: NULL argument");
     memset(cap, 0, sizeof *cap);
     llama_result r = capture_parse_header(bytes, n_bytes, cap, err, err_bytes);
     if (r != LLAMA_OK) return r;
     if (capture_alloc(cap) != LLAMA_OK)
-        return fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a %zu-byte capture",
-                    n_bytes);
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "cannot allocate a %zu-byte capture",
+                          n_bytes);
     const uint8_t *p = bytes + LLAMA_CAPTURE_HEADER_BYTES;
     read_words(p, cap->token_ids, (size_t)cap->n_tokens);
     p += 4 * (size_t)cap->n_tokens;
@@ -1434,8 +1433,8 @@ llama_result llama_capture_parse(const uint8_t *bytes, size_t n_bytes, llama_cap
         if (cap->token_ids[t] < 0) {
             int32_t bad = cap->token_ids[t];
             llama_capture_free(cap);
-            return fail(err, err_bytes, LLAMA_ERR_FORMAT, "capture token %d has negative id %d", t,
-                        bad);
+            return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                              "capture token %d has negative id %d", t, bad);
         }
     }
     size_t q_floats = capture_q_floats(cap), kv_floats = capture_kv_floats(cap);
@@ -1508,11 +1507,11 @@ llama_result llama_score_sequence(llama_runner *runner, llama_kv_cache *cache, c
                                   const int32_t *ref_argmax, llama_score *score, char *err,
                                   size_t err_bytes) {
     if (runner == NULL || cache == NULL || ids == NULL || score == NULL)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "score: NULL argument");
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "score: NULL argument");
     const llama_model *m = runner->model;
     if (n < 2 || n > (int64_t)m->config.context + 1)
-        return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "score: %lld tokens, need 2 to context + 1",
-                    (long long)n);
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "score: %lld tokens, need 2 to context + 1", (long long)n);
     cache->reset(cache->state);
     for (int64_t pos = 0; pos + 1 < n; pos++) {
         if (llama_is_message_start(&m->tokenizer, ids, n, pos, "user"))
@@ -1522,7 +1521,8 @@ llama_result llama_score_sequence(llama_runner *runner, llama_kv_cache *cache, c
         if (r != LLAMA_OK) return r;
         int32_t next = ids[pos + 1], top = llama_argmax(runner->logits, m->config.vocab);
         if (next < 0 || next >= m->config.vocab)
-            return fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "token %d is outside the vocab", next);
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "token %d is outside the vocab",
+                              next);
         score->bits += llama_bits_of(runner->logits, m->config.vocab, next);
         score->n_scored++;
         if (argmax_out != NULL) argmax_out[pos] = top;

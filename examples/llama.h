@@ -30,6 +30,17 @@ typedef enum llama_result {
 /* A short constant description of a result code. */
 const char *llama_result_string(llama_result result);
 
+#if defined(__GNUC__)
+#define LLAMA_PRINTF_LIKE(fmt, args) __attribute__((format(printf, fmt, args)))
+#else
+#define LLAMA_PRINTF_LIKE(fmt, args)
+#endif
+
+/* Writes a printf-style message into err (err_bytes, may be NULL/0) and returns result: the one
+ * way the runner's functions report what went wrong. */
+llama_result llama_fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...)
+    LLAMA_PRINTF_LIKE(4, 5);
+
 /* ---------------------------------------------------------------------------------------------
  * Safetensors header
  * Layout: u64 little-endian header length N, N bytes of JSON, then the data section. The JSON maps
