@@ -455,56 +455,19 @@ static llama_result kv_kvmix_store(void *state, int32_t layer, int64_t pos, cons
     return mirror_row(kv, layer, (int32_t)pos);
 }
 
-/* Eight partial sums, so the compiler can keep them in vector registers. */
-static float dot(const float *a, const float *b, int32_t n) {
-    float acc[8] = {0};
-    int32_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int32_t j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    for (; i < n; i++) acc[0] += a[i] * b[i];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
-/* head_dim is a multiple of 32 (kvmix_kv_policy_resolve), so of PANEL. */
-enum { MAX_HEAD_DIM = KVMIX_MAX_HEAD_DIM, PANEL = 16 };
-
 static llama_result kv_kvmix_attend(void *state, int32_t layer, int32_t kv_head, const float *q,
                                     int32_t n_q, float scale, float *out) {
     kv_kvmix *kv = state;
     if (layer < 0 || layer >= kv->n_layers || kv_head < 0 || kv_head >= kv->n_kv_heads)
         return LLAMA_ERR_ARGUMENT;
     int64_t n_tokens = kv->n_stored[layer];
-    int32_t d_max = kv->head_dim;
     if (n_tokens == 0) return LLAMA_ERR_ARGUMENT;
     const float *keys = kv->k + mirror_offset(kv, layer, kv_head, 0);
     const float *values = kv->v + mirror_offset(kv, layer, kv_head, 0);
     float *scores = kv->scores + (size_t)kv_head * (size_t)kv->capacity;
-    for (int32_t h = 0; h < n_q; h++) {
-        const float *qh = q + (size_t)h * d_max;
-        float max_score = -INFINITY, acc[MAX_HEAD_DIM];
-        for (int64_t t = 0; t < n_tokens; t++) {
-            scores[t] = scale * dot(qh, keys + (size_t)t * d_max, d_max);
-            if (scores[t] > max_score) max_score = scores[t];
-        }
-        double sum = 0.0;
-        for (int64_t t = 0; t < n_tokens; t++) {
-            scores[t] = expf(scores[t] - max_score);
-            sum += scores[t];
-        }
-        /* out = scores . values, PANEL dims at a time, so the sums stay in registers */
-        for (int32_t d0 = 0; d0 < d_max; d0 += PANEL) {
-            float part[PANEL] = {0};
-            const float *column = values + d0;
-            for (int64_t t = 0; t < n_tokens; t++) {
-                const float *row = column + (size_t)t * d_max;
-                float w = scores[t];
-                for (int32_t j = 0; j < PANEL; j++) part[j] += w * row[j];
-            }
-            memcpy(acc + d0, part, sizeof part);
-        }
-        float inv_sum = (float)(1.0 / sum);
-        for (int32_t d = 0; d < d_max; d++) out[(size_t)h * d_max + d] = acc[d] * inv_sum;
-    }
+    for (int32_t h = 0; h < n_q; h++)
+        llama_attend_rows(keys, values, n_tokens, kv->head_dim, q + (size_t)h * kv->head_dim, scale,
+                          scores, out + (size_t)h * kv->head_dim);
     return LLAMA_OK;
 }
 

@@ -1087,11 +1087,11 @@ static float dot(const float *a, const float *b, int32_t n) {
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-static void attend_one(const kv_fp32 *kv, const float *keys, const float *values, int64_t n_tokens,
+void llama_attend_rows(const float *keys, const float *values, int64_t n_tokens, int32_t head_dim,
                        const float *q, float scale, float *scores, float *out) {
     float max_score = -INFINITY;
     for (int64_t t = 0; t < n_tokens; t++) {
-        scores[t] = scale * dot(q, keys + (size_t)t * kv->head_dim, kv->head_dim);
+        scores[t] = scale * dot(q, keys + (size_t)t * head_dim, head_dim);
         if (scores[t] > max_score) max_score = scores[t];
     }
     double sum = 0.0;
@@ -1102,15 +1102,14 @@ static void attend_one(const kv_fp32 *kv, const float *keys, const float *values
     /* out = scores . values, 16 dims at a time as a panel whose rows are tokens. */
     float inv_sum = (float)(1.0 / sum);
     int32_t d = 0;
-    for (; d + LLAMA_PANEL_ROWS <= kv->head_dim; d += LLAMA_PANEL_ROWS) {
+    for (; d + LLAMA_PANEL_ROWS <= head_dim; d += LLAMA_PANEL_ROWS) {
         float acc[LLAMA_PANEL_ROWS];
-        panel_times(values + d, (size_t)kv->head_dim, scores, (int32_t)n_tokens, acc);
+        panel_times(values + d, (size_t)head_dim, scores, (int32_t)n_tokens, acc);
         for (int32_t j = 0; j < LLAMA_PANEL_ROWS; j++) out[d + j] = acc[j] * inv_sum;
     }
-    for (; d < kv->head_dim; d++) {
+    for (; d < head_dim; d++) {
         float acc = 0.0f;
-        for (int64_t t = 0; t < n_tokens; t++)
-            acc += scores[t] * values[(size_t)t * kv->head_dim + d];
+        for (int64_t t = 0; t < n_tokens; t++) acc += scores[t] * values[(size_t)t * head_dim + d];
         out[d] = acc * inv_sum;
     }
 }
@@ -1126,8 +1125,8 @@ static llama_result kv_fp32_attend(void *state, int32_t layer, int32_t kv_head, 
     const float *values = kv->v + kv_fp32_offset(kv, layer, kv_head, 0);
     float *scores = kv->scores + (size_t)kv_head * (size_t)kv->capacity;
     for (int32_t h = 0; h < n_q; h++)
-        attend_one(kv, keys, values, n_tokens, q + (size_t)h * kv->head_dim, scale, scores,
-                   out + (size_t)h * kv->head_dim);
+        llama_attend_rows(keys, values, n_tokens, kv->head_dim, q + (size_t)h * kv->head_dim, scale,
+                          scores, out + (size_t)h * kv->head_dim);
     return LLAMA_OK;
 }
 

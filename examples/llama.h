@@ -154,6 +154,12 @@ typedef struct llama_kv_cache {
     void (*destroy)(void *state);
 } llama_kv_cache;
 
+/* Softmax attention of one query row over float rows: out = sum_t softmax_t(scale * q.k_t) v_t.
+ * keys, values: [n_tokens][head_dim]; scores: [n_tokens] scratch; n_tokens >= 1. The one
+ * attention the caches of the runner share. */
+void llama_attend_rows(const float *keys, const float *values, int64_t n_tokens, int32_t head_dim,
+                       const float *q, float scale, float *scores, float *out);
+
 /* The reference cache: keys and values kept as fp32, room for `capacity` tokens; store() takes
  * positions 0, 1, 2, ... without gaps. */
 llama_result llama_kv_fp32_create(const llama_config *config, int64_t capacity,
