@@ -22,6 +22,7 @@
      // >>ref       reference decode attention and the partial-result merge
      // >>view      cache views: many sequences' spans in one region, for CPU or GPU attention
      // >>cache     the paged mixed-precision cache: arena, sequences, eviction, sharing, views
+     // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -587,6 +588,88 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
    KVMIX_ERR_CORRUPT_DATA on the first violation. O(metadata); for tests and debugging. */
 KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache);
 
+/* ------------------------------------------------------------------------------------------- */
+/* Transfer payload: the K/V rows of n_tokens consecutive positions of layers [first_layer,      */
+/* first_layer + n_layers), each token at its own tier (FP16, INT8 or INT4 per token), to move a  */
+/* prefill's cache to a decode worker. A payload per layer lets the sender stream layers as they  */
+/* are computed; the receiver writes each layer with kvmix_cache_write (kvmix_cache_reserve      */
+/* first), the same path as a prefill. A RESIDUAL payload upgrades rows received at a cold tier:  */
+/* it carries (original - what the base payload decodes to) at a tier per token, and unpacking it */
+/* adds to the rows the base payload gave. The byte layout (version 1) is in the >>transfer room. */
+
+typedef enum kvmix_payload_kind {
+    KVMIX_PAYLOAD_ROWS = 1,    /* every token's rows at its tier */
+    KVMIX_PAYLOAD_RESIDUAL = 2 /* residuals of some tokens, to add to a ROWS payload's rows */
+} kvmix_payload_kind;
+
+#define KVMIX_PAYLOAD_VERSION      1
+#define KVMIX_PAYLOAD_HEADER_BYTES 80
+#define KVMIX_PAYLOAD_NO_ROW       0 /* tier of a token a RESIDUAL payload carries nothing for */
+
+/* What a payload holds. Tiers are kvmix_format values: KVMIX_FORMAT_FP16, _INT8 or _INT4 per
+   token, or KVMIX_PAYLOAD_NO_ROW (RESIDUAL only). Sinks are pinned by the policy that picks the
+   tiers, not here. */
+typedef struct kvmix_payload_desc {
+    kvmix_payload_kind kind;
+    int32_t head_dim;       /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
+    int32_t n_kv_heads;     /* 1 .. 65535 */
+    int32_t group_size;     /* of the INT8/INT4 rows; 0 = KVMIX_GROUP_SIZE_DEFAULT */
+    int32_t first_layer;    /* >= 0 */
+    int32_t n_layers;       /* 1 .. 65535 */
+    int32_t n_tokens;       /* >= 0 */
+    int64_t first_position; /* >= 0: where the rows belong in the receiver's sequence */
+    uint64_t id;            /* the sender's name for this payload */
+    uint64_t base_id;       /* RESIDUAL: the id of the ROWS payload it refines; ROWS: 0 */
+} kvmix_payload_desc;
+
+/* A payload's shape and where its parts are, from kvmix_payload_describe or kvmix_payload_read_head. */
+typedef struct kvmix_payload_info {
+    kvmix_payload_desc desc;        /* group_size resolved */
+    int32_t n_fp16, n_int8, n_int4; /* tokens at each tier (RESIDUAL: the rest carry nothing) */
+    size_t head_bytes;              /* header + tier table (padded to 16): the body starts here */
+    size_t total_bytes;             /* the whole payload */
+} kvmix_payload_info;
+
+/* Shape and size of the payload of these tiers ([desc->n_tokens] bytes; may be NULL when
+   n_tokens is 0). Returns NULL_POINTER, INVALID_ARGUMENT (kind, ranges, ids, a tier not allowed
+   for the kind), BAD_SHAPE (head_dim, group_size, or a payload beyond 2^62 bytes). */
+KVMIXDEF kvmix_result kvmix_payload_describe(const kvmix_payload_desc *desc, const uint8_t *tiers,
+                                             kvmix_payload_info *out_info);
+
+/* Writes the header and tier table (info->head_bytes bytes) of the payload that `info` describes
+   (from kvmix_payload_describe with the same tiers) into dst. A GPU sender copies them to the
+   device buffer before kvmix_cuda_payload_pack writes the body. Returns NULL_POINTER,
+   INVALID_ARGUMENT (info does not match the tiers), BUFFER_TOO_SMALL. */
+KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, const uint8_t *tiers,
+                                               void *dst, size_t dst_bytes);
+
+/* Packs a whole payload: head, then every layer's blocks quantized by the >>formats CPU
+   reference. keys, values: [n_layers][n_tokens][n_kv_heads][head_dim] floats (the residuals for
+   a RESIDUAL payload; rows of NO_ROW tokens are not read), finite with |x| <= 65504.
+   *out_bytes (may be NULL) receives info.total_bytes. Returns describe's errors, BUFFER_TOO_SMALL,
+   BAD_VALUE; nothing is written on error. */
+KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const uint8_t *tiers,
+                                         const float *keys, const float *values, void *dst,
+                                         size_t dst_bytes, size_t *out_bytes);
+
+/* Reads and checks a payload's header and tier table from the first src_bytes bytes (at least
+   the head; the body need not be there yet). *out_tiers (may be NULL) points into src.
+   Returns NULL_POINTER, PARSE (not a payload, truncated head, reserved bytes set, tier table
+   that disagrees with the header's counts), VERSION (a version this build does not read),
+   INVALID_ARGUMENT / BAD_SHAPE (fields out of range). Never reads past src_bytes. */
+KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
+                                              kvmix_payload_info *out_info,
+                                              const uint8_t **out_tiers);
+
+/* Decodes layer `layer` (absolute: first_layer <= layer < first_layer + n_layers) of a whole
+   payload into keys, values: [n_tokens][n_kv_heads][head_dim] floats (either may be NULL).
+   ROWS: every token's rows are written. RESIDUAL: each carried residual is added in float to the
+   row already there; rows of NO_ROW tokens are left. Every block of the layer is checked before
+   anything is written. Returns read_head's errors, INVALID_ARGUMENT (layer), BUFFER_TOO_SMALL
+   (src_bytes < total_bytes), CORRUPT_DATA (a block no quantize call could have written). */
+KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, int32_t layer,
+                                           float *keys, float *values);
+
 #endif /* KVMIX_H */
 
 /* =========================================================================================== */
@@ -903,37 +986,37 @@ static uint32_t kvmix__get_code(const uint8_t *row, int32_t c, int bits) {
     return (row[c / per_byte] >> shift) & ((1u << bits) - 1u);
 }
 
-static void kvmix__quantize_fp16(const kvmix_layout *l, const float *src, int32_t stride,
-                                 uint8_t *dst) {
-    int32_t t, c;
-    for (t = 0; t < l->n_tokens; t++)
-        for (c = 0; c < l->head_dim; c++)
-            kvmix__store_u16(dst + ((size_t)t * l->head_dim + c) * 2,
-                             kvmix_fp32_to_fp16(src[(size_t)t * stride + c]));
+/* Row t of an FP16 or per-token block (zeroed before: codes are ORed in) from the floats x. */
+static void kvmix__quantize_row(const kvmix_layout *l, const kvmix__sections *s, const float *x,
+                                uint8_t *block, int32_t t) {
+    int bits = kvmix__format_bits(l->format), levels = (1 << bits) - 1;
+    int32_t groups, g, c;
+    uint8_t *row = block + (size_t)t * s->row_bytes;
+    if (l->format == KVMIX_FORMAT_FP16) {
+        for (c = 0; c < l->head_dim; c++) kvmix__store_u16(row + 2 * c, kvmix_fp32_to_fp16(x[c]));
+        return;
+    }
+    groups = l->head_dim / l->group_size;
+    for (g = 0; g < groups; g++) {
+        int32_t c0 = g * l->group_size, c1 = c0 + l->group_size;
+        float lo = x[c0], hi = x[c0];
+        kvmix__qparams p;
+        for (c = c0; c < c1; c++) {
+            if (x[c] < lo) lo = x[c];
+            if (x[c] > hi) hi = x[c];
+        }
+        p = kvmix__choose_qparams(lo, hi, levels);
+        for (c = c0; c < c1; c++)
+            kvmix__put_code(row, c, bits, kvmix__quantize_value(x[c], &p, levels));
+        kvmix__store_qparams(block + s->meta_offset + ((size_t)t * groups + g) * 4, &p);
+    }
 }
 
-static void kvmix__quantize_per_token(const kvmix_layout *l, const float *src, int32_t stride,
-                                      uint8_t *dst) {
+static void kvmix__quantize_rows(const kvmix_layout *l, const float *src, int32_t stride,
+                                 uint8_t *dst) {
     kvmix__sections s = kvmix__layout_sections(l);
-    int bits = kvmix__format_bits(l->format), levels = (1 << bits) - 1;
-    int32_t groups = l->head_dim / l->group_size, t, g, c;
-    for (t = 0; t < l->n_tokens; t++) {
-        const float *x = src + (size_t)t * stride;
-        uint8_t *row = dst + (size_t)t * s.row_bytes;
-        for (g = 0; g < groups; g++) {
-            int32_t c0 = g * l->group_size, c1 = c0 + l->group_size;
-            float lo = x[c0], hi = x[c0];
-            kvmix__qparams p;
-            for (c = c0; c < c1; c++) {
-                if (x[c] < lo) lo = x[c];
-                if (x[c] > hi) hi = x[c];
-            }
-            p = kvmix__choose_qparams(lo, hi, levels);
-            for (c = c0; c < c1; c++)
-                kvmix__put_code(row, c, bits, kvmix__quantize_value(x[c], &p, levels));
-            kvmix__store_qparams(dst + s.meta_offset + ((size_t)t * groups + g) * 4, &p);
-        }
-    }
+    int32_t t;
+    for (t = 0; t < l->n_tokens; t++) kvmix__quantize_row(l, &s, src + (size_t)t * stride, dst, t);
 }
 
 /* Marks the n_boost channels with the largest sum of |x| over the block's tokens. */
@@ -1003,10 +1086,8 @@ KVMIXDEF kvmix_result kvmix_ref_quantize(const kvmix_layout *layout, const float
         for (c = 0; c < l.head_dim; c++)
             if (!kvmix__representable(src[(size_t)t * row_stride + c])) return KVMIX_ERR_BAD_VALUE;
     memset(dst, 0, s.total_bytes);
-    if (l.format == KVMIX_FORMAT_FP16)
-        kvmix__quantize_fp16(&l, src, row_stride, (uint8_t *)dst);
-    else if (kvmix__is_per_token_int(l.format))
-        kvmix__quantize_per_token(&l, src, row_stride, (uint8_t *)dst);
+    if (l.format == KVMIX_FORMAT_FP16 || kvmix__is_per_token_int(l.format))
+        kvmix__quantize_rows(&l, src, row_stride, (uint8_t *)dst);
     else
         kvmix__quantize_per_channel(&l, src, row_stride, (uint8_t *)dst);
     return KVMIX_SUCCESS;
@@ -1899,10 +1980,8 @@ static void kvmix__cache_quantize(const kvmix_cache *c, int32_t format, int32_t 
     kvmix_layout l = kvmix__cache_layout(c, format, rows);
     kvmix__sections s = kvmix__layout_sections(&l);
     memset(dst, 0, s.total_bytes);
-    if (l.format == KVMIX_FORMAT_FP16)
-        kvmix__quantize_fp16(&l, src, l.head_dim, dst);
-    else if (kvmix__is_per_token_int(l.format))
-        kvmix__quantize_per_token(&l, src, l.head_dim, dst);
+    if (l.format == KVMIX_FORMAT_FP16 || kvmix__is_per_token_int(l.format))
+        kvmix__quantize_rows(&l, src, l.head_dim, dst);
     else
         kvmix__quantize_per_channel(&l, src, l.head_dim, dst);
 }
@@ -3224,6 +3303,344 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
                 return KVMIX_ERR_CORRUPT_DATA;
         }
         if (live != q->n_live) return KVMIX_ERR_CORRUPT_DATA;
+    }
+    return KVMIX_SUCCESS;
+}
+
+// >>transfer
+/*
+   Transfer payload, version 1. Little-endian; offsets from the payload's first byte.
+
+   header (KVMIX_PAYLOAD_HEADER_BYTES = 80 bytes):
+      0 magic "KVMP"          4 u16 version (1)      6 u16 kind (kvmix_payload_kind)
+      8 u32 head_dim         12 u32 n_kv_heads      16 u32 group_size
+     20 u32 first_layer      24 u32 n_layers        28 u32 n_tokens
+     32 i64 first_position   40 u64 id              48 u64 base_id
+     56 u32 n_fp16           60 u32 n_int8          64 u32 n_int4
+     68 u32 reserved (0)     72 u64 total_bytes
+   tier table at 80: n_tokens bytes (token t's tier: a kvmix_format value FP16, INT8 or INT4, or
+     KVMIX_PAYLOAD_NO_ROW in a RESIDUAL payload), then zeros up to a multiple of 16 bytes;
+     head_bytes = 80 + round_up(n_tokens, 16).
+   body at head_bytes: for each layer in order, keys then values, for each kv head, for each tier
+     in the order FP16, INT8, INT4: one block in that tier's >>formats layout (n = the tier's token
+     count, head_dim, group_size) whose row r is the r-th token at that tier in position order,
+     then zeros up to a multiple of 16 bytes. A tier with no tokens takes no bytes.
+   Every block's offset follows from the header alone: with tier_bytes(i) = round_up(block bytes
+   of tier i, 16) and slice = the sum of the three, block (layer l, kv (0 keys, 1 values), head h,
+   tier i) starts at head_bytes + ((l * 2 + kv) * n_kv_heads + h) * slice + the tier_bytes of
+   the tiers before i; total_bytes = head_bytes + n_layers * 2 * n_kv_heads * slice.
+   Layer l of the body is absolute layer first_layer + l.
+*/
+
+#define KVMIX__PAYLOAD_MAX_BYTES ((uint64_t)1 << 62)
+
+static const kvmix_format kvmix__payload_tier_formats[3] = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8,
+                                                            KVMIX_FORMAT_INT4};
+
+static void kvmix__store_u32(uint8_t *p, uint32_t v) {
+    kvmix__store_u16(p, (uint16_t)(v & 0xffffu));
+    kvmix__store_u16(p + 2, (uint16_t)(v >> 16));
+}
+static uint32_t kvmix__load_u32(const uint8_t *p) {
+    return (uint32_t)kvmix__load_u16(p) | ((uint32_t)kvmix__load_u16(p + 2) << 16);
+}
+static void kvmix__store_u64(uint8_t *p, uint64_t v) {
+    kvmix__store_u32(p, (uint32_t)(v & 0xffffffffu));
+    kvmix__store_u32(p + 4, (uint32_t)(v >> 32));
+}
+static uint64_t kvmix__load_u64(const uint8_t *p) {
+    return (uint64_t)kvmix__load_u32(p) | ((uint64_t)kvmix__load_u32(p + 4) << 32);
+}
+
+static uint64_t kvmix__round16(uint64_t n) { return (n + 15u) & ~(uint64_t)15u; }
+
+/* 0, 1, 2 for the FP16, INT8, INT4 tiers; -1 for anything else (NO_ROW included). */
+static int kvmix__tier_index(uint8_t tier) {
+    int i;
+    for (i = 0; i < 3; i++)
+        if (tier == (uint8_t)kvmix__payload_tier_formats[i]) return i;
+    return -1;
+}
+
+static int kvmix__tier_allowed(kvmix_payload_kind kind, uint8_t tier) {
+    return kvmix__tier_index(tier) >= 0 ||
+           (kind == KVMIX_PAYLOAD_RESIDUAL && tier == KVMIX_PAYLOAD_NO_ROW);
+}
+
+/* The layout of tier i's block in a payload of this shape. */
+static kvmix_layout kvmix__tier_layout(const kvmix_payload_info *info, int i) {
+    kvmix_layout l;
+    const int32_t counts[3] = {info->n_fp16, info->n_int8, info->n_int4};
+    l.format = kvmix__payload_tier_formats[i];
+    l.n_tokens = counts[i];
+    l.head_dim = info->desc.head_dim;
+    l.group_size = i == 0 ? 0 : info->desc.group_size; /* FP16 has no groups */
+    l.n_boost = 0;
+    return l;
+}
+
+static uint64_t kvmix__tier_bytes(const kvmix_payload_info *info, int i) {
+    kvmix_layout l = kvmix__tier_layout(info, i);
+    return kvmix__round16((uint64_t)kvmix__layout_sections(&l).total_bytes);
+}
+
+static uint64_t kvmix__payload_slice(const kvmix_payload_info *info) {
+    return kvmix__tier_bytes(info, 0) + kvmix__tier_bytes(info, 1) + kvmix__tier_bytes(info, 2);
+}
+
+/* Byte offset of block (layer index within the payload, kv, head, tier i). */
+static uint64_t kvmix__payload_block_offset(const kvmix_payload_info *info, int32_t layer, int kv,
+                                            int32_t head, int i) {
+    uint64_t off =
+        info->head_bytes +
+        (((uint64_t)layer * 2u + (uint64_t)kv) * (uint64_t)info->desc.n_kv_heads + (uint64_t)head) *
+            kvmix__payload_slice(info);
+    int j;
+    for (j = 0; j < i; j++) off += kvmix__tier_bytes(info, j);
+    return off;
+}
+
+/* Range checks of a description; writes it back with group_size resolved. */
+static kvmix_result kvmix__payload_check_desc(kvmix_payload_desc *d) {
+    kvmix_layout l;
+    kvmix_result r;
+    if (d->kind != KVMIX_PAYLOAD_ROWS && d->kind != KVMIX_PAYLOAD_RESIDUAL)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d->n_kv_heads < 1 || d->n_kv_heads > 65535 || d->n_layers < 1 || d->n_layers > 65535 ||
+        d->first_layer < 0 || d->first_layer > 0x7fffffff - d->n_layers || d->n_tokens < 0 ||
+        d->first_position < 0 || (d->kind == KVMIX_PAYLOAD_ROWS && d->base_id != 0))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    l.format = KVMIX_FORMAT_INT8;
+    l.n_tokens = 0;
+    l.head_dim = d->head_dim;
+    l.group_size = d->group_size;
+    l.n_boost = 0;
+    if ((r = kvmix_layout_resolve(&l)) != KVMIX_SUCCESS) return r;
+    d->group_size = l.group_size;
+    return KVMIX_SUCCESS;
+}
+
+/* Head and total sizes of info (desc and counts set); BAD_SHAPE beyond 2^62 bytes. */
+static kvmix_result kvmix__payload_sizes(kvmix_payload_info *info) {
+    uint64_t blocks = (uint64_t)info->desc.n_layers * 2u * (uint64_t)info->desc.n_kv_heads;
+    uint64_t head = KVMIX_PAYLOAD_HEADER_BYTES + kvmix__round16((uint64_t)info->desc.n_tokens);
+    uint64_t slice = kvmix__payload_slice(info); /* < 2^31 * 2 * 512 * 3: no overflow */
+    if (slice > (KVMIX__PAYLOAD_MAX_BYTES - head) / blocks) return KVMIX_ERR_BAD_SHAPE;
+    if (head + blocks * slice > (uint64_t)(size_t)-1) return KVMIX_ERR_BAD_SHAPE;
+    info->head_bytes = (size_t)head;
+    info->total_bytes = (size_t)(head + blocks * slice);
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_payload_describe(const kvmix_payload_desc *desc, const uint8_t *tiers,
+                                             kvmix_payload_info *out_info) {
+    kvmix_payload_info info;
+    int32_t counts[3] = {0, 0, 0}, t;
+    kvmix_result r;
+    if (!desc || !out_info || (!tiers && desc->n_tokens > 0)) return KVMIX_ERR_NULL_POINTER;
+    memset(&info, 0, sizeof info);
+    info.desc = *desc;
+    if ((r = kvmix__payload_check_desc(&info.desc)) != KVMIX_SUCCESS) return r;
+    for (t = 0; t < info.desc.n_tokens; t++) {
+        if (!kvmix__tier_allowed(info.desc.kind, tiers[t])) return KVMIX_ERR_INVALID_ARGUMENT;
+        if (kvmix__tier_index(tiers[t]) >= 0) counts[kvmix__tier_index(tiers[t])]++;
+    }
+    info.n_fp16 = counts[0];
+    info.n_int8 = counts[1];
+    info.n_int4 = counts[2];
+    if ((r = kvmix__payload_sizes(&info)) != KVMIX_SUCCESS) return r;
+    *out_info = info;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, const uint8_t *tiers,
+                                               void *dst, size_t dst_bytes) {
+    kvmix_payload_info check;
+    const kvmix_payload_desc *d;
+    uint8_t *p = (uint8_t *)dst;
+    kvmix_result r;
+    if (!info || !dst) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_payload_describe(&info->desc, tiers, &check)) != KVMIX_SUCCESS) return r;
+    if (memcmp(&check.desc, &info->desc, sizeof check.desc) != 0 || check.n_fp16 != info->n_fp16 ||
+        check.n_int8 != info->n_int8 || check.n_int4 != info->n_int4 ||
+        check.head_bytes != info->head_bytes || check.total_bytes != info->total_bytes)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (dst_bytes < info->head_bytes) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    d = &info->desc;
+    memset(p, 0, info->head_bytes);
+    memcpy(p, "KVMP", 4);
+    kvmix__store_u16(p + 4, KVMIX_PAYLOAD_VERSION);
+    kvmix__store_u16(p + 6, (uint16_t)d->kind);
+    kvmix__store_u32(p + 8, (uint32_t)d->head_dim);
+    kvmix__store_u32(p + 12, (uint32_t)d->n_kv_heads);
+    kvmix__store_u32(p + 16, (uint32_t)d->group_size);
+    kvmix__store_u32(p + 20, (uint32_t)d->first_layer);
+    kvmix__store_u32(p + 24, (uint32_t)d->n_layers);
+    kvmix__store_u32(p + 28, (uint32_t)d->n_tokens);
+    kvmix__store_u64(p + 32, (uint64_t)d->first_position);
+    kvmix__store_u64(p + 40, d->id);
+    kvmix__store_u64(p + 48, d->base_id);
+    kvmix__store_u32(p + 56, (uint32_t)info->n_fp16);
+    kvmix__store_u32(p + 60, (uint32_t)info->n_int8);
+    kvmix__store_u32(p + 64, (uint32_t)info->n_int4);
+    kvmix__store_u64(p + 72, (uint64_t)info->total_bytes);
+    if (d->n_tokens > 0) memcpy(p + KVMIX_PAYLOAD_HEADER_BYTES, tiers, (size_t)d->n_tokens);
+    return KVMIX_SUCCESS;
+}
+
+/* Rows of layer l, kind kv of a [n_layers][n_tokens][n_kv_heads][head_dim] array. */
+static const float *kvmix__payload_rows(const kvmix_payload_info *info, const float *rows,
+                                        int32_t layer) {
+    return rows + (size_t)layer * (size_t)info->desc.n_tokens * (size_t)info->desc.n_kv_heads *
+                      (size_t)info->desc.head_dim;
+}
+
+KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const uint8_t *tiers,
+                                         const float *keys, const float *values, void *dst,
+                                         size_t dst_bytes, size_t *out_bytes) {
+    kvmix_payload_info info;
+    kvmix_result r;
+    const size_t row_floats = desc ? (size_t)desc->n_kv_heads * (size_t)desc->head_dim : 0;
+    int32_t layer, kv, h, t, c;
+    if ((r = kvmix_payload_describe(desc, tiers, &info)) != KVMIX_SUCCESS) return r;
+    if (!dst) return KVMIX_ERR_NULL_POINTER;
+    if (info.n_fp16 + info.n_int8 + info.n_int4 > 0 && (!keys || !values))
+        return KVMIX_ERR_NULL_POINTER;
+    if (dst_bytes < info.total_bytes) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    for (layer = 0; layer < info.desc.n_layers; layer++)
+        for (kv = 0; kv < 2; kv++) {
+            const float *rows = kvmix__payload_rows(&info, kv ? values : keys, layer);
+            for (t = 0; t < info.desc.n_tokens; t++) {
+                if (kvmix__tier_index(tiers[t]) < 0) continue;
+                for (c = 0; c < (int32_t)row_floats; c++)
+                    if (!kvmix__representable(rows[(size_t)t * row_floats + (size_t)c]))
+                        return KVMIX_ERR_BAD_VALUE;
+            }
+        }
+    kvmix_payload_write_head(&info, tiers, dst, dst_bytes);
+    memset((uint8_t *)dst + info.head_bytes, 0, info.total_bytes - info.head_bytes);
+    for (layer = 0; layer < info.desc.n_layers; layer++)
+        for (kv = 0; kv < 2; kv++)
+            for (h = 0; h < info.desc.n_kv_heads; h++) {
+                const float *rows = kvmix__payload_rows(&info, kv ? values : keys, layer);
+                int32_t rank[3] = {0, 0, 0};
+                for (t = 0; t < info.desc.n_tokens; t++) {
+                    int i = kvmix__tier_index(tiers[t]);
+                    kvmix_layout l;
+                    kvmix__sections s;
+                    if (i < 0) continue;
+                    l = kvmix__tier_layout(&info, i);
+                    s = kvmix__layout_sections(&l);
+                    kvmix__quantize_row(
+                        &l, &s,
+                        rows + (size_t)t * row_floats + (size_t)h * (size_t)info.desc.head_dim,
+                        (uint8_t *)dst + kvmix__payload_block_offset(&info, layer, kv, h, i),
+                        rank[i]++);
+                }
+            }
+    if (out_bytes) *out_bytes = info.total_bytes;
+    return KVMIX_SUCCESS;
+}
+
+/* A u32 header field that must fit an int32_t. */
+static int kvmix__field_i32(const uint8_t *p, int32_t *out) {
+    uint32_t v = kvmix__load_u32(p);
+    if (v > 0x7fffffffu) return 0;
+    *out = (int32_t)v;
+    return 1;
+}
+
+KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
+                                              kvmix_payload_info *out_info,
+                                              const uint8_t **out_tiers) {
+    const uint8_t *p = (const uint8_t *)src;
+    kvmix_payload_info info;
+    kvmix_payload_desc d;
+    int32_t counts[3], t;
+    uint64_t pos;
+    size_t i;
+    kvmix_result r;
+    if (!src || !out_info) return KVMIX_ERR_NULL_POINTER;
+    if (src_bytes < KVMIX_PAYLOAD_HEADER_BYTES || memcmp(p, "KVMP", 4) != 0) return KVMIX_ERR_PARSE;
+    if (kvmix__load_u16(p + 4) != KVMIX_PAYLOAD_VERSION) return KVMIX_ERR_VERSION;
+    if (kvmix__load_u32(p + 68) != 0) return KVMIX_ERR_PARSE;
+    memset(&d, 0, sizeof d);
+    d.kind = (kvmix_payload_kind)kvmix__load_u16(p + 6);
+    pos = kvmix__load_u64(p + 32);
+    if (!kvmix__field_i32(p + 8, &d.head_dim) || !kvmix__field_i32(p + 12, &d.n_kv_heads) ||
+        !kvmix__field_i32(p + 16, &d.group_size) || !kvmix__field_i32(p + 20, &d.first_layer) ||
+        !kvmix__field_i32(p + 24, &d.n_layers) || !kvmix__field_i32(p + 28, &d.n_tokens) ||
+        !kvmix__field_i32(p + 56, &counts[0]) || !kvmix__field_i32(p + 60, &counts[1]) ||
+        !kvmix__field_i32(p + 64, &counts[2]) || pos > (uint64_t)INT64_MAX ||
+        d.group_size == 0) /* written resolved; 0 would mean a default */
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    d.first_position = (int64_t)pos;
+    d.id = kvmix__load_u64(p + 40);
+    d.base_id = kvmix__load_u64(p + 48);
+    memset(&info, 0, sizeof info);
+    info.desc = d;
+    if ((r = kvmix__payload_check_desc(&info.desc)) != KVMIX_SUCCESS) return r;
+    if ((int64_t)counts[0] + counts[1] + counts[2] > d.n_tokens) return KVMIX_ERR_PARSE;
+    info.n_fp16 = counts[0];
+    info.n_int8 = counts[1];
+    info.n_int4 = counts[2];
+    if ((r = kvmix__payload_sizes(&info)) != KVMIX_SUCCESS) return r;
+    if (src_bytes < info.head_bytes || kvmix__load_u64(p + 72) != (uint64_t)info.total_bytes)
+        return KVMIX_ERR_PARSE;
+    counts[0] = counts[1] = counts[2] = 0;
+    for (t = 0; t < d.n_tokens; t++) {
+        uint8_t tier = p[KVMIX_PAYLOAD_HEADER_BYTES + t];
+        if (!kvmix__tier_allowed(d.kind, tier)) return KVMIX_ERR_PARSE;
+        if (kvmix__tier_index(tier) >= 0) counts[kvmix__tier_index(tier)]++;
+    }
+    if (counts[0] != info.n_fp16 || counts[1] != info.n_int8 || counts[2] != info.n_int4)
+        return KVMIX_ERR_PARSE;
+    for (i = KVMIX_PAYLOAD_HEADER_BYTES + (size_t)d.n_tokens; i < info.head_bytes; i++)
+        if (p[i] != 0) return KVMIX_ERR_PARSE;
+    *out_info = info;
+    if (out_tiers) *out_tiers = p + KVMIX_PAYLOAD_HEADER_BYTES;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, int32_t layer,
+                                           float *keys, float *values) {
+    kvmix_payload_info info;
+    const uint8_t *tiers, *p = (const uint8_t *)src;
+    float row[KVMIX_MAX_HEAD_DIM];
+    kvmix_result r;
+    int32_t l, kv, h, t, c;
+    int i;
+    if ((r = kvmix_payload_read_head(src, src_bytes, &info, &tiers)) != KVMIX_SUCCESS) return r;
+    if (layer < info.desc.first_layer || layer - info.desc.first_layer >= info.desc.n_layers)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (src_bytes < info.total_bytes) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    l = layer - info.desc.first_layer;
+    for (kv = 0; kv < 2; kv++)
+        for (h = 0; h < info.desc.n_kv_heads; h++)
+            for (i = 0; i < 3; i++) {
+                kvmix_layout bl = kvmix__tier_layout(&info, i);
+                r = kvmix__check_block(&bl, p + kvmix__payload_block_offset(&info, l, kv, h, i));
+                if (r != KVMIX_SUCCESS) return r;
+            }
+    for (kv = 0; kv < 2; kv++) {
+        float *out = kv ? values : keys;
+        if (!out) continue;
+        for (h = 0; h < info.desc.n_kv_heads; h++) {
+            int32_t rank[3] = {0, 0, 0};
+            for (t = 0; t < info.desc.n_tokens; t++) {
+                float *dst = out + ((size_t)t * (size_t)info.desc.n_kv_heads + (size_t)h) *
+                                       (size_t)info.desc.head_dim;
+                kvmix_layout bl;
+                kvmix__sections s;
+                if ((i = kvmix__tier_index(tiers[t])) < 0) continue;
+                bl = kvmix__tier_layout(&info, i);
+                s = kvmix__layout_sections(&bl);
+                kvmix__decode_row(&bl, &s, p + kvmix__payload_block_offset(&info, l, kv, h, i),
+                                  rank[i]++, row);
+                for (c = 0; c < info.desc.head_dim; c++)
+                    dst[c] = info.desc.kind == KVMIX_PAYLOAD_RESIDUAL ? dst[c] + row[c] : row[c];
+            }
+        }
     }
     return KVMIX_SUCCESS;
 }

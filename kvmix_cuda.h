@@ -1,5 +1,5 @@
 /* kvmix_cuda.h - CUDA kernel pack for kvmix: quantize/pack, dequantize, decode attention over a
-   kvmix_view, QueryMemory scoring. MIT licensed (see LICENSE).
+   kvmix_view, QueryMemory scoring, transfer payload pack/unpack. MIT licensed (see LICENSE).
 
    Build kvmix_cuda.cu with nvcc (sm_90) and link it next to one file that defines
    KVMIX_IMPLEMENTATION. This header includes no CUDA header and compiles as C99 -pedantic and as
@@ -136,7 +136,44 @@ kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq, int32_t 
                                    const float *memory, float *scores, int32_t capacity_tokens,
                                    kvmix_stream stream);
 
-/* Transfer payload pack/unpack: not provided yet (the payload format is not defined). */
+/* ------------------------------------------------------------------------------------------- */
+/* Transfer payload body (kvmix.h's >>transfer room). The head (header and tier table,           */
+/* info->head_bytes) is host work: the sender writes it with kvmix_payload_write_head and copies  */
+/* it to the start of the device payload; the receiver reads it with kvmix_payload_read_head      */
+/* from a host copy of those bytes. Both kernels read the tiers from the device payload's head    */
+/* and check them against info (counts per tier) before touching any row.                        */
+/*   keys, values: [n_layers][n_tokens][n_kv_heads][head_dim] of dtype (the payload's layers).    */
+/* Workspace: caller-owned device memory, 256-byte aligned, of kvmix_cuda_payload_workspace_bytes. */
+
+/* error_flags bits: an input row has inf, NaN or |x| > 65504; the device head disagrees with
+   info, or a block holds bytes no quantize call could have written */
+#define KVMIX_CUDA_PAYLOAD_BAD_VALUE 1
+#define KVMIX_CUDA_PAYLOAD_CORRUPT   2
+
+/* Workspace bytes for a payload of n_tokens tokens. Returns NULL_POINTER, INVALID_ARGUMENT. */
+kvmix_result kvmix_cuda_payload_workspace_bytes(int32_t n_tokens, size_t *out_bytes);
+
+/* Packs the body of the payload `info` describes into payload (device, info->total_bytes, head
+   already there): the bytes kvmix_payload_pack writes for the same rows converted to float.
+   Rows of NO_ROW tokens (RESIDUAL) are not read. If an input row is not representable in FP16
+   or the head disagrees with info, the matching bit is ORed into *error_flags (device int32,
+   may be NULL) and no body byte is written. Returns NULL_POINTER, INVALID_ARGUMENT (info not a
+   valid description, n_tokens 0 with rows), BUFFER_TOO_SMALL (workspace), UNSUPPORTED (dtype),
+   CUDA. A payload of 0 tokens enqueues nothing. */
+kvmix_result kvmix_cuda_payload_pack(const kvmix_payload_info *info, const void *keys,
+                                     const void *values, kvmix_cuda_dtype dtype, void *payload,
+                                     void *workspace, size_t workspace_bytes, int32_t *error_flags,
+                                     kvmix_stream stream);
+
+/* Decodes every layer of the payload (device, info->total_bytes) into keys and values (either
+   may be NULL): ROWS writes each token's rows as kvmix_payload_unpack's floats rounded to dtype;
+   RESIDUAL adds each carried residual to the dtype row in float and rounds the sum, leaving the
+   rows of NO_ROW tokens. If the head disagrees with info or a block is corrupt, the bit is ORed
+   into *error_flags and no output is written. Returns as kvmix_cuda_payload_pack. */
+kvmix_result kvmix_cuda_payload_unpack(const kvmix_payload_info *info, const void *payload,
+                                       kvmix_cuda_dtype dtype, void *keys, void *values,
+                                       void *workspace, size_t workspace_bytes,
+                                       int32_t *error_flags, kvmix_stream stream);
 
 #ifdef __cplusplus
 }

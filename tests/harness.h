@@ -23,6 +23,7 @@ void unit_formats(void);
 void unit_attention(void);
 void unit_cache(void);
 void unit_view(void);
+void unit_transfer(void);
 
 /* ---- checks ------------------------------------------------------------------------------- */
 #if defined(__GNUC__) || defined(__clang__)

@@ -1,0 +1,160 @@
+/* Fuzz target: transfer payloads from outside bytes, read by kvmix_payload_read_head and
+   kvmix_payload_unpack.
+
+   Build with libFuzzer:  clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. \
+                              tests/fuzz_payload.c -o build/fuzz_payload -lm
+   or with the plain driver (any C compiler): add tests/fuzz_driver.c.
+
+   Random bytes rarely get past the magic, so byte 0 chooses:
+     even   the input is the payload, as received;
+     odd    the input drives a valid payload that is then damaged:
+              1      kind (b & 1: RESIDUAL), head_dim 32 * (1 + (b >> 1) % 4), group 16 or 32
+              2      kv heads 1 + b % 3, layers 1 + (b >> 2) % 3
+              3      tokens b % 48
+              4..7   seed of tiers and rows
+              8..    mutations, 3 bytes each: a 16-bit offset into the payload, the new byte
+   Every buffer is a heap copy of exactly its size, so AddressSanitizer sees any overread.
+   Invariants (abort on violation): a failed unpack leaves its outputs untouched; a successful one
+   writes finite values (rows of a ROWS payload; residuals added to zeros). */
+#define KVMIX_IMPLEMENTATION
+#include "kvmix.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+enum { MAX_FLOATS = 1 << 18, POISON = 0x5a };
+
+static uint32_t fuzz_rng;
+
+static uint32_t next_random(void) {
+    fuzz_rng = fuzz_rng * 1664525u + 1013904223u;
+    return fuzz_rng >> 8;
+}
+
+static void require(int ok, const char *what) {
+    if (!ok) {
+        fprintf(stderr, "fuzz_payload: invariant violated: %s\n", what);
+        abort();
+    }
+}
+
+static int all_poisoned(const void *p, size_t n) {
+    const uint8_t *b = (const uint8_t *)p;
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (b[i] != POISON) return 0;
+    return 1;
+}
+
+/* A valid payload from the parameter bytes; NULL when they describe nothing packable. */
+static uint8_t *build_payload(const uint8_t *data, size_t size, size_t *out_bytes) {
+    kvmix_payload_desc d;
+    kvmix_payload_info info;
+    uint8_t *tiers, *payload = NULL;
+    float *keys, *values;
+    size_t n_floats, i;
+    int32_t t;
+    if (size < 8) return NULL;
+    memset(&d, 0, sizeof d);
+    d.kind = (data[1] & 1) ? KVMIX_PAYLOAD_RESIDUAL : KVMIX_PAYLOAD_ROWS;
+    d.head_dim = 32 * (1 + (data[1] >> 1) % 4);
+    d.group_size = d.head_dim % 16 == 0 && (data[1] & 0x40) ? 16 : 32;
+    d.n_kv_heads = 1 + data[2] % 3;
+    d.n_layers = 1 + (data[2] >> 2) % 3;
+    d.first_layer = data[2] >> 4;
+    d.n_tokens = data[3] % 48;
+    d.id = 7;
+    d.base_id = d.kind == KVMIX_PAYLOAD_RESIDUAL ? 6 : 0;
+    fuzz_rng = (uint32_t)data[4] | (uint32_t)data[5] << 8 | (uint32_t)data[6] << 16 |
+               (uint32_t)data[7] << 24;
+    tiers = (uint8_t *)malloc((size_t)d.n_tokens + 1);
+    for (t = 0; t < d.n_tokens; t++) {
+        tiers[t] = (uint8_t)(1 + next_random() % 3);
+        if (d.kind == KVMIX_PAYLOAD_RESIDUAL && next_random() % 4 == 0)
+            tiers[t] = KVMIX_PAYLOAD_NO_ROW;
+    }
+    n_floats = (size_t)d.n_layers * (size_t)d.n_tokens * (size_t)d.n_kv_heads * (size_t)d.head_dim;
+    keys = (float *)malloc(n_floats * sizeof(float) + 1);
+    values = (float *)malloc(n_floats * sizeof(float) + 1);
+    for (i = 0; i < n_floats; i++) {
+        keys[i] =
+            ((float)(next_random() % 20001) - 10000.0f) / (next_random() % 4 ? 1000.0f : 3.0f);
+        values[i] = ((float)(next_random() % 2001) - 1000.0f) / 100.0f;
+    }
+    if (kvmix_payload_describe(&d, tiers, &info) == KVMIX_SUCCESS) {
+        payload = (uint8_t *)malloc(info.total_bytes);
+        require(kvmix_payload_pack(&d, tiers, keys, values, payload, info.total_bytes, out_bytes) ==
+                    KVMIX_SUCCESS,
+                "packing a valid description succeeds");
+    }
+    free(tiers);
+    free(keys);
+    free(values);
+    return payload;
+}
+
+static void unpack_all(const uint8_t *payload, size_t bytes) {
+    kvmix_payload_info info;
+    size_t n_floats, i;
+    float *keys, *values;
+    int32_t layer;
+    if (kvmix_payload_read_head(payload, bytes, &info, NULL) != KVMIX_SUCCESS) return;
+    require(info.head_bytes <= bytes && info.head_bytes >= KVMIX_PAYLOAD_HEADER_BYTES,
+            "an accepted head lies inside the input");
+    n_floats =
+        (size_t)info.desc.n_tokens * (size_t)info.desc.n_kv_heads * (size_t)info.desc.head_dim;
+    if (n_floats > MAX_FLOATS) return;
+    keys = (float *)malloc(n_floats * sizeof(float) + 1);
+    values = (float *)malloc(n_floats * sizeof(float) + 1);
+    for (layer = info.desc.first_layer - 1; layer <= info.desc.first_layer + info.desc.n_layers;
+         layer++) {
+        kvmix_result r;
+        if (info.desc.kind == KVMIX_PAYLOAD_RESIDUAL) {
+            memset(keys, 0, n_floats * sizeof(float));
+            memset(values, 0, n_floats * sizeof(float));
+        }
+        memset(keys, POISON, info.desc.kind == KVMIX_PAYLOAD_ROWS ? n_floats * sizeof(float) : 0);
+        memset(values, POISON, info.desc.kind == KVMIX_PAYLOAD_ROWS ? n_floats * sizeof(float) : 0);
+        r = kvmix_payload_unpack(payload, bytes, layer, keys, values);
+        if (r != KVMIX_SUCCESS) {
+            if (info.desc.kind == KVMIX_PAYLOAD_ROWS)
+                require(all_poisoned(keys, n_floats * sizeof(float)) &&
+                            all_poisoned(values, n_floats * sizeof(float)),
+                        "a failed unpack writes nothing");
+            else
+                for (i = 0; i < n_floats; i++)
+                    require(keys[i] == 0.0f && values[i] == 0.0f, "a failed unpack adds nothing");
+            continue;
+        }
+        for (i = 0; i < n_floats; i++)
+            require(isfinite(keys[i]) && isfinite(values[i]), "unpacked rows are finite");
+    }
+    free(keys);
+    free(values);
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+    uint8_t *payload;
+    size_t bytes = 0, i;
+    if (size == 0) return 0;
+    if ((data[0] & 1) == 0) {
+        payload = (uint8_t *)malloc(size - 1 + 1);
+        memcpy(payload, data + 1, size - 1);
+        unpack_all(payload, size - 1);
+        free(payload);
+        return 0;
+    }
+    if (!(payload = build_payload(data, size, &bytes))) return 0;
+    for (i = 8; i + 3 <= size; i += 3) {
+        size_t off = ((size_t)data[i] | (size_t)data[i + 1] << 8) % bytes;
+        payload[off] = data[i + 2];
+    }
+    unpack_all(payload, bytes);
+    unpack_all(payload, bytes - (size > 8 ? data[size - 1] % 17 : 0)); /* truncated too */
+    free(payload);
+    return 0;
+}
