@@ -1,5 +1,9 @@
 /* Benchmark-only helper linked into libkvmix_cuda_bench.so: a plain device read kernel that
-   measures the GPU's read bandwidth in the same process as the decode benchmark. */
+   measures the GPU's read bandwidth in the same process as the decode benchmark, and kvmix.h's
+   host functions (payload heads for bench_payload.py). */
+#define KVMIX_IMPLEMENTATION
+#include "../kvmix.h"
+
 #include <cuda_runtime.h>
 #include <stdint.h>
 

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Builds and runs the GPU test (under compute-sanitizer on a reduced size, then in full) and the
-# decode benchmark on a machine with an NVIDIA GPU. Logs go to $OUT (default: build/logs).
+# Builds and runs the GPU test (under compute-sanitizer on a reduced size, then in full), the
+# decode benchmark and the payload benchmark on a machine with an NVIDIA GPU. Logs go to $OUT (default: build/logs).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-build/logs}
@@ -33,3 +33,5 @@ timeout 150 build/test_cuda > "$OUT/test.log" 2>&1
 grep -E "FAIL|passed" "$OUT/test.log" | head -40
 echo "== benchmark"
 PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-280} python3 bench/bench_decode.py --lib build/libkvmix_cuda_bench.so ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+echo "== payload benchmark"
+PYTHONUNBUFFERED=1 timeout ${PAYLOAD_TIMEOUT:-90} python3 bench/bench_payload.py --lib build/libkvmix_cuda_bench.so 2>&1 | tee "$OUT/payload.log"
