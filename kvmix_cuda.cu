@@ -3,7 +3,8 @@
    Rooms:
      // >>helpers   fp16/bf16, block sections, exact quantize arithmetic, warp/block scans,
                     the span walker every view kernel uses
-     // >>kernels   quantize, view dequantize, QueryMemory scoring, decode attention + merge
+     // >>kernels   quantize, view dequantize, QueryMemory scoring, decode attention + merge,
+                    transfer payload body pack/unpack
      // >>launch    argument checks, grid choice, dispatch
 
    The byte formats and the float arithmetic of quantize/dequantize are the ones documented in
@@ -37,11 +38,28 @@ __device__ __forceinline__ uint16_t kvmix__f2bf(float x) {
     return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
+__device__ __forceinline__ float kvmix__elem2f(uint16_t e, int dtype) {
+    return dtype == KVMIX_CUDA_BF16 ? kvmix__bf2f(e) : kvmix__h2f(e);
+}
+__device__ __forceinline__ uint16_t kvmix__f2elem(float x, int dtype) {
+    return dtype == KVMIX_CUDA_BF16 ? kvmix__f2bf(x) : kvmix__f2h(x);
+}
 __device__ __forceinline__ float kvmix__load_elem(const uint16_t *p, int dtype) {
-    return dtype == KVMIX_CUDA_BF16 ? kvmix__bf2f(*p) : kvmix__h2f(*p);
+    return kvmix__elem2f(*p, dtype);
 }
 __device__ __forceinline__ void kvmix__store_elem(uint16_t *p, float x, int dtype) {
-    *p = dtype == KVMIX_CUDA_BF16 ? kvmix__f2bf(x) : kvmix__f2h(x);
+    *p = kvmix__f2elem(x, dtype);
+}
+
+/* Element k (0 .. 7) of eight 16-bit values in a 16-byte word, and the other way. */
+__device__ __forceinline__ uint16_t kvmix__u16_of(const uint4 &w, int k) {
+    uint32_t v = k < 4 ? (k < 2 ? w.x : w.y) : (k < 6 ? w.z : w.w);
+    return (uint16_t)(v >> ((k & 1) * 16));
+}
+__device__ __forceinline__ uint4 kvmix__u16x8(const uint16_t *e) {
+    return make_uint4(
+        (uint32_t)e[0] | ((uint32_t)e[1] << 16), (uint32_t)e[2] | ((uint32_t)e[3] << 16),
+        (uint32_t)e[4] | ((uint32_t)e[5] << 16), (uint32_t)e[6] | ((uint32_t)e[7] << 16));
 }
 
 __host__ __device__ constexpr int kvmix__bits_of(int format) {
@@ -119,6 +137,32 @@ __device__ __forceinline__ uint32_t kvmix__quantize_value(float x, const kvmix__
 
 __device__ __forceinline__ float kvmix__dequantize_value(uint32_t q, float scale, float min) {
     return __fadd_rn(__fmul_rn((float)q, scale), min);
+}
+
+/* One group of `group` elements x (dtype) of a per-token row, as kvmix.h's kvmix__quantize_row:
+   its packed codes into codes[0 .. group * bits / 8) and its (scale, min) pair into meta[0 .. 4).
+   Byte stores only: codes and meta may be anywhere, global or shared. */
+__device__ inline void kvmix__quantize_group(const uint16_t *x, int dtype, int group, int bits,
+                                             uint8_t *codes, uint8_t *meta) {
+    const int levels = (1 << bits) - 1, per_byte = 8 / bits;
+    float lo = kvmix__load_elem(x, dtype), hi = lo;
+    for (int c = 1; c < group; c++) {
+        float v = kvmix__load_elem(x + c, dtype);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels);
+    for (int b = 0; b < group / per_byte; b++) {
+        uint32_t byte = 0;
+        for (int k = 0; k < per_byte; k++)
+            byte |= kvmix__quantize_value(kvmix__load_elem(x + b * per_byte + k, dtype), qp, levels)
+                    << (k * bits);
+        codes[b] = (uint8_t)byte;
+    }
+    meta[0] = (uint8_t)(qp.scale_h & 0xffu);
+    meta[1] = (uint8_t)(qp.scale_h >> 8);
+    meta[2] = (uint8_t)(qp.min_h & 0xffu);
+    meta[3] = (uint8_t)(qp.min_h >> 8);
 }
 
 __device__ __forceinline__ uint32_t kvmix__ld_u16(const uint8_t *p) {
@@ -271,33 +315,16 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
         return;
     }
     if (!per_channel) {
-        const int bits = kvmix__bits_of(p.format), levels = (1 << bits) - 1;
+        const int bits = kvmix__bits_of(p.format);
         const int groups = d / p.group_size, per_byte = 8 / bits;
         const int64_t n_tasks = (int64_t)job.n_rows * groups;
         for (int64_t task = threadIdx.x; task < n_tasks; task += blockDim.x) {
             int r = (int)(task / groups), g = (int)(task % groups);
-            const uint16_t *x = src + r * p.src_row_stride + g * p.group_size;
-            float lo = kvmix__h2f(x[0]), hi = lo;
-            for (int c = 1; c < p.group_size; c++) {
-                float v = kvmix__h2f(x[c]);
-                lo = v < lo ? v : lo;
-                hi = v > hi ? v : hi;
-            }
-            kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels);
             int64_t t = job.first_row + r;
-            uint8_t *row = blk + (uint64_t)t * s.row_bytes + (uint64_t)g * p.group_size / per_byte;
-            for (int b = 0; b < p.group_size / per_byte; b++) {
-                uint32_t byte = 0;
-                for (int k = 0; k < per_byte; k++)
-                    byte |= kvmix__quantize_value(kvmix__h2f(x[b * per_byte + k]), qp, levels)
-                            << (k * bits);
-                row[b] = (uint8_t)byte;
-            }
-            uint8_t *meta = blk + s.meta_offset + ((uint64_t)t * groups + g) * 4;
-            meta[0] = (uint8_t)(qp.scale_h & 0xffu);
-            meta[1] = (uint8_t)(qp.scale_h >> 8);
-            meta[2] = (uint8_t)(qp.min_h & 0xffu);
-            meta[3] = (uint8_t)(qp.min_h >> 8);
+            kvmix__quantize_group(
+                src + r * p.src_row_stride + g * p.group_size, KVMIX_CUDA_FP16, p.group_size, bits,
+                blk + (uint64_t)t * s.row_bytes + (uint64_t)g * p.group_size / per_byte,
+                blk + s.meta_offset + ((uint64_t)t * groups + g) * 4);
         }
         return;
     }
@@ -1596,6 +1623,323 @@ static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__
                         : (sum > 0.0f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY);
 }
 
+/* ---- transfer payload body --------------------------------------------------------------- */
+
+/* A call runs up to three kernels in stream order: tiers (checks the device head against info and
+   lists the token of every body row in the workspace), a check (pack: the input rows are
+   representable in FP16; unpack: every block holds bytes a quantize call can write), then the
+   kernel that writes, which does nothing unless the workspace's status word is still 0. */
+
+constexpr int kvmix__payload_chunk_rows = 32; /* rows of one tier's blocks per thread block */
+
+/* A payload's body (kvmix.h's >>transfer room) and the buffers of one call. Tier i (0, 1, 2) is
+   format i + 1: FP16, INT8, INT4. */
+struct kvmix__payload_params {
+    int kind, dtype, head_dim, group_size, n_kv_heads, n_tokens;
+    uint64_t n_slices;       /* n_layers * 2 * n_kv_heads: one block of each tier per slice */
+    int n_rows[3];           /* tokens at tier i */
+    int row_base[3];         /* tier i's first entry of the row list */
+    int first_chunk[4];      /* blockIdx.x of tier i's first row chunk; [3]: all chunks */
+    kvmix__sec sec[3];       /* tier i's block */
+    uint64_t tier_offset[4]; /* tier i's block from its slice's start; [3]: slice bytes */
+    uint64_t head_bytes;
+    uint8_t head[KVMIX_PAYLOAD_HEADER_BYTES]; /* the header that info describes */
+    uint8_t *payload;
+    const uint16_t *keys_in, *values_in; /* pack: [n_layers][n_tokens][n_kv_heads][head_dim] */
+    uint16_t *keys_out, *values_out;     /* unpack: the same shape */
+    int32_t *status; /* workspace: 0, or the KVMIX_CUDA_PAYLOAD_* bits found so far */
+    int32_t *rows;   /* workspace: the token of each body row, tier after tier */
+    int32_t *error_flags;
+};
+
+/* The rows [r0, r0 + n) of one tier that this thread block handles, in every slice. */
+struct kvmix__payload_chunk {
+    int tier, r0, n;
+};
+
+__device__ inline kvmix__payload_chunk kvmix__payload_chunk_of(const kvmix__payload_params &p) {
+    kvmix__payload_chunk c;
+    const int b = (int)blockIdx.x;
+    c.tier = b >= p.first_chunk[2] ? 2 : b >= p.first_chunk[1] ? 1 : 0;
+    c.r0 = (b - p.first_chunk[c.tier]) * kvmix__payload_chunk_rows;
+    c.n = min(kvmix__payload_chunk_rows, p.n_rows[c.tier] - c.r0);
+    return c;
+}
+
+/* Slice s = (layer * 2 + kv) * n_kv_heads + head: its tier-i block, and the dtype offset of a
+   token's row (layer, token, head) in keys or values. */
+__device__ __forceinline__ uint8_t *kvmix__payload_block(const kvmix__payload_params &p, uint64_t s,
+                                                         int tier) {
+    return p.payload + p.head_bytes + s * p.tier_offset[3] + p.tier_offset[tier];
+}
+struct kvmix__payload_slice {
+    uint64_t layer_row, head;
+    int kv;
+};
+__device__ __forceinline__ kvmix__payload_slice
+kvmix__payload_slice_of(const kvmix__payload_params &p, uint64_t s) {
+    kvmix__payload_slice sl;
+    const uint64_t n_kv = (uint64_t)p.n_kv_heads;
+    sl.layer_row = s / (2u * n_kv) * (uint64_t)p.n_tokens;
+    sl.kv = (int)((s / n_kv) & 1u);
+    sl.head = s % n_kv;
+    return sl;
+}
+__device__ __forceinline__ uint64_t kvmix__payload_row(const kvmix__payload_params &p,
+                                                       const kvmix__payload_slice &sl, int t) {
+    return ((sl.layer_row + (uint64_t)t) * (uint64_t)p.n_kv_heads + sl.head) * (uint64_t)p.head_dim;
+}
+
+__device__ inline void kvmix__payload_report(const kvmix__payload_params &p, int bit) {
+    atomicOr(p.status, bit);
+    if (p.error_flags) atomicOr(p.error_flags, bit);
+}
+
+/* One block of 1024 threads, 4 tokens per thread and tile: compares the device header with the
+   one info describes, checks every tier (allowed for the kind; zeros after the table), and writes
+   the row list: tier i's r-th token (position order) at rows[row_base[i] + r]. Sets the status
+   word: 0, or KVMIX_CUDA_PAYLOAD_CORRUPT when the head disagrees with info. */
+static __global__ void __launch_bounds__(1024)
+    kvmix__payload_tiers_kernel(kvmix__payload_params p) {
+    __shared__ int64_t scratch[32];
+    const uint8_t *table = p.payload + KVMIX_PAYLOAD_HEADER_BYTES;
+    const int64_t n = p.n_tokens, table_bytes = (int64_t)p.head_bytes - KVMIX_PAYLOAD_HEADER_BYTES;
+    const int field_bits = 21; /* three tier counts in one int64: a tile has 4096 tokens */
+    const int64_t field_mask = ((int64_t)1 << field_bits) - 1;
+    bool bad =
+        threadIdx.x < KVMIX_PAYLOAD_HEADER_BYTES && p.payload[threadIdx.x] != p.head[threadIdx.x];
+    int64_t seen[3] = {0, 0, 0};
+    for (int64_t t0 = 0; t0 < table_bytes; t0 += 4 * (int64_t)blockDim.x) {
+        const int64_t t = t0 + 4 * (int64_t)threadIdx.x; /* table_bytes is a multiple of 16 */
+        const uint32_t word = t < table_bytes ? *(const uint32_t *)(table + t) : 0u;
+        int tier_of[4];
+        int64_t mine = 0, total;
+        for (int b = 0; b < 4; b++) {
+            const uint32_t tier = (word >> (8 * b)) & 0xffu;
+            int i = -1;
+            if (t + b >= n)
+                bad |= tier != 0; /* the table's padding */
+            else if (tier >= KVMIX_FORMAT_FP16 && tier <= KVMIX_FORMAT_INT4)
+                i = (int)tier - KVMIX_FORMAT_FP16;
+            else
+                bad |= !(p.kind == KVMIX_PAYLOAD_RESIDUAL && tier == KVMIX_PAYLOAD_NO_ROW);
+            tier_of[b] = i;
+            if (i >= 0) mine += (int64_t)1 << (field_bits * i);
+        }
+        int64_t before = kvmix__block_scan(mine, scratch, &total) - mine;
+        for (int b = 0; b < 4; b++) {
+            const int i = tier_of[b];
+            if (i < 0) continue;
+            const int64_t rank = seen[i] + ((before >> (field_bits * i)) & field_mask);
+            if (rank < p.n_rows[i]) p.rows[p.row_base[i] + rank] = (int32_t)(t + b);
+            before += (int64_t)1 << (field_bits * i);
+        }
+        for (int i = 0; i < 3; i++) seen[i] += (total >> (field_bits * i)) & field_mask;
+    }
+    for (int i = 0; i < 3; i++) bad |= seen[i] != p.n_rows[i];
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) {
+        *p.status = bad ? KVMIX_CUDA_PAYLOAD_CORRUPT : 0;
+        if (bad && p.error_flags) atomicOr(p.error_flags, KVMIX_CUDA_PAYLOAD_CORRUPT);
+    }
+}
+
+/* Pack's check, grid (row chunks, slices): every input row that a block will read is
+   representable in FP16 (finite, |x| <= 65504), else status and flags get BAD_VALUE. */
+static __global__ void __launch_bounds__(256)
+    kvmix__payload_check_rows_kernel(kvmix__payload_params p) {
+    if (*p.status != 0) return;
+    const kvmix__payload_chunk c = kvmix__payload_chunk_of(p);
+    const int32_t *rows = p.rows + p.row_base[c.tier] + c.r0;
+    const int parts = p.head_dim / 8;
+    bool bad = false;
+    for (uint64_t s = blockIdx.y; s < p.n_slices; s += gridDim.y) {
+        const kvmix__payload_slice sl = kvmix__payload_slice_of(p, s);
+        const uint16_t *in = sl.kv ? p.values_in : p.keys_in;
+        for (int e = threadIdx.x; e < c.n * parts; e += blockDim.x) {
+            const uint4 w =
+                *(const uint4 *)(in + kvmix__payload_row(p, sl, rows[e / parts]) + (e % parts) * 8);
+            for (int k = 0; k < 8; k++) {
+                const uint16_t x = kvmix__u16_of(w, k);
+                bad |= p.dtype == KVMIX_CUDA_BF16 ? !(fabsf(kvmix__bf2f(x)) <= 65504.0f)
+                                                  : (x & 0x7c00u) == 0x7c00u;
+            }
+        }
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0)
+        kvmix__payload_report(p, KVMIX_CUDA_PAYLOAD_BAD_VALUE);
+}
+
+/* Grid (row chunks, slices), 8 channels (one 16-byte word of input) a thread: writes rows
+   [r0, r0 + n) of the chunk's tier in every slice, and the block's zero padding with its last
+   rows. FP16 rows go straight through. INT8 and INT4 groups of G = 8 * 2^k <= 256 channels are
+   quantized by the G / 8 lanes that hold them: (lo, hi) reduced over those lanes with ties to the
+   lower lane, which gives kvmix.h's first-occurrence min and max (the sign of a zero matters);
+   then each lane writes its 8 codes and the group's first lane the (scale, min) pair. Other
+   group sizes take one thread per group (kvmix__quantize_group). */
+static __global__ void __launch_bounds__(256) kvmix__payload_pack_kernel(kvmix__payload_params p) {
+    if (*p.status != 0) return; /* a bad head or input row: no body byte is written */
+    const kvmix__payload_chunk c = kvmix__payload_chunk_of(p);
+    const int32_t *rows = p.rows + p.row_base[c.tier] + c.r0;
+    const kvmix__sec sec = p.sec[c.tier];
+    const int d = p.head_dim, parts = d / 8, row_bytes = (int)sec.row_bytes, n_units = c.n * parts;
+    const int bits = kvmix__bits_of(c.tier + KVMIX_FORMAT_FP16), levels = (1 << bits) - 1;
+    const int groups = d / p.group_size, lanes = p.group_size / 8, lane = threadIdx.x & 31;
+    const bool by_lanes = lanes <= 32 && (lanes & (lanes - 1)) == 0;
+    const bool last = c.r0 + c.n == p.n_rows[c.tier];
+    for (uint64_t s = blockIdx.y; s < p.n_slices; s += gridDim.y) {
+        const kvmix__payload_slice sl = kvmix__payload_slice_of(p, s);
+        const uint16_t *in = sl.kv ? p.values_in : p.keys_in;
+        uint8_t *blk = kvmix__payload_block(p, s, c.tier);
+        if (c.tier == 0) {
+            for (int e = threadIdx.x; e < n_units; e += blockDim.x) {
+                const int r = e / parts, k = e % parts;
+                uint4 w = *(const uint4 *)(in + kvmix__payload_row(p, sl, rows[r]) + k * 8);
+                if (p.dtype == KVMIX_CUDA_BF16) {
+                    uint16_t h[8];
+                    for (int j = 0; j < 8; j++) h[j] = kvmix__f2h(kvmix__bf2f(kvmix__u16_of(w, j)));
+                    w = kvmix__u16x8(h);
+                }
+                *(uint4 *)(blk + (uint64_t)(c.r0 + r) * row_bytes + k * 16) = w;
+            }
+            continue;
+        }
+        if (last && threadIdx.x < 3) { /* the block's padding: at most 3 words after the pairs */
+            const uint64_t at =
+                sec.meta_offset + (uint64_t)p.n_rows[c.tier] * groups * 4 + 4 * threadIdx.x;
+            if (at < p.tier_offset[c.tier + 1] - p.tier_offset[c.tier]) *(uint32_t *)(blk + at) = 0;
+        }
+        if (!by_lanes) {
+            for (int task = threadIdx.x; task < c.n * groups; task += blockDim.x) {
+                const uint64_t r = (uint64_t)(c.r0 + task / groups), g = (uint64_t)(task % groups);
+                kvmix__quantize_group(
+                    in + kvmix__payload_row(p, sl, rows[task / groups]) + g * p.group_size, p.dtype,
+                    p.group_size, bits, blk + r * row_bytes + g * p.group_size * bits / 8,
+                    blk + sec.meta_offset + (r * groups + g) * 4);
+            }
+            continue;
+        }
+        /* every lane runs every round (the shuffles); a group's lanes are all in or all out */
+        for (int e0 = 0; e0 < n_units; e0 += blockDim.x) {
+            const int e = e0 + (int)threadIdx.x, r = e / parts, k = e % parts;
+            const bool on = e < n_units;
+            const uint4 w = on ? *(const uint4 *)(in + kvmix__payload_row(p, sl, rows[r]) + k * 8)
+                               : make_uint4(0, 0, 0, 0);
+            float x[8];
+            for (int j = 0; j < 8; j++) x[j] = kvmix__elem2f(kvmix__u16_of(w, j), p.dtype);
+            float lo = x[0], hi = x[0];
+            for (int j = 1; j < 8; j++) {
+                lo = x[j] < lo ? x[j] : lo;
+                hi = x[j] > hi ? x[j] : hi;
+            }
+            for (int off = 1; off < lanes; off <<= 1) {
+                const float o_lo = __shfl_xor_sync(0xffffffffu, lo, off);
+                const float o_hi = __shfl_xor_sync(0xffffffffu, hi, off);
+                const bool o_first = (lane & off) != 0; /* the other lane's channels come first */
+                lo = o_lo < lo || (!(lo < o_lo) && o_first) ? o_lo : lo;
+                hi = o_hi > hi || (!(hi > o_hi) && o_first) ? o_hi : hi;
+            }
+            if (!on) continue;
+            const kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels);
+            uint64_t q = 0;
+            for (int j = 0; j < 8; j++)
+                q |= (uint64_t)kvmix__quantize_value(x[j], qp, levels) << (bits * j);
+            const uint64_t row = (uint64_t)(c.r0 + r);
+            if (bits == 8)
+                *(uint2 *)(blk + row * row_bytes + k * 8) =
+                    make_uint2((uint32_t)q, (uint32_t)(q >> 32));
+            else
+                *(uint32_t *)(blk + row * row_bytes + k * 4) = (uint32_t)q;
+            if (k % lanes == 0)
+                *(uint32_t *)(blk + sec.meta_offset + (row * groups + k / lanes) * 4) =
+                    (uint32_t)qp.scale_h | ((uint32_t)qp.min_h << 16);
+        }
+    }
+}
+
+/* Unpack's check over the whole body, one 16-byte word a thread: FP16 rows hold no inf or NaN;
+   (scale, min) pairs have a scale with the sign bit clear and both finite (kvmix.h's
+   kvmix__check_block). Codes and padding are not read. Sets CORRUPT in status and flags. */
+static __global__ void __launch_bounds__(256)
+    kvmix__payload_check_blocks_kernel(kvmix__payload_params p) {
+    if (*p.status != 0) return;
+    const uint64_t slice_words = p.tier_offset[3] / 16, n_words = p.n_slices * slice_words;
+    bool bad = false;
+    for (uint64_t w = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; w < n_words;
+         w += (uint64_t)gridDim.x * blockDim.x) {
+        const uint64_t off = (w % slice_words) * 16;
+        const int i = off >= p.tier_offset[2] ? 2 : off >= p.tier_offset[1] ? 1 : 0;
+        const uint64_t rel = off - p.tier_offset[i];
+        if (rel >= p.sec[i].total_bytes || (i != 0 && rel < p.sec[i].meta_offset)) continue;
+        const uint4 v = *(const uint4 *)(p.payload + p.head_bytes + w * 16);
+        if (i == 0) {
+            for (int k = 0; k < 8; k++) bad |= (kvmix__u16_of(v, k) & 0x7c00u) == 0x7c00u;
+            continue;
+        }
+        for (int k = 0; k < 4; k++) {
+            if (rel + 4 * k >= p.sec[i].total_bytes) break; /* the block's padding */
+            const uint16_t scale_h = kvmix__u16_of(v, 2 * k), min_h = kvmix__u16_of(v, 2 * k + 1);
+            bad |= (scale_h & 0x8000u) != 0 || (scale_h & 0x7c00u) == 0x7c00u ||
+                   (min_h & 0x7c00u) == 0x7c00u;
+        }
+    }
+    if (__syncthreads_or(bad) && threadIdx.x == 0)
+        kvmix__payload_report(p, KVMIX_CUDA_PAYLOAD_CORRUPT);
+}
+
+/* Grid (row chunks, slices), 8 channels a thread: decodes rows [r0, r0 + n) of the chunk's tier
+   exactly as kvmix.h's kvmix__decode_row and writes them (ROWS) or adds them in float to the
+   rows there (RESIDUAL), rounded to dtype. */
+static __global__ void __launch_bounds__(256)
+    kvmix__payload_unpack_kernel(kvmix__payload_params p) {
+    if (*p.status != 0) return; /* a bad head or block: no output is written */
+    const kvmix__payload_chunk c = kvmix__payload_chunk_of(p);
+    const int32_t *rows = p.rows + p.row_base[c.tier] + c.r0;
+    const kvmix__sec sec = p.sec[c.tier];
+    const int parts = p.head_dim / 8, groups = p.head_dim / p.group_size;
+    for (uint64_t s = blockIdx.y; s < p.n_slices; s += gridDim.y) {
+        const kvmix__payload_slice sl = kvmix__payload_slice_of(p, s);
+        uint16_t *out = sl.kv ? p.values_out : p.keys_out;
+        if (!out) continue;
+        const uint8_t *blk = kvmix__payload_block(p, s, c.tier);
+        for (int e = threadIdx.x; e < c.n * parts; e += blockDim.x) {
+            const int k = e % parts;
+            const uint64_t r = (uint64_t)(c.r0 + e / parts);
+            float v[8];
+            if (c.tier == 0) {
+                const uint4 w = *(const uint4 *)(blk + r * sec.row_bytes + k * 16);
+                for (int j = 0; j < 8; j++) v[j] = kvmix__h2f(kvmix__u16_of(w, j));
+            } else {
+                /* 8 channels share a group: G is a multiple of 8 */
+                const uint32_t m = *(const uint32_t *)(blk + sec.meta_offset +
+                                                       (r * groups + k * 8 / p.group_size) * 4);
+                const float scale = kvmix__h2f((uint16_t)(m & 0xffffu)),
+                            min = kvmix__h2f((uint16_t)(m >> 16));
+                uint64_t q;
+                if (c.tier == 1) {
+                    const uint2 w = *(const uint2 *)(blk + r * sec.row_bytes + k * 8);
+                    q = (uint64_t)w.x | ((uint64_t)w.y << 32);
+                } else {
+                    const uint32_t w = *(const uint32_t *)(blk + r * sec.row_bytes + k * 4);
+                    q = 0;
+                    for (int j = 0; j < 8; j++) q |= (uint64_t)((w >> (4 * j)) & 15u) << (8 * j);
+                }
+                for (int j = 0; j < 8; j++)
+                    v[j] = kvmix__dequantize_value((uint32_t)(q >> (8 * j)) & 0xffu, scale, min);
+            }
+            uint4 *dst = (uint4 *)(out + kvmix__payload_row(p, sl, rows[e / parts]) + k * 8);
+            uint16_t h[8];
+            if (p.kind == KVMIX_PAYLOAD_RESIDUAL) {
+                const uint4 old = *dst;
+                for (int j = 0; j < 8; j++)
+                    v[j] = __fadd_rn(kvmix__elem2f(kvmix__u16_of(old, j), p.dtype), v[j]);
+            }
+            for (int j = 0; j < 8; j++) h[j] = kvmix__f2elem(v[j], p.dtype);
+            *dst = kvmix__u16x8(h);
+        }
+    }
+}
+
 } // namespace
 #ifdef KVMIX__PROF
 extern "C" int kvmix__prof_get(void *host, size_t bytes) {
@@ -1848,4 +2192,166 @@ extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_
     if (e != cudaSuccess) return KVMIX_ERR_CUDA;
     *out_blocks = blocks;
     return KVMIX_SUCCESS;
+}
+
+/* ---- transfer payload -------------------------------------------------------------------- */
+
+/* Payload workspace: the status word (int32 at byte 0: 0, or the KVMIX_CUDA_PAYLOAD_* bits the
+   kernels found), then from byte 256 the row list (int32 per body row: the token of each FP16
+   row, then of each INT8 row, then of each INT4 row, each tier in position order).
+   Bytes: 256 + round_up(4 * n_tokens, 256). */
+constexpr size_t kvmix__payload_rows_offset = 256;
+
+extern "C" kvmix_result kvmix_cuda_payload_workspace_bytes(int32_t n_tokens, size_t *out_bytes) {
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if (n_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = kvmix__payload_rows_offset + (((size_t)n_tokens * 4 + 255) & ~(size_t)255);
+    return KVMIX_SUCCESS;
+}
+
+/* The 80 header bytes that info describes, as kvmix_payload_write_head writes them. */
+static void kvmix__payload_header(const kvmix_payload_info *info, uint8_t *h) {
+    const kvmix_payload_desc &d = info->desc;
+    auto put = [h](int offset, uint64_t v, int bytes) {
+        for (int b = 0; b < bytes; b++) h[offset + b] = (uint8_t)(v >> (8 * b));
+    };
+    put(0, 0x504d564bu, 4); /* "KVMP" */
+    put(4, KVMIX_PAYLOAD_VERSION, 2);
+    put(6, (uint64_t)d.kind, 2);
+    put(8, (uint64_t)d.head_dim, 4);
+    put(12, (uint64_t)d.n_kv_heads, 4);
+    put(16, (uint64_t)d.group_size, 4);
+    put(20, (uint64_t)d.first_layer, 4);
+    put(24, (uint64_t)d.n_layers, 4);
+    put(28, (uint64_t)d.n_tokens, 4);
+    put(32, (uint64_t)d.first_position, 8);
+    put(40, d.id, 8);
+    put(48, d.base_id, 8);
+    put(56, (uint64_t)info->n_fp16, 4);
+    put(60, (uint64_t)info->n_int8, 4);
+    put(64, (uint64_t)info->n_int4, 4);
+    put(68, 0, 4);
+    put(72, (uint64_t)info->total_bytes, 8);
+}
+
+/* Checks info the way kvmix_payload_describe builds one (no kvmix.h implementation is linked
+   into this file: the sizes are derived again here), the dtype and the buffers every call needs,
+   and fills p's shape. *nothing: a payload of 0 tokens, for which no check of the buffers is
+   made and nothing is enqueued. */
+static kvmix_result kvmix__payload_setup(const kvmix_payload_info *info, kvmix_cuda_dtype dtype,
+                                         const void *payload, void *workspace,
+                                         size_t workspace_bytes, int32_t *error_flags,
+                                         kvmix__payload_params *p, bool *nothing) {
+    if (!info) return KVMIX_ERR_NULL_POINTER;
+    const kvmix_payload_desc &d = info->desc;
+    const int32_t counts[3] = {info->n_fp16, info->n_int8, info->n_int4};
+    if ((d.kind != KVMIX_PAYLOAD_ROWS && d.kind != KVMIX_PAYLOAD_RESIDUAL) || d.n_kv_heads < 1 ||
+        d.n_kv_heads > 65535 || d.n_layers < 1 || d.n_layers > 65535 || d.first_layer < 0 ||
+        d.first_layer > 0x7fffffff - d.n_layers || d.n_tokens < 0 || d.first_position < 0 ||
+        (d.kind == KVMIX_PAYLOAD_ROWS && d.base_id != 0))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d.head_dim <= 0 || d.head_dim % 32 != 0 || d.head_dim > KVMIX_MAX_HEAD_DIM ||
+        d.group_size < 8 || d.group_size % 8 != 0 || d.head_dim % d.group_size != 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    int64_t n_rows = 0;
+    for (int i = 0; i < 3; i++) {
+        if (counts[i] < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+        n_rows += counts[i];
+    }
+    if (d.kind == KVMIX_PAYLOAD_ROWS ? n_rows != d.n_tokens : n_rows > d.n_tokens)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    p->tier_offset[0] = 0;
+    for (int i = 0; i < 3; i++) {
+        p->sec[i] = kvmix__sections(KVMIX_FORMAT_FP16 + i, counts[i], d.head_dim, d.group_size, 0);
+        p->tier_offset[i + 1] = p->tier_offset[i] + ((p->sec[i].total_bytes + 15) & ~(uint64_t)15);
+    }
+    const uint64_t head =
+        KVMIX_PAYLOAD_HEADER_BYTES + (((uint64_t)d.n_tokens + 15) & ~(uint64_t)15);
+    const uint64_t slices = (uint64_t)d.n_layers * 2u * (uint64_t)d.n_kv_heads;
+    const uint64_t slice = p->tier_offset[3], most = (uint64_t)1 << 62;
+    if (slice > (most - head) / slices || info->head_bytes != head ||
+        info->total_bytes != head + slices * slice)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (dtype != KVMIX_CUDA_FP16 && dtype != KVMIX_CUDA_BF16) return KVMIX_ERR_UNSUPPORTED;
+    *nothing = d.n_tokens == 0;
+    if (*nothing) return KVMIX_SUCCESS;
+    if (!payload || !workspace) return KVMIX_ERR_NULL_POINTER;
+    size_t need;
+    kvmix_cuda_payload_workspace_bytes(d.n_tokens, &need);
+    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if ((((uintptr_t)payload | (uintptr_t)workspace) & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+
+    p->kind = d.kind, p->dtype = dtype, p->head_dim = d.head_dim, p->group_size = d.group_size;
+    p->n_kv_heads = d.n_kv_heads, p->n_tokens = d.n_tokens, p->n_slices = slices;
+    p->first_chunk[0] = 0;
+    for (int i = 0; i < 3; i++) {
+        p->n_rows[i] = counts[i];
+        p->row_base[i] = i == 0 ? 0 : p->row_base[i - 1] + counts[i - 1];
+        p->first_chunk[i + 1] = p->first_chunk[i] + (counts[i] + kvmix__payload_chunk_rows - 1) /
+                                                        kvmix__payload_chunk_rows;
+    }
+    p->head_bytes = head;
+    kvmix__payload_header(info, p->head);
+    p->payload = (uint8_t *)payload;
+    p->keys_in = p->values_in = nullptr;
+    p->keys_out = p->values_out = nullptr;
+    p->status = (int32_t *)workspace;
+    p->rows = (int32_t *)((uint8_t *)workspace + kvmix__payload_rows_offset);
+    p->error_flags = error_flags;
+    return KVMIX_SUCCESS;
+}
+
+/* Enqueues the tiers kernel, the check and the writer (pack or unpack) of a set-up call. */
+static kvmix_result kvmix__payload_launch(const kvmix__payload_params &p, bool unpack,
+                                          kvmix_stream stream) {
+    cudaStream_t s = (cudaStream_t)stream;
+    kvmix__payload_tiers_kernel<<<1, 1024, 0, s>>>(p);
+    kvmix_result r = kvmix__launch_status();
+    if (r != KVMIX_SUCCESS || p.first_chunk[3] == 0) return r; /* no row: the body is empty */
+    dim3 grid((unsigned)p.first_chunk[3], (unsigned)(p.n_slices < 65535 ? p.n_slices : 65535));
+    if (!unpack) {
+        kvmix__payload_check_rows_kernel<<<grid, 256, 0, s>>>(p);
+        if ((r = kvmix__launch_status()) != KVMIX_SUCCESS) return r;
+        kvmix__payload_pack_kernel<<<grid, 256, 0, s>>>(p);
+        return kvmix__launch_status();
+    }
+    const uint64_t words = p.n_slices * (p.tier_offset[3] / 16);
+    const uint64_t blocks = (words + 255) / 256;
+    kvmix__payload_check_blocks_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, s>>>(p);
+    if ((r = kvmix__launch_status()) != KVMIX_SUCCESS) return r;
+    if (!p.keys_out && !p.values_out) return KVMIX_SUCCESS;
+    kvmix__payload_unpack_kernel<<<grid, 256, 0, s>>>(p);
+    return kvmix__launch_status();
+}
+
+/* Pointers (payload, workspace, keys, values) must be 16-byte aligned: INVALID_ARGUMENT. */
+extern "C" kvmix_result kvmix_cuda_payload_pack(const kvmix_payload_info *info, const void *keys,
+                                                const void *values, kvmix_cuda_dtype dtype,
+                                                void *payload, void *workspace,
+                                                size_t workspace_bytes, int32_t *error_flags,
+                                                kvmix_stream stream) {
+    kvmix__payload_params p;
+    bool nothing = false;
+    kvmix_result r = kvmix__payload_setup(info, dtype, payload, workspace, workspace_bytes,
+                                          error_flags, &p, &nothing);
+    if (r != KVMIX_SUCCESS || nothing) return r;
+    if (p.first_chunk[3] > 0 && (!keys || !values)) return KVMIX_ERR_NULL_POINTER;
+    if ((((uintptr_t)keys | (uintptr_t)values) & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    p.keys_in = (const uint16_t *)keys, p.values_in = (const uint16_t *)values;
+    return kvmix__payload_launch(p, false, stream);
+}
+
+extern "C" kvmix_result kvmix_cuda_payload_unpack(const kvmix_payload_info *info,
+                                                  const void *payload, kvmix_cuda_dtype dtype,
+                                                  void *keys, void *values, void *workspace,
+                                                  size_t workspace_bytes, int32_t *error_flags,
+                                                  kvmix_stream stream) {
+    kvmix__payload_params p;
+    bool nothing = false;
+    kvmix_result r = kvmix__payload_setup(info, dtype, payload, workspace, workspace_bytes,
+                                          error_flags, &p, &nothing);
+    if (r != KVMIX_SUCCESS || nothing) return r;
+    if ((((uintptr_t)keys | (uintptr_t)values) & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    p.keys_out = (uint16_t *)keys, p.values_out = (uint16_t *)values;
+    return kvmix__payload_launch(p, true, stream);
 }

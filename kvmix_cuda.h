@@ -143,7 +143,8 @@ kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq, int32_t 
 /* from a host copy of those bytes. Both kernels read the tiers from the device payload's head    */
 /* and check them against info (counts per tier) before touching any row.                        */
 /*   keys, values: [n_layers][n_tokens][n_kv_heads][head_dim] of dtype (the payload's layers).    */
-/* Workspace: caller-owned device memory, 256-byte aligned, of kvmix_cuda_payload_workspace_bytes. */
+/* Workspace: caller-owned device memory of kvmix_cuda_payload_workspace_bytes. The payload,      */
+/* workspace, keys and values must be 16-byte aligned (INVALID_ARGUMENT otherwise).               */
 
 /* error_flags bits: an input row has inf, NaN or |x| > 65504; the device head disagrees with
    info, or a block holds bytes no quantize call could have written */

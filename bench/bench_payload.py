@@ -67,7 +67,8 @@ def main():
     L.kvmix_cuda_payload_workspace_bytes.argtypes = [C.c_int32, C.POINTER(C.c_size_t)]
     L.kvmix_cuda_payload_pack.argtypes = [C.POINTER(PayloadInfo), C.c_void_p, C.c_void_p, C.c_int, C.c_void_p,
                                           C.c_void_p, C.c_size_t, C.c_void_p, C.c_void_p]
-    L.kvmix_cuda_payload_unpack.argtypes = L.kvmix_cuda_payload_pack.argtypes
+    L.kvmix_cuda_payload_unpack.argtypes = [C.POINTER(PayloadInfo), C.c_void_p, C.c_int, C.c_void_p, C.c_void_p,
+                                            C.c_void_p, C.c_size_t, C.c_void_p, C.c_void_p]
 
     def check(r, what):
         if r != 0:

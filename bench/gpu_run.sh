@@ -31,7 +31,9 @@ cat "$OUT/sanitizer.log"
 echo "== test (full)"
 timeout 150 build/test_cuda > "$OUT/test.log" 2>&1
 grep -E "FAIL|passed" "$OUT/test.log" | head -40
-echo "== benchmark"
-PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-280} python3 bench/bench_decode.py --lib build/libkvmix_cuda_bench.so ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+if [ -z "${SKIP_DECODE_BENCH:-}" ]; then
+    echo "== benchmark"
+    PYTHONUNBUFFERED=1 timeout ${BENCH_TIMEOUT:-280} python3 bench/bench_decode.py --lib build/libkvmix_cuda_bench.so ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+fi
 echo "== payload benchmark"
 PYTHONUNBUFFERED=1 timeout ${PAYLOAD_TIMEOUT:-90} python3 bench/bench_payload.py --lib build/libkvmix_cuda_bench.so 2>&1 | tee "$OUT/payload.log"

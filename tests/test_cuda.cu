@@ -1,5 +1,6 @@
 /* GPU tests of kvmix_cuda.cu against kvmix.h's CPU references.
-   Usage: test_cuda [--quick] [--seed N]. Prints "N passed, N failed"; exit status 1 on failure. */
+   Usage: test_cuda [--quick] [--seed N] [--only args|quantize|view|decode|payload].
+   Prints "N passed, N failed"; exit status 1 on failure. */
 #define KVMIX_IMPLEMENTATION
 #include "../kvmix.h"
 #include "../kvmix_cuda.h"
@@ -559,6 +560,484 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
     free_view(v);
 }
 
+/* ---- transfer payload -------------------------------------------------------------------- */
+
+static uint16_t to_dtype(float x, kvmix_cuda_dtype dt) {
+    return dt == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x) : kvmix_fp32_to_fp16(x);
+}
+static float from_dtype(uint16_t h, kvmix_cuda_dtype dt) {
+    return dt == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(h) : kvmix_fp16_to_fp32(h);
+}
+static const char *dtype_name(kvmix_cuda_dtype dt) {
+    return dt == KVMIX_CUDA_BF16 ? "bf16" : "fp16";
+}
+
+/* Random rows [n_rows][d] of dtype: per-channel scales with outlier channels, tiny channels (below
+   FP16's normal range, so BF16 rows exercise subnormal rounding), constant channels, negative
+   zeros, a quarter-step kind with exact ties, and a kind of mostly zeros of both signs (the group
+   minimum's sign is its first occurrence's). */
+static void fill_payload_rows(std::vector<uint16_t> &h, size_t n_rows, int d, kvmix_cuda_dtype dt) {
+    h.resize(n_rows * d);
+    std::vector<float> ch_scale(d);
+    for (int c = 0; c < d; c++) {
+        float s = 0.5f + urand();
+        if (irand(8) == 0) s *= 20.0f;
+        if (irand(16) == 0) s = 3e-6f;
+        if (irand(16) == 0) s = 0.0f;
+        ch_scale[c] = s;
+    }
+    int kind = irand(5);
+    for (size_t t = 0; t < n_rows; t++) {
+        const float sign = irand(2) ? 1.0f : -1.0f; /* kind 4: zeros of both signs and one sign */
+        for (int c = 0; c < d; c++) {
+            float x = kind == 3 ? (float)(irand(9) - 4) * 0.25f
+                                : nrand() * ch_scale[c] + (kind == 1 ? 3.0f : 0.0f);
+            if (kind == 4) x = irand(4) == 0 ? sign * urand() : (irand(2) ? 0.0f : -0.0f);
+            if (ch_scale[c] == 0.0f && kind != 4) x = kind == 2 ? -0.0f : 1.5f;
+            if (irand(4096) == 0) x = (irand(2) ? 1.0f : -1.0f) * 30000.0f;
+            h[t * d + c] = to_dtype(x, dt);
+        }
+    }
+}
+
+static size_t first_diff(const std::vector<uint8_t> &a, const std::vector<uint8_t> &b) {
+    for (size_t i = 0; i < a.size() && i < b.size(); i++)
+        if (a[i] != b[i]) return i;
+    return a.size() == b.size() ? a.size() : (a.size() < b.size() ? a.size() : b.size());
+}
+
+static bool all_bytes(const std::vector<uint8_t> &a, size_t from, size_t to, uint8_t v) {
+    for (size_t i = from; i < to; i++)
+        if (a[i] != v) return false;
+    return true;
+}
+
+/* Byte offset of block (layer, kv, head, tier i) from the >>transfer comment's formula, with the
+   block sizes from kvmix_layout_bytes (independent of both implementations' own arithmetic). */
+static size_t payload_block_offset(const kvmix_payload_info &info, int l, int kv, int h, int i,
+                                   size_t *block_bytes) {
+    const int counts[3] = {info.n_fp16, info.n_int8, info.n_int4};
+    size_t tier[3], slice = 0;
+    for (int j = 0; j < 3; j++) {
+        kvmix_layout bl;
+        memset(&bl, 0, sizeof bl);
+        bl.format = (kvmix_format)(KVMIX_FORMAT_FP16 + j);
+        bl.n_tokens = counts[j], bl.head_dim = info.desc.head_dim;
+        bl.group_size = j ? info.desc.group_size : 0;
+        size_t bytes = 0;
+        kvmix_layout_bytes(&bl, &bytes);
+        tier[j] = align16(bytes);
+        if (j == i) *block_bytes = bytes;
+        slice += tier[j];
+    }
+    size_t off = info.head_bytes + (((size_t)l * 2 + kv) * info.desc.n_kv_heads + h) * slice;
+    for (int j = 0; j < i; j++) off += tier[j];
+    return off;
+}
+
+struct payload_dev {
+    uint16_t *keys, *values, *out_k, *out_v;
+    uint8_t *payload;
+    void *ws;
+    int32_t *flags;
+};
+
+static void payload_dev_free(payload_dev &g) {
+    cudaFree(g.keys);
+    cudaFree(g.values);
+    cudaFree(g.out_k);
+    cudaFree(g.out_v);
+    cudaFree(g.payload);
+    cudaFree(g.ws);
+    cudaFree(g.flags);
+}
+
+/* mix: 0 all FP16, 1 all INT4, 2 random FP16/INT8/INT4, 3 random with NO_ROW (RESIDUAL), 4 all
+   NO_ROW (RESIDUAL: an empty body). errors: also run the error paths on this case. */
+static void test_payload_case(kvmix_payload_kind kind, int d, int g, int n, int n_kv, int n_layers,
+                              int mix, kvmix_cuda_dtype dt, bool errors) {
+    char name[300];
+    std::vector<uint8_t> tiers(n);
+    for (int t = 0; t < n; t++) {
+        int tier = mix == 0 ? KVMIX_FORMAT_FP16 : mix == 1 ? KVMIX_FORMAT_INT4 : 1 + irand(3);
+        if (mix == 3 && irand(3) == 0) tier = KVMIX_PAYLOAD_NO_ROW;
+        if (mix == 4) tier = KVMIX_PAYLOAD_NO_ROW;
+        tiers[t] = (uint8_t)tier;
+    }
+    kvmix_payload_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.kind = kind, desc.head_dim = d, desc.n_kv_heads = n_kv, desc.group_size = g;
+    desc.first_layer = irand(4), desc.n_layers = n_layers, desc.n_tokens = n;
+    desc.first_position = irand(5000), desc.id = rnd();
+    desc.base_id = kind == KVMIX_PAYLOAD_RESIDUAL ? rnd() : 0;
+    kvmix_payload_info info;
+    kvmix_result rd = kvmix_payload_describe(&desc, tiers.data(), &info);
+    std::vector<uint8_t> head(info.head_bytes);
+    kvmix_result rh = kvmix_payload_write_head(&info, tiers.data(), head.data(), head.size());
+    snprintf(name, sizeof name, "payload describe/write_head kind %d D %d G %d n %d", kind, d, g,
+             n);
+    check(rd == KVMIX_SUCCESS && rh == KVMIX_SUCCESS, name);
+    if (rd != KVMIX_SUCCESS || rh != KVMIX_SUCCESS) return;
+    const size_t row_elems = (size_t)n_kv * d, n_elems = (size_t)n_layers * n * row_elems;
+    const size_t total = info.total_bytes, out_bytes = n_elems * 2;
+    /* inputs; rows of NO_ROW tokens hold NaN: they must not be read */
+    std::vector<uint16_t> keys, values;
+    fill_payload_rows(keys, (size_t)n_layers * n * n_kv, d, dt);
+    fill_payload_rows(values, (size_t)n_layers * n * n_kv, d, dt);
+    for (int l = 0; l < n_layers; l++)
+        for (int t = 0; t < n; t++)
+            if (tiers[t] == KVMIX_PAYLOAD_NO_ROW)
+                for (size_t e = 0; e < row_elems; e++) {
+                    keys[((size_t)l * n + t) * row_elems + e] =
+                        dt == KVMIX_CUDA_BF16 ? 0x7fc0 : 0x7e00;
+                    values[((size_t)l * n + t) * row_elems + e] = 0x7c00;
+                }
+    std::vector<float> kf(n_elems), vf(n_elems);
+    for (size_t i = 0; i < n_elems; i++)
+        kf[i] = from_dtype(keys[i], dt), vf[i] = from_dtype(values[i], dt);
+    std::vector<uint8_t> expect(total, 0x11);
+    size_t packed = 0;
+    kvmix_result rp = kvmix_payload_pack(&desc, tiers.data(), kf.data(), vf.data(), expect.data(),
+                                         total, &packed);
+    snprintf(name, sizeof name, "payload CPU pack kind %d D %d G %d n %d", kind, d, g, n);
+    check(rp == KVMIX_SUCCESS && packed == total, name);
+    if (rp != KVMIX_SUCCESS) return;
+
+    payload_dev gd;
+    memset(&gd, 0, sizeof gd);
+    size_t ws_bytes = 0;
+    kvmix_cuda_payload_workspace_bytes(n, &ws_bytes);
+    CUDA_OK(cudaMalloc(&gd.keys, out_bytes + 16));
+    CUDA_OK(cudaMalloc(&gd.values, out_bytes + 16));
+    CUDA_OK(cudaMalloc(&gd.out_k, out_bytes + 16));
+    CUDA_OK(cudaMalloc(&gd.out_v, out_bytes + 16));
+    CUDA_OK(cudaMalloc(&gd.payload, total));
+    CUDA_OK(cudaMalloc(&gd.ws, ws_bytes));
+    CUDA_OK(cudaMalloc(&gd.flags, 4));
+    CUDA_OK(cudaMemcpy(gd.keys, keys.data(), out_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(gd.values, values.data(), out_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(gd.ws, 0xFF, ws_bytes));
+    int32_t flags = -1;
+    std::vector<uint8_t> got(total);
+    /* Pack: body poisoned, head copied; returns r, fills got and flags. */
+    auto run_pack = [&](const void *k, const void *v) -> kvmix_result {
+        cudaMemset(gd.payload, 0xA5, total);
+        cudaMemcpy(gd.payload, head.data(), head.size(), cudaMemcpyHostToDevice);
+        cudaMemset(gd.flags, 0, 4);
+        kvmix_result r =
+            kvmix_cuda_payload_pack(&info, k, v, dt, gd.payload, gd.ws, ws_bytes, gd.flags, 0);
+        cudaDeviceSynchronize();
+        cudaMemcpy(got.data(), gd.payload, total, cudaMemcpyDeviceToHost);
+        cudaMemcpy(&flags, gd.flags, 4, cudaMemcpyDeviceToHost);
+        return r;
+    };
+    const bool has_rows = info.n_fp16 + info.n_int8 + info.n_int4 > 0;
+    kvmix_result r = run_pack(has_rows ? gd.keys : NULL, has_rows ? gd.values : NULL);
+    size_t diff = first_diff(got, expect);
+    snprintf(name, sizeof name,
+             "payload pack kind %d D %d G %d n %d kv %d layers %d mix %d %s: bytes equal (first "
+             "diff %zu of %zu), r %d flags %d",
+             kind, d, g, n, n_kv, n_layers, mix, dtype_name(dt), diff, total, r, flags);
+    check(r == KVMIX_SUCCESS && flags == 0 && diff == total, name);
+
+    /* Unpack the CPU's bytes. ROWS: outputs poisoned; RESIDUAL: outputs hold old rows (finite),
+       the expectation is kvmix_payload_unpack added to their floats, rounded to dtype. One case in
+       three passes keys NULL: they must stay as they were. */
+    CUDA_OK(cudaMemcpy(gd.payload, expect.data(), total, cudaMemcpyHostToDevice));
+    std::vector<uint16_t> old_k(n_elems, 0xEEEE), old_v(n_elems, 0xEEEE);
+    if (kind == KVMIX_PAYLOAD_RESIDUAL) {
+        fill_payload_rows(old_k, (size_t)n_layers * n * n_kv, d, dt);
+        fill_payload_rows(old_v, (size_t)n_layers * n * n_kv, d, dt);
+    }
+    const bool no_keys = irand(3) == 0;
+    std::vector<float> ek(n_elems, 0.0f), ev(n_elems, 0.0f);
+    for (size_t i = 0; i < n_elems && kind == KVMIX_PAYLOAD_RESIDUAL; i++)
+        ek[i] = from_dtype(old_k[i], dt), ev[i] = from_dtype(old_v[i], dt);
+    bool cpu_ok = true;
+    for (int l = 0; l < n_layers; l++)
+        cpu_ok &= kvmix_payload_unpack(expect.data(), total, desc.first_layer + l,
+                                       ek.data() + (size_t)l * n * row_elems,
+                                       ev.data() + (size_t)l * n * row_elems) == KVMIX_SUCCESS;
+    std::vector<uint16_t> want_k(n_elems), want_v(n_elems), got_k(n_elems), got_v(n_elems);
+    for (size_t i = 0; i < n_elems; i++) {
+        want_k[i] = no_keys ? old_k[i] : to_dtype(ek[i], dt);
+        want_v[i] = to_dtype(ev[i], dt);
+    }
+    auto run_unpack = [&](bool with_keys) -> kvmix_result {
+        cudaMemcpy(gd.out_k, old_k.data(), out_bytes, cudaMemcpyHostToDevice);
+        cudaMemcpy(gd.out_v, old_v.data(), out_bytes, cudaMemcpyHostToDevice);
+        cudaMemset(gd.flags, 0, 4);
+        kvmix_result r2 =
+            kvmix_cuda_payload_unpack(&info, gd.payload, dt, with_keys ? gd.out_k : NULL, gd.out_v,
+                                      gd.ws, ws_bytes, gd.flags, 0);
+        cudaDeviceSynchronize();
+        cudaMemcpy(got_k.data(), gd.out_k, out_bytes, cudaMemcpyDeviceToHost);
+        cudaMemcpy(got_v.data(), gd.out_v, out_bytes, cudaMemcpyDeviceToHost);
+        cudaMemcpy(&flags, gd.flags, 4, cudaMemcpyDeviceToHost);
+        return r2;
+    };
+    r = run_unpack(!no_keys);
+    size_t bad_k = 0, bad_v = 0;
+    for (size_t i = 0; i < n_elems; i++)
+        bad_k += got_k[i] != want_k[i], bad_v += got_v[i] != want_v[i];
+    snprintf(name, sizeof name,
+             "payload unpack kind %d D %d G %d n %d kv %d layers %d mix %d %s%s: rows equal "
+             "(%zu, %zu differ), r %d flags %d",
+             kind, d, g, n, n_kv, n_layers, mix, dtype_name(dt), no_keys ? " (keys NULL)" : "",
+             bad_k, bad_v, r, flags);
+    check(cpu_ok && r == KVMIX_SUCCESS && flags == 0 && bad_k == 0 && bad_v == 0, name);
+    CUDA_OK(cudaGetLastError());
+
+    if (errors && has_rows) {
+        /* an input row that FP16 cannot hold: BAD_VALUE, the body untouched */
+        int t;
+        do t = irand(n);
+        while (tiers[t] == KVMIX_PAYLOAD_NO_ROW);
+        const int l = irand(n_layers), kv = irand(2);
+        const size_t e = ((size_t)l * n + t) * row_elems + irand((int)row_elems);
+        uint16_t *in = kv ? gd.values : gd.keys;
+        uint16_t bad = dt == KVMIX_CUDA_BF16 ? (irand(2) ? kvmix_fp32_to_bf16(70000.0f) : 0xff80)
+                                             : (irand(2) ? 0x7c00 : 0xfe00);
+        CUDA_OK(cudaMemcpy(in + e, &bad, 2, cudaMemcpyHostToDevice));
+        r = run_pack(gd.keys, gd.values);
+        snprintf(name, sizeof name,
+                 "payload pack D %d n %d %s: value 0x%04x flagged BAD_VALUE, body untouched "
+                 "(r %d flags %d)",
+                 d, n, dtype_name(dt), bad, r, flags);
+        check(r == KVMIX_SUCCESS && flags == KVMIX_CUDA_PAYLOAD_BAD_VALUE &&
+                  memcmp(got.data(), head.data(), head.size()) == 0 &&
+                  all_bytes(got, head.size(), total, 0xA5),
+              name);
+        const uint16_t good = kv ? values[e] : keys[e];
+        CUDA_OK(cudaMemcpy(in + e, &good, 2, cudaMemcpyHostToDevice));
+
+        /* a tier byte or a header field on the device head that disagrees with info: CORRUPT,
+           nothing written, by pack and by unpack */
+        for (int what = 0; what < 3; what++) {
+            std::vector<uint8_t> bad_head = head;
+            const int tt = irand(n);
+            if (what == 0) /* another tier: the counts disagree */
+                bad_head[KVMIX_PAYLOAD_HEADER_BYTES + tt] =
+                    (uint8_t)(tiers[tt] == KVMIX_FORMAT_FP16 ? KVMIX_FORMAT_INT4
+                                                             : KVMIX_FORMAT_FP16);
+            else if (what == 1) /* not a tier */
+                bad_head[KVMIX_PAYLOAD_HEADER_BYTES + tt] =
+                    (uint8_t)(kind == KVMIX_PAYLOAD_ROWS && irand(2) ? 0 : 4 + irand(250));
+            else /* a header byte (the id) */
+                bad_head[40 + irand(8)] ^= (uint8_t)(1u << irand(8));
+            CUDA_OK(cudaMemset(gd.payload, 0xA5, total));
+            CUDA_OK(cudaMemcpy(gd.payload, bad_head.data(), head.size(), cudaMemcpyHostToDevice));
+            CUDA_OK(cudaMemset(gd.flags, 0, 4));
+            r = kvmix_cuda_payload_pack(&info, gd.keys, gd.values, dt, gd.payload, gd.ws, ws_bytes,
+                                        gd.flags, 0);
+            CUDA_OK(cudaDeviceSynchronize());
+            CUDA_OK(cudaMemcpy(got.data(), gd.payload, total, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(&flags, gd.flags, 4, cudaMemcpyDeviceToHost));
+            snprintf(name, sizeof name,
+                     "payload pack D %d n %d: bad head (%d) flagged CORRUPT, body untouched (r %d "
+                     "flags %d)",
+                     d, n, what, r, flags);
+            check(r == KVMIX_SUCCESS && flags == KVMIX_CUDA_PAYLOAD_CORRUPT &&
+                      all_bytes(got, head.size(), total, 0xA5),
+                  name);
+            std::vector<uint8_t> bad_payload = expect;
+            memcpy(bad_payload.data(), bad_head.data(), head.size());
+            CUDA_OK(cudaMemcpy(gd.payload, bad_payload.data(), total, cudaMemcpyHostToDevice));
+            r = run_unpack(true);
+            snprintf(name, sizeof name,
+                     "payload unpack D %d n %d: bad head (%d) flagged CORRUPT, outputs untouched "
+                     "(r %d flags %d)",
+                     d, n, what, r, flags);
+            check(r == KVMIX_SUCCESS && flags == KVMIX_CUDA_PAYLOAD_CORRUPT && got_k == old_k &&
+                      got_v == old_v,
+                  name);
+        }
+
+        /* a block no quantize call writes: a scale with its sign bit set, an infinite minimum, an
+           infinite FP16 row element. The CPU refuses it too; the GPU writes nothing. */
+        for (int what = 0; what < 3; what++) {
+            int want_tier = what == 2 ? 0 : (info.n_int8 > 0 ? 1 : info.n_int4 > 0 ? 2 : -1);
+            const int counts[3] = {info.n_fp16, info.n_int8, info.n_int4};
+            if (want_tier < 0 || counts[want_tier] == 0) continue;
+            std::vector<uint8_t> bad_payload = expect;
+            const int bl = irand(n_layers), bkv = irand(2), bh = irand(n_kv);
+            size_t block_bytes = 0;
+            size_t off = payload_block_offset(info, bl, bkv, bh, want_tier, &block_bytes);
+            const int row = irand(counts[want_tier]);
+            if (want_tier == 0) {
+                size_t at = off + ((size_t)row * d + irand(d)) * 2;
+                bad_payload[at] = 0x00, bad_payload[at + 1] = irand(2) ? 0x7c : 0xfe;
+            } else {
+                const int groups = d / info.desc.group_size;
+                const size_t row_bytes = want_tier == 1 ? (size_t)d : (size_t)d / 2;
+                const size_t pair = off + (size_t)counts[want_tier] * row_bytes +
+                                    ((size_t)row * groups + irand(groups)) * 4;
+                if (what == 0)
+                    bad_payload[pair + 1] |= 0x80; /* scale's sign */
+                else
+                    bad_payload[pair + 3] = (uint8_t)((bad_payload[pair + 3] & 0x80) | 0x7c);
+            }
+            std::vector<float> tmp(n * row_elems);
+            kvmix_result rc = kvmix_payload_unpack(bad_payload.data(), total, desc.first_layer + bl,
+                                                   tmp.data(), tmp.data());
+            CUDA_OK(cudaMemcpy(gd.payload, bad_payload.data(), total, cudaMemcpyHostToDevice));
+            r = run_unpack(true);
+            snprintf(name, sizeof name,
+                     "payload unpack D %d n %d: corrupt block (%d, tier %d) flagged CORRUPT, "
+                     "outputs untouched (cpu %d, r %d flags %d)",
+                     d, n, what, want_tier, rc, r, flags);
+            check(rc == KVMIX_ERR_CORRUPT_DATA && r == KVMIX_SUCCESS &&
+                      flags == KVMIX_CUDA_PAYLOAD_CORRUPT && got_k == old_k && got_v == old_v,
+                  name);
+        }
+        CUDA_OK(cudaGetLastError());
+    }
+    payload_dev_free(gd);
+}
+
+static void test_payload(bool quick) {
+    const int dims[] = {64, 128, 256}, ns[] = {1, 15, 16, 17, 130}, groups[] = {16, 32};
+    int serial = 0;
+    for (int di = 0; di < 3; di++)
+        for (int gi = 0; gi < 2; gi++)
+            for (int ni = 0; ni < 5; ni++) {
+                if (quick && (di == 2 || ni == 1 || ni == 2 || (gi == 0 && ni != 4))) continue;
+                for (int mix = 0; mix < 4; mix++)
+                    for (int di2 = 0; di2 < (mix >= 2 ? 2 : 1); di2++, serial++) {
+                        bool bf16 = mix >= 2 ? di2 == 1 : (serial / 3) % 2 == 1;
+                        kvmix_cuda_dtype dt = bf16 ? KVMIX_CUDA_BF16 : KVMIX_CUDA_FP16;
+                        kvmix_payload_kind kind =
+                            mix == 3 ? KVMIX_PAYLOAD_RESIDUAL : KVMIX_PAYLOAD_ROWS;
+                        int n_kv = serial % 2 ? 3 : 1, n_layers = (serial / 2) % 2 ? 2 : 1;
+                        test_payload_case(kind, dims[di], groups[gi], ns[ni], n_kv, n_layers, mix,
+                                          dt, mix >= 2);
+                    }
+            }
+    /* odd shapes: D 32, 96, 512 and groups of 8 to 512 channels (G 48 and 512: one thread per
+       group), a RESIDUAL that carries nothing, more than one tile of the tier scan (4096 tokens),
+       more slices than a grid's y (65535) */
+    test_payload_case(KVMIX_PAYLOAD_ROWS, 32, 8, 37, 2, 2, 2, KVMIX_CUDA_BF16, true);
+    test_payload_case(KVMIX_PAYLOAD_ROWS, 96, 48, 70, 3, 1, 2, KVMIX_CUDA_FP16, true);
+    test_payload_case(KVMIX_PAYLOAD_ROWS, 128, 64, 50, 2, 1, 2, KVMIX_CUDA_FP16, true);
+    test_payload_case(KVMIX_PAYLOAD_ROWS, 256, 256, 45, 1, 2, 2, KVMIX_CUDA_BF16, true);
+    test_payload_case(KVMIX_PAYLOAD_RESIDUAL, 512, 512, 33, 1, 1, 3, KVMIX_CUDA_FP16, true);
+    test_payload_case(KVMIX_PAYLOAD_ROWS, 512, 8, 40, 1, 2, 2, KVMIX_CUDA_BF16, true);
+    test_payload_case(KVMIX_PAYLOAD_RESIDUAL, 128, 32, 40, 2, 2, 4, KVMIX_CUDA_FP16, false);
+    test_payload_case(KVMIX_PAYLOAD_RESIDUAL, 64, 32, 5000, 1, 1, 3, KVMIX_CUDA_BF16, true);
+    if (!quick) {
+        test_payload_case(KVMIX_PAYLOAD_ROWS, 128, 32, 9000, 2, 1, 2, KVMIX_CUDA_FP16, false);
+        test_payload_case(KVMIX_PAYLOAD_ROWS, 32, 16, 2, 16400, 2, 2, KVMIX_CUDA_FP16, false);
+    }
+}
+
+static void test_payload_arguments(void) {
+    char dummy_storage[512];
+    void *dummy = (void *)(((uintptr_t)dummy_storage + 15) & ~(uintptr_t)15);
+    size_t ws = 0;
+    check(kvmix_cuda_payload_workspace_bytes(0, &ws) == KVMIX_SUCCESS && ws == 256,
+          "payload workspace: 0 tokens");
+    check(kvmix_cuda_payload_workspace_bytes(100, &ws) == KVMIX_SUCCESS && ws == 256 + 512,
+          "payload workspace: 100 tokens");
+    check(kvmix_cuda_payload_workspace_bytes(-1, &ws) == KVMIX_ERR_INVALID_ARGUMENT,
+          "payload workspace: negative");
+    check(kvmix_cuda_payload_workspace_bytes(5, NULL) == KVMIX_ERR_NULL_POINTER,
+          "payload workspace: NULL");
+    const int n = 20;
+    uint8_t tiers[n];
+    for (int t = 0; t < n; t++) tiers[t] = (uint8_t)(1 + t % 3);
+    kvmix_payload_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.kind = KVMIX_PAYLOAD_ROWS, desc.head_dim = 128, desc.n_kv_heads = 2, desc.n_layers = 1;
+    desc.n_tokens = n;
+    kvmix_payload_info info, bad;
+    check(kvmix_payload_describe(&desc, tiers, &info) == KVMIX_SUCCESS, "payload args: describe");
+    kvmix_cuda_payload_workspace_bytes(n, &ws);
+    const kvmix_cuda_dtype f16 = KVMIX_CUDA_FP16;
+    check(kvmix_cuda_payload_pack(NULL, dummy, dummy, f16, dummy, dummy, ws, NULL, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "payload pack: NULL info");
+    check(kvmix_cuda_payload_unpack(NULL, dummy, f16, dummy, dummy, dummy, ws, NULL, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "payload unpack: NULL info");
+    check(kvmix_cuda_payload_pack(&info, dummy, dummy, f16, NULL, dummy, ws, NULL, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "payload pack: NULL payload");
+    check(kvmix_cuda_payload_pack(&info, dummy, dummy, f16, dummy, NULL, ws, NULL, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "payload pack: NULL workspace");
+    check(kvmix_cuda_payload_pack(&info, NULL, dummy, f16, dummy, dummy, ws, NULL, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "payload pack: NULL keys");
+    check(kvmix_cuda_payload_pack(&info, dummy, NULL, f16, dummy, dummy, ws, NULL, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "payload pack: NULL values");
+    check(kvmix_cuda_payload_unpack(&info, NULL, f16, dummy, dummy, dummy, ws, NULL, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "payload unpack: NULL payload");
+    check(kvmix_cuda_payload_unpack(&info, dummy, f16, dummy, dummy, NULL, ws, NULL, 0) ==
+              KVMIX_ERR_NULL_POINTER,
+          "payload unpack: NULL workspace");
+    check(kvmix_cuda_payload_pack(&info, dummy, dummy, f16, dummy, dummy, ws - 1, NULL, 0) ==
+              KVMIX_ERR_BUFFER_TOO_SMALL,
+          "payload pack: small workspace");
+    check(kvmix_cuda_payload_unpack(&info, dummy, f16, dummy, dummy, dummy, ws - 4, NULL, 0) ==
+              KVMIX_ERR_BUFFER_TOO_SMALL,
+          "payload unpack: small workspace");
+    check(kvmix_cuda_payload_pack(&info, dummy, dummy, (kvmix_cuda_dtype)3, dummy, dummy, ws, NULL,
+                                  0) == KVMIX_ERR_UNSUPPORTED,
+          "payload pack: dtype");
+    check(kvmix_cuda_payload_unpack(&info, dummy, (kvmix_cuda_dtype)0, dummy, dummy, dummy, ws,
+                                    NULL, 0) == KVMIX_ERR_UNSUPPORTED,
+          "payload unpack: dtype");
+    check(kvmix_cuda_payload_pack(&info, dummy, dummy, f16, (uint8_t *)dummy + 8, dummy, ws, NULL,
+                                  0) == KVMIX_ERR_INVALID_ARGUMENT,
+          "payload pack: misaligned payload");
+    check(kvmix_cuda_payload_unpack(&info, dummy, f16, (uint8_t *)dummy + 2, dummy, dummy, ws, NULL,
+                                    0) == KVMIX_ERR_INVALID_ARGUMENT,
+          "payload unpack: misaligned keys");
+    /* info that is not a description */
+    const char *what[] = {"total_bytes", "head_bytes", "counts",   "head_dim",
+                          "group_size",  "kind",       "n_layers", "rows base_id"};
+    for (int w = 0; w < 8; w++) {
+        bad = info;
+        switch (w) {
+        case 0: bad.total_bytes += 16; break;
+        case 1: bad.head_bytes -= 16; break;
+        case 2: bad.n_fp16 += 1, bad.n_int4 -= 1; break;
+        case 3: bad.desc.head_dim = 100; break;
+        case 4: bad.desc.group_size = 0; break;
+        case 5: bad.desc.kind = (kvmix_payload_kind)3; break;
+        case 6: bad.desc.n_layers = 0; break;
+        default: bad.desc.base_id = 7; break;
+        }
+        char name[120];
+        snprintf(name, sizeof name, "payload pack/unpack: bad info (%s)", what[w]);
+        check(kvmix_cuda_payload_pack(&bad, dummy, dummy, f16, dummy, dummy, ws, NULL, 0) ==
+                      KVMIX_ERR_INVALID_ARGUMENT &&
+                  kvmix_cuda_payload_unpack(&bad, dummy, f16, dummy, dummy, dummy, ws, NULL, 0) ==
+                      KVMIX_ERR_INVALID_ARGUMENT,
+              name);
+    }
+    bad = info, bad.n_fp16 += 1; /* ROWS: more rows than tokens */
+    check(kvmix_cuda_payload_pack(&bad, dummy, dummy, f16, dummy, dummy, ws, NULL, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "payload pack: more rows than tokens");
+    /* 0 tokens: nothing to check or enqueue */
+    desc.n_tokens = 0;
+    kvmix_payload_info empty;
+    check(kvmix_payload_describe(&desc, NULL, &empty) == KVMIX_SUCCESS &&
+              kvmix_cuda_payload_pack(&empty, NULL, NULL, f16, NULL, NULL, 0, NULL, 0) ==
+                  KVMIX_SUCCESS &&
+              kvmix_cuda_payload_unpack(&empty, NULL, f16, NULL, NULL, NULL, 0, NULL, 0) ==
+                  KVMIX_SUCCESS,
+          "payload: 0 tokens enqueue nothing");
+    bad = empty, bad.n_int8 = 1;
+    check(kvmix_cuda_payload_pack(&bad, NULL, NULL, f16, NULL, NULL, 0, NULL, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "payload: 0 tokens with rows");
+    check(cudaGetLastError() == cudaSuccess, "no CUDA error left by payload bad-argument calls");
+}
+
 /* ---- bad arguments ----------------------------------------------------------------------- */
 
 static void test_bad_arguments(void) {
@@ -667,13 +1146,17 @@ static void test_bad_arguments(void) {
 
 int main(int argc, char **argv) {
     bool quick = false;
+    const char *only = NULL; /* one group of tests */
     g_rng = (uint64_t)time(NULL) * 2654435761u ^ (uint64_t)clock();
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--quick"))
             quick = true;
         else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
             g_rng = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+            only = argv[++i];
     }
+    auto runs = [only](const char *group) { return !only || !strcmp(only, group); };
     if (g_rng == 0) g_rng = 1;
     printf("seed %llu%s\n", (unsigned long long)g_rng, quick ? " (quick)" : "");
     int dev_count = 0;
@@ -681,19 +1164,33 @@ int main(int argc, char **argv) {
         printf("no CUDA device\n0 passed, 1 failed\n");
         return 1;
     }
-    test_bad_arguments();
-    test_quantize(quick);
-    printf("quantize: %d passed, %d failed so far\n", g_passed, g_failed);
-    const int dims[] = {64, 128, 256};
-    for (int di = 0; di < 3; di++) {
-        if (quick && di == 2) continue;
-        test_view_dequantize_score(dims[di], 2, dims[di] / 8, KVMIX_CUDA_FP16, quick);
-        if (!quick) test_view_dequantize_score(dims[di], 3, dims[di] / 4, KVMIX_CUDA_BF16, quick);
+    if (runs("args")) {
+        test_bad_arguments();
+        test_payload_arguments();
     }
-    printf("dequantize/score: %d passed, %d failed so far\n", g_passed, g_failed);
-    test_decode(quick);
-    printf("decode: largest nmse out %.2e, lse %.2e (bound 1e-6)\n", g_decode_max_out,
-           g_decode_max_lse);
+    if (runs("quantize")) {
+        test_quantize(quick);
+        printf("quantize: %d passed, %d failed so far\n", g_passed, g_failed);
+    }
+    if (runs("view")) {
+        const int dims[] = {64, 128, 256};
+        for (int di = 0; di < 3; di++) {
+            if (quick && di == 2) continue;
+            test_view_dequantize_score(dims[di], 2, dims[di] / 8, KVMIX_CUDA_FP16, quick);
+            if (!quick)
+                test_view_dequantize_score(dims[di], 3, dims[di] / 4, KVMIX_CUDA_BF16, quick);
+        }
+        printf("dequantize/score: %d passed, %d failed so far\n", g_passed, g_failed);
+    }
+    if (runs("decode")) {
+        test_decode(quick);
+        printf("decode: largest nmse out %.2e, lse %.2e (bound 1e-6)\n", g_decode_max_out,
+               g_decode_max_lse);
+    }
+    if (runs("payload")) {
+        test_payload(quick);
+        printf("payload: %d passed, %d failed so far\n", g_passed, g_failed);
+    }
     printf("%d passed, %d failed\n", g_passed, g_failed);
     return g_failed ? 1 : 0;
 }
