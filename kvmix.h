@@ -3388,16 +3388,28 @@ static uint64_t kvmix__payload_slice(const kvmix_payload_info *info) {
     return kvmix__tier_bytes(info, 0) + kvmix__tier_bytes(info, 1) + kvmix__tier_bytes(info, 2);
 }
 
-/* Byte offset of block (layer index within the payload, kv, head, tier i). */
-static uint64_t kvmix__payload_block_offset(const kvmix_payload_info *info, int32_t layer, int kv,
-                                            int32_t head, int i) {
+/* The three tier blocks of one slice (layer index within the payload, kv, head). */
+typedef struct kvmix__tier_blocks {
+    kvmix_layout layout[3];
+    kvmix__sections sections[3];
+    size_t offset[3]; /* from the payload's first byte */
+} kvmix__tier_blocks;
+
+static kvmix__tier_blocks kvmix__payload_blocks(const kvmix_payload_info *info, int32_t layer,
+                                                int kv, int32_t head) {
+    kvmix__tier_blocks b;
     uint64_t off =
         info->head_bytes +
         (((uint64_t)layer * 2u + (uint64_t)kv) * (uint64_t)info->desc.n_kv_heads + (uint64_t)head) *
             kvmix__payload_slice(info);
-    int j;
-    for (j = 0; j < i; j++) off += kvmix__tier_bytes(info, j);
-    return off;
+    int i;
+    for (i = 0; i < 3; i++) {
+        b.layout[i] = kvmix__tier_layout(info, i);
+        b.sections[i] = kvmix__layout_sections(&b.layout[i]);
+        b.offset[i] = (size_t)off;
+        off += kvmix__round16((uint64_t)b.sections[i].total_bytes);
+    }
+    return b;
 }
 
 /* Range checks of a description; writes it back with group_size resolved. */
@@ -3523,19 +3535,15 @@ KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const u
         for (kv = 0; kv < 2; kv++)
             for (h = 0; h < info.desc.n_kv_heads; h++) {
                 const float *rows = kvmix__payload_rows(&info, kv ? values : keys, layer);
+                kvmix__tier_blocks b = kvmix__payload_blocks(&info, layer, kv, h);
                 int32_t rank[3] = {0, 0, 0};
                 for (t = 0; t < info.desc.n_tokens; t++) {
                     int i = kvmix__tier_index(tiers[t]);
-                    kvmix_layout l;
-                    kvmix__sections s;
                     if (i < 0) continue;
-                    l = kvmix__tier_layout(&info, i);
-                    s = kvmix__layout_sections(&l);
-                    kvmix__quantize_row(
-                        &l, &s,
-                        rows + (size_t)t * row_floats + (size_t)h * (size_t)info.desc.head_dim,
-                        (uint8_t *)dst + kvmix__payload_block_offset(&info, layer, kv, h, i),
-                        rank[i]++);
+                    kvmix__quantize_row(&b.layout[i], &b.sections[i],
+                                        rows + (size_t)t * row_floats +
+                                            (size_t)h * (size_t)info.desc.head_dim,
+                                        (uint8_t *)dst + b.offset[i], rank[i]++);
                 }
             }
     if (out_bytes) *out_bytes = info.total_bytes;
@@ -3616,27 +3624,23 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
     if (src_bytes < info.total_bytes) return KVMIX_ERR_BUFFER_TOO_SMALL;
     l = layer - info.desc.first_layer;
     for (kv = 0; kv < 2; kv++)
-        for (h = 0; h < info.desc.n_kv_heads; h++)
-            for (i = 0; i < 3; i++) {
-                kvmix_layout bl = kvmix__tier_layout(&info, i);
-                r = kvmix__check_block(&bl, p + kvmix__payload_block_offset(&info, l, kv, h, i));
-                if (r != KVMIX_SUCCESS) return r;
-            }
+        for (h = 0; h < info.desc.n_kv_heads; h++) {
+            kvmix__tier_blocks b = kvmix__payload_blocks(&info, l, kv, h);
+            for (i = 0; i < 3; i++)
+                if ((r = kvmix__check_block(&b.layout[i], p + b.offset[i])) != KVMIX_SUCCESS)
+                    return r;
+        }
     for (kv = 0; kv < 2; kv++) {
         float *out = kv ? values : keys;
         if (!out) continue;
         for (h = 0; h < info.desc.n_kv_heads; h++) {
+            kvmix__tier_blocks b = kvmix__payload_blocks(&info, l, kv, h);
             int32_t rank[3] = {0, 0, 0};
             for (t = 0; t < info.desc.n_tokens; t++) {
                 float *dst = out + ((size_t)t * (size_t)info.desc.n_kv_heads + (size_t)h) *
                                        (size_t)info.desc.head_dim;
-                kvmix_layout bl;
-                kvmix__sections s;
                 if ((i = kvmix__tier_index(tiers[t])) < 0) continue;
-                bl = kvmix__tier_layout(&info, i);
-                s = kvmix__layout_sections(&bl);
-                kvmix__decode_row(&bl, &s, p + kvmix__payload_block_offset(&info, l, kv, h, i),
-                                  rank[i]++, row);
+                kvmix__decode_row(&b.layout[i], &b.sections[i], p + b.offset[i], rank[i]++, row);
                 for (c = 0; c < info.desc.head_dim; c++)
                     dst[c] = info.desc.kind == KVMIX_PAYLOAD_RESIDUAL ? dst[c] + row[c] : row[c];
             }
