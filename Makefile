@@ -86,7 +86,7 @@ $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_pol
 		tests/test_policy.c examples/llama.c examples/kvmix_kv.c -o $@ $(EVAL_LDLIBS)
 
 # Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
-$(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c kvmix.h | $(BUILD)
+$(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c tests/fuzz_invariants.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c tests/fuzz_seed_driver.h $(LLAMA_SRC) \
 		| $(BUILD)
@@ -130,7 +130,7 @@ bench: $(BUILD)/bench_formats $(BUILD)/bench_cache
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60
 LIBFUZZER := clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. -Iexamples
-$(BUILD)/fuzz_%: tests/fuzz_%.c kvmix.h | $(BUILD)
+$(BUILD)/fuzz_%: tests/fuzz_%.c tests/fuzz_invariants.h kvmix.h | $(BUILD)
 	$(LIBFUZZER) $< -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_safetensors.c examples/llama.c -o $@ $(EVAL_LDLIBS)

@@ -19,36 +19,16 @@
 #define KVMIX_IMPLEMENTATION
 #include "kvmix.h"
 
+#define FUZZ_TARGET_NAME "fuzz_payload"
+#include "fuzz_invariants.h"
+
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-enum { MAX_FLOATS = 1 << 18, POISON = 0x5a };
-
-static uint32_t fuzz_rng;
-
-static uint32_t next_random(void) {
-    fuzz_rng = fuzz_rng * 1664525u + 1013904223u;
-    return fuzz_rng >> 8;
-}
-
-static void require(int ok, const char *what) {
-    if (!ok) {
-        fprintf(stderr, "fuzz_payload: invariant violated: %s\n", what);
-        abort();
-    }
-}
-
-static int all_poisoned(const void *p, size_t n) {
-    const uint8_t *b = (const uint8_t *)p;
-    size_t i;
-    for (i = 0; i < n; i++)
-        if (b[i] != POISON) return 0;
-    return 1;
-}
+enum { MAX_FLOATS = 1 << 18 };
 
 /* A valid payload from the parameter bytes; NULL when they describe nothing packable. */
 static uint8_t *build_payload(const uint8_t *data, size_t size, size_t *out_bytes) {
@@ -113,12 +93,9 @@ static void unpack_all(const uint8_t *payload, size_t bytes) {
     for (layer = info.desc.first_layer - 1; layer <= info.desc.first_layer + info.desc.n_layers;
          layer++) {
         kvmix_result r;
-        if (info.desc.kind == KVMIX_PAYLOAD_RESIDUAL) {
-            memset(keys, 0, n_floats * sizeof(float));
-            memset(values, 0, n_floats * sizeof(float));
-        }
-        memset(keys, POISON, info.desc.kind == KVMIX_PAYLOAD_ROWS ? n_floats * sizeof(float) : 0);
-        memset(values, POISON, info.desc.kind == KVMIX_PAYLOAD_ROWS ? n_floats * sizeof(float) : 0);
+        const int fill = info.desc.kind == KVMIX_PAYLOAD_ROWS ? POISON : 0; /* residuals add */
+        memset(keys, fill, n_floats * sizeof(float));
+        memset(values, fill, n_floats * sizeof(float));
         r = kvmix_payload_unpack(payload, bytes, layer, keys, values);
         if (r != KVMIX_SUCCESS) {
             if (info.desc.kind == KVMIX_PAYLOAD_ROWS)

@@ -20,36 +20,16 @@
 #define KVMIX_IMPLEMENTATION
 #include "kvmix.h"
 
+#define FUZZ_TARGET_NAME "fuzz_view"
+#include "fuzz_invariants.h"
+
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_Q = 12, SCORE_CAPACITY = 64, POISON = 0x5a };
-
-static uint32_t fuzz_rng;
-
-static uint32_t next_random(void) {
-    fuzz_rng = fuzz_rng * 1664525u + 1013904223u;
-    return fuzz_rng >> 8;
-}
-
-static void require(int ok, const char *what) {
-    if (!ok) {
-        fprintf(stderr, "fuzz_view: invariant violated: %s\n", what);
-        abort();
-    }
-}
-
-static int all_poisoned(const void *p, size_t n) {
-    const uint8_t *b = (const uint8_t *)p;
-    size_t i;
-    for (i = 0; i < n; i++)
-        if (b[i] != POISON) return 0;
-    return 1;
-}
+enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_Q = 12, SCORE_CAPACITY = 64 };
 
 static kvmix_layout layout_of(const kvmix_view *v, uint8_t format, int32_t n_tokens) {
     kvmix_layout l;
