@@ -48,6 +48,14 @@ static float nrand(void) {
 }
 static int irand(int n) { return (int)(rnd() % (uint64_t)n); }
 
+/* A float rounded to dtype (FP16 or BF16), and back. */
+static uint16_t to_dtype(float x, kvmix_cuda_dtype dt) {
+    return dt == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x) : kvmix_fp32_to_fp16(x);
+}
+static float from_dtype(uint16_t h, kvmix_cuda_dtype dt) {
+    return dt == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(h) : kvmix_fp16_to_fp32(h);
+}
+
 /* Random fp16 rows [n][stride], D used: mixed distributions, outlier channels, constant
    channels and groups, negative zeros. */
 static void fill_rows(std::vector<uint16_t> &h, int n, int d, int stride) {
@@ -380,8 +388,8 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     std::vector<float> qf(n_out);
     for (size_t i = 0; i < n_out; i++) {
         float x = nrand();
-        qh[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x) : kvmix_fp32_to_fp16(x);
-        qf[i] = dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(qh[i]) : kvmix_fp16_to_fp32(qh[i]);
+        qh[i] = to_dtype(x, dtype);
+        qf[i] = from_dtype(qh[i], dtype);
     }
     std::vector<float> ref_out(n_out), ref_lse((size_t)n_seqs * n_q);
     kvmix_result rr =
@@ -410,11 +418,8 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     CUDA_OK(cudaMemcpy(out_h.data(), d_out, n_out * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < n_out; i++) {
-        out[i] =
-            dtype == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(out_h[i]) : kvmix_fp16_to_fp32(out_h[i]);
-        ref_rounded[i] = dtype == KVMIX_CUDA_BF16
-                             ? kvmix_bf16_to_fp32(kvmix_fp32_to_bf16(ref_out[i]))
-                             : kvmix_fp16_to_fp32(kvmix_fp32_to_fp16(ref_out[i]));
+        out[i] = from_dtype(out_h[i], dtype);
+        ref_rounded[i] = from_dtype(to_dtype(ref_out[i], dtype), dtype);
     }
     bool ok_out, ok_lse;
     double e_out = nmse(out, ref_rounded, &ok_out), e_lse = nmse(lse, ref_lse, &ok_lse);
@@ -523,8 +528,7 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
                         const std::vector<uint16_t> &got = which ? vh : kh;
                         for (int c = 0; c < d; c++) {
                             float x = dead ? 0.0f : row[c];
-                            uint16_t e = dtype == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x)
-                                                                  : kvmix_fp32_to_fp16(x);
+                            uint16_t e = to_dtype(x, dtype);
                             same &= got[((size_t)(pos + t) * n_kv + h) * d + c] == e;
                             if (!which)
                                 for (int j = 0; j < g; j++)
@@ -562,12 +566,6 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
 
 /* ---- transfer payload -------------------------------------------------------------------- */
 
-static uint16_t to_dtype(float x, kvmix_cuda_dtype dt) {
-    return dt == KVMIX_CUDA_BF16 ? kvmix_fp32_to_bf16(x) : kvmix_fp32_to_fp16(x);
-}
-static float from_dtype(uint16_t h, kvmix_cuda_dtype dt) {
-    return dt == KVMIX_CUDA_BF16 ? kvmix_bf16_to_fp32(h) : kvmix_fp16_to_fp32(h);
-}
 static const char *dtype_name(kvmix_cuda_dtype dt) {
     return dt == KVMIX_CUDA_BF16 ? "bf16" : "fp16";
 }
