@@ -807,9 +807,12 @@ static void kvmix__store_u16(uint8_t *p, uint16_t v) {
 
    Quantizing a group (or channel) of values with L = 2^bits - 1 levels:
      min   = fp16 of the smallest value, rounded toward -infinity;
-     scale = fp16 of (largest - min) / L (float division), raised by one FP16 step while
-             min + L * scale < largest (evaluated exactly, in double), so every value lies in
-             [min, min + L * scale];
+     scale = fp16 of (largest - min) / L (float division), its bit pattern rounded up to a
+             multiple of S, then raised by S while min + L * scale < largest (evaluated
+             exactly, in double), so every value lies in [min, min + L * scale]. S is 4 for
+             INT2 and 16 for INT4 groups (scales with 9 and 7 significant bits), 1 otherwise:
+             q * scale is then exact in FP16 for every code q of a per-token group, so a
+             decoder may multiply codes by scales in FP16 without rounding;
      q     = 0 if scale == 0, else rint((x - min) / scale) in float (round half to even),
              clamped to [0, L].
    Dequantizing: x' = (float)q * scale + min, each operation rounded to float (no fused
@@ -940,17 +943,21 @@ static uint16_t kvmix__fp16_step_down(uint16_t h) {
     return (h & 0x8000u) ? (uint16_t)(h + 1u) : (uint16_t)(h - 1u);
 }
 
-/* Parameters for values in [lo, hi] with `levels` steps; see the layout comment above. */
-static kvmix__qparams kvmix__choose_qparams(float lo, float hi, int levels) {
+/* Scale grid S of a per-token group of `bits`-bit codes (see the layout comment above). */
+static unsigned kvmix__scale_grid(int bits) { return bits == 2 ? 4u : bits == 4 ? 16u : 1u; }
+
+/* Parameters for values in [lo, hi] with `levels` steps and scale grid `grid`; see the layout
+   comment above. */
+static kvmix__qparams kvmix__choose_qparams(float lo, float hi, int levels, unsigned grid) {
     kvmix__qparams p;
     float step;
     p.min_h = kvmix_fp32_to_fp16(lo);
     if (kvmix_fp16_to_fp32(p.min_h) > lo) p.min_h = kvmix__fp16_step_down(p.min_h);
     p.min = kvmix_fp16_to_fp32(p.min_h);
     step = (hi - p.min) / (float)levels;
-    p.scale_h = kvmix_fp32_to_fp16(step);
+    p.scale_h = (uint16_t)((kvmix_fp32_to_fp16(step) + grid - 1u) / grid * grid);
     while ((double)kvmix_fp16_to_fp32(p.scale_h) * levels + (double)p.min < (double)hi)
-        p.scale_h = (uint16_t)(p.scale_h + 1u); /* non-negative: the next FP16 up */
+        p.scale_h = (uint16_t)(p.scale_h + grid); /* non-negative: the next grid FP16 up */
     p.scale = kvmix_fp16_to_fp32(p.scale_h);
     return p;
 }
@@ -1005,7 +1012,7 @@ static void kvmix__quantize_row(const kvmix_layout *l, const kvmix__sections *s,
             if (x[c] < lo) lo = x[c];
             if (x[c] > hi) hi = x[c];
         }
-        p = kvmix__choose_qparams(lo, hi, levels);
+        p = kvmix__choose_qparams(lo, hi, levels, kvmix__scale_grid(bits));
         for (c = c0; c < c1; c++)
             kvmix__put_code(row, c, bits, kvmix__quantize_value(x[c], &p, levels));
         kvmix__store_qparams(block + s->meta_offset + ((size_t)t * groups + g) * 4, &p);
@@ -1053,7 +1060,7 @@ static void kvmix__quantize_per_channel(const kvmix_layout *l, const float *src,
             if (x < lo) lo = x;
             if (x > hi) hi = x;
         }
-        p = kvmix__choose_qparams(lo, hi, levels);
+        p = kvmix__choose_qparams(lo, hi, levels, 1u);
         for (t = 0; t < l->n_tokens; t++) {
             uint32_t q = kvmix__quantize_value(src[(size_t)t * stride + c], &p, levels);
             kvmix__put_code(dst + (size_t)t * s.row_bytes, c, 2, q & 3u);

@@ -103,13 +103,18 @@ __host__ __device__ inline kvmix__sec kvmix__sections(int format, int64_t n, int
     return s;
 }
 
-/* (scale, min) of a group with `levels` steps over [lo, hi]: kvmix.h's kvmix__choose_qparams. */
+/* (scale, min) of a group with `levels` steps over [lo, hi] and scale grid `grid`: kvmix.h's
+   kvmix__choose_qparams and kvmix__scale_grid. */
 struct kvmix__qp {
     uint16_t scale_h, min_h;
     float scale, min;
 };
 
-__device__ inline kvmix__qp kvmix__choose_qparams(float lo, float hi, int levels) {
+__host__ __device__ constexpr unsigned kvmix__scale_grid(int bits) {
+    return bits == 2 ? 4u : bits == 4 ? 16u : 1u;
+}
+
+__device__ inline kvmix__qp kvmix__choose_qparams(float lo, float hi, int levels, unsigned grid) {
     kvmix__qp p;
     p.min_h = kvmix__f2h(lo);
     if (kvmix__h2f(p.min_h) > lo) {
@@ -120,10 +125,10 @@ __device__ inline kvmix__qp kvmix__choose_qparams(float lo, float hi, int levels
     }
     p.min = kvmix__h2f(p.min_h);
     float step = __fdiv_rn(__fsub_rn(hi, p.min), (float)levels);
-    p.scale_h = kvmix__f2h(step);
+    p.scale_h = (uint16_t)((kvmix__f2h(step) + grid - 1u) / grid * grid);
     while (__dadd_rn(__dmul_rn((double)kvmix__h2f(p.scale_h), (double)levels), (double)p.min) <
            (double)hi)
-        p.scale_h = (uint16_t)(p.scale_h + 1u);
+        p.scale_h = (uint16_t)(p.scale_h + grid);
     p.scale = kvmix__h2f(p.scale_h);
     return p;
 }
@@ -151,7 +156,7 @@ __device__ inline void kvmix__quantize_group(const uint16_t *x, int dtype, int g
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
     }
-    kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels);
+    kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels, kvmix__scale_grid(bits));
     for (int b = 0; b < group / per_byte; b++) {
         uint32_t byte = 0;
         for (int k = 0; k < per_byte; k++)
@@ -352,7 +357,7 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
     __syncthreads();
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         int levels = sm.boosted[c] ? 15 : 3;
-        kvmix__qp qp = kvmix__choose_qparams(sm.lo[c], sm.hi[c], levels);
+        kvmix__qp qp = kvmix__choose_qparams(sm.lo[c], sm.hi[c], levels, 1u);
         sm.scale[c] = qp.scale, sm.min[c] = qp.min, sm.scale_h[c] = qp.scale_h;
         uint8_t *meta = blk + s.meta_offset + (uint64_t)c * 4;
         meta[0] = (uint8_t)(qp.scale_h & 0xffu);
@@ -963,6 +968,8 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
     const bool k_chan = kvmix__per_channel(kf), k_tok = kvmix__per_token(kf);
     const bool v_chan = kvmix__per_channel(vf), v_tok = kvmix__per_token(vf);
     const int KB = kvmix__bits_of(kf), VB = kvmix__bits_of(vf);
+    /* per-token INT2 / INT4 scales lie on kvmix.h's scale grid: code * scale is exact in fp16 */
+    const bool k_exact = k_tok && KB <= 4, v_exact = v_tok && VB <= 4;
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
     const int G = p.group_size, NG = D / G;
     const bool two = DV > G; /* a value lane's dims span two groups (D 256, G 16) */
@@ -1096,15 +1103,19 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
                             a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
                     __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
                             a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
-                    __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
-                    __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
-                    __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
-                    __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
                     const int j = 4 * ch + v;
-                    kvmix__mma(sacc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
+                    /* two accumulators, so that consecutive mmas do not wait on each other */
+                    float(&acc)[4] = k_exact && (v & 1) ? sacc2 : sacc;
+                    kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
                                bk[j][0], bk[j][1]);
-                    kvmix__mma(sacc2, kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
-                               kvmix__h2u(l3), bk[j][0], bk[j][1]);
+                    if (!k_exact) { /* the rounding error of code * scale, as a second product */
+                        __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
+                        __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
+                        __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
+                        __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
+                        kvmix__mma(sacc2, kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
+                                   kvmix__h2u(l3), bk[j][0], bk[j][1]);
+                    }
                 }
             } else {
 #pragma unroll
@@ -1226,14 +1237,16 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
                         a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
                 __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b),
                         a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
-                __half2 l0 = __hfma2(kvmix__u2h(Ra[2 * i]), s0a, __hneg2(a0));
-                __half2 l1 = __hfma2(kvmix__u2h(Ra[2 * i + 1]), s1a, __hneg2(a1));
-                __half2 l2 = __hfma2(kvmix__u2h(Rb[2 * i]), s0b, __hneg2(a2));
-                __half2 l3 = __hfma2(kvmix__u2h(Rb[2 * i + 1]), s1b, __hneg2(a3));
                 kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
                            pb0, pb1);
-                kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3),
-                           pb0, pb1);
+                if (!v_exact) { /* the rounding error of code * scale, as a second product */
+                    __half2 l0 = __hfma2(kvmix__u2h(Ra[2 * i]), s0a, __hneg2(a0));
+                    __half2 l1 = __hfma2(kvmix__u2h(Ra[2 * i + 1]), s1a, __hneg2(a1));
+                    __half2 l2 = __hfma2(kvmix__u2h(Rb[2 * i]), s0b, __hneg2(a2));
+                    __half2 l3 = __hfma2(kvmix__u2h(Rb[2 * i + 1]), s1b, __hneg2(a3));
+                    kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
+                               kvmix__h2u(l3), pb0, pb1);
+                }
             }
             if (v_tok) {
                 uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u),
@@ -1840,7 +1853,7 @@ static __global__ void __launch_bounds__(256) kvmix__payload_pack_kernel(kvmix__
                 hi = o_hi > hi || (!(hi > o_hi) && o_first) ? o_hi : hi;
             }
             if (!on) continue;
-            const kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels);
+            const kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels, kvmix__scale_grid(bits));
             uint64_t q = 0;
             for (int j = 0; j < 8; j++)
                 q |= (uint64_t)kvmix__quantize_value(x[j], qp, levels) << (bits * j);

@@ -146,7 +146,7 @@ static uint16_t half_next_up(uint16_t h) {
 /* x[i], code q[i] and decoded dec[i] for i < count, all quantized with one (scale, min). */
 static void check_unit(findings *f, const char *where, const float *x, const uint32_t *q,
                        const float *dec, int32_t count, uint16_t scale_h, uint16_t min_h,
-                       int levels) {
+                       int levels, unsigned grid) {
     double scale = test_ref_fp16_value(scale_h), min = test_ref_fp16_value(min_h), eps;
     float lo = x[0], hi = x[0], scale_f = (float)scale, min_f = (float)min;
     uint16_t h, h0;
@@ -168,11 +168,21 @@ static void check_unit(findings *f, const char *where, const float *x, const uin
     if (!(scale * levels + min >= (double)hi))
         finding(f, "%s: min %.9g + %d * scale %.9g < max %.9g", where, min, levels, scale,
                 (double)hi);
-    /* scale = fp16((hi - min) / L), raised one step at a time only while the range is short */
+    /* scale = fp16((hi - min) / L) rounded up to the grid, raised one grid step at a time only
+       while the range is short; on the grid, q * scale is exact in fp16 for every code q */
     h0 = test_ref_fp32_to_fp16((hi - min_f) / (float)levels);
+    h0 = (uint16_t)((h0 + grid - 1u) / grid * grid);
+    if (scale_h % grid != 0)
+        finding(f, "%s: scale 0x%04x is not a multiple of %u fp16 steps", where, scale_h, grid);
     if (scale_h < h0)
-        finding(f, "%s: scale 0x%04x below fp16 of (max - min) / L = 0x%04x", where, scale_h, h0);
-    for (h = h0; h < scale_h && h < 0x7c00u; h++)
+        finding(f, "%s: scale 0x%04x below fp16 of (max - min) / L on the grid = 0x%04x", where,
+                scale_h, h0);
+    for (i = 0; grid > 1 && i <= levels && i * scale <= 65504.0; i++)
+        if (test_ref_fp16_value(test_ref_fp32_to_fp16((float)(i * scale))) != i * scale) {
+            finding(f, "%s: code %d * scale %.9g is not exact in fp16", where, (int)i, scale);
+            break;
+        }
+    for (h = h0; h < scale_h && h < 0x7c00u; h = (uint16_t)(h + grid))
         if (test_ref_fp16_value(h) * levels + min >= (double)hi) {
             finding(f, "%s: scale 0x%04x raised beyond 0x%04x, which already covers max %.9g",
                     where, scale_h, h, (double)hi);
@@ -264,7 +274,8 @@ static void check_block(findings *f, const kvmix_layout *l, const float *x, int3
                     dec[c] = spec_decode(&s, b, t, g * s.g + c);
                 }
                 snprintf(where, sizeof where, "token %d group %d", (int)t, (int)g);
-                check_unit(f, where, xs, q, dec, s.g, e0.scale_h, e0.min_h, s.levels);
+                check_unit(f, where, xs, q, dec, s.g, e0.scale_h, e0.min_h, s.levels,
+                           s.bits == 2 ? 4u : s.bits == 4 ? 16u : 1u);
             }
         return;
     }
@@ -292,7 +303,7 @@ static void check_block(findings *f, const kvmix_layout *l, const float *x, int3
             }
             snprintf(where, sizeof where, "channel %d (%s)", (int)c,
                      e0.levels == 15 ? "boosted" : "2-bit");
-            check_unit(f, where, xs, q, dec, s.n, e0.scale_h, e0.min_h, e0.levels);
+            check_unit(f, where, xs, q, dec, s.n, e0.scale_h, e0.min_h, e0.levels, 1u);
         }
         free(xs);
         free(dec);
@@ -709,12 +720,14 @@ static void golden_int8(void) {
               2.5 -> 2, 3.5 -> 4, 14.5 -> 14; codes 0 15 0 2 2 4 7 8 9 10 11 12 13 14 14 5
               -> F0 20 42 87 A9 CB ED 5E
      group 1: u = 2^-24 (fp16 subnormals): 3u 33u 4u 6u 8u 5u 9u 11u 13u 15u 17u 19u 21u 23u
-              25u 27u: min 3u (0x0003), 30u / 15 = 2u (0x0002); (x - 3u) / 2u = 0, 15, 0.5 -> 0,
-              1.5 -> 2, 2.5 -> 2, 1, 3, 4, ..., 12 -> F0 20 12 43 65 87 A9 CB */
+              25u 27u: min 3u (0x0003), 30u / 15 = 2u (0x0002), rounded up to the INT4 scale
+              grid of 16 steps: 16u (0x0010); (x - 3u) / 16u = 0, 1.875 -> 2, 0.0625 -> 0,
+              0.1875, 0.3125, 0.125, 0.375, 0.5 -> 0, 0.625 ... 1.375 -> 1, 1.5 -> 2
+              -> 20 00 00 00 11 11 11 21 */
 static void golden_int4(void) {
     static const uint8_t want[24] = {0xf0, 0x20, 0x42, 0x87, 0xa9, 0xcb, 0xed, 0x5e,
-                                     0xf0, 0x20, 0x12, 0x43, 0x65, 0x87, 0xa9, 0xcb,
-                                     0x00, 0x38, 0x00, 0xc2, 0x02, 0x00, 0x03, 0x00};
+                                     0x20, 0x00, 0x00, 0x00, 0x11, 0x11, 0x11, 0x21,
+                                     0x00, 0x38, 0x00, 0xc2, 0x10, 0x00, 0x03, 0x00};
     static const float k0[16] = {0, 15, 0.5f, 1.5f, 2.5f, 3.5f, 7, 8,
                                  9, 10, 11, 12, 13, 14, 14.5f, 5};
     static const float u1[16] = {3, 33, 4, 6, 8, 5, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27};
