@@ -429,6 +429,7 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
         d, g_group, n_kv, q_per_kv, n_seqs, n_boost, n_splits,
         dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16", e_out, e_lse, r);
     check(r == KVMIX_SUCCESS && ok_out && ok_lse && e_out <= 1e-6 && e_lse <= 1e-6, name);
+    if (getenv("KVMIX_TEST_VERBOSE")) printf("%s\n", name);
     if (e_out > g_decode_max_out) g_decode_max_out = e_out;
     if (e_lse > g_decode_max_lse) g_decode_max_lse = e_lse;
     if (g_failed && getenv("KVMIX_TEST_VERBOSE")) {
