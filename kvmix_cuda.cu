@@ -526,8 +526,9 @@ struct kvmix__decode_params {
      output   O^T[16 dims x 8]   += V^T[16 dims x 16 tokens] * P^T[16 tokens x 8]
    Codes become fp16 exactly (code | 0x6400 is 1024 + code). Per-channel key scales are folded
    into B (per page), their minima into one constant per head. Per-token (scale, min) pairs are
-   applied exactly: code * scale = hi + lo in fp16 (two mmas), and the minima go through one more
-   small mma (keys: k = groups; values: rows = the lane's group). Boosted keys' high bits are one
+   applied exactly: INT2 / INT4 scales lie on kvmix.h's scale grid, so code * scale is one exact
+   fp16 product; INT8 takes code * scale = hi + lo in fp16 (two mmas). The minima go through one
+   more small mma (keys: k = groups; values: rows = the lane's group). Boosted keys' high bits are one
    more mma over the boosted slots (B = 4 * q * scale of the slot's channel).
 
    Fragment geometry (lane L, r = L / 4, c = L % 4):
