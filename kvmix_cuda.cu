@@ -600,18 +600,16 @@ __device__ __forceinline__ void kvmix__codes8(uint32_t a, uint32_t b, uint32_t *
         R[k] = kvmix__code(kvmix__prmt(a, b, (uint32_t)(k | ((4 + k) << 8))), 0x00FF00FFu,
                            0x3C003C00u, 0xE400E400u);
 }
-/* hi or lo half of v's two-term fp16 split. */
-__device__ __forceinline__ uint16_t kvmix__split(float v, int part) {
-    __half h = __float2half_rn(v);
-    if (part) h = __float2half_rn(v - __half2float(h));
-    return __half_as_ushort(h);
-}
 __device__ __forceinline__ uint32_t kvmix__split2(float v) { /* (hi, lo) of v */
     __half h = __float2half_rn(v);
     return kvmix__h2u(__halves2half2(h, __float2half_rn(v - __half2float(h))));
 }
-__device__ __forceinline__ uint32_t kvmix__pack(uint16_t lo, uint16_t hi) {
-    return (uint32_t)lo | ((uint32_t)hi << 16);
+/* hi (part 0) or lo (part 1) halves of the two-term fp16 splits of a (low 16 bits) and b. */
+__device__ __forceinline__ uint32_t kvmix__split_pair(float a, float b, int part) {
+    const __half2 hi = __floats2half2_rn(a, b);
+    if (!part) return kvmix__h2u(hi);
+    const float2 f = __half22float2(hi);
+    return kvmix__h2u(__floats2half2_rn(a - f.x, b - f.y));
 }
 
 template <int NW> __device__ __forceinline__ void kvmix__ldw(const uint8_t *p, uint32_t *w) {
@@ -678,6 +676,9 @@ struct kvmix__tc_plan {            /* spans of one walk chunk (index = thread of
    word quad after every 32 dims, so that the lanes building a B operand (head r / 2, dims 32
    apart across c) hit 16 different banks instead of one. */
 __device__ __forceinline__ int kvmix__qi(int h, int d) { return ((d + (d >> 5)) << 2) + h; }
+/* kvmix__qi(h, d0 + off) - kvmix__qi(h, d0) for a compile-time off, where d0 % 32 + off % 32 < 32
+   (d0 a multiple of 32, or of 16 with off < 16, or d0 < 8 with off a multiple of 8) */
+__host__ __device__ constexpr int kvmix__qi_step(int off) { return (off + (off >> 5)) << 2; }
 
 template <int D> struct kvmix__tc_smem {
     float q[4 * (D + D / 32)]; /* query * scale * log2(e), 0 for unused head slots; at kvmix__qi */
@@ -980,19 +981,20 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
 
     /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 */
     uint32_t bk[KS][2];
-    if (k_chan) {
+    if (k_chan) { /* q * channel scale, dims kvmix__tc_kdim: offsets from the lane's first dim */
         const int h = r >> 1, part = r & 1;
+        const float *q0 = &sm.q[kvmix__qi(h, c * DQ)];
+        const uint8_t *s0 = KM + c * DQ * 4;
 #pragma unroll
         for (int j = 0; j < KS; j++) {
-            uint16_t e[4];
+            float v[4];
 #pragma unroll
             for (int x = 0; x < 4; x++) {
-                int d = kvmix__tc_kdim<D>(c, j, x);
-                e[x] = kvmix__split(
-                    sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4)), part);
+                const int off = kvmix__tc_kdim<D>(0, j, x);
+                v[x] = q0[kvmix__qi_step(off)] * kvmix__h2f((uint16_t)kvmix__lds16(s0 + off * 4));
             }
-            bk[j][0] = kvmix__pack(e[0], e[1]);
-            bk[j][1] = kvmix__pack(e[2], e[3]);
+            bk[j][0] = kvmix__split_pair(v[0], v[1], part);
+            bk[j][1] = kvmix__split_pair(v[2], v[3], part);
         }
     } else {
 #pragma unroll
@@ -1003,23 +1005,25 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
     }
     float kconst = 0.0f; /* per-channel keys: sum over channels of q * min (head c) */
     if (k_chan) {
-#pragma unroll 4
-        for (int d = r; d < D; d += 8)
-            kconst += sm.q[kvmix__qi(c, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4 + 2));
+        const float *q0 = &sm.q[kvmix__qi(c, r)];
+#pragma unroll
+        for (int d = 0; d < D; d += 8) /* dims r + d */
+            kconst +=
+                q0[kvmix__qi_step(d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + (r + d) * 4 + 2));
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) kconst += __shfl_xor_sync(0xffffffffu, kconst, off);
     }
     uint32_t bm[2] = {0u, 0u}; /* per-token keys: B of the minima mma (k = group 4c + e) */
     if (k_tok) {
         const int h = r >> 1, part = r & 1;
-        uint16_t e[4];
+        float e[4];
 #pragma unroll
         for (int x = 0; x < 4; x++) {
             int g = 4 * c + x;
-            e[x] = kvmix__split(g < NG ? sm.qsum[h][g] : 0.0f, part);
+            e[x] = g < NG ? sm.qsum[h][g] : 0.0f;
         }
-        bm[0] = kvmix__pack(e[0], e[1]);
-        bm[1] = kvmix__pack(e[2], e[3]);
+        bm[0] = kvmix__split_pair(e[0], e[1], part);
+        bm[1] = kvmix__split_pair(e[2], e[3], part);
     }
     int ks2 = 0; /* boosted keys: k-steps over the slots */
     uint2 *b2 = (uint2 *)(stg + rg.b2);
@@ -1034,19 +1038,19 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         __syncwarp();
         const int h = r >> 1, part = r & 1;
         for (int jb = 0; jb < ks2; jb++) {
-            uint16_t e[4];
+            float e[4];
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 int s = 16 * jb + 4 * c + x;
-                float v = 0.0f;
+                e[x] = 0.0f;
                 if (s < nb) {
                     int d = slot_ch[s] & (D - 1);
-                    v = 4.0f * sm.q[kvmix__qi(h, d)] *
-                        kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
+                    e[x] = 4.0f * sm.q[kvmix__qi(h, d)] *
+                           kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
                 }
-                e[x] = kvmix__split(v, part);
             }
-            b2[jb * 32 + lane] = make_uint2(kvmix__pack(e[0], e[1]), kvmix__pack(e[2], e[3]));
+            b2[jb * 32 + lane] = make_uint2(kvmix__split_pair(e[0], e[1], part),
+                                            kvmix__split_pair(e[2], e[3], part));
         }
         __syncwarp();
     }
@@ -1279,13 +1283,15 @@ template <int D> __host__ __device__ constexpr bool kvmix__tc_direct(int kf, int
     return D == 128 && kf == KVMIX_FORMAT_FP16 && vf == KVMIX_FORMAT_FP16;
 }
 
-/* Issues the copies of unit k (span jj of the plan) into the stage at `stage`. */
-template <int D>
+/* Issues the copies of unit k (span jj of the plan) into the stage at `stage`; KFT / VFT as in
+   kvmix__tc_run (known formats fold the section and region arithmetic to constants). */
+template <int D, int KFT, int VFT>
 __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm,
                                                 const kvmix__decode_params &p, int jj, int k,
                                                 uint8_t *stage, int lane) {
-    const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj], ntok = sm.plan.ntok[jj];
+    const int kf = KFT ? KFT : sm.plan.kf[jj], vf = VFT ? VFT : sm.plan.vf[jj];
     if (kvmix__tc_direct<D>(kf, vf)) return;
+    const int ntok = sm.plan.ntok[jj];
     const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
     const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
     const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, p.group_size, p.n_boost);
@@ -1293,6 +1299,37 @@ __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm,
     kvmix__tc_layout<D, true>(kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false,
                               (uint32_t)__cvta_generic_to_shared(stage), p.base + sm.plan.koff[jj],
                               p.base + sm.plan.voff[jj], lane);
+}
+
+template <int V> struct kvmix__int_c { static constexpr int value = V; };
+
+/* Calls fn(kvmix__int_c<KF>, kvmix__int_c<VF>) with the format pair as compile-time constants
+   when it is one of the pairs specialized at D 128 (the common cache mixes), else with <0, 0>
+   (formats read at run time). One list for the copy issue and the compute of a unit. */
+template <int D, class Fn>
+__device__ __forceinline__ void kvmix__tc_dispatch(int kf, int vf, Fn &&fn) {
+#define KVMIX__TC_PAIR(KF_, VF_)                                                                   \
+    if (kf == KF_ && vf == VF_) return fn(kvmix__int_c<KF_>{}, kvmix__int_c<VF_>{});
+    if constexpr (D == 128) {
+        KVMIX__TC_PAIR(KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16)
+        KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
+        KVMIX__TC_PAIR(KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4)
+        KVMIX__TC_PAIR(KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2)
+        KVMIX__TC_PAIR(KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2)
+        KVMIX__TC_PAIR(KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8)
+    }
+#undef KVMIX__TC_PAIR
+    fn(kvmix__int_c<0>{}, kvmix__int_c<0>{});
+}
+
+/* kvmix__tc_stage with the pair specialized where kvmix__tc_dispatch has it. */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_stage_any(const kvmix__tc_smem<D> &sm,
+                                                    const kvmix__decode_params &p, int jj, int k,
+                                                    uint8_t *stage, int lane) {
+    kvmix__tc_dispatch<D>(sm.plan.kf[jj], sm.plan.vf[jj], [&](auto kft, auto vft) {
+        kvmix__tc_stage<D, decltype(kft)::value, decltype(vft)::value>(sm, p, jj, k, stage, lane);
+    });
 }
 
 /* Sections, regions and the unit itself, with the formats known at compile time where KFT / VFT
@@ -1332,11 +1369,6 @@ __device__ __forceinline__ unsigned long long kvmix__gtime() {
 #else
 #define KVMIX__PROBE(i, v) ((void)0)
 #endif
-
-#define KVMIX__TC_PAIR(KF_, VF_)                                                                   \
-    if (kf == KF_ && vf == VF_)                                                                    \
-        kvmix__tc_run<D, KF_, VF_>(st, sm, p, stg, kf, vf, jj, a, n, dead, lane);                  \
-    else
 
 /* Grid (n_splits, n_kv_heads * q_chunks, n_seqs), 128 threads; a block serves query heads
    [kv * q_per_kv + chunk * 4, + 4) (fewer in the last chunk) over its split's token range. */
@@ -1386,11 +1418,11 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     }
     for (int e = threadIdx.x; e < (D / 16) * 32; e += blockDim.x) {
         const int j = e / 32, L = e % 32, h = (L >> 2) >> 1, part = (L >> 2) & 1, c = L & 3;
-        uint16_t v[4];
+        float v[4];
 #pragma unroll
-        for (int x = 0; x < 4; x++)
-            v[x] = kvmix__split(sm.q[kvmix__qi(h, kvmix__tc_kdim<D>(c, j, x))], part);
-        sm.bq[j][L] = make_uint2(kvmix__pack(v[0], v[1]), kvmix__pack(v[2], v[3]));
+        for (int x = 0; x < 4; x++) v[x] = sm.q[kvmix__qi(h, kvmix__tc_kdim<D>(c, j, x))];
+        sm.bq[j][L] =
+            make_uint2(kvmix__split_pair(v[0], v[1], part), kvmix__split_pair(v[2], v[3], part));
     }
 
     const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
@@ -1485,7 +1517,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         int k = (warp - unit_base % W + W) % W, jj = 0, buf = 0;
         if (k < n_units) {
             while (sm.plan.ue[jj] <= k) jj++;
-            kvmix__tc_stage<D>(sm, p, jj, k, stage0, lane);
+            kvmix__tc_stage_any<D>(sm, p, jj, k, stage0, lane);
         }
         kvmix__cp_commit();
         while (k < n_units) {
@@ -1493,7 +1525,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             int jj2 = jj;
             if (k2 < n_units) {
                 while (sm.plan.ue[jj2] <= k2) jj2++;
-                kvmix__tc_stage<D>(sm, p, jj2, k2, stage0 + (buf ^ 1) * STAGE, lane);
+                kvmix__tc_stage_any<D>(sm, p, jj2, k2, stage0 + (buf ^ 1) * STAGE, lane);
             }
             kvmix__cp_commit();
             kvmix__cp_wait<1>();
@@ -1510,20 +1542,11 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
                 const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
                 const uint8_t *dead =
                     sm.plan.dead[jj] >= 0 ? p.dead + sm.plan.dead[jj] + a : nullptr;
-                if constexpr (D == 128) {
-                    if (kvmix__tc_direct<D>(kf, vf))
-                        kvmix__tc_run<D, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, true>(
-                            st, sm, p, stg, kf, vf, jj, a, n, dead, lane);
-                    else
-                        KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
-                    KVMIX__TC_PAIR(KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4)
-                    KVMIX__TC_PAIR(KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2)
-                    KVMIX__TC_PAIR(KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2)
-                    KVMIX__TC_PAIR(KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8)
-                    kvmix__tc_run<D, 0, 0>(st, sm, p, stg, kf, vf, jj, a, n, dead, lane);
-                } else {
-                    kvmix__tc_run<D, 0, 0>(st, sm, p, stg, kf, vf, jj, a, n, dead, lane);
-                }
+                kvmix__tc_dispatch<D>(kf, vf, [&](auto kft, auto vft) {
+                    constexpr int KF = decltype(kft)::value, VF = decltype(vft)::value;
+                    kvmix__tc_run<D, KF, VF, kvmix__tc_direct<D>(KF, VF)>(st, sm, p, stg, kf, vf,
+                                                                          jj, a, n, dead, lane);
+                });
             }
             __syncwarp();
             k = k2, jj = jj2, buf ^= 1;

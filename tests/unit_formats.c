@@ -275,7 +275,9 @@ static void check_block(findings *f, const kvmix_layout *l, const float *x, int3
                 }
                 snprintf(where, sizeof where, "token %d group %d", (int)t, (int)g);
                 check_unit(f, where, xs, q, dec, s.g, e0.scale_h, e0.min_h, s.levels,
-                           s.bits == 2 ? 4u : s.bits == 4 ? 16u : 1u);
+                           s.bits == 2   ? 4u
+                           : s.bits == 4 ? 16u
+                                         : 1u);
             }
         return;
     }
