@@ -974,7 +974,8 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
     const bool k_exact = k_tok && KB <= 4, v_exact = v_tok && VB <= 4;
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
     const int G = p.group_size, NG = D / G;
-    const bool two = DV > G; /* a value lane's dims span two groups (D 256, G 16) */
+    const int gsh = __ffs(G) - 1; /* G divides D (64, 128 or 256): a power of two */
+    const bool two = DV > G;      /* a value lane's dims span two groups (D 256, G 16) */
     const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
     const uint8_t *K = GL ? kg : stg + rg.k, *KM = stg + rg.km, *V = GL ? vg : stg + rg.v,
                   *VM = stg + rg.vm;
@@ -1079,7 +1080,7 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         }
         uint32_t vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
         if (v_tok) {
-            const int gv = r * DV / G;
+            const int gv = (r * DV) >> gsh;
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 vmeta[x] = kvmix__lds32(VM + ((uint32_t)vt[x] * NG + gv) * 4);
@@ -1097,7 +1098,7 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
             kvmix__tc_kload<GL>(kf, k0, ch, R0);
             kvmix__tc_kload<GL>(kf, k1, ch, R1);
             if (k_tok) {
-                const int g = (c * DQ + 16 * ch) / G;
+                const int g = (c * DQ + 16 * ch) >> gsh;
                 uint32_t m0 = kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4);
                 uint32_t m1 = kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4);
                 __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
@@ -1281,6 +1282,17 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
    16-token tiles are 8 KiB, enough bytes in flight per warp without a copy stage. */
 template <int D> __host__ __device__ constexpr bool kvmix__tc_direct(int kf, int vf) {
     return D == 128 && kf == KVMIX_FORMAT_FP16 && vf == KVMIX_FORMAT_FP16;
+}
+
+/* The plan entry (jj or later) that holds unit k: the first whose units end after k (ue does
+   not decrease, and its last entry is the chunk's unit count). */
+__device__ __forceinline__ int kvmix__tc_find(const int *ue, int jj, int k, int lane) {
+    for (;;) {
+        const int j = jj + lane;
+        const unsigned before = __ballot_sync(0xffffffffu, j < 128 && ue[j] <= k);
+        jj += __popc(before);
+        if (before != 0xffffffffu) return jj;
+    }
 }
 
 /* Issues the copies of unit k (span jj of the plan) into the stage at `stage`; KFT / VFT as in
@@ -1516,7 +1528,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         const int n_units = (int)total_units;
         int k = (warp - unit_base % W + W) % W, jj = 0, buf = 0;
         if (k < n_units) {
-            while (sm.plan.ue[jj] <= k) jj++;
+            jj = kvmix__tc_find(sm.plan.ue, jj, k, lane);
             kvmix__tc_stage_any<D>(sm, p, jj, k, stage0, lane);
         }
         kvmix__cp_commit();
@@ -1524,7 +1536,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             const int k2 = k + W;
             int jj2 = jj;
             if (k2 < n_units) {
-                while (sm.plan.ue[jj2] <= k2) jj2++;
+                jj2 = kvmix__tc_find(sm.plan.ue, jj2, k2, lane);
                 kvmix__tc_stage_any<D>(sm, p, jj2, k2, stage0 + (buf ^ 1) * STAGE, lane);
             }
             kvmix__cp_commit();
