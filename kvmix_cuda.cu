@@ -1569,6 +1569,9 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         __syncthreads();
     }
     if (bad_count != 0 && threadIdx.x == 0) sm.error = 1;
+    /* the merge launch (programmatic dependent launch) may start once every block is here; it
+       waits for this grid's completion before it reads the partial results */
+    asm volatile("griddepcontrol.launch_dependents;");
     KVMIX__PROBE(3, clock64() - kvmix__c0);
     KVMIX__PROBE(5, kvmix__nunits);
 
@@ -1635,6 +1638,7 @@ static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__
     const int sh = blockIdx.x, seq = sh / p.n_q_heads, h = sh % p.n_q_heads, c = threadIdx.x;
     const int lane = c & 31, warp = c >> 5, nw = (int)blockDim.x >> 5, nt = (int)blockDim.x;
     const size_t first = (size_t)seq * p.n_splits * p.n_q_heads + h;
+    asm volatile("griddepcontrol.wait;" ::: "memory"); /* the decode grid's partials are written */
     float mx = -INFINITY;
     bool nan = false;
     for (int s = c; s < p.n_splits; s += nt) {
@@ -2210,9 +2214,19 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     m.part_out = p.part_out, m.part_lse = p.part_lse, m.n_splits = desc->n_splits;
     m.n_q_heads = desc->n_q_heads, m.head_dim = d, m.dtype = desc->dtype;
     m.out = (uint16_t *)out, m.lse = lse;
-    kvmix__decode_merge_kernel<<<(unsigned)(view->n_seqs * desc->n_q_heads), (unsigned)d, 0, s>>>(
-        m);
-    return kvmix__launch_status();
+    /* launched as a programmatic dependent of the decode grid: its launch overlaps that grid's
+       last blocks instead of following its completion */
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(view->n_seqs * desc->n_q_heads));
+    cfg.blockDim = dim3((unsigned)d);
+    cfg.stream = s;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr, cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kvmix__decode_merge_kernel, m);
+    r = kvmix__launch_status(); /* also clears a failed launch's error */
+    return e == cudaSuccess ? r : KVMIX_ERR_CUDA;
 }
 
 extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
