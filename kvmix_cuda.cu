@@ -567,7 +567,7 @@ __device__ __forceinline__ uint32_t kvmix__code(uint32_t x, uint32_t mask, uint3
     asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(y) : "r"(x), "r"(mask), "r"(0x64006400u));
     return kvmix__h2u(__hfma2(kvmix__u2h(y), kvmix__u2h(a), kvmix__u2h(b)));
 }
-/* 2^x for the online softmax (x <= 0; results under 2^-126 flush to 0). */
+/* 2^x for the online softmax (x <= 8; results under 2^-126 flush to 0). */
 __device__ __forceinline__ float kvmix__ex2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -1170,14 +1170,14 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
             t += 8;
             if (t > tl || (dead && dead[t])) s1 = -INFINITY;
         }
-        float tmax = fmaxf(s0, s1);
+        /* the running max (the reference of p) moves only when a logit passes it by more than 8
+           (log2 units): p stays under 2^8, and most tiles skip the reduction and the rescale */
+        if (__any_sync(0xffffffffu, fmaxf(s0, s1) > st.m + 8.0f)) {
+            float tmax = fmaxf(s0, s1);
 #pragma unroll
-        for (int off = 4; off < 32; off <<= 1)
-            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
-        const float mnew = fmaxf(st.m, tmax);
-        const float msafe = mnew == -INFINITY ? 0.0f : mnew;
-        const float alpha = kvmix__ex2(st.m - msafe);
-        if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+            for (int off = 4; off < 32; off <<= 1)
+                tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+            const float mnew = fmaxf(st.m, tmax), alpha = kvmix__ex2(st.m - mnew);
 #pragma unroll
             for (int i = 0; i < D / 16; i++)
 #pragma unroll
@@ -1186,8 +1186,9 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
             for (int x = 0; x < 4; x++) st.om[x] *= alpha, st.om2[x] *= alpha;
             st.l *= alpha;
             lsp *= alpha;
+            st.m = mnew;
         }
-        st.m = mnew;
+        const float msafe = st.m == -INFINITY ? 0.0f : st.m;
         const float p0 = kvmix__ex2(s0 - msafe), p1 = kvmix__ex2(s1 - msafe);
         st.l += p0 + p1;
         if (v_chan) lsp += p0 + p1;
