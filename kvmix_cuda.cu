@@ -744,6 +744,22 @@ template <int N> __device__ __forceinline__ void kvmix__cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+/* Copies `words` 16-byte words from g to the shared address dst, zero-filling past the `avail`
+   bytes that g's block holds from g on. Not inlined: one copy of this loop serves every region of
+   every format pair and stays in the instruction cache. */
+static __device__ __noinline__ void kvmix__tc_copy(uint32_t dst, const uint8_t *g, int words,
+                                                   uint32_t avail, int lane) {
+    if (16u * (uint32_t)words <= avail) {
+        for (int i = lane; i < words; i += 32) kvmix__cp_async16(dst + 16 * i, g + 16 * i);
+    } else {
+        for (int i = lane; i < words; i += 32) {
+            const uint32_t rel = 16u * (uint32_t)i;
+            const int n = avail > rel ? (int)min(16u, avail - rel) : 0;
+            kvmix__cp_async(dst + 16 * i, g + rel, n);
+        }
+    }
+}
+
 /* Places a region of len bytes whose source is at block offset src; with COPY, the warp copies
    it (the 16-byte words covering it, never past the block's total bytes). worst: assume the
    largest misalignment (for sizing). Returns the stage offset of the region's first byte. */
@@ -753,22 +769,9 @@ __device__ __forceinline__ int kvmix__tc_put(int &off, uint32_t src, int len, bo
                                              int lane) {
     const int delta = worst ? 15 : (int)(src & 15u);
     const int pos = off + delta, words = (delta + len + 15) >> 4;
-    if constexpr (COPY) {
-        const uint32_t s0 = src & ~15u;
-        if (16u * (uint32_t)words <= total - s0) { /* whole words: no clamps (s0 <= src < total) */
-            const uint8_t *g = blk + s0 + 16 * lane;
-            const uint32_t d = stage + (uint32_t)(off + 16 * lane);
-            for (int i = lane; i < words; i += 32, g += 512)
-                kvmix__cp_async16(d + 16 * (i - lane), g);
-        } else {
-            for (int i = lane; i < words; i += 32) {
-                const uint64_t rel = (uint64_t)s0 + 16u * (uint64_t)i;
-                const int n =
-                    (uint64_t)total > rel ? (int)min((uint64_t)16, (uint64_t)total - rel) : 0;
-                kvmix__cp_async(stage + (uint32_t)(off + 16 * i), blk + rel, n);
-            }
-        }
-    }
+    if constexpr (COPY)
+        kvmix__tc_copy(stage + (uint32_t)off, blk + (src & ~15u), words, total - (src & ~15u),
+                       lane);
     off += words << 4;
     return pos;
 }
