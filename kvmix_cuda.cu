@@ -687,6 +687,7 @@ template <int D> struct kvmix__tc_smem {
     kvmix__tc_plan plan;
     int64_t ctok[64]; /* tokens of each run of 128 spans of the sequence (the first 64 runs) */
     int64_t scratch[32];
+    uint64_t bar[kvmix__tc_warps][2]; /* mbarriers of the warps' stage buffers */
     int error;
 };
 
@@ -743,20 +744,62 @@ __device__ __forceinline__ void kvmix__cp_commit() {
 template <int N> __device__ __forceinline__ void kvmix__cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+/* Stage buffers are filled by bulk copies (the copy engine, one instruction per region) that
+   complete on an mbarrier per buffer; partial words at a block's end go through cp.async. */
+__device__ __forceinline__ void kvmix__bar_init(uint32_t bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void kvmix__bar_expect(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void kvmix__bar_arrive(uint32_t bar) {
+    asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(bar)
+                 : "memory");
+}
+__device__ __forceinline__ void kvmix__bar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+__device__ __forceinline__ void kvmix__bulk_copy(uint32_t dst, const void *src, uint32_t bytes,
+                                                 uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+}
+/* Orders the warp's earlier shared-memory reads of a stage before the copy engine rewrites it. */
+__device__ __forceinline__ void kvmix__fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* A stage buffer and its mbarrier (shared addresses). */
+struct kvmix__tc_dst {
+    uint32_t stage, bar;
+};
 
 /* Copies `words` 16-byte words from g to the shared address dst, zero-filling past the `avail`
-   bytes that g's block holds from g on. Not inlined: one copy of this loop serves every region of
-   every format pair and stays in the instruction cache. */
-static __device__ __noinline__ void kvmix__tc_copy(uint32_t dst, const uint8_t *g, int words,
-                                                   uint32_t avail, int lane) {
-    if (16u * (uint32_t)words <= avail) {
-        for (int i = lane; i < words; i += 32) kvmix__cp_async16(dst + 16 * i, g + 16 * i);
-    } else {
-        for (int i = lane; i < words; i += 32) {
-            const uint32_t rel = 16u * (uint32_t)i;
-            const int n = avail > rel ? (int)min(16u, avail - rel) : 0;
-            kvmix__cp_async(dst + 16 * i, g + rel, n);
-        }
+   bytes that g's block holds from g on: the whole words in one bulk copy by lane 0 (completing
+   on bar), the rest by cp.async. Not inlined: one copy of this code serves every region of every
+   format pair and stays in the instruction cache. */
+static __device__ __noinline__ void kvmix__tc_copy(uint32_t dst, uint32_t bar, const uint8_t *g,
+                                                   int words, uint32_t avail, int lane) {
+    const int whole = min(words, (int)(avail >> 4));
+    if (whole > 0 && lane == 0) {
+        kvmix__bar_expect(bar, 16u * (uint32_t)whole);
+        kvmix__bulk_copy(dst, g, 16u * (uint32_t)whole, bar);
+    }
+    for (int i = whole + lane; i < words; i += 32) {
+        const uint32_t rel = 16u * (uint32_t)i;
+        const int n = avail > rel ? (int)min(16u, avail - rel) : 0;
+        kvmix__cp_async(dst + rel, g + rel, n);
     }
 }
 
@@ -765,61 +808,57 @@ static __device__ __noinline__ void kvmix__tc_copy(uint32_t dst, const uint8_t *
    largest misalignment (for sizing). Returns the stage offset of the region's first byte. */
 template <bool COPY>
 __device__ __forceinline__ int kvmix__tc_put(int &off, uint32_t src, int len, bool worst,
-                                             uint32_t stage, const uint8_t *blk, uint32_t total,
+                                             kvmix__tc_dst dst, const uint8_t *blk, uint32_t total,
                                              int lane) {
     const int delta = worst ? 15 : (int)(src & 15u);
     const int pos = off + delta, words = (delta + len + 15) >> 4;
     if constexpr (COPY)
-        kvmix__tc_copy(stage + (uint32_t)off, blk + (src & ~15u), words, total - (src & ~15u),
-                       lane);
+        kvmix__tc_copy(dst.stage + (uint32_t)off, dst.bar, blk + (src & ~15u), words,
+                       total - (src & ~15u), lane);
     off += words << 4;
     return pos;
 }
 
 /* The regions of tokens [a, a + n) of a span (sections ks, vs); COPY issues the copies. */
 template <int D, bool COPY>
-__device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(int kf, int vf, const kvmix__tsec &ks,
-                                                              const kvmix__tsec &vs, int a, int n,
-                                                              int G, int nb, bool worst,
-                                                              uint32_t stage, const uint8_t *kblk,
-                                                              const uint8_t *vblk, int lane) {
+__device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(
+    int kf, int vf, const kvmix__tsec &ks, const kvmix__tsec &vs, int a, int n, int G, int nb,
+    bool worst, kvmix__tc_dst dst, const uint8_t *kblk, const uint8_t *vblk, int lane) {
     kvmix__tc_regions g;
     int off = 0;
     const int NG = D / G;
     g.km = g.ki = g.kh = g.b2 = g.sl = g.vm = g.vi = g.vh = 0;
-    g.k = kvmix__tc_put<COPY>(off, (uint32_t)a * ks.row_bytes, n * (int)ks.row_bytes, false, stage,
+    g.k = kvmix__tc_put<COPY>(off, (uint32_t)a * ks.row_bytes, n * (int)ks.row_bytes, false, dst,
                               kblk, ks.total_bytes, lane);
     if (kvmix__per_token(kf))
         g.km = kvmix__tc_put<COPY>(off, ks.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst,
-                                   stage, kblk, ks.total_bytes, lane);
+                                   dst, kblk, ks.total_bytes, lane);
     else if (kvmix__per_channel(kf))
-        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset, D * 4, worst, stage, kblk, ks.total_bytes,
-                                   lane);
+        g.km =
+            kvmix__tc_put<COPY>(off, ks.meta_offset, D * 4, worst, dst, kblk, ks.total_bytes, lane);
     if (kf == KVMIX_FORMAT_BOOSTED) {
-        g.ki =
-            kvmix__tc_put<COPY>(off, ks.index_offset, D, worst, stage, kblk, ks.total_bytes, lane);
-        g.kh = kvmix__tc_put<COPY>(off, ks.high_offset + (uint32_t)a * ks.high_row_bytes,
-                                   n * (int)ks.high_row_bytes, worst, stage, kblk, ks.total_bytes,
-                                   lane);
+        g.ki = kvmix__tc_put<COPY>(off, ks.index_offset, D, worst, dst, kblk, ks.total_bytes, lane);
+        g.kh =
+            kvmix__tc_put<COPY>(off, ks.high_offset + (uint32_t)a * ks.high_row_bytes,
+                                n * (int)ks.high_row_bytes, worst, dst, kblk, ks.total_bytes, lane);
         g.b2 = off;
         off += ((nb + 15) / 16) * 256;
         g.sl = off;
         off += D;
     }
-    g.v = kvmix__tc_put<COPY>(off, (uint32_t)a * vs.row_bytes, n * (int)vs.row_bytes, false, stage,
+    g.v = kvmix__tc_put<COPY>(off, (uint32_t)a * vs.row_bytes, n * (int)vs.row_bytes, false, dst,
                               vblk, vs.total_bytes, lane);
     if (kvmix__per_token(vf))
         g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst,
-                                   stage, vblk, vs.total_bytes, lane);
+                                   dst, vblk, vs.total_bytes, lane);
     else if (kvmix__per_channel(vf))
-        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset, D * 4, worst, stage, vblk, vs.total_bytes,
-                                   lane);
+        g.vm =
+            kvmix__tc_put<COPY>(off, vs.meta_offset, D * 4, worst, dst, vblk, vs.total_bytes, lane);
     if (vf == KVMIX_FORMAT_BOOSTED) {
-        g.vi =
-            kvmix__tc_put<COPY>(off, vs.index_offset, D, worst, stage, vblk, vs.total_bytes, lane);
-        g.vh = kvmix__tc_put<COPY>(off, vs.high_offset + (uint32_t)a * vs.high_row_bytes,
-                                   n * (int)vs.high_row_bytes, worst, stage, vblk, vs.total_bytes,
-                                   lane);
+        g.vi = kvmix__tc_put<COPY>(off, vs.index_offset, D, worst, dst, vblk, vs.total_bytes, lane);
+        g.vh =
+            kvmix__tc_put<COPY>(off, vs.high_offset + (uint32_t)a * vs.high_row_bytes,
+                                n * (int)vs.high_row_bytes, worst, dst, vblk, vs.total_bytes, lane);
     }
     g.end = off;
     return g;
@@ -833,7 +872,7 @@ __device__ inline int kvmix__tc_unit_tokens(int kf, int vf, int ntok, int G, int
     int n = 128;
     while (
         n > 16 &&
-        kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, G, nb, true, 0u, nullptr, nullptr, 0).end >
+        kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, G, nb, true, {}, nullptr, nullptr, 0).end >
             kvmix__tc_cfg<D>::stage)
         n -= 16;
     return n;
@@ -1299,12 +1338,12 @@ __device__ __forceinline__ int kvmix__tc_find(const int *ue, int jj, int k, int 
     }
 }
 
-/* Issues the copies of unit k (span jj of the plan) into the stage at `stage`; KFT / VFT as in
+/* Issues the copies of unit k (span jj of the plan) into the stage buffer dst; KFT / VFT as in
    kvmix__tc_run (known formats fold the section and region arithmetic to constants). */
 template <int D, int KFT, int VFT>
 __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm,
                                                 const kvmix__decode_params &p, int jj, int k,
-                                                uint8_t *stage, int lane) {
+                                                kvmix__tc_dst dst, int lane) {
     const int kf = KFT ? KFT : sm.plan.kf[jj], vf = VFT ? VFT : sm.plan.vf[jj];
     if (kvmix__tc_direct<D>(kf, vf)) return;
     const int ntok = sm.plan.ntok[jj];
@@ -1312,9 +1351,8 @@ __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm,
     const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
     const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, p.group_size, p.n_boost);
     const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, p.group_size, p.n_boost);
-    kvmix__tc_layout<D, true>(kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false,
-                              (uint32_t)__cvta_generic_to_shared(stage), p.base + sm.plan.koff[jj],
-                              p.base + sm.plan.voff[jj], lane);
+    kvmix__tc_layout<D, true>(kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false, dst,
+                              p.base + sm.plan.koff[jj], p.base + sm.plan.voff[jj], lane);
 }
 
 template <int V> struct kvmix__int_c { static constexpr int value = V; };
@@ -1338,14 +1376,19 @@ __device__ __forceinline__ void kvmix__tc_dispatch(int kf, int vf, Fn &&fn) {
     fn(kvmix__int_c<0>{}, kvmix__int_c<0>{});
 }
 
-/* kvmix__tc_stage with the pair specialized where kvmix__tc_dispatch has it. */
+/* kvmix__tc_stage with the pair specialized where kvmix__tc_dispatch has it, between the fence
+   that orders the warp's last reads of the buffer before the bulk copies and the arrival that
+   (with the copies' bytes) completes the buffer's mbarrier phase. */
 template <int D>
 __device__ __forceinline__ void kvmix__tc_stage_any(const kvmix__tc_smem<D> &sm,
                                                     const kvmix__decode_params &p, int jj, int k,
-                                                    uint8_t *stage, int lane) {
+                                                    kvmix__tc_dst dst, int lane) {
+    kvmix__fence_proxy_async();
+    __syncwarp();
     kvmix__tc_dispatch<D>(sm.plan.kf[jj], sm.plan.vf[jj], [&](auto kft, auto vft) {
-        kvmix__tc_stage<D, decltype(kft)::value, decltype(vft)::value>(sm, p, jj, k, stage, lane);
+        kvmix__tc_stage<D, decltype(kft)::value, decltype(vft)::value>(sm, p, jj, k, dst, lane);
     });
+    if (lane == 0) kvmix__bar_arrive(dst.bar);
 }
 
 /* Sections, regions and the unit itself, with the formats known at compile time where KFT / VFT
@@ -1366,7 +1409,7 @@ __device__ __forceinline__ void kvmix__tc_run(kvmix__tc_state<D> &st, kvmix__tc_
             p.base + sm.plan.voff[jj] + (uint64_t)((uint32_t)a * vs.row_bytes));
     } else {
         const kvmix__tc_regions rg = kvmix__tc_layout<D, false>(
-            kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false, 0u, nullptr, nullptr, lane);
+            kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false, {}, nullptr, nullptr, lane);
         kvmix__tc_unit<D, KFT, VFT>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
     }
 }
@@ -1424,6 +1467,11 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         }
     }
     if (threadIdx.x == 0) sm.error = 0;
+    if (lane == 0) { /* the warp's stage mbarriers, visible to the copy engine after the fence */
+        kvmix__bar_init((uint32_t)__cvta_generic_to_shared(&sm.bar[warp][0]));
+        kvmix__bar_init((uint32_t)__cvta_generic_to_shared(&sm.bar[warp][1]));
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
     __syncthreads();
     for (int e = threadIdx.x; e < 4 * 16; e += blockDim.x) {
         int h = e / 16, g = e % 16;
@@ -1482,6 +1530,9 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     __syncthreads();
     KVMIX__PROBE(1, clock64() - kvmix__c0);
     uint8_t *const stage0 = kvmix__tc_dyn + warp * 2 * STAGE;
+    const uint32_t stage0_sh = (uint32_t)__cvta_generic_to_shared(stage0);
+    const uint32_t bar0_sh = (uint32_t)__cvta_generic_to_shared(&sm.bar[warp][0]);
+    uint32_t phase = 0; /* bit b: parity of the next phase of stage buffer b's mbarrier */
     int unit_base = 0;
     /* the spans overlapping [lo, hi), 128 at a time: plan their units (up to 128 tokens each),
        then every warp walks its units with the next unit's copy in flight */
@@ -1533,7 +1584,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         int k = (warp - unit_base % W + W) % W, jj = 0, buf = 0;
         if (k < n_units) {
             jj = kvmix__tc_find(sm.plan.ue, jj, k, lane);
-            kvmix__tc_stage_any<D>(sm, p, jj, k, stage0, lane);
+            kvmix__tc_stage_any<D>(sm, p, jj, k, {stage0_sh, bar0_sh}, lane);
         }
         kvmix__cp_commit();
         while (k < n_units) {
@@ -1541,10 +1592,15 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             int jj2 = jj;
             if (k2 < n_units) {
                 jj2 = kvmix__tc_find(sm.plan.ue, jj2, k2, lane);
-                kvmix__tc_stage_any<D>(sm, p, jj2, k2, stage0 + (buf ^ 1) * STAGE, lane);
+                kvmix__tc_stage_any<D>(
+                    sm, p, jj2, k2,
+                    {stage0_sh + (uint32_t)((buf ^ 1) * STAGE), bar0_sh + 8u * (uint32_t)(buf ^ 1)},
+                    lane);
             }
             kvmix__cp_commit();
             kvmix__cp_wait<1>();
+            kvmix__bar_wait(bar0_sh + 8u * (uint32_t)buf, (phase >> buf) & 1u);
+            phase ^= 1u << buf;
             __syncwarp();
 #ifdef KVMIX__PROF
             if (kvmix__first) KVMIX__PROBE(2, clock64() - kvmix__c0);
