@@ -516,7 +516,7 @@ struct kvmix__decode_params {
     float *part_lse; /* [n_seqs][n_splits][n_q_heads], log2 domain */
 };
 
-/* ---- decode attention on tensor cores (v3: mma.sync tiles, K/V staged by cp.async) ----------
+/* ---- decode attention on tensor cores (mma.sync tiles, K/V staged by bulk copies) ------------
 
    Per warp: tiles of 16 tokens of one kv head against up to 4 query heads, with
    mma.sync.m16n8k16 (f16 inputs, f32 accumulators). The 8 columns of every B operand hold
@@ -645,7 +645,7 @@ __host__ __device__ constexpr bool kvmix__per_channel(int f) {
 
 /* Staging: each warp owns two stage buffers of kvmix__tc_cfg<D>::stage bytes in dynamic shared
    memory. A unit (up to 128 tokens of one span, fewer for wide formats so that it fits) is copied
-   there with cp.async (16-byte copies, zero-filled past the block's end) while the warp computes
+   there in 16-byte words (bulk copies; zero-filled past the block's end) while the warp computes
    the previous unit from the other buffer. The regions of a unit, each starting at a 16-byte
    boundary plus the source's misalignment: K rows, K meta (per-token rows or per-channel table),
    K boost index and high rows, scratch for the boosted-key B operand and slot->channel table,
@@ -734,9 +734,6 @@ struct kvmix__tc_regions {
 __device__ __forceinline__ void kvmix__cp_async(uint32_t dst, const void *src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
                  : "memory");
-}
-__device__ __forceinline__ void kvmix__cp_async16(uint32_t dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void kvmix__cp_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
