@@ -1128,7 +1128,8 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         }
 
         /* ---- logits ---- */
-        float sacc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sacc2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        /* four accumulators: chains of at most KS / 4 dependent mmas */
+        float sacc[4][4] = {};
         const uint8_t *k0 = K + (uint32_t)kr0 * krow + c * (DQ * KB / 8);
         const uint8_t *k1 = K + (uint32_t)kr1 * krow + c * (DQ * KB / 8);
 #pragma unroll
@@ -1150,7 +1151,7 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
                             a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
                     const int j = 4 * ch + v;
                     /* two accumulators, so that consecutive mmas do not wait on each other */
-                    float(&acc)[4] = k_exact && (v & 1) ? sacc2 : sacc;
+                    float(&acc)[4] = sacc[k_exact ? v : 0];
                     kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
                                bk[j][0], bk[j][1]);
                     if (!k_exact) { /* the rounding error of code * scale, as a second product */
@@ -1158,7 +1159,7 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
                         __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
                         __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
                         __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
-                        kvmix__mma(sacc2, kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
+                        kvmix__mma(sacc[1], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
                                    kvmix__h2u(l3), bk[j][0], bk[j][1]);
                     }
                 }
@@ -1166,8 +1167,8 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
 #pragma unroll
                 for (int v = 0; v < 4; v++) {
                     const int j = 4 * ch + v;
-                    kvmix__mma((v & 1) ? sacc2 : sacc, R0[2 * v], R1[2 * v], R0[2 * v + 1],
-                               R1[2 * v + 1], bk[j][0], bk[j][1]);
+                    kvmix__mma(sacc[v], R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1],
+                               bk[j][0], bk[j][1]);
                 }
             }
         }
@@ -1179,7 +1180,7 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
                 mn[0][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4) : 0u;
                 mn[1][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4) : 0u;
             }
-            kvmix__mma(sacc, kvmix__prmt(mn[0][0], mn[0][1], 0x7632u),
+            kvmix__mma(sacc[2], kvmix__prmt(mn[0][0], mn[0][1], 0x7632u),
                        kvmix__prmt(mn[1][0], mn[1][1], 0x7632u),
                        kvmix__prmt(mn[0][2], mn[0][3], 0x7632u),
                        kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
@@ -1193,7 +1194,7 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
                 uint32_t x0 = bi < hrow ? h0[bi] : 0u, x1 = bi < hrow ? h1[bi] : 0u;
                 x0 |= x0 << 14, x1 |= x1 << 14;
                 uint2 b = b2[jb * 32 + lane];
-                kvmix__mma(sacc2, kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                kvmix__mma(sacc[3], kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
                            kvmix__code(x1, 0x00030003u, 0x3C003C00u, 0xE400E400u),
                            kvmix__code(x0 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u),
                            kvmix__code(x1 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u), b.x, b.y);
@@ -1201,8 +1202,9 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         }
 
         /* ---- online softmax (head c, tokens r and r + 8) ---- */
-        float s0 = (sacc[0] + sacc2[0]) + (sacc[1] + sacc2[1]) + kconst;
-        float s1 = (sacc[2] + sacc2[2]) + (sacc[3] + sacc2[3]) + kconst;
+        float s0 = kconst, s1 = kconst;
+#pragma unroll
+        for (int a = 0; a < 4; a++) s0 += sacc[a][0] + sacc[a][1], s1 += sacc[a][2] + sacc[a][3];
         {
             int t = t0 + r;
             if (t > tl || (dead && dead[t])) s0 = -INFINITY;
