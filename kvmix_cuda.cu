@@ -1128,7 +1128,8 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         }
 
         /* ---- logits ---- */
-        /* four accumulators: chains of at most KS / 4 dependent mmas */
+        /* four accumulators (k-step j adds to j % 4), so that consecutive mmas do not wait on
+           each other; INT8 keys keep code * scale in [0] and its rounding error in [1] */
         float sacc[4][4] = {};
         const uint8_t *k0 = K + (uint32_t)kr0 * krow + c * (DQ * KB / 8);
         const uint8_t *k1 = K + (uint32_t)kr1 * krow + c * (DQ * KB / 8);
@@ -1150,7 +1151,6 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
                     __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
                             a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
                     const int j = 4 * ch + v;
-                    /* two accumulators, so that consecutive mmas do not wait on each other */
                     float(&acc)[4] = sacc[k_exact ? v : 0];
                     kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
                                bk[j][0], bk[j][1]);
