@@ -97,11 +97,14 @@ $(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h $(LLAMA_S
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
 		examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
-cuda-build: | $(BUILD)
 ifeq ($(strip $(NVCC)),)
+cuda-build:
 	@echo "nvcc not found: CUDA kernel pack not built (host parts are complete without it)"
 else
-	$(NVCC) $(NVCCFLAGS) -c kvmix_cuda.cu -o $(BUILD)/kvmix_cuda.o
+cuda-build: $(BUILD)/kvmix_cuda.o
+
+$(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) -c kvmix_cuda.cu -o $@
 	$(CC) -std=c99 $(WARN) -fsyntax-only -x c kvmix_cuda.h
 endif
 

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Runs every test program given after the first three arguments (build dir, shared dir, fuzz
-# iterations), then the model tests when the shared models exist, and prints one final line
+# iterations) and the model tests when the shared models exist, and prints one final line
 # "N passed, N failed" summing them all. A program that prints its own "N passed, N failed" line
 # counts with its numbers; any other counts as one check that passes when it exits 0.
 build=$1 shared=$2 fuzz_runs=$3
@@ -28,45 +28,34 @@ count() { # name, exit status, output file
     cat "$3" >>"$log"
 }
 
-run() { # name, command...
+# Every program starts at once in the background (they are independent; the fuzz runs and the
+# model tests take longest) and is counted afterwards in the order given, with its own output.
+names=
+start() { # name, command...
     name=$1
     shift
-    out=$build/.test-out
-    "$@" >"$out" 2>&1
-    count "$name" $? "$out"
+    ("$@" >"$build/.test-out-$name" 2>&1
+        echo $? >"$build/.test-rc-$name") &
+    names="$names $name"
 }
 
-# The fuzz runs take longest: they start first, in the background (a core each where there are
-# cores to spare), and are counted in their order after the other programs.
-fuzz_names=
 for program in "$@"; do
     case $program in
-    */fuzz_*_run)
-        name=$(basename "$program")
-        ("$program" "$fuzz_runs" >"$build/.test-out-$name" 2>&1
-            echo $? >"$build/.test-rc-$name") &
-        fuzz_names="$fuzz_names $name"
-        ;;
+    */fuzz_*_run) start "$(basename "$program")" "$program" "$fuzz_runs" ;;
+    *) start "$(basename "$program")" "$program" ;;
     esac
 done
-for program in "$@"; do
-    case $program in
-    */fuzz_*_run) ;;
-    *) run "$(basename "$program")" "$program" ;;
-    esac
-done
-wait
-for name in $fuzz_names; do
-    count "$name" "$(cat "$build/.test-rc-$name")" "$build/.test-out-$name"
-done
-
 if [ -d "$shared/models" ]; then
     for program in "$build"/model_test_*; do
-        [ -x "$program" ] && run "$(basename "$program")" "$program" "$shared"
+        [ -x "$program" ] && start "$(basename "$program")" "$program" "$shared"
     done
-else
-    echo "model tests skipped: $shared/models not found (make test SHARED=path/to/shared)"
 fi
+wait
+for name in $names; do
+    count "$name" "$(cat "$build/.test-rc-$name")" "$build/.test-out-$name"
+done
+[ -d "$shared/models" ] ||
+    echo "model tests skipped: $shared/models not found (make test SHARED=path/to/shared)"
 
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
