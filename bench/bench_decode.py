@@ -165,6 +165,8 @@ def main():
     ap.add_argument("--only", default="", help="BATCH,CTX,MIX: one kvmix case, no baselines (for profilers)")
     ap.add_argument("--shapes", default="", help="BATCH,CTX;BATCH,CTX...: only these shapes (with baselines)")
     ap.add_argument("--mixes", default="", help="comma-separated mix names (prefixes): only these mixes")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with several --lib: time them in this many interleaved rounds, report the median")
     args = ap.parse_args()
     libs = [Lib(x) for x in args.lib.split(",")]
     lib = libs[0]
@@ -253,15 +255,20 @@ def main():
                 print(f"{B:>5} {T:>7} {mix:<18} skipped: arena does not fit")
                 continue
             arenas = [Arena(lib, mix, B, T, H, D, P, NB, src, stream) for _ in range(sets)]
-            for li, vlib in enumerate(libs):
-                bench_one(vlib, li if len(libs) > 1 else None, arenas, sets, B, T, mix, base, read_bw, results,
-                          n_sms, H, HQ, D, stream)
+            times = [[] for _ in libs]
+            for _ in range(args.rounds):  # interleaved, so that clock and thermal drift hit every library
+                for li, vlib in enumerate(libs):
+                    times[li].append(time_decode(vlib, arenas, sets, B, T, n_sms, H, HQ, D, stream))
+            for li in range(len(libs)):
+                report(li if len(libs) > 1 else None, statistics.median(times[li]), arenas, B, T, mix, base,
+                       read_bw, results, libs[li].splits)
             del arenas
             torch.cuda.empty_cache()
     flush_bench(lib, src, H, D, P, NB, stream)
 
 
-def bench_one(lib, label, arenas, sets, B, T, mix, base, read_bw, results, n_sms, H, HQ, D, stream):
+def time_decode(lib, arenas, sets, B, T, n_sms, H, HQ, D, stream):
+    """Median time (ms) of one decode call over the arena sets; lib.splits records the split count."""
     splits = C.c_int32(0)
     lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, T, n_sms, C.byref(splits)), "splits")
     ws_bytes = C.c_size_t(0)
@@ -279,14 +286,19 @@ def bench_one(lib, label, arenas, sets, B, T, mix, base, read_bw, results, n_sms
     ms = time_calls([lambda i=i: call(i) for i in range(sets)])
     if not torch.isfinite(out.float()).all():
         print("  WARNING: non-finite output")
+    lib.splits = splits.value
+    del ws, qh, out, lse
+    return ms
+
+
+def report(label, ms, arenas, B, T, mix, base, read_bw, results, splits):
     nbytes = arenas[0].bytes
     bw = nbytes / ms / 1e6
     xc = base.get("cudnn", float("nan")) / ms
     xf = base.get("flash", float("nan")) / ms
     name = mix if label is None else f"{mix} [{label}]"
-    print(f"{B:>5} {T:>7} {name:<18} {ms:8.4f} {nbytes / 1e6:9.1f} {bw:7.0f} {100 * bw / read_bw:5.0f}% {xc:8.2f} {xf:8.2f}  (splits {splits.value})")
+    print(f"{B:>5} {T:>7} {name:<18} {ms:8.4f} {nbytes / 1e6:9.1f} {bw:7.0f} {100 * bw / read_bw:5.0f}% {xc:8.2f} {xf:8.2f}  (splits {splits})")
     results.append((B, T, mix, ms, nbytes, bw, xc, xf))
-    del ws, qh, out, lse
 
 
 def flush_bench(lib, src, H, D, P, NB, stream):
