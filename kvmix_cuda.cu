@@ -646,10 +646,11 @@ __host__ __device__ constexpr bool kvmix__per_channel(int f) {
 /* Staging: each warp owns two stage buffers of kvmix__tc_cfg<D>::stage bytes in dynamic shared
    memory. A unit (up to 128 tokens of one span, fewer for wide formats so that it fits) is copied
    there in 16-byte words (bulk copies; zero-filled past the block's end) while the warp computes
-   the previous unit from the other buffer. The regions of a unit, each starting at a 16-byte
-   boundary plus the source's misalignment: K rows, K meta (per-token rows or per-channel table),
-   K boost index and high rows, scratch for the boosted-key B operand and slot->channel table,
-   then the same for V. */
+   the previous unit from the other buffer. The regions of a unit (kvmix__tc_layout), each starting
+   at a 16-byte boundary plus the source's misalignment: K rows, K high rows and boost index
+   (boosted), K meta (per-token rows or per-channel table), scratch for the boosted-key B operand
+   and slot->channel table, then the same for V. A unit with per-channel keys that covers its span
+   is instead one copy per block, in the block's own layout. */
 #ifndef KVMIX__TC_STAGE_128
 #define KVMIX__TC_STAGE_128 12288
 #endif
@@ -727,8 +728,13 @@ __device__ __forceinline__ kvmix__tsec kvmix__tc_sections(int format, uint32_t n
     return s;
 }
 
+/* Stage offsets of a block's regions in a unit (0 where the format has none). */
+struct kvmix__tc_block {
+    int rows, high, meta, index;
+};
 struct kvmix__tc_regions {
-    int k, km, ki, kh, b2, sl, v, vm, vi, vh, end;
+    kvmix__tc_block k, v;
+    int b2, sl, end; /* boosted keys: B scratch and slot->channel table; the unit's stage bytes */
 };
 
 __device__ __forceinline__ void kvmix__cp_async(uint32_t dst, const void *src, int bytes) {
@@ -816,47 +822,63 @@ __device__ __forceinline__ int kvmix__tc_put(int &off, uint32_t src, int len, bo
     return pos;
 }
 
-/* The regions of tokens [a, a + n) of a span (sections ks, vs); COPY issues the copies. */
+/* The regions of tokens [a, a + n) of a block of format f (sections s). whole: the unit covers the
+   block, which is copied in one piece with its regions at their block offsets; else each region
+   (rows, high rows and boost index, meta: per-token rows or per-channel table) is placed and
+   copied on its own. COPY issues the copies; worst sizes the regions for any misalignment. */
+template <int D, bool COPY>
+__device__ __forceinline__ kvmix__tc_block kvmix__tc_place(int f, const kvmix__tsec &s, int a,
+                                                           int n, bool whole, int NG, bool worst,
+                                                           int &off, kvmix__tc_dst dst,
+                                                           const uint8_t *blk, int lane) {
+    kvmix__tc_block b;
+    if (whole) {
+        const int words = (int)(s.total_bytes + 15u) >> 4;
+        if constexpr (COPY)
+            kvmix__tc_copy(dst.stage + (uint32_t)off, dst.bar, blk, words, s.total_bytes, lane);
+        b.rows = off, b.high = off + (int)s.high_offset, b.meta = off + (int)s.meta_offset;
+        b.index = off + (int)s.index_offset;
+        off += words << 4;
+        return b;
+    }
+    const uint32_t total = s.total_bytes;
+    b.high = b.meta = b.index = 0;
+    b.rows = kvmix__tc_put<COPY>(off, (uint32_t)a * s.row_bytes, n * (int)s.row_bytes, false, dst,
+                                 blk, total, lane);
+    if (f == KVMIX_FORMAT_BOOSTED) {
+        b.high = kvmix__tc_put<COPY>(off, s.high_offset + (uint32_t)a * s.high_row_bytes,
+                                     n * (int)s.high_row_bytes, worst, dst, blk, total, lane);
+        b.index = kvmix__tc_put<COPY>(off, s.index_offset, D, worst, dst, blk, total, lane);
+    }
+    if (kvmix__per_token(f))
+        b.meta = kvmix__tc_put<COPY>(off, s.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst,
+                                     dst, blk, total, lane);
+    else if (kvmix__per_channel(f))
+        b.meta = kvmix__tc_put<COPY>(off, s.meta_offset, D * 4, worst, dst, blk, total, lane);
+    return b;
+}
+
+/* The regions of tokens [a, a + n) of a span of ntok tokens (sections ks, vs): the key block's,
+   scratch for the boosted-key B operand and slot->channel table, the value block's. */
 template <int D, bool COPY>
 __device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(
-    int kf, int vf, const kvmix__tsec &ks, const kvmix__tsec &vs, int a, int n, int G, int nb,
-    bool worst, kvmix__tc_dst dst, const uint8_t *kblk, const uint8_t *vblk, int lane) {
+    int kf, int vf, const kvmix__tsec &ks, const kvmix__tsec &vs, int a, int n, int ntok, int G,
+    int nb, bool worst, kvmix__tc_dst dst, const uint8_t *kblk, const uint8_t *vblk, int lane) {
     kvmix__tc_regions g;
     int off = 0;
     const int NG = D / G;
-    g.km = g.ki = g.kh = g.b2 = g.sl = g.vm = g.vi = g.vh = 0;
-    g.k = kvmix__tc_put<COPY>(off, (uint32_t)a * ks.row_bytes, n * (int)ks.row_bytes, false, dst,
-                              kblk, ks.total_bytes, lane);
-    if (kvmix__per_token(kf))
-        g.km = kvmix__tc_put<COPY>(off, ks.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst,
-                                   dst, kblk, ks.total_bytes, lane);
-    else if (kvmix__per_channel(kf))
-        g.km =
-            kvmix__tc_put<COPY>(off, ks.meta_offset, D * 4, worst, dst, kblk, ks.total_bytes, lane);
+    /* units of spans with per-channel keys are whole pages unless a split cuts them; other units
+       are smaller than a page, and the test alone costs them ~1% (bench/DECODE_NOTES.md) */
+    const bool whole = !worst && kvmix__per_channel(kf) && a == 0 && n == ntok;
+    g.k = kvmix__tc_place<D, COPY>(kf, ks, a, n, whole, NG, worst, off, dst, kblk, lane);
+    g.b2 = g.sl = 0;
     if (kf == KVMIX_FORMAT_BOOSTED) {
-        g.ki = kvmix__tc_put<COPY>(off, ks.index_offset, D, worst, dst, kblk, ks.total_bytes, lane);
-        g.kh =
-            kvmix__tc_put<COPY>(off, ks.high_offset + (uint32_t)a * ks.high_row_bytes,
-                                n * (int)ks.high_row_bytes, worst, dst, kblk, ks.total_bytes, lane);
         g.b2 = off;
         off += ((nb + 15) / 16) * 256;
         g.sl = off;
         off += D;
     }
-    g.v = kvmix__tc_put<COPY>(off, (uint32_t)a * vs.row_bytes, n * (int)vs.row_bytes, false, dst,
-                              vblk, vs.total_bytes, lane);
-    if (kvmix__per_token(vf))
-        g.vm = kvmix__tc_put<COPY>(off, vs.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst,
-                                   dst, vblk, vs.total_bytes, lane);
-    else if (kvmix__per_channel(vf))
-        g.vm =
-            kvmix__tc_put<COPY>(off, vs.meta_offset, D * 4, worst, dst, vblk, vs.total_bytes, lane);
-    if (vf == KVMIX_FORMAT_BOOSTED) {
-        g.vi = kvmix__tc_put<COPY>(off, vs.index_offset, D, worst, dst, vblk, vs.total_bytes, lane);
-        g.vh =
-            kvmix__tc_put<COPY>(off, vs.high_offset + (uint32_t)a * vs.high_row_bytes,
-                                n * (int)vs.high_row_bytes, worst, dst, vblk, vs.total_bytes, lane);
-    }
+    g.v = kvmix__tc_place<D, COPY>(vf, vs, a, n, whole, NG, worst, off, dst, vblk, lane);
     g.end = off;
     return g;
 }
@@ -867,10 +889,9 @@ __device__ inline int kvmix__tc_unit_tokens(int kf, int vf, int ntok, int G, int
     const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, G, nb);
     const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, G, nb);
     int n = 128;
-    while (
-        n > 16 &&
-        kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, G, nb, true, {}, nullptr, nullptr, 0).end >
-            kvmix__tc_cfg<D>::stage)
+    while (n > 16 && kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, ntok, G, nb, true, {},
+                                                nullptr, nullptr, 0)
+                             .end > kvmix__tc_cfg<D>::stage)
         n -= 16;
     return n;
 }
@@ -1016,42 +1037,49 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
     const int gsh = __ffs(G) - 1; /* G divides D (64, 128 or 256): a power of two */
     const bool two = DV > G;      /* a value lane's dims span two groups (D 256, G 16) */
     const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
-    const uint8_t *K = GL ? kg : stg + rg.k, *KM = stg + rg.km, *V = GL ? vg : stg + rg.v,
-                  *VM = stg + rg.vm;
+    const uint8_t *K = GL ? kg : stg + rg.k.rows, *KM = stg + rg.k.meta,
+                  *V = GL ? vg : stg + rg.v.rows, *VM = stg + rg.v.meta;
 
     /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 */
     uint32_t bk[KS][2];
-    if (k_chan) { /* q * channel scale, dims kvmix__tc_kdim: offsets from the lane's first dim */
+    float kconst = 0.0f; /* per-channel keys: sum over channels of q * min (head c) */
+    if (k_chan) {
+        /* q * channel scale at dims kvmix__tc_kdim, split into fp16 hi / lo parts. Lanes r and
+           r ^ 1 (lane ^ 4) need the two parts of the same products: each computes half of them
+           (k positions 2 * part + y), both parts, and passes the other lane its part. The sum of
+           q * channel minimum rides along. */
         const int h = r >> 1, part = r & 1;
-        const float *q0 = &sm.q[kvmix__qi(h, c * DQ)];
-        const uint8_t *s0 = KM + c * DQ * 4;
+        const float *q0 = &sm.q[kvmix__qi(h, c * DQ)] + kvmix__qi_step(part);
+        const uint8_t *s0 = KM + (c * DQ + part) * 4;
+        float qmin = 0.0f;
 #pragma unroll
         for (int j = 0; j < KS; j++) {
-            float v[4];
+            float v[2];
 #pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const int off = kvmix__tc_kdim<D>(0, j, x);
-                v[x] = q0[kvmix__qi_step(off)] * kvmix__h2f((uint16_t)kvmix__lds16(s0 + off * 4));
+            for (int y = 0; y < 2; y++) {
+                const int off = kvmix__tc_kdim<D>(0, j, y);
+                const uint32_t sm2 = kvmix__lds32(s0 + off * 4); /* scale | minimum << 16 */
+                const float qv = q0[kvmix__qi_step(off)];
+                v[y] = qv * kvmix__h2f((uint16_t)sm2);
+                qmin += qv * kvmix__h2f((uint16_t)(sm2 >> 16));
             }
-            bk[j][0] = kvmix__split_pair(v[0], v[1], part);
-            bk[j][1] = kvmix__split_pair(v[2], v[3], part);
+            const __half2 hi = __floats2half2_rn(v[0], v[1]);
+            const float2 f = __half22float2(hi);
+            const uint32_t lo = kvmix__h2u(__floats2half2_rn(v[0] - f.x, v[1] - f.y));
+            const uint32_t mine = part ? lo : kvmix__h2u(hi), theirs = part ? kvmix__h2u(hi) : lo;
+            const uint32_t got = __shfl_xor_sync(0xffffffffu, theirs, 4);
+            bk[j][0] = part ? got : mine;
+            bk[j][1] = part ? mine : got;
         }
+#pragma unroll
+        for (int off = 1; off <= 4; off <<= 1) qmin += __shfl_xor_sync(0xffffffffu, qmin, off);
+        kconst = __shfl_sync(0xffffffffu, qmin, 8 * c); /* lane 8c holds head (8c >> 2) / 2 = c */
     } else {
 #pragma unroll
         for (int j = 0; j < KS; j++) {
             uint2 b = sm.bq[j][lane];
             bk[j][0] = b.x, bk[j][1] = b.y;
         }
-    }
-    float kconst = 0.0f; /* per-channel keys: sum over channels of q * min (head c) */
-    if (k_chan) {
-        const float *q0 = &sm.q[kvmix__qi(c, r)];
-#pragma unroll
-        for (int d = 0; d < D; d += 8) /* dims r + d */
-            kconst +=
-                q0[kvmix__qi_step(d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + (r + d) * 4 + 2));
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) kconst += __shfl_xor_sync(0xffffffffu, kconst, off);
     }
     uint32_t bm[2] = {0u, 0u}; /* per-token keys: B of the minima mma (k = group 4c + e) */
     if (k_tok) {
@@ -1072,7 +1100,7 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         uint8_t *slot_ch = stg + rg.sl;
         ks2 = (nb + 15) / 16;
         for (int d = lane; d < D; d += 32) {
-            int s = stg[rg.ki + d];
+            int s = stg[rg.k.index + d];
             if (s < nb) slot_ch[s] = (uint8_t)d;
         }
         __syncwarp();
@@ -1187,8 +1215,8 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         }
         if (kf == KVMIX_FORMAT_BOOSTED) { /* high bits of the boosted slots */
             const uint32_t hrow = (uint32_t)ks.high_row_bytes;
-            const uint8_t *h0 = stg + rg.kh + (uint32_t)kr0 * hrow;
-            const uint8_t *h1 = stg + rg.kh + (uint32_t)kr1 * hrow;
+            const uint8_t *h0 = stg + rg.k.high + (uint32_t)kr0 * hrow;
+            const uint8_t *h1 = stg + rg.k.high + (uint32_t)kr1 * hrow;
             for (int jb = 0; jb < ks2; jb++) {
                 uint32_t bi = 4 * jb + c;
                 uint32_t x0 = bi < hrow ? h0[bi] : 0u, x1 = bi < hrow ? h1[bi] : 0u;
@@ -1243,13 +1271,14 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
             const uint32_t hrow = (uint32_t)vs.high_row_bytes;
 #pragma unroll
             for (int k = 0; k < DV; k++) {
-                int d = r * DV + k, s = stg[rg.vi + d];
+                int d = r * DV + k, s = stg[rg.v.index + d];
                 if (s != KVMIX_BOOST_NONE) {
                     uint32_t hv[4];
 #pragma unroll
                     for (int x = 0; x < 4; x++)
                         hv[x] =
-                            (stg[rg.vh + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) & 3u;
+                            (stg[rg.v.high + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) &
+                            3u;
                     __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]),
                                                 __ushort2half_rn((unsigned short)hv[1]));
                     __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]),
@@ -1350,7 +1379,7 @@ __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm,
     const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
     const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, p.group_size, p.n_boost);
     const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, p.group_size, p.n_boost);
-    kvmix__tc_layout<D, true>(kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false, dst,
+    kvmix__tc_layout<D, true>(kf, vf, ks, vs, a, n, ntok, p.group_size, p.n_boost, false, dst,
                               p.base + sm.plan.koff[jj], p.base + sm.plan.voff[jj], lane);
 }
 
@@ -1408,7 +1437,7 @@ __device__ __forceinline__ void kvmix__tc_run(kvmix__tc_state<D> &st, kvmix__tc_
             p.base + sm.plan.voff[jj] + (uint64_t)((uint32_t)a * vs.row_bytes));
     } else {
         const kvmix__tc_regions rg = kvmix__tc_layout<D, false>(
-            kf, vf, ks, vs, a, n, p.group_size, p.n_boost, false, {}, nullptr, nullptr, lane);
+            kf, vf, ks, vs, a, n, ntok, p.group_size, p.n_boost, false, {}, nullptr, nullptr, lane);
         kvmix__tc_unit<D, KFT, VFT>(st, sm, p, stg, rg, kf, vf, ks, vs, n, dead);
     }
 }
