@@ -1035,7 +1035,9 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
     const int G = p.group_size, NG = D / G;
     const int gsh = __ffs(G) - 1; /* G divides D (64, 128 or 256): a power of two */
-    const bool two = DV > G;      /* a value lane's dims span two groups (D 256, G 16) */
+    /* a value lane's dims span two groups: D 256 with G 16 (decode takes G a multiple of 16, so
+       never below D 256) */
+    const bool two = DV > 16 && DV > G;
     const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
     const uint8_t *K = GL ? kg : stg + rg.k.rows, *KM = stg + rg.k.meta,
                   *V = GL ? vg : stg + rg.v.rows, *VM = stg + rg.v.meta;
