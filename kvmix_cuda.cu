@@ -841,18 +841,21 @@ __device__ __forceinline__ kvmix__tc_block kvmix__tc_place(int f, const kvmix__t
         off += words << 4;
         return b;
     }
+    /* per-token regions hold whole 16-token tiles: the rows past n are the block's next bytes or
+       zeros, finite either way (the tile loop reads them unclamped; their p is 0) */
+    const int n16 = (n + 15) & ~15;
     const uint32_t total = s.total_bytes;
     b.high = b.meta = b.index = 0;
-    b.rows = kvmix__tc_put<COPY>(off, (uint32_t)a * s.row_bytes, n * (int)s.row_bytes, false, dst,
+    b.rows = kvmix__tc_put<COPY>(off, (uint32_t)a * s.row_bytes, n16 * (int)s.row_bytes, false, dst,
                                  blk, total, lane);
     if (f == KVMIX_FORMAT_BOOSTED) {
         b.high = kvmix__tc_put<COPY>(off, s.high_offset + (uint32_t)a * s.high_row_bytes,
-                                     n * (int)s.high_row_bytes, worst, dst, blk, total, lane);
+                                     n16 * (int)s.high_row_bytes, worst, dst, blk, total, lane);
         b.index = kvmix__tc_put<COPY>(off, s.index_offset, D, worst, dst, blk, total, lane);
     }
     if (kvmix__per_token(f))
-        b.meta = kvmix__tc_put<COPY>(off, s.meta_offset + (uint32_t)(a * NG * 4), n * NG * 4, worst,
-                                     dst, blk, total, lane);
+        b.meta = kvmix__tc_put<COPY>(off, s.meta_offset + (uint32_t)(a * NG * 4), n16 * NG * 4,
+                                     worst, dst, blk, total, lane);
     else if (kvmix__per_channel(f))
         b.meta = kvmix__tc_put<COPY>(off, s.meta_offset, D * 4, worst, dst, blk, total, lane);
     return b;
@@ -869,7 +872,7 @@ __device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(
     const int NG = D / G;
     /* units of spans with per-channel keys are whole pages unless a split cuts them; other units
        are smaller than a page, and the test alone costs them ~1% (bench/DECODE_NOTES.md) */
-    const bool whole = !worst && kvmix__per_channel(kf) && a == 0 && n == ntok;
+    const bool whole = !worst && kvmix__per_channel(kf) && a == 0 && n == ntok && n % 16 == 0;
     g.k = kvmix__tc_place<D, COPY>(kf, ks, a, n, whole, NG, worst, off, dst, kblk, lane);
     g.b2 = g.sl = 0;
     if (kf == KVMIX_FORMAT_BOOSTED) {
@@ -1132,19 +1135,21 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         KVMIX__TC_VSWZ && !GL && (VFT == KVMIX_FORMAT_INT2 || VFT == KVMIX_FORMAT_INT4);
     const uint32_t vslo = vswz && (c >> 1) ? 0x1054u : 0x5410u; /* vshi = vslo + 0x2222 */
 
+    /* rows of the last tile past n: staged ones are read as they are (kvmix__tc_place), rows
+       read in place are clamped */
+    auto row = [n](int t) { return GL ? min(t, n - 1) : t; };
     for (int t0 = 0; t0 < n; t0 += 16) {
-        const int tl = n - 1;
-        const int kr0 = min(t0 + r, tl), kr1 = min(t0 + r + 8, tl);
+        const int kr0 = row(t0 + r), kr1 = row(t0 + r + 8);
         int vt[4];
-        vt[0] = min(t0 + 2 * c, tl), vt[1] = min(t0 + 2 * c + 1, tl);
-        vt[2] = min(t0 + 2 * c + 8, tl), vt[3] = min(t0 + 2 * c + 9, tl);
+        vt[0] = row(t0 + 2 * c), vt[1] = row(t0 + 2 * c + 1);
+        vt[2] = row(t0 + 2 * c + 8), vt[3] = row(t0 + 2 * c + 9);
         /* ---- values and meta first (shared memory loads, used after the softmax) ---- */
         /* INT2 / INT4 rows: lanes c >= 2 load the two tokens of each pair in swapped order, so that
            the four token rows a load instruction touches fall into different banks */
         uint32_t vw[4][NWV];
 #pragma unroll
         for (int x = 0; x < 4; x++) {
-            const int vx = vswz ? min(t0 + 2 * c + ((x & 1) ^ (c >> 1)) + 8 * (x >> 1), tl) : vt[x];
+            const int vx = vswz ? row(t0 + 2 * c + ((x & 1) ^ (c >> 1)) + 8 * (x >> 1)) : vt[x];
             kvmix__tc_vload<DV, GL>(VB, V + (uint32_t)vx * vrow + r * (DV * VB / 8), vw[x]);
         }
         uint32_t vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
@@ -1237,9 +1242,9 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         for (int a = 0; a < 4; a++) s0 += sacc[a][0] + sacc[a][1], s1 += sacc[a][2] + sacc[a][3];
         {
             int t = t0 + r;
-            if (t > tl || (dead && dead[t])) s0 = -INFINITY;
+            if (t >= n || (dead && dead[t])) s0 = -INFINITY;
             t += 8;
-            if (t > tl || (dead && dead[t])) s1 = -INFINITY;
+            if (t >= n || (dead && dead[t])) s1 = -INFINITY;
         }
         /* the running max (the reference of p) moves only when a logit passes it by more than 8
            (log2 units): p stays under 2^8, and most tiles skip the reduction and the rescale */
