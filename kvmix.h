@@ -981,16 +981,16 @@ static void kvmix__store_qparams(uint8_t *meta, const kvmix__qparams *p) {
     kvmix__store_u16(meta + 2, p->min_h);
 }
 
+/* Code c of a row of `bits`-bit codes (2, 4 or 8: they never straddle a byte), low bits first;
+   bit offset c * bits, so no division per code. */
 static void kvmix__put_code(uint8_t *row, int32_t c, int bits, uint32_t q) {
-    int per_byte = 8 / bits;
-    int shift = (c % per_byte) * bits;
-    row[c / per_byte] = (uint8_t)(row[c / per_byte] | (q << shift));
+    size_t at = (size_t)c * (size_t)bits;
+    row[at >> 3] = (uint8_t)(row[at >> 3] | (q << (at & 7u)));
 }
 
 static uint32_t kvmix__get_code(const uint8_t *row, int32_t c, int bits) {
-    int per_byte = 8 / bits;
-    int shift = (c % per_byte) * bits;
-    return (row[c / per_byte] >> shift) & ((1u << bits) - 1u);
+    size_t at = (size_t)c * (size_t)bits;
+    return (row[at >> 3] >> (at & 7u)) & ((1u << bits) - 1u);
 }
 
 /* Row t of an FP16 or per-token block (zeroed before: codes are ORed in) from the floats x. */
@@ -1154,11 +1154,12 @@ static void kvmix__decode_row(const kvmix_layout *l, const kvmix__sections *s, c
     if (l->format == KVMIX_FORMAT_FP16) {
         for (c = 0; c < l->head_dim; c++) out[c] = kvmix_fp16_to_fp32(kvmix__load_u16(row + 2 * c));
     } else if (kvmix__is_per_token_int(l->format)) {
-        int32_t groups = l->head_dim / l->group_size;
+        int32_t groups = l->head_dim / l->group_size, g;
         const uint8_t *meta = block + s->meta_offset + (size_t)t * groups * 4;
-        for (c = 0; c < l->head_dim; c++) {
-            kvmix__meta_at(meta + (size_t)(c / l->group_size) * 4, &scale, &min);
-            out[c] = kvmix__dequantize_value(kvmix__get_code(row, c, bits), scale, min);
+        for (g = 0; g < groups; g++) { /* one scale and minimum per group */
+            kvmix__meta_at(meta + (size_t)g * 4, &scale, &min);
+            for (c = g * l->group_size; c < (g + 1) * l->group_size; c++)
+                out[c] = kvmix__dequantize_value(kvmix__get_code(row, c, bits), scale, min);
         }
     } else {
         const uint8_t *high = block + s->high_offset + (size_t)t * s->high_row_bytes;
