@@ -514,6 +514,8 @@ struct kvmix__decode_params {
     const uint16_t *q;
     float *part_out; /* [n_seqs][n_splits][n_q_heads][head_dim], normalized */
     float *part_lse; /* [n_seqs][n_splits][n_q_heads], log2 domain */
+    uint16_t *out;   /* one split: the block writes out and lse itself (no merge launch) */
+    float *lse;
 };
 
 /* ---- decode attention on tensor cores (mma.sync tiles, K/V staged by bulk copies) ------------
@@ -1702,8 +1704,15 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             }
         float nan = __int_as_float(0x7fffffff);
         bool err = sm.error != 0;
-        p.part_out[part * D + e] = err ? nan : (sum > 0.0f ? o / sum : 0.0f);
-        if (c == 0) p.part_lse[part + h] = err ? nan : (sum > 0.0f ? mx + log2f(sum) : -INFINITY);
+        const float result = err ? nan : (sum > 0.0f ? o / sum : 0.0f);
+        const float lse2 = err ? nan : (sum > 0.0f ? mx + log2f(sum) : -INFINITY);
+        if (p.out) { /* one split: the final output, as kvmix__decode_merge_kernel writes it */
+            kvmix__store_elem(p.out + part * D + e, result, p.dtype);
+            if (c == 0 && p.lse) p.lse[part + h] = lse2 * 0.69314718055994531f;
+        } else {
+            p.part_out[part * D + e] = result;
+            if (c == 0) p.part_lse[part + h] = lse2;
+        }
     }
     KVMIX__PROBE(4, clock64() - kvmix__c0);
 #ifdef KVMIX__PROF
@@ -1734,10 +1743,11 @@ static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__
     const int lane = c & 31, warp = c >> 5, nw = (int)blockDim.x >> 5, nt = (int)blockDim.x;
     const size_t first = (size_t)seq * p.n_splits * p.n_q_heads + h;
     asm volatile("griddepcontrol.wait;" ::: "memory"); /* the decode grid's partials are written */
-    float mx = -INFINITY;
+    float mx = -INFINITY, own_lse = 0.0f;              /* this thread's split of the first chunk */
     bool nan = false;
     for (int s = c; s < p.n_splits; s += nt) {
         float l = p.part_lse[first + (size_t)s * p.n_q_heads];
+        if (s == c) own_lse = l;
         nan |= l != l;
         mx = fmaxf(mx, l);
     }
@@ -1753,15 +1763,25 @@ static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__
         for (int s0 = 0; s0 < p.n_splits; s0 += nt) {
             const int n = min(nt, p.n_splits - s0);
             __syncthreads(); /* sw of the previous chunk consumed */
-            if (c < n) sw[c] = exp2f(p.part_lse[first + (size_t)(s0 + c) * p.n_q_heads] - mx);
+            if (c < n)
+                sw[c] =
+                    exp2f((s0 ? p.part_lse[first + (size_t)(s0 + c) * p.n_q_heads] : own_lse) - mx);
             __syncthreads();
             const float *po = p.part_out + (first + (size_t)s0 * p.n_q_heads) * p.head_dim + c;
             const size_t step = (size_t)p.n_q_heads * p.head_dim;
-#pragma unroll 8
-            for (int j = 0; j < n; j++) {
-                const float wt = sw[j];
-                sum += wt;
-                o += wt * po[j * step];
+            /* 32 splits' partials loaded at once (indices past n re-read the last one), then
+               summed in split order */
+            for (int j0 = 0; j0 < n; j0 += 32) {
+                float v[32];
+#pragma unroll
+                for (int j = 0; j < 32; j++) v[j] = po[min(j0 + j, n - 1) * step];
+#pragma unroll
+                for (int j = 0; j < 32; j++)
+                    if (j0 + j < n) {
+                        const float wt = sw[j0 + j];
+                        sum += wt;
+                        o += wt * v[j];
+                    }
             }
         }
     float result = nan ? __int_as_float(0x7fffffff) : (sum > 0.0f ? o / sum : 0.0f);
@@ -2293,6 +2313,8 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     p.q = (const uint16_t *)q;
     p.part_out = (float *)workspace;
     p.part_lse = p.part_out + (size_t)view->n_seqs * desc->n_splits * desc->n_q_heads * d;
+    const bool one_split = desc->n_splits == 1;
+    p.out = one_split ? (uint16_t *)out : nullptr, p.lse = one_split ? lse : nullptr;
 
     dim3 grid((unsigned)desc->n_splits, (unsigned)grid_y, (unsigned)view->n_seqs);
     cudaStream_t s = (cudaStream_t)stream;
@@ -2303,7 +2325,7 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     default: ce = kvmix__tc_launch<256>(grid, s, p); break;
     }
     if (ce != cudaSuccess) return KVMIX_ERR_CUDA;
-    if ((r = kvmix__launch_status()) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__launch_status()) != KVMIX_SUCCESS || one_split) return r;
 
     kvmix__merge_params m;
     m.part_out = p.part_out, m.part_lse = p.part_lse, m.n_splits = desc->n_splits;

@@ -81,8 +81,9 @@ kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvm
 
 /* ------------------------------------------------------------------------------------------- */
 /* Decode attention over a view: one query token per sequence, every sequence of the view in one  */
-/* launch, split-KV with a log-sum-exp merge (a second small kernel on the same stream, launched  */
-/* as a programmatic dependent of the first, which waits for the first grid to complete).        */
+/* launch, split-KV with a log-sum-exp merge (with n_splits > 1, a second small kernel on the     */
+/* same stream, launched as a programmatic dependent of the first, which waits for the first grid */
+/* to complete; with one split the first kernel writes out and lse itself).                      */
 /*   q, out: [n_seqs][n_q_heads][head_dim] of dtype; lse: [n_seqs][n_q_heads] float (natural log, */
 /*   as kvmix_ref_view_decode; -INFINITY and a zero row for a sequence with no live token), or   */
 /*   NULL. Query heads i*g .. i*g+g-1 read kv head i (g = n_q_heads / n_kv_heads) and share each */

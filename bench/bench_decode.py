@@ -69,6 +69,7 @@ MIXES = {
     # name: function(page index) -> (key format, value format)
     "int4": lambda i: (INT4, INT4),
     "int2/int4 75/25": lambda i: (INT4, INT4) if i % 4 == 3 else (INT2_CHANNEL, INT2),
+    "kivi2 (int2 only)": lambda i: (INT2_CHANNEL, INT2),
     "boost k16 + int2": lambda i: (BOOSTED, INT2),
     "int8": lambda i: (INT8, INT8),
     "fp16 (kvmix)": lambda i: (FP16, FP16),

@@ -430,6 +430,15 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
         dtype == KVMIX_CUDA_BF16 ? "bf16" : "fp16", e_out, e_lse, r);
     check(r == KVMIX_SUCCESS && ok_out && ok_lse && e_out <= 1e-6 && e_lse <= 1e-6, name);
     if (getenv("KVMIX_TEST_VERBOSE")) printf("%s\n", name);
+    /* without lse: the same output, bit for bit (the kernels are deterministic) */
+    CUDA_OK(cudaMemset(d_out, 0xFF, n_out * 2));
+    r = kvmix_cuda_decode(&v.dev, &desc, d_q, d_out, NULL, d_ws, ws_bytes, 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<uint16_t> again(n_out);
+    CUDA_OK(cudaMemcpy(again.data(), d_out, n_out * 2, cudaMemcpyDeviceToHost));
+    snprintf(name, sizeof name, "decode D %d splits %d without lse: the same output (r %d)", d,
+             n_splits, r);
+    check(r == KVMIX_SUCCESS && again == out_h, name);
     if (e_out > g_decode_max_out) g_decode_max_out = e_out;
     if (e_lse > g_decode_max_lse) g_decode_max_lse = e_lse;
     if (g_failed && getenv("KVMIX_TEST_VERBOSE")) {
@@ -465,6 +474,10 @@ static void test_decode(bool quick) {
         test_decode_case(d, 2, 4, 5, d / 8, 3, KVMIX_CUDA_BF16, quick);
         if (!quick) test_decode_case(d, 2, 8, 4, d / 4, 5, KVMIX_CUDA_FP16, quick);
     }
+    /* group 64: two groups per head at D 128 (the format pairs specialized for the default group
+       take the run-time group path) */
+    g_group = 64;
+    test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_FP16, quick);
     g_group = 32;
 }
 
