@@ -376,6 +376,15 @@ static double nmse(const std::vector<float> &a, const std::vector<float> &ref, b
 
 /* ---- decode ------------------------------------------------------------------------------ */
 
+/* The exact reference rounded to dtype; where it lies within 1e-5 (relative) of the midpoint
+   between that and the GPU's value, the GPU's value: either rounding is right there. Outputs of
+   sequences with one dominant token sit on such midpoints (a dequantized value has few bits). */
+static float rounded_reference(float got, float ref, kvmix_cuda_dtype dtype) {
+    const float r = from_dtype(to_dtype(ref, dtype), dtype);
+    const bool tie = got != r && fabs((double)ref - 0.5 * ((double)got + r)) <= 1e-5 * fabs(ref);
+    return tie ? got : r;
+}
+
 static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_boost, int n_splits,
                              kvmix_cuda_dtype dtype, bool quick) {
     char name[200];
@@ -419,7 +428,7 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     CUDA_OK(cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < n_out; i++) {
         out[i] = from_dtype(out_h[i], dtype);
-        ref_rounded[i] = from_dtype(to_dtype(ref_out[i], dtype), dtype);
+        ref_rounded[i] = rounded_reference(out[i], ref_out[i], dtype);
     }
     bool ok_out, ok_lse;
     double e_out = nmse(out, ref_rounded, &ok_out), e_lse = nmse(lse, ref_lse, &ok_lse);
