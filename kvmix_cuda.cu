@@ -543,6 +543,7 @@ struct kvmix__decode_params {
    P moves from the C layout of S^T to the B layout of P^T with movmatrix.trans. */
 
 constexpr int kvmix__tc_warps = 4;
+constexpr float kvmix__ln2 = 0.69314718055994531f; /* the kernels' lse is log2; out's is natural */
 
 __device__ __forceinline__ void kvmix__mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                            uint32_t a3, uint32_t b0, uint32_t b1) {
@@ -1708,7 +1709,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         const float lse2 = err ? nan : (sum > 0.0f ? mx + log2f(sum) : -INFINITY);
         if (p.out) { /* one split: the final output, as kvmix__decode_merge_kernel writes it */
             kvmix__store_elem(p.out + part * D + e, result, p.dtype);
-            if (c == 0 && p.lse) p.lse[part + h] = lse2 * 0.69314718055994531f;
+            if (c == 0 && p.lse) p.lse[part + h] = lse2 * kvmix__ln2;
         } else {
             p.part_out[part * D + e] = result;
             if (c == 0) p.part_lse[part + h] = lse2;
@@ -1788,7 +1789,7 @@ static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__
     kvmix__store_elem(p.out + (size_t)sh * p.head_dim + c, result, p.dtype);
     if (c == 0 && p.lse)
         p.lse[sh] = nan ? __int_as_float(0x7fffffff)
-                        : (sum > 0.0f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY);
+                        : (sum > 0.0f ? (mx + log2f(sum)) * kvmix__ln2 : -INFINITY);
 }
 
 /* ---- transfer payload body --------------------------------------------------------------- */

@@ -483,8 +483,8 @@ static void test_decode(bool quick) {
         test_decode_case(d, 2, 4, 5, d / 8, 3, KVMIX_CUDA_BF16, quick);
         if (!quick) test_decode_case(d, 2, 8, 4, d / 4, 5, KVMIX_CUDA_FP16, quick);
     }
-    /* group 64: two groups per head at D 128 (the format pairs specialized for the default group
-       take the run-time group path) */
+    /* group 64: two groups per row at D 128 (the specialized format pairs with a group other
+       than the default) */
     g_group = 64;
     test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_FP16, quick);
     g_group = 32;
