@@ -526,8 +526,10 @@ struct kvmix__decode_params {
    so each product is computed to ~22 bits and the two columns are summed in fp32 afterwards.
      logits   S^T[16 tokens x 8] += K[16 tokens x 16 dims] * B[16 dims x 8]
      output   O^T[16 dims x 8]   += V^T[16 dims x 16 tokens] * P^T[16 tokens x 8]
-   Codes become fp16 exactly (code | 0x6400 is 1024 + code). Per-channel key scales are folded
-   into B (per page), their minima into one constant per head. Per-token (scale, min) pairs are
+   Codes become fp16 exactly (code | 0x6400 is 1024 + code). Per-channel keys (2-bit codes)
+   take the integer mma instead (m16n8k32, u8 codes against s8 digits, s32 accumulators): q times
+   the channel scale is folded into B as four int8 digits under one power of two per head and
+   page (kvmix__tc_chan_b), the minima into one constant per head. Per-token (scale, min) pairs are
    applied exactly: INT2 / INT4 scales lie on kvmix.h's scale grid, so code * scale is one exact
    fp16 product; INT8 takes code * scale = hi + lo in fp16 (two mmas). The minima go through one
    more small mma (keys: k = groups; values: rows = the lane's group). Boosted keys' high bits are one
@@ -540,6 +542,8 @@ struct kvmix__decode_params {
      PV A rows of m-tile i: row r = dim r*D/8 + 2i, row r + 8 = dim r*D/8 + 2i + 1; k = tokens
         2c, 2c+1, 2c+8, 2c+9; lane r owns dims [r*D/8, (r+1)*D/8) of its four tokens.
      C (both): lane holds rows r, r + 8 and columns 2c (hi), 2c+1 (lo) = query head c.
+     Per-channel QK (m16n8k32): k-step s of 32 dims takes word s / 2 of the lane's D/4 codes of
+        each row; a0 / a2 = its codes j, j + 4, j + 8, j + 12 as bytes, j = 2 (s % 2) / + 1.
    P moves from the C layout of S^T to the B layout of P^T with movmatrix.trans. */
 
 constexpr int kvmix__tc_warps = 4;
@@ -550,6 +554,14 @@ __device__ __forceinline__ void kvmix__mma(float (&c)[4], uint32_t a0, uint32_t 
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+/* C += A * B over k = 32: A u8 (codes), B s8 (digits), C s32 (exact). */
+__device__ __forceinline__ void kvmix__imma(int32_t (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                            uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 __device__ __forceinline__ uint32_t kvmix__trans(uint32_t x) {
@@ -903,6 +915,18 @@ __device__ inline int kvmix__tc_unit_tokens(int kf, int vf, int ntok, int G, int
 }
 
 __device__ __forceinline__ uint32_t kvmix__lds32(const uint8_t *p) { return *(const uint32_t *)p; }
+/* NW (1, 2 or 4) words of shared memory at p (aligned to 4 * NW bytes) in one load. */
+template <int NW> __device__ __forceinline__ void kvmix__lds_words(const uint8_t *p, uint32_t *w) {
+    if constexpr (NW == 4) {
+        const uint4 x = *(const uint4 *)p;
+        w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+    } else if constexpr (NW == 2) {
+        const uint2 x = *(const uint2 *)p;
+        w[0] = x.x, w[1] = x.y;
+    } else {
+        w[0] = kvmix__lds32(p);
+    }
+}
 __device__ __forceinline__ uint32_t kvmix__lds16(const uint8_t *p) { return *(const uint16_t *)p; }
 
 /* Rows of K (per lane: its D/4 dims of tokens r and r+8) -> A registers of one 16-dim chunk:
@@ -1021,6 +1045,82 @@ __device__ __forceinline__ void kvmix__tc_vconv(int vf, const uint32_t *a, const
         kvmix__tc_vpair<KVMIX_FORMAT_INT2, DV>(a, b, R, slo, shi);
 }
 
+/* Per-channel keys: B of the integer logits mma for this unit, from the staged channel table KM
+   ((scale, minimum) fp16 pairs). x = q * scale of head h is carried as round(x * 2^z) (at most
+   2^20, z per head and unit from the largest |x|) = 2^14 d0 + 2^7 d1 + d2 (d0 signed, d1 and d2
+   in 0..127), plus the residual as d3 / 128: ~27 bits against the largest, past fp32's 24.
+   Columns of the two mmas per k-step: (2h, 2h + 1) = (d0, d1), then (d2, d3). Lane (c, r): head
+   h = r / 2, digits r % 2 and 2 + r % 2, dims of lane slot c. Lanes r and r ^ 1 (lane ^ 4) need
+   the same products: each computes the k-steps s with s % 2 = r % 2, all four digits, and passes
+   its partner the two it needs. Sets bk[2s + m][b], fac (2^-z of head c) and kconst (sum over
+   channels of q * minimum of head c; NaN where an x is not finite). */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_chan_b(const kvmix__tc_smem<D> &sm, const uint8_t *KM,
+                                                 int lane, uint32_t (&bk)[D / 16][2], float &fac,
+                                                 float &kconst) {
+    constexpr int DQ = D / 4, MY = D / 64; /* k-steps of 32 dims: D / 32, half per lane */
+    constexpr float magic = 12582912.0f;   /* 1.5 * 2^23: x + magic holds rint(x) in its low bits */
+    const int r = lane >> 2, c = lane & 3, h = r >> 1, part = r & 1;
+    const float *q0 = &sm.q[kvmix__qi(h, c * DQ)] + kvmix__qi_step(2 * part);
+    const uint8_t *s0 = KM + (c * DQ + 2 * part) * 4;
+    float x[MY][8], qmin = 0.0f;
+    uint32_t mx = 0u; /* largest |x| as bits (inf and NaN above every finite value) */
+#pragma unroll
+    for (int i = 0; i < MY; i++)
+#pragma unroll
+        for (int t = 0; t < 4; t++) { /* dims 16i + 4t + b of k-step 2i + part, b < 2 */
+            const int off = 16 * i + 4 * t;
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                const uint32_t sm2 = kvmix__lds32(s0 + (off + b) * 4); /* scale | minimum << 16 */
+                const float qv = q0[kvmix__qi_step(off + b)];
+                x[i][2 * t + b] = qv * kvmix__h2f((uint16_t)sm2);
+                qmin += qv * kvmix__h2f((uint16_t)(sm2 >> 16));
+                mx = max(mx, __float_as_uint(x[i][2 * t + b]) & 0x7fffffffu);
+            }
+        }
+#pragma unroll
+    for (int off = 1; off <= 4; off <<= 1) { /* the 8 lanes of head h */
+        mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        qmin += __shfl_xor_sync(0xffffffffu, qmin, off);
+    }
+    /* |x| < 2^(E - 126): scale by 2^(146 - E) for |round| <= 2^20 (E >= 21 keeps both normal) */
+    const uint32_t E = max(mx >> 23, 21u);
+    const float S = __uint_as_float((273u - E) << 23);
+    if (E == 255u) qmin = __int_as_float(0x7fffffff);
+    fac = __shfl_sync(0xffffffffu, __uint_as_float((E - 19u) << 23), 8 * c); /* lane 8c: head c */
+    kconst = __shfl_sync(0xffffffffu, qmin, 8 * c);
+#pragma unroll
+    for (int i = 0; i < MY; i++)
+#pragma unroll
+        for (int b = 0; b < 2; b++) {
+            uint32_t u[4], v[4];
+#pragma unroll
+            for (int t = 0; t < 4; t++) {
+                const float y = x[i][2 * t + b], t1 = fmaf(y, S, magic);
+                u[t] = __float_as_uint(t1); /* bits 0..21: round(y * S), two's complement */
+                v[t] = __float_as_uint(fmaf(fmaf(y, S, magic - t1), 128.0f, magic));
+            }
+            const uint32_t h01 = kvmix__prmt(u[0], u[1], 0x5410u),
+                           h23 = kvmix__prmt(u[2], u[3], 0x5410u);
+            const uint32_t k01 = kvmix__prmt(u[0], u[1], 0x6521u),
+                           k23 = kvmix__prmt(u[2], u[3], 0x6521u);
+            uint32_t d[4];
+            d[0] = kvmix__prmt(k01 << 2, k23 << 2, 0x7531u);               /* bits 14..21 */
+            d[1] = kvmix__prmt(h01 << 1, h23 << 1, 0x7531u) & 0x7f7f7f7fu; /* bits 7..13 */
+            d[2] = kvmix__prmt(h01, h23, 0x6420u) & 0x7f7f7f7fu;           /* bits 0..6 */
+            d[3] = kvmix__prmt(kvmix__prmt(v[0], v[1], 0x0040u), kvmix__prmt(v[2], v[3], 0x0040u),
+                               0x5410u);
+            const uint32_t keep_a = part ? d[1] : d[0], keep_b = part ? d[3] : d[2];
+            const uint32_t got_a = __shfl_xor_sync(0xffffffffu, part ? d[0] : d[1], 4);
+            const uint32_t got_b = __shfl_xor_sync(0xffffffffu, part ? d[2] : d[3], 4);
+            bk[4 * i][b] = part ? got_a : keep_a; /* k-step 2i */
+            bk[4 * i + 1][b] = part ? got_b : keep_b;
+            bk[4 * i + 2][b] = part ? keep_a : got_a; /* k-step 2i + 1 */
+            bk[4 * i + 3][b] = part ? keep_b : got_b;
+        }
+}
+
 /* One warp: tokens [a, a + n) of a span, staged at stg (regions rg). KFT / VFT: the key / value
    format when known at compile time, 0 for the generic path (formats kf_rt / vf_rt). GL: K and V
    rows are read in place from global memory at kg / vg (FP16 pairs: no staging). */
@@ -1048,40 +1148,12 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
     const uint8_t *K = GL ? kg : stg + rg.k.rows, *KM = stg + rg.k.meta,
                   *V = GL ? vg : stg + rg.v.rows, *VM = stg + rg.v.meta;
 
-    /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 */
+    /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 (per-channel keys:
+       kvmix__tc_chan_b) */
     uint32_t bk[KS][2];
-    float kconst = 0.0f; /* per-channel keys: sum over channels of q * min (head c) */
+    float kconst = 0.0f, kfac = 0.0f; /* per-channel keys: sum of q * min, 2^-z (head c) */
     if (k_chan) {
-        /* q * channel scale at dims kvmix__tc_kdim, split into fp16 hi / lo parts. Lanes r and
-           r ^ 1 (lane ^ 4) need the two parts of the same products: each computes half of them
-           (k positions 2 * part + y), both parts, and passes the other lane its part. The sum of
-           q * channel minimum rides along. */
-        const int h = r >> 1, part = r & 1;
-        const float *q0 = &sm.q[kvmix__qi(h, c * DQ)] + kvmix__qi_step(part);
-        const uint8_t *s0 = KM + (c * DQ + part) * 4;
-        float qmin = 0.0f;
-#pragma unroll
-        for (int j = 0; j < KS; j++) {
-            float v[2];
-#pragma unroll
-            for (int y = 0; y < 2; y++) {
-                const int off = kvmix__tc_kdim<D>(0, j, y);
-                const uint32_t sm2 = kvmix__lds32(s0 + off * 4); /* scale | minimum << 16 */
-                const float qv = q0[kvmix__qi_step(off)];
-                v[y] = qv * kvmix__h2f((uint16_t)sm2);
-                qmin += qv * kvmix__h2f((uint16_t)(sm2 >> 16));
-            }
-            const __half2 hi = __floats2half2_rn(v[0], v[1]);
-            const float2 f = __half22float2(hi);
-            const uint32_t lo = kvmix__h2u(__floats2half2_rn(v[0] - f.x, v[1] - f.y));
-            const uint32_t mine = part ? lo : kvmix__h2u(hi), theirs = part ? kvmix__h2u(hi) : lo;
-            const uint32_t got = __shfl_xor_sync(0xffffffffu, theirs, 4);
-            bk[j][0] = part ? got : mine;
-            bk[j][1] = part ? mine : got;
-        }
-#pragma unroll
-        for (int off = 1; off <= 4; off <<= 1) qmin += __shfl_xor_sync(0xffffffffu, qmin, off);
-        kconst = __shfl_sync(0xffffffffu, qmin, 8 * c); /* lane 8c holds head (8c >> 2) / 2 = c */
+        kvmix__tc_chan_b<D>(sm, KM, lane, bk, kfac, kconst);
     } else {
 #pragma unroll
         for (int j = 0; j < KS; j++) {
@@ -1169,10 +1241,24 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
         /* four accumulators (k-step j adds to j % 4), so that consecutive mmas do not wait on
            each other; INT8 keys keep code * scale in [0] and its rounding error in [1] */
         float sacc[4][4] = {};
+        int32_t ia[4][4] = {}; /* per-channel keys: digits (0, 1) then (2, 3), by k-step parity */
         const uint8_t *k0 = K + (uint32_t)kr0 * krow + c * (DQ * KB / 8);
         const uint8_t *k1 = K + (uint32_t)kr1 * krow + c * (DQ * KB / 8);
+        if (k_chan) {
+            uint32_t w0[DQ / 16], w1[DQ / 16]; /* the lane's 2-bit codes of rows kr0, kr1 */
+            kvmix__lds_words<DQ / 16>(k0, w0);
+            kvmix__lds_words<DQ / 16>(k1, w1);
 #pragma unroll
-        for (int ch = 0; ch < KS / 4; ch++) {
+            for (int s = 0; s < D / 32; s++) {
+                const uint32_t x0 = w0[s >> 1] >> (4 * (s & 1)), x1 = w1[s >> 1] >> (4 * (s & 1));
+                const uint32_t a0 = x0 & 0x03030303u, a1 = x1 & 0x03030303u;
+                const uint32_t a2 = (x0 >> 2) & 0x03030303u, a3 = (x1 >> 2) & 0x03030303u;
+                kvmix__imma(ia[s & 1], a0, a1, a2, a3, bk[2 * s][0], bk[2 * s][1]);
+                kvmix__imma(ia[2 + (s & 1)], a0, a1, a2, a3, bk[2 * s + 1][0], bk[2 * s + 1][1]);
+            }
+        }
+#pragma unroll
+        for (int ch = 0; ch < (k_chan ? 0 : KS / 4); ch++) {
             uint32_t R0[8], R1[8];
             kvmix__tc_kload<GL>(kf, k0, ch, R0);
             kvmix__tc_kload<GL>(kf, k1, ch, R1);
@@ -1241,8 +1327,21 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
 
         /* ---- online softmax (head c, tokens r and r + 8) ---- */
         float s0 = kconst, s1 = kconst;
+        if (k_chan) { /* sum of digits: 2^14 d0 + 2^7 d1 + d2 exactly, then d3 / 128 */
+            const int32_t u0 =
+                (ia[0][0] + ia[1][0]) * 16384 + (ia[0][1] + ia[1][1]) * 128 + ia[2][0] + ia[3][0];
+            const int32_t u1 =
+                (ia[0][2] + ia[1][2]) * 16384 + (ia[0][3] + ia[1][3]) * 128 + ia[2][2] + ia[3][2];
+            const float lofac = kfac * 0.0078125f;
+            s0 = fmaf((float)u0, kfac, fmaf((float)(ia[2][1] + ia[3][1]), lofac, kconst));
+            s1 = fmaf((float)u1, kfac, fmaf((float)(ia[2][3] + ia[3][3]), lofac, kconst));
+            if (kf == KVMIX_FORMAT_BOOSTED)
+                s0 += sacc[3][0] + sacc[3][1], s1 += sacc[3][2] + sacc[3][3];
+        } else {
 #pragma unroll
-        for (int a = 0; a < 4; a++) s0 += sacc[a][0] + sacc[a][1], s1 += sacc[a][2] + sacc[a][3];
+            for (int a = 0; a < 4; a++)
+                s0 += sacc[a][0] + sacc[a][1], s1 += sacc[a][2] + sacc[a][3];
+        }
         {
             int t = t0 + r;
             if (t >= n || (dead && dead[t])) s0 = -INFINITY;

@@ -2,8 +2,8 @@
 (cuDNN and flash backends) and kvmix's own all-FP16 path, on the same shapes, in one process.
 
 Usage: python3 bench/bench_decode.py [--lib build/libkvmix_cuda_bench.so[,other.so...]] [--quick]
-    [--shapes B,T;B,T] [--mixes int4,...] (several --lib paths: each variant is timed on the same
-    arenas, one after another, for A/B comparisons in one process)
+    [--shapes B,T;B,T] [--mixes int4,...] [--head-dim 64|128|256] (several --lib paths: each
+    variant is timed on the same arenas, one after another, for A/B comparisons in one process)
 Prints the configuration, then one line per (batch, context, variant): median time, bytes the
 kernel must read (compressed K/V of the batch), achieved bandwidth, fraction of the measured
 read bandwidth, and speedup over cuDNN and flash. Times: CUDA events around each call, median
@@ -166,6 +166,8 @@ def main():
     ap.add_argument("--only", default="", help="BATCH,CTX,MIX: one kvmix case, no baselines (for profilers)")
     ap.add_argument("--shapes", default="", help="BATCH,CTX;BATCH,CTX...: only these shapes (with baselines)")
     ap.add_argument("--mixes", default="", help="comma-separated mix names (prefixes): only these mixes")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
+                    help="head_dim of the cache and queries (the issue's shapes use 128)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with several --lib: time them in this many interleaved rounds, report the median")
     args = ap.parse_args()
@@ -174,7 +176,7 @@ def main():
     dev = torch.cuda.get_device_properties(0)
     n_sms = dev.multi_processor_count
     free, total = torch.cuda.mem_get_info()
-    H, HQ, D, P, NB = 8, 32, 128, 128, 16
+    H, HQ, D, P, NB = 8, 32, args.head_dim, 128, 16
     print(f"device: {dev.name}, {n_sms} SMs, L2 {dev.L2_cache_size / 2**20:.0f} MiB, memory {total / 2**30:.1f} GiB, torch {torch.__version__}")
     print(f"shape: {HQ} q heads, {H} kv heads, head_dim {D}, page {P} tokens, group 32, boost k={NB}; query length 1; bf16 SDPA with enable_gqa")
     stream = torch.cuda.current_stream().cuda_stream
