@@ -666,20 +666,23 @@ __host__ __device__ constexpr bool kvmix__per_channel(int f) {
    (boosted), K meta (per-token rows or per-channel table), scratch for the boosted-key B operand
    and slot->channel table, then the same for V. A unit with per-channel keys that covers its span
    is instead one copy per block, in the block's own layout. */
-#ifndef KVMIX__TC_STAGE_128
-#define KVMIX__TC_STAGE_128 12288
+#ifndef KVMIX__TC_STAGE
+#define KVMIX__TC_STAGE 12288 /* stage bytes at D 64 and 128 */
 #endif
 #ifndef KVMIX__SPLIT_WAVES
 #define KVMIX__SPLIT_WAVES 1 /* waves of blocks kvmix_cuda_decode_choose_splits aims for */
 #endif
-#ifndef KVMIX__TC_BLOCKS_128
-#define KVMIX__TC_BLOCKS_128 2
+#ifndef KVMIX__TC_BLOCKS
+#define KVMIX__TC_BLOCKS 2 /* blocks per SM at D 64 and 128 */
 #endif
 template <int D> struct kvmix__tc_cfg {
-    /* at least 16 tokens of FP16 keys and values (64 * D bytes) */
-    static constexpr int stage = D == 128 ? KVMIX__TC_STAGE_128 : 64 * D;
-    static constexpr int min_blocks = D == 64 ? 4 : D == 128 ? KVMIX__TC_BLOCKS_128 : 1;
+    /* a stage holds 16 tokens of every format pair (FP16 keys and values: 64 * D bytes, plus the
+       misalignment of each region); D 256 needs more than 12 KiB for that, and so runs one block
+       per SM with 24 KiB stages (bench/DECODE_NOTES.md, v14) */
+    static constexpr int stage = D == 256 ? 24576 : KVMIX__TC_STAGE;
+    static constexpr int min_blocks = D == 256 ? 1 : KVMIX__TC_BLOCKS;
     static constexpr int dyn_bytes = 2 * kvmix__tc_warps * stage;
+    static_assert(stage >= 64 * D + 64, "a stage must hold 16 tokens of FP16 keys and values");
 };
 
 struct kvmix__tc_plan {            /* spans of one walk chunk (index = thread of the block) */
@@ -1495,20 +1498,17 @@ __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm,
 template <int V> struct kvmix__int_c { static constexpr int value = V; };
 
 /* Calls fn(kvmix__int_c<KF>, kvmix__int_c<VF>) with the format pair as compile-time constants
-   when it is one of the pairs specialized at D 128 (the common cache mixes), else with <0, 0>
-   (formats read at run time). One list for the copy issue and the compute of a unit. */
-template <int D, class Fn>
-__device__ __forceinline__ void kvmix__tc_dispatch(int kf, int vf, Fn &&fn) {
+   when it is one of the specialized pairs (the common cache mixes), else with <0, 0> (formats
+   read at run time). One list for the copy issue and the compute of a unit. */
+template <class Fn> __device__ __forceinline__ void kvmix__tc_dispatch(int kf, int vf, Fn &&fn) {
 #define KVMIX__TC_PAIR(KF_, VF_)                                                                   \
     if (kf == KF_ && vf == VF_) return fn(kvmix__int_c<KF_>{}, kvmix__int_c<VF_>{});
-    if constexpr (D == 128) {
-        KVMIX__TC_PAIR(KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16)
-        KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
-        KVMIX__TC_PAIR(KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4)
-        KVMIX__TC_PAIR(KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2)
-        KVMIX__TC_PAIR(KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2)
-        KVMIX__TC_PAIR(KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8)
-    }
+    KVMIX__TC_PAIR(KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16)
+    KVMIX__TC_PAIR(KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2)
+    KVMIX__TC_PAIR(KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4)
+    KVMIX__TC_PAIR(KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2)
+    KVMIX__TC_PAIR(KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2)
+    KVMIX__TC_PAIR(KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8)
 #undef KVMIX__TC_PAIR
     fn(kvmix__int_c<0>{}, kvmix__int_c<0>{});
 }
@@ -1522,7 +1522,7 @@ __device__ __forceinline__ void kvmix__tc_stage_any(const kvmix__tc_smem<D> &sm,
                                                     kvmix__tc_dst dst, int lane) {
     kvmix__fence_proxy_async();
     __syncwarp();
-    kvmix__tc_dispatch<D>(sm.plan.kf[jj], sm.plan.vf[jj], [&](auto kft, auto vft) {
+    kvmix__tc_dispatch(sm.plan.kf[jj], sm.plan.vf[jj], [&](auto kft, auto vft) {
         kvmix__tc_stage<D, decltype(kft)::value, decltype(vft)::value>(sm, p, jj, k, dst, lane);
     });
     if (lane == 0) kvmix__bar_arrive(dst.bar);
@@ -1751,7 +1751,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
                 const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
                 const uint8_t *dead =
                     sm.plan.dead[jj] >= 0 ? p.dead + sm.plan.dead[jj] + a : nullptr;
-                kvmix__tc_dispatch<D>(kf, vf, [&](auto kft, auto vft) {
+                kvmix__tc_dispatch(kf, vf, [&](auto kft, auto vft) {
                     constexpr int KF = decltype(kft)::value, VF = decltype(vft)::value;
                     kvmix__tc_run<D, KF, VF, kvmix__tc_direct<D>(KF, VF)>(st, sm, p, stg, kf, vf,
                                                                           jj, a, n, dead, lane);
