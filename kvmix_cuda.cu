@@ -1259,43 +1259,44 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
                 kvmix__imma(ia[s & 1], a0, a1, a2, a3, bk[2 * s][0], bk[2 * s][1]);
                 kvmix__imma(ia[2 + (s & 1)], a0, a1, a2, a3, bk[2 * s + 1][0], bk[2 * s + 1][1]);
             }
-        }
+        } else {
 #pragma unroll
-        for (int ch = 0; ch < (k_chan ? 0 : KS / 4); ch++) {
-            uint32_t R0[8], R1[8];
-            kvmix__tc_kload<GL>(kf, k0, ch, R0);
-            kvmix__tc_kload<GL>(kf, k1, ch, R1);
-            if (k_tok) {
-                const int g = (c * DQ + 16 * ch) >> gsh;
-                uint32_t m0 = kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4);
-                uint32_t m1 = kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4);
-                __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
-                __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
+            for (int ch = 0; ch < KS / 4; ch++) {
+                uint32_t R0[8], R1[8];
+                kvmix__tc_kload<GL>(kf, k0, ch, R0);
+                kvmix__tc_kload<GL>(kf, k1, ch, R1);
+                if (k_tok) {
+                    const int g = (c * DQ + 16 * ch) >> gsh;
+                    uint32_t m0 = kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4);
+                    uint32_t m1 = kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4);
+                    __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
+                    __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
 #pragma unroll
-                for (int v = 0; v < 4; v++) {
-                    __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0),
-                            a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
-                    __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
-                            a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
-                    const int j = 4 * ch + v;
-                    float(&acc)[4] = sacc[k_exact ? v : 0];
-                    kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
-                               bk[j][0], bk[j][1]);
-                    if (!k_exact) { /* the rounding error of code * scale, as a second product */
-                        __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
-                        __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
-                        __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
-                        __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
-                        kvmix__mma(sacc[1], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
-                                   kvmix__h2u(l3), bk[j][0], bk[j][1]);
+                    for (int v = 0; v < 4; v++) {
+                        __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0),
+                                a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
+                        __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
+                                a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
+                        const int j = 4 * ch + v;
+                        float(&acc)[4] = sacc[k_exact ? v : 0];
+                        kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2),
+                                   kvmix__h2u(a3), bk[j][0], bk[j][1]);
+                        if (!k_exact) { /* the rounding error of code * scale, as a second product */
+                            __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
+                            __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
+                            __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
+                            __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
+                            kvmix__mma(sacc[1], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
+                                       kvmix__h2u(l3), bk[j][0], bk[j][1]);
+                        }
                     }
-                }
-            } else {
+                } else {
 #pragma unroll
-                for (int v = 0; v < 4; v++) {
-                    const int j = 4 * ch + v;
-                    kvmix__mma(sacc[v], R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1],
-                               bk[j][0], bk[j][1]);
+                    for (int v = 0; v < 4; v++) {
+                        const int j = 4 * ch + v;
+                        kvmix__mma(sacc[v], R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1],
+                                   bk[j][0], bk[j][1]);
+                    }
                 }
             }
         }
