@@ -685,6 +685,12 @@ template <int D> struct kvmix__tc_cfg {
     static_assert(stage >= 64 * D + 64, "a stage must hold 16 tokens of FP16 keys and values");
 };
 
+/* The span pass records the sequence's tokens at every run of kvmix__tc_run_spans spans, so that a
+   block's walk starts at most that many spans before its split's first token: a split of up to
+   128 - kvmix__tc_run_spans spans is then planned in one chunk of 128 (a second chunk costs the
+   walk a restart, bench/DECODE_NOTES.md v15). */
+constexpr int kvmix__tc_run_spans = 32, kvmix__tc_runs = 256;
+
 struct kvmix__tc_plan {            /* spans of one walk chunk (index = thread of the block) */
     uint64_t koff[128], voff[128]; /* bytes from base to this kv head's key / value block */
     int ta[128], tb[128], ntok[128], ut[128], dead[128], ub[128], ue[128];
@@ -704,7 +710,8 @@ template <int D> struct kvmix__tc_smem {
     float qsum[4][16];         /* per-token keys: sum of q over each group */
     uint2 bq[D / 16][32]; /* B of the logits for every non-channel key format (lane fragments) */
     kvmix__tc_plan plan;
-    int64_t ctok[64]; /* tokens of each run of 128 spans of the sequence (the first 64 runs) */
+    /* ctok[i]: tokens of the sequence's runs 0..i (kvmix__tc_run_spans spans each) */
+    int64_t ctok[kvmix__tc_runs];
     int64_t scratch[32];
     uint64_t bar[kvmix__tc_warps][2]; /* mbarriers of the warps' stage buffers */
     int error;
@@ -1630,9 +1637,9 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
     int64_t total_tokens = 0;
     int bad_count = 0;
-    /* 8 spans per thread per pass (1024 per pass at 128 threads); the tokens of each run of 128
-       spans are kept so that the walk below can start at the run that holds the split's first
-       token instead of planning every span before it */
+    /* 8 spans per thread per pass (1024 per pass at 128 threads); the tokens up to the end of
+       each run of spans are kept so that the walk below can start at the run that holds the
+       split's first token instead of planning every span before it */
     for (int c0 = first; c0 < last; c0 += 8 * (int)blockDim.x) {
         int64_t part = 0, sum;
         int bad = 0;
@@ -1645,12 +1652,11 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
                 bad |= n < 1;
             }
         }
-        int64_t run = part;
-#pragma unroll
-        for (int off = 1; off < 16; off <<= 1) run += __shfl_xor_sync(0xffffffffu, run, off);
-        const int ci = (c0 - first) / 128 + (int)threadIdx.x / 16;
-        if ((threadIdx.x & 15) == 0 && ci < 64) sm.ctok[ci] = run;
-        kvmix__block_scan(part, sm.scratch, &sum);
+        const int64_t upto = kvmix__block_scan(part, sm.scratch, &sum);
+        constexpr int TR = kvmix__tc_run_spans / 8; /* threads per run */
+        const int ci = (c0 - first) / kvmix__tc_run_spans + (int)threadIdx.x / TR;
+        if ((int)threadIdx.x % TR == TR - 1 && ci < kvmix__tc_runs)
+            sm.ctok[ci] = total_tokens + upto;
         total_tokens += sum;
         bad_count += __syncthreads_count(bad);
     }
@@ -1676,11 +1682,16 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
        then every warp walks its units with the next unit's copy in flight */
     int64_t span_base = 0;
     int c_start = first;
-    { /* skip the runs of 128 spans that end at or before lo (uniform over the block) */
-        const int runs = min(64, (last - first + 127) / 128);
+    { /* skip the runs that end at or before lo (the same count in every thread) */
+        const int runs =
+            min(kvmix__tc_runs, (last - first + kvmix__tc_run_spans - 1) / kvmix__tc_run_spans);
         int ci = 0;
-        while (ci < runs && span_base + sm.ctok[ci] <= lo) span_base += sm.ctok[ci++];
-        c_start = first + 128 * ci;
+        for (int r0 = 0; r0 < runs; r0 += (int)blockDim.x) {
+            const int r = r0 + (int)threadIdx.x;
+            ci += __syncthreads_count(r < runs && sm.ctok[r] <= lo);
+        }
+        span_base = ci > 0 ? sm.ctok[ci - 1] : 0;
+        c_start = first + kvmix__tc_run_spans * ci;
     }
     for (int c0 = c_start; bad_count == 0 && c0 < last && span_base < hi; c0 += blockDim.x) {
         const int i = c0 + (int)threadIdx.x;

@@ -225,7 +225,8 @@ struct test_view {
 };
 
 static double g_decode_max_out, g_decode_max_lse; /* largest decode nmse seen (bound 1e-6) */
-static int g_group = 32; /* group size of the per-token blocks of the views built next */
+static int g_group = 32;     /* group size of the per-token blocks of the views built next */
+static int g_long_pages = 0; /* > 0: the long sequences of the next views have this many spans */
 
 static const int key_formats[] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED,
                                   KVMIX_FORMAT_INT4,         KVMIX_FORMAT_INT8,
@@ -299,10 +300,10 @@ static void build_view(test_view &v, int d, int n_kv, int n_seqs, int n_boost, b
         }
         add_span(v, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 4, false); /* sinks */
         tokens += 4;
-        int pages = quick ? 3 : 4 + irand(6);
+        int pages = g_long_pages ? g_long_pages : quick ? 3 : 4 + irand(6);
         for (int i = 0; i < pages; i++) {
             const int sizes[] = {32, 64, 128};
-            int n = sizes[irand(3)];
+            int n = g_long_pages ? 16 << irand(2) : sizes[irand(3)];
             int kf = key_formats[(i + s) % 6], vf = value_formats[(i + 2 * s) % 6];
             add_span(v, kf, vf, n, irand(3) == 0);
             tokens += n;
@@ -488,6 +489,12 @@ static void test_decode(bool quick) {
     g_group = 64;
     test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_FP16, quick);
     g_group = 32;
+    /* long sequences of short spans: the span count takes more than one pass, and most splits
+       start their walk past the sequence's first runs of spans */
+    g_long_pages = quick ? 300 : 1100;
+    test_decode_case(128, 1, 4, 4, 16, quick ? 7 : 33, KVMIX_CUDA_BF16, quick);
+    if (!quick) test_decode_case(64, 2, 4, 4, 8, 5, KVMIX_CUDA_FP16, quick);
+    g_long_pages = 0;
 }
 
 /* ---- dequantize and score ---------------------------------------------------------------- */
