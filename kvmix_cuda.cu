@@ -1595,6 +1595,8 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     bool kvmix__first = true;
 #endif
 
+    /* the sequence's span range first: its load is in flight while the query table is built */
+    const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
     { /* all of a thread's query loads in flight at once (a serial loop costs one latency each) */
         constexpr int T = W * 32, NE = 4 * D / T;
         float qv[NE];
@@ -1634,7 +1636,6 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             make_uint2(kvmix__split_pair(v[0], v[1], part), kvmix__split_pair(v[2], v[3], part));
     }
 
-    const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
     int64_t total_tokens = 0;
     int bad_count = 0;
     /* 8 spans per thread per pass (1024 per pass at 128 threads); the tokens up to the end of
@@ -1855,7 +1856,13 @@ static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__
     const int lane = c & 31, warp = c >> 5, nw = (int)blockDim.x >> 5, nt = (int)blockDim.x;
     const size_t first = (size_t)seq * p.n_splits * p.n_q_heads + h;
     asm volatile("griddepcontrol.wait;" ::: "memory"); /* the decode grid's partials are written */
-    float mx = -INFINITY, own_lse = 0.0f;              /* this thread's split of the first chunk */
+    /* the first 32 splits' partials are loaded with the lse, not after them */
+    const size_t step = (size_t)p.n_q_heads * p.head_dim;
+    const float *po0 = p.part_out + first * p.head_dim + c;
+    float v0[32];
+#pragma unroll
+    for (int j = 0; j < 32; j++) v0[j] = po0[min(j, p.n_splits - 1) * step];
+    float mx = -INFINITY, own_lse = 0.0f; /* this thread's split of the first chunk */
     bool nan = false;
     for (int s = c; s < p.n_splits; s += nt) {
         float l = p.part_lse[first + (size_t)s * p.n_q_heads];
@@ -1880,13 +1887,13 @@ static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__
                     exp2f((s0 ? p.part_lse[first + (size_t)(s0 + c) * p.n_q_heads] : own_lse) - mx);
             __syncthreads();
             const float *po = p.part_out + (first + (size_t)s0 * p.n_q_heads) * p.head_dim + c;
-            const size_t step = (size_t)p.n_q_heads * p.head_dim;
             /* 32 splits' partials loaded at once (indices past n re-read the last one), then
                summed in split order */
             for (int j0 = 0; j0 < n; j0 += 32) {
                 float v[32];
 #pragma unroll
-                for (int j = 0; j < 32; j++) v[j] = po[min(j0 + j, n - 1) * step];
+                for (int j = 0; j < 32; j++)
+                    v[j] = s0 == 0 && j0 == 0 ? v0[j] : po[min(j0 + j, n - 1) * step];
 #pragma unroll
                 for (int j = 0; j < 32; j++)
                     if (j0 + j < n) {
