@@ -685,15 +685,9 @@ template <int D> struct kvmix__tc_cfg {
     static_assert(stage >= 64 * D + 64, "a stage must hold 16 tokens of FP16 keys and values");
 };
 
-/* The span pass records the sequence's tokens at every run of kvmix__tc_run_spans spans, so that a
-   block's walk starts at most that many spans before its split's first token: a split of up to
-   128 - kvmix__tc_run_spans spans is then planned in one chunk of 128 (a second chunk costs the
-   walk a restart, bench/DECODE_NOTES.md v15). */
-constexpr int kvmix__tc_run_spans = 32, kvmix__tc_runs = 256;
-
 struct kvmix__tc_plan {            /* spans of one walk chunk (index = thread of the block) */
     uint64_t koff[128], voff[128]; /* bytes from base to this kv head's key / value block */
-    int ta[128], tb[128], ntok[128], ut[128], dead[128], ub[128], ue[128];
+    int ntok[128], ut[128], dead[128], ub[128], ue[128];
     uint8_t kf[128], vf[128];
 };
 
@@ -710,8 +704,6 @@ template <int D> struct kvmix__tc_smem {
     float qsum[4][16];         /* per-token keys: sum of q over each group */
     uint2 bq[D / 16][32]; /* B of the logits for every non-channel key format (lane fragments) */
     kvmix__tc_plan plan;
-    /* ctok[i]: tokens of the sequence's runs 0..i (kvmix__tc_run_spans spans each) */
-    int64_t ctok[kvmix__tc_runs];
     int64_t scratch[32];
     uint64_t bar[kvmix__tc_warps][2]; /* mbarriers of the warps' stage buffers */
     int error;
@@ -1495,8 +1487,8 @@ __device__ __forceinline__ void kvmix__tc_stage(const kvmix__tc_smem<D> &sm,
     const int kf = KFT ? KFT : sm.plan.kf[jj], vf = VFT ? VFT : sm.plan.vf[jj];
     if (kvmix__tc_direct<D>(kf, vf)) return;
     const int ntok = sm.plan.ntok[jj];
-    const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
-    const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
+    const int a = (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
+    const int n = min(ntok, a + sm.plan.ut[jj]) - a;
     const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, p.group_size, p.n_boost);
     const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, p.group_size, p.n_boost);
     kvmix__tc_layout<D, true>(kf, vf, ks, vs, a, n, ntok, p.group_size, p.n_boost, false, dst,
@@ -1636,33 +1628,11 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             make_uint2(kvmix__split_pair(v[0], v[1], part), kvmix__split_pair(v[2], v[3], part));
     }
 
-    int64_t total_tokens = 0;
-    int bad_count = 0;
-    /* 8 spans per thread per pass (1024 per pass at 128 threads); the tokens up to the end of
-       each run of spans are kept so that the walk below can start at the run that holds the
-       split's first token instead of planning every span before it */
-    for (int c0 = first; c0 < last; c0 += 8 * (int)blockDim.x) {
-        int64_t part = 0, sum;
-        int bad = 0;
-#pragma unroll
-        for (int u = 0; u < 8; u++) {
-            const int i = c0 + 8 * (int)threadIdx.x + u;
-            if (i < last) {
-                const int n = p.spans[i].n_tokens;
-                part += max(n, 0);
-                bad |= n < 1;
-            }
-        }
-        const int64_t upto = kvmix__block_scan(part, sm.scratch, &sum);
-        constexpr int TR = kvmix__tc_run_spans / 8; /* threads per run */
-        const int ci = (c0 - first) / kvmix__tc_run_spans + (int)threadIdx.x / TR;
-        if ((int)threadIdx.x % TR == TR - 1 && ci < kvmix__tc_runs)
-            sm.ctok[ci] = total_tokens + upto;
-        total_tokens += sum;
-        bad_count += __syncthreads_count(bad);
-    }
-    const int64_t lo = total_tokens * split / p.n_splits;
-    const int64_t hi = total_tokens * (split + 1) / p.n_splits;
+    /* the split's spans: the sequence's spans cut into n_splits equal ranges by index, so that a
+       block knows its first span without a pass over the spans before it */
+    const int64_t n_spans = last - first;
+    const int s_lo = first + (int)(n_spans * split / p.n_splits);
+    const int s_hi = first + (int)(n_spans * (split + 1) / p.n_splits);
 
     kvmix__tc_state<D> st;
 #pragma unroll
@@ -1679,27 +1649,12 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     const uint32_t bar0_sh = (uint32_t)__cvta_generic_to_shared(&sm.bar[warp][0]);
     uint32_t phase = 0; /* bit b: parity of the next phase of stage buffer b's mbarrier */
     int unit_base = 0;
-    /* the spans overlapping [lo, hi), 128 at a time: plan their units (up to 128 tokens each),
-       then every warp walks its units with the next unit's copy in flight */
-    int64_t span_base = 0;
-    int c_start = first;
-    { /* skip the runs that end at or before lo (the same count in every thread) */
-        const int runs =
-            min(kvmix__tc_runs, (last - first + kvmix__tc_run_spans - 1) / kvmix__tc_run_spans);
-        int ci = 0;
-        for (int r0 = 0; r0 < runs; r0 += (int)blockDim.x) {
-            const int r = r0 + (int)threadIdx.x;
-            ci += __syncthreads_count(r < runs && sm.ctok[r] <= lo);
-        }
-        span_base = ci > 0 ? sm.ctok[ci - 1] : 0;
-        c_start = first + kvmix__tc_run_spans * ci;
-    }
-    for (int c0 = c_start; bad_count == 0 && c0 < last && span_base < hi; c0 += blockDim.x) {
+    /* the split's spans, 128 at a time: plan their units (up to 128 tokens each), then every warp
+       walks its units with the next unit's copy in flight */
+    for (int c0 = s_lo; c0 < s_hi; c0 += blockDim.x) {
         const int i = c0 + (int)threadIdx.x;
-        int64_t n = i < last ? (int64_t)max(p.spans[i].n_tokens, 0) : 0, total;
-        const int64_t end = span_base + kvmix__block_scan(n, sm.scratch, &total), start = end - n;
         int nu = 0;
-        if (i < last && n > 0 && end > lo && start < hi) {
+        if (i < s_hi) {
             const kvmix_view_span sp = p.spans[i];
             kvmix__sec ks, vs;
             bool ok =
@@ -1711,7 +1666,6 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             if (!ok) {
                 atomicExch(&sm.error, 1);
             } else {
-                const int ta = (int)(max(lo, start) - start), tb = (int)(min(hi, end) - start);
                 const int ut = kvmix__tc_direct<D>(sp.key_format, sp.value_format)
                                    ? 128
                                    : kvmix__tc_unit_tokens<D>(sp.key_format, sp.value_format,
@@ -1719,11 +1673,10 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
                 const int t = threadIdx.x;
                 sm.plan.koff[t] = sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
                 sm.plan.voff[t] = sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
-                sm.plan.ta[t] = ta, sm.plan.tb[t] = tb, sm.plan.ntok[t] = sp.n_tokens,
-                sm.plan.ut[t] = ut;
+                sm.plan.ntok[t] = sp.n_tokens, sm.plan.ut[t] = ut;
                 sm.plan.dead[t] = sp.dead_index;
                 sm.plan.kf[t] = sp.key_format, sm.plan.vf[t] = sp.value_format;
-                nu = (tb - ta + ut - 1) / ut;
+                nu = (sp.n_tokens + ut - 1) / ut;
             }
         }
         int64_t total_units;
@@ -1760,8 +1713,8 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             {
                 uint8_t *stg = stage0 + buf * STAGE;
                 const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj];
-                const int a = sm.plan.ta[jj] + (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
-                const int n = min(sm.plan.tb[jj], a + sm.plan.ut[jj]) - a;
+                const int a = (k - sm.plan.ub[jj]) * sm.plan.ut[jj];
+                const int n = min(sm.plan.ntok[jj], a + sm.plan.ut[jj]) - a;
                 const uint8_t *dead =
                     sm.plan.dead[jj] >= 0 ? p.dead + sm.plan.dead[jj] + a : nullptr;
                 kvmix__tc_dispatch(kf, vf, [&](auto kft, auto vft) {
@@ -1775,10 +1728,8 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         }
         kvmix__cp_wait<0>();
         unit_base += n_units % W;
-        span_base += total;
         __syncthreads();
     }
-    if (bad_count != 0 && threadIdx.x == 0) sm.error = 1;
     /* the merge launch (programmatic dependent launch) may start once every block is here; it
        waits for this grid's completion before it reads the partial results */
     asm volatile("griddepcontrol.launch_dependents;");

@@ -87,8 +87,8 @@ kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvm
 /*   q, out: [n_seqs][n_q_heads][head_dim] of dtype; lse: [n_seqs][n_q_heads] float (natural log, */
 /*   as kvmix_ref_view_decode; -INFINITY and a zero row for a sequence with no live token), or   */
 /*   NULL. Query heads i*g .. i*g+g-1 read kv head i (g = n_q_heads / n_kv_heads) and share each */
-/*   K/V load. Each sequence's tokens (all spans, in order) are cut into n_splits equal ranges;   */
-/*   a split walks the spans that overlap its range.                                             */
+/*   K/V load. Each sequence's spans are cut into n_splits ranges of equal span counts (a split's */
+/*   first span is known without reading the spans before it); a split walks its spans.          */
 /* Supported: head_dim 64, 128, 256; group_size (per-token blocks) a multiple of 16; every        */
 /* format for keys and values, dead flags. The device checks each span it reads (known formats,   */
 /* n_tokens >= 1, blocks inside base_bytes and 16-byte aligned, dead range inside n_dead_flags):  */

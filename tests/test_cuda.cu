@@ -386,6 +386,61 @@ static float rounded_reference(float got, float ref, kvmix_cuda_dtype dtype) {
     return tie ? got : r;
 }
 
+/* Queries of n_q heads for every sequence of v: q in dtype (qh) and as floats (qf). */
+static void random_queries(const test_view &v, int n_q, kvmix_cuda_dtype dtype,
+                           std::vector<uint16_t> &qh, std::vector<float> &qf) {
+    const size_t n = (size_t)v.n_seqs * n_q * v.d;
+    qh.resize(n), qf.resize(n);
+    for (size_t i = 0; i < n; i++) {
+        qh[i] = to_dtype(nrand(), dtype);
+        qf[i] = from_dtype(qh[i], dtype);
+    }
+}
+
+/* Device buffers of one decode call, outputs and workspace poisoned with 0xFF (NaN). */
+struct decode_io {
+    uint16_t *q = nullptr, *out = nullptr;
+    float *lse = nullptr;
+    void *ws = nullptr;
+    size_t n_out = 0, n_lse = 0, ws_bytes = 0;
+    kvmix_cuda_decode_desc desc;
+
+    decode_io(const test_view &v, const std::vector<uint16_t> &qh, int n_q, int n_splits,
+              kvmix_cuda_dtype dtype) {
+        n_out = qh.size(), n_lse = (size_t)v.n_seqs * n_q;
+        kvmix_cuda_decode_workspace_bytes(v.n_seqs, n_q, v.d, n_splits, &ws_bytes);
+        CUDA_OK(cudaMalloc(&q, n_out * 2));
+        CUDA_OK(cudaMalloc(&out, n_out * 2));
+        CUDA_OK(cudaMalloc(&lse, n_lse * 4));
+        CUDA_OK(cudaMalloc(&ws, ws_bytes));
+        CUDA_OK(cudaMemcpy(q, qh.data(), n_out * 2, cudaMemcpyHostToDevice));
+        desc.n_q_heads = n_q, desc.scale = 0.0f, desc.dtype = dtype, desc.n_splits = n_splits;
+    }
+    ~decode_io() {
+        cudaFree(q);
+        cudaFree(out);
+        cudaFree(lse);
+        cudaFree(ws);
+    }
+    /* runs decode over view (lse too when with_lse) into *r and copies out (as dtype) and lse
+       back; *r stays KVMIX_ERR_CUDA when a CUDA call of the test fails */
+    void run(const kvmix_view *view, bool with_lse, std::vector<uint16_t> &out_h,
+             std::vector<float> &lse_h, kvmix_result *r) {
+        *r = KVMIX_ERR_CUDA;
+        out_h.assign(n_out, 0), lse_h.assign(n_lse, 0.0f);
+        CUDA_OK(cudaMemset(out, 0xFF, n_out * 2));
+        CUDA_OK(cudaMemset(lse, 0xFF, n_lse * 4));
+        CUDA_OK(cudaMemset(ws, 0xFF, ws_bytes));
+        const kvmix_result got =
+            kvmix_cuda_decode(view, &desc, q, out, with_lse ? lse : NULL, ws, ws_bytes, 0);
+        CUDA_OK(cudaGetLastError());
+        CUDA_OK(cudaDeviceSynchronize());
+        CUDA_OK(cudaMemcpy(out_h.data(), out, n_out * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(lse_h.data(), lse, n_lse * 4, cudaMemcpyDeviceToHost));
+        *r = got;
+    }
+};
+
 static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_boost, int n_splits,
                              kvmix_cuda_dtype dtype, bool quick) {
     char name[200];
@@ -394,39 +449,18 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     if (!upload_view(v)) return;
     const int n_q = n_kv * q_per_kv;
     const size_t n_out = (size_t)n_seqs * n_q * d;
-    std::vector<uint16_t> qh(n_out);
-    std::vector<float> qf(n_out);
-    for (size_t i = 0; i < n_out; i++) {
-        float x = nrand();
-        qh[i] = to_dtype(x, dtype);
-        qf[i] = from_dtype(qh[i], dtype);
-    }
+    std::vector<uint16_t> qh;
+    std::vector<float> qf;
+    random_queries(v, n_q, dtype, qh, qf);
     std::vector<float> ref_out(n_out), ref_lse((size_t)n_seqs * n_q);
     kvmix_result rr =
         kvmix_ref_view_decode(&v.host, n_q, 0.0f, qf.data(), ref_out.data(), ref_lse.data());
     check(rr == KVMIX_SUCCESS, "reference decode");
-    size_t ws_bytes = 0;
-    kvmix_cuda_decode_workspace_bytes(n_seqs, n_q, d, n_splits, &ws_bytes);
-    uint16_t *d_q, *d_out;
-    float *d_lse;
-    void *d_ws;
-    CUDA_OK(cudaMalloc(&d_q, n_out * 2));
-    CUDA_OK(cudaMalloc(&d_out, n_out * 2));
-    CUDA_OK(cudaMalloc(&d_lse, (size_t)n_seqs * n_q * 4));
-    CUDA_OK(cudaMalloc(&d_ws, ws_bytes));
-    CUDA_OK(cudaMemcpy(d_q, qh.data(), n_out * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemset(d_out, 0xFF, n_out * 2));
-    CUDA_OK(cudaMemset(d_lse, 0xFF, (size_t)n_seqs * n_q * 4));
-    CUDA_OK(cudaMemset(d_ws, 0xFF, ws_bytes));
-    kvmix_cuda_decode_desc desc;
-    desc.n_q_heads = n_q, desc.scale = 0.0f, desc.dtype = dtype, desc.n_splits = n_splits;
-    kvmix_result r = kvmix_cuda_decode(&v.dev, &desc, d_q, d_out, d_lse, d_ws, ws_bytes, 0);
-    CUDA_OK(cudaGetLastError());
-    CUDA_OK(cudaDeviceSynchronize());
-    std::vector<uint16_t> out_h(n_out);
-    std::vector<float> out(n_out), lse((size_t)n_seqs * n_q), ref_rounded(n_out);
-    CUDA_OK(cudaMemcpy(out_h.data(), d_out, n_out * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(lse.data(), d_lse, lse.size() * 4, cudaMemcpyDeviceToHost));
+    decode_io io(v, qh, n_q, n_splits, dtype);
+    std::vector<uint16_t> out_h;
+    std::vector<float> out(n_out), lse, ref_rounded(n_out);
+    kvmix_result r;
+    io.run(&v.dev, true, out_h, lse, &r);
     for (size_t i = 0; i < n_out; i++) {
         out[i] = from_dtype(out_h[i], dtype);
         ref_rounded[i] = rounded_reference(out[i], ref_out[i], dtype);
@@ -441,11 +475,9 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     check(r == KVMIX_SUCCESS && ok_out && ok_lse && e_out <= 1e-6 && e_lse <= 1e-6, name);
     if (getenv("KVMIX_TEST_VERBOSE")) printf("%s\n", name);
     /* without lse: the same output, bit for bit (the kernels are deterministic) */
-    CUDA_OK(cudaMemset(d_out, 0xFF, n_out * 2));
-    r = kvmix_cuda_decode(&v.dev, &desc, d_q, d_out, NULL, d_ws, ws_bytes, 0);
-    CUDA_OK(cudaDeviceSynchronize());
-    std::vector<uint16_t> again(n_out);
-    CUDA_OK(cudaMemcpy(again.data(), d_out, n_out * 2, cudaMemcpyDeviceToHost));
+    std::vector<uint16_t> again;
+    std::vector<float> no_lse;
+    io.run(&v.dev, false, again, no_lse, &r);
     snprintf(name, sizeof name, "decode D %d splits %d without lse: the same output (r %d)", d,
              n_splits, r);
     check(r == KVMIX_SUCCESS && again == out_h, name);
@@ -456,10 +488,61 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
             printf("  seq %d lse gpu %g ref %g\n", s, lse[(size_t)s * n_q],
                    ref_lse[(size_t)s * n_q]);
     }
-    cudaFree(d_q);
-    cudaFree(d_out);
-    cudaFree(d_lse);
-    cudaFree(d_ws);
+    free_view(v);
+}
+
+/* A span the device rejects (no tokens, an unknown format, a block past base_bytes) turns every
+   output and lse of its sequence into NaN, whichever split walks it; the other sequences keep
+   their results. */
+static void test_decode_bad_span(bool quick) {
+    const int d = 128, n_kv = 2, n_q = 8, n_seqs = 4, bad_seq = 3;
+    const kvmix_cuda_dtype dtype = KVMIX_CUDA_BF16;
+    test_view v;
+    build_view(v, d, n_kv, n_seqs, 16, quick);
+    if (!upload_view(v)) return;
+    std::vector<uint16_t> qh;
+    std::vector<float> qf;
+    random_queries(v, n_q, dtype, qh, qf);
+    std::vector<float> ref_out(qh.size()), ref_lse((size_t)n_seqs * n_q);
+    check(kvmix_ref_view_decode(&v.host, n_q, 0.0f, qf.data(), ref_out.data(), ref_lse.data()) ==
+              KVMIX_SUCCESS,
+          "reference decode");
+    const size_t per_seq = (size_t)n_q * d;
+    /* a page of the bad sequence: between its sinks and its buffer */
+    const int first = v.first[bad_seq], n_spans = v.first[bad_seq + 1] - first;
+    const int bad = first + 1 + irand(n_spans - 2);
+    const int splits[] = {1, 3, 7};
+    for (int kind = 0; kind < 3; kind++) {
+        kvmix_view_span sp = v.spans[bad];
+        if (kind == 0) sp.n_tokens = 0;
+        if (kind == 1) sp.key_format = 99;
+        if (kind == 2) sp.value_offset = v.arena.size();
+        CUDA_OK(cudaMemcpy(v.d_spans + bad, &sp, sizeof sp, cudaMemcpyHostToDevice));
+        for (int n_splits : splits) {
+            decode_io io(v, qh, n_q, n_splits, dtype);
+            std::vector<uint16_t> out_h;
+            std::vector<float> lse;
+            kvmix_result r;
+            io.run(&v.dev, true, out_h, lse, &r);
+            bool bad_nan = true, good_ok = true;
+            for (size_t i = 0; i < per_seq; i++)
+                bad_nan &= isnan(from_dtype(out_h[bad_seq * per_seq + i], dtype));
+            for (int h = 0; h < n_q; h++) bad_nan &= isnan(lse[(size_t)bad_seq * n_q + h]);
+            std::vector<float> got(per_seq), want(per_seq);
+            for (size_t i = 0; i < per_seq; i++) {
+                got[i] = from_dtype(out_h[i], dtype);
+                want[i] = rounded_reference(got[i], ref_out[i], dtype);
+            }
+            double e = nmse(got, want, &good_ok);
+            char name[160];
+            snprintf(name, sizeof name,
+                     "decode: bad span (%d) of %d in sequence %d, %d splits: NaN there, other "
+                     "sequence nmse %.2e (r %d)",
+                     kind, bad - first, bad_seq, n_splits, e, r);
+            check(r == KVMIX_SUCCESS && bad_nan && good_ok && e <= 1e-6, name);
+        }
+        CUDA_OK(cudaMemcpy(v.d_spans + bad, &v.spans[bad], sizeof sp, cudaMemcpyHostToDevice));
+    }
     free_view(v);
 }
 
@@ -489,12 +572,13 @@ static void test_decode(bool quick) {
     g_group = 64;
     test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_FP16, quick);
     g_group = 32;
-    /* long sequences of short spans: the span count takes more than one pass, and most splits
-       start their walk past the sequence's first runs of spans */
+    /* long sequences of short spans: splits of more than 128 spans (walked in several chunks),
+       and splits that start deep into the sequence */
     g_long_pages = quick ? 300 : 1100;
     test_decode_case(128, 1, 4, 4, 16, quick ? 7 : 33, KVMIX_CUDA_BF16, quick);
     if (!quick) test_decode_case(64, 2, 4, 4, 8, 5, KVMIX_CUDA_FP16, quick);
     g_long_pages = 0;
+    test_decode_bad_span(quick);
 }
 
 /* ---- dequantize and score ---------------------------------------------------------------- */
