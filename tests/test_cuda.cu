@@ -1296,8 +1296,9 @@ int main(int argc, char **argv) {
     }
     if (runs("decode")) {
         test_decode(quick);
-        printf("decode: largest nmse out %.2e, lse %.2e (bound 1e-6)\n", g_decode_max_out,
-               g_decode_max_lse);
+        printf(
+            "decode: %d passed, %d failed so far; largest nmse out %.2e, lse %.2e (bound 1e-6)\n",
+            g_passed, g_failed, g_decode_max_out, g_decode_max_lse);
     }
     if (runs("payload")) {
         test_payload(quick);
