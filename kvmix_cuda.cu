@@ -104,10 +104,11 @@ __host__ __device__ inline kvmix__sec kvmix__sections(int format, int64_t n, int
 }
 
 /* (scale, min) of a group with `levels` steps over [lo, hi] and scale grid `grid`: kvmix.h's
-   kvmix__choose_qparams and kvmix__scale_grid. */
+   kvmix__choose_qparams and kvmix__scale_grid (the grid is a power of two). */
 struct kvmix__qp {
     uint16_t scale_h, min_h;
     float scale, min;
+    float inv_scale; /* 1 / scale, rounded: kvmix__quantize_value's first try */
 };
 
 __host__ __device__ constexpr unsigned kvmix__scale_grid(int bits) {
@@ -125,18 +126,25 @@ __device__ inline kvmix__qp kvmix__choose_qparams(float lo, float hi, int levels
     }
     p.min = kvmix__h2f(p.min_h);
     float step = __fdiv_rn(__fsub_rn(hi, p.min), (float)levels);
-    p.scale_h = (uint16_t)((kvmix__f2h(step) + grid - 1u) / grid * grid);
+    p.scale_h = (uint16_t)((kvmix__f2h(step) + grid - 1u) & ~(grid - 1u));
     while (__dadd_rn(__dmul_rn((double)kvmix__h2f(p.scale_h), (double)levels), (double)p.min) <
            (double)hi)
         p.scale_h = (uint16_t)(p.scale_h + grid);
     p.scale = kvmix__h2f(p.scale_h);
+    p.inv_scale = __frcp_rn(p.scale);
     return p;
 }
 
+/* kvmix.h's rintf((x - min) / scale), clamped to [0, levels], mostly without a division: while
+   |quotient| < 1024, the product by the rounded 1 / scale lies within 2e-4 of the correctly
+   rounded quotient (three roundings of 2^-24 relative), so both round to the same integer unless
+   the product lies within 1e-3 of a half; those few (about 0.2%) take the division. */
 __device__ __forceinline__ uint32_t kvmix__quantize_value(float x, const kvmix__qp &p, int levels) {
     if (p.scale_h == 0) return 0;
-    float q = rintf(__fdiv_rn(__fsub_rn(x, p.min), p.scale));
-    q = fminf(fmaxf(q, 0.0f), (float)levels);
+    const float a = __fsub_rn(x, p.min);
+    float q = __fmul_rn(a, p.inv_scale);
+    if (!(fabsf(q - floorf(q) - 0.5f) >= 1e-3f) || !(fabsf(q) < 1024.0f)) q = __fdiv_rn(a, p.scale);
+    q = fminf(fmaxf(rintf(q), 0.0f), (float)levels);
     return (uint32_t)q;
 }
 
@@ -280,8 +288,7 @@ struct kvmix__quantize_params {
 
 struct kvmix__quantize_smem {
     float lo[KVMIX_MAX_HEAD_DIM], hi[KVMIX_MAX_HEAD_DIM], score[KVMIX_MAX_HEAD_DIM];
-    float scale[KVMIX_MAX_HEAD_DIM], min[KVMIX_MAX_HEAD_DIM];
-    uint16_t scale_h[KVMIX_MAX_HEAD_DIM];
+    kvmix__qp qp[KVMIX_MAX_HEAD_DIM];
     uint8_t boosted[KVMIX_MAX_HEAD_DIM];
     int16_t slot_channel[256];
 };
@@ -357,8 +364,8 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
     __syncthreads();
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         int levels = sm.boosted[c] ? 15 : 3;
-        kvmix__qp qp = kvmix__choose_qparams(sm.lo[c], sm.hi[c], levels, 1u);
-        sm.scale[c] = qp.scale, sm.min[c] = qp.min, sm.scale_h[c] = qp.scale_h;
+        const kvmix__qp qp = kvmix__choose_qparams(sm.lo[c], sm.hi[c], levels, 1u);
+        sm.qp[c] = qp;
         uint8_t *meta = blk + s.meta_offset + (uint64_t)c * 4;
         meta[0] = (uint8_t)(qp.scale_h & 0xffu);
         meta[1] = (uint8_t)(qp.scale_h >> 8);
@@ -378,9 +385,7 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
         uint32_t byte = 0;
         for (int k = 0; k < 4; k++) {
             int c = b * 4 + k;
-            kvmix__qp qp;
-            qp.scale_h = sm.scale_h[c], qp.scale = sm.scale[c], qp.min = sm.min[c];
-            uint32_t q = kvmix__quantize_value(kvmix__h2f(src[t * p.src_row_stride + c]), qp,
+            uint32_t q = kvmix__quantize_value(kvmix__h2f(src[t * p.src_row_stride + c]), sm.qp[c],
                                                sm.boosted[c] ? 15 : 3);
             byte |= (q & 3u) << (2 * k);
         }
@@ -393,10 +398,8 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
             uint32_t byte = 0;
             for (int k = 0; k < 4; k++) {
                 int c = sm.slot_channel[b * 4 + k];
-                kvmix__qp qp;
-                qp.scale_h = sm.scale_h[c], qp.scale = sm.scale[c], qp.min = sm.min[c];
                 uint32_t q =
-                    kvmix__quantize_value(kvmix__h2f(src[t * p.src_row_stride + c]), qp, 15);
+                    kvmix__quantize_value(kvmix__h2f(src[t * p.src_row_stride + c]), sm.qp[c], 15);
                 byte |= (q >> 2) << (2 * k);
             }
             blk[s.high_offset + (uint64_t)t * high_bytes + b] = (uint8_t)byte;
