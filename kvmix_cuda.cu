@@ -511,8 +511,8 @@ struct kvmix__decode_params {
     const kvmix_view_span *spans;
     const int32_t *seq_first_span;
     const uint8_t *dead;
-    int n_dead_flags, n_seqs, n_kv_heads, n_q_heads, q_per_kv, q_chunks, group_size, n_boost;
-    int n_splits, dtype;
+    int n_spans, n_dead_flags, n_seqs, n_kv_heads, n_q_heads, q_per_kv, q_chunks, group_size;
+    int n_boost, n_splits, dtype;
     float scale_log2; /* softmax scale * log2(e) */
     const uint16_t *q;
     float *part_out; /* [n_seqs][n_splits][n_q_heads][head_dim], normalized */
@@ -1590,8 +1590,11 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     bool kvmix__first = true;
 #endif
 
-    /* the sequence's span range first: its load is in flight while the query table is built */
-    const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
+    /* the sequence's span range first: its load is in flight while the query table is built; a
+       range outside the view's spans is an error, and no span of it is read */
+    int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
+    const bool bad_range = first < 0 || last < first || last > p.n_spans;
+    if (bad_range) first = last = 0;
     { /* all of a thread's query loads in flight at once (a serial loop costs one latency each) */
         constexpr int T = W * 32, NE = 4 * D / T;
         float qv[NE];
@@ -1608,7 +1611,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             sm.q[kvmix__qi(e / D, e % D)] = qv[i] * p.scale_log2;
         }
     }
-    if (threadIdx.x == 0) sm.error = 0;
+    if (threadIdx.x == 0) sm.error = bad_range;
     if (lane == 0) { /* the warp's stage mbarriers, visible to the copy engine after the fence */
         kvmix__bar_init((uint32_t)__cvta_generic_to_shared(&sm.bar[warp][0]));
         kvmix__bar_init((uint32_t)__cvta_generic_to_shared(&sm.bar[warp][1]));
@@ -2376,7 +2379,7 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
 
     kvmix__decode_params p;
     p.base = view->base, p.base_bytes = view->base_bytes, p.spans = view->spans;
-    p.seq_first_span = view->seq_first_span, p.dead = view->dead;
+    p.seq_first_span = view->seq_first_span, p.dead = view->dead, p.n_spans = view->n_spans;
     p.n_dead_flags = view->n_dead_flags, p.n_seqs = view->n_seqs, p.n_kv_heads = view->n_kv_heads;
     p.n_q_heads = desc->n_q_heads, p.q_per_kv = q_per_kv, p.q_chunks = q_chunks;
     p.group_size = group, p.n_boost = view->n_boost, p.n_splits = desc->n_splits;

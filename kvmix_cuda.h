@@ -91,8 +91,9 @@ kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvm
 /*   first span is known without reading the spans before it); a split walks its spans.          */
 /* Supported: head_dim 64, 128, 256; group_size (per-token blocks) a multiple of 16; every        */
 /* format for keys and values, dead flags. The device checks each span it reads (known formats,   */
-/* n_tokens >= 1, blocks inside base_bytes and 16-byte aligned, dead range inside n_dead_flags):  */
-/* a sequence with a bad span gets NaN in out and lse.                                           */
+/* n_tokens >= 1, blocks inside base_bytes and 16-byte aligned, dead range inside n_dead_flags)  */
+/* and each sequence's span range (inside [0, n_spans]): a sequence with a bad span or range gets */
+/* NaN in out and lse.                                                                           */
 typedef struct kvmix_cuda_decode_desc {
     int32_t n_q_heads;      /* a multiple of the view's n_kv_heads */
     float scale;            /* softmax scale; 0 = 1 / sqrt(head_dim) */

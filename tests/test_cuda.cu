@@ -546,6 +546,54 @@ static void test_decode_bad_span(bool quick) {
     free_view(v);
 }
 
+/* A sequence whose span range leaves the view's spans gets NaN in every output and lse, and no
+   span past the view is read; the others keep their results. Two ways out: the view's n_spans one
+   short of the last sequence's end (the span there is valid, so only the range check catches
+   it), and that end 1000 spans past the array (compute-sanitizer catches a read). */
+static void test_decode_bad_range(bool quick) {
+    const int d = 128, n_kv = 2, n_q = 8, n_seqs = 4, bad_seq = n_seqs - 1;
+    const kvmix_cuda_dtype dtype = KVMIX_CUDA_BF16;
+    test_view v;
+    build_view(v, d, n_kv, n_seqs, 16, quick);
+    if (!upload_view(v)) return;
+    std::vector<uint16_t> qh;
+    std::vector<float> qf;
+    random_queries(v, n_q, dtype, qh, qf);
+    std::vector<float> ref_out(qh.size()), ref_lse((size_t)n_seqs * n_q);
+    check(kvmix_ref_view_decode(&v.host, n_q, 0.0f, qf.data(), ref_out.data(), ref_lse.data()) ==
+              KVMIX_SUCCESS,
+          "reference decode");
+    const size_t per_seq = (size_t)n_q * d;
+    for (int way = 0; way < 2; way++) {
+        kvmix_view view = v.dev;
+        if (way == 0) view.n_spans -= 1;
+        const int32_t end = way == 0 ? v.host.n_spans : v.host.n_spans + 1000;
+        CUDA_OK(cudaMemcpy(v.d_first + n_seqs, &end, 4, cudaMemcpyHostToDevice));
+        decode_io io(v, qh, n_q, way == 0 ? 1 : 5, dtype);
+        std::vector<uint16_t> out_h;
+        std::vector<float> lse;
+        kvmix_result r;
+        io.run(&view, true, out_h, lse, &r);
+        bool bad_nan = true, good_ok = true;
+        for (size_t i = 0; i < per_seq; i++)
+            bad_nan &= isnan(from_dtype(out_h[bad_seq * per_seq + i], dtype));
+        for (int h = 0; h < n_q; h++) bad_nan &= isnan(lse[(size_t)bad_seq * n_q + h]);
+        std::vector<float> got(per_seq), want(per_seq);
+        for (size_t i = 0; i < per_seq; i++) {
+            got[i] = from_dtype(out_h[i], dtype);
+            want[i] = rounded_reference(got[i], ref_out[i], dtype);
+        }
+        double e = nmse(got, want, &good_ok);
+        char name[160];
+        snprintf(name, sizeof name,
+                 "decode: span range of sequence %d ends %s: NaN there, other sequence nmse %.2e "
+                 "(r %d)",
+                 bad_seq, way == 0 ? "one past n_spans" : "1000 past the spans", e, r);
+        check(r == KVMIX_SUCCESS && bad_nan && good_ok && e <= 1e-6, name);
+    }
+    free_view(v);
+}
+
 static void test_decode(bool quick) {
     const int dims[] = {64, 128, 256};
     for (int di = 0; di < 3; di++) {
@@ -579,6 +627,7 @@ static void test_decode(bool quick) {
     if (!quick) test_decode_case(64, 2, 4, 4, 8, 5, KVMIX_CUDA_FP16, quick);
     g_long_pages = 0;
     test_decode_bad_span(quick);
+    test_decode_bad_range(quick);
 }
 
 /* ---- dequantize and score ---------------------------------------------------------------- */
