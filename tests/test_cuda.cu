@@ -491,10 +491,32 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     free_view(v);
 }
 
+/* Whether every output and lse of sequence bad_seq is NaN while sequence 0's outputs match the
+   reference (finite, NMSE *e within 1e-6). */
+static bool only_sequence_nan(const std::vector<uint16_t> &out_h, const std::vector<float> &lse,
+                              const std::vector<float> &ref_out, int n_q, int d, int bad_seq,
+                              kvmix_cuda_dtype dtype, double *e) {
+    const size_t per_seq = (size_t)n_q * d;
+    bool bad_nan = true, good_ok = true;
+    for (size_t i = 0; i < per_seq; i++)
+        bad_nan &= isnan(from_dtype(out_h[bad_seq * per_seq + i], dtype));
+    for (int h = 0; h < n_q; h++) bad_nan &= isnan(lse[(size_t)bad_seq * n_q + h]);
+    std::vector<float> got(per_seq), want(per_seq);
+    for (size_t i = 0; i < per_seq; i++) {
+        got[i] = from_dtype(out_h[i], dtype);
+        want[i] = rounded_reference(got[i], ref_out[i], dtype);
+    }
+    *e = nmse(got, want, &good_ok);
+    return bad_nan && good_ok && *e <= 1e-6;
+}
+
 /* A span the device rejects (no tokens, an unknown format, a block past base_bytes) turns every
-   output and lse of its sequence into NaN, whichever split walks it; the other sequences keep
-   their results. */
-static void test_decode_bad_span(bool quick) {
+   output and lse of its sequence into NaN, whichever split walks it; so does a span range that
+   leaves the view's spans, and no span past the view is read. The other sequences keep their
+   results. Two ranges: the view's n_spans one short of the last sequence's end (the span there
+   is valid, so only the range check catches it), and that end 1000 spans past the array
+   (compute-sanitizer catches a read). */
+static void test_decode_bad_input(bool quick) {
     const int d = 128, n_kv = 2, n_q = 8, n_seqs = 4, bad_seq = 3;
     const kvmix_cuda_dtype dtype = KVMIX_CUDA_BF16;
     test_view v;
@@ -507,7 +529,6 @@ static void test_decode_bad_span(bool quick) {
     check(kvmix_ref_view_decode(&v.host, n_q, 0.0f, qf.data(), ref_out.data(), ref_lse.data()) ==
               KVMIX_SUCCESS,
           "reference decode");
-    const size_t per_seq = (size_t)n_q * d;
     /* a page of the bad sequence: between its sinks and its buffer */
     const int first = v.first[bad_seq], n_spans = v.first[bad_seq + 1] - first;
     const int bad = first + 1 + irand(n_spans - 2);
@@ -524,46 +545,17 @@ static void test_decode_bad_span(bool quick) {
             std::vector<float> lse;
             kvmix_result r;
             io.run(&v.dev, true, out_h, lse, &r);
-            bool bad_nan = true, good_ok = true;
-            for (size_t i = 0; i < per_seq; i++)
-                bad_nan &= isnan(from_dtype(out_h[bad_seq * per_seq + i], dtype));
-            for (int h = 0; h < n_q; h++) bad_nan &= isnan(lse[(size_t)bad_seq * n_q + h]);
-            std::vector<float> got(per_seq), want(per_seq);
-            for (size_t i = 0; i < per_seq; i++) {
-                got[i] = from_dtype(out_h[i], dtype);
-                want[i] = rounded_reference(got[i], ref_out[i], dtype);
-            }
-            double e = nmse(got, want, &good_ok);
+            double e;
+            const bool ok = only_sequence_nan(out_h, lse, ref_out, n_q, d, bad_seq, dtype, &e);
             char name[160];
             snprintf(name, sizeof name,
                      "decode: bad span (%d) of %d in sequence %d, %d splits: NaN there, other "
                      "sequence nmse %.2e (r %d)",
                      kind, bad - first, bad_seq, n_splits, e, r);
-            check(r == KVMIX_SUCCESS && bad_nan && good_ok && e <= 1e-6, name);
+            check(r == KVMIX_SUCCESS && ok, name);
         }
         CUDA_OK(cudaMemcpy(v.d_spans + bad, &v.spans[bad], sizeof sp, cudaMemcpyHostToDevice));
     }
-    free_view(v);
-}
-
-/* A sequence whose span range leaves the view's spans gets NaN in every output and lse, and no
-   span past the view is read; the others keep their results. Two ways out: the view's n_spans one
-   short of the last sequence's end (the span there is valid, so only the range check catches
-   it), and that end 1000 spans past the array (compute-sanitizer catches a read). */
-static void test_decode_bad_range(bool quick) {
-    const int d = 128, n_kv = 2, n_q = 8, n_seqs = 4, bad_seq = n_seqs - 1;
-    const kvmix_cuda_dtype dtype = KVMIX_CUDA_BF16;
-    test_view v;
-    build_view(v, d, n_kv, n_seqs, 16, quick);
-    if (!upload_view(v)) return;
-    std::vector<uint16_t> qh;
-    std::vector<float> qf;
-    random_queries(v, n_q, dtype, qh, qf);
-    std::vector<float> ref_out(qh.size()), ref_lse((size_t)n_seqs * n_q);
-    check(kvmix_ref_view_decode(&v.host, n_q, 0.0f, qf.data(), ref_out.data(), ref_lse.data()) ==
-              KVMIX_SUCCESS,
-          "reference decode");
-    const size_t per_seq = (size_t)n_q * d;
     for (int way = 0; way < 2; way++) {
         kvmix_view view = v.dev;
         if (way == 0) view.n_spans -= 1;
@@ -574,22 +566,14 @@ static void test_decode_bad_range(bool quick) {
         std::vector<float> lse;
         kvmix_result r;
         io.run(&view, true, out_h, lse, &r);
-        bool bad_nan = true, good_ok = true;
-        for (size_t i = 0; i < per_seq; i++)
-            bad_nan &= isnan(from_dtype(out_h[bad_seq * per_seq + i], dtype));
-        for (int h = 0; h < n_q; h++) bad_nan &= isnan(lse[(size_t)bad_seq * n_q + h]);
-        std::vector<float> got(per_seq), want(per_seq);
-        for (size_t i = 0; i < per_seq; i++) {
-            got[i] = from_dtype(out_h[i], dtype);
-            want[i] = rounded_reference(got[i], ref_out[i], dtype);
-        }
-        double e = nmse(got, want, &good_ok);
+        double e;
+        const bool ok = only_sequence_nan(out_h, lse, ref_out, n_q, d, bad_seq, dtype, &e);
         char name[160];
         snprintf(name, sizeof name,
                  "decode: span range of sequence %d ends %s: NaN there, other sequence nmse %.2e "
                  "(r %d)",
                  bad_seq, way == 0 ? "one past n_spans" : "1000 past the spans", e, r);
-        check(r == KVMIX_SUCCESS && bad_nan && good_ok && e <= 1e-6, name);
+        check(r == KVMIX_SUCCESS && ok, name);
     }
     free_view(v);
 }
@@ -626,8 +610,7 @@ static void test_decode(bool quick) {
     test_decode_case(128, 1, 4, 4, 16, quick ? 7 : 33, KVMIX_CUDA_BF16, quick);
     if (!quick) test_decode_case(64, 2, 4, 4, 8, 5, KVMIX_CUDA_FP16, quick);
     g_long_pages = 0;
-    test_decode_bad_span(quick);
-    test_decode_bad_range(quick);
+    test_decode_bad_input(quick);
 }
 
 /* ---- dequantize and score ---------------------------------------------------------------- */
