@@ -517,7 +517,7 @@ static bool only_sequence_nan(const std::vector<uint16_t> &out_h, const std::vec
    is valid, so only the range check catches it), and that end 1000 spans past the array
    (compute-sanitizer catches a read). */
 static void test_decode_bad_input(bool quick) {
-    const int d = 128, n_kv = 2, n_q = 8, n_seqs = 4, bad_seq = 3;
+    const int d = 128, n_kv = 2, n_q = 8, n_seqs = 4, bad_seq = n_seqs - 1; /* the last */
     const kvmix_cuda_dtype dtype = KVMIX_CUDA_BF16;
     test_view v;
     build_view(v, d, n_kv, n_seqs, 16, quick);
@@ -530,8 +530,8 @@ static void test_decode_bad_input(bool quick) {
               KVMIX_SUCCESS,
           "reference decode");
     /* a page of the bad sequence: between its sinks and its buffer */
-    const int first = v.first[bad_seq], n_spans = v.first[bad_seq + 1] - first;
-    const int bad = first + 1 + irand(n_spans - 2);
+    const int first = v.first[bad_seq], seq_spans = v.first[bad_seq + 1] - first;
+    const int bad = first + 1 + irand(seq_spans - 2);
     const int splits[] = {1, 3, 7};
     for (int kind = 0; kind < 3; kind++) {
         kvmix_view_span sp = v.spans[bad];
