@@ -268,6 +268,11 @@ __device__ inline bool kvmix__block_ok(int format, int n, uint64_t offset, uint3
     return true;
 }
 
+/* Whether a sequence's span range [first, last) lies inside the view's n_spans spans. */
+__device__ __forceinline__ bool kvmix__range_ok(int first, int last, int n_spans) {
+    return first >= 0 && last >= first && last <= n_spans;
+}
+
 } // namespace
 
 // >>kernels
@@ -415,7 +420,8 @@ struct kvmix__view_params {
     const kvmix_view_span *spans;
     const int32_t *seq_first_span;
     const uint8_t *dead;
-    int n_dead_flags, n_kv_heads, head_dim, group_size, n_boost, seq, capacity, dtype, n_q_heads;
+    int n_spans, n_dead_flags, n_kv_heads, head_dim, group_size, n_boost, seq, capacity, dtype;
+    int n_q_heads;
     uint16_t *keys_out, *values_out;
     const float *memory;
     float *scores;
@@ -427,39 +433,46 @@ static __global__ void __launch_bounds__(256) kvmix__view_dequantize_kernel(kvmi
     const int64_t lo = (int64_t)blockIdx.x * kvmix__view_tile_tokens;
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
     const int d = p.head_dim, n_kv = p.n_kv_heads;
-    kvmix__for_spans(
-        p.spans, p.seq_first_span[p.seq], p.seq_first_span[p.seq + 1], lo, hi, sm,
-        [&](int si, int64_t start) {
-            const kvmix_view_span sp = p.spans[si];
-            int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
+    const int first = p.seq_first_span[p.seq], last = p.seq_first_span[p.seq + 1];
+    if (!kvmix__range_ok(first, last, p.n_spans)) { /* no span read: every row of the tile NaN */
+        const int64_t row = (int64_t)n_kv * d;
+        for (int64_t e = threadIdx.x; e < (hi - lo) * row; e += blockDim.x)
             for (int which = 0; which < 2; which++) {
                 uint16_t *out = which ? p.values_out : p.keys_out;
-                if (!out) continue;
-                int format = which ? sp.value_format : sp.key_format;
-                uint64_t offset = which ? sp.value_offset : sp.key_offset;
-                uint32_t head_bytes = which ? sp.value_head_bytes : sp.key_head_bytes;
-                kvmix__sec s;
-                bool ok = kvmix__block_ok(format, sp.n_tokens, offset, head_bytes, n_kv, d,
-                                          p.group_size, p.n_boost, p.base_bytes, &s) &&
-                          (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
-                int64_t n_elems = (t1 - t0) * n_kv * d;
-                for (int64_t e = threadIdx.x; e < n_elems; e += blockDim.x) {
-                    int64_t pos = t0 + e / ((int64_t)n_kv * d);
-                    int h = (int)((e / d) % n_kv), c = (int)(e % d);
-                    int64_t t = pos - start;
-                    float v;
-                    if (!ok)
-                        v = __int_as_float(0x7fffffff);
-                    else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t])
-                        v = 0.0f;
-                    else
-                        v = kvmix__decode_value(format, p.base + offset + (uint64_t)h * head_bytes,
-                                                s, t, c, p.group_size);
-                    kvmix__store_elem(out + (uint64_t)pos * n_kv * d + (uint64_t)h * d + c, v,
-                                      p.dtype);
-                }
+                if (out) kvmix__store_elem(out + lo * row + e, __int_as_float(0x7fffffff), p.dtype);
             }
-        });
+        return;
+    }
+    kvmix__for_spans(p.spans, first, last, lo, hi, sm, [&](int si, int64_t start) {
+        const kvmix_view_span sp = p.spans[si];
+        int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
+        for (int which = 0; which < 2; which++) {
+            uint16_t *out = which ? p.values_out : p.keys_out;
+            if (!out) continue;
+            int format = which ? sp.value_format : sp.key_format;
+            uint64_t offset = which ? sp.value_offset : sp.key_offset;
+            uint32_t head_bytes = which ? sp.value_head_bytes : sp.key_head_bytes;
+            kvmix__sec s;
+            bool ok = kvmix__block_ok(format, sp.n_tokens, offset, head_bytes, n_kv, d,
+                                      p.group_size, p.n_boost, p.base_bytes, &s) &&
+                      (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+            int64_t n_elems = (t1 - t0) * n_kv * d;
+            for (int64_t e = threadIdx.x; e < n_elems; e += blockDim.x) {
+                int64_t pos = t0 + e / ((int64_t)n_kv * d);
+                int h = (int)((e / d) % n_kv), c = (int)(e % d);
+                int64_t t = pos - start;
+                float v;
+                if (!ok)
+                    v = __int_as_float(0x7fffffff);
+                else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t])
+                    v = 0.0f;
+                else
+                    v = kvmix__decode_value(format, p.base + offset + (uint64_t)h * head_bytes, s,
+                                            t, c, p.group_size);
+                kvmix__store_elem(out + (uint64_t)pos * n_kv * d + (uint64_t)h * d + c, v, p.dtype);
+            }
+        }
+    });
 }
 
 /* Blocks of 32 tokens, one warp per token: scores[t] = sum_h dot(memory[h], key_t[h / g]). */
@@ -469,38 +482,40 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
     const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / p.n_kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    kvmix__for_spans(
-        p.spans, p.seq_first_span[p.seq], p.seq_first_span[p.seq + 1], lo, hi, sm,
-        [&](int si, int64_t start) {
-            const kvmix_view_span sp = p.spans[si];
-            int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
-            kvmix__sec s;
-            bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
-                                      n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
-                      (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
-            for (int64_t pos = t0 + warp; pos < t1; pos += n_warps) {
-                int64_t t = pos - start;
-                float acc = 0.0f;
-                if (ok)
-                    for (int e = lane; e < n_kv * d; e += 32) {
-                        int h = e / d, c = e % d;
-                        float k = kvmix__decode_value(
-                            sp.key_format, p.base + sp.key_offset + (uint64_t)h * sp.key_head_bytes,
-                            s, t, c, p.group_size);
-                        for (int j = 0; j < g; j++)
-                            acc += p.memory[(size_t)(h * g + j) * d + c] * k;
-                    }
-                for (int off = 16; off > 0; off >>= 1)
-                    acc += __shfl_xor_sync(0xffffffffu, acc, off);
-                if (lane == 0) {
-                    if (!ok)
-                        acc = __int_as_float(0x7fffffff);
-                    else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t])
-                        acc = -INFINITY;
-                    p.scores[pos] = acc;
+    const int first = p.seq_first_span[p.seq], last = p.seq_first_span[p.seq + 1];
+    if (!kvmix__range_ok(first, last, p.n_spans)) { /* no span read: every score of the tile NaN */
+        for (int64_t t = lo + threadIdx.x; t < hi; t += blockDim.x)
+            p.scores[t] = __int_as_float(0x7fffffff);
+        return;
+    }
+    kvmix__for_spans(p.spans, first, last, lo, hi, sm, [&](int si, int64_t start) {
+        const kvmix_view_span sp = p.spans[si];
+        int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
+        kvmix__sec s;
+        bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
+                                  n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
+                  (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+        for (int64_t pos = t0 + warp; pos < t1; pos += n_warps) {
+            int64_t t = pos - start;
+            float acc = 0.0f;
+            if (ok)
+                for (int e = lane; e < n_kv * d; e += 32) {
+                    int h = e / d, c = e % d;
+                    float k = kvmix__decode_value(
+                        sp.key_format, p.base + sp.key_offset + (uint64_t)h * sp.key_head_bytes, s,
+                        t, c, p.group_size);
+                    for (int j = 0; j < g; j++) acc += p.memory[(size_t)(h * g + j) * d + c] * k;
                 }
+            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+            if (lane == 0) {
+                if (!ok)
+                    acc = __int_as_float(0x7fffffff);
+                else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t])
+                    acc = -INFINITY;
+                p.scores[pos] = acc;
             }
-        });
+        }
+    });
 }
 
 /* ---- decode attention -------------------------------------------------------------------- */
@@ -1593,7 +1608,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     /* the sequence's span range first: its load is in flight while the query table is built; a
        range outside the view's spans is an error, and no span of it is read */
     int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
-    const bool bad_range = first < 0 || last < first || last > p.n_spans;
+    const bool bad_range = !kvmix__range_ok(first, last, p.n_spans);
     if (bad_range) first = last = 0;
     { /* all of a thread's query loads in flight at once (a serial loop costs one latency each) */
         constexpr int T = W * 32, NE = 4 * D / T;
@@ -2263,7 +2278,8 @@ static kvmix_result kvmix__check_device_view(const kvmix_view *v) {
 static kvmix__view_params kvmix__view_params_of(const kvmix_view *v, int32_t seq) {
     kvmix__view_params p;
     p.base = v->base, p.base_bytes = v->base_bytes, p.spans = v->spans;
-    p.seq_first_span = v->seq_first_span, p.dead = v->dead, p.n_dead_flags = v->n_dead_flags;
+    p.seq_first_span = v->seq_first_span, p.dead = v->dead, p.n_spans = v->n_spans;
+    p.n_dead_flags = v->n_dead_flags;
     p.n_kv_heads = v->n_kv_heads, p.head_dim = v->head_dim;
     p.group_size = v->group_size ? v->group_size : KVMIX_GROUP_SIZE_DEFAULT;
     p.n_boost = v->n_boost, p.seq = seq, p.capacity = 0, p.dtype = KVMIX_CUDA_FP16;

@@ -73,6 +73,8 @@ kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const void *src,
 /* masks them (the same dead[] flags) in its attention. Rows past the sequence's length are left   */
 /* as they were; tokens past capacity_tokens are not written. Values are exactly                  */
 /* kvmix_ref_dequantize's floats rounded to dtype. Either output may be NULL (not written).       */
+/* The device checks each span as decode does: a bad span's rows are NaN. A sequence whose span   */
+/* range lies outside [0, n_spans] gets NaN in every row up to capacity_tokens (no span read).    */
 /* Returns NULL_POINTER, INVALID_ARGUMENT (seq out of range, capacity_tokens < 0), BAD_SHAPE,     */
 /* UNSUPPORTED (dtype), CUDA. */
 kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvmix_cuda_dtype dtype,
@@ -133,7 +135,8 @@ kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
 /*   scores[t] = sum over q heads h of dot(memory[h], key_t of kv head h / g), g = n_q/n_kv,      */
 /* with keys dequantized exactly as kvmix_ref_dequantize_row; dead tokens score -INFINITY.       */
 /*   memory: [n_q_heads][head_dim] float (device); scores: [capacity_tokens] float (device).     */
-/* Tokens past capacity_tokens are not scored; entries past the sequence's length are left.       */
+/* Tokens past capacity_tokens are not scored; entries past the sequence's length are left. A bad */
+/* span's tokens score NaN; a span range outside [0, n_spans] gives NaN up to capacity_tokens.    */
 /* Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, CUDA. */
 kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
                                    const float *memory, float *scores, int32_t capacity_tokens,

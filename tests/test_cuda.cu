@@ -604,11 +604,11 @@ static void test_decode(bool quick) {
     g_group = 64;
     test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_FP16, quick);
     g_group = 32;
-    /* long sequences of short spans: splits of more than 128 spans (walked in several chunks),
-       and splits that start deep into the sequence */
+    /* long sequences of short spans: splits of more than 128 spans (walked in several chunks:
+       300 and 550 spans), and splits that start deep into the sequence */
     g_long_pages = quick ? 300 : 1100;
-    test_decode_case(128, 1, 4, 4, 16, quick ? 7 : 33, KVMIX_CUDA_BF16, quick);
-    if (!quick) test_decode_case(64, 2, 4, 4, 8, 5, KVMIX_CUDA_FP16, quick);
+    test_decode_case(128, 1, 4, 4, 16, quick ? 1 : 33, KVMIX_CUDA_BF16, quick);
+    if (!quick) test_decode_case(64, 2, 4, 4, 8, 2, KVMIX_CUDA_FP16, quick);
     g_long_pages = 0;
     test_decode_bad_input(quick);
 }
@@ -707,6 +707,76 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
         cudaFree(d_mem);
         cudaFree(d_scores);
     }
+    free_view(v);
+}
+
+/* The device's checks in dequantize and score. A span whose key format is unknown: its key rows
+   and scores are NaN, every other row and score of the sequence is a number. A span range that
+   leaves the view's spans (the two of test_decode_bad_input): NaN in every row and score up to
+   capacity_tokens, and no span past the view is read. Nothing past capacity_tokens is written. */
+static void test_view_bad_input(void) {
+    const int d = 128, n_kv = 2, n_seqs = 4, bad_seq = n_seqs - 1, n_q = 4;
+    test_view v;
+    build_view(v, d, n_kv, n_seqs, 16, true);
+    if (!upload_view(v)) return;
+    const int len = (int)v.seq_tokens[bad_seq], cap = len + 2, rows = cap + 3;
+    const size_t row = (size_t)n_kv * d, elems = (size_t)rows * row;
+    const int first = v.first[bad_seq], bad = first + 1; /* the first page after the sinks */
+    const int bad_lo = v.spans[first].n_tokens, bad_hi = bad_lo + v.spans[bad].n_tokens;
+    uint16_t *d_k, *d_v;
+    float *d_mem, *d_scores;
+    CUDA_OK(cudaMalloc(&d_k, elems * 2));
+    CUDA_OK(cudaMalloc(&d_v, elems * 2));
+    CUDA_OK(cudaMalloc(&d_mem, (size_t)n_q * d * 4));
+    CUDA_OK(cudaMalloc(&d_scores, (size_t)rows * 4));
+    CUDA_OK(cudaMemset(d_mem, 0, (size_t)n_q * d * 4));
+    const char *ways[] = {"a key format unknown in one span", "the span range one past n_spans",
+                          "the span range 1000 past the spans"};
+    for (int way = 0; way < 3; way++) {
+        kvmix_view view = v.dev;
+        kvmix_view_span sp = v.spans[bad];
+        sp.key_format = 99;
+        if (way == 0) CUDA_OK(cudaMemcpy(v.d_spans + bad, &sp, sizeof sp, cudaMemcpyHostToDevice));
+        if (way == 1) view.n_spans -= 1;
+        const int32_t end = way == 2 ? v.host.n_spans + 1000 : v.host.n_spans;
+        CUDA_OK(cudaMemcpy(v.d_first + n_seqs, &end, 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(d_k, 0xEE, elems * 2));
+        CUDA_OK(cudaMemset(d_v, 0xEE, elems * 2));
+        CUDA_OK(cudaMemset(d_scores, 0xEE, (size_t)rows * 4));
+        const kvmix_result r1 =
+            kvmix_cuda_view_dequantize(&view, bad_seq, KVMIX_CUDA_FP16, d_k, d_v, cap, 0);
+        const kvmix_result r2 = kvmix_cuda_view_score(&view, bad_seq, n_q, d_mem, d_scores, cap, 0);
+        CUDA_OK(cudaDeviceSynchronize());
+        CUDA_OK(cudaMemcpy(v.d_spans + bad, &v.spans[bad], sizeof sp, cudaMemcpyHostToDevice));
+        std::vector<uint16_t> kh(elems), vh(elems);
+        std::vector<uint32_t> scores(rows);
+        CUDA_OK(cudaMemcpy(kh.data(), d_k, elems * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(vh.data(), d_v, elems * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(scores.data(), d_scores, (size_t)rows * 4, cudaMemcpyDeviceToHost));
+        bool ok = r1 == KVMIX_SUCCESS && r2 == KVMIX_SUCCESS;
+        for (int t = 0; t < rows; t++) {
+            /* what row t must be: untouched past cap, empty past the sequence, else NaN or not */
+            const bool written = t < (way == 0 ? len : cap), in_bad = t >= bad_lo && t < bad_hi;
+            const bool k_nan = way != 0 || in_bad, v_nan = way != 0;
+            for (size_t i = t * row; i < (t + 1) * row; i++)
+                ok &= written ? isnan(from_dtype(kh[i], KVMIX_CUDA_FP16)) == k_nan &&
+                                    isnan(from_dtype(vh[i], KVMIX_CUDA_FP16)) == v_nan
+                              : kh[i] == 0xEEEE && vh[i] == 0xEEEE;
+            float sc;
+            memcpy(&sc, &scores[t], 4);
+            ok &= written ? isnan(sc) == k_nan : scores[t] == 0xEEEEEEEEu;
+        }
+        char name[160];
+        snprintf(name, sizeof name,
+                 "view dequantize/score, sequence %d with %s: NaN exactly there, nothing past "
+                 "capacity",
+                 bad_seq, ways[way]);
+        check(ok, name);
+    }
+    cudaFree(d_k);
+    cudaFree(d_v);
+    cudaFree(d_mem);
+    cudaFree(d_scores);
     free_view(v);
 }
 
@@ -1324,6 +1394,7 @@ int main(int argc, char **argv) {
             if (!quick)
                 test_view_dequantize_score(dims[di], 3, dims[di] / 4, KVMIX_CUDA_BF16, quick);
         }
+        test_view_bad_input();
         printf("dequantize/score: %d passed, %d failed so far\n", g_passed, g_failed);
     }
     if (runs("decode")) {
