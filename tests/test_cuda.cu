@@ -532,7 +532,7 @@ static void test_decode_bad_input(bool quick) {
     /* a page of the bad sequence: between its sinks and its buffer */
     const int first = v.first[bad_seq], seq_spans = v.first[bad_seq + 1] - first;
     const int bad = first + 1 + irand(seq_spans - 2);
-    const int splits[] = {1, 3, 7};
+    const int splits[] = {1, 3, 7, 12};
     for (int kind = 0; kind < 3; kind++) {
         kvmix_view_span sp = v.spans[bad];
         if (kind == 0) sp.n_tokens = 0;
