@@ -268,6 +268,11 @@ __device__ inline bool kvmix__block_ok(int format, int n, uint64_t offset, uint3
     return true;
 }
 
+/* Whether a span's dead flags, if it has any, lie inside the view's n_dead_flags. */
+__device__ __forceinline__ bool kvmix__dead_ok(const kvmix_view_span &sp, int n_dead_flags) {
+    return sp.dead_index < 0 || sp.dead_index <= n_dead_flags - sp.n_tokens;
+}
+
 /* Whether a sequence's span range [first, last) lies inside the view's n_spans spans. */
 __device__ __forceinline__ bool kvmix__range_ok(int first, int last, int n_spans) {
     return first >= 0 && last >= first && last <= n_spans;
@@ -455,7 +460,7 @@ static __global__ void __launch_bounds__(256) kvmix__view_dequantize_kernel(kvmi
             kvmix__sec s;
             bool ok = kvmix__block_ok(format, sp.n_tokens, offset, head_bytes, n_kv, d,
                                       p.group_size, p.n_boost, p.base_bytes, &s) &&
-                      (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+                      kvmix__dead_ok(sp, p.n_dead_flags);
             int64_t n_elems = (t1 - t0) * n_kv * d;
             for (int64_t e = threadIdx.x; e < n_elems; e += blockDim.x) {
                 int64_t pos = t0 + e / ((int64_t)n_kv * d);
@@ -494,7 +499,7 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
         kvmix__sec s;
         bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
                                   n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
-                  (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+                  kvmix__dead_ok(sp, p.n_dead_flags);
         for (int64_t pos = t0 + warp; pos < t1; pos += n_warps) {
             int64_t t = pos - start;
             float acc = 0.0f;
@@ -1683,7 +1688,7 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
                                 p.n_kv_heads, D, G, p.n_boost, p.base_bytes, &ks) &&
                 kvmix__block_ok(sp.value_format, sp.n_tokens, sp.value_offset, sp.value_head_bytes,
                                 p.n_kv_heads, D, G, p.n_boost, p.base_bytes, &vs) &&
-                (sp.dead_index < 0 || sp.dead_index <= p.n_dead_flags - sp.n_tokens);
+                kvmix__dead_ok(sp, p.n_dead_flags);
             if (!ok) {
                 atomicExch(&sm.error, 1);
             } else {
