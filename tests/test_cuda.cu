@@ -225,8 +225,14 @@ struct test_view {
 };
 
 static double g_decode_max_out, g_decode_max_lse; /* largest decode nmse seen (bound 1e-6) */
+/* the format pairs the decode kernel compiles specialized (kvmix__tc_dispatch) */
+static const int common_pairs[][2] = {
+    {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2}, {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4},
+    {KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2},      {KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2},
+    {KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8},         {KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16}};
 static int g_group = 32;     /* group size of the per-token blocks of the views built next */
 static int g_long_pages = 0; /* > 0: the long sequences of the next views have this many spans */
+static int g_wide_rows = 0;  /* bit 0: values, bit 1: keys of the next views get wide rows */
 
 static const int key_formats[] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED,
                                   KVMIX_FORMAT_INT4,         KVMIX_FORMAT_INT8,
@@ -236,6 +242,18 @@ static const int value_formats[] = {KVMIX_FORMAT_INT2,         KVMIX_FORMAT_INT4
                                     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
 
 /* Appends one span of n tokens: keys and values of every kv head quantized by the CPU. */
+/* About one row in 16 of rows [n][d] times 256: per-token scales past 64 (1024 * scale past
+   fp16's range) beside ordinary ones in the same 16-token tiles (the largest element stays below
+   40000, finite in fp16). */
+static void widen_rows(std::vector<uint16_t> &rows, int n, int d) {
+    for (int t = 0; t < n; t++)
+        if (irand(16) == 0)
+            for (int c = 0; c < d; c++) {
+                uint16_t &h = rows[(size_t)t * d + c];
+                h = kvmix_fp32_to_fp16(kvmix_fp16_to_fp32(h) * 256.0f);
+            }
+}
+
 static void add_span(test_view &v, int kf, int vf, int n, bool with_dead) {
     kvmix_view_span s;
     memset(&s, 0, sizeof s);
@@ -262,6 +280,7 @@ static void add_span(test_view &v, int kf, int vf, int n, bool with_dead) {
         for (int h = 0; h < v.n_kv; h++) {
             std::vector<uint16_t> rows;
             fill_rows(rows, n, v.d, v.d);
+            if (g_wide_rows & (which ? 1 : 2)) widen_rows(rows, n, v.d);
             std::vector<float> f = to_float(rows);
             kvmix_ref_quantize(&l, f.data(), v.d, v.arena.data() + offset + head_bytes * h, bytes);
         }
@@ -304,7 +323,11 @@ static void build_view(test_view &v, int d, int n_kv, int n_seqs, int n_boost, b
         for (int i = 0; i < pages; i++) {
             const int sizes[] = {32, 64, 128};
             int n = g_long_pages ? 16 << irand(2) : sizes[irand(3)];
-            int kf = key_formats[(i + s) % 6], vf = value_formats[(i + 2 * s) % 6];
+            /* every other page one of the pairs the decode kernel specializes, the others run
+               through all pairs */
+            const int *pair = common_pairs[(i / 2 + s) % 6];
+            int kf = i % 2 ? pair[0] : key_formats[(i + s) % 6];
+            int vf = i % 2 ? pair[1] : value_formats[(i + 2 * s) % 6];
             add_span(v, kf, vf, n, irand(3) == 0);
             tokens += n;
         }
@@ -610,6 +633,17 @@ static void test_decode(bool quick) {
     test_decode_case(128, 1, 4, 4, 16, quick ? 1 : 33, KVMIX_CUDA_BF16, quick);
     if (!quick) test_decode_case(64, 2, 4, 4, 8, 2, KVMIX_CUDA_FP16, quick);
     g_long_pages = 0;
+    /* wide value rows, then wide key rows (widen_rows): large per-token scales beside small ones
+       in the same tiles */
+    for (int wide = 1; wide <= 2; wide++) {
+        g_wide_rows = wide;
+        test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_BF16, quick);
+        if (!quick) {
+            test_decode_case(64, 2, 4, 5, 8, 1, KVMIX_CUDA_FP16, quick);
+            test_decode_case(256, 2, 4, 5, 32, 2, KVMIX_CUDA_FP16, quick);
+        }
+    }
+    g_wide_rows = 0;
     test_decode_bad_input(quick);
 }
 
