@@ -6,7 +6,8 @@ Usage: python3 bench/bench_decode.py [--lib build/libkvmix_cuda_bench.so[,other.
     variant is timed on the same arenas, one after another, for A/B comparisons in one process)
 Prints the configuration, then one line per (batch, context, variant): median time, bytes the
 kernel must read (compressed K/V of the batch), achieved bandwidth, fraction of the measured
-read bandwidth, and speedup over cuDNN and flash. Times: CUDA events around each call, median
+read bandwidth, speedup over cuDNN and flash, and the fraction of the speed of a plain read of
+the same bytes in one launch (timed per mix in the same run: the ceiling of a single call). Times: CUDA events around each call, median
 of many calls after warm-up, rotating among input sets whose total exceeds several L2 sizes.
 """
 import argparse
@@ -224,7 +225,9 @@ def main():
     if args.shapes:
         shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
     results = []
-    print(f"{'batch':>5} {'ctx':>7} {'variant':<18} {'ms':>8} {'MB read':>9} {'GB/s':>7} {'%read':>6} {'x cudnn':>8} {'x flash':>8}")
+    print(f"{'batch':>5} {'ctx':>7} {'variant':<18} {'ms':>8} {'MB read':>9} {'GB/s':>7} {'%read':>6} {'x cudnn':>8} {'x flash':>8}"
+          f" {'%same':>7}")
+    print("(%read: of the 4 GiB read's bandwidth; %same: of the plain read of the same bytes in one launch)")
     for B, T in shapes:
         kv_bf16 = 2 * B * H * T * D * 2
         if kv_bf16 * 1.3 > free:
@@ -258,13 +261,16 @@ def main():
                 print(f"{B:>5} {T:>7} {mix:<18} skipped: arena does not fit")
                 continue
             arenas = [Arena(lib, mix, B, T, H, D, P, NB, src, stream) for _ in range(sets)]
+            read_ms = time_read(lib, arenas[0].bytes, sets, n_sms, stream)
+            print(f"{B:>5} {T:>7} {'read, same bytes':<18} {read_ms:8.4f} {arenas[0].bytes / 1e6:9.1f} "
+                  f"{arenas[0].bytes / read_ms / 1e6:7.0f} {100 * arenas[0].bytes / read_ms / 1e6 / read_bw:5.0f}%")
             times = [[] for _ in libs]
             for _ in range(args.rounds):  # interleaved, so that clock and thermal drift hit every library
                 for li, vlib in enumerate(libs):
                     times[li].append(time_decode(vlib, arenas, sets, B, T, n_sms, H, HQ, D, stream))
             for li in range(len(libs)):
                 report(li if len(libs) > 1 else None, statistics.median(times[li]), arenas, B, T, mix, base,
-                       read_bw, results, libs[li].splits)
+                       read_bw, read_ms, results, libs[li].splits)
             del arenas
             torch.cuda.empty_cache()
     flush_bench(lib, src, H, D, P, NB, stream)
@@ -294,13 +300,27 @@ def time_decode(lib, arenas, sets, B, T, n_sms, H, HQ, D, stream):
     return ms
 
 
-def report(label, ms, arenas, B, T, mix, base, read_bw, results, splits):
+def time_read(lib, nbytes, sets, n_sms, stream):
+    """Median time (ms) of the plain read kernel over nbytes, one launch per call, rotating over as
+    many buffers as the decode rotates arenas: what one launch can do with the same bytes."""
+    stride = align16(nbytes)
+    buf = torch.empty(stride * sets, dtype=torch.uint8, device="cuda")
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ms = time_calls([lambda i=i: lib.check(lib.lib.kvmix_bench_read(buf.data_ptr() + i * stride, nbytes,
+                                                                     sink.data_ptr(), n_sms, stream), "read")
+                     for i in range(sets)])
+    del buf
+    return ms
+
+
+def report(label, ms, arenas, B, T, mix, base, read_bw, read_ms, results, splits):
     nbytes = arenas[0].bytes
     bw = nbytes / ms / 1e6
     xc = base.get("cudnn", float("nan")) / ms
     xf = base.get("flash", float("nan")) / ms
     name = mix if label is None else f"{mix} [{label}]"
-    print(f"{B:>5} {T:>7} {name:<18} {ms:8.4f} {nbytes / 1e6:9.1f} {bw:7.0f} {100 * bw / read_bw:5.0f}% {xc:8.2f} {xf:8.2f}  (splits {splits})")
+    print(f"{B:>5} {T:>7} {name:<18} {ms:8.4f} {nbytes / 1e6:9.1f} {bw:7.0f} {100 * bw / read_bw:5.0f}% {xc:8.2f} {xf:8.2f}"
+          f" {100 * read_ms / ms:6.0f}%  (splits {splits})")
     results.append((B, T, mix, ms, nbytes, bw, xc, xf))
 
 
