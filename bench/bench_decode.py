@@ -7,8 +7,9 @@ Usage: python3 bench/bench_decode.py [--lib build/libkvmix_cuda_bench.so[,other.
 Prints the configuration, then one line per (batch, context, variant): median time, bytes the
 kernel must read (compressed K/V of the batch), achieved bandwidth, fraction of the measured
 read bandwidth, speedup over cuDNN and flash, and the fraction of the speed of a plain read of
-the same bytes in one launch (timed per mix in the same run: the ceiling of a single call). Times: CUDA events around each call, median
-of many calls after warm-up, rotating among input sets whose total exceeds several L2 sizes.
+the same bytes in one launch (timed per mix in the same run: the ceiling of a single call).
+Times: CUDA events around each call, median of many calls after warm-up, rotating among input
+sets whose total exceeds several L2 sizes.
 """
 import argparse
 import ctypes as C
@@ -260,10 +261,10 @@ def main():
             if per_set * sets * 1.2 > torch.cuda.mem_get_info()[0]:
                 print(f"{B:>5} {T:>7} {mix:<18} skipped: arena does not fit")
                 continue
+            read_ms = time_read(lib, per_set, sets, n_sms, stream)  # before the arenas: never both in memory
+            print(f"{B:>5} {T:>7} {'read, same bytes':<18} {read_ms:8.4f} {per_set / 1e6:9.1f} "
+                  f"{per_set / read_ms / 1e6:7.0f} {100 * per_set / read_ms / 1e6 / read_bw:5.0f}%")
             arenas = [Arena(lib, mix, B, T, H, D, P, NB, src, stream) for _ in range(sets)]
-            read_ms = time_read(lib, arenas[0].bytes, sets, n_sms, stream)
-            print(f"{B:>5} {T:>7} {'read, same bytes':<18} {read_ms:8.4f} {arenas[0].bytes / 1e6:9.1f} "
-                  f"{arenas[0].bytes / read_ms / 1e6:7.0f} {100 * arenas[0].bytes / read_ms / 1e6 / read_bw:5.0f}%")
             times = [[] for _ in libs]
             for _ in range(args.rounds):  # interleaved, so that clock and thermal drift hit every library
                 for li, vlib in enumerate(libs):
