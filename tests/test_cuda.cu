@@ -328,9 +328,11 @@ static void build_view(test_view &v, int d, int n_kv, int n_seqs, int n_boost, b
             /* every other page one of the pairs the decode kernel specializes, in turn over the
                view (all six once its live sequences hold six such pages: every view of 5 or more
                sequences), the others paired round-robin */
-            const int *pair = common_pairs[next_pair++ % 6];
-            int kf = i % 2 ? pair[0] : key_formats[(i + s) % 6];
-            int vf = i % 2 ? pair[1] : value_formats[(i + 2 * s) % 6];
+            int kf = key_formats[(i + s) % 6], vf = value_formats[(i + 2 * s) % 6];
+            if (i % 2) {
+                const int *pair = common_pairs[next_pair++ % 6];
+                kf = pair[0], vf = pair[1];
+            }
             add_span(v, kf, vf, n, irand(3) == 0);
             tokens += n;
         }
