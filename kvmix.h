@@ -22,6 +22,7 @@
      // >>ref       reference decode attention and the partial-result merge
      // >>view      cache views: many sequences' spans in one region, for CPU or GPU attention
      // >>cache     the paged mixed-precision cache: arena, sequences, eviction, sharing, views
+     // >>policy    policies: what a cache applies per token; the built-ins
      // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
 */
 #ifndef KVMIX_H
@@ -589,6 +590,70 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
 KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache);
 
 /* ------------------------------------------------------------------------------------------- */
+/* Policies: how a cache stores tokens. A policy names the formats of sealed key and value blocks, */
+/* the channel group of per-token integer formats, the boosted channels of BOOSTED keys, the page  */
+/* size (the span of per-channel key statistics), the FP16 sinks and window, and what a request   */
+/* boundary does to a partial page. kvmix_policy_apply writes a policy into a cache desc, so the   */
+/* cache built from that desc applies it; built-ins (KIVI, Kitty, INT4 ...) come from             */
+/* kvmix_policy_at. Policies are plain data: pure functions, thread-safe.                        */
+
+#define KVMIX_POLICY_NAME_BYTES        64  /* a name, its terminating NUL included */
+#define KVMIX_POLICY_DESCRIPTION_BYTES 256 /* a description, its terminating NUL included */
+
+typedef struct kvmix_policy {
+    char name[KVMIX_POLICY_NAME_BYTES]; /* non-empty, NUL-terminated */
+    char description[KVMIX_POLICY_DESCRIPTION_BYTES];
+    int32_t key_format;    /* kvmix_format of sealed key blocks */
+    int32_t value_format;  /* kvmix_format of sealed value blocks */
+    int32_t group_size;    /* channels per scale of INT8/INT4/INT2 blocks: a multiple of 8 in
+                              8 .. 512 that divides head_dim */
+    int32_t n_boost;       /* BOOSTED only: channels kept at 4 bits, a multiple of 4 in 0 .. 252;
+                              0 = head_dim * boost_fraction */
+    double boost_fraction; /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
+                              both are set they must agree for the model's head_dim */
+    int32_t page_tokens;   /* tokens per page, a multiple of 8 in 8 .. 1024 */
+    int32_t sink_tokens;   /* first positions kept FP16 for good, 0 .. page_tokens */
+    int32_t window_tokens; /* most recent positions kept FP16, 0 .. 2^26 */
+    int32_t partial_page;  /* a kvmix_cache_partial: a request boundary's partial last page */
+} kvmix_policy;
+
+/* What a policy check found wrong: the field as policy documents spell it ("group_size") and
+   why, both static strings. Written by the functions below only when they fail. */
+typedef struct kvmix_policy_error {
+    const char *field;
+    const char *reason;
+} kvmix_policy_error;
+
+/* The built-in policies, by index 0 .. kvmix_policy_count() - 1: fp16, int8, int4, kivi2,
+   kivi2-sink, kitty-12, kitty-25 (README.md, "Policies"). NULL for an index out of range. */
+KVMIXDEF int32_t kvmix_policy_count(void);
+KVMIXDEF const kvmix_policy *kvmix_policy_at(int32_t index);
+/* The built-in of this name, or NULL (also for a NULL name). */
+KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name);
+
+/* Checks the rules that hold whatever the model: formats, ranges, multiples, sinks within a
+   page, boost settings only for BOOSTED and present there, a NUL-terminated non-empty name and
+   a NUL-terminated description. Returns KVMIX_SUCCESS, NULL_POINTER (policy) or
+   INVALID_ARGUMENT / UNKNOWN_FORMAT with *out_error (may be NULL) naming the field. */
+KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_policy_error *out_error);
+
+/* The policy for a model of this head_dim: checked, n_boost resolved from boost_fraction (and
+   boost_fraction from n_boost), group_size and n_boost checked against head_dim. A resolved
+   policy resolves to itself. Returns kvmix_policy_check's errors and BAD_SHAPE (head_dim not a
+   multiple of 32 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
+   fraction that gives no multiple of 4) with *out_error; *out is written only on success. */
+KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
+                                           kvmix_policy *out, kvmix_policy_error *out_error);
+
+/* Writes the policy, resolved for desc->head_dim, into a cache desc: page_tokens, n_sink,
+   n_window (at most desc->max_tokens_per_seq when that is set), group_size, n_boost, partial and
+   default_precision; the caller's shape, capacity and arena fields are left alone. A cache
+   initialized from the desc then stores every token reserved with NULL precisions as the policy
+   says. Returns kvmix_policy_resolve's errors (desc untouched then) or NULL_POINTER. */
+KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
+                                         kvmix_policy_error *out_error);
+
+/* ------------------------------------------------------------------------------------------- */
 /* Transfer payload: the K/V rows of n_tokens consecutive positions of layers [first_layer,      */
 /* first_layer + n_layers), each token at its own tier (FP16, INT8 or INT4 per token), to move a  */
 /* prefill's cache to a decode worker. A payload per layer lets the sender stream layers as they  */
@@ -755,7 +820,8 @@ KVMIXDEF uint16_t kvmix_fp32_to_fp16(float value) {
     }
 }
 
-KVMIXDEF float kvmix_fp16_to_fp32(uint16_t half) {
+/* kvmix_fp16_to_fp32's body, static so that the decoders' loops inline it. */
+static inline float kvmix__half_to_float(uint16_t half) {
     uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
     uint32_t exponent = (half >> 10) & 0x1fu;
     uint32_t mantissa = half & 0x3ffu;
@@ -766,6 +832,8 @@ KVMIXDEF float kvmix_fp16_to_fp32(uint16_t half) {
     }
     return kvmix__bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 }
+
+KVMIXDEF float kvmix_fp16_to_fp32(uint16_t half) { return kvmix__half_to_float(half); }
 
 KVMIXDEF uint16_t kvmix_fp32_to_bf16(float value) {
     uint32_t bits = kvmix__float_bits(value);
@@ -1140,8 +1208,38 @@ static kvmix_result kvmix__check_block(const kvmix_layout *l, const uint8_t *blo
 }
 
 static void kvmix__meta_at(const uint8_t *meta, float *scale, float *min) {
-    *scale = kvmix_fp16_to_fp32(kvmix__load_u16(meta));
-    *min = kvmix_fp16_to_fp32(kvmix__load_u16(meta + 2));
+    *scale = kvmix__half_to_float(kvmix__load_u16(meta));
+    *min = kvmix__half_to_float(kvmix__load_u16(meta + 2));
+}
+
+static int kvmix__is_per_channel(kvmix_format format) {
+    return format == KVMIX_FORMAT_INT2_CHANNEL || format == KVMIX_FORMAT_BOOSTED;
+}
+
+/* The scale and minimum of every channel of a checked per-channel block: a block's rows share
+   them, so a reader of many rows decodes them once. */
+static void kvmix__channel_params(const kvmix_layout *l, const kvmix__sections *s,
+                                  const uint8_t *block, float *scale, float *min) {
+    int32_t c;
+    for (c = 0; c < l->head_dim; c++)
+        kvmix__meta_at(block + s->meta_offset + (size_t)c * 4, &scale[c], &min[c]);
+}
+
+/* Row t of a checked per-channel block, given its channel parameters. */
+static void kvmix__decode_channel_row(const kvmix_layout *l, const kvmix__sections *s,
+                                      const uint8_t *block, int32_t t, const float *scale,
+                                      const float *min, float *out) {
+    const uint8_t *row = block + (size_t)t * s->row_bytes;
+    const uint8_t *high = block + s->high_offset + (size_t)t * s->high_row_bytes;
+    int32_t c;
+    for (c = 0; c < l->head_dim; c++) {
+        uint32_t q = kvmix__get_code(row, c, 2);
+        if (l->format == KVMIX_FORMAT_BOOSTED) {
+            uint8_t slot = block[s->index_offset + c];
+            if (slot != KVMIX_BOOST_NONE) q |= kvmix__get_code(high, slot, 2) << 2;
+        }
+        out[c] = kvmix__dequantize_value(q, scale[c], min[c]);
+    }
 }
 
 /* Row t of a checked block; the one decoder that attention and dequantize share. */
@@ -1152,7 +1250,8 @@ static void kvmix__decode_row(const kvmix_layout *l, const kvmix__sections *s, c
     int32_t c;
     float scale, min;
     if (l->format == KVMIX_FORMAT_FP16) {
-        for (c = 0; c < l->head_dim; c++) out[c] = kvmix_fp16_to_fp32(kvmix__load_u16(row + 2 * c));
+        for (c = 0; c < l->head_dim; c++)
+            out[c] = kvmix__half_to_float(kvmix__load_u16(row + 2 * c));
     } else if (kvmix__is_per_token_int(l->format)) {
         int32_t groups = l->head_dim / l->group_size, g;
         const uint8_t *meta = block + s->meta_offset + (size_t)t * groups * 4;
@@ -1162,16 +1261,9 @@ static void kvmix__decode_row(const kvmix_layout *l, const kvmix__sections *s, c
                 out[c] = kvmix__dequantize_value(kvmix__get_code(row, c, bits), scale, min);
         }
     } else {
-        const uint8_t *high = block + s->high_offset + (size_t)t * s->high_row_bytes;
-        for (c = 0; c < l->head_dim; c++) {
-            uint32_t q = kvmix__get_code(row, c, 2);
-            if (l->format == KVMIX_FORMAT_BOOSTED) {
-                uint8_t slot = block[s->index_offset + c];
-                if (slot != KVMIX_BOOST_NONE) q |= kvmix__get_code(high, slot, 2) << 2;
-            }
-            kvmix__meta_at(block + s->meta_offset + (size_t)c * 4, &scale, &min);
-            out[c] = kvmix__dequantize_value(q, scale, min);
-        }
+        float scales[KVMIX_MAX_HEAD_DIM], mins[KVMIX_MAX_HEAD_DIM];
+        kvmix__channel_params(l, s, block, scales, mins);
+        kvmix__decode_channel_row(l, s, block, t, scales, mins, out);
     }
 }
 
@@ -1282,6 +1374,17 @@ static void kvmix__softmax_add(kvmix__softmax_state *st, float *acc, int32_t dim
     }
 }
 
+/* q . k over dim channels (a multiple of 32) in 8 interleaved partial sums, added pairwise: a
+   fixed order, so every build gives the same bits, that a compiler can vectorize. */
+static float kvmix__dot(const float *q, const float *k, int32_t dim) {
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int32_t c, j;
+    for (c = 0; c < dim; c += 8)
+        for (j = 0; j < 8; j++) part[j] += q[c + j] * k[c + j];
+    return ((part[0] + part[4]) + (part[2] + part[6])) +
+           ((part[1] + part[5]) + (part[3] + part[7]));
+}
+
 /* A block of kv head h within a span's key or value storage. */
 static const uint8_t *kvmix__head_block(const void *base, size_t head_bytes,
                                         const kvmix__sections *s, int32_t h) {
@@ -1298,7 +1401,8 @@ static void kvmix__attend_span(const kvmix_span *span, int32_t h, const float *q
     kvmix__sections ks, vs;
     const uint8_t *kblock, *vblock;
     float key[KVMIX_MAX_HEAD_DIM], value[KVMIX_MAX_HEAD_DIM];
-    int32_t dim, t, g, c;
+    float key_scale[KVMIX_MAX_HEAD_DIM], key_min[KVMIX_MAX_HEAD_DIM];
+    int32_t dim, t, g, channel_keys;
     kvmix_layout_resolve(&kl);
     kvmix_layout_resolve(&vl);
     dim = kl.head_dim;
@@ -1306,15 +1410,19 @@ static void kvmix__attend_span(const kvmix_span *span, int32_t h, const float *q
     vs = kvmix__layout_sections(&vl);
     kblock = kvmix__head_block(span->keys, span->key_head_bytes, &ks, h);
     vblock = kvmix__head_block(span->values, span->value_head_bytes, &vs, h);
+    channel_keys = kvmix__is_per_channel(kl.format);
+    if (channel_keys) kvmix__channel_params(&kl, &ks, kblock, key_scale, key_min);
     for (t = 0; t < kl.n_tokens; t++) {
         if (span->dead && span->dead[t]) continue;
-        kvmix__decode_row(&kl, &ks, kblock, t, key);
+        if (channel_keys)
+            kvmix__decode_channel_row(&kl, &ks, kblock, t, key_scale, key_min, key);
+        else
+            kvmix__decode_row(&kl, &ks, kblock, t, key);
         kvmix__decode_row(&vl, &vs, vblock, t, value);
         for (g = 0; g < n_q; g++) {
             const float *qrow = q + (size_t)g * dim;
-            float dot = 0.0f;
-            for (c = 0; c < dim; c++) dot += qrow[c] * key[c];
-            kvmix__softmax_add(&states[g], acc + (size_t)g * dim, dim, dot * scale, value);
+            kvmix__softmax_add(&states[g], acc + (size_t)g * dim, dim,
+                               kvmix__dot(qrow, key, dim) * scale, value);
         }
     }
 }
@@ -3312,6 +3420,181 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
         }
         if (live != q->n_live) return KVMIX_ERR_CORRUPT_DATA;
     }
+    return KVMIX_SUCCESS;
+}
+
+// >>policy
+
+#define KVMIX__KEEP KVMIX_CACHE_PARTIAL_KEEP_FP16
+
+static const kvmix_policy kvmix__builtin_policies[] = {
+    {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
+     0.0, 32, 0, 0, KVMIX__KEEP},
+    {"int8", "INT8 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT8,
+     KVMIX_FORMAT_INT8, 32, 0, 0.0, 32, 0, 0, KVMIX__KEEP},
+    {"int4", "INT4 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT4,
+     KVMIX_FORMAT_INT4, 32, 0, 0.0, 32, 0, 0, KVMIX__KEEP},
+    {"kivi2",
+     "KIVI-2: INT2 per-channel keys over pages of 32 tokens, INT2 per-token values (groups of "
+     "32), the 128 most recent tokens FP16 (the residual)",
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0.0, 32, 0, 128, KVMIX__KEEP},
+    {"kivi2-sink",
+     "kivi2 (INT2 per-channel keys over pages of 32 tokens, INT2 per-token values, the 128 most "
+     "recent tokens FP16) plus the first 32 tokens kept FP16 (attention sinks)",
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0.0, 32, 32, 128, KVMIX__KEEP},
+    {"kitty-12",
+     "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/8 channels of "
+     "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
+     "the 128 most recent tokens FP16",
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0.125, 32, 32, 128, KVMIX__KEEP},
+    {"kitty-25",
+     "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/4 channels of "
+     "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
+     "the 128 most recent tokens FP16",
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0.25, 32, 32, 128, KVMIX__KEEP},
+};
+
+#undef KVMIX__KEEP
+
+KVMIXDEF int32_t kvmix_policy_count(void) {
+    return (int32_t)(sizeof kvmix__builtin_policies / sizeof kvmix__builtin_policies[0]);
+}
+
+KVMIXDEF const kvmix_policy *kvmix_policy_at(int32_t index) {
+    return index >= 0 && index < kvmix_policy_count() ? &kvmix__builtin_policies[index] : NULL;
+}
+
+KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name) {
+    int32_t i;
+    for (i = 0; name && i < kvmix_policy_count(); i++)
+        if (strcmp(kvmix__builtin_policies[i].name, name) == 0) return &kvmix__builtin_policies[i];
+    return NULL;
+}
+
+/* Records what failed (when the caller asked) and passes the result on. */
+static kvmix_result kvmix__policy_fail(kvmix_policy_error *out_error, kvmix_result result,
+                                       const char *field, const char *reason) {
+    if (out_error) {
+        out_error->field = field;
+        out_error->reason = reason;
+    }
+    return result;
+}
+
+static int kvmix__int_in(int32_t v, int32_t lo, int32_t hi, int32_t multiple) {
+    return v >= lo && v <= hi && v % multiple == 0;
+}
+
+static int kvmix__text_ok(const char *text, size_t bytes, int allow_empty) {
+    return memchr(text, 0, bytes) != NULL && (allow_empty || text[0] != 0);
+}
+
+/* The numeric fields, each within its documented range. */
+static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_policy_error *e) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__int_in(p->group_size, 8, 512, 8))
+        return kvmix__policy_fail(e, bad, "group_size", "must be a multiple of 8 in 8 .. 512");
+    if (!kvmix__int_in(p->n_boost, 0, 252, 4))
+        return kvmix__policy_fail(e, bad, "n_boost", "must be a multiple of 4 in 0 .. 252");
+    if (!(p->boost_fraction >= 0.0 && p->boost_fraction <= 1.0))
+        return kvmix__policy_fail(e, bad, "boost_fraction", "must be a number in 0 .. 1");
+    if (!kvmix__int_in(p->page_tokens, 8, 1024, 8))
+        return kvmix__policy_fail(e, bad, "page_tokens", "must be a multiple of 8 in 8 .. 1024");
+    if (!kvmix__int_in(p->sink_tokens, 0, p->page_tokens, 1))
+        return kvmix__policy_fail(e, bad, "sink_tokens", "must be in 0 .. page_tokens");
+    if (!kvmix__int_in(p->window_tokens, 0, 1 << 26, 1))
+        return kvmix__policy_fail(e, bad, "window_tokens", "must be in 0 .. 2^26");
+    if (p->partial_page < KVMIX_CACHE_PARTIAL_DEFAULT ||
+        p->partial_page > KVMIX_CACHE_PARTIAL_QUANTIZE)
+        return kvmix__policy_fail(e, bad, "partial_page", "must be a kvmix_cache_partial");
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *p, kvmix_policy_error *out_error) {
+    int boosted;
+    kvmix_result r;
+    if (!p) return KVMIX_ERR_NULL_POINTER;
+    if (!kvmix__text_ok(p->name, sizeof p->name, 0))
+        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "name",
+                                  "must be non-empty and NUL-terminated");
+    if (!kvmix__text_ok(p->description, sizeof p->description, 1))
+        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "description",
+                                  "must be NUL-terminated");
+    if (!kvmix__format_known(p->key_format))
+        return kvmix__policy_fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "key_format",
+                                  "is not a kvmix_format");
+    if (!kvmix__format_known(p->value_format))
+        return kvmix__policy_fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "value_format",
+                                  "is not a kvmix_format");
+    if ((r = kvmix__policy_check_ranges(p, out_error)) != KVMIX_SUCCESS) return r;
+    boosted = p->key_format == KVMIX_FORMAT_BOOSTED || p->value_format == KVMIX_FORMAT_BOOSTED;
+    if (boosted && p->n_boost == 0 && p->boost_fraction == 0.0)
+        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_boost",
+                                  "a boosted format needs n_boost or boost_fraction");
+    if (!boosted && (p->n_boost != 0 || p->boost_fraction != 0.0))
+        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT,
+                                  p->n_boost != 0 ? "n_boost" : "boost_fraction",
+                                  "only for the boosted format");
+    return KVMIX_SUCCESS;
+}
+
+/* n_boost and boost_fraction of a checked boosted policy made to agree for head_dim. */
+static kvmix_result kvmix__policy_resolve_boost(kvmix_policy *p, int32_t head_dim,
+                                                kvmix_policy_error *e) {
+    if (p->n_boost != 0 && p->boost_fraction != 0.0 &&
+        p->boost_fraction * head_dim != (double)p->n_boost)
+        return kvmix__policy_fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
+                                  "disagrees with n_boost for the model's head_dim");
+    if (p->n_boost == 0) {
+        double n = p->boost_fraction * head_dim;
+        if (n != floor(n) || !kvmix__int_in((int32_t)n, 4, 252, 4))
+            return kvmix__policy_fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
+                                      "of the model's head_dim is not a multiple of 4 in 4 .. 252");
+        p->n_boost = (int32_t)n;
+    }
+    if (p->n_boost > head_dim)
+        return kvmix__policy_fail(e, KVMIX_ERR_BAD_SHAPE, "n_boost",
+                                  "exceeds the model's head_dim");
+    p->boost_fraction = (double)p->n_boost / head_dim;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
+                                           kvmix_policy *out, kvmix_policy_error *out_error) {
+    kvmix_policy p;
+    kvmix_result r;
+    if (!policy || !out) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_policy_check(policy, out_error)) != KVMIX_SUCCESS) return r;
+    p = *policy;
+    if (head_dim < 32 || head_dim > KVMIX_MAX_HEAD_DIM || head_dim % 32 != 0)
+        return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim",
+                                  "kvmix needs head_dim a multiple of 32 up to 512");
+    if (head_dim % p.group_size != 0)
+        return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "group_size",
+                                  "does not divide the model's head_dim");
+    if (p.key_format == KVMIX_FORMAT_BOOSTED || p.value_format == KVMIX_FORMAT_BOOSTED)
+        if ((r = kvmix__policy_resolve_boost(&p, head_dim, out_error)) != KVMIX_SUCCESS) return r;
+    *out = p;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
+                                         kvmix_policy_error *out_error) {
+    kvmix_policy p;
+    kvmix_result r;
+    if (!policy || !desc) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_policy_resolve(policy, desc->head_dim, &p, out_error)) != KVMIX_SUCCESS)
+        return r;
+    desc->page_tokens = p.page_tokens;
+    desc->n_sink = p.sink_tokens;
+    desc->n_window = desc->max_tokens_per_seq > 0 && p.window_tokens > desc->max_tokens_per_seq
+                         ? desc->max_tokens_per_seq
+                         : p.window_tokens;
+    desc->group_size = p.group_size;
+    desc->n_boost = p.n_boost; /* 0 (no boosted format) takes the desc's default */
+    desc->partial = (kvmix_cache_partial)p.partial_page;
+    desc->default_precision.key_format = (uint8_t)p.key_format;
+    desc->default_precision.value_format = (uint8_t)p.value_format;
     return KVMIX_SUCCESS;
 }
 

@@ -161,8 +161,8 @@ static char *read_file(const char *path, size_t *n_bytes) {
 }
 
 /* --policy: a built-in name, else the path of a policy document (schema in README.md). */
-static bool load_policy(const char *arg, kvmix_kv_policy *out, char *err) {
-    const kvmix_kv_policy *builtin = kvmix_kv_policy_builtin(arg);
+static bool load_policy(const char *arg, kvmix_policy *out, char *err) {
+    const kvmix_policy *builtin = kvmix_kv_policy_builtin(arg);
     if (builtin != NULL) {
         *out = *builtin;
         return true;
@@ -246,7 +246,7 @@ typedef struct eval {
     const options *opt;
     const llama_model *model;
     llama_runner runner;
-    kvmix_kv_policy policy;   /* resolved for the model */
+    kvmix_policy policy;      /* resolved for the model */
     llama_kv_cache cache;     /* the policy under test */
     llama_kv_cache reference; /* fp32; only used when the policy is another one */
     bool separate_reference;
@@ -342,7 +342,7 @@ static void add_number_or_null(cJSON *obj, const char *key, double value) {
         cJSON_AddNullToObject(obj, key);
 }
 
-static bool print_report(const options *o, const llama_model *m, const kvmix_kv_policy *p,
+static bool print_report(const options *o, const llama_model *m, const kvmix_policy *p,
                          const totals *t, double seconds) {
     cJSON *obj = cJSON_CreateObject();
     cJSON_AddStringToObject(obj, "model", o->model_path);
@@ -442,7 +442,7 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static llama_result eval_init(eval *e, const options *o, const kvmix_kv_policy *p,
+static llama_result eval_init(eval *e, const options *o, const kvmix_policy *p,
                               const llama_model *m) {
     int64_t capacity = (int64_t)m->config.context + 1;
     e->opt = o;
@@ -479,7 +479,7 @@ static void eval_free(eval *e) {
 static int run(const options *o) {
     llama_model model;
     eval e = {0};
-    kvmix_kv_policy p;
+    kvmix_policy p;
     if (!load_policy(o->policy, &p, e.err)) {
         fprintf(stderr, "kvmix-eval: %s\n", e.err);
         return 2;

@@ -17,7 +17,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     char err[256];
-    kvmix_kv_policy p, back, resolved;
+    kvmix_policy p, back, resolved;
     if (kvmix_kv_policy_parse((const char *)data, size, &p, err, sizeof err) != LLAMA_OK) return 0;
     static const int32_t head_dims[] = {32, 40, 64, 128, 512};
     for (size_t i = 0; i < sizeof head_dims / sizeof head_dims[0]; i++)
