@@ -304,6 +304,8 @@ typedef struct kvmix_cache_desc {
     int32_t max_pages_per_seq;   /* 0 = ceil(max_tokens_per_seq / page_tokens) + 8 */
     int32_t n_sink;              /* first positions kept FP16 forever, 0 .. page_tokens */
     int32_t n_window;            /* most recent positions kept FP16, 0 .. max_tokens_per_seq */
+    int32_t window_values_only;  /* 0: the window keeps keys and values FP16; 1: values only,
+                                    keys are sealed once their page is full (Kitty's layout) */
     int32_t group_size;          /* 0 = 32; of the per-token integer formats */
     int32_t n_boost;             /* 0 = 16; boosted channels of BOOSTED blocks */
     kvmix_cache_partial partial; /* what kvmix_cache_seq_finish does to a partial page */
@@ -483,7 +485,8 @@ KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32
    sequence into its FP16 buffer. keys, values: [n_tokens][n_kv_heads][head_dim] floats, each
    finite with |x| <= 65504. first_position may not exceed the layer's written count (no gaps) and
    the positions must be reserved; a position already written may be written again while its page
-   is an unsealed buffer that only this sequence references and it is not evicted. Never
+   is an unsealed FP16 buffer (its keys not sealed either) that only this sequence references and
+   it is not evicted. Never
    allocates, never seals. Returns NULL_POINTER, INVALID_ARGUMENT (seq, layer, a position out of
    range, a gap, a rewrite of a sealed, shared or evicted row) or BAD_VALUE; nothing is written
    on error. n_tokens 0 does nothing. Thread safety: as every non-const call, not concurrently
@@ -1784,13 +1787,18 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
    counted in whole pages. Per-channel keys (INT2_CHANNEL, BOOSTED) are computed over a full page,
    and decode tokens reach them exactly like prefill tokens; the cost of a seal is amortized over
    the P appends that filled the page. A page that asked for FP16 only is sealed by flag, without a
-   copy. kvmix_cache_seq_finish seals every full page the sequence does not share and applies
-   desc.partial to its partial one if not shared (pages shared with another sequence are left to the
-   window, so that one request's end never quantizes another's recent rows): KEEP_FP16 leaves it as
-   the buffer; QUANTIZE seals its n rows now, with per-channel formats replaced by per-token ones of
-   no lower precision (INT2_CHANNEL -> INT2, BOOSTED -> INT4), since per-channel statistics over a
-   few rows are not what the policy asked for. Rows appended after a sealed partial page start a new
-   page.
+   copy. With desc.window_values_only (Kitty's layout: a key quantization buffer of one page and a
+   window of FP16 values) a page is sealed in two steps: once full and written, its keys are
+   quantized into a new allocation that holds them packed and the values still FP16 (the page stays
+   unsealed but takes no rows); once it leaves the window, the whole page is sealed, its packed keys
+   copied byte for byte. The window then holds values only; keys are FP16 in the page being filled.
+   kvmix_cache_seq_finish seals every full page the sequence does not share and applies
+   desc.partial to its partial one if not shared (pages shared with another sequence are left to
+   the window, so that one request's end never quantizes another's recent rows): KEEP_FP16 leaves
+   it as the buffer; QUANTIZE seals its n rows now, with per-channel formats replaced by per-token
+   ones of no lower precision (INT2_CHANNEL -> INT2, BOOSTED -> INT4), since per-channel statistics
+   over a few rows are not what the policy asked for. Rows appended after a sealed partial page
+   start a new page.
 
    Sharing. kvmix_cache_seq_fork copies the parent's page-table entries of a prefix (the last one
    clipped to the prefix) and its slot map; each page's reference count counts page-table entries. A
@@ -1839,7 +1847,8 @@ typedef struct kvmix__sim_page {
     uint8_t sink;
     uint8_t want_key;
     uint8_t want_value;
-    uint8_t reserved[3];
+    uint8_t keys_sealed; /* keys packed, values still FP16 (a values-only window) */
+    uint8_t reserved[2];
     int64_t start; /* granule */
     int64_t n_granules;
 } kvmix__sim_page;
@@ -2192,6 +2201,7 @@ KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc) {
         d.max_pages_per_seq = (d.max_tokens_per_seq + d.page_tokens - 1) / d.page_tokens + 8;
     if (d.max_pages_per_seq < 0 || d.max_pages_per_seq > (1 << 24) || d.n_sink < 0 ||
         d.n_sink > d.page_tokens || d.n_window < 0 || d.n_window > d.max_tokens_per_seq ||
+        d.window_values_only < 0 || d.window_values_only > 1 ||
         (d.partial != KVMIX_CACHE_PARTIAL_KEEP_FP16 && d.partial != KVMIX_CACHE_PARTIAL_QUANTIZE))
         return KVMIX_ERR_INVALID_ARGUMENT;
     if (d.granule_bytes < 64 || d.granule_bytes > ((size_t)1 << 20) ||
@@ -2487,6 +2497,7 @@ static void kvmix__plan_begin(kvmix_cache *c, int32_t seq, kvmix__plan *plan, in
         sp->sink = p->sink;
         sp->want_key = p->want_key;
         sp->want_value = p->want_value;
+        sp->keys_sealed = p->key_format != KVMIX_FORMAT_FP16;
         sp->start = (int64_t)(p->offset / c->desc.granule_bytes);
         sp->n_granules = (int64_t)p->n_granules;
     }
@@ -2609,7 +2620,7 @@ static void kvmix__rows_store(kvmix_cache *c, const kvmix_cache_page *p, int32_t
                               const float *keys, const float *values) {
     kvmix__geom g = kvmix__geom_of(c, p);
     int32_t d = c->desc.head_dim, h, i;
-    KVMIX_ASSERT(!p->sealed && row < p->capacity);
+    KVMIX_ASSERT(!p->sealed && p->key_format == KVMIX_FORMAT_FP16 && row < p->capacity);
     for (h = 0; h < c->desc.n_kv_heads; h++) {
         const float *k = keys + (size_t)h * d, *v = values + (size_t)h * d;
         uint8_t *kb = kvmix__page_block(c, p, &g, layer, 0, h) + (size_t)row * d * 2;
@@ -2621,16 +2632,32 @@ static void kvmix__rows_store(kvmix_cache *c, const kvmix_cache_page *p, int32_t
     }
 }
 
+/* Copies a page's block (keys or values of one head and layer) into its sealed form: as it is
+   when already in the target format (the keys of a page sealed keys first), else from FP16. */
+static void kvmix__seal_block(kvmix_cache *c, uint8_t source_format, const uint8_t *src,
+                              uint8_t format, int32_t rows, uint8_t *dst) {
+    int32_t i, n = rows * c->desc.head_dim;
+    if (source_format == format) {
+        memcpy(dst, src, kvmix__cache_block_bytes(c, format, rows, rows));
+        return;
+    }
+    KVMIX_ASSERT(source_format == KVMIX_FORMAT_FP16);
+    for (i = 0; i < n; i++) c->scratch[i] = kvmix__half_to_float(kvmix__load_u16(src + 2 * i));
+    kvmix__cache_quantize(c, format, rows, c->scratch, dst);
+}
+
 /* Seals buffer page sp with `rows` rows into (key_format, value_format): by flag when both are
-   FP16, otherwise quantized into a new allocation and the FP16 bytes freed. */
+   FP16, otherwise quantized into a new allocation and the old bytes freed. With keys_only the
+   values stay FP16 and the page unsealed: a values-only window still holds them. */
 static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
                                      kvmix__sim_page *sp, uint8_t key_format, uint8_t value_format,
-                                     int32_t rows) {
+                                     int32_t rows, int keys_only) {
     kvmix__geom g;
     int64_t n, start;
     if (sp->sink || key_format == 0) key_format = KVMIX_FORMAT_FP16;
-    if (sp->sink || value_format == 0) value_format = KVMIX_FORMAT_FP16;
+    if (sp->sink || value_format == 0 || keys_only) value_format = KVMIX_FORMAT_FP16;
     if (key_format == KVMIX_FORMAT_FP16 && value_format == KVMIX_FORMAT_FP16) {
+        if (keys_only) return KVMIX_SUCCESS; /* FP16 keys: nothing to seal yet */
         if (!plan->dry) {
             kvmix_cache_page *p = &c->pages[kvmix__seq_entries(c, seq)[sp->entry].page];
             p->n_rows = rows;
@@ -2645,36 +2672,54 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     if (!plan->dry) {
         kvmix_cache_page *p = &c->pages[kvmix__seq_entries(c, seq)[sp->entry].page];
         kvmix__geom og;
-        int32_t layer, kv, h, i, d = c->desc.head_dim;
+        int32_t layer, kv, h;
         p->n_rows = rows; /* a buffer's rows past the sequence's are stale when not shared */
         og = kvmix__geom_of(c, p);
         for (layer = 0; layer < c->desc.n_layers; layer++)
             for (kv = 0; kv < 2; kv++)
-                for (h = 0; h < c->desc.n_kv_heads; h++) {
-                    const uint8_t *src = kvmix__page_block(c, p, &og, layer, kv, h);
-                    uint8_t *dst = c->arena + (size_t)start * c->desc.granule_bytes +
-                                   kvmix__block_offset(c, &g, layer, kv, h);
-                    for (i = 0; i < rows * d; i++)
-                        c->scratch[i] = kvmix_fp16_to_fp32(kvmix__load_u16(src + 2 * i));
-                    kvmix__cache_quantize(c, kv ? value_format : key_format, rows, c->scratch, dst);
-                }
+                for (h = 0; h < c->desc.n_kv_heads; h++)
+                    kvmix__seal_block(c, kv ? p->value_format : p->key_format,
+                                      kvmix__page_block(c, p, &og, layer, kv, h),
+                                      kv ? value_format : key_format, rows,
+                                      c->arena + (size_t)start * c->desc.granule_bytes +
+                                          kvmix__block_offset(c, &g, layer, kv, h));
         p->offset = (uint64_t)start * c->desc.granule_bytes;
         p->n_granules = (uint32_t)n;
         p->key_format = key_format;
         p->value_format = value_format;
         p->capacity = rows;
-        p->sealed = 1;
+        p->sealed = (uint8_t)!keys_only;
         plan->n_sealed++;
     }
     kvmix__arena_give(c, plan, sp->start, sp->n_granules);
     sp->start = start;
     sp->n_granules = n;
-    sp->sealed = 1;
+    sp->sealed = (uint8_t)!keys_only;
+    sp->keys_sealed = key_format != KVMIX_FORMAT_FP16;
     return KVMIX_SUCCESS;
 }
 
-/* Seals, oldest first, full buffer pages that left the window; forced (at the end of a
-   request), every full page the sequence does not share, whatever the window. */
+static int kvmix__sim_full_and_written(const kvmix__plan *plan, const kvmix__sim_page *sp) {
+    return sp->rows == sp->capacity && (int64_t)sp->first_pos + sp->capacity <= plan->written;
+}
+
+/* A values-only window: the keys of full pages inside it are sealed now (values stay FP16). */
+static kvmix_result kvmix__plan_seal_window_keys(kvmix_cache *c, int32_t seq, kvmix__plan *plan) {
+    int32_t i;
+    for (i = plan->next_seal; c->desc.window_values_only && i < plan->n; i++) {
+        kvmix__sim_page *sp = &plan->pages[i];
+        kvmix_result r;
+        if (sp->sealed || sp->keys_sealed || sp->sink || !kvmix__sim_full_and_written(plan, sp))
+            continue;
+        r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, KVMIX_FORMAT_FP16, sp->capacity, 1);
+        if (r != KVMIX_SUCCESS) return r;
+    }
+    return KVMIX_SUCCESS;
+}
+
+/* Seals, oldest first, full buffer pages that left the window, and the keys of those inside a
+   values-only window; forced (at the end of a request), every full page the sequence does not
+   share, whatever the window. */
 static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
                                            int force) {
     int32_t i;
@@ -2682,10 +2727,8 @@ static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__p
         for (i = plan->next_seal; i < plan->n; i++) {
             kvmix__sim_page *sp = &plan->pages[i];
             kvmix_result r;
-            if (sp->sealed || sp->shared || sp->rows < sp->capacity ||
-                (int64_t)sp->first_pos + sp->capacity > plan->written)
-                continue;
-            r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, sp->want_value, sp->capacity);
+            if (sp->sealed || sp->shared || !kvmix__sim_full_and_written(plan, sp)) continue;
+            r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, sp->want_value, sp->capacity, 0);
             if (r != KVMIX_SUCCESS) return r;
         }
         return KVMIX_SUCCESS;
@@ -2694,17 +2737,16 @@ static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__p
         kvmix__sim_page *sp = &plan->pages[plan->next_seal];
         kvmix_result r;
         if (!sp->sealed) {
-            if (sp->rows < sp->capacity || (int64_t)sp->first_pos + sp->capacity > plan->written)
-                break;
-            if (!force && !sp->sink &&
+            if (!kvmix__sim_full_and_written(plan, sp)) break;
+            if (!sp->sink &&
                 (int64_t)sp->first_pos + sp->capacity > (int64_t)plan->len - c->desc.n_window)
                 break;
-            r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, sp->want_value, sp->capacity);
+            r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, sp->want_value, sp->capacity, 0);
             if (r != KVMIX_SUCCESS) return r;
         }
         plan->next_seal++;
     }
-    return KVMIX_SUCCESS;
+    return kvmix__plan_seal_window_keys(c, seq, plan);
 }
 
 /* The whole call: n_tokens positions reserved, with their rows of every layer stored when keys
@@ -2719,7 +2761,7 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
     int32_t t;
     for (t = 0; t < n_tokens; t++) {
         kvmix__sim_page *tail = plan->tail_open ? &plan->pages[plan->n - 1] : NULL;
-        int writable = tail && !tail->sealed && tail->rows < tail->capacity;
+        int writable = tail && !tail->sealed && !tail->keys_sealed && tail->rows < tail->capacity;
         if (writable && tail->shared) {
             if ((r = kvmix__plan_copy(c, seq, plan, tail)) != KVMIX_SUCCESS) return r;
         } else if (!writable) {
@@ -2749,7 +2791,7 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
             !tail->sink && !tail->shared && tail->rows > 0 && tail->rows < tail->capacity &&
             (int64_t)tail->first_pos + tail->rows <= plan->written) {
             r = kvmix__plan_seal(c, seq, plan, tail, kvmix__per_token_format(tail->want_key),
-                                 kvmix__per_token_format(tail->want_value), tail->rows);
+                                 kvmix__per_token_format(tail->want_value), tail->rows, 0);
             if (r != KVMIX_SUCCESS) return r;
         }
     }
@@ -2846,7 +2888,8 @@ KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t
     end = first_position + n_tokens < written[layer] ? first_position + n_tokens : written[layer];
     for (t = first_position; t < end; t++) {
         const kvmix_cache_page *p = &cache->pages[slots[t] / page_tokens];
-        if (slots[t] == KVMIX_CACHE_DEAD_SLOT || p->sealed || p->refcount > 1)
+        if (slots[t] == KVMIX_CACHE_DEAD_SLOT || p->sealed || p->key_format != KVMIX_FORMAT_FP16 ||
+            p->refcount > 1)
             return KVMIX_ERR_INVALID_ARGUMENT;
     }
     hd = (size_t)cache->desc.n_kv_heads * (size_t)cache->desc.head_dim;

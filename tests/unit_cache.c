@@ -233,7 +233,9 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
             if (pos >= q->written[layer]) {
                 CHECK_RESULT(kvmix_cache_read(c, s, pos, layer, keys, values, &f),
                              KVMIX_ERR_INVALID_ARGUMENT);
-                CHECK(!c->pages[ct_page_of(m, slot)].sealed); /* seals wait for the rows */
+                /* seals, of keys too, wait for the rows */
+                CHECK(!c->pages[ct_page_of(m, slot)].sealed &&
+                      c->pages[ct_page_of(m, slot)].key_format == KVMIX_FORMAT_FP16);
                 continue;
             }
             if (!CHECK_RESULT(kvmix_cache_read(c, s, pos, layer, keys, values, &f), KVMIX_SUCCESS))
@@ -268,7 +270,8 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
                   q->req[pos].value_format);
         if (!q->exempt[pos] && pos >= q->len - c->desc.n_window &&
             c->pages[ct_page_of(m, slot)].refcount == 1)
-            CHECK_MSG(f.key_format == KVMIX_FORMAT_FP16 && f.value_format == KVMIX_FORMAT_FP16,
+            CHECK_MSG((c->desc.window_values_only || f.key_format == KVMIX_FORMAT_FP16) &&
+                          f.value_format == KVMIX_FORMAT_FP16,
                       "pos %d inside the window of %d is stored as %d/%d", (int)pos,
                       (int)c->desc.n_window, f.key_format, f.value_format);
     }
@@ -629,7 +632,8 @@ static kvmix_result ct_write_layer(ct_model *m, int32_t s, int32_t layer, int32_
 }
 
 /* One random write: the next rows of a layer, or a rewrite of rows written before (accepted
-   exactly when they are live rows of an unsealed buffer page that only this sequence uses). */
+   exactly when they are live rows of an FP16 buffer page, keys not sealed either, that only this
+   sequence uses). */
 static void ct_op_write(ct_model *m, int32_t s) {
     ct_seq *q = &m->seqs[s];
     const kvmix_cache *c = &m->cache;
@@ -650,7 +654,8 @@ static void ct_op_write(ct_model *m, int32_t s) {
         const kvmix_cache_page *p;
         kvmix_cache_locate(c, s, t, &slot);
         p = &c->pages[ct_page_of(m, slot)];
-        valid &= slot != KVMIX_CACHE_DEAD_SLOT && !p->sealed && p->refcount == 1;
+        valid &= slot != KVMIX_CACHE_DEAD_SLOT && !p->sealed &&
+                 p->key_format == KVMIX_FORMAT_FP16 && p->refcount == 1;
     }
     if (valid)
         for (t = first; t < end; t++) q->tok[t] = ct_new_token_from(m, q->tok[t], layer);
@@ -804,6 +809,7 @@ static void ct_random_desc(test_rng *rng, kvmix_cache_desc *d) {
     d->max_tokens_per_seq = 96;
     d->n_sink = test_rng_range(rng, 0, 1) ? 0 : test_rng_range(rng, 1, d->page_tokens);
     d->n_window = test_rng_range(rng, 0, 2) == 0 ? 0 : test_rng_range(rng, 1, 24);
+    d->window_values_only = test_rng_range(rng, 0, 1);
     d->n_boost = 4 * test_rng_range(rng, 1, 4);
     d->partial = (kvmix_cache_partial)test_rng_range(rng, 1, 2);
     d->granule_bytes = test_rng_range(rng, 0, 1) ? 64 : 256;
@@ -965,6 +971,70 @@ static void test_decode_reaches_2bit(void) {
 }
 
 /* Fork inside a buffer page (copy on write) and inside a sealed page (a new page, dead rows). */
+/* A values-only window (Kitty): keys are sealed once their page is full and written, values
+   stay FP16 until their page leaves the window; then the page is sealed whole, its keys copied as
+   they are. Sinks and the page being filled stay FP16. */
+static void test_values_only_window(void) {
+    ct_model m;
+    kvmix_cache_desc d;
+    int32_t s = -1, pos, row;
+    uint8_t *before;
+    size_t key_bytes;
+    ct_small_desc(&d);
+    d.n_sink = 4;
+    d.n_window = 32;
+    d.window_values_only = 1;
+    d.max_tokens_per_seq = 128;
+    ct_open(&m, &d, "cache values-only window");
+    CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &s), KVMIX_SUCCESS);
+    m.seqs[s].in_use = 1;
+    ct_fill(&m, s, 4 + 16 * 4 + 5, KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2);
+    /* pages: sink [0,4), [4,20), [20,36), [36,52), [52,68), the page being filled [68,73); the
+       window is the last 32 positions, so [36,52) and [52,68) hold FP16 values */
+    for (pos = 0; pos < 73; pos++) {
+        kvmix_cache_precision f = ct_format_at(&m, s, pos);
+        int sink_or_tail = pos < 4 || pos >= 68, window = pos >= 36;
+        test_context("position %d", (int)pos);
+        CHECK_EQ_INT(f.key_format, sink_or_tail ? KVMIX_FORMAT_FP16 : KVMIX_FORMAT_BOOSTED);
+        CHECK_EQ_INT(f.value_format,
+                     sink_or_tail || window ? KVMIX_FORMAT_FP16 : KVMIX_FORMAT_INT2);
+    }
+    test_context(NULL);
+    ct_verify(&m);
+    ct_verify_decode(&m, m.desc.n_layers - 1);
+    /* the keys of [36,52) are sealed once: leaving the window copies them, bytes unchanged */
+    {
+        const kvmix_cache_page *p = &m.cache.pages[ct_page_of(&m, m.cache.slots[s * 128 + 36])];
+        kvmix_layout l = test_layout(KVMIX_FORMAT_BOOSTED, 16, 64, 0, m.cache.desc.n_boost);
+        CHECK_RESULT(kvmix_layout_bytes(&l, &key_bytes), KVMIX_SUCCESS);
+        CHECK(!p->sealed);
+        before = (uint8_t *)test_alloc(key_bytes);
+        memcpy(before, m.cache.arena + p->offset, key_bytes); /* layer 0, head 0 */
+    }
+    ct_fill(&m, s, 16, KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2);
+    {
+        const kvmix_cache_page *p = &m.cache.pages[ct_page_of(&m, m.cache.slots[s * 128 + 36])];
+        CHECK(p->sealed && p->value_format == KVMIX_FORMAT_INT2);
+        CHECK_MEM_EQ(m.cache.arena + p->offset, before, key_bytes);
+    }
+    for (row = 36; row < 52; row++)
+        CHECK_EQ_INT(ct_format_at(&m, s, row).value_format, KVMIX_FORMAT_INT2);
+    /* a rewrite of a row whose keys are sealed is refused */
+    {
+        float *k = (float *)test_alloc(2 * 64 * sizeof(float));
+        float *v = (float *)test_alloc(2 * 64 * sizeof(float));
+        memset(k, 0, 2 * 64 * sizeof(float));
+        memset(v, 0, 2 * 64 * sizeof(float));
+        CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 60, 1, k, v), KVMIX_ERR_INVALID_ARGUMENT);
+        free(k);
+        free(v);
+    }
+    ct_verify(&m);
+    ct_verify_decode(&m, 0);
+    free(before);
+    ct_close(&m);
+}
+
 static void test_fork_sharing(void) {
     ct_model m;
     kvmix_cache_desc d;
@@ -1497,6 +1567,7 @@ void unit_cache(void) {
     test_bad_inputs();
     test_allocator_init();
     test_decode_reaches_2bit();
+    test_values_only_window();
     test_fork_sharing();
     test_demote_full_arena();
     test_release_and_check();
