@@ -37,7 +37,7 @@ MODEL_TESTS := $(BUILD)/model_test_llama
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
 
 all: $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/unit_tests \
-	$(BUILD)/bench_formats
+	$(BUILD)/bench_formats $(BUILD)/bench_bits
 
 $(BUILD):
 	mkdir -p $(BUILD)
@@ -127,9 +127,13 @@ $(BUILD)/bench_formats: bench/bench_formats.c kvmix.h | $(BUILD)
 $(BUILD)/bench_cache: bench/bench_cache.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
-bench: $(BUILD)/bench_formats $(BUILD)/bench_cache
+$(BUILD)/bench_bits: bench/bench_bits.c kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
+
+bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits
 	./$(BUILD)/bench_formats
 	./$(BUILD)/bench_cache
+	./$(BUILD)/bench_bits
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60

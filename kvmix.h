@@ -403,9 +403,12 @@ typedef struct kvmix_cache_stats {
 typedef struct kvmix_cache_seq_stats {
     int32_t n_tokens;
     int32_t n_live_tokens;
-    int32_t n_pages;        /* referenced pages */
-    int32_t n_shared_pages; /* of them, also referenced by another sequence */
-    int32_t n_fp16_rows;    /* live positions stored in FP16 (sinks, window, buffer) */
+    int32_t n_pages;           /* referenced pages */
+    int32_t n_shared_pages;    /* of them, also referenced by another sequence */
+    int32_t n_fp16_rows;       /* live positions stored in FP16 (sinks, window, buffer) */
+    int32_t n_fp16_key_rows;   /* live positions whose keys are FP16 (n_fp16_rows among them) */
+    int32_t n_fp16_value_rows; /* live positions whose values are FP16 (a values-only window's
+                                  too) */
     int32_t reserved;
     size_t referenced_bytes; /* arena bytes of every page it references */
     size_t metadata_bytes;   /* its slot map, page table and sequence record */
@@ -609,7 +612,7 @@ typedef struct kvmix_policy {
     int32_t key_format;    /* kvmix_format of sealed key blocks */
     int32_t value_format;  /* kvmix_format of sealed value blocks */
     int32_t group_size;    /* channels per scale of INT8/INT4/INT2 blocks: a multiple of 8 in
-                              8 .. 512 that divides head_dim */
+                              8 .. 512 that divides head_dim, or 0 for head_dim (one group) */
     int32_t n_boost;       /* BOOSTED only: channels kept at 4 bits, a multiple of 4 in 0 .. 252;
                               0 = head_dim * boost_fraction */
     double boost_fraction; /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
@@ -617,7 +620,8 @@ typedef struct kvmix_policy {
     int32_t page_tokens;   /* tokens per page, a multiple of 8 in 8 .. 1024 */
     int32_t sink_tokens;   /* first positions kept FP16 for good, 0 .. page_tokens */
     int32_t window_tokens; /* most recent positions kept FP16, 0 .. 2^26 */
-    int32_t partial_page;  /* a kvmix_cache_partial: a request boundary's partial last page */
+    int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
+    int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page */
 } kvmix_policy;
 
 /* What a policy check found wrong: the field as policy documents spell it ("group_size") and
@@ -628,7 +632,8 @@ typedef struct kvmix_policy_error {
 } kvmix_policy_error;
 
 /* The built-in policies, by index 0 .. kvmix_policy_count() - 1: fp16, int8, int4, kivi2,
-   kivi2-sink, kitty-12, kitty-25 (README.md, "Policies"). NULL for an index out of range. */
+   kivi2-sink, kitty-12, kitty-25, kitty-paper-12, kitty-paper-25 (README.md, "Policies"). NULL
+   for an index out of range. */
 KVMIXDEF int32_t kvmix_policy_count(void);
 KVMIXDEF const kvmix_policy *kvmix_policy_at(int32_t index);
 /* The built-in of this name, or NULL (also for a NULL name). */
@@ -640,8 +645,9 @@ KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name);
    INVALID_ARGUMENT / UNKNOWN_FORMAT with *out_error (may be NULL) naming the field. */
 KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_policy_error *out_error);
 
-/* The policy for a model of this head_dim: checked, n_boost resolved from boost_fraction (and
-   boost_fraction from n_boost), group_size and n_boost checked against head_dim. A resolved
+/* The policy for a model of this head_dim: checked, group_size 0 made head_dim, n_boost resolved
+   from boost_fraction (and boost_fraction from n_boost), group_size and n_boost checked against
+   head_dim. A resolved
    policy resolves to itself. Returns kvmix_policy_check's errors and BAD_SHAPE (head_dim not a
    multiple of 32 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
    fraction that gives no multiple of 4) with *out_error; *out is written only on success. */
@@ -649,8 +655,8 @@ KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t h
                                            kvmix_policy *out, kvmix_policy_error *out_error);
 
 /* Writes the policy, resolved for desc->head_dim, into a cache desc: page_tokens, n_sink,
-   n_window (at most desc->max_tokens_per_seq when that is set), group_size, n_boost, partial and
-   default_precision; the caller's shape, capacity and arena fields are left alone. A cache
+   n_window (at most desc->max_tokens_per_seq when that is set), window_values_only, group_size,
+   n_boost, partial and default_precision; the caller's shape, capacity and arena fields are left alone. A cache
    initialized from the desc then stores every token reserved with NULL precisions as the policy
    says. Returns kvmix_policy_resolve's errors (desc untouched then) or NULL_POINTER. */
 KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
@@ -3361,9 +3367,14 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
         st.referenced_bytes += bytes;
         st.attributed_bytes += (double)bytes / (double)p->refcount;
         kvmix__page_format_bytes(cache, p, st.format_bytes);
-        if (p->key_format == KVMIX_FORMAT_FP16 && p->value_format == KVMIX_FORMAT_FP16)
-            for (row = 0; row < e[j].n_rows; row++)
-                st.n_fp16_rows += kvmix__row_live(cache, slots, &e[j], row);
+        for (row = 0; row < e[j].n_rows; row++) {
+            int32_t live = kvmix__row_live(cache, slots, &e[j], row);
+            int32_t fp16_key = p->key_format == KVMIX_FORMAT_FP16;
+            int32_t fp16_value = p->value_format == KVMIX_FORMAT_FP16;
+            st.n_fp16_rows += live && fp16_key && fp16_value;
+            st.n_fp16_key_rows += live && fp16_key;
+            st.n_fp16_value_rows += live && fp16_value;
+        }
     }
     elements = kvmix__elements(cache, st.n_live_tokens);
     if (elements > 0) st.bits_per_element = st.attributed_bytes * 8.0 / elements;
@@ -3472,29 +3483,39 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
 
 static const kvmix_policy kvmix__builtin_policies[] = {
     {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
-     0.0, 32, 0, 0, KVMIX__KEEP},
+     0.0, 32, 0, 0, 0, KVMIX__KEEP},
     {"int8", "INT8 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT8,
-     KVMIX_FORMAT_INT8, 32, 0, 0.0, 32, 0, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT8, 32, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
     {"int4", "INT4 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT4,
-     KVMIX_FORMAT_INT4, 32, 0, 0.0, 32, 0, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT4, 32, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
     {"kivi2",
      "KIVI-2: INT2 per-channel keys over pages of 32 tokens, INT2 per-token values (groups of "
      "32), the 128 most recent tokens FP16 (the residual)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0.0, 32, 0, 128, KVMIX__KEEP},
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP},
     {"kivi2-sink",
      "kivi2 (INT2 per-channel keys over pages of 32 tokens, INT2 per-token values, the 128 most "
      "recent tokens FP16) plus the first 32 tokens kept FP16 (attention sinks)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0.0, 32, 32, 128, KVMIX__KEEP},
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP},
     {"kitty-12",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/8 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0.125, 32, 32, 128, KVMIX__KEEP},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP},
     {"kitty-25",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/4 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0.25, 32, 32, 128, KVMIX__KEEP},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP},
+    {"kitty-paper-12",
+     "Kitty as its paper lays it out: BOOSTED keys (head_dim/8 channels at 4 bits) over pages of "
+     "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
+     "128 most recent tokens FP16 (keys wait in the page being filled)",
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 0, 0, 0.125, 128, 32, 128, 1, KVMIX__KEEP},
+    {"kitty-paper-25",
+     "Kitty as its paper lays it out: BOOSTED keys (head_dim/4 channels at 4 bits) over pages of "
+     "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
+     "128 most recent tokens FP16 (keys wait in the page being filled)",
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 0, 0, 0.25, 128, 32, 128, 1, KVMIX__KEEP},
 };
 
 #undef KVMIX__KEEP
@@ -3535,8 +3556,9 @@ static int kvmix__text_ok(const char *text, size_t bytes, int allow_empty) {
 /* The numeric fields, each within its documented range. */
 static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_policy_error *e) {
     const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
-    if (!kvmix__int_in(p->group_size, 8, 512, 8))
-        return kvmix__policy_fail(e, bad, "group_size", "must be a multiple of 8 in 8 .. 512");
+    if (p->group_size != 0 && !kvmix__int_in(p->group_size, 8, 512, 8))
+        return kvmix__policy_fail(e, bad, "group_size",
+                                  "must be 0 (head_dim) or a multiple of 8 in 8 .. 512");
     if (!kvmix__int_in(p->n_boost, 0, 252, 4))
         return kvmix__policy_fail(e, bad, "n_boost", "must be a multiple of 4 in 0 .. 252");
     if (!(p->boost_fraction >= 0.0 && p->boost_fraction <= 1.0))
@@ -3547,6 +3569,8 @@ static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_poli
         return kvmix__policy_fail(e, bad, "sink_tokens", "must be in 0 .. page_tokens");
     if (!kvmix__int_in(p->window_tokens, 0, 1 << 26, 1))
         return kvmix__policy_fail(e, bad, "window_tokens", "must be in 0 .. 2^26");
+    if (!kvmix__int_in(p->window_values_only, 0, 1, 1))
+        return kvmix__policy_fail(e, bad, "window_values_only", "must be 0 or 1");
     if (p->partial_page < KVMIX_CACHE_PARTIAL_DEFAULT ||
         p->partial_page > KVMIX_CACHE_PARTIAL_QUANTIZE)
         return kvmix__policy_fail(e, bad, "partial_page", "must be a kvmix_cache_partial");
@@ -3612,6 +3636,7 @@ KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t h
     if (head_dim < 32 || head_dim > KVMIX_MAX_HEAD_DIM || head_dim % 32 != 0)
         return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim",
                                   "kvmix needs head_dim a multiple of 32 up to 512");
+    if (p.group_size == 0) p.group_size = head_dim;
     if (head_dim % p.group_size != 0)
         return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "group_size",
                                   "does not divide the model's head_dim");
@@ -3633,6 +3658,7 @@ KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache
     desc->n_window = desc->max_tokens_per_seq > 0 && p.window_tokens > desc->max_tokens_per_seq
                          ? desc->max_tokens_per_seq
                          : p.window_tokens;
+    desc->window_values_only = p.window_values_only;
     desc->group_size = p.group_size;
     desc->n_boost = p.n_boost; /* 0 (no boosted format) takes the desc's default */
     desc->partial = (kvmix_cache_partial)p.partial_page;

@@ -22,6 +22,7 @@ static const kvmix_policy FP32_POLICY = {
     32,
     0,
     0,
+    0,
     KVMIX_CACHE_PARTIAL_KEEP_FP16};
 
 int32_t kvmix_kv_policy_count(void) { return 1 + kvmix_policy_count(); }
@@ -44,9 +45,11 @@ static const char *partial_name(int32_t partial) {
 }
 
 /* The fields of a policy document, in the order kvmix_kv_policy_json writes them. */
-static const char *const FIELDS[] = {
-    "version", "name",           "description", "key_format",  "value_format",  "group_size",
-    "n_boost", "boost_fraction", "page_tokens", "sink_tokens", "window_tokens", "partial_page"};
+static const char *const FIELDS[] = {"version",     "name",           "description",
+                                     "key_format",  "value_format",   "group_size",
+                                     "n_boost",     "boost_fraction", "page_tokens",
+                                     "sink_tokens", "window_tokens",  "window_values_only",
+                                     "partial_page"};
 enum { N_FIELDS = sizeof FIELDS / sizeof FIELDS[0] };
 
 /* An integer field in [lo, hi]; false with a message otherwise. */
@@ -115,13 +118,14 @@ static llama_result policy_check(const kvmix_policy *p, char *err, size_t err_by
             err, err_bytes, LLAMA_ERR_FORMAT,
             "policy field \"%s\": \"fp32\" is the reference cache, for both keys and values",
             fp32_key ? "value_format" : "key_format");
-    if (fp32_key && (p->sink_tokens != 0 || p->window_tokens != 0 || p->n_boost != 0 ||
-                     p->boost_fraction != 0.0))
+    if (fp32_key && (p->sink_tokens != 0 || p->window_tokens != 0 || p->window_values_only ||
+                     p->n_boost != 0 || p->boost_fraction != 0.0))
         return llama_fail(
             err, err_bytes, LLAMA_ERR_FORMAT,
             "policy field \"%s\": the fp32 reference cache takes no sinks, window or boost",
             p->sink_tokens != 0     ? "sink_tokens"
             : p->window_tokens != 0 ? "window_tokens"
+            : p->window_values_only ? "window_values_only"
             : p->n_boost != 0       ? "n_boost"
                                     : "boost_fraction");
     kvmix_policy stored = *p; /* fp32's other fields obey the rules of a stored policy */
@@ -175,7 +179,7 @@ static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *er
             break;
         case 3: ok = take_format(item, "key_format", &p->key_format, err, err_bytes); break;
         case 4: ok = take_format(item, "value_format", &p->value_format, err, err_bytes); break;
-        case 5: ok = take_int(item, "group_size", 8, 512, &p->group_size, err, err_bytes); break;
+        case 5: ok = take_int(item, "group_size", 0, 512, &p->group_size, err, err_bytes); break;
         case 6: ok = take_int(item, "n_boost", 0, 252, &p->n_boost, err, err_bytes); break;
         case 7:
             ok = cJSON_IsNumber(item) && item->valuedouble >= 0.0 && item->valuedouble <= 1.0;
@@ -189,6 +193,14 @@ static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *er
         case 9: ok = take_int(item, "sink_tokens", 0, 1024, &p->sink_tokens, err, err_bytes); break;
         case 10:
             ok = take_int(item, "window_tokens", 0, 1 << 26, &p->window_tokens, err, err_bytes);
+            break;
+        case 11:
+            ok = cJSON_IsBool(item);
+            if (ok)
+                p->window_values_only = cJSON_IsTrue(item);
+            else
+                llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                           "policy field \"window_values_only\": must be true or false");
             break;
         default:
             ok = cJSON_IsString(item) && item->valuestring != NULL &&
@@ -220,7 +232,7 @@ llama_result kvmix_kv_policy_parse(const char *json, size_t json_bytes, kvmix_po
                           at);
     }
     llama_result r = LLAMA_OK;
-    kvmix_policy p = {"custom", "", -1, -1, 32, 0, 0.0, 32, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16};
+    kvmix_policy p = {"custom", "", -1, -1, 32, 0, 0.0, 32, 0, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16};
     bool seen[N_FIELDS + 1] = {false};
     if (end < json || end > json + json_bytes || !only_space(end, json + json_bytes))
         r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: bytes after the JSON object");
@@ -275,6 +287,7 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
     cJSON_AddNumberToObject(obj, "page_tokens", p->page_tokens);
     cJSON_AddNumberToObject(obj, "sink_tokens", p->sink_tokens);
     cJSON_AddNumberToObject(obj, "window_tokens", p->window_tokens);
+    cJSON_AddBoolToObject(obj, "window_values_only", p->window_values_only != 0);
     cJSON_AddStringToObject(obj, "partial_page", partial_name(p->partial_page));
     char *text = cJSON_PrintUnformatted(obj);
     cJSON_Delete(obj);
@@ -287,7 +300,7 @@ bool kvmix_kv_policy_equal(const kvmix_policy *a, const kvmix_policy *b) {
            a->group_size == b->group_size && a->n_boost == b->n_boost &&
            a->boost_fraction == b->boost_fraction && a->page_tokens == b->page_tokens &&
            a->sink_tokens == b->sink_tokens && a->window_tokens == b->window_tokens &&
-           a->partial_page == b->partial_page;
+           a->window_values_only == b->window_values_only && a->partial_page == b->partial_page;
 }
 
 // >>kvcache

@@ -402,12 +402,12 @@ static void test_cache_matches_reference(void) {
             run_against_reference(kvmix_kv_policy_at(i));
     /* small pages, sinks shorter than a page, partial pages quantized at request boundaries */
     kvmix_policy custom = {
-        "custom-a", "", KVMIX_FORMAT_INT2_CHANNEL,   KVMIX_FORMAT_INT4, 16, 0, 0.0, 8,
-        5,          20, KVMIX_CACHE_PARTIAL_QUANTIZE};
+        "custom-a", "", KVMIX_FORMAT_INT2_CHANNEL,   KVMIX_FORMAT_INT4, 16, 0, 0.0, 8, 5,
+        20,         0,  KVMIX_CACHE_PARTIAL_QUANTIZE};
     run_against_reference(&custom);
     kvmix_policy boosted = {
-        "custom-b", "", KVMIX_FORMAT_BOOSTED,        KVMIX_FORMAT_INT8, 32, 12, 0.0, 16,
-        0,          0,  KVMIX_CACHE_PARTIAL_QUANTIZE};
+        "custom-b", "", KVMIX_FORMAT_BOOSTED,        KVMIX_FORMAT_INT8, 32, 12, 0.0, 16, 0,
+        0,          1,  KVMIX_CACHE_PARTIAL_QUANTIZE};
     run_against_reference(&boosted);
 }
 

@@ -1000,6 +1000,13 @@ static void test_values_only_window(void) {
                      sink_or_tail || window ? KVMIX_FORMAT_FP16 : KVMIX_FORMAT_INT2);
     }
     test_context(NULL);
+    {
+        kvmix_cache_seq_stats ss;
+        CHECK_RESULT(kvmix_cache_seq_stats_get(&m.cache, s, &ss), KVMIX_SUCCESS);
+        CHECK_EQ_INT(ss.n_fp16_rows, 4 + 5);
+        CHECK_EQ_INT(ss.n_fp16_key_rows, 4 + 5);
+        CHECK_EQ_INT(ss.n_fp16_value_rows, 4 + 32 + 5);
+    }
     ct_verify(&m);
     ct_verify_decode(&m, m.desc.n_layers - 1);
     /* the keys of [36,52) are sealed once: leaving the window copies them, bytes unchanged */

@@ -20,8 +20,9 @@ static kvmix_policy valid_policy(void) {
 }
 
 static void test_builtins(void) {
-    static const char *names[] = {"fp16",       "int8",     "int4",    "kivi2",
-                                  "kivi2-sink", "kitty-12", "kitty-25"};
+    static const char *names[] = {"fp16",     "int8",           "int4",
+                                  "kivi2",    "kivi2-sink",     "kitty-12",
+                                  "kitty-25", "kitty-paper-12", "kitty-paper-25"};
     int32_t i, j;
     test_context("built-in policies");
     CHECK_EQ_INT(kvmix_policy_count(), (int32_t)(sizeof names / sizeof names[0]));
@@ -57,7 +58,8 @@ static void description_unterminated(kvmix_policy *p) {
 static void key_format_zero(kvmix_policy *p) { p->key_format = 0; }
 static void value_format_seven(kvmix_policy *p) { p->value_format = 7; }
 static void group_twenty(kvmix_policy *p) { p->group_size = 20; }
-static void group_zero(kvmix_policy *p) { p->group_size = 0; }
+static void group_negative(kvmix_policy *p) { p->group_size = -8; }
+static void values_only_two(kvmix_policy *p) { p->window_values_only = 2; }
 static void boost_without_boosted(kvmix_policy *p) { p->n_boost = 8; }
 static void fraction_without_boosted(kvmix_policy *p) { p->boost_fraction = 0.25; }
 static void boosted_without_boost(kvmix_policy *p) { p->key_format = KVMIX_FORMAT_BOOSTED; }
@@ -83,7 +85,8 @@ static void test_check_errors(void) {
         {"key_format", KVMIX_ERR_UNKNOWN_FORMAT, key_format_zero},
         {"value_format", KVMIX_ERR_UNKNOWN_FORMAT, value_format_seven},
         {"group_size", KVMIX_ERR_INVALID_ARGUMENT, group_twenty},
-        {"group_size", KVMIX_ERR_INVALID_ARGUMENT, group_zero},
+        {"group_size", KVMIX_ERR_INVALID_ARGUMENT, group_negative},
+        {"window_values_only", KVMIX_ERR_INVALID_ARGUMENT, values_only_two},
         {"n_boost", KVMIX_ERR_INVALID_ARGUMENT, boost_without_boosted},
         {"boost_fraction", KVMIX_ERR_INVALID_ARGUMENT, fraction_without_boosted},
         {"n_boost", KVMIX_ERR_INVALID_ARGUMENT, boosted_without_boost},
@@ -145,6 +148,11 @@ static void test_resolve(void) {
     p.boost_fraction = 0.25;
     CHECK_RESULT(kvmix_policy_resolve(&p, 64, &out, &why), KVMIX_ERR_BAD_SHAPE);
     CHECK_RESULT(kvmix_policy_resolve(&p, 32, &out, &why), KVMIX_SUCCESS);
+    p = *kvmix_policy_find("kitty-paper-12"); /* group_size 0: one group per head */
+    CHECK_RESULT(kvmix_policy_resolve(&p, 64, &out, NULL), KVMIX_SUCCESS);
+    CHECK(out.group_size == 64 && out.n_boost == 8 && out.window_values_only == 1);
+    CHECK_RESULT(kvmix_policy_resolve(&p, 128, &out, NULL), KVMIX_SUCCESS);
+    CHECK(out.group_size == 128 && out.n_boost == 16);
     p = *kvmix_policy_find("int4");
     p.group_size = 128;
     CHECK_RESULT(kvmix_policy_resolve(&p, 64, &out, &why), KVMIX_ERR_BAD_SHAPE);
@@ -180,7 +188,8 @@ static void test_apply(void) {
     desc.arena_bytes = (size_t)1 << 20;
     CHECK_RESULT(kvmix_policy_apply(&p, &desc, NULL), KVMIX_SUCCESS);
     CHECK(desc.page_tokens == 16 && desc.n_sink == 4 && desc.n_window == 24 &&
-          desc.group_size == 32 && desc.partial == KVMIX_CACHE_PARTIAL_QUANTIZE);
+          desc.window_values_only == 0 && desc.group_size == 32 &&
+          desc.partial == KVMIX_CACHE_PARTIAL_QUANTIZE);
     CHECK(desc.default_precision.key_format == KVMIX_FORMAT_INT2_CHANNEL &&
           desc.default_precision.value_format == KVMIX_FORMAT_INT4);
     CHECK_RESULT(kvmix_policy_apply(&p, NULL, NULL), KVMIX_ERR_NULL_POINTER);
