@@ -193,17 +193,23 @@ static void test_quantize(bool quick) {
     for (int di = 0; di < 3; di++)
         for (int ni = 0; ni < 6; ni++) {
             if (quick && (di == 2 || (ni != 0 && ni != 3))) continue;
-            for (int f = KVMIX_FORMAT_FP16; f <= KVMIX_FORMAT_BOOSTED; f++)
-                for (int b = 0; b < (f == KVMIX_FORMAT_BOOSTED ? 2 : 1); b++) {
+            for (int f = KVMIX_FORMAT_FP16; f <= KVMIX_FORMAT_BOOSTED; f++) {
+                /* BOOSTED: two boost counts; per-token integer formats: groups of 32 and one
+                   group per head (the value geometry of a Kitty layout) */
+                bool per_token =
+                    f == KVMIX_FORMAT_INT8 || f == KVMIX_FORMAT_INT4 || f == KVMIX_FORMAT_INT2;
+                for (int b = 0; b < (f == KVMIX_FORMAT_BOOSTED || per_token ? 2 : 1); b++) {
                     kvmix_layout l;
                     memset(&l, 0, sizeof l);
                     l.format = (kvmix_format)f;
                     l.n_tokens = ns[ni];
                     l.head_dim = dims[di];
                     l.n_boost = f == KVMIX_FORMAT_BOOSTED ? (b ? dims[di] / 4 : dims[di] / 8) : 0;
+                    l.group_size = per_token && b ? dims[di] : 0;
                     kvmix_layout_resolve(&l);
                     test_quantize_case(l);
                 }
+            }
         }
 }
 
@@ -631,6 +637,13 @@ static void test_decode(bool quick) {
        than the default) */
     g_group = 64;
     test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_FP16, quick);
+    /* one group per head (the value geometry of a Kitty layout): a value lane's dims in one group
+       at every head_dim */
+    for (int di = 0; di < 3; di++) {
+        if (quick && dims[di] != 128) continue;
+        g_group = dims[di];
+        test_decode_case(dims[di], 2, 4, 5, dims[di] / 8, 3, KVMIX_CUDA_BF16, quick);
+    }
     g_group = 32;
     /* long sequences of short spans: splits of more than 128 spans (walked in several chunks:
        300 and 550 spans), and splits that start deep into the sequence */
@@ -699,6 +712,10 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
                 l.format = (kvmix_format)(which ? sp.value_format : sp.key_format);
                 l.n_tokens = sp.n_tokens, l.head_dim = d;
                 l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? n_boost : 0;
+                l.group_size = (l.format == KVMIX_FORMAT_INT8 || l.format == KVMIX_FORMAT_INT4 ||
+                                l.format == KVMIX_FORMAT_INT2)
+                                   ? v.host.group_size
+                                   : 0;
                 kvmix_layout_resolve(&l);
                 for (int t = 0; t < sp.n_tokens; t++) {
                     bool dead = sp.dead_index >= 0 && v.dead[sp.dead_index + t];
@@ -1432,6 +1449,9 @@ int main(int argc, char **argv) {
             test_view_dequantize_score(dims[di], 2, dims[di] / 8, KVMIX_CUDA_FP16, quick);
             if (!quick)
                 test_view_dequantize_score(dims[di], 3, dims[di] / 4, KVMIX_CUDA_BF16, quick);
+            g_group = dims[di]; /* one group per head */
+            test_view_dequantize_score(dims[di], 2, dims[di] / 4, KVMIX_CUDA_BF16, quick);
+            g_group = 32;
         }
         test_view_bad_input();
         printf("dequantize/score: %d passed, %d failed so far\n", g_passed, g_failed);
