@@ -230,8 +230,9 @@ typedef struct kvmix_view {
     int32_t n_seqs;
     int32_t n_kv_heads;
     int32_t head_dim;
-    int32_t group_size; /* of every per-token integer block; 0 = 32 */
-    int32_t n_boost;    /* of every BOOSTED block */
+    int32_t group_size;       /* of every per-token integer key block; 0 = 32 */
+    int32_t value_group_size; /* of every per-token integer value block; 0 = group_size */
+    int32_t n_boost;          /* of every BOOSTED block */
     int32_t n_spans;
     int32_t n_dead_flags;
     const uint8_t *base; /* blocks lie in [base, base + base_bytes) */
@@ -306,7 +307,9 @@ typedef struct kvmix_cache_desc {
     int32_t n_window;            /* most recent positions kept FP16, 0 .. max_tokens_per_seq */
     int32_t window_values_only;  /* 0: the window keeps keys and values FP16; 1: values only,
                                     keys are sealed once their page is full (Kitty's layout) */
-    int32_t group_size;          /* 0 = 32; of the per-token integer formats */
+    int32_t group_size;          /* 0 = 32; of the per-token integer formats (keys, and values
+                                    unless value_group_size is set) */
+    int32_t value_group_size;    /* 0 = group_size; of the per-token integer value blocks */
     int32_t n_boost;             /* 0 = 16; boosted channels of BOOSTED blocks */
     kvmix_cache_partial partial; /* what kvmix_cache_seq_finish does to a partial page */
     kvmix_cache_precision
@@ -603,23 +606,26 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache);
 /* cache built from that desc applies it; built-ins (KIVI, Kitty, INT4 ...) come from             */
 /* kvmix_policy_at. Policies are plain data: pure functions, thread-safe.                        */
 
-#define KVMIX_POLICY_NAME_BYTES        64  /* a name, its terminating NUL included */
-#define KVMIX_POLICY_DESCRIPTION_BYTES 256 /* a description, its terminating NUL included */
+#define KVMIX_POLICY_NAME_BYTES        64   /* a name, its terminating NUL included */
+#define KVMIX_GROUP_HEAD_DIM           (-1) /* a policy's group: one group per head (head_dim) */
+#define KVMIX_POLICY_DESCRIPTION_BYTES 256  /* a description, its terminating NUL included */
 
 typedef struct kvmix_policy {
     char name[KVMIX_POLICY_NAME_BYTES]; /* non-empty, NUL-terminated */
     char description[KVMIX_POLICY_DESCRIPTION_BYTES];
-    int32_t key_format;    /* kvmix_format of sealed key blocks */
-    int32_t value_format;  /* kvmix_format of sealed value blocks */
-    int32_t group_size;    /* channels per scale of INT8/INT4/INT2 blocks: a multiple of 8 in
-                              8 .. 512 that divides head_dim, or 0 for head_dim (one group) */
-    int32_t n_boost;       /* BOOSTED only: channels kept at 4 bits, a multiple of 4 in 0 .. 252;
+    int32_t key_format;       /* kvmix_format of sealed key blocks */
+    int32_t value_format;     /* kvmix_format of sealed value blocks */
+    int32_t group_size;       /* channels per scale of INT8/INT4/INT2 key blocks (and value blocks
+                              unless value_group_size says otherwise): a multiple of 8 in
+                              8 .. 512 that divides head_dim, or KVMIX_GROUP_HEAD_DIM */
+    int32_t value_group_size; /* of INT8/INT4/INT2 value blocks, as group_size; 0 = group_size */
+    int32_t n_boost;          /* BOOSTED only: channels kept at 4 bits, a multiple of 4 in 0 .. 252;
                               0 = head_dim * boost_fraction */
-    double boost_fraction; /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
+    double boost_fraction;    /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
                               both are set they must agree for the model's head_dim */
-    int32_t page_tokens;   /* tokens per page, a multiple of 8 in 8 .. 1024 */
-    int32_t sink_tokens;   /* first positions kept FP16 for good, 0 .. page_tokens */
-    int32_t window_tokens; /* most recent positions kept FP16, 0 .. 2^26 */
+    int32_t page_tokens;      /* tokens per page, a multiple of 8 in 8 .. 1024 */
+    int32_t sink_tokens;      /* first positions kept FP16 for good, 0 .. page_tokens */
+    int32_t window_tokens;    /* most recent positions kept FP16, 0 .. 2^26 */
     int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
     int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page */
 } kvmix_policy;
@@ -645,9 +651,9 @@ KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name);
    INVALID_ARGUMENT / UNKNOWN_FORMAT with *out_error (may be NULL) naming the field. */
 KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_policy_error *out_error);
 
-/* The policy for a model of this head_dim: checked, group_size 0 made head_dim, n_boost resolved
-   from boost_fraction (and boost_fraction from n_boost), group_size and n_boost checked against
-   head_dim. A resolved
+/* The policy for a model of this head_dim: checked, groups resolved (value_group_size 0 made
+   group_size, KVMIX_GROUP_HEAD_DIM made head_dim), n_boost resolved from boost_fraction (and
+   boost_fraction from n_boost), groups and n_boost checked against head_dim. A resolved
    policy resolves to itself. Returns kvmix_policy_check's errors and BAD_SHAPE (head_dim not a
    multiple of 32 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
    fraction that gives no multiple of 4) with *out_error; *out is written only on success. */
@@ -656,7 +662,7 @@ KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t h
 
 /* Writes the policy, resolved for desc->head_dim, into a cache desc: page_tokens, n_sink,
    n_window (at most desc->max_tokens_per_seq when that is set), window_values_only, group_size,
-   n_boost, partial and default_precision; the caller's shape, capacity and arena fields are left alone. A cache
+   value_group_size, n_boost, partial and default_precision; the caller's shape, capacity and arena fields are left alone. A cache
    initialized from the desc then stores every token reserved with NULL precisions as the policy
    says. Returns kvmix_policy_resolve's errors (desc untouched then) or NULL_POINTER. */
 KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
@@ -1469,12 +1475,18 @@ static int kvmix__format_known(int32_t format) {
 }
 
 /* The block layout of a view's keys or values; the format must be known. */
-static kvmix_layout kvmix__view_layout(const kvmix_view *view, uint8_t format, int32_t n_tokens) {
+/* The group of a view's keys (is_value 0) or values: value_group_size 0 takes group_size. */
+static int32_t kvmix__view_group(const kvmix_view *view, int is_value) {
+    return is_value && view->value_group_size != 0 ? view->value_group_size : view->group_size;
+}
+
+static kvmix_layout kvmix__view_layout(const kvmix_view *view, int is_value, uint8_t format,
+                                       int32_t n_tokens) {
     kvmix_layout l;
     l.format = (kvmix_format)format;
     l.n_tokens = n_tokens;
     l.head_dim = view->head_dim;
-    l.group_size = kvmix__is_per_token_int(l.format) ? view->group_size : 0;
+    l.group_size = kvmix__is_per_token_int(l.format) ? kvmix__view_group(view, is_value) : 0;
     l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? view->n_boost : 0;
     return l;
 }
@@ -1482,8 +1494,8 @@ static kvmix_layout kvmix__view_layout(const kvmix_view *view, uint8_t format, i
 /* A view span as a kvmix_span whose extents run to the end of the base region. */
 static kvmix_span kvmix__span_of_view(const kvmix_view *view, const kvmix_view_span *vs) {
     kvmix_span s;
-    s.key_layout = kvmix__view_layout(view, vs->key_format, vs->n_tokens);
-    s.value_layout = kvmix__view_layout(view, vs->value_format, vs->n_tokens);
+    s.key_layout = kvmix__view_layout(view, 0, vs->key_format, vs->n_tokens);
+    s.value_layout = kvmix__view_layout(view, 1, vs->value_format, vs->n_tokens);
     s.keys = view->base + vs->key_offset;
     s.values = view->base + vs->value_offset;
     s.key_head_bytes = vs->key_head_bytes;
@@ -1598,14 +1610,14 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
 
 /* A view block (one of keys or values) of n_kv_heads heads: known format, valid layout, extent
    inside the base region. */
-static kvmix_result kvmix__check_view_block(const kvmix_view *view, uint8_t format,
+static kvmix_result kvmix__check_view_block(const kvmix_view *view, int is_value, uint8_t format,
                                             int32_t n_tokens, uint64_t offset,
                                             uint32_t head_bytes) {
     kvmix_layout l;
     kvmix_result r;
     uint64_t block_bytes, extent;
     if (!kvmix__format_known(format)) return KVMIX_ERR_UNKNOWN_FORMAT;
-    l = kvmix__view_layout(view, format, n_tokens);
+    l = kvmix__view_layout(view, is_value, format, n_tokens);
     if ((r = kvmix_layout_resolve(&l)) != KVMIX_SUCCESS) return r;
     block_bytes = kvmix__layout_sections(&l).total_bytes;
     if (head_bytes < block_bytes) return KVMIX_ERR_INVALID_ARGUMENT;
@@ -1621,10 +1633,10 @@ static kvmix_result kvmix__check_view_span(const kvmix_view *view, const kvmix_v
     if (vs->dead_index < -1 ||
         (vs->dead_index >= 0 && vs->n_tokens > view->n_dead_flags - vs->dead_index))
         return KVMIX_ERR_INVALID_ARGUMENT;
-    r = kvmix__check_view_block(view, vs->key_format, vs->n_tokens, vs->key_offset,
+    r = kvmix__check_view_block(view, 0, vs->key_format, vs->n_tokens, vs->key_offset,
                                 vs->key_head_bytes);
     if (r != KVMIX_SUCCESS) return r;
-    return kvmix__check_view_block(view, vs->value_format, vs->n_tokens, vs->value_offset,
+    return kvmix__check_view_block(view, 1, vs->value_format, vs->n_tokens, vs->value_offset,
                                    vs->value_head_bytes);
 }
 
@@ -1914,26 +1926,30 @@ static uint8_t kvmix__per_token_format(uint8_t format) {
     return format;
 }
 
-static kvmix_layout kvmix__cache_layout(const kvmix_cache *c, int32_t format, int32_t rows) {
+/* The layout of a page's key (is_value 0) or value block of `rows` rows. */
+static kvmix_layout kvmix__cache_layout(const kvmix_cache *c, int is_value, int32_t format,
+                                        int32_t rows) {
     kvmix_layout l;
     l.format = (kvmix_format)format;
     l.n_tokens = rows;
     l.head_dim = c->desc.head_dim;
-    l.group_size = kvmix__is_per_token_int(l.format) ? c->desc.group_size : 0;
+    l.group_size = !kvmix__is_per_token_int(l.format) ? 0
+                   : is_value                         ? c->desc.value_group_size
+                                                      : c->desc.group_size;
     l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? c->desc.n_boost : 0;
     return l;
 }
 
 /* Bytes between consecutive blocks of a page: the block's size rounded up to 16 bytes, so that
    every block of a view starts 16-byte aligned, as GPU kernels load them in 16-byte vectors. */
-static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int32_t format, int32_t rows,
-                                       int32_t capacity) {
+static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int is_value, int32_t format,
+                                       int32_t rows, int32_t capacity) {
     kvmix_layout l;
     size_t bytes;
     if (format == KVMIX_FORMAT_FP16) {
         bytes = (size_t)capacity * (size_t)c->desc.head_dim * 2;
     } else {
-        l = kvmix__cache_layout(c, format, rows);
+        l = kvmix__cache_layout(c, is_value, format, rows);
         bytes = kvmix__layout_sections(&l).total_bytes;
     }
     return (bytes + 15) / 16 * 16;
@@ -1942,8 +1958,8 @@ static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int32_t format, int
 static kvmix__geom kvmix__page_geom(const kvmix_cache *c, int32_t key_format, int32_t value_format,
                                     int32_t rows, int32_t capacity) {
     kvmix__geom g;
-    g.key_bytes = kvmix__cache_block_bytes(c, key_format, rows, capacity);
-    g.value_bytes = kvmix__cache_block_bytes(c, value_format, rows, capacity);
+    g.key_bytes = kvmix__cache_block_bytes(c, 0, key_format, rows, capacity);
+    g.value_bytes = kvmix__cache_block_bytes(c, 1, value_format, rows, capacity);
     g.layer_bytes = (size_t)c->desc.n_kv_heads * (g.key_bytes + g.value_bytes);
     g.total_bytes = g.layer_bytes * (size_t)c->desc.n_layers;
     return g;
@@ -2106,9 +2122,9 @@ static uint8_t *kvmix__page_block(const kvmix_cache *c, const kvmix_cache_page *
 }
 
 /* Quantizes src [rows][head_dim] into a block of `format` at dst (no checks: finite input). */
-static void kvmix__cache_quantize(const kvmix_cache *c, int32_t format, int32_t rows,
+static void kvmix__cache_quantize(const kvmix_cache *c, int is_value, int32_t format, int32_t rows,
                                   const float *src, uint8_t *dst) {
-    kvmix_layout l = kvmix__cache_layout(c, format, rows);
+    kvmix_layout l = kvmix__cache_layout(c, is_value, format, rows);
     kvmix__sections s = kvmix__layout_sections(&l);
     memset(dst, 0, s.total_bytes);
     if (l.format == KVMIX_FORMAT_FP16 || kvmix__is_per_token_int(l.format))
@@ -2121,7 +2137,8 @@ static void kvmix__cache_quantize(const kvmix_cache *c, int32_t format, int32_t 
 static void kvmix__page_block_read(const kvmix_cache *c, const kvmix_cache_page *p,
                                    const kvmix__geom *g, int32_t layer, int is_value, int32_t head,
                                    float *dst) {
-    kvmix_layout l = kvmix__cache_layout(c, is_value ? p->value_format : p->key_format, p->n_rows);
+    kvmix_layout l =
+        kvmix__cache_layout(c, is_value, is_value ? p->value_format : p->key_format, p->n_rows);
     kvmix__sections s = kvmix__layout_sections(&l);
     const uint8_t *block = kvmix__page_block(c, p, g, layer, is_value, head);
     int32_t t;
@@ -2195,6 +2212,7 @@ KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc) {
     if (d.max_seqs == 0) d.max_seqs = 64;
     if (d.max_tokens_per_seq == 0) d.max_tokens_per_seq = 4096;
     if (d.group_size == 0) d.group_size = KVMIX_GROUP_SIZE_DEFAULT;
+    if (d.value_group_size == 0) d.value_group_size = d.group_size;
     if (d.n_boost == 0) d.n_boost = 16;
     if (d.partial == KVMIX_CACHE_PARTIAL_DEFAULT) d.partial = KVMIX_CACHE_PARTIAL_KEEP_FP16;
     if (d.default_precision.key_format == 0) d.default_precision.key_format = KVMIX_FORMAT_INT4;
@@ -2217,6 +2235,8 @@ KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc) {
     probe.format = KVMIX_FORMAT_INT4;
     probe.head_dim = d.head_dim;
     probe.group_size = d.group_size;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
+    probe.group_size = d.value_group_size;
     if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
     probe.format = KVMIX_FORMAT_BOOSTED;
     probe.group_size = 0;
@@ -2640,16 +2660,16 @@ static void kvmix__rows_store(kvmix_cache *c, const kvmix_cache_page *p, int32_t
 
 /* Copies a page's block (keys or values of one head and layer) into its sealed form: as it is
    when already in the target format (the keys of a page sealed keys first), else from FP16. */
-static void kvmix__seal_block(kvmix_cache *c, uint8_t source_format, const uint8_t *src,
-                              uint8_t format, int32_t rows, uint8_t *dst) {
+static void kvmix__seal_block(kvmix_cache *c, int is_value, uint8_t source_format,
+                              const uint8_t *src, uint8_t format, int32_t rows, uint8_t *dst) {
     int32_t i, n = rows * c->desc.head_dim;
     if (source_format == format) {
-        memcpy(dst, src, kvmix__cache_block_bytes(c, format, rows, rows));
+        memcpy(dst, src, kvmix__cache_block_bytes(c, is_value, format, rows, rows));
         return;
     }
     KVMIX_ASSERT(source_format == KVMIX_FORMAT_FP16);
     for (i = 0; i < n; i++) c->scratch[i] = kvmix__half_to_float(kvmix__load_u16(src + 2 * i));
-    kvmix__cache_quantize(c, format, rows, c->scratch, dst);
+    kvmix__cache_quantize(c, is_value, format, rows, c->scratch, dst);
 }
 
 /* Seals buffer page sp with `rows` rows into (key_format, value_format): by flag when both are
@@ -2684,7 +2704,7 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
         for (layer = 0; layer < c->desc.n_layers; layer++)
             for (kv = 0; kv < 2; kv++)
                 for (h = 0; h < c->desc.n_kv_heads; h++)
-                    kvmix__seal_block(c, kv ? p->value_format : p->key_format,
+                    kvmix__seal_block(c, kv, kv ? p->value_format : p->key_format,
                                       kvmix__page_block(c, p, &og, layer, kv, h),
                                       kv ? value_format : key_format, rows,
                                       c->arena + (size_t)start * c->desc.granule_bytes +
@@ -2975,7 +2995,8 @@ static void kvmix__retier_source(const kvmix_cache *c, const kvmix_cache_page *p
 static int kvmix__retier_valid(const kvmix_cache *c, const kvmix_cache_page *p,
                                const kvmix__geom *g, int32_t layer, int is_value, int32_t head,
                                const float *rows_in, kvmix_cache_rows mode) {
-    kvmix_layout l = kvmix__cache_layout(c, is_value ? p->value_format : p->key_format, p->n_rows);
+    kvmix_layout l =
+        kvmix__cache_layout(c, is_value, is_value ? p->value_format : p->key_format, p->n_rows);
     kvmix__sections s = kvmix__layout_sections(&l);
     const uint8_t *block = kvmix__page_block(c, p, g, layer, is_value, head);
     float row[KVMIX_MAX_HEAD_DIM];
@@ -3054,7 +3075,7 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
                 uint8_t *dst = cache->arena + (size_t)start * cache->desc.granule_bytes +
                                kvmix__block_offset(cache, &ng, layer, kv, h);
                 kvmix__retier_source(cache, p, &og, layer, kv, h, kv ? values : keys, rows);
-                kvmix__cache_quantize(cache, kv ? precision.value_format : precision.key_format,
+                kvmix__cache_quantize(cache, kv, kv ? precision.value_format : precision.key_format,
                                       p->n_rows, cache->scratch, dst);
             }
     if (in_place)
@@ -3106,7 +3127,7 @@ KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, in
     for (kv = 0; kv < 2; kv++) {
         float *out = kv ? values : keys;
         kvmix_layout l =
-            kvmix__cache_layout(cache, kv ? p->value_format : p->key_format, p->n_rows);
+            kvmix__cache_layout(cache, kv, kv ? p->value_format : p->key_format, p->n_rows);
         kvmix__sections s = kvmix__layout_sections(&l);
         if (!out) continue;
         for (h = 0; h < cache->desc.n_kv_heads; h++)
@@ -3234,6 +3255,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, 
     out_view->n_kv_heads = cache->desc.n_kv_heads;
     out_view->head_dim = cache->desc.head_dim;
     out_view->group_size = cache->desc.group_size;
+    out_view->value_group_size = cache->desc.value_group_size;
     out_view->n_boost = cache->desc.n_boost;
     out_view->n_spans = k;
     out_view->n_dead_flags = f;
@@ -3483,39 +3505,41 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
 
 static const kvmix_policy kvmix__builtin_policies[] = {
     {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
-     0.0, 32, 0, 0, 0, KVMIX__KEEP},
+     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
     {"int8", "INT8 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT8,
-     KVMIX_FORMAT_INT8, 32, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
     {"int4", "INT4 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT4,
-     KVMIX_FORMAT_INT4, 32, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
     {"kivi2",
      "KIVI-2: INT2 per-channel keys over pages of 32 tokens, INT2 per-token values (groups of "
      "32), the 128 most recent tokens FP16 (the residual)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP},
     {"kivi2-sink",
      "kivi2 (INT2 per-channel keys over pages of 32 tokens, INT2 per-token values, the 128 most "
      "recent tokens FP16) plus the first 32 tokens kept FP16 (attention sinks)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP},
     {"kitty-12",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/8 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP},
     {"kitty-25",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/4 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP},
     {"kitty-paper-12",
      "Kitty as its paper lays it out: BOOSTED keys (head_dim/8 channels at 4 bits) over pages of "
      "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
      "128 most recent tokens FP16 (keys wait in the page being filled)",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 0, 0, 0.125, 128, 32, 128, 1, KVMIX__KEEP},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.125, 128, 32, 128, 1,
+     KVMIX__KEEP},
     {"kitty-paper-25",
      "Kitty as its paper lays it out: BOOSTED keys (head_dim/4 channels at 4 bits) over pages of "
      "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
      "128 most recent tokens FP16 (keys wait in the page being filled)",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 0, 0, 0.25, 128, 32, 128, 1, KVMIX__KEEP},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.25, 128, 32, 128, 1,
+     KVMIX__KEEP},
 };
 
 #undef KVMIX__KEEP
@@ -3556,9 +3580,14 @@ static int kvmix__text_ok(const char *text, size_t bytes, int allow_empty) {
 /* The numeric fields, each within its documented range. */
 static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_policy_error *e) {
     const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
-    if (p->group_size != 0 && !kvmix__int_in(p->group_size, 8, 512, 8))
+    if (p->group_size != KVMIX_GROUP_HEAD_DIM && !kvmix__int_in(p->group_size, 8, 512, 8))
         return kvmix__policy_fail(e, bad, "group_size",
-                                  "must be 0 (head_dim) or a multiple of 8 in 8 .. 512");
+                                  "must be a multiple of 8 in 8 .. 512, or head_dim");
+    if (p->value_group_size != 0 && p->value_group_size != KVMIX_GROUP_HEAD_DIM &&
+        !kvmix__int_in(p->value_group_size, 8, 512, 8))
+        return kvmix__policy_fail(
+            e, bad, "value_group_size",
+            "must be 0 (group_size), a multiple of 8 in 8 .. 512, or head_dim");
     if (!kvmix__int_in(p->n_boost, 0, 252, 4))
         return kvmix__policy_fail(e, bad, "n_boost", "must be a multiple of 4 in 0 .. 252");
     if (!(p->boost_fraction >= 0.0 && p->boost_fraction <= 1.0))
@@ -3636,9 +3665,14 @@ KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t h
     if (head_dim < 32 || head_dim > KVMIX_MAX_HEAD_DIM || head_dim % 32 != 0)
         return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim",
                                   "kvmix needs head_dim a multiple of 32 up to 512");
-    if (p.group_size == 0) p.group_size = head_dim;
+    if (p.value_group_size == 0) p.value_group_size = p.group_size;
+    if (p.group_size == KVMIX_GROUP_HEAD_DIM) p.group_size = head_dim;
+    if (p.value_group_size == KVMIX_GROUP_HEAD_DIM) p.value_group_size = head_dim;
     if (head_dim % p.group_size != 0)
         return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "group_size",
+                                  "does not divide the model's head_dim");
+    if (head_dim % p.value_group_size != 0)
+        return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "value_group_size",
                                   "does not divide the model's head_dim");
     if (p.key_format == KVMIX_FORMAT_BOOSTED || p.value_format == KVMIX_FORMAT_BOOSTED)
         if ((r = kvmix__policy_resolve_boost(&p, head_dim, out_error)) != KVMIX_SUCCESS) return r;
@@ -3660,6 +3694,7 @@ KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache
                          : p.window_tokens;
     desc->window_values_only = p.window_values_only;
     desc->group_size = p.group_size;
+    desc->value_group_size = p.value_group_size;
     desc->n_boost = p.n_boost; /* 0 (no boosted format) takes the desc's default */
     desc->partial = (kvmix_cache_partial)p.partial_page;
     desc->default_precision.key_format = (uint8_t)p.key_format;

@@ -2271,6 +2271,9 @@ static kvmix_result kvmix__check_device_view(const kvmix_view *v) {
         return KVMIX_ERR_BAD_SHAPE;
     int group = v->group_size ? v->group_size : KVMIX_GROUP_SIZE_DEFAULT;
     if (group < 0 || group % 8 != 0 || v->head_dim % group != 0) return KVMIX_ERR_BAD_SHAPE;
+    /* the kernels read every per-token block with one group: values in groups of their own are
+       not supported yet */
+    if (v->value_group_size != 0 && v->value_group_size != group) return KVMIX_ERR_UNSUPPORTED;
     if (v->n_boost < 0 || v->n_boost % 4 != 0 || v->n_boost > v->head_dim || v->n_boost > 252)
         return KVMIX_ERR_BAD_SHAPE;
     if (!v->seq_first_span || (v->n_spans > 0 && (!v->spans || !v->base)) ||

@@ -91,8 +91,10 @@ kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvm
 /*   NULL. Query heads i*g .. i*g+g-1 read kv head i (g = n_q_heads / n_kv_heads) and share each */
 /*   K/V load. Each sequence's spans are cut into n_splits ranges of equal span counts (a split's */
 /*   first span is known without reading the spans before it); a split walks its spans.          */
-/* Supported: head_dim 64, 128, 256; group_size (per-token blocks) a multiple of 16; every        */
-/* format for keys and values, dead flags. The device checks each span it reads (known formats,   */
+/* Supported: head_dim 64, 128, 256; group_size (per-token blocks) a multiple of 16, values in    */
+/* the same groups as keys (a view whose value_group_size differs is UNSUPPORTED, by every        */
+/* launcher that reads a view); every format for keys and values, dead flags. The device checks  */
+/* each span it reads (known formats,                                                            */
 /* n_tokens >= 1, blocks inside base_bytes and 16-byte aligned, dead range inside n_dead_flags)  */
 /* and each sequence's span range (inside [0, n_spans]): a sequence with a bad span or range gets */
 /* NaN in out and lse.                                                                           */

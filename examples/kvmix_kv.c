@@ -18,6 +18,7 @@ static const kvmix_policy FP32_POLICY = {
     KVMIX_KV_FORMAT_FP32,
     32,
     0,
+    0,
     0.0,
     32,
     0,
@@ -45,10 +46,19 @@ static const char *partial_name(int32_t partial) {
 }
 
 /* The fields of a policy document, in the order kvmix_kv_policy_json writes them. */
-static const char *const FIELDS[] = {"version",     "name",           "description",
-                                     "key_format",  "value_format",   "group_size",
-                                     "n_boost",     "boost_fraction", "page_tokens",
-                                     "sink_tokens", "window_tokens",  "window_values_only",
+static const char *const FIELDS[] = {"version",
+                                     "name",
+                                     "description",
+                                     "key_format",
+                                     "value_format",
+                                     "group_size",
+                                     "value_group_size",
+                                     "n_boost",
+                                     "boost_fraction",
+                                     "page_tokens",
+                                     "sink_tokens",
+                                     "window_tokens",
+                                     "window_values_only",
                                      "partial_page"};
 enum { N_FIELDS = sizeof FIELDS / sizeof FIELDS[0] };
 
@@ -69,6 +79,20 @@ static bool take_int(const cJSON *item, const char *field, int64_t lo, int64_t h
     }
     *out = (int32_t)v;
     return true;
+}
+
+/* A group size: "head_dim" (KVMIX_GROUP_HEAD_DIM) or an integer in [lo, 512]. */
+static bool take_group(const cJSON *item, const char *field, int64_t lo, int32_t *out, char *err,
+                       size_t err_bytes) {
+    if (cJSON_IsString(item) && item->valuestring != NULL &&
+        strcmp(item->valuestring, "head_dim") == 0) {
+        *out = KVMIX_GROUP_HEAD_DIM;
+        return true;
+    }
+    if (cJSON_IsNumber(item)) return take_int(item, field, lo, 512, out, err, err_bytes);
+    llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+               "policy field \"%s\": must be an integer or \"head_dim\"", field);
+    return false;
 }
 
 static bool take_text(const cJSON *item, const char *field, char *out, size_t out_bytes, char *err,
@@ -179,9 +203,12 @@ static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *er
             break;
         case 3: ok = take_format(item, "key_format", &p->key_format, err, err_bytes); break;
         case 4: ok = take_format(item, "value_format", &p->value_format, err, err_bytes); break;
-        case 5: ok = take_int(item, "group_size", 0, 512, &p->group_size, err, err_bytes); break;
-        case 6: ok = take_int(item, "n_boost", 0, 252, &p->n_boost, err, err_bytes); break;
-        case 7:
+        case 5: ok = take_group(item, "group_size", 8, &p->group_size, err, err_bytes); break;
+        case 6:
+            ok = take_group(item, "value_group_size", 0, &p->value_group_size, err, err_bytes);
+            break;
+        case 7: ok = take_int(item, "n_boost", 0, 252, &p->n_boost, err, err_bytes); break;
+        case 8:
             ok = cJSON_IsNumber(item) && item->valuedouble >= 0.0 && item->valuedouble <= 1.0;
             if (ok)
                 p->boost_fraction = item->valuedouble;
@@ -189,12 +216,14 @@ static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *er
                 llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
                            "policy field \"boost_fraction\": must be a number in 0 .. 1");
             break;
-        case 8: ok = take_int(item, "page_tokens", 8, 1024, &p->page_tokens, err, err_bytes); break;
-        case 9: ok = take_int(item, "sink_tokens", 0, 1024, &p->sink_tokens, err, err_bytes); break;
+        case 9: ok = take_int(item, "page_tokens", 8, 1024, &p->page_tokens, err, err_bytes); break;
         case 10:
-            ok = take_int(item, "window_tokens", 0, 1 << 26, &p->window_tokens, err, err_bytes);
+            ok = take_int(item, "sink_tokens", 0, 1024, &p->sink_tokens, err, err_bytes);
             break;
         case 11:
+            ok = take_int(item, "window_tokens", 0, 1 << 26, &p->window_tokens, err, err_bytes);
+            break;
+        case 12:
             ok = cJSON_IsBool(item);
             if (ok)
                 p->window_values_only = cJSON_IsTrue(item);
@@ -232,7 +261,8 @@ llama_result kvmix_kv_policy_parse(const char *json, size_t json_bytes, kvmix_po
                           at);
     }
     llama_result r = LLAMA_OK;
-    kvmix_policy p = {"custom", "", -1, -1, 32, 0, 0.0, 32, 0, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16};
+    kvmix_policy p = {
+        "custom", "", -1, -1, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16};
     bool seen[N_FIELDS + 1] = {false};
     if (end < json || end > json + json_bytes || !only_space(end, json + json_bytes))
         r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: bytes after the JSON object");
@@ -270,6 +300,13 @@ llama_result kvmix_kv_policy_resolve(const kvmix_policy *policy, int32_t head_di
     return LLAMA_OK;
 }
 
+static void add_group(cJSON *obj, const char *field, int32_t group) {
+    if (group == KVMIX_GROUP_HEAD_DIM)
+        cJSON_AddStringToObject(obj, field, "head_dim");
+    else
+        cJSON_AddNumberToObject(obj, field, group);
+}
+
 char *kvmix_kv_policy_json(const kvmix_policy *p) {
     cJSON *obj = cJSON_CreateObject();
     if (obj == NULL || p == NULL) {
@@ -281,7 +318,8 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
     cJSON_AddStringToObject(obj, "description", p->description);
     cJSON_AddStringToObject(obj, "key_format", format_name(p->key_format));
     cJSON_AddStringToObject(obj, "value_format", format_name(p->value_format));
-    cJSON_AddNumberToObject(obj, "group_size", p->group_size);
+    add_group(obj, "group_size", p->group_size);
+    add_group(obj, "value_group_size", p->value_group_size);
     cJSON_AddNumberToObject(obj, "n_boost", p->n_boost);
     cJSON_AddNumberToObject(obj, "boost_fraction", p->boost_fraction);
     cJSON_AddNumberToObject(obj, "page_tokens", p->page_tokens);
@@ -297,10 +335,11 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
 bool kvmix_kv_policy_equal(const kvmix_policy *a, const kvmix_policy *b) {
     return strcmp(a->name, b->name) == 0 && strcmp(a->description, b->description) == 0 &&
            a->key_format == b->key_format && a->value_format == b->value_format &&
-           a->group_size == b->group_size && a->n_boost == b->n_boost &&
-           a->boost_fraction == b->boost_fraction && a->page_tokens == b->page_tokens &&
-           a->sink_tokens == b->sink_tokens && a->window_tokens == b->window_tokens &&
-           a->window_values_only == b->window_values_only && a->partial_page == b->partial_page;
+           a->group_size == b->group_size && a->value_group_size == b->value_group_size &&
+           a->n_boost == b->n_boost && a->boost_fraction == b->boost_fraction &&
+           a->page_tokens == b->page_tokens && a->sink_tokens == b->sink_tokens &&
+           a->window_tokens == b->window_tokens && a->window_values_only == b->window_values_only &&
+           a->partial_page == b->partial_page;
 }
 
 // >>kvcache

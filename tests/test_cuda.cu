@@ -1388,6 +1388,13 @@ static void test_bad_arguments(void) {
     v.head_dim = 128, v.group_size = 8;
     check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
           "decode: group 8");
+    v.group_size = 32, v.value_group_size = 128; /* values in groups of their own */
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
+          "decode: value groups of 128 beside key groups of 32");
+    check(kvmix_cuda_view_dequantize(&v, 0, KVMIX_CUDA_FP16, dummy, dummy, 4, 0) ==
+              KVMIX_ERR_UNSUPPORTED,
+          "dequantize: value groups of their own");
+    v.value_group_size = 0;
     v.group_size = 0, v.base = (const uint8_t *)dummy + 1;
     check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
               KVMIX_ERR_INVALID_ARGUMENT,

@@ -127,6 +127,9 @@ static void test_parse_bad(void) {
         {"\"page_tokens\": 32.5,", false, LLAMA_ERR_FORMAT, "\"page_tokens\""},
         {"\"page_tokens\": null,", false, LLAMA_ERR_FORMAT, "\"page_tokens\""},
         {"\"group_size\": 20,", false, LLAMA_ERR_FORMAT, "\"group_size\""},
+        {"\"group_size\": 0,", false, LLAMA_ERR_FORMAT, "\"group_size\""},
+        {"\"group_size\": \"head\",", false, LLAMA_ERR_FORMAT, "\"group_size\""},
+        {"\"value_group_size\": 12,", false, LLAMA_ERR_FORMAT, "\"value_group_size\""},
         {"\"group_size\": 1e300,", false, LLAMA_ERR_FORMAT, "\"group_size\""},
         {"\"window_tokens\": -1,", false, LLAMA_ERR_FORMAT, "\"window_tokens\""},
         {"\"sink_tokens\": 64,", false, LLAMA_ERR_FORMAT, "\"sink_tokens\""},
@@ -402,13 +405,28 @@ static void test_cache_matches_reference(void) {
             run_against_reference(kvmix_kv_policy_at(i));
     /* small pages, sinks shorter than a page, partial pages quantized at request boundaries */
     kvmix_policy custom = {
-        "custom-a", "", KVMIX_FORMAT_INT2_CHANNEL,   KVMIX_FORMAT_INT4, 16, 0, 0.0, 8, 5,
+        "custom-a", "", KVMIX_FORMAT_INT2_CHANNEL,   KVMIX_FORMAT_INT4, 16, 0, 0, 0.0, 8, 5,
         20,         0,  KVMIX_CACHE_PARTIAL_QUANTIZE};
     run_against_reference(&custom);
     kvmix_policy boosted = {
-        "custom-b", "", KVMIX_FORMAT_BOOSTED,        KVMIX_FORMAT_INT8, 32, 12, 0.0, 16, 0,
+        "custom-b", "", KVMIX_FORMAT_BOOSTED,        KVMIX_FORMAT_INT8, 32, 0, 12, 0.0, 16, 0,
         0,          1,  KVMIX_CACHE_PARTIAL_QUANTIZE};
     run_against_reference(&boosted);
+    /* keys and values in groups of their own: INT4 keys by 16 channels, INT2 values by head */
+    kvmix_policy groups = {"custom-c",
+                           "",
+                           KVMIX_FORMAT_INT4,
+                           KVMIX_FORMAT_INT2,
+                           16,
+                           KVMIX_GROUP_HEAD_DIM,
+                           0,
+                           0.0,
+                           16,
+                           4,
+                           24,
+                           1,
+                           KVMIX_CACHE_PARTIAL_QUANTIZE};
+    run_against_reference(&groups);
 }
 
 /* ------------------------------------------------------------------------------------------------

@@ -810,6 +810,9 @@ static void ct_random_desc(test_rng *rng, kvmix_cache_desc *d) {
     d->n_sink = test_rng_range(rng, 0, 1) ? 0 : test_rng_range(rng, 1, d->page_tokens);
     d->n_window = test_rng_range(rng, 0, 2) == 0 ? 0 : test_rng_range(rng, 1, 24);
     d->window_values_only = test_rng_range(rng, 0, 1);
+    /* keys and values in groups of their own: 16 or 32 channels, or the default */
+    d->group_size = 16 * test_rng_range(rng, 0, 2);
+    d->value_group_size = 16 * test_rng_range(rng, 0, 2);
     d->n_boost = 4 * test_rng_range(rng, 1, 4);
     d->partial = (kvmix_cache_partial)test_rng_range(rng, 1, 2);
     d->granule_bytes = test_rng_range(rng, 0, 1) ? 64 : 256;

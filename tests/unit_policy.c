@@ -59,6 +59,8 @@ static void key_format_zero(kvmix_policy *p) { p->key_format = 0; }
 static void value_format_seven(kvmix_policy *p) { p->value_format = 7; }
 static void group_twenty(kvmix_policy *p) { p->group_size = 20; }
 static void group_negative(kvmix_policy *p) { p->group_size = -8; }
+static void group_zero(kvmix_policy *p) { p->group_size = 0; }
+static void value_group_twelve(kvmix_policy *p) { p->value_group_size = 12; }
 static void values_only_two(kvmix_policy *p) { p->window_values_only = 2; }
 static void boost_without_boosted(kvmix_policy *p) { p->n_boost = 8; }
 static void fraction_without_boosted(kvmix_policy *p) { p->boost_fraction = 0.25; }
@@ -86,6 +88,8 @@ static void test_check_errors(void) {
         {"value_format", KVMIX_ERR_UNKNOWN_FORMAT, value_format_seven},
         {"group_size", KVMIX_ERR_INVALID_ARGUMENT, group_twenty},
         {"group_size", KVMIX_ERR_INVALID_ARGUMENT, group_negative},
+        {"group_size", KVMIX_ERR_INVALID_ARGUMENT, group_zero},
+        {"value_group_size", KVMIX_ERR_INVALID_ARGUMENT, value_group_twelve},
         {"window_values_only", KVMIX_ERR_INVALID_ARGUMENT, values_only_two},
         {"n_boost", KVMIX_ERR_INVALID_ARGUMENT, boost_without_boosted},
         {"boost_fraction", KVMIX_ERR_INVALID_ARGUMENT, fraction_without_boosted},
@@ -148,11 +152,18 @@ static void test_resolve(void) {
     p.boost_fraction = 0.25;
     CHECK_RESULT(kvmix_policy_resolve(&p, 64, &out, &why), KVMIX_ERR_BAD_SHAPE);
     CHECK_RESULT(kvmix_policy_resolve(&p, 32, &out, &why), KVMIX_SUCCESS);
-    p = *kvmix_policy_find("kitty-paper-12"); /* group_size 0: one group per head */
+    p = *kvmix_policy_find("kitty-paper-12"); /* values: one group per head */
     CHECK_RESULT(kvmix_policy_resolve(&p, 64, &out, NULL), KVMIX_SUCCESS);
-    CHECK(out.group_size == 64 && out.n_boost == 8 && out.window_values_only == 1);
+    CHECK(out.group_size == 64 && out.value_group_size == 64 && out.n_boost == 8 &&
+          out.window_values_only == 1);
     CHECK_RESULT(kvmix_policy_resolve(&p, 128, &out, NULL), KVMIX_SUCCESS);
-    CHECK(out.group_size == 128 && out.n_boost == 16);
+    CHECK(out.value_group_size == 128 && out.n_boost == 16);
+    p.value_group_size = 96; /* divides neither */
+    CHECK_RESULT(kvmix_policy_resolve(&p, 128, &out, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK(strcmp(why.field, "value_group_size") == 0);
+    p = *kvmix_policy_find("int4"); /* value_group_size 0 takes group_size */
+    CHECK_RESULT(kvmix_policy_resolve(&p, 128, &out, NULL), KVMIX_SUCCESS);
+    CHECK(out.group_size == 32 && out.value_group_size == 32);
     p = *kvmix_policy_find("int4");
     p.group_size = 128;
     CHECK_RESULT(kvmix_policy_resolve(&p, 64, &out, &why), KVMIX_ERR_BAD_SHAPE);
@@ -188,7 +199,7 @@ static void test_apply(void) {
     desc.arena_bytes = (size_t)1 << 20;
     CHECK_RESULT(kvmix_policy_apply(&p, &desc, NULL), KVMIX_SUCCESS);
     CHECK(desc.page_tokens == 16 && desc.n_sink == 4 && desc.n_window == 24 &&
-          desc.window_values_only == 0 && desc.group_size == 32 &&
+          desc.window_values_only == 0 && desc.group_size == 32 && desc.value_group_size == 32 &&
           desc.partial == KVMIX_CACHE_PARTIAL_QUANTIZE);
     CHECK(desc.default_precision.key_format == KVMIX_FORMAT_INT2_CHANNEL &&
           desc.default_precision.value_format == KVMIX_FORMAT_INT4);
