@@ -23,7 +23,7 @@
      // >>view      cache views: many sequences' spans in one region, for CPU or GPU attention
      // >>cache     the paged mixed-precision cache: arena, sequences, eviction, sharing, views
      // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
-     // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, knapsack)
+     // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -767,31 +767,31 @@ KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, 
                                             int32_t *choice, kvmix_alloc_summary *out);
 
 /* Workspace bytes of kvmix_alloc_knapsack for this problem and grid: (budget_steps + 1) *
-   (n_tags + 16), about n_tags * budget_steps bytes (a choice table and two rows of doubles). Reads only n_tags and
-   n_precisions of the problem. budget_steps 0 = KVMIX_ALLOC_STEPS_DEFAULT. Returns
-   KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts or budget_steps out of range,
-   more than SIZE_MAX bytes). */
+   (n_tags + 16), about n_tags * budget_steps bytes (a choice table and two rows of doubles).
+   Reads only n_tags and n_precisions of the problem; budget_steps 0 = KVMIX_ALLOC_STEPS_DEFAULT.
+   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts or budget_steps out of
+   range, more than SIZE_MAX bytes). */
 KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_problem *problem,
                                                            int32_t budget_steps, size_t *out_bytes);
 
 /* Multiple-choice knapsack over every precision, by dynamic programming over a discretized
    budget. Let c[t][p] = tokens[t] * bits[p], m[t] = min_p c[t][p], C = sum_t m[t] and
    S = budget_bits * sum_t tokens[t] - C, the room above the cheapest choice. The grid has
-   budget_steps cells (0 = KVMIX_ALLOC_STEPS_DEFAULT, at most KVMIX_ALLOC_MAX_STEPS) of q = S / budget_steps; each tag's extra
-   cost c[t][p] - m[t] is rounded UP to whole cells, so the result is the minimum of the
-   distortion among choices whose rounded extra costs fit in budget_steps cells (optimal =
-   1), and it always satisfies the real, undiscretized budget. When every extra cost is a
-   multiple of q, discretization loses nothing and the result is the exact optimum; otherwise a
-   choice may be missed only if its real cost is within n_tags * q of the budget. Among choices
-   of equal distortion one is kept deterministically. Time O(n_tags * n_precisions *
-   budget_steps).
+   budget_steps cells (0 = KVMIX_ALLOC_STEPS_DEFAULT, at most KVMIX_ALLOC_MAX_STEPS) of
+   q = S / budget_steps; each tag's extra cost c[t][p] - m[t] is rounded UP to whole cells (one
+   within a relative 2^-40 of a whole number of cells counts as that number). The result is
+   the least distortion among choices whose rounded extra costs fit in budget_steps cells
+   (optimal = 1), and it always satisfies the real, undiscretized budget. When every extra cost
+   is a multiple of q, discretization loses nothing and the result is the exact optimum;
+   otherwise a choice may be missed only if its real cost is within n_tags * q of the budget.
+   Among choices of equal distortion one is kept deterministically. Time O(n_tags *
+   n_precisions * budget_steps).
    workspace: kvmix_alloc_knapsack_workspace_bytes (8-byte aligned). choice: [n_tags]
    precision indices; out: the summary (may be NULL).
    Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts, budget_steps, token
    counts, misaligned workspace), KVMIX_ERR_BAD_VALUE (as kvmix_alloc_two_level),
    KVMIX_ERR_BUFFER_TOO_SMALL (workspace), KVMIX_ERR_OUT_OF_MEMORY (infeasible: the budget
-   cannot hold every tag at its cheapest precision). Nothing is written on error, workspace
-   aside. Thread-safe. */
+   cannot hold every tag at its cheapest precision). Nothing is written on error. Thread-safe. */
 KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
                                            void *workspace, size_t workspace_bytes, int32_t *choice,
                                            kvmix_alloc_summary *out);
@@ -3949,9 +3949,7 @@ static void kvmix__alloc_exhaustive(const kvmix_alloc_problem *p, const kvmix__a
         tc[j] = tc[j & (j - 1u)] + dc[b];
         td[j] = td[j & (j - 1u)] + dd[b];
     }
-    tol =
-        most *
-        KVMIX__ALLOC_2_POW_M40; /* the fast sums have at most 2 * 22 + 2 roundings of <= 2^-53 most */
+    tol = most * KVMIX__ALLOC_2_POW_M40; /* at most 2 * 22 + 2 roundings of <= 2^-53 most */
     limit_hi = info->limit + tol;
     limit_lo = info->limit - tol;
     for (om = 0; om < n_outer; om++) {
@@ -4098,16 +4096,19 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_pro
     return KVMIX_SUCCESS;
 }
 
-/* Cells of tag t's extra cost at precision k over the cheapest precision `cheap`, rounded up;
-   steps + 1 (never fits) when above steps. */
+/* Cells of tag t's extra cost at precision k over the cheapest precision `cheap`, rounded up
+   (a value within 2^-40 relative of a whole number of cells counts as that number, so that a
+   cost meant to lie on the grid is not pushed a cell up by rounding; the canonical check of the
+   result covers the difference); steps + 1 (never fits) when above steps. */
 static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32_t k, int32_t cheap,
-                                  double cell, int32_t steps) {
+                                  double room, int32_t steps) {
     double extra = (double)p->tokens[t] * p->bits[k] - (double)p->tokens[t] * p->bits[cheap];
     double x;
     if (!(extra > 0.0)) return 0;
-    x = extra / cell; /* +inf when cell is 0 */
-    if (!(x <= (double)steps)) return steps + 1;
-    return (int32_t)ceil(x);
+    x = extra * (double)steps / room; /* +inf when room is 0 */
+    if (!(x <= (double)steps + 1.0)) return steps + 1;
+    x = ceil(x - x * KVMIX__ALLOC_2_POW_M40);
+    return x > (double)steps ? steps + 1 : (int32_t)x;
 }
 
 KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
@@ -4115,7 +4116,7 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, i
                                            kvmix_alloc_summary *out) {
     kvmix__alloc_info info;
     size_t need = 0, cells;
-    double cheapest = 0.0, cell, *prev, *next;
+    double cheapest = 0.0, room, *prev, *next;
     uint8_t *table;
     int32_t units[KVMIX_ALLOC_MAX_PRECISIONS];
     int32_t steps, cheap = 0, t, k, w, capacity;
@@ -4135,7 +4136,7 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, i
 
     steps = budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps;
     cells = (size_t)steps + 1;
-    cell = (info.limit - cheapest) / (double)steps;
+    room = info.limit - cheapest;
     prev = (double *)workspace;
     next = prev + cells;
     table = (uint8_t *)(next + cells);
@@ -4145,7 +4146,7 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, i
         uint8_t *arg = table + (size_t)t * cells;
         double *swap;
         for (k = 0; k < problem->n_precisions; k++)
-            units[k] = kvmix__alloc_units(problem, t, k, cheap, cell, steps);
+            units[k] = kvmix__alloc_units(problem, t, k, cheap, room, steps);
         for (w = 0; w <= steps; w++) next[w] = HUGE_VAL;
         for (k = 0; k < problem->n_precisions; k++) {
             const double d = row[k];
@@ -4169,7 +4170,7 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, i
         for (t = problem->n_tags; t-- > 0;) {
             k = table[(size_t)t * cells + (size_t)w];
             choice[t] = k;
-            w -= kvmix__alloc_units(problem, t, k, cheap, cell, steps);
+            w -= kvmix__alloc_units(problem, t, k, cheap, room, steps);
         }
         KVMIX_ASSERT(w >= 0);
         if (capacity == 0 || kvmix__alloc_cost(problem, choice) <= info.limit) break;
