@@ -127,9 +127,13 @@ $(BUILD)/bench_formats: bench/bench_formats.c kvmix.h | $(BUILD)
 $(BUILD)/bench_cache: bench/bench_cache.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
-bench: $(BUILD)/bench_formats $(BUILD)/bench_cache
+$(BUILD)/bench_alloc: bench/bench_alloc.c kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
+
+bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_alloc
 	./$(BUILD)/bench_formats
 	./$(BUILD)/bench_cache
+	./$(BUILD)/bench_alloc
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60

@@ -732,7 +732,7 @@ typedef struct kvmix_alloc_summary {
                                   costs, see there); 0: greedy */
 } kvmix_alloc_summary;
 
-/* Workspace bytes kvmix_alloc_two_level needs for n_tags tags with this method: 12 * n_tags when
+/* Workspace bytes kvmix_alloc_two_level needs for n_tags tags with this method: 32 * n_tags when
    it runs greedy (GREEDY, or AUTO with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS), 0 when it runs the
    exhaustive search. Returns KVMIX_ERR_NULL_POINTER or KVMIX_ERR_INVALID_ARGUMENT (n_tags out
    of range, an unknown method, EXHAUSTIVE with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS). */
@@ -751,7 +751,7 @@ KVMIXDEF kvmix_result kvmix_alloc_two_level_workspace_bytes(int32_t n_tags,
      decreasing order of (D[t][low] - D[t][high]) / (tokens[t] * (bits[high] - bits[low]))
      (ties: lower tag index first; zero-token tags first), skipping a tag whose upgrade does
      not fit and going on with the next; tags whose distortion does not drop are never
-     upgraded. So its distortion is never above all-low. Time O(n log n) (heap sort).
+     upgraded. So its distortion is never above all-low. Time O(n log n) (merge sort).
    workspace: kvmix_alloc_two_level_workspace_bytes for the method (8-byte aligned; NULL is fine
    when that is 0).
    choice: [n_tags] receives low or high per tag; out: the summary (may be NULL).
@@ -3825,6 +3825,13 @@ typedef struct kvmix__alloc_info {
     double limit;        /* budget_bits * T, in token-bits */
 } kvmix__alloc_info;
 
+/* A greedy candidate: its gain per bit and its tag. */
+typedef struct kvmix__alloc_item {
+    double key;
+    int32_t tag;
+    int32_t reserved;
+} kvmix__alloc_item;
+
 static kvmix_result kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__alloc_info *info) {
     int64_t total = 0;
     double worst = 0.0;
@@ -3916,7 +3923,7 @@ KVMIXDEF kvmix_result kvmix_alloc_two_level_workspace_bytes(int32_t n_tags,
     if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__alloc_resolve(n_tags, method, &resolved)) != KVMIX_SUCCESS) return r;
     *out_bytes =
-        resolved == KVMIX_ALLOC_GREEDY ? (size_t)n_tags * (sizeof(double) + sizeof(int32_t)) : 0;
+        resolved == KVMIX_ALLOC_GREEDY ? (size_t)n_tags * 2 * sizeof(kvmix__alloc_item) : 0;
     return KVMIX_SUCCESS;
 }
 
@@ -3974,43 +3981,31 @@ static void kvmix__alloc_exhaustive(const kvmix_alloc_problem *p, const kvmix__a
     for (t = 0; t < n; t++) choice[t] = (best >> t) & 1u ? high : low;
 }
 
-/* Greedy order: tag a before tag b when its gain per bit is larger, or equal and a < b. */
-static int kvmix__alloc_before(const double *key, int32_t a, int32_t b) {
-    return key[a] > key[b] || (key[a] == key[b] && a < b);
-}
-
-static void kvmix__alloc_sift(int32_t *v, const double *key, size_t root, size_t n) {
-    for (;;) {
-        size_t child = 2 * root + 1;
-        int32_t swap;
-        if (child >= n) return;
-        if (child + 1 < n && kvmix__alloc_before(key, v[child], v[child + 1])) child++;
-        if (!kvmix__alloc_before(key, v[root], v[child])) return;
-        swap = v[root];
-        v[root] = v[child];
-        v[child] = swap;
-        root = child;
+/* Stable bottom-up merge sort of a[0..n) by decreasing key, ping-ponging with b; returns the
+   array that holds the result. Stable, so equal keys keep increasing tag order. */
+static kvmix__alloc_item *kvmix__alloc_sort(kvmix__alloc_item *a, kvmix__alloc_item *b, size_t n) {
+    size_t width, lo;
+    for (width = 1; width < n; width *= 2) {
+        kvmix__alloc_item *swap;
+        for (lo = 0; lo < n; lo += 2 * width) {
+            size_t mid = n - lo > width ? lo + width : n;
+            size_t hi = n - mid > width ? mid + width : n;
+            size_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) b[k++] = a[j].key > a[i].key ? a[j++] : a[i++];
+            while (i < mid) b[k++] = a[i++];
+            while (j < hi) b[k++] = a[j++];
+        }
+        swap = a;
+        a = b;
+        b = swap;
     }
+    return a;
 }
 
-/* Heap sort of v[0..n) into greedy order (a max-heap of the tag that comes last). */
-static void kvmix__alloc_sort(int32_t *v, const double *key, size_t n) {
-    size_t i, end;
-    for (i = n / 2; i-- > 0;) kvmix__alloc_sift(v, key, i, n);
-    for (end = n; end-- > 1;) {
-        int32_t swap = v[0];
-        v[0] = v[end];
-        v[end] = swap;
-        kvmix__alloc_sift(v, key, 0, end);
-    }
-}
-
-/* Greedy two-level allocation. workspace: [n_tags] doubles (gain per bit by tag), then
-   [n_tags] int32 (the order). */
+/* Greedy two-level allocation. workspace: two arrays of [n_tags] items. */
 static void kvmix__alloc_greedy(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
                                 int32_t low, int32_t high, void *workspace, int32_t *choice) {
-    double *key = (double *)workspace;
-    int32_t *order = (int32_t *)(key + p->n_tags);
+    kvmix__alloc_item *items = (kvmix__alloc_item *)workspace;
     const size_t np = (size_t)p->n_precisions;
     double cost = 0.0, most = 0.0, tol;
     size_t m = 0, i;
@@ -4023,15 +4018,19 @@ static void kvmix__alloc_greedy(const kvmix_alloc_problem *p, const kvmix__alloc
         choice[t] = low;
         cost += lo;
         most += hi;
-        key[t] = hi - lo > 0.0 ? gain / (hi - lo) : HUGE_VAL;
-        if (gain > 0.0) order[m++] = t;
+        if (gain > 0.0) {
+            items[m].key = hi - lo > 0.0 ? gain / (hi - lo) : HUGE_VAL;
+            items[m].tag = t;
+            items[m].reserved = 0;
+            m++;
+        }
     }
-    kvmix__alloc_sort(order, key, m);
+    items = kvmix__alloc_sort(items, items + p->n_tags, m);
     /* the running sum has at most n_tags + 1 more roundings than the canonical one */
     tol = most * ((double)p->n_tags + 16.0) * KVMIX__ALLOC_2_POW_M50;
     for (i = 0; i < m; i++) {
         double next;
-        t = order[i];
+        t = items[i].tag;
         next = cost + ((double)p->tokens[t] * p->bits[high] - (double)p->tokens[t] * p->bits[low]);
         if (next > info->limit + tol) continue;
         choice[t] = high;
