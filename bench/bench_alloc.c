@@ -284,7 +284,8 @@ int main(int argc, char **argv) {
     static const int32_t greedy_n[] = {64, 1000, 100000};
     static const struct {
         int32_t n, steps;
-    } knapsack_cfg[] = {{22, 1024}, {64, 1024}, {64, 4096}, {1000, 1024}, {1000, 4096}};
+    } knapsack_cfg[] = {{22, 1024},   {64, 1024},   {64, 4096},
+                        {1000, 1024}, {1000, 4096}, {1000, 16384}};
     static const char *prec_names[N_PREC] = {"int2_channel+int2", "boosted16+int2", "int4+int4",
                                              "int8+int8", "fp16+fp16"};
     bench_config cfg = {7, 30.0, 3.5};
