@@ -725,7 +725,9 @@ typedef enum kvmix_alloc_method {
 /* What an allocation achieved. */
 typedef struct kvmix_alloc_summary {
     double distortion;         /* sum_t D[t][choice[t]], summed in tag order */
-    double bits;               /* sum_t tokens[t] * bits[choice[t]] / sum_t tokens[t] (<= B) */
+    double bits;               /* sum_t tokens[t] * bits[choice[t]] / sum_t tokens[t]: at most
+                                  B (up to the rounding of this division; the budget test
+                                  itself is on the cost, see above) */
     kvmix_alloc_method method; /* the method that ran (AUTO resolved) */
     int32_t optimal;           /* 1: no choice within the budget has a smaller distortion
                                   (exhaustive; knapsack: among choices of the discretized

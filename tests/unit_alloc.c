@@ -419,6 +419,46 @@ static void test_knapsack_off_grid(void) {
     test_context(NULL);
 }
 
+/* The knapsack over two precisions on the grid against the exhaustive search, at sizes where
+   brute force over all precisions would be too slow. */
+static void test_knapsack_vs_exhaustive(void) {
+    test_rng rng;
+    instance in;
+    int32_t choice[MAX_TAGS], i;
+    kvmix_alloc_summary s, e;
+    test_rng_init(&rng, "alloc.knapsack_vs_exhaustive");
+    for (i = 0; i < 40; i++) {
+        int32_t n = test_rng_range(&rng, 8, 20), steps, t;
+        double room, all_low = 0.0;
+        size_t ws_bytes;
+        void *ws;
+        random_instance(&rng, &in, n, 2, 100);
+        random_budget(&rng, &in, 0, 1);
+        for (t = 0; t < n; t++) all_low += (double)in.tokens[t] * in.bits[0];
+        room = floor((limit_of(&in) - all_low) * 16.0) / 16.0;
+        set_budget_cost(&in, all_low + room);
+        steps = (int32_t)(room * 16.0);
+        if (steps < 1) steps = 1;
+        test_context("knapsack vs exhaustive %d: n %d, budget %.17g, steps %d", (int)i, (int)n,
+                     in.budget, (int)steps);
+        if (!CHECK_RESULT(
+                kvmix_alloc_two_level(&in.problem, 0, 1, KVMIX_ALLOC_AUTO, NULL, 0, choice, &e),
+                KVMIX_SUCCESS) ||
+            !CHECK_RESULT(kvmix_alloc_knapsack_workspace_bytes(&in.problem, steps, &ws_bytes),
+                          KVMIX_SUCCESS))
+            continue;
+        ws = test_alloc(ws_bytes);
+        if (CHECK_RESULT(kvmix_alloc_knapsack(&in.problem, steps, ws, ws_bytes, choice, &s),
+                         KVMIX_SUCCESS)) {
+            check_outcome(&in, choice, &s, -1, -1);
+            CHECK_MSG(near_rel(s.distortion, e.distortion),
+                      "knapsack %.17g equals exhaustive %.17g", s.distortion, e.distortion);
+        }
+        free(ws);
+    }
+    test_context(NULL);
+}
+
 /* ---- edge cases -------------------------------------------------------------------------- */
 
 static kvmix_result run_two_level(const instance *in, int32_t low, int32_t high,
@@ -784,6 +824,7 @@ void unit_alloc(void) {
     test_greedy_random();
     test_knapsack_grid();
     test_knapsack_off_grid();
+    test_knapsack_vs_exhaustive();
     test_edges();
     test_bad_input();
 }
