@@ -692,6 +692,7 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
 /*                          (KVMIX_ALLOC_EXACT_MAX_TAGS), greedy by distortion gain per bit above */
 /*   kvmix_alloc_knapsack   every precision: exact multiple-choice knapsack by dynamic            */
 /*                          programming over a discretized budget                                 */
+/*   kvmix_alloc_knapsack_sweep  the same program's least distortion at every budget of the grid  */
 /*                                                                                               */
 /* Both read only the problem and write only the caller's outputs and workspace: no allocation,  */
 /* no state, thread-safe for distinct outputs and workspaces.                                    */
@@ -797,6 +798,20 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_pro
 KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
                                            void *workspace, size_t workspace_bytes, int32_t *choice,
                                            kvmix_alloc_summary *out);
+
+/* Budget sweep: the least distortion at every budget of a knapsack grid, from one dynamic
+   program. With C, S and q as for kvmix_alloc_knapsack (problem->budget_bits is the largest
+   budget of the sweep), for w = 0 .. budget_steps: out_budget_bits[w] = (C + w * q) /
+   sum_t tokens[t], and out_distortion[w] = the least distortion among choices whose rounded
+   extra costs fit in w cells (so such a choice holds out_budget_bits[w], up to the rounding of
+   that division); non-increasing in w. Each output has budget_steps + 1 entries
+   (KVMIX_ALLOC_STEPS_DEFAULT + 1 when budget_steps is 0); either may be NULL. To get the
+   choice at one of these budgets, call kvmix_alloc_knapsack with it. Workspace, time, returns
+   and thread safety as kvmix_alloc_knapsack. */
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *problem,
+                                                 int32_t budget_steps, void *workspace,
+                                                 size_t workspace_bytes, double *out_budget_bits,
+                                                 double *out_distortion);
 
 #endif /* KVMIX_H */
 
@@ -4112,42 +4127,57 @@ static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32
     return x > (double)steps ? steps + 1 : (int32_t)x;
 }
 
-KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
-                                           void *workspace, size_t workspace_bytes, int32_t *choice,
-                                           kvmix_alloc_summary *out) {
+/* The grid of one knapsack call: the cheapest precision, the cheapest choice's cost, the room
+   above it (limit - cheapest) and the number of cells. */
+typedef struct kvmix__alloc_grid {
     kvmix__alloc_info info;
-    size_t need = 0, cells;
-    double cheapest = 0.0, room, *prev, *next;
-    uint8_t *table;
-    int32_t units[KVMIX_ALLOC_MAX_PRECISIONS];
-    int32_t steps, cheap = 0, t, k, w, capacity;
+    int32_t cheap, steps;
+    double cheapest, room;
+} kvmix__alloc_grid;
+
+/* Checks a knapsack call's arguments and sets up its grid. */
+static kvmix_result kvmix__alloc_grid_init(const kvmix_alloc_problem *problem, int32_t budget_steps,
+                                           const void *workspace, size_t workspace_bytes,
+                                           kvmix__alloc_grid *g) {
+    size_t need = 0;
     kvmix_result r;
-    if ((r = kvmix__alloc_check(problem, &info)) != KVMIX_SUCCESS) return r;
-    if (!choice) return KVMIX_ERR_NULL_POINTER;
+    int32_t t, k;
+    if ((r = kvmix__alloc_check(problem, &g->info)) != KVMIX_SUCCESS) return r;
     if ((r = kvmix_alloc_knapsack_workspace_bytes(problem, budget_steps, &need)) != KVMIX_SUCCESS)
         return r;
     if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
     if (!workspace) return KVMIX_ERR_NULL_POINTER;
     if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    g->cheap = 0;
     for (k = 1; k < problem->n_precisions; k++)
-        if (problem->bits[k] < problem->bits[cheap]) cheap = k;
+        if (problem->bits[k] < problem->bits[g->cheap]) g->cheap = k;
+    g->cheapest = 0.0;
     for (t = 0; t < problem->n_tags; t++)
-        cheapest += (double)problem->tokens[t] * problem->bits[cheap];
-    if (cheapest > info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
+        g->cheapest += (double)problem->tokens[t] * problem->bits[g->cheap];
+    if (g->cheapest > g->info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
+    g->steps = budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps;
+    g->room = g->info.limit - g->cheapest;
+    return KVMIX_SUCCESS;
+}
 
-    steps = budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps;
-    cells = (size_t)steps + 1;
-    room = info.limit - cheapest;
-    prev = (double *)workspace;
-    next = prev + cells;
-    table = (uint8_t *)(next + cells);
+/* The dynamic program over the grid. workspace: two rows of [steps + 1] doubles, then the argmin
+   table [n_tags][steps + 1] bytes. Returns the final row: the least distortion of all tags with
+   rounded extra cost at most w cells, for every w. */
+static const double *kvmix__alloc_dp(const kvmix_alloc_problem *problem, const kvmix__alloc_grid *g,
+                                     void *workspace) {
+    const int32_t steps = g->steps;
+    const size_t cells = (size_t)steps + 1;
+    double *prev = (double *)workspace, *next = prev + cells;
+    uint8_t *table = (uint8_t *)(next + cells);
+    int32_t units[KVMIX_ALLOC_MAX_PRECISIONS];
+    int32_t t, k, w;
     for (w = 0; w <= steps; w++) prev[w] = 0.0;
     for (t = 0; t < problem->n_tags; t++) {
         const double *row = problem->distortion + (size_t)t * (size_t)problem->n_precisions;
         uint8_t *arg = table + (size_t)t * cells;
         double *swap;
         for (k = 0; k < problem->n_precisions; k++)
-            units[k] = kvmix__alloc_units(problem, t, k, cheap, room, steps);
+            units[k] = kvmix__alloc_units(problem, t, k, g->cheap, g->room, steps);
         for (w = 0; w <= steps; w++) next[w] = HUGE_VAL;
         for (k = 0; k < problem->n_precisions; k++) {
             const double d = row[k];
@@ -4165,18 +4195,58 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, i
         prev = next;
         next = swap;
     }
+    return prev;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
+                                           void *workspace, size_t workspace_bytes, int32_t *choice,
+                                           kvmix_alloc_summary *out) {
+    kvmix__alloc_grid g;
+    const uint8_t *table;
+    size_t cells;
+    int32_t t, k, w, capacity;
+    kvmix_result r;
+    if (problem && !choice) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__alloc_grid_init(problem, budget_steps, workspace, workspace_bytes, &g)) !=
+        KVMIX_SUCCESS)
+        return r;
+    (void)kvmix__alloc_dp(problem, &g, workspace);
+    cells = (size_t)g.steps + 1;
+    table = (const uint8_t *)((double *)workspace + 2 * cells);
     /* read the choice back; restart one cell lower if rounding let the real sum overspend */
-    for (capacity = steps;; capacity--) {
+    for (capacity = g.steps;; capacity--) {
         w = capacity;
         for (t = problem->n_tags; t-- > 0;) {
             k = table[(size_t)t * cells + (size_t)w];
             choice[t] = k;
-            w -= kvmix__alloc_units(problem, t, k, cheap, room, steps);
+            w -= kvmix__alloc_units(problem, t, k, g.cheap, g.room, g.steps);
         }
         KVMIX_ASSERT(w >= 0);
-        if (capacity == 0 || kvmix__alloc_cost(problem, choice) <= info.limit) break;
+        if (capacity == 0 || kvmix__alloc_cost(problem, choice) <= g.info.limit) break;
     }
-    kvmix__alloc_summarize(problem, &info, choice, KVMIX_ALLOC_KNAPSACK, capacity == steps, out);
+    kvmix__alloc_summarize(problem, &g.info, choice, KVMIX_ALLOC_KNAPSACK, capacity == g.steps,
+                           out);
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *problem,
+                                                 int32_t budget_steps, void *workspace,
+                                                 size_t workspace_bytes, double *out_budget_bits,
+                                                 double *out_distortion) {
+    kvmix__alloc_grid g;
+    const double *last;
+    int32_t w;
+    kvmix_result r;
+    if ((r = kvmix__alloc_grid_init(problem, budget_steps, workspace, workspace_bytes, &g)) !=
+        KVMIX_SUCCESS)
+        return r;
+    last = kvmix__alloc_dp(problem, &g, workspace);
+    for (w = 0; w <= g.steps; w++) {
+        if (out_budget_bits)
+            out_budget_bits[w] =
+                (g.cheapest + g.room * ((double)w / (double)g.steps)) / g.info.total_tokens;
+        if (out_distortion) out_distortion[w] = last[w];
+    }
     return KVMIX_SUCCESS;
 }
 

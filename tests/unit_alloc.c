@@ -308,6 +308,38 @@ static void test_greedy_random(void) {
 
 /* ---- knapsack ---------------------------------------------------------------------------- */
 
+/* The sweep on a grid of `cell` token-bits (1/16, or 0 when the budget is the cheapest cost):
+   its last entry is the knapsack's optimum, it
+   never rises, and a few entries equal brute force at their budgets. */
+static void check_sweep(const instance *in, int32_t steps, double cheapest, double cell, void *ws,
+                        size_t ws_bytes, double knapsack_distortion) {
+    double *budgets = (double *)test_alloc(sizeof(double) * ((size_t)steps + 1));
+    double *curve = (double *)test_alloc(sizeof(double) * ((size_t)steps + 1));
+    int32_t w, bad_order = 0, bad_budget = 0, probe;
+    if (CHECK_RESULT(kvmix_alloc_knapsack_sweep(&in->problem, steps, ws, ws_bytes, budgets, curve),
+                     KVMIX_SUCCESS)) {
+        CHECK_NEAR(curve[steps], knapsack_distortion, 0.0);
+        for (w = 0; w <= steps; w++) {
+            double want = (cheapest + (double)w * cell) / (double)in->total;
+            if (w > 0 && curve[w] > curve[w - 1]) bad_order++;
+            if (!(fabs(budgets[w] - want) <= 1e-12 * want)) bad_budget++;
+        }
+        CHECK_EQ_INT(bad_order, 0);
+        CHECK_EQ_INT(bad_budget, 0);
+        for (probe = 0; probe < 3; probe++) {
+            double want;
+            w = probe == 0 ? 0 : probe == 1 ? steps / 2 : steps / 3;
+            want = brute_all(in, cheapest + (double)w * cell);
+            CHECK_MSG(near_rel(curve[w], want), "sweep[%d] %.17g equals brute force %.17g", (int)w,
+                      curve[w], want);
+        }
+        CHECK_RESULT(kvmix_alloc_knapsack_sweep(&in->problem, steps, ws, ws_bytes, NULL, NULL),
+                     KVMIX_SUCCESS);
+    }
+    free(budgets);
+    free(curve);
+}
+
 /* Knapsack on the grid (extra costs and room multiples of 1/16 = one cell): equals brute force
    over every precision. */
 static void test_knapsack_grid(void) {
@@ -360,6 +392,8 @@ static void test_knapsack_grid(void) {
                       s.distortion, want);
             CHECK_EQ_INT(s.method, KVMIX_ALLOC_KNAPSACK);
             CHECK_EQ_INT(s.optimal, 1);
+            check_sweep(&in, steps, cheapest, room > 0.0 ? 1.0 / 16.0 : 0.0, ws, ws_bytes,
+                        s.distortion);
         }
         free(ws);
     }
@@ -560,6 +594,22 @@ static void test_edges(void) {
     CHECK_RESULT(run_knapsack(&in, 16, choice, &s), KVMIX_ERR_OUT_OF_MEMORY);
     CHECK(test_is_poisoned(choice, sizeof choice, POISON_ID));
     CHECK(test_is_poisoned(&s, sizeof s, POISON_ID));
+    {
+        double curve[17], ws[64];
+        size_t bytes = 0;
+        test_context("infeasible budget, sweep");
+        CHECK_RESULT(kvmix_alloc_knapsack_workspace_bytes(&in.problem, 16, &bytes), KVMIX_SUCCESS);
+        CHECK(bytes <= sizeof ws);
+        test_poison(curve, sizeof curve, POISON_ID);
+        CHECK_RESULT(kvmix_alloc_knapsack_sweep(&in.problem, 16, ws, sizeof ws, curve, curve),
+                     KVMIX_ERR_OUT_OF_MEMORY);
+        CHECK(test_is_poisoned(curve, sizeof curve, POISON_ID));
+        CHECK_RESULT(kvmix_alloc_knapsack_sweep(NULL, 16, ws, sizeof ws, curve, curve),
+                     KVMIX_ERR_NULL_POINTER);
+        CHECK_RESULT(kvmix_alloc_knapsack_sweep(&in.problem, 16, ws, 8, curve, curve),
+                     KVMIX_ERR_BUFFER_TOO_SMALL);
+        CHECK(test_is_poisoned(curve, sizeof curve, POISON_ID));
+    }
 
     /* one tag: high when the budget allows, low otherwise */
     random_instance(&rng, &in, 1, 3, 50);
