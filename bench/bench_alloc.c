@@ -97,7 +97,7 @@ static int make_instance(bench_instance *in, int32_t n, const double *bits, doub
     return 1;
 }
 
-/* ---- baselines -------------------------------------------------------------------------------- */
+/* ---- baselines ------------------------------------------------------------------------------ */
 
 /* Every assignment summed from scratch; returns the best distortion within the budget. */
 static double brute_naive(const bench_instance *in) {
@@ -150,7 +150,7 @@ static double brute_gray(const bench_instance *in) {
     return best;
 }
 
-/* ---- timing ----------------------------------------------------------------------------------- */
+/* ---- timing --------------------------------------------------------------------------------- */
 
 typedef enum bench_op { OP_EXHAUSTIVE, OP_GREEDY, OP_KNAPSACK, OP_NAIVE, OP_GRAY } bench_op;
 
