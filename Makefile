@@ -130,10 +130,14 @@ $(BUILD)/bench_cache: bench/bench_cache.c kvmix.h | $(BUILD)
 $(BUILD)/bench_bits: bench/bench_bits.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
-bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits
+$(BUILD)/bench_alloc: bench/bench_alloc.c kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
+
+bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits $(BUILD)/bench_alloc
 	./$(BUILD)/bench_formats
 	./$(BUILD)/bench_cache
 	./$(BUILD)/bench_bits
+	./$(BUILD)/bench_alloc
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60

@@ -24,6 +24,7 @@
      // >>cache     the paged mixed-precision cache: arena, sequences, eviction, sharing, views
      // >>policy    policies: what a cache applies per token; the built-ins
      // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
+     // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -749,6 +750,148 @@ KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
    (src_bytes < total_bytes), CORRUPT_DATA (a block no quantize call could have written). */
 KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, int32_t layer,
                                            float *keys, float *values);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Bit allocation: which precision each token tag gets under a memory budget. Calibration gives,  */
+/* for every active tag t (e.g. "current turn / text / user") and every candidate precision p    */
+/* (e.g. INT2 keys + INT2 values, boosted keys + INT2 values, INT4, INT8, FP16), a distortion     */
+/* D[t][p] (the attention-output MSE when only t's tokens are stored at p) and t's token count.  */
+/* The allocators choose one precision per tag:                                                 */
+/*                                                                                               */
+/*   minimize   sum_t D[t][choice[t]]                                                            */
+/*   subject to sum_t tokens[t] * bits[choice[t]] <= budget_bits * sum_t tokens[t]               */
+/*                                                                                               */
+/* bits[p] is precision p's cost in effective bits per cached element with every byte of         */
+/* metadata included (for keys + values, the mean of both layouts' kvmix_layout_bits at a full   */
+/* page), so a budget in bits per element is what memory will hold. D[t][p] is taken as it is:   */
+/* the total is the plain sum over tags, no weighting by tokens; a caller whose distortion is a  */
+/* per-token mean multiplies it by the tag's tokens first. The constraint is evaluated in double, */
+/* each side summed in tag order; every allocator returns a choice that satisfies it exactly so. */
+/*                                                                                               */
+/*   kvmix_alloc_two_level  two precisions (low, high): exhaustive and optimal for n_tags <= 22   */
+/*                          (KVMIX_ALLOC_EXACT_MAX_TAGS), greedy by distortion gain per bit above */
+/*   kvmix_alloc_knapsack   every precision: exact multiple-choice knapsack by dynamic            */
+/*                          programming over a discretized budget                                 */
+/*   kvmix_alloc_knapsack_sweep  the same program's least distortion at every budget of the grid  */
+/*                                                                                               */
+/* Both read only the problem and write only the caller's outputs and workspace: no allocation,  */
+/* no state, thread-safe for distinct outputs and workspaces.                                    */
+
+#define KVMIX_ALLOC_EXACT_MAX_TAGS 22      /* two-level exhaustive search up to this many tags */
+#define KVMIX_ALLOC_MAX_TAGS       1048576 /* 2^20 */
+#define KVMIX_ALLOC_MAX_PRECISIONS 64
+#define KVMIX_ALLOC_MAX_BITS       65536.0  /* largest bits[p] accepted */
+#define KVMIX_ALLOC_STEPS_DEFAULT  4096     /* knapsack budget grid when budget_steps is 0 */
+#define KVMIX_ALLOC_MAX_STEPS      16777216 /* 2^24 */
+
+/* A calibration table and a budget. Pointers are borrowed for the call only. */
+typedef struct kvmix_alloc_problem {
+    int32_t n_tags;           /* active tags, 1 .. KVMIX_ALLOC_MAX_TAGS */
+    int32_t n_precisions;     /* candidate precisions, 1 .. KVMIX_ALLOC_MAX_PRECISIONS */
+    const int64_t *tokens;    /* [n_tags] token count of each tag, >= 0 (0 is allowed: such a tag
+                                 costs nothing); the sum must be in 1 .. 2^53 */
+    const double *distortion; /* [n_tags][n_precisions] row-major, finite, >= 0, any unit (the
+                                 sum over tags of each tag's largest must be finite) */
+    const double *bits;       /* [n_precisions] effective bits per element, in (0, 65536] */
+    double budget_bits;       /* B: average bits per element over all tokens, finite, > 0 */
+} kvmix_alloc_problem;
+
+typedef enum kvmix_alloc_method {
+    KVMIX_ALLOC_AUTO = 0,       /* two-level: exhaustive when n_tags <= 22, else greedy */
+    KVMIX_ALLOC_EXHAUSTIVE = 1, /* two-level, n_tags <= KVMIX_ALLOC_EXACT_MAX_TAGS: optimal */
+    KVMIX_ALLOC_GREEDY = 2,     /* two-level, any n_tags: by distortion gain per bit */
+    KVMIX_ALLOC_KNAPSACK = 3    /* what kvmix_alloc_knapsack reports */
+} kvmix_alloc_method;
+
+/* What an allocation achieved. */
+typedef struct kvmix_alloc_summary {
+    double distortion;         /* sum_t D[t][choice[t]], summed in tag order */
+    double bits;               /* sum_t tokens[t] * bits[choice[t]] / sum_t tokens[t]: at most
+                                  B (up to the rounding of this division; the budget test
+                                  itself is on the cost, see above) */
+    kvmix_alloc_method method; /* the method that ran (AUTO resolved) */
+    int32_t optimal;           /* 1: no choice within the budget has a smaller distortion
+                                  (exhaustive; knapsack: among choices of the discretized
+                                  costs, see there); 0: greedy */
+} kvmix_alloc_summary;
+
+/* Workspace bytes kvmix_alloc_two_level needs for n_tags tags with this method: 32 * n_tags when
+   it runs greedy (GREEDY, or AUTO with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS), 0 when it runs the
+   exhaustive search. Returns KVMIX_ERR_NULL_POINTER or KVMIX_ERR_INVALID_ARGUMENT (n_tags out
+   of range, an unknown method, EXHAUSTIVE with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS). */
+KVMIXDEF kvmix_result kvmix_alloc_two_level_workspace_bytes(int32_t n_tags,
+                                                            kvmix_alloc_method method,
+                                                            size_t *out_bytes);
+
+/* Two-level allocation: every tag gets precision `low` or `high` (indices into bits and the
+   distortion rows; bits[low] < bits[high]).
+   - EXHAUSTIVE (AUTO when n_tags <= 22): the minimum over all 2^n_tags assignments within the
+     budget, up to rounding of the distortion sums (about 1e-14 of the total). Among
+     assignments of equal distortion one is kept deterministically. Time O(2^n_tags): a table of
+     the first 8 tags' 256 subset sums (on the stack, 4 KiB), an outer loop over the other tags'
+     subsets; about 4M steps of two additions at n_tags = 22, a few ms. No workspace.
+   - GREEDY (AUTO when n_tags > 22): starts with every tag at low and upgrades tags to high in
+     decreasing order of (D[t][low] - D[t][high]) / (tokens[t] * (bits[high] - bits[low]))
+     (ties: lower tag index first; zero-token tags first), skipping a tag whose upgrade does
+     not fit and going on with the next; tags whose distortion does not drop are never
+     upgraded. So its distortion is never above all-low. Time O(n log n) (merge sort).
+   workspace: kvmix_alloc_two_level_workspace_bytes for the method (8-byte aligned; NULL is fine
+   when that is 0).
+   choice: [n_tags] receives low or high per tag; out: the summary (may be NULL).
+   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts, indices, bits[low] >=
+   bits[high], a negative token count, zero tokens in all, EXHAUSTIVE with n_tags > 22, an
+   unknown method, misaligned workspace), KVMIX_ERR_BAD_VALUE (a distortion, bits or budget
+   that is NaN, infinite, negative or out of range), KVMIX_ERR_BUFFER_TOO_SMALL (workspace),
+   KVMIX_ERR_OUT_OF_MEMORY (infeasible: the budget cannot hold every tag at low). Nothing is
+   written on error. Thread-safe. */
+KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, int32_t low,
+                                            int32_t high, kvmix_alloc_method method,
+                                            void *workspace, size_t workspace_bytes,
+                                            int32_t *choice, kvmix_alloc_summary *out);
+
+/* Workspace bytes of kvmix_alloc_knapsack for this problem and grid: (budget_steps + 1) *
+   (n_tags + 16), about n_tags * budget_steps bytes (a choice table and two rows of doubles).
+   Reads only n_tags and n_precisions of the problem; budget_steps 0 = KVMIX_ALLOC_STEPS_DEFAULT.
+   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts or budget_steps out of
+   range, more than SIZE_MAX bytes). */
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_problem *problem,
+                                                           int32_t budget_steps, size_t *out_bytes);
+
+/* Multiple-choice knapsack over every precision, by dynamic programming over a discretized
+   budget. Let c[t][p] = tokens[t] * bits[p], m[t] = min_p c[t][p], C = sum_t m[t] and
+   S = budget_bits * sum_t tokens[t] - C, the room above the cheapest choice. The grid has
+   budget_steps cells (0 = KVMIX_ALLOC_STEPS_DEFAULT, at most KVMIX_ALLOC_MAX_STEPS) of
+   q = S / budget_steps; each tag's extra cost c[t][p] - m[t] is rounded UP to whole cells (one
+   within a relative 2^-40 of a whole number of cells counts as that number). The result is
+   the least distortion among choices whose rounded extra costs fit in budget_steps cells
+   (optimal = 1), and it always satisfies the real, undiscretized budget. When every extra cost
+   is a multiple of q, discretization loses nothing and the result is the exact optimum;
+   otherwise a choice may be missed only if its real cost is within n_tags * q of the budget.
+   Among choices of equal distortion one is kept deterministically. Time O(n_tags *
+   n_precisions * budget_steps).
+   workspace: kvmix_alloc_knapsack_workspace_bytes (8-byte aligned). choice: [n_tags]
+   precision indices; out: the summary (may be NULL).
+   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts, budget_steps, token
+   counts, misaligned workspace), KVMIX_ERR_BAD_VALUE (as kvmix_alloc_two_level),
+   KVMIX_ERR_BUFFER_TOO_SMALL (workspace), KVMIX_ERR_OUT_OF_MEMORY (infeasible: the budget
+   cannot hold every tag at its cheapest precision). Nothing is written on error. Thread-safe. */
+KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
+                                           void *workspace, size_t workspace_bytes, int32_t *choice,
+                                           kvmix_alloc_summary *out);
+
+/* Budget sweep: the least distortion at every budget of a knapsack grid, from one dynamic
+   program. With C, S and q as for kvmix_alloc_knapsack (problem->budget_bits is the largest
+   budget of the sweep), for w = 0 .. budget_steps: out_budget_bits[w] = (C + w * q) /
+   sum_t tokens[t], and out_distortion[w] = the least distortion among choices whose rounded
+   extra costs fit in w cells (so such a choice holds out_budget_bits[w], up to the rounding of
+   that division); non-increasing in w. Each output has budget_steps + 1 entries
+   (KVMIX_ALLOC_STEPS_DEFAULT + 1 when budget_steps is 0); either may be NULL. To get the
+   choice at one of these budgets, call kvmix_alloc_knapsack with it. Workspace, time, returns
+   and thread safety as kvmix_alloc_knapsack. */
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *problem,
+                                                 int32_t budget_steps, void *workspace,
+                                                 size_t workspace_bytes, double *out_budget_bits,
+                                                 double *out_distortion);
 
 #endif /* KVMIX_H */
 
@@ -4040,6 +4183,456 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
                     dst[c] = info.desc.kind == KVMIX_PAYLOAD_RESIDUAL ? dst[c] + row[c] : row[c];
             }
         }
+    }
+    return KVMIX_SUCCESS;
+}
+
+// >>alloc
+/*
+   Bit allocation. Every allocator validates the whole problem first (kvmix__alloc_check), then
+   checks that the cheapest choice fits the budget; from there on nothing can fail, so the
+   caller's `choice` array serves as the working assignment.
+
+   Costs are in token-bits: c[t][p] = tokens[t] * bits[p] in double, and the budget is
+   limit = budget_bits * T with T = sum of tokens (exact: an int64 sum of at most 2^53). The
+   canonical test of a choice is kvmix__alloc_cost(choice) <= limit, summed in tag order. The
+   fast paths add costs in other orders (subset-sum tables, running sums), which may differ from
+   the canonical sum by rounding. So a fast-path cost above limit + tol rejects, one at most
+   limit - tol accepts, and one in between is summed canonically before the choice is kept; tol
+   bounds the rounding error of the fast sums (a few dozen ulps of the largest possible cost).
+   With integer token counts and bits that are multiples of 2^-k (every kvmix format's are) all
+   sums are exact, and the band only catches choices exactly at the budget.
+
+   Two-level exhaustive: tags 0..7 form an inner set whose 256 subset sums of (cost, distortion)
+   increments are tabulated; an outer loop runs over the subsets of the other tags (up to 2^14),
+   summing their increments directly, and the inner loop adds the table: two additions, one
+   compare per assignment, no drift (a Gray-code walk over all n bits would do one addition per
+   state but accumulate rounding over 4M steps, and branch on which bit flips).
+
+   Knapsack: costs relative to each tag's cheapest precision, so the grid spans only the room
+   above the cheapest choice (S = limit - C) and the all-cheapest choice is always on it.
+   dp[t][w] = the least distortion of tags 0..t with rounded extra cost at most w cells;
+   dp[t][w] = min_p dp[t-1][w - u[t][p]] + D[t][p], dp[-1][w] = 0. Two rows of doubles and a
+   byte per (tag, cell) for the argmin p; the choice is read back from w = budget_steps. Rounding
+   every u up keeps the real extra cost at most w * q <= S; should rounding of q itself let the
+   canonical sum exceed the limit, the read-back restarts from w - 1 (then optimal = 0).
+*/
+#include <float.h>
+
+#define KVMIX__ALLOC_MAX_TOTAL_TOKENS 9007199254740992LL /* 2^53 */
+#define KVMIX__ALLOC_INNER_BITS       8
+#define KVMIX__ALLOC_2_POW_M40        9.094947017729282379e-13 /* 2^-40 */
+#define KVMIX__ALLOC_2_POW_M50        8.881784197001252323e-16 /* 2^-50 */
+
+typedef struct kvmix__alloc_info {
+    double total_tokens; /* T */
+    double limit;        /* budget_bits * T, in token-bits */
+} kvmix__alloc_info;
+
+/* A greedy candidate: its gain per bit and its tag. */
+typedef struct kvmix__alloc_item {
+    double key;
+    int32_t tag;
+    int32_t reserved;
+} kvmix__alloc_item;
+
+static kvmix_result kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__alloc_info *info) {
+    int64_t total = 0;
+    double worst = 0.0;
+    int32_t t, k;
+    if (!p) return KVMIX_ERR_NULL_POINTER;
+    if (p->n_tags < 1 || p->n_tags > KVMIX_ALLOC_MAX_TAGS || p->n_precisions < 1 ||
+        p->n_precisions > KVMIX_ALLOC_MAX_PRECISIONS)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!p->tokens || !p->distortion || !p->bits) return KVMIX_ERR_NULL_POINTER;
+    for (t = 0; t < p->n_tags; t++) {
+        if (p->tokens[t] < 0 || p->tokens[t] > KVMIX__ALLOC_MAX_TOTAL_TOKENS - total)
+            return KVMIX_ERR_INVALID_ARGUMENT;
+        total += p->tokens[t];
+    }
+    if (total == 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    for (k = 0; k < p->n_precisions; k++)
+        if (!(p->bits[k] > 0.0 && p->bits[k] <= KVMIX_ALLOC_MAX_BITS)) return KVMIX_ERR_BAD_VALUE;
+    if (!(p->budget_bits > 0.0 && p->budget_bits <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+    for (t = 0; t < p->n_tags; t++) {
+        const double *row = p->distortion + (size_t)t * (size_t)p->n_precisions;
+        double most = 0.0;
+        for (k = 0; k < p->n_precisions; k++) {
+            if (!(row[k] >= 0.0 && row[k] <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+            if (row[k] > most) most = row[k];
+        }
+        worst += most;
+    }
+    if (!(worst <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+    info->total_tokens = (double)total;
+    info->limit = p->budget_bits * info->total_tokens;
+    if (!(info->limit <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+    return KVMIX_SUCCESS;
+}
+
+/* The canonical cost of a choice, in token-bits, summed in tag order. */
+static double kvmix__alloc_cost(const kvmix_alloc_problem *p, const int32_t *choice) {
+    double cost = 0.0;
+    int32_t t;
+    for (t = 0; t < p->n_tags; t++) cost += (double)p->tokens[t] * p->bits[choice[t]];
+    return cost;
+}
+
+/* The same for the two-level assignment `mask` (bit t set = tag t at high). */
+static double kvmix__alloc_mask_cost(const kvmix_alloc_problem *p, int32_t low, int32_t high,
+                                     uint32_t mask) {
+    double cost = 0.0;
+    int32_t t;
+    for (t = 0; t < p->n_tags; t++)
+        cost += (double)p->tokens[t] * p->bits[(mask >> t) & 1u ? high : low];
+    return cost;
+}
+
+static void kvmix__alloc_summarize(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
+                                   const int32_t *choice, kvmix_alloc_method method,
+                                   int32_t optimal, kvmix_alloc_summary *out) {
+    double distortion = 0.0;
+    int32_t t;
+    if (!out) return;
+    for (t = 0; t < p->n_tags; t++)
+        distortion += p->distortion[(size_t)t * (size_t)p->n_precisions + (size_t)choice[t]];
+    out->distortion = distortion;
+    out->bits = kvmix__alloc_cost(p, choice) / info->total_tokens;
+    out->method = method;
+    out->optimal = optimal;
+}
+
+static kvmix_result kvmix__alloc_resolve(int32_t n_tags, kvmix_alloc_method method,
+                                         kvmix_alloc_method *out) {
+    if (n_tags < 1 || n_tags > KVMIX_ALLOC_MAX_TAGS) return KVMIX_ERR_INVALID_ARGUMENT;
+    switch (method) {
+    case KVMIX_ALLOC_AUTO:
+        *out = n_tags <= KVMIX_ALLOC_EXACT_MAX_TAGS ? KVMIX_ALLOC_EXHAUSTIVE : KVMIX_ALLOC_GREEDY;
+        return KVMIX_SUCCESS;
+    case KVMIX_ALLOC_EXHAUSTIVE:
+        if (n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS) return KVMIX_ERR_INVALID_ARGUMENT;
+        *out = method;
+        return KVMIX_SUCCESS;
+    case KVMIX_ALLOC_GREEDY: *out = method; return KVMIX_SUCCESS;
+    case KVMIX_ALLOC_KNAPSACK: break;
+    }
+    return KVMIX_ERR_INVALID_ARGUMENT;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_two_level_workspace_bytes(int32_t n_tags,
+                                                            kvmix_alloc_method method,
+                                                            size_t *out_bytes) {
+    kvmix_alloc_method resolved = KVMIX_ALLOC_AUTO;
+    kvmix_result r;
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__alloc_resolve(n_tags, method, &resolved)) != KVMIX_SUCCESS) return r;
+    *out_bytes =
+        resolved == KVMIX_ALLOC_GREEDY ? (size_t)n_tags * 2 * sizeof(kvmix__alloc_item) : 0;
+    return KVMIX_SUCCESS;
+}
+
+/* Exhaustive two-level search; writes the best assignment into choice. */
+static void kvmix__alloc_exhaustive(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
+                                    int32_t low, int32_t high, int32_t *choice) {
+    double dc[KVMIX_ALLOC_EXACT_MAX_TAGS], dd[KVMIX_ALLOC_EXACT_MAX_TAGS];
+    double tc[1 << KVMIX__ALLOC_INNER_BITS], td[1 << KVMIX__ALLOC_INNER_BITS];
+    double base_c = 0.0, base_d = 0.0, most = 0.0, tol, limit_hi, limit_lo, best_d = HUGE_VAL;
+    const size_t np = (size_t)p->n_precisions;
+    const int32_t n = p->n_tags;
+    const int32_t n_in = n < KVMIX__ALLOC_INNER_BITS ? n : KVMIX__ALLOC_INNER_BITS;
+    const uint32_t n_inner = 1u << n_in, n_outer = 1u << (n - n_in);
+    uint32_t best = 0, j, om;
+    int32_t t;
+    for (t = 0; t < n; t++) {
+        double lo = (double)p->tokens[t] * p->bits[low];
+        double hi = (double)p->tokens[t] * p->bits[high];
+        base_c += lo;
+        most += hi;
+        dc[t] = hi - lo;
+        base_d += p->distortion[(size_t)t * np + (size_t)low];
+        dd[t] = p->distortion[(size_t)t * np + (size_t)high] -
+                p->distortion[(size_t)t * np + (size_t)low];
+    }
+    tc[0] = td[0] = 0.0;
+    for (j = 1; j < n_inner; j++) {
+        int32_t b = 0;
+        while (!((j >> b) & 1u)) b++;
+        tc[j] = tc[j & (j - 1u)] + dc[b];
+        td[j] = td[j & (j - 1u)] + dd[b];
+    }
+    tol = most * KVMIX__ALLOC_2_POW_M40; /* at most 2 * 22 + 2 roundings of <= 2^-53 most */
+    limit_hi = info->limit + tol;
+    limit_lo = info->limit - tol;
+    for (om = 0; om < n_outer; om++) {
+        double oc = base_c, od = base_d;
+        int32_t b;
+        for (b = 0; b < n - n_in; b++)
+            if ((om >> b) & 1u) {
+                oc += dc[n_in + b];
+                od += dd[n_in + b];
+            }
+        for (j = 0; j < n_inner; j++) {
+            double c = oc + tc[j], d = od + td[j];
+            if ((c <= limit_hi) & (d < best_d)) {
+                uint32_t mask = (om << n_in) | j;
+                if (c > limit_lo && kvmix__alloc_mask_cost(p, low, high, mask) > info->limit)
+                    continue;
+                best_d = d;
+                best = mask;
+            }
+        }
+    }
+    for (t = 0; t < n; t++) choice[t] = (best >> t) & 1u ? high : low;
+}
+
+/* Stable bottom-up merge sort of a[0..n) by decreasing key, ping-ponging with b; returns the
+   array that holds the result. Stable, so equal keys keep increasing tag order. */
+static kvmix__alloc_item *kvmix__alloc_sort(kvmix__alloc_item *a, kvmix__alloc_item *b, size_t n) {
+    size_t width, lo;
+    for (width = 1; width < n; width *= 2) {
+        kvmix__alloc_item *swap;
+        for (lo = 0; lo < n; lo += 2 * width) {
+            size_t mid = n - lo > width ? lo + width : n;
+            size_t hi = n - mid > width ? mid + width : n;
+            size_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) b[k++] = a[j].key > a[i].key ? a[j++] : a[i++];
+            while (i < mid) b[k++] = a[i++];
+            while (j < hi) b[k++] = a[j++];
+        }
+        swap = a;
+        a = b;
+        b = swap;
+    }
+    return a;
+}
+
+/* Greedy two-level allocation. workspace: two arrays of [n_tags] items. */
+static void kvmix__alloc_greedy(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
+                                int32_t low, int32_t high, void *workspace, int32_t *choice) {
+    kvmix__alloc_item *items = (kvmix__alloc_item *)workspace;
+    const size_t np = (size_t)p->n_precisions;
+    double cost = 0.0, most = 0.0, tol;
+    size_t m = 0, i;
+    int32_t t;
+    for (t = 0; t < p->n_tags; t++) {
+        double lo = (double)p->tokens[t] * p->bits[low];
+        double hi = (double)p->tokens[t] * p->bits[high];
+        double gain = p->distortion[(size_t)t * np + (size_t)low] -
+                      p->distortion[(size_t)t * np + (size_t)high];
+        choice[t] = low;
+        cost += lo;
+        most += hi;
+        if (gain > 0.0) {
+            items[m].key = hi - lo > 0.0 ? gain / (hi - lo) : HUGE_VAL;
+            items[m].tag = t;
+            items[m].reserved = 0;
+            m++;
+        }
+    }
+    items = kvmix__alloc_sort(items, items + p->n_tags, m);
+    /* the running sum has at most n_tags + 1 more roundings than the canonical one */
+    tol = most * ((double)p->n_tags + 16.0) * KVMIX__ALLOC_2_POW_M50;
+    for (i = 0; i < m; i++) {
+        double next;
+        t = items[i].tag;
+        next = cost + ((double)p->tokens[t] * p->bits[high] - (double)p->tokens[t] * p->bits[low]);
+        if (next > info->limit + tol) continue;
+        choice[t] = high;
+        if (next > info->limit - tol) {
+            next = kvmix__alloc_cost(p, choice);
+            if (next > info->limit) {
+                choice[t] = low;
+                continue;
+            }
+        }
+        cost = next;
+    }
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, int32_t low,
+                                            int32_t high, kvmix_alloc_method method,
+                                            void *workspace, size_t workspace_bytes,
+                                            int32_t *choice, kvmix_alloc_summary *out) {
+    kvmix__alloc_info info;
+    kvmix_alloc_method resolved = KVMIX_ALLOC_AUTO;
+    size_t need = 0;
+    double cost = 0.0;
+    kvmix_result r;
+    int32_t t;
+    if ((r = kvmix__alloc_check(problem, &info)) != KVMIX_SUCCESS) return r;
+    if (!choice) return KVMIX_ERR_NULL_POINTER;
+    if (low < 0 || low >= problem->n_precisions || high < 0 || high >= problem->n_precisions ||
+        !(problem->bits[low] < problem->bits[high]))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((r = kvmix_alloc_two_level_workspace_bytes(problem->n_tags, method, &need)) !=
+        KVMIX_SUCCESS)
+        return r;
+    (void)kvmix__alloc_resolve(problem->n_tags, method, &resolved);
+    if (need > 0) {
+        if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+        if (!workspace) return KVMIX_ERR_NULL_POINTER;
+        if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    }
+    for (t = 0; t < problem->n_tags; t++) cost += (double)problem->tokens[t] * problem->bits[low];
+    if (cost > info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (resolved == KVMIX_ALLOC_EXHAUSTIVE)
+        kvmix__alloc_exhaustive(problem, &info, low, high, choice);
+    else
+        kvmix__alloc_greedy(problem, &info, low, high, workspace, choice);
+    kvmix__alloc_summarize(problem, &info, choice, resolved, resolved == KVMIX_ALLOC_EXHAUSTIVE,
+                           out);
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_problem *problem,
+                                                           int32_t budget_steps,
+                                                           size_t *out_bytes) {
+    size_t cells;
+    if (!problem || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if (problem->n_tags < 1 || problem->n_tags > KVMIX_ALLOC_MAX_TAGS ||
+        problem->n_precisions < 1 || problem->n_precisions > KVMIX_ALLOC_MAX_PRECISIONS ||
+        budget_steps < 0 || budget_steps > KVMIX_ALLOC_MAX_STEPS)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    cells = (size_t)(budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps) + 1;
+    if (cells > (size_t)-1 / ((size_t)problem->n_tags + 16)) return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = cells * ((size_t)problem->n_tags + 16);
+    return KVMIX_SUCCESS;
+}
+
+/* Cells of tag t's extra cost at precision k over the cheapest precision `cheap`, rounded up
+   (a value within 2^-40 relative of a whole number of cells counts as that number, so that a
+   cost meant to lie on the grid is not pushed a cell up by rounding; the canonical check of the
+   result covers the difference); steps + 1 (never fits) when above steps. */
+static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32_t k, int32_t cheap,
+                                  double room, int32_t steps) {
+    double extra = (double)p->tokens[t] * p->bits[k] - (double)p->tokens[t] * p->bits[cheap];
+    double x;
+    if (!(extra > 0.0)) return 0;
+    x = extra * (double)steps / room; /* +inf when room is 0 */
+    if (!(x <= (double)steps + 1.0)) return steps + 1;
+    x = ceil(x - x * KVMIX__ALLOC_2_POW_M40);
+    return x > (double)steps ? steps + 1 : (int32_t)x;
+}
+
+/* The grid of one knapsack call: the cheapest precision, the cheapest choice's cost, the room
+   above it (limit - cheapest) and the number of cells. */
+typedef struct kvmix__alloc_grid {
+    kvmix__alloc_info info;
+    int32_t cheap, steps;
+    double cheapest, room;
+} kvmix__alloc_grid;
+
+/* Checks a knapsack call's arguments and sets up its grid. */
+static kvmix_result kvmix__alloc_grid_init(const kvmix_alloc_problem *problem, int32_t budget_steps,
+                                           const void *workspace, size_t workspace_bytes,
+                                           kvmix__alloc_grid *g) {
+    size_t need = 0;
+    kvmix_result r;
+    int32_t t, k;
+    if ((r = kvmix__alloc_check(problem, &g->info)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_alloc_knapsack_workspace_bytes(problem, budget_steps, &need)) != KVMIX_SUCCESS)
+        return r;
+    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if (!workspace) return KVMIX_ERR_NULL_POINTER;
+    if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    g->cheap = 0;
+    for (k = 1; k < problem->n_precisions; k++)
+        if (problem->bits[k] < problem->bits[g->cheap]) g->cheap = k;
+    g->cheapest = 0.0;
+    for (t = 0; t < problem->n_tags; t++)
+        g->cheapest += (double)problem->tokens[t] * problem->bits[g->cheap];
+    if (g->cheapest > g->info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
+    g->steps = budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps;
+    g->room = g->info.limit - g->cheapest;
+    return KVMIX_SUCCESS;
+}
+
+/* The dynamic program over the grid. workspace: two rows of [steps + 1] doubles, then the argmin
+   table [n_tags][steps + 1] bytes. Returns the final row: the least distortion of all tags with
+   rounded extra cost at most w cells, for every w. */
+static const double *kvmix__alloc_dp(const kvmix_alloc_problem *problem, const kvmix__alloc_grid *g,
+                                     void *workspace) {
+    const int32_t steps = g->steps;
+    const size_t cells = (size_t)steps + 1;
+    double *prev = (double *)workspace, *next = prev + cells;
+    uint8_t *table = (uint8_t *)(next + cells);
+    int32_t units[KVMIX_ALLOC_MAX_PRECISIONS];
+    int32_t t, k, w;
+    for (w = 0; w <= steps; w++) prev[w] = 0.0;
+    for (t = 0; t < problem->n_tags; t++) {
+        const double *row = problem->distortion + (size_t)t * (size_t)problem->n_precisions;
+        uint8_t *arg = table + (size_t)t * cells;
+        double *swap;
+        for (k = 0; k < problem->n_precisions; k++)
+            units[k] = kvmix__alloc_units(problem, t, k, g->cheap, g->room, steps);
+        for (w = 0; w <= steps; w++) next[w] = HUGE_VAL;
+        for (k = 0; k < problem->n_precisions; k++) {
+            const double d = row[k];
+            const int32_t u = units[k];
+            if (u > steps) continue;
+            for (w = u; w <= steps; w++) {
+                double v = prev[w - u] + d;
+                if (v < next[w]) {
+                    next[w] = v;
+                    arg[w] = (uint8_t)k;
+                }
+            }
+        }
+        swap = prev;
+        prev = next;
+        next = swap;
+    }
+    return prev;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
+                                           void *workspace, size_t workspace_bytes, int32_t *choice,
+                                           kvmix_alloc_summary *out) {
+    kvmix__alloc_grid g;
+    const uint8_t *table;
+    size_t cells;
+    int32_t t, k, w, capacity;
+    kvmix_result r;
+    if (problem && !choice) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__alloc_grid_init(problem, budget_steps, workspace, workspace_bytes, &g)) !=
+        KVMIX_SUCCESS)
+        return r;
+    (void)kvmix__alloc_dp(problem, &g, workspace);
+    cells = (size_t)g.steps + 1;
+    table = (const uint8_t *)((double *)workspace + 2 * cells);
+    /* read the choice back; restart one cell lower if rounding let the real sum overspend */
+    for (capacity = g.steps;; capacity--) {
+        w = capacity;
+        for (t = problem->n_tags; t-- > 0;) {
+            k = table[(size_t)t * cells + (size_t)w];
+            choice[t] = k;
+            w -= kvmix__alloc_units(problem, t, k, g.cheap, g.room, g.steps);
+        }
+        KVMIX_ASSERT(w >= 0);
+        if (capacity == 0 || kvmix__alloc_cost(problem, choice) <= g.info.limit) break;
+    }
+    kvmix__alloc_summarize(problem, &g.info, choice, KVMIX_ALLOC_KNAPSACK, capacity == g.steps,
+                           out);
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *problem,
+                                                 int32_t budget_steps, void *workspace,
+                                                 size_t workspace_bytes, double *out_budget_bits,
+                                                 double *out_distortion) {
+    kvmix__alloc_grid g;
+    const double *last;
+    int32_t w;
+    kvmix_result r;
+    if ((r = kvmix__alloc_grid_init(problem, budget_steps, workspace, workspace_bytes, &g)) !=
+        KVMIX_SUCCESS)
+        return r;
+    last = kvmix__alloc_dp(problem, &g, workspace);
+    for (w = 0; w <= g.steps; w++) {
+        if (out_budget_bits)
+            out_budget_bits[w] =
+                (g.cheapest + g.room * ((double)w / (double)g.steps)) / g.info.total_tokens;
+        if (out_distortion) out_distortion[w] = last[w];
     }
     return KVMIX_SUCCESS;
 }

@@ -25,6 +25,7 @@ void unit_cache(void);
 void unit_view(void);
 void unit_transfer(void);
 void unit_policy(void);
+void unit_alloc(void);
 
 /* ---- checks ------------------------------------------------------------------------------- */
 #if defined(__GNUC__) || defined(__clang__)
