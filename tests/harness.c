@@ -22,6 +22,7 @@ typedef struct test_unit {
 static const test_unit test_units[] = {
     {"unit_core", unit_core},   {"unit_formats", unit_formats}, {"unit_attention", unit_attention},
     {"unit_cache", unit_cache}, {"unit_view", unit_view},       {"unit_transfer", unit_transfer},
+    {"unit_tags", unit_tags},
 };
 
 #define TEST_N_UNITS              (sizeof test_units / sizeof test_units[0])

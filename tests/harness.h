@@ -24,6 +24,7 @@ void unit_attention(void);
 void unit_cache(void);
 void unit_view(void);
 void unit_transfer(void);
+void unit_tags(void);
 
 /* ---- checks ------------------------------------------------------------------------------- */
 #if defined(__GNUC__) || defined(__clang__)
