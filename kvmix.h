@@ -689,8 +689,9 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
 /*     after the channel marker) selects the role instead (harmony: analysis -> reasoning,        */
 /*     commentary -> tool_call, final -> assistant). Channels apply to assistant messages only.    */
 /*   - Brackets override the message role for their content: reasoning, tool_call, observation    */
-/*     (tool response). Tokens inside vision brackets and image-pad ids have modality IMAGE and    */
-/*     the role around them.                                                                     */
+/*     (tool response). In an instruction message (system, developer) bracket ids are content:    */
+/*     system prompts name the tags when they explain tool use. Tokens inside vision brackets and  */
+/*     image-pad ids have modality IMAGE and the role around them.                               */
 /*   - Turns: turn 0 is everything before the first user message. A user message starts a new     */
 /*     turn at its first content token, unless that token opens a tool response (ChatML sends a    */
 /*     tool result as a user message wrapped in <tool_response>): such a message is an            */
@@ -4158,6 +4159,9 @@ static kvmix_tag kvmix__tagger_step(kvmix_tagger *t, const int32_t *ids, int32_t
     }
     out = t->current;
     if (kind == KVMIX__TAG_K_NONE) return out;
+    if (t->mode != KVMIX__TAG_OUTSIDE && t->msg_role == KVMIX_ROLE_INSTRUCTION &&
+        kind >= KVMIX__TAG_K_REASONING_OPEN && kind <= KVMIX__TAG_K_TOOL_RESPONSE_CLOSE)
+        return out; /* a system prompt that names the tags: content */
     if (t->mode == KVMIX__TAG_OUTSIDE) {
         stray = kind != KVMIX__TAG_K_START;
     } else {

@@ -264,6 +264,10 @@ static void test_byte_chatml(void) {
     byte_message_head(&s, "system");
     put_text(&s, "You are a helpful agent.\n<tools>\n{\"name\": \"get_weather\"}\n</tools>", INS,
              0);
+    put_text(&s, "Call a tool inside ", INS, 0); /* bracket ids in a system prompt: content */
+    put1(&s, B_CALL, INS);
+    put_text(&s, " tags.", INS, 0);
+    put1(&s, B_THINK_END, INS);
     put1(&s, B_END, SCF);
     put1(&s, '\n', SCF);
     /* turn 1: a user question with an image */
