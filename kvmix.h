@@ -805,6 +805,8 @@ typedef struct kvmix_tagger {
     int32_t header[KVMIX_TAG_MAX_IDS];      /* first header ids */
     int32_t channel_ids[KVMIX_TAG_MAX_IDS]; /* first ids after the channel marker */
     int32_t history[KVMIX_TAG_MAX_IDS];     /* the last ids fed, ring by n_fed */
+    int32_t pad_mode;                       /* private: image pads on the hot path ... */
+    int32_t pads[KVMIX_TAG_MAX_ALTS];       /* ... in this mode, when they end no other marker */
 } kvmix_tagger;
 
 /* Checks a spec: counts and lengths in range, ids >= 0, name roles valid and not SCAFFOLD, the
@@ -3984,6 +3986,24 @@ KVMIXDEF kvmix_result kvmix_tagger_reset(kvmix_tagger *tagger) {
                 tagger->filter[h / 64] |= (uint64_t)1 << (h % 64);
             }
     }
+    /* image pads that end no other content marker are tagged on the hot path */
+    tagger->pad_mode = -1;
+    for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
+        const kvmix_tag_seq *pad = &tagger->spec.image_pad.alts[a];
+        int k2, a2, alone = pad->n_ids == 1;
+        for (k2 = KVMIX__TAG_K_START; alone && k2 < KVMIX__TAG_K_IMAGE_PAD; k2++) {
+            const kvmix_tag_marker *m = kvmix__tag_content_marker(&tagger->spec, k2);
+            for (a2 = 0; a2 < KVMIX_TAG_MAX_ALTS; a2++)
+                if (m->alts[a2].n_ids > 0 && m->alts[a2].ids[m->alts[a2].n_ids - 1] == pad->ids[0])
+                    alone = 0;
+        }
+        if (!alone) continue;
+        if (tagger->pad_mode < 0)
+            for (k = 0; k < KVMIX_TAG_MAX_ALTS; k++) tagger->pads[k] = pad->ids[0];
+        tagger->pads[a] = pad->ids[0];
+        tagger->pad_mode = KVMIX__TAG_CONTENT;
+    }
+    if (tagger->pad_mode < 0) memset(tagger->pads, 0, sizeof tagger->pads);
     tagger->n_fed = 0;
     tagger->n_breaks = 0;
     tagger->turn = 0;
@@ -4229,10 +4249,20 @@ KVMIXDEF kvmix_result kvmix_tagger_feed(kvmix_tagger *tagger, const int32_t *ids
         if (tagger->mode <= KVMIX__TAG_CONTENT) {
             const kvmix_tag cur = tagger->current;
             const uint64_t *filter = tagger->filter;
+            const int pads = tagger->mode == tagger->pad_mode;
+            const int32_t p0 = tagger->pads[0], p1 = tagger->pads[1], p2 = tagger->pads[2],
+                          p3 = tagger->pads[3];
+            kvmix_tag image = cur;
+            image.modality = KVMIX_MODALITY_IMAGE;
             for (; i < n_ids; i++) {
-                uint32_t h = (uint32_t)ids[i] % KVMIX_TAG_FILTER_BITS;
-                if ((filter[h / 64] >> (h % 64)) & 1) break;
-                out_tags[i] = cur;
+                const int32_t id = ids[i];
+                const uint32_t h = (uint32_t)id % KVMIX_TAG_FILTER_BITS;
+                if ((filter[h / 64] >> (h % 64)) & 1) {
+                    if (!pads || (id != p0 && id != p1 && id != p2 && id != p3)) break;
+                    out_tags[i] = image;
+                } else {
+                    out_tags[i] = cur;
+                }
             }
             if (i == n_ids) break;
         }

@@ -84,7 +84,7 @@ typedef struct added {
 struct hf_tokenizer {
     cJSON *root;
     table vocab, merges;
-    char *merge_text; /* copies of "a b" merges, split at the space */
+    char *merge_text;   /* copies of "a b" merges, split at the space */
     const char **by_id; /* [n_ids]: vocabulary string (byte-mapped) or added content */
     bool *is_added;
     int32_t n_ids;
@@ -267,8 +267,8 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
                 b = space + 1;
             }
             mt += len + 1;
-        } else if (cJSON_IsArray(x) && cJSON_GetArraySize(x) == 2 &&
-                   cJSON_IsString(x->child) && cJSON_IsString(x->child->next)) {
+        } else if (cJSON_IsArray(x) && cJSON_GetArraySize(x) == 2 && cJSON_IsString(x->child) &&
+                   cJSON_IsString(x->child->next)) {
             a = x->child->valuestring;
             b = x->child->next->valuestring;
         }
@@ -284,8 +284,9 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(x, "content");
         if (!cJSON_IsNumber(id) || id->valueint < 0 || !cJSON_IsString(content) ||
             content->valuestring[0] == 0) {
-            r = fail(err, err_bytes, KVMIX_ERR_PARSE, "tokenizer: an added_tokens entry is "
-                                                      "malformed");
+            r = fail(err, err_bytes, KVMIX_ERR_PARSE,
+                     "tokenizer: an added_tokens entry is "
+                     "malformed");
             break;
         }
         added *a = &t->added[t->n_added++];
@@ -333,8 +334,7 @@ static size_t pretoken(const unsigned char *s, size_t n) {
             if (ok) return 1 + len;
         }
     }
-    if (is_letter(s[0]) ||
-        (!is_newline(s[0]) && !is_digit(s[0]) && n >= 2 && is_letter(s[1]))) {
+    if (is_letter(s[0]) || (!is_newline(s[0]) && !is_digit(s[0]) && n >= 2 && is_letter(s[1]))) {
         i = is_letter(s[0]) ? 0 : 1;
         while (i < n && is_letter(s[i])) i++;
         return i;
@@ -343,8 +343,8 @@ static size_t pretoken(const unsigned char *s, size_t n) {
         while (i < n && i < 3 && is_digit(s[i])) i++;
         return i;
     }
-    if (!is_space(s[0]) || (s[0] == ' ' && n >= 2 && !is_space(s[1]) && !is_letter(s[1]) &&
-                            !is_digit(s[1]))) {
+    if (!is_space(s[0]) ||
+        (s[0] == ' ' && n >= 2 && !is_space(s[1]) && !is_letter(s[1]) && !is_digit(s[1]))) {
         i = s[0] == ' ' ? 1 : 0;
         while (i < n && !is_space(s[i]) && !is_letter(s[i]) && !is_digit(s[i])) i++;
         while (i < n && is_newline(s[i])) i++;
@@ -461,11 +461,13 @@ int32_t hf_tokenizer_decode(const hf_tokenizer *tok, int32_t id, char *out, size
     }
     while (*s) {
         unsigned cp;
-        if (*s < 0x80) cp = *s++;
+        if (*s < 0x80)
+            cp = *s++;
         else if ((*s & 0xE0) == 0xC0 && (s[1] & 0xC0) == 0x80) {
             cp = (unsigned)(*s & 0x1F) << 6 | (s[1] & 0x3F);
             s += 2;
-        } else return -1;
+        } else
+            return -1;
         if (cp >= 512 || tok->char_byte[cp] < 0 || n >= cap) return -1;
         out[n++] = (char)tok->char_byte[cp];
     }
@@ -508,8 +510,7 @@ static void encode_seq(gen *g, const char *text, kvmix_tag_seq *q) {
             KVMIX_SUCCESS ||
         n == 0) {
         g->r = fail(g->err, g->err_bytes, KVMIX_ERR_NOT_FOUND,
-                    "tokenizer: \"%s\" does not encode in at most %d ids", text,
-                    KVMIX_TAG_MAX_IDS);
+                    "tokenizer: \"%s\" does not encode in at most %d ids", text, KVMIX_TAG_MAX_IDS);
         return;
     }
     q->n_ids = n;
@@ -524,12 +525,12 @@ static void name(gen *g, kvmix_tag_name *names, int32_t *n, const char *text, kv
 }
 
 kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_name,
-                                  const char *doc_name, const char *description,
-                                  tag_spec_doc *out, char *err, size_t err_bytes) {
+                                  const char *doc_name, const char *description, tag_spec_doc *out,
+                                  char *err, size_t err_bytes) {
     if (tok == NULL || out == NULL || doc_name == NULL)
         return fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
     if (template_name == NULL)
-        template_name = hf_tokenizer_special(tok, "<|im_start|>") >= 0 ? "chatml"
+        template_name = hf_tokenizer_special(tok, "<|im_start|>") >= 0  ? "chatml"
                         : hf_tokenizer_special(tok, "<|channel|>") >= 0 ? "harmony"
                                                                         : "unknown";
     tag_spec_doc *d = (tag_spec_doc *)calloc(1, sizeof *d);
@@ -546,6 +547,12 @@ kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_
         special(&g, &s->message_start, "<|im_start|>", true);
         special(&g, &s->message_end, "<|im_end|>", true);
         encode_seq(&g, "\n", &s->header_end.alts[0]);
+        /* content that starts with a newline merges with the header's: "\n\n" ends it too */
+        int32_t nn = hf_tokenizer_vocab_id(tok, "\n\n", 2);
+        if (nn >= 0) {
+            s->header_end.alts[1].n_ids = 1;
+            s->header_end.alts[1].ids[0] = nn;
+        }
         special(&g, &s->reasoning_open, "<think>", false);
         special(&g, &s->reasoning_close, "</think>", false);
         special(&g, &s->tool_call_open, "<tool_call>", false);

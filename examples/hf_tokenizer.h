@@ -47,7 +47,8 @@ kvmix_result hf_tokenizer_encode(const hf_tokenizer *tok, const char *text, size
  * id the tokenizer does not have or a cap too small. */
 int32_t hf_tokenizer_decode(const hf_tokenizer *tok, int32_t id, char *out, size_t cap);
 
-/* The template spec of a tokenizer: template "chatml" (<|im_start|> ROLE \n ... <|im_end|>, with
+/* The template spec of a tokenizer: template "chatml" (<|im_start|> ROLE \n ... <|im_end|>; the
+ * header also ends at a "\n\n" token, which content that starts with a newline makes; with
  * <think>, <tool_call>, <tool_response>, vision and image/video pads when the tokenizer has them)
  * or "harmony" (<|start|> ROLE [<|channel|> NAME] <|message|> ... <|end|> / <|call|> /
  * <|return|>), or NULL to choose by the special tokens present. Role and channel names are

@@ -113,8 +113,10 @@ static void print_color(const hf_tokenizer *tok, const int32_t *ids, const kvmix
             continue;
         }
         int32_t k = tok ? hf_tokenizer_decode(tok, ids[i], bytes, sizeof bytes) : -1;
-        if (k >= 0) fwrite(bytes, 1, (size_t)k, stdout);
-        else printf("<%d>", (int)ids[i]);
+        if (k >= 0)
+            fwrite(bytes, 1, (size_t)k, stdout);
+        else
+            printf("<%d>", (int)ids[i]);
         i++;
     }
     fputs("\033[0m\n", stdout);
@@ -125,15 +127,24 @@ int main(int argc, char **argv) {
     bool reset = false, color = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (strcmp(a, "--reset") == 0) reset = true;
-        else if (strcmp(a, "--color") == 0) color = true;
-        else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) return usage() - 2;
-        else if (v == NULL) return usage();
-        else if (strcmp(a, "--spec") == 0) spec_path = v, i++;
-        else if (strcmp(a, "--in") == 0) in_path = v, i++;
-        else if (strcmp(a, "--tokenizer") == 0) tok_path = v, i++;
-        else if (strcmp(a, "--config") == 0) config_path = v, i++;
-        else return usage();
+        if (strcmp(a, "--reset") == 0)
+            reset = true;
+        else if (strcmp(a, "--color") == 0)
+            color = true;
+        else if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
+            return usage() - 2;
+        else if (v == NULL)
+            return usage();
+        else if (strcmp(a, "--spec") == 0)
+            spec_path = v, i++;
+        else if (strcmp(a, "--in") == 0)
+            in_path = v, i++;
+        else if (strcmp(a, "--tokenizer") == 0)
+            tok_path = v, i++;
+        else if (strcmp(a, "--config") == 0)
+            config_path = v, i++;
+        else
+            return usage();
     }
     if (spec_path == NULL) return usage();
     char err[512];
@@ -191,8 +202,10 @@ int main(int argc, char **argv) {
         }
         if (reset) kvmix_tagger_reset(&tagger);
         kvmix_tagger_feed(&tagger, ids, n, tags);
-        if (color) print_color(tok, ids, tags, n);
-        else print_json(tags, n, tagger.turn);
+        if (color)
+            print_color(tok, ids, tags, n);
+        else
+            print_json(tags, n, tagger.turn);
     }
     free(line);
     free(ids);

@@ -29,13 +29,20 @@ int main(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) return usage() - 2;
         if (v == NULL) return usage();
-        if (strcmp(a, "--tokenizer") == 0) tokenizer = v;
-        else if (strcmp(a, "--config") == 0) config = v;
-        else if (strcmp(a, "--template") == 0) template_name = v;
-        else if (strcmp(a, "--name") == 0) name = v;
-        else if (strcmp(a, "--description") == 0) description = v;
-        else if (strcmp(a, "-o") == 0) output = v;
-        else return usage();
+        if (strcmp(a, "--tokenizer") == 0)
+            tokenizer = v;
+        else if (strcmp(a, "--config") == 0)
+            config = v;
+        else if (strcmp(a, "--template") == 0)
+            template_name = v;
+        else if (strcmp(a, "--name") == 0)
+            name = v;
+        else if (strcmp(a, "--description") == 0)
+            description = v;
+        else if (strcmp(a, "-o") == 0)
+            output = v;
+        else
+            return usage();
         i++;
     }
     if (tokenizer == NULL || name == NULL) return usage();

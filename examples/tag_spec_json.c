@@ -27,13 +27,15 @@ typedef struct marker_field {
     size_t offset;
 } marker_field;
 
-#define MARKER(f) {#f, offsetof(kvmix_tag_spec, f)}
-static const marker_field MARKERS[] = {
-    MARKER(message_start),      MARKER(message_end),         MARKER(header_end),
-    MARKER(channel),            MARKER(reasoning_open),      MARKER(reasoning_close),
-    MARKER(tool_call_open),     MARKER(tool_call_close),     MARKER(tool_response_open),
-    MARKER(tool_response_close), MARKER(vision_open),        MARKER(vision_close),
-    MARKER(image_pad)};
+#define MARKER(f)                                                                                  \
+    { #f, offsetof(kvmix_tag_spec, f) }
+static const marker_field MARKERS[] = {MARKER(message_start),      MARKER(message_end),
+                                       MARKER(header_end),         MARKER(channel),
+                                       MARKER(reasoning_open),     MARKER(reasoning_close),
+                                       MARKER(tool_call_open),     MARKER(tool_call_close),
+                                       MARKER(tool_response_open), MARKER(tool_response_close),
+                                       MARKER(vision_open),        MARKER(vision_close),
+                                       MARKER(image_pad)};
 #undef MARKER
 enum { N_MARKERS = sizeof MARKERS / sizeof MARKERS[0], N_REQUIRED_MARKERS = 3 };
 
@@ -93,8 +95,8 @@ static kvmix_result take_text(const cJSON *item, const char *field, char *out, s
         return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be a string", field);
     size_t n = strlen(item->valuestring);
     if (n < min_bytes || n >= out_bytes)
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": %zu to %zu bytes",
-                    field, min_bytes, out_bytes - 1);
+        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": %zu to %zu bytes", field,
+                    min_bytes, out_bytes - 1);
     memcpy(out, item->valuestring, n + 1);
     return KVMIX_SUCCESS;
 }
@@ -105,8 +107,7 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
     int32_t n = 0;
     char where[64];
     if (!cJSON_IsArray(item))
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be an array",
-                    field);
+        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be an array", field);
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
         bool seen[3] = {false, false, false};
         kvmix_tag_name *e = &out[n];
@@ -128,12 +129,13 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
                             where, f->string);
             snprintf(sub, sizeof sub, "%s.%s", where, KEYS[k]);
             if (seen[k])
-                return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": given twice",
-                            sub);
+                return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": given twice", sub);
             seen[k] = true;
             kvmix_result r = KVMIX_SUCCESS;
-            if (k == 0) r = take_text(f, sub, e->text, sizeof e->text, 1, err, err_bytes);
-            else if (k == 2) r = take_seq(f, sub, &e->seq, err, err_bytes);
+            if (k == 0)
+                r = take_text(f, sub, e->text, sizeof e->text, 1, err, err_bytes);
+            else if (k == 2)
+                r = take_seq(f, sub, &e->seq, err, err_bytes);
             else {
                 kvmix_tag_role role;
                 if (!cJSON_IsString(f) || f->valuestring == NULL ||
@@ -150,7 +152,10 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
         for (int k = 0; k < 3; k++)
             if (!seen[k])
                 return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s.%s\": required",
-                            where, k == 0 ? "name" : k == 1 ? "role" : "ids");
+                            where,
+                            k == 0   ? "name"
+                            : k == 1 ? "role"
+                                     : "ids");
         n++;
     }
     *out_n = n;
@@ -163,13 +168,19 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
     for (const cJSON *item = root->child; item != NULL; item = item->next) {
         int f = 0;
         const char *key = item->string;
-        for (; f < N_MARKERS && strcmp(key, MARKERS[f].name) != 0; f++) {}
+        for (; f < N_MARKERS && strcmp(key, MARKERS[f].name) != 0; f++) {
+        }
         if (f == N_MARKERS) {
-            if (strcmp(key, "version") == 0) f = F_VERSION;
-            else if (strcmp(key, "name") == 0) f = F_NAME;
-            else if (strcmp(key, "description") == 0) f = F_DESCRIPTION;
-            else if (strcmp(key, "roles") == 0) f = F_ROLES;
-            else if (strcmp(key, "channels") == 0) f = F_CHANNELS;
+            if (strcmp(key, "version") == 0)
+                f = F_VERSION;
+            else if (strcmp(key, "name") == 0)
+                f = F_NAME;
+            else if (strcmp(key, "description") == 0)
+                f = F_DESCRIPTION;
+            else if (strcmp(key, "roles") == 0)
+                f = F_ROLES;
+            else if (strcmp(key, "channels") == 0)
+                f = F_CHANNELS;
             else
                 return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%.64s\": unknown", key);
         }
@@ -205,8 +216,7 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
     for (int f = 0; f < N_REQUIRED_MARKERS; f++)
         if (!seen[f] || marker_at(&d->spec, f)->alts[0].n_ids == 0)
             return fail(err, err_bytes, KVMIX_ERR_PARSE,
-                        "spec field \"%s\": required, with at least one sequence",
-                        MARKERS[f].name);
+                        "spec field \"%s\": required, with at least one sequence", MARKERS[f].name);
     return KVMIX_SUCCESS;
 }
 
@@ -225,12 +235,14 @@ kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *o
     while (end != NULL && (size_t)(end - json) < json_bytes &&
            (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
         end++;
-    if (d == NULL) r = fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: out of memory");
+    if (d == NULL)
+        r = fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: out of memory");
     else if (end == NULL || (size_t)(end - json) != json_bytes)
         r = fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: bytes after the JSON object");
     else if (!cJSON_IsObject(root))
         r = fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: the document must be a JSON object");
-    else r = take_fields(root, d, err, err_bytes);
+    else
+        r = take_fields(root, d, err, err_bytes);
     if (r == KVMIX_SUCCESS && (r = kvmix_tag_spec_check(&d->spec)) != KVMIX_SUCCESS)
         fail(err, err_bytes, r,
              "spec: refused by kvmix_tag_spec_check (%s): markers must differ from each other, "
@@ -307,10 +319,14 @@ static void put_string(text *t, const char *s) {
     put(t, "\"");
     for (; *s; s++) {
         unsigned char c = (unsigned char)*s;
-        if (c == '"' || c == '\\') put(t, "\\%c", c);
-        else if (c == '\n') put(t, "\\n");
-        else if (c < 0x20) put(t, "\\u%04x", c);
-        else put(t, "%c", c);
+        if (c == '"' || c == '\\')
+            put(t, "\\%c", c);
+        else if (c == '\n')
+            put(t, "\\n");
+        else if (c < 0x20)
+            put(t, "\\u%04x", c);
+        else
+            put(t, "%c", c);
     }
     put(t, "\"");
 }
@@ -327,8 +343,7 @@ static void put_names(text *t, const char *field, const kvmix_tag_name *names, i
     for (int32_t i = 0; i < n; i++) {
         put(t, "\n    {\"name\": ");
         put_string(t, names[i].text);
-        put(t, ", \"role\": \"%s\", \"ids\": ",
-            kvmix_tag_role_name((kvmix_tag_role)names[i].role));
+        put(t, ", \"role\": \"%s\", \"ids\": ", kvmix_tag_role_name((kvmix_tag_role)names[i].role));
         put_seq(t, &names[i].seq);
         put(t, i + 1 < n ? "}," : "}\n  ");
     }
@@ -375,8 +390,7 @@ static bool seq_equal(const kvmix_tag_seq *a, const kvmix_tag_seq *b) {
     return true;
 }
 
-static bool names_equal(const kvmix_tag_name *a, int32_t na, const kvmix_tag_name *b,
-                        int32_t nb) {
+static bool names_equal(const kvmix_tag_name *a, int32_t na, const kvmix_tag_name *b, int32_t nb) {
     if (na != nb) return false;
     for (int32_t i = 0; i < na; i++)
         if (strcmp(a[i].text, b[i].text) != 0 || a[i].role != b[i].role ||
