@@ -13,7 +13,8 @@
  * Invariants (abort on violation): a refused spec leaves the tagger untouched; every tag has a
  * role < KVMIX_TAG_N_ROLES, a modality TEXT or IMAGE, only KVMIX_TAG_FLAG_FALLBACK, reserved 0,
  * 0 <= turn <= the tagger's turn, turns nondecreasing; feeding whole, one id at a time and in random runs gives the same tags and the same
- * final state; nothing is written past the tags (exact-size heap buffers, AddressSanitizer). */
+ * final state; the hot path gives the tags of the step function alone (a copy of the tagger with
+ * every filter bit set and no fast image pads); nothing is written past the tags (exact-size heap buffers, AddressSanitizer). */
 #define KVMIX_IMPLEMENTATION
 #include "kvmix.h"
 
@@ -83,10 +84,10 @@ static void check_tags(const kvmix_tag *tags, int32_t n, const kvmix_tagger *t) 
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static kvmix_tagger whole, single, runs, untouched;
+    static kvmix_tagger whole, single, runs, slow, untouched;
     kvmix_tag_spec spec;
     int32_t *ids, n, i;
-    kvmix_tag *a, *b, *c;
+    kvmix_tag *a, *b, *c, *d;
     if (size < 4) return 0;
     fuzz_rng = (uint32_t)data[0] | (uint32_t)data[1] << 8 | (uint32_t)data[2] << 16 |
                (uint32_t)data[3] << 24;
@@ -108,14 +109,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     a = (kvmix_tag *)malloc(sizeof(kvmix_tag) * (size_t)(n ? n : 1));
     b = (kvmix_tag *)malloc(sizeof(kvmix_tag) * (size_t)(n ? n : 1));
     c = (kvmix_tag *)malloc(sizeof(kvmix_tag) * (size_t)(n ? n : 1));
-    if (!ids || !a || !b || !c) abort();
+    d = (kvmix_tag *)malloc(sizeof(kvmix_tag) * (size_t)(n ? n : 1));
+    if (!ids || !a || !b || !c || !d) abort();
     for (i = 0; i < n; i++) {
         uint8_t v = data[4 + i];
         ids[i] = v < 0xF0 ? (int32_t)(v % ALPHABET)
                           : (int32_t)(v == 0xFF ? -1 - (int32_t)(next_random() % 1000)
                                                 : (int32_t)(next_random() & 0x7fffffff));
     }
+    /* the reference path: every id through the step function (no filter, no fast image pads) */
+    slow = whole;
+    memset(slow.filter, 0xff, sizeof slow.filter);
+    slow.pad_mode = -1;
+    require(kvmix_tagger_feed(&slow, ids, n, d) == KVMIX_SUCCESS, "feed slow");
     require(kvmix_tagger_feed(&whole, ids, n, a) == KVMIX_SUCCESS, "feed whole");
+    require(memcmp(a, d, sizeof(kvmix_tag) * (size_t)n) == 0, "hot path == step function");
+    require(slow.turn == whole.turn && slow.n_breaks == whole.n_breaks, "same turn and breaks");
     for (i = 0; i < n; i++)
         require(kvmix_tagger_feed(&single, ids + i, 1, b + i) == KVMIX_SUCCESS, "feed one");
     for (i = 0; i < n;) {
@@ -134,5 +143,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     free(a);
     free(b);
     free(c);
+    free(d);
     return 0;
 }

@@ -5,6 +5,8 @@
  *     bracket contents get their roles outside system prompts, every marker is scaffold, the turn
  *     count is the number of user messages that are not tool results, runs agree with one id at a
  *     time.
+ *   - The tools: build/kvmix-tag on a line of ids (JSON out), build/kvmix-tagspec on the real
+ *     tokenizers (its output equals the shipped spec files).
  *   - The two real templates of SHARED/tokenizers (Qwen3 ChatML, gpt-oss harmony): the spec that
  *     kvmix-tagspec's generator writes from tokenizer.json + tokenizer_config.json equals the
  *     shipped examples/specs file byte for byte; a conversation with a system prompt and tool
@@ -12,6 +14,7 @@
  *     the tokenizer's own vocabulary and merges, gets the expected tag on every token.
  * Usage: test_tags SHARED_DIR (run from the repository root; SPECS_DIR, default examples/specs).
  * A missing tokenizers folder is one skip line. Prints "N passed, N failed". */
+#define _POSIX_C_SOURCE 200809L
 #include "hf_tokenizer.h"
 #include "tag_spec_json.h"
 
@@ -23,6 +26,9 @@
 
 #ifndef SPECS_DIR
 #define SPECS_DIR "examples/specs"
+#endif
+#ifndef BUILD_DIR
+#define BUILD_DIR "build"
 #endif
 
 static int n_passed, n_failed;
@@ -342,13 +348,93 @@ static void test_tokenizer(const char *shared, const char *dir, const char *spec
     hf_tokenizer_free(tok);
 }
 
+/* ---- the command-line tools ---------------------------------------------------------------- */
+static char *run_capture(const char *cmd) {
+    FILE *p = popen(cmd, "r");
+    if (p == NULL) return NULL;
+    size_t cap = 1 << 16, n = 0, got;
+    char *buf = (char *)malloc(cap + 1);
+    while (buf != NULL && (got = fread(buf + n, 1, cap - n, p)) > 0) {
+        n += got;
+        if (n == cap) {
+            char *bigger = (char *)realloc(buf, cap * 2 + 1);
+            if (bigger == NULL) free(buf);
+            buf = bigger;
+            cap *= 2;
+        }
+    }
+    int status = pclose(p);
+    if (buf != NULL) buf[n] = 0;
+    if (status != 0) {
+        free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
+static void test_tools(const char *shared, bool have_tokenizers) {
+    char cmd[2048], in_path[] = BUILD_DIR "/.test-tags-in.jsonl";
+    FILE *f = fopen(in_path, "wb");
+    if (!CHECK(f != NULL)) return;
+    /* <|im_start|>user\nHi<think>x</think><|im_end|> then a stray </think> */
+    fputs("{\"ids\": [257, 117, 115, 101, 114, 10, 72, 105]}\n\n"
+          "{\"ids\": [259, 120, 260, 258, 260]}\n",
+          f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "%s/kvmix-tag --spec %s/kvm-byte.json --in %s", BUILD_DIR, SPECS_DIR,
+             in_path);
+    char *out = run_capture(cmd);
+    const char *want =
+        "{\"role\": [\"scaffold\", \"scaffold\", \"scaffold\", \"scaffold\", \"scaffold\", "
+        "\"scaffold\", \"user\", \"user\"], \"turn\": [0, 0, 0, 0, 0, 0, 1, 1], \"modality\": "
+        "[\"text\", \"text\", \"text\", \"text\", \"text\", \"text\", \"text\", \"text\"], "
+        "\"fallback\": [0, 0, 0, 0, 0, 0, 0, 0], \"current_turn\": 1}\n"
+        "{\"role\": [\"scaffold\", \"reasoning\", \"scaffold\", \"scaffold\", \"scaffold\"], "
+        "\"turn\": [1, 1, 1, 1, 1], \"modality\": [\"text\", \"text\", \"text\", \"text\", "
+        "\"text\"], \"fallback\": [0, 0, 0, 0, 1], \"current_turn\": 1}\n";
+    CHECK_MSG(out != NULL && strcmp(out, want) == 0, "kvmix-tag tags a stream over two lines");
+    if (out != NULL && strcmp(out, want) != 0) printf("  got: %s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s/kvmix-tag --spec %s/kvm-byte.json --in %s --reset", BUILD_DIR,
+             SPECS_DIR, in_path);
+    out = run_capture(cmd);
+    CHECK_MSG(out != NULL && strstr(out, "\"fallback\": [1, 0, 1, 1, 1]") != NULL,
+              "kvmix-tag --reset starts a new stream at each line");
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s/kvmix-tag --spec %s/kvm-byte.json --in %s --color", BUILD_DIR,
+             SPECS_DIR, in_path);
+    out = run_capture(cmd);
+    CHECK_MSG(out != NULL && strstr(out, "legend:") != NULL && strstr(out, "<259>") != NULL,
+              "kvmix-tag --color prints a legend and the ids");
+    free(out);
+    remove(in_path);
+    if (!have_tokenizers) return;
+    static const char *const DIRS[2] = {"Qwen3", "gpt-oss"}, *const NAMES[2] = {"qwen3", "gpt-oss"};
+    for (int k = 0; k < 2; k++) {
+        char path[1024];
+        size_t n = 0;
+        snprintf(cmd, sizeof cmd,
+                 "%s/kvmix-tagspec --tokenizer %s/tokenizers/%s/tokenizer.json.gz --config "
+                 "%s/tokenizers/%s/tokenizer_config.json --name %s",
+                 BUILD_DIR, shared, DIRS[k], shared, DIRS[k], NAMES[k]);
+        out = run_capture(cmd);
+        snprintf(path, sizeof path, "%s/%s.json", SPECS_DIR, NAMES[k]);
+        char *file = read_file(path, &n);
+        CHECK_MSG(out != NULL && file != NULL && strcmp(out, file) == 0,
+                  "kvmix-tagspec writes the shipped spec file");
+        free(out);
+        free(file);
+    }
+}
+
 int main(int argc, char **argv) {
     const char *shared = argc > 1 ? argv[1] : "../shared";
     char path[1024];
     test_byte_traces(shared);
     snprintf(path, sizeof path, "%s/tokenizers/Qwen3/tokenizer.json.gz", shared);
     FILE *f = fopen(path, "rb");
-    if (f == NULL) {
+    bool have_tokenizers = f != NULL;
+    if (!have_tokenizers) {
         printf("real-tokenizer tag tests skipped: %s/tokenizers not found\n", shared);
     } else {
         fclose(f);
@@ -356,6 +442,7 @@ int main(int argc, char **argv) {
         test_tokenizer(shared, "gpt-oss", "gpt-oss", GPT_OSS,
                        (int)(sizeof GPT_OSS / sizeof GPT_OSS[0]));
     }
+    test_tools(shared, have_tokenizers);
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed != 0;
 }
