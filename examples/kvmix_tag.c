@@ -99,11 +99,17 @@ static void print_json(const kvmix_tag *tags, int32_t n, int32_t current_turn) {
 static void print_color(const hf_tokenizer *tok, const int32_t *ids, const kvmix_tag *tags,
                         int32_t n) {
     char bytes[256];
+    int last = -1; /* role and flags of the colour in effect */
     for (int32_t i = 0; i < n;) {
         const kvmix_tag *t = &tags[i];
-        fputs("\033[0m", stdout);
-        fputs(COLOR[t->role < KVMIX_TAG_N_ROLES ? t->role : KVMIX_ROLE_SCAFFOLD], stdout);
-        if (t->flags & KVMIX_TAG_FLAG_FALLBACK) fputs("\033[4m", stdout);
+        int now = (t->role < KVMIX_TAG_N_ROLES ? t->role : KVMIX_ROLE_SCAFFOLD) |
+                  (t->flags & KVMIX_TAG_FLAG_FALLBACK) << 4;
+        if (now != last || t->modality == KVMIX_MODALITY_IMAGE) {
+            fputs("\033[0m", stdout);
+            fputs(COLOR[now & 15], stdout);
+            if (now >> 4) fputs("\033[4m", stdout);
+            last = t->modality == KVMIX_MODALITY_IMAGE ? -1 : now;
+        }
         if (t->modality == KVMIX_MODALITY_IMAGE) {
             int32_t j = i;
             while (j < n && tags[j].modality == KVMIX_MODALITY_IMAGE && tags[j].role == t->role)
