@@ -4245,6 +4245,15 @@ KVMIXDEF kvmix_result kvmix_tagger_feed(kvmix_tagger *tagger, const int32_t *ids
     if (n_ids == 0) return KVMIX_SUCCESS;
     if (!ids || !out_tags) return KVMIX_ERR_NULL_POINTER;
     base = tagger->n_fed;
+    if (n_ids == 1 && tagger->mode <= KVMIX__TAG_CONTENT) { /* a decode step: one id */
+        const uint32_t h = (uint32_t)ids[0] % KVMIX_TAG_FILTER_BITS;
+        if (!((tagger->filter[h / 64] >> (h % 64)) & 1)) {
+            out_tags[0] = tagger->current;
+            tagger->history[(uint64_t)base % KVMIX_TAG_MAX_IDS] = ids[0];
+            tagger->n_fed = base + 1;
+            return KVMIX_SUCCESS;
+        }
+    }
     while (i < n_ids) {
         if (tagger->mode <= KVMIX__TAG_CONTENT) {
             const kvmix_tag cur = tagger->current;
