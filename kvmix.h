@@ -701,22 +701,23 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
 /*     of several ids takes effect at its last id, which is tagged as the marker; its earlier ids  */
 /*     were tagged as what they looked like when fed. Feeding one id at a time or in runs of any   */
 /*     length gives the same tags.                                                               */
-/*   - Broken streams never fail a call. The fallback (flag KVMIX_TAG_FLAG_FALLBACK set on the    */
-/*     token) is: a message with an unknown role word, an unknown channel or a header longer than  */
-/*     KVMIX_TAG_MAX_HEADER tokens has its content tagged USER (unknown role; the header's own     */
-/*     role when only the channel or length is wrong) with the flag, except inside brackets; a     */
-/*     stray or mismatched close bracket, an open bracket while one is open (it replaces it), a    */
-/*     message start inside a message that never ended (the old one ends), a message end that     */
-/*     closes an open bracket or vision span, and any bracket, end or image pad outside a message  */
-/*     are scaffold (image pad: modality IMAGE) with the flag. tagger->n_breaks counts them.       */
+/*   - Broken streams never fail a call. The fallback tag has KVMIX_TAG_FLAG_FALLBACK set:      */
+/*     a message with an unknown role word, an unknown channel or a header longer than          */
+/*     KVMIX_TAG_MAX_HEADER tokens has its content tagged USER (unknown role, which starts no   */
+/*     turn) or its header's role (channel or length wrong), flagged, except inside brackets.   */
+/*     A stray or mismatched close bracket, an open bracket or vision span while one is open (it*/
+/*     replaces it), a message start inside a message that never ended (the old one ends), a    */
+/*     message end that closes an open bracket or vision span, and any bracket, end or image pad*/
+/*     outside a message are scaffold (image pad: modality IMAGE), flagged; n_breaks counts     */
+/*     them.                                                                                    */
 
-#define KVMIX_TAG_MAX_IDS       16 /* ids in one marker or name sequence */
-#define KVMIX_TAG_MAX_ALTS      4  /* alternative sequences of one marker (e.g. harmony's ends) */
-#define KVMIX_TAG_MAX_NAMES     16 /* role names, and channel names, of one spec */
-#define KVMIX_TAG_MAX_HEADER    64 /* header tokens before the fallback ends a header */
-#define KVMIX_TAG_NAME_BYTES    24 /* a role or channel name as text, NUL included */
-#define KVMIX_TAG_FLAG_FALLBACK 1  /* kvmix_tag.flags: the stream broke the template here */
-#define KVMIX_TAG_FILTER_BITS   4096
+#define KVMIX_TAG_MAX_IDS       16   /* ids in one marker or name sequence */
+#define KVMIX_TAG_MAX_ALTS      4    /* alternative sequences of one marker (e.g. harmony's ends) */
+#define KVMIX_TAG_MAX_NAMES     16   /* role names, and channel names, of one spec */
+#define KVMIX_TAG_MAX_HEADER    64   /* header tokens before the fallback ends a header */
+#define KVMIX_TAG_NAME_BYTES    24   /* a role or channel name as text, NUL included */
+#define KVMIX_TAG_FLAG_FALLBACK 1    /* kvmix_tag.flags: the stream broke the template here */
+#define KVMIX_TAG_FILTER_BITS   4096 /* size of the hot path's id filter (kvmix_tagger.filter) */
 
 typedef enum kvmix_tag_role {
     KVMIX_ROLE_INSTRUCTION = 0, /* system prompt, developer message, tool schemas */
