@@ -701,15 +701,15 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
 /*     of several ids takes effect at its last id, which is tagged as the marker; its earlier ids  */
 /*     were tagged as what they looked like when fed. Feeding one id at a time or in runs of any   */
 /*     length gives the same tags.                                                               */
-/*   - Broken streams never fail a call. The fallback tag has KVMIX_TAG_FLAG_FALLBACK set:      */
-/*     a message with an unknown role word, an unknown channel or a header longer than          */
-/*     KVMIX_TAG_MAX_HEADER tokens has its content tagged USER (unknown role, which starts no   */
-/*     turn) or its header's role (channel or length wrong), flagged, except inside brackets.   */
-/*     A stray or mismatched close bracket, an open bracket or vision span while one is open (it*/
-/*     replaces it), a message start inside a message that never ended (the old one ends), a    */
-/*     message end that closes an open bracket or vision span, and any bracket, end or image pad*/
-/*     outside a message are scaffold (image pad: modality IMAGE), flagged; n_breaks counts     */
-/*     them.                                                                                    */
+/*   - Broken streams never fail a call. The fallback tag has KVMIX_TAG_FLAG_FALLBACK set: a   */
+/*     message with an unknown role word, an unknown channel or a header longer than           */
+/*     KVMIX_TAG_MAX_HEADER tokens has its content tagged USER (unknown role, which starts no  */
+/*     turn) or its header's role (channel or length wrong), flagged, except inside brackets.  */
+/*     A stray or mismatched close bracket, an open bracket or vision span while one is open   */
+/*     (it replaces it), a message start inside a message that never ended (the old one        */
+/*     ends), a message end that closes an open bracket or vision span, and any bracket, end   */
+/*     or image pad outside a message are scaffold (image pad: modality IMAGE), flagged;       */
+/*     n_breaks counts them.                                                                   */
 
 #define KVMIX_TAG_MAX_IDS       16   /* ids in one marker or name sequence */
 #define KVMIX_TAG_MAX_ALTS      4    /* alternative sequences of one marker (e.g. harmony's ends) */
