@@ -24,20 +24,25 @@ EVAL_LDLIBS := -lcjson -lm -lpthread
 LLAMA_SRC := examples/llama.c examples/llama.h kvmix.h
 # The kvmix-backed cache and the policies (it compiles the kvmix implementation).
 KV_SRC := examples/kvmix_kv.c examples/kvmix_kv.h kvmix.h
+# The template-tag tools: spec JSON (it compiles the kvmix implementation) and tokenizer.json.
+TAG_SRC := examples/tag_spec_json.c examples/tag_spec_json.h examples/hf_tokenizer.c \
+	examples/hf_tokenizer.h kvmix.h
+TAG_LDLIBS := -lcjson -lm
+TAG_TOOLS := $(BUILD)/kvmix-tag $(BUILD)/kvmix-tagspec
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall,-Wextra,-Werror
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
-FUZZ_TARGETS := formats view payload safetensors policy
+FUZZ_TARGETS := formats view payload safetensors policy tags tagspec
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
-MODEL_TESTS := $(BUILD)/model_test_llama
+MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
 
 all: $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/unit_tests \
-	$(BUILD)/bench_formats $(BUILD)/bench_bits
+	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
 
 $(BUILD):
 	mkdir -p $(BUILD)
@@ -58,6 +63,14 @@ $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
 		-o $@ $(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval
+
+# ---- template tags: kvmix-tag (ids in, tags out) and kvmix-tagspec (tokenizer.json -> spec) ----
+$(BUILD)/kvmix-tag: examples/kvmix_tag.c $(TAG_SRC) | $(BUILD)
+	$(CC) $(CFLAGS) -I. -Iexamples examples/kvmix_tag.c examples/tag_spec_json.c \
+		examples/hf_tokenizer.c -o $@ $(TAG_LDLIBS)
+$(BUILD)/kvmix-tagspec: examples/kvmix_tagspec.c $(TAG_SRC) | $(BUILD)
+	$(CC) $(CFLAGS) -I. -Iexamples examples/kvmix_tagspec.c examples/tag_spec_json.c \
+		examples/hf_tokenizer.c -o $@ $(TAG_LDLIBS)
 
 # ---- tests ----------------------------------------------------------------------------------
 # The header must compile as C99, C11 and C++, and with KVMIX_STATIC, under $(WARN).
@@ -85,6 +98,10 @@ $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_pol
 		$(KV_SRC) | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples tests/test_llama.c \
 		tests/test_policy.c examples/llama.c examples/kvmix_kv.c -o $@ $(EVAL_LDLIBS)
+# Tags on the reference traces and the real tokenizers; it runs the tools too.
+$(BUILD)/model_test_tags: tests/test_tags.c $(TAG_SRC) $(TAG_TOOLS) | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. -Iexamples tests/test_tags.c \
+		examples/tag_spec_json.c examples/hf_tokenizer.c -o $@ $(TAG_LDLIBS)
 
 # Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
 $(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c tests/fuzz_invariants.h kvmix.h | $(BUILD)
@@ -93,6 +110,9 @@ $(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c tests/fuzz_seed_driver.h
 		| $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/fuzz_tagspec_run: tests/fuzz_tagspec.c tests/fuzz_seed_driver.h $(TAG_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_tagspec.c \
+		examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h $(LLAMA_SRC) $(KV_SRC) \
 		| $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
@@ -110,7 +130,7 @@ $(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 endif
 
 test: $(HEADER_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
-	$(MODEL_TESTS) cuda-build
+	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build
 	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
 
@@ -133,11 +153,16 @@ $(BUILD)/bench_bits: bench/bench_bits.c kvmix.h | $(BUILD)
 $(BUILD)/bench_alloc: bench/bench_alloc.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
 
-bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits $(BUILD)/bench_alloc
+$(BUILD)/bench_tags: bench/bench_tags.c kvmix.h | $(BUILD)
+	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
+
+bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits $(BUILD)/bench_alloc \
+		$(BUILD)/bench_tags
 	./$(BUILD)/bench_formats
 	./$(BUILD)/bench_cache
 	./$(BUILD)/bench_bits
 	./$(BUILD)/bench_alloc
+	./$(BUILD)/bench_tags
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60
@@ -146,6 +171,8 @@ $(BUILD)/fuzz_%: tests/fuzz_%.c tests/fuzz_invariants.h kvmix.h | $(BUILD)
 	$(LIBFUZZER) $< -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_safetensors.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/fuzz_tagspec: tests/fuzz_tagspec.c $(TAG_SRC) | $(BUILD)
+	$(LIBFUZZER) tests/fuzz_tagspec.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_policy: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_policy.c examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 

@@ -25,6 +25,7 @@
      // >>policy    policies: what a cache applies per token; the built-ins
      // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
      // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
+     // >>tags      template specs and the streaming tagger: per token a turn, a modality, a role
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -892,6 +893,182 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *prob
                                                  int32_t budget_steps, void *workspace,
                                                  size_t workspace_bytes, double *out_budget_bits,
                                                  double *out_distortion);
+/* Template tags: a streaming tagger that reads the token ids of a chat template as an inference  */
+/* loop produces them and writes, per token, a turn index, a modality and a role. A template spec */
+/* (kvmix_tag_spec) is plain data: the id sequences of the template's markers and role words.    */
+/* The JSON form of a spec lives with the tools in examples/ (tag_spec_json.c).                   */
+/*                                                                                               */
+/* Model of a stream: messages are  START header HEADER_END content END . The header holds the    */
+/* role word(s) and, in harmony-like templates, a CHANNEL marker followed by a channel name. The   */
+/* content may hold brackets (reasoning, tool call, tool response: one level) and vision spans.   */
+/*   - Scaffold: message start/end markers, every header token (role words, the header end such   */
+/*     as ChatML's newline after the role, channel markers and names), bracket and vision marker  */
+/*     tokens, and every token outside a message (e.g. ChatML's newline after <|im_end|>).        */
+/*   - Message role: the longest role name (spec->roles) that is a prefix of the header gives the */
+/*     role of the content: system/developer -> instruction (tool schemas live there), user,     */
+/*     assistant, tool -> observation. In an assistant message a channel name (longest match      */
+/*     after the channel marker) selects the role instead (harmony: analysis -> reasoning,        */
+/*     commentary -> tool_call, final -> assistant). Channels apply to assistant messages only.    */
+/*   - Brackets override the message role for their content: reasoning, tool_call, observation    */
+/*     (tool response). In an instruction message (system, developer) bracket ids are content:    */
+/*     system prompts name the tags when they explain tool use. Tokens inside vision brackets and  */
+/*     image-pad ids have modality IMAGE and the role around them.                               */
+/*   - Turns: turn 0 is everything before the first user message. A user message starts a new     */
+/*     turn at its first content token, unless that token opens a tool response (ChatML sends a    */
+/*     tool result as a user message wrapped in <tool_response>): such a message is an            */
+/*     observation of the current turn, and its content outside brackets is observation too.      */
+/*     Header tokens of the user message still carry the previous turn.                           */
+/*   - Streaming: each token's tag is written when it is fed, from what came before it. A marker   */
+/*     of several ids takes effect at its last id, which is tagged as the marker; its earlier ids  */
+/*     were tagged as what they looked like when fed. Feeding one id at a time or in runs of any   */
+/*     length gives the same tags.                                                               */
+/*   - Broken streams never fail a call. The fallback tag has KVMIX_TAG_FLAG_FALLBACK set: a   */
+/*     message with an unknown role word, an unknown channel or a header longer than           */
+/*     KVMIX_TAG_MAX_HEADER tokens has its content tagged USER (unknown role, which starts no  */
+/*     turn) or its header's role (channel or length wrong), flagged, except inside brackets.  */
+/*     A stray or mismatched close bracket, an open bracket or vision span while one is open   */
+/*     (it replaces it), a message start inside a message that never ended (the old one        */
+/*     ends), a message end that closes an open bracket or vision span, and any bracket, end   */
+/*     or image pad outside a message are scaffold (image pad: modality IMAGE), flagged;       */
+/*     n_breaks counts them.                                                                   */
+
+#define KVMIX_TAG_MAX_IDS       16   /* ids in one marker or name sequence */
+#define KVMIX_TAG_MAX_ALTS      4    /* alternative sequences of one marker (e.g. harmony's ends) */
+#define KVMIX_TAG_MAX_NAMES     16   /* role names, and channel names, of one spec */
+#define KVMIX_TAG_MAX_HEADER    64   /* header tokens before the fallback ends a header */
+#define KVMIX_TAG_NAME_BYTES    24   /* a role or channel name as text, NUL included */
+#define KVMIX_TAG_FLAG_FALLBACK 1    /* kvmix_tag.flags: the stream broke the template here */
+#define KVMIX_TAG_FILTER_BITS   4096 /* size of the hot path's id filter (kvmix_tagger.filter) */
+
+typedef enum kvmix_tag_role {
+    KVMIX_ROLE_INSTRUCTION = 0, /* system prompt, developer message, tool schemas */
+    KVMIX_ROLE_USER = 1,
+    KVMIX_ROLE_ASSISTANT = 2, /* the answer */
+    KVMIX_ROLE_REASONING = 3,
+    KVMIX_ROLE_TOOL_CALL = 4,
+    KVMIX_ROLE_OBSERVATION = 5, /* tool results */
+    KVMIX_ROLE_SCAFFOLD = 6     /* template markers, role words, text between messages */
+} kvmix_tag_role;
+#define KVMIX_TAG_N_ROLES 7
+
+typedef enum kvmix_tag_modality {
+    KVMIX_MODALITY_TEXT = 0,
+    KVMIX_MODALITY_IMAGE = 1
+} kvmix_tag_modality;
+
+/* Temporal bucket of a token relative to the current turn (kvmix_tag_bucket_of). */
+typedef enum kvmix_tag_bucket {
+    KVMIX_BUCKET_CURRENT = 0,  /* turn == current turn (or later) */
+    KVMIX_BUCKET_PREVIOUS = 1, /* turn == current - 1 */
+    KVMIX_BUCKET_TWO_BACK = 2, /* turn == current - 2 */
+    KVMIX_BUCKET_OLDER = 3     /* turn <= current - 3 */
+} kvmix_tag_bucket;
+
+/* The tag of one token, 8 bytes. */
+typedef struct kvmix_tag {
+    int32_t turn;     /* >= 0: number of user turns started up to and including this token */
+    uint8_t role;     /* kvmix_tag_role */
+    uint8_t modality; /* kvmix_tag_modality */
+    uint8_t flags;    /* KVMIX_TAG_FLAG_* */
+    uint8_t reserved; /* 0 */
+} kvmix_tag;
+
+/* A sequence of token ids; n_ids == 0 means "not used". */
+typedef struct kvmix_tag_seq {
+    int32_t n_ids;                  /* 0 .. KVMIX_TAG_MAX_IDS */
+    int32_t ids[KVMIX_TAG_MAX_IDS]; /* each >= 0; entries past n_ids are ignored */
+} kvmix_tag_seq;
+
+/* A marker: any of up to KVMIX_TAG_MAX_ALTS sequences (unused ones have n_ids 0). */
+typedef struct kvmix_tag_marker {
+    kvmix_tag_seq alts[KVMIX_TAG_MAX_ALTS];
+} kvmix_tag_marker;
+
+/* A role word after the message start, or a channel name after the channel marker. */
+typedef struct kvmix_tag_name {
+    char text[KVMIX_TAG_NAME_BYTES]; /* for people and tools; the tagger reads only ids */
+    int32_t role;                    /* kvmix_tag_role, not SCAFFOLD */
+    kvmix_tag_seq seq;               /* n_ids >= 1 */
+} kvmix_tag_name;
+
+/* A template spec: plain data, all zero = nothing. message_start, message_end and header_end
+   need at least one sequence; every other marker is optional. Content markers (message start and
+   end, brackets, vision, image pad) are matched anywhere and must all differ from one another;
+   header_end and channel are matched only inside a header. */
+typedef struct kvmix_tag_spec {
+    kvmix_tag_marker message_start; /* ChatML <|im_start|>; harmony <|start|> */
+    kvmix_tag_marker message_end;   /* <|im_end|>; <|end|>, <|call|>, <|return|> */
+    kvmix_tag_marker header_end;    /* ChatML: the newline after the role; harmony <|message|> */
+    kvmix_tag_marker channel;       /* harmony <|channel|>; none in ChatML */
+    kvmix_tag_marker reasoning_open, reasoning_close; /* <think> </think> */
+    kvmix_tag_marker tool_call_open, tool_call_close; /* <tool_call> </tool_call> */
+    kvmix_tag_marker tool_response_open, tool_response_close;
+    kvmix_tag_marker vision_open, vision_close; /* <|vision_start|> <|vision_end|> */
+    kvmix_tag_marker image_pad;                 /* <|image_pad|>: one id each */
+    int32_t n_roles;                            /* 0 .. KVMIX_TAG_MAX_NAMES */
+    kvmix_tag_name roles[KVMIX_TAG_MAX_NAMES];
+    int32_t n_channels; /* 0 .. KVMIX_TAG_MAX_NAMES */
+    kvmix_tag_name channels[KVMIX_TAG_MAX_NAMES];
+} kvmix_tag_spec;
+
+/* Streaming tagger state: fixed size, in caller memory, no pointers (it may be copied to fork a
+   stream, or saved). Read-only for callers except through the functions below; `turn` is the
+   current turn, `n_fed` the ids fed so far, `n_breaks` the template breaks seen. */
+typedef struct kvmix_tagger {
+    kvmix_tag_spec spec;
+    uint64_t filter[KVMIX_TAG_FILTER_BITS / 64]; /* last ids of content markers, by id % bits */
+    int64_t n_fed;
+    int64_t n_breaks;
+    int32_t turn;
+    int32_t mode;      /* private: outside, content, first content token, header */
+    kvmix_tag current; /* private: the tag of a plain token in the current state */
+    int32_t msg_role, msg_fallback, msg_user, bracket, vision, channel_role, channel_at;
+    int32_t n_header;
+    int32_t header[KVMIX_TAG_MAX_IDS];      /* first header ids */
+    int32_t channel_ids[KVMIX_TAG_MAX_IDS]; /* first ids after the channel marker */
+    int32_t history[KVMIX_TAG_MAX_IDS];     /* the last ids fed, ring by n_fed */
+    int32_t pad_mode;                       /* private: image pads on the hot path ... */
+    int32_t pads[KVMIX_TAG_MAX_ALTS];       /* ... in this mode, when they end no other marker */
+} kvmix_tagger;
+
+/* Checks a spec: counts and lengths in range, ids >= 0, name roles valid and not SCAFFOLD, the
+   required markers present, image pads one id each, content markers distinct from each other
+   and header_end distinct from channel. Returns KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER or
+   KVMIX_ERR_INVALID_ARGUMENT. Thread-safe. */
+KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec);
+
+/* Initializes a tagger for a new stream: copies the spec (which the caller may then free) and
+   starts outside any message at turn 0. Returns kvmix_tag_spec_check's errors; on error
+   *tagger is unchanged. */
+KVMIXDEF kvmix_result kvmix_tagger_init(kvmix_tagger *tagger, const kvmix_tag_spec *spec);
+
+/* Starts a new stream with the same spec. Returns KVMIX_ERR_NULL_POINTER or
+   KVMIX_ERR_INVALID_ARGUMENT (a tagger whose spec no longer checks). */
+KVMIXDEF kvmix_result kvmix_tagger_reset(kvmix_tagger *tagger);
+
+/* Feeds n_ids token ids (any int32 value; ids no marker uses are content) and writes their tags
+   to out_tags [n_ids]. Runs of any length give the same tags as one id at a time. ids and
+   out_tags may be NULL when n_ids is 0. Returns KVMIX_ERR_NULL_POINTER or
+   KVMIX_ERR_INVALID_ARGUMENT (n_ids < 0); then nothing is written and the state is unchanged.
+   Never fails on the ids' content (see the fallback above). One writer per tagger; taggers on
+   distinct streams are independent. */
+KVMIXDEF kvmix_result kvmix_tagger_feed(kvmix_tagger *tagger, const int32_t *ids, int32_t n_ids,
+                                        kvmix_tag *out_tags);
+
+/* Bucket of a token of turn `turn` when the stream is at `current_turn`: CURRENT for turn >=
+   current_turn, PREVIOUS one before, TWO_BACK two before, OLDER beyond. Pure. */
+KVMIXDEF kvmix_tag_bucket kvmix_tag_bucket_of(int32_t turn, int32_t current_turn);
+
+/* Lowercase names: roles "instruction", "user", "assistant", "reasoning", "tool_call",
+   "observation", "scaffold"; modalities "text", "image"; buckets "current", "previous",
+   "two_back", "older"; "unknown" for other values. Static strings, never NULL. */
+KVMIXDEF const char *kvmix_tag_role_name(kvmix_tag_role role);
+KVMIXDEF const char *kvmix_tag_modality_name(kvmix_tag_modality modality);
+KVMIXDEF const char *kvmix_tag_bucket_name(kvmix_tag_bucket bucket);
+
+/* The role of a name as kvmix_tag_role_name spells it (case-sensitive, NUL-terminated) into
+   *out_role. Returns KVMIX_ERR_NULL_POINTER or KVMIX_ERR_NOT_FOUND. */
+KVMIXDEF kvmix_result kvmix_tag_role_from_name(const char *name, kvmix_tag_role *out_role);
 
 #endif /* KVMIX_H */
 
@@ -4635,6 +4812,500 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *prob
         if (out_distortion) out_distortion[w] = last[w];
     }
     return KVMIX_SUCCESS;
+}
+
+// >>tags
+/* The streaming tagger. The hot path (kvmix_tagger_feed's inner loop) runs while the state is
+   outside a message or in a message's content: one bit test of the id in a filter of the last ids
+   of every content marker, and one 8-byte store. Any other id, and every header id, goes through
+   kvmix__tagger_step, which matches markers against the ids fed before (the run itself, then a
+   ring of the last KVMIX_TAG_MAX_IDS ids of earlier runs), so runs and single ids agree. */
+
+enum {
+    KVMIX__TAG_OUTSIDE = 0, /* between messages */
+    KVMIX__TAG_CONTENT = 1, /* a message's content */
+    KVMIX__TAG_FIRST = 2,   /* before the first content token of a user message */
+    KVMIX__TAG_HEADER = 3   /* after a message start, before its header end */
+};
+
+enum { /* content markers, in the order kvmix__tag_content_marker lists them */
+       KVMIX__TAG_K_NONE,
+       KVMIX__TAG_K_START,
+       KVMIX__TAG_K_END,
+       KVMIX__TAG_K_REASONING_OPEN,
+       KVMIX__TAG_K_REASONING_CLOSE,
+       KVMIX__TAG_K_TOOL_CALL_OPEN,
+       KVMIX__TAG_K_TOOL_CALL_CLOSE,
+       KVMIX__TAG_K_TOOL_RESPONSE_OPEN,
+       KVMIX__TAG_K_TOOL_RESPONSE_CLOSE,
+       KVMIX__TAG_K_VISION_OPEN,
+       KVMIX__TAG_K_VISION_CLOSE,
+       KVMIX__TAG_K_IMAGE_PAD,
+       KVMIX__TAG_N_KINDS
+};
+
+static const kvmix_tag_marker *kvmix__tag_content_marker(const kvmix_tag_spec *s, int kind) {
+    switch (kind) {
+    case KVMIX__TAG_K_START: return &s->message_start;
+    case KVMIX__TAG_K_END: return &s->message_end;
+    case KVMIX__TAG_K_REASONING_OPEN: return &s->reasoning_open;
+    case KVMIX__TAG_K_REASONING_CLOSE: return &s->reasoning_close;
+    case KVMIX__TAG_K_TOOL_CALL_OPEN: return &s->tool_call_open;
+    case KVMIX__TAG_K_TOOL_CALL_CLOSE: return &s->tool_call_close;
+    case KVMIX__TAG_K_TOOL_RESPONSE_OPEN: return &s->tool_response_open;
+    case KVMIX__TAG_K_TOOL_RESPONSE_CLOSE: return &s->tool_response_close;
+    case KVMIX__TAG_K_VISION_OPEN: return &s->vision_open;
+    case KVMIX__TAG_K_VISION_CLOSE: return &s->vision_close;
+    default: return &s->image_pad;
+    }
+}
+
+static int kvmix__tag_seq_ok(const kvmix_tag_seq *q) {
+    int32_t i;
+    if (q->n_ids < 0 || q->n_ids > KVMIX_TAG_MAX_IDS) return 0;
+    for (i = 0; i < q->n_ids; i++)
+        if (q->ids[i] < 0) return 0;
+    return 1;
+}
+
+static int kvmix__tag_seq_equal(const kvmix_tag_seq *a, const kvmix_tag_seq *b) {
+    int32_t i;
+    if (a->n_ids != b->n_ids) return 0;
+    for (i = 0; i < a->n_ids; i++)
+        if (a->ids[i] != b->ids[i]) return 0;
+    return 1;
+}
+
+static int kvmix__tag_marker_used(const kvmix_tag_marker *m) {
+    int a;
+    for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
+        if (m->alts[a].n_ids > 0) return 1;
+    return 0;
+}
+
+static int kvmix__tag_names_ok(const kvmix_tag_name *names, int32_t n) {
+    int32_t i;
+    if (n < 0 || n > KVMIX_TAG_MAX_NAMES) return 0;
+    for (i = 0; i < n; i++) {
+        if (!kvmix__tag_seq_ok(&names[i].seq) || names[i].seq.n_ids < 1) return 0;
+        if (names[i].role < 0 || names[i].role >= KVMIX_ROLE_SCAFFOLD) return 0;
+    }
+    return 1;
+}
+
+KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec) {
+    int k, k2, a, a2;
+    if (!spec) return KVMIX_ERR_NULL_POINTER;
+    for (k = KVMIX__TAG_K_START; k < KVMIX__TAG_N_KINDS; k++) {
+        const kvmix_tag_marker *m = kvmix__tag_content_marker(spec, k);
+        for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
+            const kvmix_tag_seq *q = &m->alts[a];
+            if (!kvmix__tag_seq_ok(q)) return KVMIX_ERR_INVALID_ARGUMENT;
+            if (q->n_ids == 0) continue;
+            if (k == KVMIX__TAG_K_IMAGE_PAD && q->n_ids != 1) return KVMIX_ERR_INVALID_ARGUMENT;
+            for (k2 = KVMIX__TAG_K_START; k2 <= k; k2++) {
+                const kvmix_tag_marker *m2 = kvmix__tag_content_marker(spec, k2);
+                for (a2 = 0; a2 < (k2 == k ? a : KVMIX_TAG_MAX_ALTS); a2++)
+                    if (kvmix__tag_seq_equal(q, &m2->alts[a2])) return KVMIX_ERR_INVALID_ARGUMENT;
+            }
+        }
+    }
+    for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
+        if (!kvmix__tag_seq_ok(&spec->header_end.alts[a]) ||
+            !kvmix__tag_seq_ok(&spec->channel.alts[a]))
+            return KVMIX_ERR_INVALID_ARGUMENT;
+        for (a2 = 0; a2 < KVMIX_TAG_MAX_ALTS; a2++)
+            if (spec->header_end.alts[a].n_ids > 0 &&
+                kvmix__tag_seq_equal(&spec->header_end.alts[a], &spec->channel.alts[a2]))
+                return KVMIX_ERR_INVALID_ARGUMENT;
+    }
+    if (!kvmix__tag_marker_used(&spec->message_start) ||
+        !kvmix__tag_marker_used(&spec->message_end) || !kvmix__tag_marker_used(&spec->header_end))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__tag_names_ok(spec->roles, spec->n_roles) ||
+        !kvmix__tag_names_ok(spec->channels, spec->n_channels))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    return KVMIX_SUCCESS;
+}
+
+static void kvmix__tagger_update(kvmix_tagger *t) {
+    kvmix_tag c;
+    c.turn = t->turn;
+    c.modality = KVMIX_MODALITY_TEXT;
+    c.flags = 0;
+    c.reserved = 0;
+    if (t->mode == KVMIX__TAG_OUTSIDE || t->mode == KVMIX__TAG_HEADER) {
+        c.role = KVMIX_ROLE_SCAFFOLD;
+    } else {
+        int32_t role = t->msg_role;
+        if (role == KVMIX_ROLE_ASSISTANT && t->channel_role >= 0) role = t->channel_role;
+        c.flags = (uint8_t)(t->msg_fallback ? KVMIX_TAG_FLAG_FALLBACK : 0);
+        if (t->bracket) {
+            static const uint8_t bracket_role[4] = {0, KVMIX_ROLE_REASONING, KVMIX_ROLE_TOOL_CALL,
+                                                    KVMIX_ROLE_OBSERVATION};
+            role = bracket_role[t->bracket & 3];
+            c.flags = 0;
+        }
+        c.role = (uint8_t)role;
+        if (t->vision) c.modality = KVMIX_MODALITY_IMAGE;
+    }
+    t->current = c;
+}
+
+KVMIXDEF kvmix_result kvmix_tagger_reset(kvmix_tagger *tagger) {
+    int k, a;
+    if (!tagger) return KVMIX_ERR_NULL_POINTER;
+    if (kvmix_tag_spec_check(&tagger->spec) != KVMIX_SUCCESS) return KVMIX_ERR_INVALID_ARGUMENT;
+    memset(tagger->filter, 0, sizeof tagger->filter);
+    for (k = KVMIX__TAG_K_START; k < KVMIX__TAG_N_KINDS; k++) {
+        const kvmix_tag_marker *m = kvmix__tag_content_marker(&tagger->spec, k);
+        for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
+            if (m->alts[a].n_ids > 0) {
+                uint32_t h = (uint32_t)m->alts[a].ids[m->alts[a].n_ids - 1] % KVMIX_TAG_FILTER_BITS;
+                tagger->filter[h / 64] |= (uint64_t)1 << (h % 64);
+            }
+    }
+    /* image pads that end no other content marker are tagged on the hot path */
+    tagger->pad_mode = -1;
+    for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
+        const kvmix_tag_seq *pad = &tagger->spec.image_pad.alts[a];
+        int k2, a2, alone = pad->n_ids == 1;
+        for (k2 = KVMIX__TAG_K_START; alone && k2 < KVMIX__TAG_K_IMAGE_PAD; k2++) {
+            const kvmix_tag_marker *m = kvmix__tag_content_marker(&tagger->spec, k2);
+            for (a2 = 0; a2 < KVMIX_TAG_MAX_ALTS; a2++)
+                if (m->alts[a2].n_ids > 0 && m->alts[a2].ids[m->alts[a2].n_ids - 1] == pad->ids[0])
+                    alone = 0;
+        }
+        if (!alone) continue;
+        if (tagger->pad_mode < 0)
+            for (k = 0; k < KVMIX_TAG_MAX_ALTS; k++) tagger->pads[k] = pad->ids[0];
+        tagger->pads[a] = pad->ids[0];
+        tagger->pad_mode = KVMIX__TAG_CONTENT;
+    }
+    if (tagger->pad_mode < 0) memset(tagger->pads, 0, sizeof tagger->pads);
+    tagger->n_fed = 0;
+    tagger->n_breaks = 0;
+    tagger->turn = 0;
+    tagger->mode = KVMIX__TAG_OUTSIDE;
+    tagger->msg_role = KVMIX_ROLE_USER;
+    tagger->msg_fallback = 0;
+    tagger->msg_user = 0;
+    tagger->bracket = 0;
+    tagger->vision = 0;
+    tagger->channel_role = -1;
+    tagger->channel_at = -1;
+    tagger->n_header = 0;
+    memset(tagger->header, 0, sizeof tagger->header);
+    memset(tagger->channel_ids, 0, sizeof tagger->channel_ids);
+    memset(tagger->history, 0, sizeof tagger->history);
+    kvmix__tagger_update(tagger);
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_tagger_init(kvmix_tagger *tagger, const kvmix_tag_spec *spec) {
+    kvmix_result r;
+    if (!tagger || !spec) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_tag_spec_check(spec)) != KVMIX_SUCCESS) return r;
+    if (&tagger->spec != spec) memmove(&tagger->spec, spec, sizeof *spec);
+    return kvmix_tagger_reset(tagger);
+}
+
+/* Nonzero when `q` ends at run index i (absolute position base + i) and lies within the last
+   `limit` ids. Earlier ids come from the run, then from the ring of the previous runs. */
+static int kvmix__tag_ends_at(const kvmix_tagger *t, const int32_t *ids, int32_t i, int64_t base,
+                              const kvmix_tag_seq *q, int64_t limit) {
+    int32_t k, n = q->n_ids;
+    if (n <= 0 || n > limit || (int64_t)n > base + i + 1) return 0;
+    for (k = 0; k < n; k++) {
+        int32_t back = n - 1 - k, id;
+        if (back <= i)
+            id = ids[i - back];
+        else
+            id = t->history[(uint64_t)(base + i - back) % KVMIX_TAG_MAX_IDS];
+        if (id != q->ids[k]) return 0;
+    }
+    return 1;
+}
+
+static int kvmix__tag_marker_ends_at(const kvmix_tagger *t, const int32_t *ids, int32_t i,
+                                     int64_t base, const kvmix_tag_marker *m, int64_t limit,
+                                     int32_t *io_len) {
+    int a, hit = 0;
+    for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
+        if (m->alts[a].n_ids > *io_len && kvmix__tag_ends_at(t, ids, i, base, &m->alts[a], limit)) {
+            *io_len = m->alts[a].n_ids;
+            hit = 1;
+        }
+    return hit;
+}
+
+/* The content marker (longest) that ends at ids[i], or KVMIX__TAG_K_NONE. */
+static int kvmix__tag_content_match(const kvmix_tagger *t, const int32_t *ids, int32_t i,
+                                    int64_t base) {
+    uint32_t h = (uint32_t)ids[i] % KVMIX_TAG_FILTER_BITS;
+    int k, best = KVMIX__TAG_K_NONE;
+    int32_t len = 0;
+    if (!((t->filter[h / 64] >> (h % 64)) & 1)) return best;
+    for (k = KVMIX__TAG_K_START; k < KVMIX__TAG_N_KINDS; k++)
+        if (kvmix__tag_marker_ends_at(t, ids, i, base, kvmix__tag_content_marker(&t->spec, k),
+                                      KVMIX_TAG_MAX_IDS, &len))
+            best = k;
+    return best;
+}
+
+/* The longest name whose ids are a prefix of have[0 .. n_have), or -1. */
+static int32_t kvmix__tag_name_match(const kvmix_tag_name *names, int32_t n_names,
+                                     const int32_t *have, int32_t n_have) {
+    int32_t i, k, best = -1, best_len = 0;
+    if (n_have > KVMIX_TAG_MAX_IDS) n_have = KVMIX_TAG_MAX_IDS;
+    for (i = 0; i < n_names; i++) {
+        const kvmix_tag_seq *q = &names[i].seq;
+        if (q->n_ids > n_have || q->n_ids <= best_len) continue;
+        for (k = 0; k < q->n_ids && have[k] == q->ids[k]; k++) {
+        }
+        if (k == q->n_ids) {
+            best = i;
+            best_len = q->n_ids;
+        }
+    }
+    return best;
+}
+
+/* Ends a header: the message's role from its role word and channel. */
+static void kvmix__tagger_end_header(kvmix_tagger *t, int overflow) {
+    int32_t r = kvmix__tag_name_match(t->spec.roles, t->spec.n_roles, t->header, t->n_header);
+    t->channel_role = -1;
+    if (r < 0) {
+        t->msg_role = KVMIX_ROLE_USER;
+        t->msg_fallback = 1;
+        t->msg_user = 0;
+    } else {
+        t->msg_role = t->spec.roles[r].role;
+        t->msg_fallback = overflow;
+        t->msg_user = t->msg_role == KVMIX_ROLE_USER;
+    }
+    if (t->msg_role == KVMIX_ROLE_ASSISTANT && t->channel_at >= 0) {
+        int32_t c = kvmix__tag_name_match(t->spec.channels, t->spec.n_channels, t->channel_ids,
+                                          t->n_header - t->channel_at);
+        if (c < 0)
+            t->msg_fallback = 1;
+        else
+            t->channel_role = t->spec.channels[c].role;
+    }
+    if (t->msg_fallback) t->n_breaks++;
+    t->mode = t->msg_user ? KVMIX__TAG_FIRST : KVMIX__TAG_CONTENT;
+    kvmix__tagger_update(t);
+}
+
+static void kvmix__tagger_start_message(kvmix_tagger *t) {
+    t->mode = KVMIX__TAG_HEADER;
+    t->n_header = 0;
+    t->channel_at = -1;
+    t->channel_role = -1;
+    t->bracket = 0;
+    t->vision = 0;
+    t->msg_fallback = 0;
+    t->msg_user = 0;
+    kvmix__tagger_update(t);
+}
+
+/* One id that the hot path does not handle: a header id, a content marker's last id, the first
+   content id of a user message, or an id that shares a filter bit with a marker. */
+static kvmix_tag kvmix__tagger_step(kvmix_tagger *t, const int32_t *ids, int32_t i, int64_t base) {
+    kvmix_tag out;
+    int kind = kvmix__tag_content_match(t, ids, i, base), stray = 0, brk = 0;
+    if (t->mode == KVMIX__TAG_HEADER) {
+        int32_t len = 0, pos;
+        if (kind == KVMIX__TAG_K_START || kind == KVMIX__TAG_K_END) {
+            t->n_breaks++;
+            if (kind == KVMIX__TAG_K_START)
+                kvmix__tagger_start_message(t);
+            else {
+                t->mode = KVMIX__TAG_OUTSIDE;
+                kvmix__tagger_update(t);
+            }
+            out = t->current;
+            out.role = KVMIX_ROLE_SCAFFOLD;
+            out.modality = KVMIX_MODALITY_TEXT;
+            out.flags = KVMIX_TAG_FLAG_FALLBACK;
+            return out;
+        }
+        if (t->n_header < KVMIX_TAG_MAX_HEADER) {
+            pos = t->n_header++;
+            if (pos < KVMIX_TAG_MAX_IDS) t->header[pos] = ids[i];
+            if (t->channel_at >= 0 && pos - t->channel_at < KVMIX_TAG_MAX_IDS)
+                t->channel_ids[pos - t->channel_at] = ids[i];
+            out = t->current; /* scaffold */
+            if (kvmix__tag_marker_ends_at(t, ids, i, base, &t->spec.header_end, t->n_header, &len))
+                kvmix__tagger_end_header(t, 0);
+            else if (kvmix__tag_marker_ends_at(t, ids, i, base, &t->spec.channel, t->n_header,
+                                               &len))
+                t->channel_at = t->n_header;
+            out.turn = t->turn;
+            return out;
+        }
+        kvmix__tagger_end_header(t, 1); /* too long: this id is the first content id */
+    }
+    if (t->mode == KVMIX__TAG_FIRST) {
+        t->mode = KVMIX__TAG_CONTENT;
+        if (kind == KVMIX__TAG_K_TOOL_RESPONSE_OPEN) {
+            t->msg_role = KVMIX_ROLE_OBSERVATION; /* a tool result sent as a user message */
+            t->msg_user = 0;
+        } else if (t->turn < 0x7fffffff) {
+            t->turn++;
+        }
+        kvmix__tagger_update(t);
+    }
+    out = t->current;
+    if (kind == KVMIX__TAG_K_NONE) return out;
+    if (t->mode != KVMIX__TAG_OUTSIDE && t->msg_role == KVMIX_ROLE_INSTRUCTION &&
+        kind >= KVMIX__TAG_K_REASONING_OPEN && kind <= KVMIX__TAG_K_TOOL_RESPONSE_CLOSE)
+        return out; /* a system prompt that names the tags: content */
+    if (t->mode == KVMIX__TAG_OUTSIDE) {
+        stray = kind != KVMIX__TAG_K_START;
+    } else {
+        switch (kind) {
+        case KVMIX__TAG_K_START:
+            brk = 1; /* the message never ended */
+            break;
+        case KVMIX__TAG_K_END:
+            brk = t->bracket != 0 || t->vision != 0;
+            t->mode = KVMIX__TAG_OUTSIDE;
+            break;
+        case KVMIX__TAG_K_REASONING_OPEN:
+        case KVMIX__TAG_K_TOOL_CALL_OPEN:
+        case KVMIX__TAG_K_TOOL_RESPONSE_OPEN:
+            brk = t->bracket != 0;
+            t->bracket = (kind - KVMIX__TAG_K_REASONING_OPEN) / 2 + 1;
+            break;
+        case KVMIX__TAG_K_REASONING_CLOSE:
+        case KVMIX__TAG_K_TOOL_CALL_CLOSE:
+        case KVMIX__TAG_K_TOOL_RESPONSE_CLOSE:
+            if (t->bracket == (kind - KVMIX__TAG_K_REASONING_CLOSE) / 2 + 1)
+                t->bracket = 0;
+            else
+                stray = 1;
+            break;
+        case KVMIX__TAG_K_VISION_OPEN:
+            brk = t->vision;
+            t->vision = 1;
+            break;
+        case KVMIX__TAG_K_VISION_CLOSE:
+            if (t->vision)
+                t->vision = 0;
+            else
+                stray = 1;
+            break;
+        default: /* image pad: content of the image */
+            out.modality = KVMIX_MODALITY_IMAGE;
+            return out;
+        }
+    }
+    if (kind == KVMIX__TAG_K_START)
+        kvmix__tagger_start_message(t);
+    else
+        kvmix__tagger_update(t);
+    out = t->current;
+    out.turn = t->turn;
+    out.role = KVMIX_ROLE_SCAFFOLD;
+    out.modality =
+        (uint8_t)(kind == KVMIX__TAG_K_IMAGE_PAD ? KVMIX_MODALITY_IMAGE : KVMIX_MODALITY_TEXT);
+    out.flags = (uint8_t)(stray || brk ? KVMIX_TAG_FLAG_FALLBACK : 0);
+    if (stray || brk) t->n_breaks++;
+    return out;
+}
+
+KVMIXDEF kvmix_result kvmix_tagger_feed(kvmix_tagger *tagger, const int32_t *ids, int32_t n_ids,
+                                        kvmix_tag *out_tags) {
+    int64_t base;
+    int32_t i = 0, j;
+    if (!tagger) return KVMIX_ERR_NULL_POINTER;
+    if (n_ids < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_ids == 0) return KVMIX_SUCCESS;
+    if (!ids || !out_tags) return KVMIX_ERR_NULL_POINTER;
+    base = tagger->n_fed;
+    if (n_ids == 1 && tagger->mode <= KVMIX__TAG_CONTENT) { /* a decode step: one id */
+        const uint32_t h = (uint32_t)ids[0] % KVMIX_TAG_FILTER_BITS;
+        if (!((tagger->filter[h / 64] >> (h % 64)) & 1)) {
+            out_tags[0] = tagger->current;
+            tagger->history[(uint64_t)base % KVMIX_TAG_MAX_IDS] = ids[0];
+            tagger->n_fed = base + 1;
+            return KVMIX_SUCCESS;
+        }
+    }
+    while (i < n_ids) {
+        if (tagger->mode <= KVMIX__TAG_CONTENT) {
+            const kvmix_tag cur = tagger->current;
+            const uint64_t *filter = tagger->filter;
+            const int pads = tagger->mode == tagger->pad_mode;
+            const int32_t p0 = tagger->pads[0], p1 = tagger->pads[1], p2 = tagger->pads[2],
+                          p3 = tagger->pads[3];
+            kvmix_tag image = cur;
+            image.modality = KVMIX_MODALITY_IMAGE;
+            for (; i < n_ids; i++) {
+                const int32_t id = ids[i];
+                const uint32_t h = (uint32_t)id % KVMIX_TAG_FILTER_BITS;
+                if ((filter[h / 64] >> (h % 64)) & 1) {
+                    if (!pads || (id != p0 && id != p1 && id != p2 && id != p3)) break;
+                    out_tags[i] = image;
+                } else {
+                    out_tags[i] = cur;
+                }
+            }
+            if (i == n_ids) break;
+        }
+        out_tags[i] = kvmix__tagger_step(tagger, ids, i, base);
+        i++;
+    }
+    for (j = n_ids > KVMIX_TAG_MAX_IDS ? n_ids - KVMIX_TAG_MAX_IDS : 0; j < n_ids; j++)
+        tagger->history[(uint64_t)(base + j) % KVMIX_TAG_MAX_IDS] = ids[j];
+    tagger->n_fed = base + n_ids;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_tag_bucket kvmix_tag_bucket_of(int32_t turn, int32_t current_turn) {
+    int64_t d = (int64_t)current_turn - (int64_t)turn;
+    if (d <= 0) return KVMIX_BUCKET_CURRENT;
+    if (d == 1) return KVMIX_BUCKET_PREVIOUS;
+    if (d == 2) return KVMIX_BUCKET_TWO_BACK;
+    return KVMIX_BUCKET_OLDER;
+}
+
+static const char *const kvmix__tag_role_names[KVMIX_TAG_N_ROLES] = {
+    "instruction", "user", "assistant", "reasoning", "tool_call", "observation", "scaffold"};
+
+KVMIXDEF const char *kvmix_tag_role_name(kvmix_tag_role role) {
+    if ((int)role < 0 || (int)role >= KVMIX_TAG_N_ROLES) return "unknown";
+    return kvmix__tag_role_names[role];
+}
+
+KVMIXDEF const char *kvmix_tag_modality_name(kvmix_tag_modality modality) {
+    switch (modality) {
+    case KVMIX_MODALITY_TEXT: return "text";
+    case KVMIX_MODALITY_IMAGE: return "image";
+    default: return "unknown";
+    }
+}
+
+KVMIXDEF const char *kvmix_tag_bucket_name(kvmix_tag_bucket bucket) {
+    switch (bucket) {
+    case KVMIX_BUCKET_CURRENT: return "current";
+    case KVMIX_BUCKET_PREVIOUS: return "previous";
+    case KVMIX_BUCKET_TWO_BACK: return "two_back";
+    case KVMIX_BUCKET_OLDER: return "older";
+    default: return "unknown";
+    }
+}
+
+KVMIXDEF kvmix_result kvmix_tag_role_from_name(const char *name, kvmix_tag_role *out_role) {
+    int i;
+    if (!name || !out_role) return KVMIX_ERR_NULL_POINTER;
+    for (i = 0; i < KVMIX_TAG_N_ROLES; i++)
+        if (strcmp(name, kvmix__tag_role_names[i]) == 0) {
+            *out_role = (kvmix_tag_role)i;
+            return KVMIX_SUCCESS;
+        }
+    return KVMIX_ERR_NOT_FOUND;
 }
 
 #endif /* KVMIX_IMPLEMENTATION_DONE */

@@ -26,6 +26,7 @@ void unit_view(void);
 void unit_transfer(void);
 void unit_policy(void);
 void unit_alloc(void);
+void unit_tags(void);
 
 /* ---- checks ------------------------------------------------------------------------------- */
 #if defined(__GNUC__) || defined(__clang__)

@@ -1,0 +1,52 @@
+/* tag_spec_json.h - the JSON form of a kvmix template spec (kvmix_tag_spec, kvmix.h "Template
+ * tags"), for the tools in examples/: kvmix-tag reads it, kvmix-tagspec writes it.
+ *
+ * A document is one JSON object, version 1; README.md ("Template tags") has the schema table:
+ *
+ *   {"version": 1, "name": "qwen3", "description": "...",
+ *    "message_start": [[151644]], "message_end": [[151645]], "header_end": [[198]],
+ *    "channel": [], "reasoning_open": [[151667]], ..., "image_pad": [[151655]],
+ *    "roles": [{"name": "system", "role": "instruction", "ids": [8948]}, ...],
+ *    "channels": [{"name": "analysis", "role": "reasoning", "ids": [35644]}, ...]}
+ *
+ * Every marker is a list of alternative id sequences. The reader is strict: unknown or repeated
+ * fields, wrong types, ids out of range and too many entries are errors whose message names the
+ * field, and the spec must pass kvmix_tag_spec_check. Functions are pure and thread-safe (cJSON is
+ * used without its global hooks or error pointer). tag_spec_json.c compiles the kvmix
+ * implementation: link it once, and not with another file that does (examples/kvmix_kv.c).
+ */
+#ifndef KVMIX_TAG_SPEC_JSON_H
+#define KVMIX_TAG_SPEC_JSON_H
+
+#include <stddef.h>
+
+#include "kvmix.h"
+
+#define TAG_SPEC_VERSION 1
+
+typedef struct tag_spec_doc {
+    char name[64];         /* 1-63 bytes */
+    char description[256]; /* 0-255 bytes */
+    kvmix_tag_spec spec;
+} tag_spec_doc;
+
+/* Parses a document of json_bytes (need not be NUL-terminated) into *out (written only on
+ * success). Returns KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER, KVMIX_ERR_PARSE (malformed JSON, a
+ * field of the wrong type or range, unknown or repeated fields; the message names the field),
+ * KVMIX_ERR_VERSION or KVMIX_ERR_INVALID_ARGUMENT (kvmix_tag_spec_check refused the spec). err
+ * (may be NULL) receives a NUL-terminated message on error. */
+kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *out, char *err,
+                            size_t err_bytes);
+
+/* Reads and parses the file at path; KVMIX_ERR_NOT_FOUND when it cannot be read. */
+kvmix_result tag_spec_load(const char *path, tag_spec_doc *out, char *err, size_t err_bytes);
+
+/* The document as JSON text (one field a line, one role or channel a line, a final newline),
+ * malloc'd and NUL-terminated; NULL when out of memory. The same doc always gives the same bytes,
+ * and the text parses back to an equal doc. */
+char *tag_spec_json(const tag_spec_doc *doc);
+
+/* Nonzero when two docs say the same (names, description, every used id). */
+int tag_spec_equal(const tag_spec_doc *a, const tag_spec_doc *b);
+
+#endif
