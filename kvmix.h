@@ -893,6 +893,8 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *prob
                                                  int32_t budget_steps, void *workspace,
                                                  size_t workspace_bytes, double *out_budget_bits,
                                                  double *out_distortion);
+
+/* ------------------------------------------------------------------------------------------- */
 /* Template tags: a streaming tagger that reads the token ids of a chat template as an inference  */
 /* loop produces them and writes, per token, a turn index, a modality and a role. A template spec */
 /* (kvmix_tag_spec) is plain data: the id sequences of the template's markers and role words.    */
