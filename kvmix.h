@@ -612,6 +612,13 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache);
 #define KVMIX_GROUP_HEAD_DIM           (-1) /* a policy's group: one group per head (head_dim) */
 #define KVMIX_POLICY_DESCRIPTION_BYTES 256  /* a description, its terminating NUL included */
 
+/* What an inference loop does at a request boundary (a new user turn of a session). */
+typedef enum kvmix_policy_boundary {
+    KVMIX_POLICY_BOUNDARY_FINISH = 0,  /* kvmix_cache_seq_finish: seal every full page, window
+                                          included, and apply partial_page */
+    KVMIX_POLICY_BOUNDARY_CONTINUE = 1 /* nothing: a continuing session keeps its FP16 window */
+} kvmix_policy_boundary;
+
 typedef struct kvmix_policy {
     char name[KVMIX_POLICY_NAME_BYTES]; /* non-empty, NUL-terminated */
     char description[KVMIX_POLICY_DESCRIPTION_BYTES];
@@ -630,6 +637,8 @@ typedef struct kvmix_policy {
     int32_t window_tokens;    /* most recent positions kept FP16, 0 .. 2^26 */
     int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
     int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page */
+    int32_t request_boundary;   /* a kvmix_policy_boundary: what the loop does when a request
+                                   (a user turn) begins */
 } kvmix_policy;
 
 /* What a policy check found wrong: the field as policy documents spell it ("group_size") and
@@ -3827,41 +3836,41 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
 
 static const kvmix_policy kvmix__builtin_policies[] = {
     {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
-     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
+     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0},
     {"int8", "INT8 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT8,
-     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0},
     {"int4", "INT4 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT4,
-     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0},
     {"kivi2",
      "KIVI-2: INT2 per-channel keys over pages of 32 tokens, INT2 per-token values (groups of "
      "32), the 128 most recent tokens FP16 (the residual)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP, 0},
     {"kivi2-sink",
      "kivi2 (INT2 per-channel keys over pages of 32 tokens, INT2 per-token values, the 128 most "
      "recent tokens FP16) plus the first 32 tokens kept FP16 (attention sinks)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP, 0},
     {"kitty-12",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/8 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP, 0},
     {"kitty-25",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/4 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP, 0},
     {"kitty-paper-12",
      "Kitty as its paper lays it out: BOOSTED keys (head_dim/8 channels at 4 bits) over pages of "
      "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
      "128 most recent tokens FP16 (keys wait in the page being filled)",
      KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.125, 128, 32, 128, 1,
-     KVMIX__KEEP},
+     KVMIX__KEEP, 0},
     {"kitty-paper-25",
      "Kitty as its paper lays it out: BOOSTED keys (head_dim/4 channels at 4 bits) over pages of "
      "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
      "128 most recent tokens FP16 (keys wait in the page being filled)",
      KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.25, 128, 32, 128, 1,
-     KVMIX__KEEP},
+     KVMIX__KEEP, 0},
 };
 
 #undef KVMIX__KEEP
@@ -3925,6 +3934,9 @@ static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_poli
     if (p->partial_page < KVMIX_CACHE_PARTIAL_DEFAULT ||
         p->partial_page > KVMIX_CACHE_PARTIAL_QUANTIZE)
         return kvmix__policy_fail(e, bad, "partial_page", "must be a kvmix_cache_partial");
+    if (p->request_boundary != KVMIX_POLICY_BOUNDARY_FINISH &&
+        p->request_boundary != KVMIX_POLICY_BOUNDARY_CONTINUE)
+        return kvmix__policy_fail(e, bad, "request_boundary", "must be a kvmix_policy_boundary");
     return KVMIX_SUCCESS;
 }
 

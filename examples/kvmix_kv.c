@@ -24,7 +24,8 @@ static const kvmix_policy FP32_POLICY = {
     0,
     0,
     0,
-    KVMIX_CACHE_PARTIAL_KEEP_FP16};
+    KVMIX_CACHE_PARTIAL_KEEP_FP16,
+    KVMIX_POLICY_BOUNDARY_FINISH};
 
 int32_t kvmix_kv_policy_count(void) { return 1 + kvmix_policy_count(); }
 
@@ -59,7 +60,8 @@ static const char *const FIELDS[] = {"version",
                                      "sink_tokens",
                                      "window_tokens",
                                      "window_values_only",
-                                     "partial_page"};
+                                     "partial_page",
+                                     "request_boundary"};
 enum { N_FIELDS = sizeof FIELDS / sizeof FIELDS[0] };
 
 /* An integer field in [lo, hi]; false with a message otherwise. */
@@ -231,7 +233,7 @@ static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *er
                 llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
                            "policy field \"window_values_only\": must be true or false");
             break;
-        default:
+        case 13:
             ok = cJSON_IsString(item) && item->valuestring != NULL &&
                  (strcmp(item->valuestring, "keep_fp16") == 0 ||
                   strcmp(item->valuestring, "quantize") == 0);
@@ -242,6 +244,18 @@ static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *er
             else
                 llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
                            "policy field \"partial_page\": must be \"keep_fp16\" or \"quantize\"");
+            break;
+        default:
+            ok = cJSON_IsString(item) && item->valuestring != NULL &&
+                 (strcmp(item->valuestring, "finish") == 0 ||
+                  strcmp(item->valuestring, "continue") == 0);
+            if (ok)
+                p->request_boundary = strcmp(item->valuestring, "continue") == 0
+                                          ? KVMIX_POLICY_BOUNDARY_CONTINUE
+                                          : KVMIX_POLICY_BOUNDARY_FINISH;
+            else
+                llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                           "policy field \"request_boundary\": must be \"finish\" or \"continue\"");
             break;
         }
         if (!ok) return false;
@@ -262,7 +276,7 @@ llama_result kvmix_kv_policy_parse(const char *json, size_t json_bytes, kvmix_po
     }
     llama_result r = LLAMA_OK;
     kvmix_policy p = {
-        "custom", "", -1, -1, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16};
+        "custom", "", -1, -1, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16, 0};
     bool seen[N_FIELDS + 1] = {false};
     if (end < json || end > json + json_bytes || !only_space(end, json + json_bytes))
         r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: bytes after the JSON object");
@@ -327,6 +341,9 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
     cJSON_AddNumberToObject(obj, "window_tokens", p->window_tokens);
     cJSON_AddBoolToObject(obj, "window_values_only", p->window_values_only != 0);
     cJSON_AddStringToObject(obj, "partial_page", partial_name(p->partial_page));
+    cJSON_AddStringToObject(obj, "request_boundary",
+                            p->request_boundary == KVMIX_POLICY_BOUNDARY_CONTINUE ? "continue"
+                                                                                  : "finish");
     char *text = cJSON_PrintUnformatted(obj);
     cJSON_Delete(obj);
     return text;
@@ -339,7 +356,7 @@ bool kvmix_kv_policy_equal(const kvmix_policy *a, const kvmix_policy *b) {
            a->n_boost == b->n_boost && a->boost_fraction == b->boost_fraction &&
            a->page_tokens == b->page_tokens && a->sink_tokens == b->sink_tokens &&
            a->window_tokens == b->window_tokens && a->window_values_only == b->window_values_only &&
-           a->partial_page == b->partial_page;
+           a->partial_page == b->partial_page && a->request_boundary == b->request_boundary;
 }
 
 // >>kvcache
@@ -356,6 +373,7 @@ typedef struct head_view {
 typedef struct kv_kvmix {
     kvmix_cache cache;
     int32_t seq;
+    int32_t request_boundary; /* the policy's kvmix_policy_boundary */
     int32_t n_layers, n_heads, n_kv_heads;
     int64_t capacity;
     int32_t max_spans, max_dead;
@@ -415,13 +433,14 @@ static llama_result kv_kvmix_attend(void *state, int32_t layer, int32_t kv_head,
     return LLAMA_OK;
 }
 
-/* A request boundary: kvmix_cache_seq_finish seals the full pages and applies the partial-page
- * policy. A failure here (the arena is sized so that it cannot run out) leaves the cache as it
- * was, which is a valid state to go on from. */
+/* A request boundary, as the policy says: with FINISH, kvmix_cache_seq_finish seals the full
+ * pages and applies the partial-page policy (a failure, which the arena's size rules out, leaves
+ * the cache as it was, a valid state to go on from); with CONTINUE the session keeps its window. */
 static void kv_kvmix_begin_request(void *state, int64_t pos) {
     kv_kvmix *kv = state;
     (void)pos;
-    kvmix_cache_seq_finish(&kv->cache, kv->seq);
+    if (kv->request_boundary == KVMIX_POLICY_BOUNDARY_FINISH)
+        kvmix_cache_seq_finish(&kv->cache, kv->seq);
 }
 
 static void kv_kvmix_reset(void *state) {
@@ -516,6 +535,7 @@ llama_result kvmix_kv_create(const kvmix_policy *policy, const llama_config *con
     kv->n_heads = config->n_heads;
     kv->n_kv_heads = config->n_kv_heads;
     kv->capacity = capacity;
+    kv->request_boundary = p.request_boundary;
     kvmix_result kr = init_cache(kv, &p, config);
     if (kr != KVMIX_SUCCESS) {
         kv_kvmix_destroy(kv);

@@ -137,6 +137,7 @@ static void test_parse_bad(void) {
         {"\"name\": 5,", false, LLAMA_ERR_FORMAT, "\"name\""},
         {"\"description\": [\"x\"],", false, LLAMA_ERR_FORMAT, "\"description\""},
         {"\"partial_page\": \"drop\",", false, LLAMA_ERR_FORMAT, "\"partial_page\""},
+        {"\"request_boundary\": \"keep\",", false, LLAMA_ERR_FORMAT, "\"request_boundary\""},
         {"\"n_boost\": 8,", false, LLAMA_ERR_FORMAT, "\"n_boost\""},
         {"\"boost_fraction\": 1.5,", false, LLAMA_ERR_FORMAT, "\"boost_fraction\""},
         {"{\"version\": 1, \"key_format\": \"int3\", \"value_format\": \"int4\"}", true,
@@ -399,18 +400,73 @@ done:
     cache.destroy(cache.state);
 }
 
+/* A request boundary seals the window's full pages under FINISH (kvmix_cache_seq_finish) and
+ * leaves them FP16 under CONTINUE, so that a continuing session keeps its recent tokens. */
+static void test_request_boundary(void) {
+    llama_config config = {.n_layers = L, .n_heads = NQ, .n_kv_heads = NKV, .head_dim = D};
+    int32_t fp16_rows[2] = {-1, -1};
+    for (int32_t way = 0; way < 2; way++) {
+        kvmix_policy p = *kvmix_kv_policy_builtin("kivi2");
+        p.request_boundary = way ? KVMIX_POLICY_BOUNDARY_CONTINUE : KVMIX_POLICY_BOUNDARY_FINISH;
+        llama_kv_cache cache;
+        char err[256] = "";
+        if (!check_at(kvmix_kv_create(&p, &config, T, &cache, err, sizeof err) == LLAMA_OK,
+                      __LINE__, err))
+            return;
+        uint32_t rng = 99;
+        static float k[NKV * D], v[NKV * D];
+        for (int32_t pos = 0; pos < 100; pos++) {
+            fill_token(k, v, &rng);
+            for (int32_t layer = 0; layer < L; layer++)
+                CHECK(cache.store(cache.state, layer, pos, k, v) == LLAMA_OK);
+        }
+        cache.begin_request(cache.state, 100);
+        int32_t seq;
+        kvmix_cache_seq_stats st;
+        if (CHECK(kvmix_cache_seq_stats_get(kvmix_kv_inner(&cache, &seq), seq, &st) ==
+                  KVMIX_SUCCESS))
+            fp16_rows[way] = st.n_fp16_rows;
+        cache.destroy(cache.state);
+    }
+    /* 100 positions, pages of 32, a window of 128: FINISH seals the three full pages, CONTINUE
+     * keeps all 100 in FP16 */
+    CHECK(fp16_rows[0] == 4 && fp16_rows[1] == 100);
+}
+
 static void test_cache_matches_reference(void) {
     for (int32_t i = 0; i < kvmix_kv_policy_count(); i++)
         if (kvmix_kv_policy_at(i)->key_format != KVMIX_KV_FORMAT_FP32)
             run_against_reference(kvmix_kv_policy_at(i));
     /* small pages, sinks shorter than a page, partial pages quantized at request boundaries */
-    kvmix_policy custom = {
-        "custom-a", "", KVMIX_FORMAT_INT2_CHANNEL,   KVMIX_FORMAT_INT4, 16, 0, 0, 0.0, 8, 5,
-        20,         0,  KVMIX_CACHE_PARTIAL_QUANTIZE};
+    kvmix_policy custom = {"custom-a",
+                           "",
+                           KVMIX_FORMAT_INT2_CHANNEL,
+                           KVMIX_FORMAT_INT4,
+                           16,
+                           0,
+                           0,
+                           0.0,
+                           8,
+                           5,
+                           20,
+                           0,
+                           KVMIX_CACHE_PARTIAL_QUANTIZE,
+                           KVMIX_POLICY_BOUNDARY_FINISH};
     run_against_reference(&custom);
-    kvmix_policy boosted = {
-        "custom-b", "", KVMIX_FORMAT_BOOSTED,        KVMIX_FORMAT_INT8, 32, 0, 12, 0.0, 16, 0,
-        0,          1,  KVMIX_CACHE_PARTIAL_QUANTIZE};
+    kvmix_policy boosted = {"custom-b",
+                            "",
+                            KVMIX_FORMAT_BOOSTED,
+                            KVMIX_FORMAT_INT8,
+                            32,
+                            0,
+                            12,
+                            0.0,
+                            16,
+                            0,
+                            0,
+                            1,
+                            KVMIX_CACHE_PARTIAL_QUANTIZE,
+                            KVMIX_POLICY_BOUNDARY_FINISH};
     run_against_reference(&boosted);
     /* keys and values in groups of their own: INT4 keys by 16 channels, INT2 values by head */
     kvmix_policy groups = {"custom-c",
@@ -425,7 +481,8 @@ static void test_cache_matches_reference(void) {
                            4,
                            24,
                            1,
-                           KVMIX_CACHE_PARTIAL_QUANTIZE};
+                           KVMIX_CACHE_PARTIAL_QUANTIZE,
+                           KVMIX_POLICY_BOUNDARY_FINISH};
     run_against_reference(&groups);
 }
 
@@ -608,6 +665,7 @@ void test_policy_run(const char *shared_dir, int *n_passed, int *n_failed) {
     test_parse_bad();
     test_resolve();
     test_cache_matches_reference();
+    test_request_boundary();
     test_model_quality(shared_dir);
     *n_passed += passed;
     *n_failed += failed;

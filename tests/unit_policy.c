@@ -78,6 +78,7 @@ static void page_huge(kvmix_policy *p) { p->page_tokens = 2048; }
 static void sinks_past_page(kvmix_policy *p) { p->sink_tokens = 17; }
 static void window_negative(kvmix_policy *p) { p->window_tokens = -1; }
 static void partial_three(kvmix_policy *p) { p->partial_page = 3; }
+static void boundary_two(kvmix_policy *p) { p->request_boundary = 2; }
 
 static void test_check_errors(void) {
     static const bad_policy cases[] = {
@@ -101,6 +102,7 @@ static void test_check_errors(void) {
         {"sink_tokens", KVMIX_ERR_INVALID_ARGUMENT, sinks_past_page},
         {"window_tokens", KVMIX_ERR_INVALID_ARGUMENT, window_negative},
         {"partial_page", KVMIX_ERR_INVALID_ARGUMENT, partial_three},
+        {"request_boundary", KVMIX_ERR_INVALID_ARGUMENT, boundary_two},
     };
     size_t i;
     kvmix_policy good = valid_policy(), out, before;
