@@ -639,6 +639,10 @@ typedef struct kvmix_policy {
     int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page */
     int32_t request_boundary;   /* a kvmix_policy_boundary: what the loop does when a request
                                    (a user turn) begins */
+    const struct kvmix_tag_precision *tag_precision; /* NULL: every token is stored in
+                                   key_format / value_format; else each token's formats by its
+                                   template tag (kvmix_policy_token_precision); caller memory
+                                   that must outlive the policy's use */
 } kvmix_policy;
 
 /* What a policy check found wrong: the field as policy documents spell it ("group_size") and
@@ -1080,6 +1084,36 @@ KVMIXDEF const char *kvmix_tag_bucket_name(kvmix_tag_bucket bucket);
 /* The role of a name as kvmix_tag_role_name spells it (case-sensitive, NUL-terminated) into
    *out_role. Returns KVMIX_ERR_NULL_POINTER or KVMIX_ERR_NOT_FOUND. */
 KVMIXDEF kvmix_result kvmix_tag_role_from_name(const char *name, kvmix_tag_role *out_role);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Tag precision: the formats each template tag gets (what a bit allocation assigns), so that a   */
+/* policy stores every token by its tag. A token's tag is fixed once tagged, but its temporal     */
+/* bucket ages as new user turns begin, so its formats are a function of the current turn.       */
+
+#define KVMIX_TAG_N_BUCKETS    4
+#define KVMIX_TAG_N_MODALITIES 2
+
+typedef struct kvmix_tag_precision {
+    /* [kvmix_tag_bucket][kvmix_tag_role][kvmix_tag_modality]: each a pair of kvmix_formats */
+    kvmix_cache_precision formats[KVMIX_TAG_N_BUCKETS][KVMIX_TAG_N_ROLES][KVMIX_TAG_N_MODALITIES];
+} kvmix_tag_precision;
+
+/* Sets every tag's formats to `precision`. Returns NULL_POINTER or UNKNOWN_FORMAT (nothing
+   written then). */
+KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
+                                               kvmix_cache_precision precision);
+
+/* Checks that every entry holds known formats. Returns NULL_POINTER or UNKNOWN_FORMAT. Pure. */
+KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table);
+
+/* The formats a policy stores a token of tag `tag` in while the stream is at `current_turn`:
+   the policy's key_format / value_format when it has no tag_precision, else
+   tag_precision->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality].
+   Returns NULL_POINTER, INVALID_ARGUMENT (a role or modality out of range), or the policy's
+   check errors (kvmix_policy_check); *out is written only on success. Pure, thread-safe. */
+KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
+                                                   int32_t current_turn,
+                                                   kvmix_cache_precision *out);
 
 #endif /* KVMIX_H */
 
@@ -3836,41 +3870,44 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
 
 static const kvmix_policy kvmix__builtin_policies[] = {
     {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
-     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0},
+     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL},
     {"int8", "INT8 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT8,
-     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0},
+     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL},
     {"int4", "INT4 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT4,
-     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0},
+     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL},
     {"kivi2",
      "KIVI-2: INT2 per-channel keys over pages of 32 tokens, INT2 per-token values (groups of "
      "32), the 128 most recent tokens FP16 (the residual)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP, 0},
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP, 0,
+     NULL},
     {"kivi2-sink",
      "kivi2 (INT2 per-channel keys over pages of 32 tokens, INT2 per-token values, the 128 most "
      "recent tokens FP16) plus the first 32 tokens kept FP16 (attention sinks)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP, 0},
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP, 0,
+     NULL},
     {"kitty-12",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/8 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP, 0},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP, 0,
+     NULL},
     {"kitty-25",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/4 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP, 0},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP, 0, NULL},
     {"kitty-paper-12",
      "Kitty as its paper lays it out: BOOSTED keys (head_dim/8 channels at 4 bits) over pages of "
      "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
      "128 most recent tokens FP16 (keys wait in the page being filled)",
      KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.125, 128, 32, 128, 1,
-     KVMIX__KEEP, 0},
+     KVMIX__KEEP, 0, NULL},
     {"kitty-paper-25",
      "Kitty as its paper lays it out: BOOSTED keys (head_dim/4 channels at 4 bits) over pages of "
      "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
      "128 most recent tokens FP16 (keys wait in the page being filled)",
      KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.25, 128, 32, 128, 1,
-     KVMIX__KEEP, 0},
+     KVMIX__KEEP, 0, NULL},
 };
 
 #undef KVMIX__KEEP
@@ -3937,6 +3974,9 @@ static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_poli
     if (p->request_boundary != KVMIX_POLICY_BOUNDARY_FINISH &&
         p->request_boundary != KVMIX_POLICY_BOUNDARY_CONTINUE)
         return kvmix__policy_fail(e, bad, "request_boundary", "must be a kvmix_policy_boundary");
+    if (p->tag_precision && kvmix_tag_precision_check(p->tag_precision) != KVMIX_SUCCESS)
+        return kvmix__policy_fail(e, KVMIX_ERR_UNKNOWN_FORMAT, "tag_precision",
+                                  "holds a format that is not a kvmix_format");
     return KVMIX_SUCCESS;
 }
 
@@ -5320,6 +5360,50 @@ KVMIXDEF kvmix_result kvmix_tag_role_from_name(const char *name, kvmix_tag_role 
             return KVMIX_SUCCESS;
         }
     return KVMIX_ERR_NOT_FOUND;
+}
+
+/* ---- tag precision ------------------------------------------------------------------------ */
+
+KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
+                                               kvmix_cache_precision precision) {
+    int b, r, m;
+    if (!table) return KVMIX_ERR_NULL_POINTER;
+    if (!kvmix__format_known(precision.key_format) || !kvmix__format_known(precision.value_format))
+        return KVMIX_ERR_UNKNOWN_FORMAT;
+    for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++)
+        for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
+            for (m = 0; m < KVMIX_TAG_N_MODALITIES; m++) table->formats[b][r][m] = precision;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table) {
+    int b, r, m;
+    if (!table) return KVMIX_ERR_NULL_POINTER;
+    for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++)
+        for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
+            for (m = 0; m < KVMIX_TAG_N_MODALITIES; m++)
+                if (!kvmix__format_known(table->formats[b][r][m].key_format) ||
+                    !kvmix__format_known(table->formats[b][r][m].value_format))
+                    return KVMIX_ERR_UNKNOWN_FORMAT;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
+                                                   int32_t current_turn,
+                                                   kvmix_cache_precision *out) {
+    kvmix_result r;
+    if (!policy || !out) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_policy_check(policy, NULL)) != KVMIX_SUCCESS) return r;
+    if (tag.role >= KVMIX_TAG_N_ROLES || tag.modality >= KVMIX_TAG_N_MODALITIES)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!policy->tag_precision) {
+        out->key_format = (uint8_t)policy->key_format;
+        out->value_format = (uint8_t)policy->value_format;
+        return KVMIX_SUCCESS;
+    }
+    *out = policy->tag_precision
+               ->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality];
+    return KVMIX_SUCCESS;
 }
 
 #endif /* KVMIX_IMPLEMENTATION_DONE */

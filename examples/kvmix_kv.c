@@ -25,7 +25,8 @@ static const kvmix_policy FP32_POLICY = {
     0,
     0,
     KVMIX_CACHE_PARTIAL_KEEP_FP16,
-    KVMIX_POLICY_BOUNDARY_FINISH};
+    KVMIX_POLICY_BOUNDARY_FINISH,
+    NULL};
 
 int32_t kvmix_kv_policy_count(void) { return 1 + kvmix_policy_count(); }
 
@@ -276,7 +277,7 @@ llama_result kvmix_kv_policy_parse(const char *json, size_t json_bytes, kvmix_po
     }
     llama_result r = LLAMA_OK;
     kvmix_policy p = {
-        "custom", "", -1, -1, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16, 0};
+        "custom", "", -1, -1, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16, 0, NULL};
     bool seen[N_FIELDS + 1] = {false};
     if (end < json || end > json + json_bytes || !only_space(end, json + json_bytes))
         r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: bytes after the JSON object");
@@ -356,7 +357,8 @@ bool kvmix_kv_policy_equal(const kvmix_policy *a, const kvmix_policy *b) {
            a->n_boost == b->n_boost && a->boost_fraction == b->boost_fraction &&
            a->page_tokens == b->page_tokens && a->sink_tokens == b->sink_tokens &&
            a->window_tokens == b->window_tokens && a->window_values_only == b->window_values_only &&
-           a->partial_page == b->partial_page && a->request_boundary == b->request_boundary;
+           a->partial_page == b->partial_page && a->request_boundary == b->request_boundary &&
+           a->tag_precision == b->tag_precision;
 }
 
 // >>kvcache

@@ -451,7 +451,8 @@ static void test_cache_matches_reference(void) {
                            20,
                            0,
                            KVMIX_CACHE_PARTIAL_QUANTIZE,
-                           KVMIX_POLICY_BOUNDARY_FINISH};
+                           KVMIX_POLICY_BOUNDARY_FINISH,
+                           NULL};
     run_against_reference(&custom);
     kvmix_policy boosted = {"custom-b",
                             "",
@@ -466,7 +467,8 @@ static void test_cache_matches_reference(void) {
                             0,
                             1,
                             KVMIX_CACHE_PARTIAL_QUANTIZE,
-                            KVMIX_POLICY_BOUNDARY_FINISH};
+                            KVMIX_POLICY_BOUNDARY_FINISH,
+                            NULL};
     run_against_reference(&boosted);
     /* keys and values in groups of their own: INT4 keys by 16 channels, INT2 values by head */
     kvmix_policy groups = {"custom-c",
@@ -482,7 +484,8 @@ static void test_cache_matches_reference(void) {
                            24,
                            1,
                            KVMIX_CACHE_PARTIAL_QUANTIZE,
-                           KVMIX_POLICY_BOUNDARY_FINISH};
+                           KVMIX_POLICY_BOUNDARY_FINISH,
+                           NULL};
     run_against_reference(&groups);
 }
 

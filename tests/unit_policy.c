@@ -225,9 +225,61 @@ static void test_apply(void) {
     test_context(NULL);
 }
 
+/* A policy over template tags: each token's formats by its tag, its bucket aging with the turn. */
+static void test_tag_precision(void) {
+    kvmix_policy p = *kvmix_policy_find("kivi2");
+    kvmix_tag_precision table;
+    kvmix_cache_precision got, int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4}, bad = {9, 1};
+    kvmix_tag tag;
+    kvmix_policy_error why;
+    test_context("tag precision");
+    memset(&tag, 0, sizeof tag);
+    tag.turn = 2;
+    tag.role = KVMIX_ROLE_OBSERVATION;
+    tag.modality = KVMIX_MODALITY_TEXT;
+    /* no table: the policy's formats */
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 5, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT2);
+    CHECK_RESULT(kvmix_tag_precision_fill(&table, bad), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK_RESULT(kvmix_tag_precision_fill(&table, int4), KVMIX_SUCCESS);
+    table.formats[KVMIX_BUCKET_CURRENT][KVMIX_ROLE_OBSERVATION][KVMIX_MODALITY_TEXT].key_format =
+        KVMIX_FORMAT_FP16;
+    table.formats[KVMIX_BUCKET_OLDER][KVMIX_ROLE_OBSERVATION][KVMIX_MODALITY_TEXT].value_format =
+        KVMIX_FORMAT_INT2;
+    p.tag_precision = &table;
+    CHECK_RESULT(kvmix_policy_check(&p, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_SUCCESS); /* current */
+    CHECK(got.key_format == KVMIX_FORMAT_FP16 && got.value_format == KVMIX_FORMAT_INT4);
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 3, &got), KVMIX_SUCCESS); /* previous */
+    CHECK(got.key_format == KVMIX_FORMAT_INT4 && got.value_format == KVMIX_FORMAT_INT4);
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 9, &got), KVMIX_SUCCESS); /* older */
+    CHECK(got.key_format == KVMIX_FORMAT_INT4 && got.value_format == KVMIX_FORMAT_INT2);
+    tag.modality = KVMIX_MODALITY_IMAGE; /* another tag of the same turn keeps the fill */
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format == KVMIX_FORMAT_INT4);
+    /* bad tags and tables: an error, nothing written */
+    got.key_format = got.value_format = 77;
+    tag.role = KVMIX_TAG_N_ROLES;
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_ERR_INVALID_ARGUMENT);
+    tag.role = KVMIX_ROLE_USER;
+    tag.modality = KVMIX_TAG_N_MODALITIES;
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_ERR_INVALID_ARGUMENT);
+    tag.modality = KVMIX_MODALITY_TEXT;
+    table.formats[KVMIX_BUCKET_TWO_BACK][KVMIX_ROLE_SCAFFOLD][KVMIX_MODALITY_IMAGE] = bad;
+    CHECK_RESULT(kvmix_tag_precision_check(&table), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK_RESULT(kvmix_policy_check(&p, &why), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK(strcmp(why.field, "tag_precision") == 0);
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK(got.key_format == 77 && got.value_format == 77);
+    CHECK_RESULT(kvmix_policy_token_precision(NULL, tag, 2, &got), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_tag_precision_check(NULL), KVMIX_ERR_NULL_POINTER);
+    test_context(NULL);
+}
+
 void unit_policy(void) {
     test_builtins();
     test_check_errors();
     test_resolve();
     test_apply();
+    test_tag_precision();
 }
