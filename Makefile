@@ -141,7 +141,7 @@ test-cuda: $(BUILD)/test_cuda
 	./$(BUILD)/test_cuda
 
 # ---- benchmarks -----------------------------------------------------------------------------
-$(BUILD)/bench_formats: bench/bench_formats.c kvmix.h | $(BUILD)
+$(BUILD)/bench_formats: bench/bench_formats.c bench/bench_common.h kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
 
 $(BUILD)/bench_cache: bench/bench_cache.c kvmix.h | $(BUILD)
@@ -150,10 +150,10 @@ $(BUILD)/bench_cache: bench/bench_cache.c kvmix.h | $(BUILD)
 $(BUILD)/bench_bits: bench/bench_bits.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. $< -o $@ $(LDLIBS)
 
-$(BUILD)/bench_alloc: bench/bench_alloc.c kvmix.h | $(BUILD)
+$(BUILD)/bench_alloc: bench/bench_alloc.c bench/bench_common.h kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
 
-$(BUILD)/bench_tags: bench/bench_tags.c kvmix.h | $(BUILD)
+$(BUILD)/bench_tags: bench/bench_tags.c bench/bench_common.h kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
 
 bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits $(BUILD)/bench_alloc \
@@ -181,7 +181,7 @@ fuzz: $(patsubst %,$(BUILD)/fuzz_%,$(FUZZ_TARGETS))
 
 # ---- style ----------------------------------------------------------------------------------
 FORMAT_SRC := kvmix.h $(wildcard kvmix_cuda.h kvmix_cuda.cu examples/*.c examples/*.h tests/*.c \
-	tests/*.h tests/*.cu bench/*.c)
+	tests/*.h tests/*.cu bench/*.c bench/*.h)
 format-check:
 	clang-format --dry-run --Werror $(FORMAT_SRC)
 

@@ -27,32 +27,18 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_common.h"
+
 #define MAX_REPS  64
 #define N_PREC    5
 #define LOW       0
 #define HIGH      2
 #define MAX_BRUTE 22
 
-#ifndef KVMIX_BENCH_CFLAGS
-#define KVMIX_BENCH_CFLAGS "(not recorded: build with -DKVMIX_BENCH_CFLAGS='\"flags\"')"
-#endif
-
 typedef struct bench_config {
     int32_t reps;
     double ms, budget;
 } bench_config;
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static double cpu_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static uint64_t rng_state = 0x616c6c6f63ull;
 static double rng_unit(void) {
@@ -60,11 +46,6 @@ static double rng_unit(void) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return (double)((z ^ (z >> 31)) >> 11) * 0x1p-53;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 typedef struct bench_instance {
@@ -220,29 +201,6 @@ static double time_call(bench_call *c, const bench_config *cfg, double *busy) {
     qsort(cpus, (size_t)cfg->reps, sizeof cpus[0], cmp_double);
     last_cpu_per_call = cpus[cfg->reps / 2];
     return reps[cfg->reps / 2];
-}
-
-static void print_cpu(void) {
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    char line[256];
-    int n_cpus = 0;
-    const char *model = NULL;
-    static char model_buf[256];
-    if (!f) return;
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, "processor", 9) == 0) n_cpus++;
-        if (!model && strncmp(line, "model name", 10) == 0) {
-            char *colon = strchr(line, ':');
-            if (colon) {
-                strncpy(model_buf, colon + 2, sizeof model_buf - 1);
-                model_buf[strcspn(model_buf, "\n")] = '\0';
-                model = model_buf;
-            }
-        }
-    }
-    fclose(f);
-    printf("  cpu              %s (%d logical cpus; single-threaded benchmark)\n",
-           model ? model : "unknown", n_cpus);
 }
 
 static int parse_arg(const char *arg, bench_config *cfg) {

@@ -23,31 +23,16 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_common.h"
+
 #define N_BUFFERS         4
 #define BLOCKS_PER_BUFFER 32
 #define MAX_REPS          64
-
-#ifndef KVMIX_BENCH_CFLAGS
-#define KVMIX_BENCH_CFLAGS "(not recorded: build with -DKVMIX_BENCH_CFLAGS='\"flags\"')"
-#endif
 
 typedef struct bench_config {
     int32_t head_dim, tokens, boost, group, reps;
     double ms;
 } bench_config;
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* CPU time of this process: with wall time it shows whether other processes took the CPU. */
-static double cpu_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static uint64_t rng_state = 0x62656e6368ull;
 static double rng_normal(void) {
@@ -60,11 +45,6 @@ static double rng_normal(void) {
         s += (double)((z ^ (z >> 31)) >> 11) * 0x1p-53;
     }
     return s - 6.0;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 /* The operation timed: one pass over every block of buffer `which`. */
@@ -125,29 +105,6 @@ static double time_op(bench_state *s, const bench_config *cfg, double *busy) {
     *busy = (cpu_seconds() - c0) / wall;
     qsort(reps, (size_t)cfg->reps, sizeof reps[0], cmp_double);
     return reps[cfg->reps / 2];
-}
-
-static void print_cpu(void) {
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    char line[256];
-    int n_cpus = 0;
-    const char *model = NULL;
-    static char model_buf[256];
-    if (!f) return;
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, "processor", 9) == 0) n_cpus++;
-        if (!model && strncmp(line, "model name", 10) == 0) {
-            char *colon = strchr(line, ':');
-            if (colon) {
-                strncpy(model_buf, colon + 2, sizeof model_buf - 1);
-                model_buf[strcspn(model_buf, "\n")] = '\0';
-                model = model_buf;
-            }
-        }
-    }
-    fclose(f);
-    printf("  cpu              %s (%d logical cpus; single-threaded benchmark)\n",
-           model ? model : "unknown", n_cpus);
 }
 
 static int parse_arg(const char *arg, bench_config *cfg) {

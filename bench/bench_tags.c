@@ -24,25 +24,9 @@
 #include <string.h>
 #include <time.h>
 
-#ifndef KVMIX_BENCH_CFLAGS
-#define KVMIX_BENCH_CFLAGS "(not recorded: build with -DKVMIX_BENCH_CFLAGS='\"flags\"')"
-#endif
-#define MAX_REPS 64
+#include "bench_common.h"
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-static double cpu_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
+#define MAX_REPS 64
 
 static uint64_t rng_state = 0x6b766d6978ull;
 static uint32_t rng_below(uint32_t n) {
@@ -170,25 +154,6 @@ static double time_feed(const kvmix_tag_spec *spec, const int32_t *ids, int64_t 
     *turns = t.turn;
     qsort(times, (size_t)reps, sizeof times[0], cmp_double);
     return times[reps / 2];
-}
-
-static void print_cpu(void) {
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    char line[256], model[256] = "unknown";
-    int n_cpus = 0;
-    if (!f) return;
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, "processor", 9) == 0) n_cpus++;
-        if (strcmp(model, "unknown") == 0 && strncmp(line, "model name", 10) == 0) {
-            char *colon = strchr(line, ':');
-            if (colon) {
-                snprintf(model, sizeof model, "%s", colon + 2);
-                model[strcspn(model, "\n")] = '\0';
-            }
-        }
-    }
-    fclose(f);
-    printf("  cpu              %s (%d logical cpus; single-threaded benchmark)\n", model, n_cpus);
 }
 
 int main(int argc, char **argv) {
