@@ -34,7 +34,8 @@ class Layout(C.Structure):
 
 class View(C.Structure):
     _fields_ = [("n_seqs", C.c_int32), ("n_kv_heads", C.c_int32), ("head_dim", C.c_int32),
-                ("group_size", C.c_int32), ("n_boost", C.c_int32), ("n_spans", C.c_int32),
+                ("group_size", C.c_int32), ("value_group_size", C.c_int32), ("n_boost", C.c_int32),
+                ("n_spans", C.c_int32),
                 ("n_dead_flags", C.c_int32), ("base", C.c_void_p), ("base_bytes", C.c_size_t),
                 ("spans", C.c_void_p), ("seq_first_span", C.c_void_p), ("dead", C.c_void_p)]
 
@@ -142,7 +143,7 @@ class Arena:
         self.spans = torch.from_numpy(spans.view(np.uint8)).cuda()
         self.first = torch.arange(0, n_seqs * pages_per_seq + 1, pages_per_seq, dtype=torch.int32, device="cuda")
         self.dead = torch.zeros(16, dtype=torch.uint8, device="cuda")
-        self.view = View(n_seqs, H, D, 32, n_boost, len(spans), 0, self.base.data_ptr(), offset + 16,
+        self.view = View(n_seqs, H, D, 32, 0, n_boost, len(spans), 0, self.base.data_ptr(), offset + 16,
                          self.spans.data_ptr(), self.first.data_ptr(), self.dead.data_ptr())
 
 
