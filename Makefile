@@ -62,7 +62,19 @@ $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples examples/kvmix_eval.c examples/llama.c examples/kvmix_kv.c \
 		-o $@ $(EVAL_LDLIBS)
 
-eval: $(BUILD)/kvmix-eval
+eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
+
+# ---- calibration: runner captures -> per-tag distortion table -> bit allocation ----------------
+# llama.c is its kvmix implementation; tag_spec_json.c is built without one.
+CALIB_SRC := examples/kvmix_calibrate.c $(LLAMA_SRC) examples/tag_spec_json.c \
+	examples/tag_spec_json.h
+CALIB_CC := -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_calibrate.c \
+	examples/llama.c examples/tag_spec_json.c
+$(BUILD)/kvmix-calibrate: $(CALIB_SRC) | $(BUILD)
+	$(CC) $(CFLAGS) $(CALIB_CC) -o $@ $(EVAL_LDLIBS)
+# The same under the sanitizers, for the calibration model test.
+$(BUILD)/kvmix-calibrate-san: $(CALIB_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) $(CALIB_CC) -o $@ $(EVAL_LDLIBS)
 
 # ---- template tags: kvmix-tag (ids in, tags out) and kvmix-tagspec (tokenizer.json -> spec) ----
 $(BUILD)/kvmix-tag: examples/kvmix_tag.c $(TAG_SRC) | $(BUILD)
