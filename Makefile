@@ -37,7 +37,7 @@ UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
 FUZZ_TARGETS := formats view payload safetensors policy tags tagspec
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
-MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags
+MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
 
@@ -114,6 +114,12 @@ $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_pol
 $(BUILD)/model_test_tags: tests/test_tags.c $(TAG_SRC) $(TAG_TOOLS) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. -Iexamples tests/test_tags.c \
 		examples/tag_spec_json.c examples/hf_tokenizer.c -o $@ $(TAG_LDLIBS)
+
+# Captures two short traces with kvmix-eval and calibrates them with the sanitized kvmix-calibrate.
+$(BUILD)/model_test_calibrate: tests/test_calibrate.c kvmix.h $(BUILD)/kvmix-eval \
+		$(BUILD)/kvmix-calibrate-san | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_calibrate.c -o $@ \
+		-lcjson -lm
 
 # Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
 $(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c tests/fuzz_invariants.h kvmix.h | $(BUILD)

@@ -742,14 +742,29 @@ static bool append_json(char **buf, size_t *len, size_t *cap, cJSON *item) {
     return ok;
 }
 
+/* A number as the shortest of %.15g, %.16g, %.17g that reads back to the same double (cJSON's own
+ * printer accepts a near miss), so that tables and allocations round-trip exactly. */
+static cJSON *exact_number(double v) {
+    char buf[40];
+    for (int digits = 15; digits <= 17; digits++) {
+        snprintf(buf, sizeof buf, "%.*g", digits, v);
+        if (strtod(buf, NULL) == v) break;
+    }
+    return cJSON_CreateRaw(buf);
+}
+
+static void add_exact(cJSON *o, const char *name, double v) {
+    cJSON_AddItemToObject(o, name, exact_number(v));
+}
+
 static cJSON *precision_json(const precision *p, int idx) {
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "name", PRECISIONS[idx].name);
     cJSON_AddStringToObject(o, "key_format", kvmix_format_name(p->key.format));
     cJSON_AddStringToObject(o, "value_format", kvmix_format_name(p->value.format));
-    cJSON_AddNumberToObject(o, "key_bits", p->key_bits);
-    cJSON_AddNumberToObject(o, "value_bits", p->value_bits);
-    cJSON_AddNumberToObject(o, "bits", p->bits);
+    add_exact(o, "key_bits", p->key_bits);
+    add_exact(o, "value_bits", p->value_bits);
+    add_exact(o, "bits", p->bits);
     return o;
 }
 
@@ -809,7 +824,7 @@ static char *table_json(const table *t) {
         for (int32_t c = 0; c < t->n_captures; c++)
             cJSON_AddItemToArray(per, cJSON_CreateNumber((double)tag->per_capture[c]));
         for (int p = 0; p < N_PREC; p++)
-            cJSON_AddItemToArray(dist, cJSON_CreateNumber(tag->distortion[p]));
+            cJSON_AddItemToArray(dist, exact_number(tag->distortion[p]));
         cJSON_AddItemToObject(o, "tokens_per_capture", per);
         cJSON_AddItemToObject(o, "distortion", dist);
         ok = append(&buf, &len, &cap, i ? ",\n  " : "\n  ") && append_json(&buf, &len, &cap, o);
@@ -1087,8 +1102,8 @@ static const char *method_name(kvmix_alloc_method m) {
 static cJSON *summary_json(const allocation *a) {
     if (a->r != KVMIX_SUCCESS) return cJSON_CreateNull();
     cJSON *o = cJSON_CreateObject();
-    cJSON_AddNumberToObject(o, "distortion", a->summary.distortion);
-    cJSON_AddNumberToObject(o, "bits", a->summary.bits);
+    add_exact(o, "distortion", a->summary.distortion);
+    add_exact(o, "bits", a->summary.bits);
     cJSON_AddStringToObject(o, "method", method_name(a->summary.method));
     return o;
 }
@@ -1103,7 +1118,7 @@ static char *allocation_json(const table *t, const options *o, const allocation 
     cJSON *head = cJSON_CreateObject();
     cJSON_AddNumberToObject(head, "version", ALLOCATION_VERSION);
     cJSON_AddStringToObject(head, "kind", "kvmix-allocation");
-    cJSON_AddNumberToObject(head, "budget_bits", o->budget);
+    add_exact(head, "budget_bits", o->budget);
     cJSON_AddStringToObject(head, "method", method_name(a->summary.method));
     if (o->two_level) {
         cJSON_AddStringToObject(head, "low", PRECISIONS[o->low].name);
@@ -1112,8 +1127,8 @@ static char *allocation_json(const table *t, const options *o, const allocation 
         cJSON_AddNumberToObject(head, "budget_steps", o->steps);
     }
     cJSON_AddBoolToObject(head, "optimal", a->summary.optimal != 0);
-    cJSON_AddNumberToObject(head, "distortion", a->summary.distortion);
-    cJSON_AddNumberToObject(head, "bits", a->summary.bits);
+    add_exact(head, "distortion", a->summary.distortion);
+    add_exact(head, "bits", a->summary.bits);
     char *text = cJSON_PrintUnformatted(head);
     cJSON_Delete(head);
     bool ok = text != NULL && append(&buf, &len, &cap, text);
@@ -1132,14 +1147,14 @@ static char *allocation_json(const table *t, const options *o, const allocation 
         cJSON_AddNumberToObject(item, "value_group", p->value.group_size);
         cJSON_AddNumberToObject(item, "n_boost", p->key.n_boost);
         cJSON_AddNumberToObject(item, "page_tokens", t->geo.page_tokens);
-        cJSON_AddNumberToObject(item, "distortion", tag->distortion[a->choice[i]]);
-        cJSON_AddNumberToObject(item, "bits", p->bits);
+        add_exact(item, "distortion", tag->distortion[a->choice[i]]);
+        add_exact(item, "bits", p->bits);
         ok = append(&buf, &len, &cap, i ? ",\n  " : "\n  ") && append_json(&buf, &len, &cap, item);
     }
     ok = ok && append(&buf, &len, &cap, "],\n \"sweep\": [");
     for (int i = 0; ok && i < SWEEP_N; i++) {
         cJSON *item = cJSON_CreateObject();
-        cJSON_AddNumberToObject(item, "budget_bits", sweep_budget(i));
+        add_exact(item, "budget_bits", sweep_budget(i));
         cJSON_AddItemToObject(item, "two_level", summary_json(&sweep[i][0]));
         cJSON_AddItemToObject(item, "knapsack", summary_json(&sweep[i][1]));
         ok = append(&buf, &len, &cap, i ? ",\n  " : "\n  ") && append_json(&buf, &len, &cap, item);

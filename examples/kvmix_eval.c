@@ -31,10 +31,12 @@
  * else is written there. Captured keys and values are what the policy's cache received (its
  * quantization affects later layers); --policy fp32 captures the full-precision model.
  */
+#define _POSIX_C_SOURCE 200809L /* opendir */
 #include "kvmix_kv.h"
 #include "llama.h"
 
 #include <cjson/cJSON.h>
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -128,6 +130,13 @@ static bool parse_options(int argc, char **argv, options *o) {
         fprintf(stderr, "kvmix-eval: --kind must be trace or code\n");
         return false;
     }
+    DIR *dir = o->capture_dir != NULL ? opendir(o->capture_dir) : NULL;
+    if (o->capture_dir != NULL && dir == NULL) {
+        fprintf(stderr, "kvmix-eval: --capture %s: not a directory that can be opened\n",
+                o->capture_dir);
+        return false;
+    }
+    if (dir != NULL) closedir(dir);
     return true;
 }
 
