@@ -151,7 +151,7 @@ typedef struct table {
     geometry geo; /* resolved */
     precision prec[N_PREC];
     int32_t n_captures;
-    char **files;     /* [n_captures] base names */
+    char **files;      /* [n_captures] base names */
     int64_t *n_tokens; /* [n_captures] */
     int32_t n_tags;
     table_tag tags[N_TAGS];
@@ -279,12 +279,12 @@ typedef struct capture_job {
 
 /* Per-thread buffers for one (layer, kv head) of a capture of n tokens. */
 typedef struct work {
-    float *kq, *vq;       /* [N_PREC][n][D] quantized-dequantized rows */
-    float *kf, *vf;       /* [n][D] full-precision rows */
-    double *w;            /* [n] full softmax weights (unnormalized) */
-    int32_t *tag_of;      /* [n] tag of each token for the current query */
-    double *num_full;     /* [N_TAGS][D] sum of w v per tag */
-    double *num_q;        /* [N_TAGS][D] sum of w' v' per tag */
+    float *kq, *vq;   /* [N_PREC][n][D] quantized-dequantized rows */
+    float *kf, *vf;   /* [n][D] full-precision rows */
+    double *w;        /* [n] full softmax weights (unnormalized) */
+    int32_t *tag_of;  /* [n] tag of each token for the current query */
+    double *num_full; /* [N_TAGS][D] sum of w v per tag */
+    double *num_q;    /* [N_TAGS][D] sum of w' v' per tag */
     double z_full[N_TAGS], z_q[N_TAGS], acc[N_TAGS][N_PREC];
     uint8_t *scratch;
     size_t scratch_bytes;
@@ -428,8 +428,8 @@ static bool measure_capture(capture_job *job, const llama_capture *cap, const kv
                 kvmix_result r = round_trip(&prec[p].key, w.kf, d, n, per_channel ? page : n,
                                             w.kq + (size_t)p * nd, w.scratch, w.scratch_bytes);
                 if (r == KVMIX_SUCCESS)
-                    r = round_trip(&prec[p].value, w.vf, d, n, n, w.vq + (size_t)p * nd,
-                                   w.scratch, w.scratch_bytes);
+                    r = round_trip(&prec[p].value, w.vf, d, n, n, w.vq + (size_t)p * nd, w.scratch,
+                                   w.scratch_bytes);
                 if (r != KVMIX_SUCCESS) {
                     snprintf(job->err, sizeof job->err, "layer %d kv head %d, %s: %s", l, g,
                              PRECISIONS[p].name, kvmix_result_string(r));
@@ -800,8 +800,8 @@ static char *table_json(const table *t) {
              TABLE_VERSION);
     ok = append(&buf, &len, &cap, version) && append(&buf, &len, &cap, " \"model\": ") &&
          append_json(&buf, &len, &cap, model) && append(&buf, &len, &cap, ",\n \"spec\": ") &&
-         append_json(&buf, &len, &cap, spec) &&
-         append(&buf, &len, &cap, ",\n \"geometry\": ") && append_json(&buf, &len, &cap, geo) &&
+         append_json(&buf, &len, &cap, spec) && append(&buf, &len, &cap, ",\n \"geometry\": ") &&
+         append_json(&buf, &len, &cap, geo) &&
          append(&buf, &len, &cap,
                 ",\n \"distortion\": \"attention-output MSE: max over heads, mean over "
                 "captures, sum over layers\",\n \"precisions\": [");
@@ -906,9 +906,7 @@ static bool name_index(const char *s, const char *(*namer)(int), int n, int32_t 
 }
 static const char *bucket_namer(int i) { return kvmix_tag_bucket_name((kvmix_tag_bucket)i); }
 static const char *role_namer(int i) { return kvmix_tag_role_name((kvmix_tag_role)i); }
-static const char *modality_namer(int i) {
-    return kvmix_tag_modality_name((kvmix_tag_modality)i);
-}
+static const char *modality_namer(int i) { return kvmix_tag_modality_name((kvmix_tag_modality)i); }
 
 static bool read_tag(const cJSON *o, int32_t n_captures, table_tag *tag, char *err) {
     const char *b = get_string(o, "bucket", err), *r = get_string(o, "role", err),
@@ -970,7 +968,8 @@ static bool table_parse(const char *json, size_t n_bytes, table *t, char *err) {
         snprintf(err, ERR_BYTES, "\"kind\" is not \"kvmix-calibration-table\"");
         goto done;
     }
-    if ((model = field(root, "model", err)) == NULL || (geo = field(root, "geometry", err)) == NULL ||
+    if ((model = field(root, "model", err)) == NULL ||
+        (geo = field(root, "geometry", err)) == NULL ||
         (spec = get_string(root, "spec", err)) == NULL ||
         (precs = get_array(root, "precisions", N_PREC, err)) == NULL ||
         (caps = get_array(root, "captures", -1, err)) == NULL ||
@@ -1060,8 +1059,8 @@ typedef struct allocation {
     kvmix_alloc_summary summary;
 } allocation;
 
-static void make_problem(const table *t, double budget, int64_t *tokens, double *dist,
-                         double *bits, kvmix_alloc_problem *p) {
+static void make_problem(const table *t, double budget, int64_t *tokens, double *dist, double *bits,
+                         kvmix_alloc_problem *p) {
     for (int32_t i = 0; i < t->n_tags; i++) {
         tokens[i] = t->tags[i].tokens;
         for (int q = 0; q < N_PREC; q++) dist[i * N_PREC + q] = t->tags[i].distortion[q];

@@ -80,12 +80,9 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
     const struct {
         const char *flag;
         const char **dest;
-    } flags[] = {{"--model", &o->model_path},
-                 {"--data", &o->data_path},
-                 {"--kind", &o->kind},
-                 {"--policy", &o->policy},
-                 {"--capture", &o->capture_dir},
-                 {"--read-capture", &o->read_capture_path}};
+    } flags[] = {{"--model", &o->model_path},    {"--data", &o->data_path},
+                 {"--kind", &o->kind},           {"--policy", &o->policy},
+                 {"--capture", &o->capture_dir}, {"--read-capture", &o->read_capture_path}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
             *flags[i].dest = value;
@@ -321,8 +318,8 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
  * DIR/capture-NNNN.bin. */
 static llama_result capture_text(eval *e, int64_t index, int64_t n, totals *t) {
     char path[4096];
-    int written = snprintf(path, sizeof path, "%s/capture-%04lld.bin", e->opt->capture_dir,
-                           (long long)index);
+    int written =
+        snprintf(path, sizeof path, "%s/capture-%04lld.bin", e->opt->capture_dir, (long long)index);
     if (written < 0 || (size_t)written >= sizeof path) {
         snprintf(e->err, sizeof e->err, "--capture: directory path too long");
         return LLAMA_ERR_ARGUMENT;
@@ -354,8 +351,8 @@ static llama_result run_texts(eval *e, const texts *list, totals *t) {
             return LLAMA_ERR_MEMORY;
         }
         if (n < 2) continue; /* an empty text has nothing to predict */
-        llama_result r = e->opt->capture_dir != NULL ? capture_text(e, i, n, t)
-                                                     : score_text(e, &e->cache, n, t);
+        llama_result r =
+            e->opt->capture_dir != NULL ? capture_text(e, i, n, t) : score_text(e, &e->cache, n, t);
         if (r != LLAMA_OK) return r;
     }
     return LLAMA_OK;

@@ -395,7 +395,8 @@ static bool write_tiny_capture(const char *path, uint32_t head_dim) {
         for (int k = 0; k < 4; k++) b[8 + 4 * i + k] = (unsigned char)(header[i] >> (8 * k));
     int32_t ids[3] = {256, 257, 10};
     for (uint32_t i = 0; i < n; i++)
-        for (int k = 0; k < 4; k++) b[32 + 4 * i + k] = (unsigned char)((uint32_t)ids[i] >> (8 * k));
+        for (int k = 0; k < 4; k++)
+            b[32 + 4 * i + k] = (unsigned char)((uint32_t)ids[i] >> (8 * k));
     uint32_t state = 12345;
     for (size_t i = 0; i < floats; i++) {
         state = state * 1664525u + 1013904223u;
@@ -445,9 +446,9 @@ static void test_bad_input(const char *caps_dir) {
     expect_failure(args, 1, "--spec");
     /* options */
     static const char *const BAD_OPTIONS[][2] = {
-        {"--budget -1", "--budget"},    {"--budget abc", "--budget"},
-        {"--stride 0", "--stride"},     {"--low int4 --high int2c", "--low"},
-        {"--method dp", "--method"},    {"--threads 0", "--threads"},
+        {"--budget -1", "--budget"},        {"--budget abc", "--budget"},
+        {"--stride 0", "--stride"},         {"--low int4 --high int2c", "--low"},
+        {"--method dp", "--method"},        {"--threads 0", "--threads"},
         {"--colour red", "unknown option"}, {"--page-tokens", "needs a value"}};
     for (size_t i = 0; i < sizeof BAD_OPTIONS / sizeof BAD_OPTIONS[0]; i++) {
         snprintf(args, sizeof args, "--captures %s %s", caps_dir, BAD_OPTIONS[i][0]);
