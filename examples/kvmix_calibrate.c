@@ -19,7 +19,8 @@
  * there. Token count of a tag: instruction tags (system prompt and tool schemas, stored once as a
  * shared prefix) count once, as the median over the captures where they are active (for an even
  * number, the mean of the two middle counts, rounded to nearest); every other tag sums over the
- * captures.
+ * captures. The system prompt's bucket depends on the request's turn count, so it may appear as
+ * several instruction tags (previous, two_back, older), each counted once.
  *
  * Precisions (name: keys + values; bits = (key bits + value bits) / 2 per element, every byte of
  * metadata included, from kvmix_layout_bits at a full page of --page-tokens):

@@ -1,7 +1,7 @@
 /* Calibration on real captures: build/kvmix-eval --capture, then build/kvmix-calibrate (the
- * sanitized build, kvmix-calibrate-san) on the first two agent traces of
- * SHARED/data/eval-dev.jsonl shortened (write_short_traces: about 1000 tokens each, two user
- * turns), with kvm-small.
+ * sanitized build, kvmix-calibrate-san) on two short texts made of the first three agent traces
+ * of SHARED/data/eval-dev.jsonl (write_short_traces: about 1000 tokens each, two user turns),
+ * with kvm-small.
  *   - kvmix-eval --capture DIR writes one capture-NNNN.bin per text and nothing else; --offset 1
  *     --limit 1 captures the second text alone, as capture-0000.bin of the same length.
  *   - The table: the five precisions' bits equal kvmix_layout_bits at the table's geometry; per
