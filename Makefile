@@ -1,6 +1,7 @@
 # kvmix: one Makefile for the demo, the tests, the benchmarks and the CUDA kernel pack.
 #   make demo        build and run examples/quickstart
-#   make eval        build build/kvmix-eval, the reference-model runner and quality harness
+#   make eval        build build/kvmix-eval (the reference-model runner and quality harness) and
+#                    build/kvmix-calibrate (captures to a per-tag bit allocation)
 #   make test        header compile checks, host tests under ASan+UBSan, fuzz smoke runs,
 #                    model tests (when $(SHARED)/models exists), nvcc build of the kernel pack
 #   make test-cuda   GPU tests (needs an sm_90 GPU)
@@ -41,7 +42,7 @@ MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
 
-all: $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/unit_tests \
+all: $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
 
 $(BUILD):
