@@ -1,6 +1,7 @@
 # kvmix: one Makefile for the demo, the tests, the benchmarks and the CUDA kernel pack.
 #   make demo        build and run examples/quickstart
-#   make eval        build build/kvmix-eval, the reference-model runner and quality harness
+#   make eval        build build/kvmix-eval (the reference-model runner and quality harness) and
+#                    build/kvmix-calibrate (captures to a per-tag bit allocation)
 #   make test        header compile checks, host tests under ASan+UBSan, fuzz smoke runs,
 #                    model tests (when $(SHARED)/models exists), nvcc build of the kernel pack
 #   make test-cuda   GPU tests (needs an sm_90 GPU)
@@ -37,11 +38,11 @@ UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
 FUZZ_TARGETS := formats view payload safetensors policy tags tagspec
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
-MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags
+MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
 
-all: $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/unit_tests \
+all: $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
 
 $(BUILD):
@@ -62,7 +63,19 @@ $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples examples/kvmix_eval.c examples/llama.c examples/kvmix_kv.c \
 		-o $@ $(EVAL_LDLIBS)
 
-eval: $(BUILD)/kvmix-eval
+eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
+
+# ---- calibration: runner captures -> per-tag distortion table -> bit allocation ----------------
+# llama.c is its kvmix implementation; tag_spec_json.c is built without one.
+CALIB_SRC := examples/kvmix_calibrate.c $(LLAMA_SRC) examples/tag_spec_json.c \
+	examples/tag_spec_json.h
+CALIB_CC := -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_calibrate.c \
+	examples/llama.c examples/tag_spec_json.c
+$(BUILD)/kvmix-calibrate: $(CALIB_SRC) | $(BUILD)
+	$(CC) $(CFLAGS) $(CALIB_CC) -o $@ $(EVAL_LDLIBS)
+# The same under the sanitizers, for the calibration model test.
+$(BUILD)/kvmix-calibrate-san: $(CALIB_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) $(CALIB_CC) -o $@ $(EVAL_LDLIBS)
 
 # ---- template tags: kvmix-tag (ids in, tags out) and kvmix-tagspec (tokenizer.json -> spec) ----
 $(BUILD)/kvmix-tag: examples/kvmix_tag.c $(TAG_SRC) | $(BUILD)
@@ -102,6 +115,12 @@ $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_pol
 $(BUILD)/model_test_tags: tests/test_tags.c $(TAG_SRC) $(TAG_TOOLS) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. -Iexamples tests/test_tags.c \
 		examples/tag_spec_json.c examples/hf_tokenizer.c -o $@ $(TAG_LDLIBS)
+
+# Captures two short traces with kvmix-eval and calibrates them with the sanitized kvmix-calibrate.
+$(BUILD)/model_test_calibrate: tests/test_calibrate.c kvmix.h $(BUILD)/kvmix-eval \
+		$(BUILD)/kvmix-calibrate-san | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_calibrate.c -o $@ \
+		-lcjson -lm
 
 # Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
 $(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c tests/fuzz_invariants.h kvmix.h | $(BUILD)

@@ -1,14 +1,15 @@
 /* kvmix-eval: next-token quality of a Llama model with a given KV-cache policy.
  *
- *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]
- *              [--policy P] [--threads N] [--capture PATH]
+ *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]
+ *              [--limit N] [--policy P] [--threads N] [--capture DIR]
  *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
  * --policy is a built-in name (fp32, fp16, int8, int4, kivi2, kivi2-sink, kitty-12, kitty-25) or
  * the path of a policy document (schema: README.md, "Policies"; examples/policies/). fp32 runs
  * the runner's own fp32 cache; every other policy runs the kvmix paged cache (kvmix_kv.h).
- * Each selected text (the first N of the kind, in file order) becomes <|endoftext|> + its tokens,
+ * The selected texts are those of the kind in file order, after skipping the first --offset of
+ * them, at most --limit. Each selected text becomes <|endoftext|> + its tokens,
  * cut to the first context + 1 ids, and is fed one token at a time from a reset cache; every
  * position after the first is scored. One JSON object is printed:
  *   bits_per_token    mean cross-entropy (bits) of the true next token over all scored positions
@@ -24,12 +25,18 @@
  * after its </think> up to and including its <|im_end|>, or inside one of its tool calls from
  * after <tool_call> up to and including </tool_call> (llama_mark_answer_tokens in llama.h).
  * Before each token that opens a user message ("<|im_start|>user\n") the cache's begin_request
- * hook runs. --capture writes the first text's queries, keys and values (format in llama.h).
+ * hook runs. --capture DIR records every selected text's queries, keys and values (llama.h,
+ * "Captures"): DIR/capture-NNNN.bin, NNNN = the text's index in the selection (0000 first, 4 or
+ * more digits), one file per text with at least one scored position; DIR must exist and nothing
+ * else is written there. Captured keys and values are what the policy's cache received (its
+ * quantization affects later layers); --policy fp32 captures the full-precision model.
  */
+#define _POSIX_C_SOURCE 200809L /* opendir */
 #include "kvmix_kv.h"
 #include "llama.h"
 
 #include <cjson/cJSON.h>
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,10 +49,11 @@ typedef struct options {
     const char *model_path;
     const char *data_path;
     const char *kind; /* NULL: every text */
+    int64_t offset;   /* selected texts of the kind skipped first */
     int64_t limit;    /* 0: no limit */
     const char *policy;
     int32_t n_threads;
-    const char *capture_path; /* NULL: no capture */
+    const char *capture_dir; /* NULL: no capture */
     bool list_policies;
     const char *read_capture_path; /* NULL: evaluate */
 } options;
@@ -53,8 +61,8 @@ typedef struct options {
 static void usage(FILE *f) {
     fprintf(
         f,
-        "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--limit N]\n"
-        "                  [--policy P] [--threads N] [--capture PATH]\n"
+        "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]\n"
+        "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -72,12 +80,9 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
     const struct {
         const char *flag;
         const char **dest;
-    } flags[] = {{"--model", &o->model_path},
-                 {"--data", &o->data_path},
-                 {"--kind", &o->kind},
-                 {"--policy", &o->policy},
-                 {"--capture", &o->capture_path},
-                 {"--read-capture", &o->read_capture_path}};
+    } flags[] = {{"--model", &o->model_path},    {"--data", &o->data_path},
+                 {"--kind", &o->kind},           {"--policy", &o->policy},
+                 {"--capture", &o->capture_dir}, {"--read-capture", &o->read_capture_path}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
             *flags[i].dest = value;
@@ -88,7 +93,7 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
 }
 
 static bool parse_options(int argc, char **argv, options *o) {
-    *o = (options){NULL, NULL, NULL, 0, "fp32", 2, NULL, false, NULL};
+    *o = (options){NULL, NULL, NULL, 0, 0, "fp32", 2, NULL, false, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -104,6 +109,8 @@ static bool parse_options(int argc, char **argv, options *o) {
         if (take_string_flag(o, a, value)) continue;
         if (strcmp(a, "--limit") == 0 && parse_count(value, 1, &n)) {
             o->limit = n;
+        } else if (strcmp(a, "--offset") == 0 && parse_count(value, 0, &n)) {
+            o->offset = n;
         } else if (strcmp(a, "--threads") == 0 && parse_count(value, 1, &n) && n <= 256) {
             o->n_threads = (int32_t)n;
         } else {
@@ -120,10 +127,18 @@ static bool parse_options(int argc, char **argv, options *o) {
         fprintf(stderr, "kvmix-eval: --kind must be trace or code\n");
         return false;
     }
+    DIR *dir = o->capture_dir != NULL ? opendir(o->capture_dir) : NULL;
+    if (o->capture_dir != NULL && dir == NULL) {
+        fprintf(stderr, "kvmix-eval: --capture %s: not a directory that can be opened\n",
+                o->capture_dir);
+        return false;
+    }
+    if (dir != NULL) closedir(dir);
     return true;
 }
 
-/* The texts of the data file that pass the kind filter and the limit, in file order. */
+/* The texts of the data file that pass the kind filter, the offset and the limit, in file
+ * order. */
 typedef struct texts {
     char **items;
     int64_t n;
@@ -215,7 +230,7 @@ static bool load_texts(const options *o, texts *out, char *err) {
         snprintf(err, ERR_BYTES, "cannot read %s", o->data_path);
         return false;
     }
-    int64_t line_no = 0;
+    int64_t line_no = 0, skipped = 0;
     bool ok = true;
     for (char *line = data; ok && line < data + n_bytes && (o->limit == 0 || out->n < o->limit);) {
         char *newline = memchr(line, '\n', (size_t)(data + n_bytes - line));
@@ -225,6 +240,10 @@ static bool load_texts(const options *o, texts *out, char *err) {
             snprintf(err, ERR_BYTES, "%s:%lld: needs {\"kind\": string, \"text\": string}",
                      o->data_path, (long long)line_no);
             ok = false;
+        }
+        if (ok && out->n > 0 && skipped < o->offset) { /* drop it: still inside the offset */
+            free(out->items[--out->n]);
+            skipped++;
         }
         line += len + 1;
     }
@@ -295,8 +314,16 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
     return LLAMA_OK;
 }
 
-/* Scores the first text through a recording wrapper and writes the capture file. */
-static llama_result capture_first_text(eval *e, int64_t n, totals *t) {
+/* Scores text `index` of the selection through a recording wrapper and writes its capture file,
+ * DIR/capture-NNNN.bin. */
+static llama_result capture_text(eval *e, int64_t index, int64_t n, totals *t) {
+    char path[4096];
+    int written =
+        snprintf(path, sizeof path, "%s/capture-%04lld.bin", e->opt->capture_dir, (long long)index);
+    if (written < 0 || (size_t)written >= sizeof path) {
+        snprintf(e->err, sizeof e->err, "--capture: directory path too long");
+        return LLAMA_ERR_ARGUMENT;
+    }
     llama_capture cap;
     llama_kv_cache wrapped;
     llama_result r = llama_capture_init(&cap, &e->model->config, (int32_t)(n - 1));
@@ -311,7 +338,7 @@ static llama_result capture_first_text(eval *e, int64_t n, totals *t) {
         r = score_text(e, &wrapped, n, t);
         wrapped.destroy(wrapped.state);
     }
-    if (r == LLAMA_OK) r = llama_capture_write(&cap, e->opt->capture_path, e->err, sizeof e->err);
+    if (r == LLAMA_OK) r = llama_capture_write(&cap, path, e->err, sizeof e->err);
     llama_capture_free(&cap);
     return r;
 }
@@ -324,8 +351,8 @@ static llama_result run_texts(eval *e, const texts *list, totals *t) {
             return LLAMA_ERR_MEMORY;
         }
         if (n < 2) continue; /* an empty text has nothing to predict */
-        llama_result r = i == 0 && e->opt->capture_path != NULL ? capture_first_text(e, n, t)
-                                                                : score_text(e, &e->cache, n, t);
+        llama_result r =
+            e->opt->capture_dir != NULL ? capture_text(e, i, n, t) : score_text(e, &e->cache, n, t);
         if (r != LLAMA_OK) return r;
     }
     return LLAMA_OK;
@@ -352,6 +379,7 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
         cJSON_AddStringToObject(obj, "kind", o->kind);
     else
         cJSON_AddNullToObject(obj, "kind");
+    cJSON_AddNumberToObject(obj, "offset", (double)o->offset);
     add_number_or_null(obj, "limit", o->limit > 0 ? (double)o->limit : NAN);
     char *policy_text = kvmix_kv_policy_json(p);
     const char *end = NULL;

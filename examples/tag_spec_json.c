@@ -1,6 +1,10 @@
 /* tag_spec_json.c - reader and writer of template spec documents; see tag_spec_json.h.
- * It compiles the kvmix implementation for the tag tools (as kvmix_kv.c does for the runner). */
+ * It compiles the kvmix implementation for the tag tools (as llama.c does for the runner), unless
+ * TAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION is defined: a program that links llama.c too (the
+ * calibration tool) builds this file with it. */
+#ifndef TAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION
 #define KVMIX_IMPLEMENTATION
+#endif
 #include "kvmix.h"
 #include "tag_spec_json.h"
 

@@ -13,7 +13,8 @@
  * fields, wrong types, ids out of range and too many entries are errors whose message names the
  * field, and the spec must pass kvmix_tag_spec_check. Functions are pure and thread-safe (cJSON is
  * used without its global hooks or error pointer). tag_spec_json.c compiles the kvmix
- * implementation: link it once, and not with another file that does (examples/kvmix_kv.c).
+ * implementation: link it once, and not with another file that does (examples/llama.c), unless
+ * it is built with -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION (as kvmix-calibrate is).
  */
 #ifndef KVMIX_TAG_SPEC_JSON_H
 #define KVMIX_TAG_SPEC_JSON_H

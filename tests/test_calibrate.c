@@ -1,0 +1,579 @@
+/* Calibration on real captures: build/kvmix-eval --capture, then build/kvmix-calibrate (the
+ * sanitized build, kvmix-calibrate-san) on two short texts made of the first three agent traces
+ * of SHARED/data/eval-dev.jsonl (write_short_traces: about 1000 tokens each, two user turns),
+ * with kvm-small.
+ *   - kvmix-eval --capture DIR writes one capture-NNNN.bin per text and nothing else; --offset 1
+ *     --limit 1 captures the second text alone, as capture-0000.bin of the same length.
+ *   - The table: the five precisions' bits equal kvmix_layout_bits at the table's geometry; per
+ *     capture the tags' counts partition its tokens (the file header's n_tokens); a tag's tokens
+ *     are the sum over captures, except instruction tags: the median of the captures where they
+ *     have tokens; n_captures counts those; names are bucket/role/modality and unique.
+ *   - Distortion, for every tag: int8 < int4 < int2c strictly, fp16 <= 5e-2 * int8 and
+ *     fp16 <= 1e-5 * int2c (FP16 rounding is ~0 next to the others); boosted < int2c for at least
+ *     three quarters of the tags.
+ *   - The allocation: realized bits (recomputed from its tags' bits and tokens) <= the budget and
+ *     equal to the reported bits; distortion = the sum of its tags' table distortions at their
+ *     precisions; every sweep entry within its budget, infeasible (null) exactly when the budget
+ *     is below the cheapest precision; two-level exhaustive distortion non-increasing in B.
+ *   - Round trip: --from-table TABLE --table OUT writes TABLE's bytes, and the same allocation;
+ *     --threads 1 gives the same table as --threads 2 (at --stride 64, for time; the main run
+ *     uses --stride 16).
+ *   - Bad input: missing or empty capture directory, truncated or foreign captures, captures of
+ *     two shapes, a head_dim the formats do not take, missing or malformed spec, bad options,
+ *     an infeasible budget, malformed tables, an unwritable output: exit status 1 or 2 with a
+ *     "kvmix-calibrate:" message and no sanitizer report. A tiny hand-made capture (1 layer,
+ *     head_dim 32, 3 tokens) calibrates.
+ * Usage: test_calibrate SHARED_DIR (from the repository root). Prints "N passed, N failed". */
+#define _POSIX_C_SOURCE 200809L
+#define KVMIX_IMPLEMENTATION
+#include "kvmix.h"
+
+#include <cjson/cJSON.h>
+#include <dirent.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#ifndef BUILD_DIR
+#define BUILD_DIR "build"
+#endif
+#define TMP   BUILD_DIR "/.test-calib"
+#define TOOL  BUILD_DIR "/kvmix-calibrate-san"
+#define SPEC  "examples/specs/kvm-byte.json"
+#define QUIET "ASAN_OPTIONS=exitcode=86 UBSAN_OPTIONS=exitcode=86 "
+
+static int n_passed, n_failed;
+
+static bool check_at(bool ok, int line, const char *what) {
+    if (ok)
+        n_passed++;
+    else {
+        n_failed++;
+        if (n_failed < 40) printf("FAIL line %d: %s\n", line, what);
+    }
+    return ok;
+}
+#define CHECK(cond)          check_at((cond), __LINE__, #cond)
+#define CHECK_MSG(cond, msg) check_at((cond), __LINE__, (msg))
+
+static char *read_file(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) return NULL;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = size >= 0 ? (char *)malloc((size_t)size + 1) : NULL;
+    if (buf != NULL && fread(buf, 1, (size_t)size, f) != (size_t)size) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(f);
+    if (buf != NULL) buf[size] = 0;
+    if (buf != NULL && n != NULL) *n = (size_t)size;
+    return buf;
+}
+
+static bool write_bytes(const char *path, const void *bytes, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (f == NULL) return false;
+    bool ok = fwrite(bytes, 1, n, f) == n;
+    return fclose(f) == 0 && ok;
+}
+
+/* Runs cmd (stderr joined to stdout); returns the exit status, output in *out (malloc'd). */
+static int run(const char *cmd, char **out) {
+    char full[4096];
+    snprintf(full, sizeof full, "%s 2>&1", cmd);
+    FILE *p = popen(full, "r");
+    if (p == NULL) return -1;
+    size_t cap = 1 << 14, n = 0, got;
+    char *buf = (char *)malloc(cap + 1);
+    while (buf != NULL && (got = fread(buf + n, 1, cap - n, p)) > 0) {
+        n += got;
+        if (n == cap) {
+            char *bigger = (char *)realloc(buf, cap * 2 + 1);
+            if (bigger == NULL) free(buf);
+            buf = bigger;
+            cap *= 2;
+        }
+    }
+    int status = pclose(p);
+    if (buf != NULL) buf[n] = 0;
+    if (out != NULL)
+        *out = buf;
+    else
+        free(buf);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static cJSON *load_json(const char *path) {
+    size_t n = 0;
+    char *text = read_file(path, &n);
+    const char *end = NULL;
+    cJSON *root = text != NULL ? cJSON_ParseWithLengthOpts(text, n, &end, 0) : NULL;
+    free(text);
+    return root;
+}
+
+static int64_t header_tokens(const char *path) {
+    size_t n = 0;
+    unsigned char *b = (unsigned char *)read_file(path, &n);
+    int64_t tokens = -1;
+    if (b != NULL && n >= 32)
+        tokens = (int64_t)b[28] | (int64_t)b[29] << 8 | (int64_t)b[30] << 16 | (int64_t)b[31] << 24;
+    free(b);
+    return tokens;
+}
+
+/* Entries of a directory other than . and .. */
+static int count_entries(const char *dir) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    if (d == NULL) return -1;
+    for (struct dirent *e; (e = readdir(d)) != NULL;)
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) n++;
+    closedir(d);
+    return n;
+}
+
+static double num(const cJSON *o, const char *name) {
+    const cJSON *f = cJSON_GetObjectItemCaseSensitive(o, name);
+    return cJSON_IsNumber(f) ? f->valuedouble : NAN;
+}
+
+static const char *str(const cJSON *o, const char *name) {
+    const cJSON *f = cJSON_GetObjectItemCaseSensitive(o, name);
+    return cJSON_IsString(f) ? f->valuestring : "";
+}
+
+static bool same_files(const char *a, const char *b) {
+    size_t na = 0, nb = 0;
+    char *x = read_file(a, &na), *y = read_file(b, &nb);
+    bool same = x != NULL && y != NULL && na == nb && memcmp(x, y, na) == 0;
+    free(x);
+    free(y);
+    return same;
+}
+
+/* ---- data: two short traces made of the first three ---------------------------------------- */
+
+/* Appends the message at msg (from "<|im_start|>" up to its "<|im_end|>\n") to out, its body cut
+ * to 120 bytes at a UTF-8 boundary and any bracket the cut leaves open closed again. Returns the
+ * position after the message, or NULL when there is none. */
+static const char *take_message(const char *msg, char *out, size_t out_bytes) {
+    static const char *const OPEN[3] = {"<think>", "<tool_call>", "<tool_response>"};
+    static const char *const CLOSE[3] = {"</think>", "</tool_call>", "</tool_response>"};
+    const char *end = msg != NULL ? strstr(msg, "<|im_end|>\n") : NULL;
+    const char *body = msg != NULL ? strchr(msg, '\n') : NULL;
+    if (end == NULL || body == NULL || body > end) return NULL;
+    size_t head = (size_t)(body + 1 - msg), len = (size_t)(end - body - 1);
+    if (len > 120) len = 120;
+    while (len > 0 && ((unsigned char)body[1 + len] & 0xC0) == 0x80) len--;
+    char part[512];
+    snprintf(part, sizeof part, "%.*s%.*s", (int)head, msg, (int)len, body + 1);
+    strncat(out, part, out_bytes - strlen(out) - 1);
+    bool system = strncmp(msg, "<|im_start|>system", 18) == 0; /* brackets there are text */
+    for (int b = 0; !system && b < 3; b++) {
+        int opens = 0, closes = 0;
+        for (const char *at = part; (at = strstr(at, OPEN[b])) != NULL; at++) opens++;
+        for (const char *at = part; (at = strstr(at, CLOSE[b])) != NULL; at++) closes++;
+        if (opens > closes) {
+            strncat(out, "\n", out_bytes - strlen(out) - 1);
+            strncat(out, CLOSE[b], out_bytes - strlen(out) - 1);
+        }
+    }
+    strncat(out, "<|im_end|>\n", out_bytes - strlen(out) - 1);
+    return end + strlen("<|im_end|>\n");
+}
+
+/* Text k: trace k's system prompt and first four messages after it, then trace k+1's first three
+ * messages after its system prompt (a second user turn), each body cut to 120 bytes: about 1000
+ * tokens with instruction, user, reasoning, tool call, observation and two turns. */
+static bool write_short_traces(const char *shared, const char *out_path) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/data/eval-dev.jsonl", shared);
+    size_t n = 0;
+    char *data = read_file(path, &n), *traces[3] = {NULL, NULL, NULL};
+    cJSON *roots[3] = {NULL, NULL, NULL};
+    int taken = 0;
+    for (char *line = data; data != NULL && taken < 3 && line < data + n;) {
+        char *nl = memchr(line, '\n', (size_t)(data + n - line));
+        size_t len = nl != NULL ? (size_t)(nl - line) : (size_t)(data + n - line);
+        const char *end = NULL;
+        cJSON *root = cJSON_ParseWithLengthOpts(line, len, &end, 0);
+        const cJSON *kind = cJSON_GetObjectItemCaseSensitive(root, "kind");
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "text");
+        if (cJSON_IsString(kind) && strcmp(kind->valuestring, "trace") == 0 &&
+            cJSON_IsString(text)) {
+            traces[taken] = text->valuestring;
+            roots[taken++] = root;
+        } else {
+            cJSON_Delete(root);
+        }
+        line += len + 1;
+    }
+    FILE *out = fopen(out_path, "wb");
+    bool ok = out != NULL && taken == 3;
+    for (int k = 0; ok && k < 2; k++) {
+        static char text[8192];
+        text[0] = 0;
+        const char *at = strstr(traces[k], "<|im_start|>");
+        for (int m = 0; m < 5 && at != NULL; m++) at = take_message(at, text, sizeof text);
+        at = strstr(traces[k + 1], "<|im_start|>user");
+        for (int m = 0; m < 3 && at != NULL; m++) at = take_message(at, text, sizeof text);
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "kind", "trace");
+        cJSON_AddStringToObject(o, "text", text);
+        char *s = cJSON_PrintUnformatted(o);
+        ok = s != NULL && at != NULL && fprintf(out, "%s\n", s) > 0;
+        free(s);
+        cJSON_Delete(o);
+    }
+    if (out != NULL && fclose(out) != 0) ok = false;
+    for (int k = 0; k < 3; k++) cJSON_Delete(roots[k]);
+    free(data);
+    return ok;
+}
+
+/* ---- the table -------------------------------------------------------------------------------- */
+static int compare_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static void check_table(const cJSON *t, const char *caps_dir) {
+    const cJSON *geo = cJSON_GetObjectItemCaseSensitive(t, "geometry");
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(t, "model");
+    const cJSON *precs = cJSON_GetObjectItemCaseSensitive(t, "precisions");
+    const cJSON *caps = cJSON_GetObjectItemCaseSensitive(t, "captures");
+    const cJSON *tags = cJSON_GetObjectItemCaseSensitive(t, "tags");
+    CHECK(num(t, "version") == 1 && strcmp(str(t, "kind"), "kvmix-calibration-table") == 0);
+    CHECK(num(model, "head_dim") == 64 && num(model, "n_layers") == 4);
+    CHECK(cJSON_GetArraySize(precs) == 5 && cJSON_GetArraySize(caps) == 2);
+    if (n_failed > 0 || cJSON_GetArraySize(tags) < 1) return;
+    /* bits: kvmix_layout_bits at the geometry */
+    static const char *const NAMES[5] = {"int2c", "boosted", "int4", "int8", "fp16"};
+    static const kvmix_format KEYS[5] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED,
+                                         KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT8, KVMIX_FORMAT_FP16};
+    static const kvmix_format VALUES[5] = {KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT4,
+                                           KVMIX_FORMAT_INT8, KVMIX_FORMAT_FP16};
+    int32_t page = (int32_t)num(geo, "page_tokens");
+    CHECK(page == 128 && num(geo, "value_group") == 64 && num(geo, "n_boost") == 8);
+    for (int p = 0; p < 5; p++) {
+        const cJSON *prec = cJSON_GetArrayItem(precs, p);
+        kvmix_layout k = {KEYS[p], page, 64, 0, 0}, v = {VALUES[p], page, 64, 0, 0};
+        if (p >= 2 && p <= 3) k.group_size = 32;
+        if (p == 1) k.n_boost = 8;
+        if (p <= 3) v.group_size = 64;
+        double kb = 0, vb = 0;
+        CHECK(kvmix_layout_bits(&k, &kb) == KVMIX_SUCCESS);
+        CHECK(kvmix_layout_bits(&v, &vb) == KVMIX_SUCCESS);
+        CHECK_MSG(strcmp(str(prec, "name"), NAMES[p]) == 0 && num(prec, "key_bits") == kb &&
+                      num(prec, "value_bits") == vb && num(prec, "bits") == (kb + vb) / 2,
+                  "a precision's bits are kvmix_layout_bits at the geometry");
+    }
+    /* token counts */
+    int64_t header[2], sum[2] = {0, 0};
+    for (int c = 0; c < 2; c++) {
+        char path[1024];
+        const cJSON *cap = cJSON_GetArrayItem(caps, c);
+        snprintf(path, sizeof path, "%s/%s", caps_dir, str(cap, "file"));
+        header[c] = header_tokens(path);
+        CHECK(header[c] > 100 && num(cap, "n_tokens") == (double)header[c]);
+    }
+    int n_tags = cJSON_GetArraySize(tags), boosted_better = 0, bad_order = 0, bad_fp16 = 0;
+    int bad_counts = 0, bad_names = 0;
+    const cJSON *tag;
+    cJSON_ArrayForEach(tag, tags) {
+        const cJSON *per = cJSON_GetObjectItemCaseSensitive(tag, "tokens_per_capture");
+        const cJSON *d = cJSON_GetObjectItemCaseSensitive(tag, "distortion");
+        int64_t counts[2], nonzero[2], total = 0;
+        int active = 0;
+        for (int c = 0; c < 2; c++) {
+            counts[c] = (int64_t)cJSON_GetArrayItem(per, c)->valuedouble;
+            sum[c] += counts[c];
+            total += counts[c];
+            if (counts[c] > 0) nonzero[active++] = counts[c];
+        }
+        qsort(nonzero, (size_t)active, sizeof nonzero[0], compare_i64);
+        int64_t median = active == 1 ? nonzero[0] : (nonzero[0] + nonzero[1] + 1) / 2;
+        bool instruction = strcmp(str(tag, "role"), "instruction") == 0;
+        if (active < 1 || num(tag, "n_captures") != active ||
+            num(tag, "tokens") != (double)(instruction ? median : total))
+            bad_counts++;
+        char name[128];
+        snprintf(name, sizeof name, "%s/%s/%s", str(tag, "bucket"), str(tag, "role"),
+                 str(tag, "modality"));
+        if (strcmp(name, str(tag, "name")) != 0) bad_names++;
+        for (const cJSON *other = tag->next; other != NULL; other = other->next)
+            if (strcmp(str(other, "name"), str(tag, "name")) == 0) bad_names++;
+        double v[5];
+        for (int p = 0; p < 5; p++) v[p] = cJSON_GetArrayItem(d, p)->valuedouble;
+        if (!(v[3] < v[2] && v[2] < v[0])) bad_order++;
+        if (!(v[4] <= 5e-2 * v[3] && v[4] <= 1e-5 * v[0])) bad_fp16++;
+        if (v[1] < v[0]) boosted_better++;
+    }
+    CHECK_MSG(bad_counts == 0, "tag token counts: sums, instruction medians, n_captures");
+    CHECK_MSG(bad_names == 0, "tag names are bucket/role/modality and unique");
+    CHECK_MSG(sum[0] == header[0] && sum[1] == header[1],
+              "per capture, the tags' counts partition its tokens");
+    CHECK_MSG(bad_order == 0, "int8 < int4 < int2c for every tag");
+    CHECK_MSG(bad_fp16 == 0, "fp16 <= 5e-2 int8 and <= 1e-5 int2c for every tag");
+    CHECK_MSG(4 * boosted_better >= 3 * n_tags, "boosted < int2c for 3/4 of the tags");
+    printf("table: %d tags, captures of %lld and %lld tokens\n", n_tags, (long long)header[0],
+           (long long)header[1]);
+}
+
+static void check_allocation(const cJSON *a, const cJSON *t) {
+    const cJSON *tags = cJSON_GetObjectItemCaseSensitive(a, "tags");
+    const cJSON *ttags = cJSON_GetObjectItemCaseSensitive(t, "tags");
+    const cJSON *precs = cJSON_GetObjectItemCaseSensitive(t, "precisions");
+    const cJSON *sweep = cJSON_GetObjectItemCaseSensitive(a, "sweep");
+    CHECK(num(a, "version") == 1 && strcmp(str(a, "kind"), "kvmix-allocation") == 0);
+    CHECK(num(a, "budget_bits") == 3.0 && strcmp(str(a, "method"), "knapsack") == 0);
+    CHECK(cJSON_GetArraySize(tags) == cJSON_GetArraySize(ttags));
+    double cost = 0, tokens = 0, dist = 0;
+    int bad = 0;
+    for (int i = 0; i < cJSON_GetArraySize(tags) && i < cJSON_GetArraySize(ttags); i++) {
+        const cJSON *tag = cJSON_GetArrayItem(tags, i), *tt = cJSON_GetArrayItem(ttags, i);
+        int p = 0;
+        while (p < 5 && strcmp(str(cJSON_GetArrayItem(precs, p), "name"), str(tag, "precision")))
+            p++;
+        if (p == 5 || strcmp(str(tag, "name"), str(tt, "name")) != 0 ||
+            num(tag, "tokens") != num(tt, "tokens") ||
+            num(tag, "bits") != num(cJSON_GetArrayItem(precs, p), "bits") ||
+            num(tag, "distortion") !=
+                cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(tt, "distortion"), p)
+                    ->valuedouble ||
+            strcmp(str(tag, "key_format"), str(cJSON_GetArrayItem(precs, p), "key_format")) != 0) {
+            bad++;
+            continue;
+        }
+        cost += num(tag, "tokens") * num(tag, "bits");
+        tokens += num(tag, "tokens");
+        dist += num(tag, "distortion");
+    }
+    CHECK_MSG(bad == 0, "each tag's precision, bits and distortion are the table's");
+    CHECK_MSG(cost <= 3.0 * tokens, "the allocation holds the budget");
+    CHECK(fabs(cost / tokens - num(a, "bits")) <= 1e-12 * num(a, "bits"));
+    CHECK(fabs(dist - num(a, "distortion")) <= 1e-12 * dist);
+    CHECK(cJSON_GetArraySize(sweep) == 13);
+    double cheapest = num(cJSON_GetArrayItem(precs, 0), "bits"), last = INFINITY;
+    int bad_sweep = 0;
+    const cJSON *e;
+    cJSON_ArrayForEach(e, sweep) {
+        double b = num(e, "budget_bits");
+        const cJSON *k = cJSON_GetObjectItemCaseSensitive(e, "knapsack");
+        const cJSON *two = cJSON_GetObjectItemCaseSensitive(e, "two_level");
+        if (cJSON_IsNull(k) != (b < cheapest) || cJSON_IsNull(two) != (b < cheapest)) bad_sweep++;
+        if (cJSON_IsNull(k)) continue;
+        if (!(num(k, "bits") <= b * (1 + 1e-12) && num(two, "bits") <= b * (1 + 1e-12)))
+            bad_sweep++;
+        if (strcmp(str(two, "method"), "exhaustive") == 0) {
+            if (num(two, "distortion") > last) bad_sweep++;
+            last = num(two, "distortion");
+        }
+    }
+    CHECK_MSG(bad_sweep == 0, "sweep: within budget, null when infeasible, exhaustive monotone");
+}
+
+/* ---- bad input -------------------------------------------------------------------------------- */
+static void expect_failure(const char *args, int status, const char *needle) {
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd, QUIET TOOL " %s", args);
+    int rc = run(cmd, &out);
+    bool ok = rc == status && out != NULL && strstr(out, "kvmix-calibrate:") != NULL &&
+              strstr(out, needle) != NULL && strstr(out, "Sanitizer") == NULL &&
+              strstr(out, "runtime error") == NULL;
+    if (!CHECK_MSG(ok, args))
+        printf("  status %d (want %d, message with \"%s\"): %s\n", rc, status, needle,
+               out != NULL ? out : "(no output)");
+    free(out);
+}
+
+/* A capture file by hand: n_layers 1, n_heads 1, n_kv_heads 1, head_dim d, 3 tokens. */
+static bool write_tiny_capture(const char *path, uint32_t head_dim) {
+    uint32_t n = 3, header[6] = {1, 1, 1, 1, head_dim, n};
+    size_t floats = 3 * (size_t)n * head_dim, bytes = 32 + 4 * n + 4 * floats;
+    unsigned char *b = (unsigned char *)calloc(1, bytes);
+    if (b == NULL) return false;
+    memcpy(b, "KVMXCAPT", 8);
+    for (int i = 0; i < 6; i++)
+        for (int k = 0; k < 4; k++) b[8 + 4 * i + k] = (unsigned char)(header[i] >> (8 * k));
+    int32_t ids[3] = {256, 257, 10};
+    for (uint32_t i = 0; i < n; i++)
+        for (int k = 0; k < 4; k++)
+            b[32 + 4 * i + k] = (unsigned char)((uint32_t)ids[i] >> (8 * k));
+    uint32_t state = 12345;
+    for (size_t i = 0; i < floats; i++) {
+        state = state * 1664525u + 1013904223u;
+        float x = (float)((double)(state >> 8) / 16777216.0 - 0.5);
+        memcpy(b + 32 + 4 * n + 4 * i, &x, 4); /* little-endian hosts, as the runner */
+    }
+    bool ok = write_bytes(path, b, bytes);
+    free(b);
+    return ok;
+}
+
+static void test_bad_input(const char *caps_dir) {
+    char args[2048], path[1024], real[1024];
+    snprintf(real, sizeof real, "%s/capture-0000.bin", caps_dir);
+    expect_failure("--captures " TMP "/no-such-dir", 1, "cannot open");
+    mkdir(TMP "/empty", 0755);
+    expect_failure("--captures " TMP "/empty", 1, "no capture-");
+    /* truncated capture */
+    mkdir(TMP "/trunc", 0755);
+    size_t n = 0;
+    char *bytes = read_file(real, &n);
+    CHECK(bytes != NULL && n > 4096 && write_bytes(TMP "/trunc/capture-0000.bin", bytes, 4096));
+    expect_failure("--captures " TMP "/trunc", 1, "not a capture");
+    CHECK(write_bytes(TMP "/trunc/capture-0000.bin", "KVMXCAPT", 8));
+    expect_failure("--captures " TMP "/trunc", 1, "not a capture");
+    CHECK(write_bytes(TMP "/trunc/capture-0000.bin", "{\"ids\": []}\n", 12));
+    expect_failure("--captures " TMP "/trunc", 1, "not a capture");
+    /* two shapes; a tiny capture alone works; head_dim 48 is refused */
+    mkdir(TMP "/mixed", 0755);
+    CHECK(bytes != NULL && write_bytes(TMP "/mixed/capture-0000.bin", bytes, n));
+    free(bytes);
+    CHECK(write_tiny_capture(TMP "/mixed/capture-0001.bin", 32));
+    expect_failure("--captures " TMP "/mixed", 1, "model shape differs");
+    mkdir(TMP "/tiny", 0755);
+    CHECK(write_tiny_capture(TMP "/tiny/capture-0000.bin", 32));
+    char *out = NULL;
+    CHECK_MSG(run(QUIET TOOL " --captures " TMP "/tiny --budget 4", &out) == 0,
+              "a 3-token capture of head_dim 32 calibrates");
+    free(out);
+    CHECK(write_tiny_capture(TMP "/tiny/capture-0000.bin", 48));
+    expect_failure("--captures " TMP "/tiny", 1, "head_dim 48");
+    /* spec */
+    snprintf(args, sizeof args, "--captures %s --spec " TMP "/no-such-spec.json", caps_dir);
+    expect_failure(args, 1, "--spec");
+    CHECK(write_bytes(TMP "/bad-spec.json", "{\"version\": 1, \"name\": ", 23));
+    snprintf(args, sizeof args, "--captures %s --spec " TMP "/bad-spec.json", caps_dir);
+    expect_failure(args, 1, "--spec");
+    /* options */
+    static const char *const BAD_OPTIONS[][2] = {
+        {"--budget -1", "--budget"},        {"--budget abc", "--budget"},
+        {"--stride 0", "--stride"},         {"--low int4 --high int2c", "--low"},
+        {"--method dp", "--method"},        {"--threads 0", "--threads"},
+        {"--colour red", "unknown option"}, {"--page-tokens", "needs a value"}};
+    for (size_t i = 0; i < sizeof BAD_OPTIONS / sizeof BAD_OPTIONS[0]; i++) {
+        snprintf(args, sizeof args, "--captures %s %s", caps_dir, BAD_OPTIONS[i][0]);
+        expect_failure(args, 2, BAD_OPTIONS[i][1]);
+    }
+    expect_failure("--budget 3", 2, "exactly one");
+    snprintf(args, sizeof args, "--captures %s --from-table " TMP "/table.json", caps_dir);
+    expect_failure(args, 2, "exactly one");
+    expect_failure("--from-table " TMP "/table.json --stride 4", 2, "geometry");
+    snprintf(args, sizeof args, "--captures %s --boost 6", caps_dir);
+    expect_failure(args, 1, "precision boosted");
+    expect_failure("--from-table " TMP "/table.json --budget 2", 1, "budget");
+    expect_failure("--from-table " TMP "/table.json --table " TMP "/no-such-dir/t.json", 1,
+                   "cannot write");
+    /* tables */
+    expect_failure("--from-table " TMP "/no-such-table.json", 1, "cannot read");
+    char *table = read_file(TMP "/table.json", &n);
+    if (!CHECK(table != NULL)) return;
+    CHECK(write_bytes(TMP "/bad-table.json", table, n / 2));
+    expect_failure("--from-table " TMP "/bad-table.json", 1, "bad-table.json");
+    static const char *const EDITS[][3] = {
+        {"\"version\": 1", "\"version\": 2", "version 2"},
+        {"\"distortion\":[", "\"distortions\":[", "missing field \"distortion\""},
+        {"\"role\":\"user\"", "\"role\":\"teacher\"", "unknown bucket, role"},
+        {"\"name\":\"boosted\"", "\"name\":\"int3\"", "must be \"boosted\""},
+        {"\"n_captures\":", "\"n_captures\":-", "n_captures"}};
+    for (size_t i = 0; i < sizeof EDITS / sizeof EDITS[0]; i++) {
+        char *at = strstr(table, EDITS[i][0]);
+        if (!CHECK_MSG(at != NULL, EDITS[i][0])) continue;
+        FILE *f = fopen(TMP "/bad-table.json", "wb");
+        if (!CHECK(f != NULL)) continue;
+        fwrite(table, 1, (size_t)(at - table), f);
+        fputs(EDITS[i][1], f);
+        fputs(at + strlen(EDITS[i][0]), f);
+        fclose(f);
+        expect_failure("--from-table " TMP "/bad-table.json", 1, EDITS[i][2]);
+    }
+    free(table);
+    snprintf(path, sizeof path, "%s", TMP "/bad-table.json");
+    remove(path);
+}
+
+int main(int argc, char **argv) {
+    const char *shared = argc > 1 ? argv[1] : "../shared";
+    char cmd[4096], *out = NULL;
+    mkdir(TMP, 0755);
+    mkdir(TMP "/caps", 0755);
+    mkdir(TMP "/caps1", 0755);
+    remove(TMP "/caps/capture-0000.bin");
+    remove(TMP "/caps/capture-0001.bin");
+    remove(TMP "/caps1/capture-0000.bin");
+    if (!CHECK(write_short_traces(shared, TMP "/traces.jsonl"))) goto end;
+    /* captures */
+    snprintf(cmd, sizeof cmd,
+             "%s/kvmix-eval --model %s/models/kvm-small.safetensors --data " TMP
+             "/traces.jsonl --kind trace --limit 2 --policy fp32 --threads 1 --capture " TMP
+             "/caps",
+             BUILD_DIR, shared);
+    if (!CHECK_MSG(run(cmd, &out) == 0, "kvmix-eval --capture DIR")) printf("%s\n", out);
+    free(out);
+    int64_t first = header_tokens(TMP "/caps/capture-0000.bin");
+    int64_t second = header_tokens(TMP "/caps/capture-0001.bin");
+    CHECK_MSG(first > 100 && second > 100, "one capture per text");
+    CHECK_MSG(count_entries(TMP "/caps") == 2, "--capture DIR writes nothing else");
+    snprintf(cmd, sizeof cmd,
+             "%s/kvmix-eval --model %s/models/kvm-small.safetensors --data " TMP
+             "/traces.jsonl --kind trace --offset 1 --limit 1 --capture " TMP "/caps1",
+             BUILD_DIR, shared);
+    CHECK(run(cmd, NULL) == 0);
+    CHECK_MSG(header_tokens(TMP "/caps1/capture-0000.bin") == second,
+              "--offset 1 --limit 1 captures the second text");
+    snprintf(cmd, sizeof cmd,
+             "%s/kvmix-eval --model %s/models/kvm-small.safetensors --data " TMP
+             "/traces.jsonl --limit 1 --capture " TMP "/no-such-dir",
+             BUILD_DIR, shared);
+    CHECK_MSG(run(cmd, NULL) == 2, "kvmix-eval --capture into a missing directory fails at once");
+    if (n_failed > 0) goto end;
+    /* calibration */
+    CHECK_MSG(run(QUIET TOOL " --captures " TMP "/caps --stride 16 --budget 3 --table " TMP
+                             "/table.json --allocation " TMP "/alloc.json",
+                  &out) == 0,
+              "kvmix-calibrate --captures");
+    CHECK(out != NULL && strstr(out, "budget sweep") != NULL);
+    if (out != NULL) fputs(out, stdout);
+    free(out);
+    cJSON *t = load_json(TMP "/table.json"), *a = load_json(TMP "/alloc.json");
+    if (CHECK(t != NULL && a != NULL)) {
+        check_table(t, TMP "/caps");
+        check_allocation(a, t);
+    }
+    cJSON_Delete(t);
+    cJSON_Delete(a);
+    CHECK(run(QUIET TOOL " --from-table " TMP "/table.json --budget 3 --table " TMP
+                         "/table2.json --allocation " TMP "/alloc2.json",
+              NULL) == 0);
+    CHECK_MSG(same_files(TMP "/table.json", TMP "/table2.json"), "table round trip: same bytes");
+    CHECK_MSG(same_files(TMP "/alloc.json", TMP "/alloc2.json"), "same allocation from the table");
+    CHECK(run(QUIET TOOL " --captures " TMP "/caps --stride 64 --threads 1 --table " TMP
+                         "/table3.json",
+              NULL) == 0);
+    CHECK(run(QUIET TOOL " --captures " TMP "/caps --stride 64 --threads 2 --table " TMP
+                         "/table4.json",
+              NULL) == 0);
+    CHECK_MSG(same_files(TMP "/table3.json", TMP "/table4.json"), "--threads 1: the same table");
+    CHECK(run(QUIET TOOL " --from-table " TMP "/table.json --method two-level --low boosted "
+                         "--high int8 --allocation " TMP "/alloc3.json",
+              NULL) == 0);
+    cJSON *a3 = load_json(TMP "/alloc3.json");
+    CHECK(a3 != NULL && strcmp(str(a3, "low"), "boosted") == 0 &&
+          strcmp(str(a3, "method"), "exhaustive") == 0);
+    cJSON_Delete(a3);
+    test_bad_input(TMP "/caps");
+end:
+    printf("%d passed, %d failed\n", n_passed, n_failed);
+    return n_failed != 0;
+}
