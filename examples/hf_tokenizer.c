@@ -9,16 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static kvmix_result fail(char *err, size_t err_bytes, kvmix_result r, const char *fmt, ...) {
-    if (err != NULL && err_bytes > 0) {
-        va_list args;
-        va_start(args, fmt);
-        vsnprintf(err, err_bytes, fmt, args);
-        va_end(args);
-    }
-    return r;
-}
-
 /* ---- a string-pair hash table (open addressing) ------------------------------------------- */
 typedef struct entry {
     const char *a, *b; /* b: NULL for single keys */
@@ -166,12 +156,14 @@ static kvmix_result check_config(hf_tokenizer *t, const char *config_path, char 
     size_t n;
     char *text = read_all(config_path, &n);
     if (text == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "tokenizer: cannot read %s", config_path);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "tokenizer: cannot read %s",
+                             config_path);
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
     free(text);
     if (root == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "tokenizer: %s is not JSON", config_path);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "tokenizer: %s is not JSON",
+                             config_path);
     const cJSON *dec = cJSON_GetObjectItemCaseSensitive(root, "added_tokens_decoder");
     kvmix_result r = KVMIX_SUCCESS;
     for (const cJSON *x = cJSON_IsObject(dec) ? dec->child : NULL; x != NULL; x = x->next) {
@@ -179,16 +171,16 @@ static kvmix_result check_config(hf_tokenizer *t, const char *config_path, char 
         char *stop = NULL;
         long id = strtol(x->string, &stop, 10);
         if (!cJSON_IsString(content) || stop == x->string || *stop != 0) {
-            r = fail(err, err_bytes, KVMIX_ERR_PARSE,
-                     "tokenizer: %s: added_tokens_decoder entry \"%.32s\" is malformed",
-                     config_path, x->string);
+            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                              "tokenizer: %s: added_tokens_decoder entry \"%.32s\" is malformed",
+                              config_path, x->string);
             break;
         }
         int32_t have = hf_tokenizer_special(t, content->valuestring);
         if (have != id) {
-            r = fail(err, err_bytes, KVMIX_ERR_PARSE,
-                     "tokenizer: %s says %.64s is %ld, tokenizer.json says %d", config_path,
-                     content->valuestring, id, (int)have);
+            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                              "tokenizer: %s says %.64s is %ld, tokenizer.json says %d",
+                              config_path, content->valuestring, id, (int)have);
             break;
         }
     }
@@ -199,16 +191,16 @@ static kvmix_result check_config(hf_tokenizer *t, const char *config_path, char 
 kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_path,
                                hf_tokenizer **out, char *err, size_t err_bytes) {
     if (tokenizer_path == NULL || out == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "tokenizer: NULL argument");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "tokenizer: NULL argument");
     size_t n;
     char *text = read_all(tokenizer_path, &n);
     if (text == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "tokenizer: cannot read %s",
-                    tokenizer_path);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "tokenizer: cannot read %s",
+                             tokenizer_path);
     hf_tokenizer *t = (hf_tokenizer *)calloc(1, sizeof *t);
     if (t == NULL) {
         free(text);
-        return fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "tokenizer: out of memory");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "tokenizer: out of memory");
     }
     build_byte_table(t);
     const char *end = NULL;
@@ -223,10 +215,10 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
     if (t->root == NULL || !cJSON_IsString(type) || strcmp(type->valuestring, "BPE") != 0 ||
         !cJSON_IsObject(vocab) || !cJSON_IsArray(merges) || !cJSON_IsArray(adds)) {
         hf_tokenizer_free(t);
-        return fail(err, err_bytes, KVMIX_ERR_PARSE,
-                    "tokenizer: %s is not a BPE tokenizer.json (model.type, model.vocab, "
-                    "model.merges, added_tokens)",
-                    tokenizer_path);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                             "tokenizer: %s is not a BPE tokenizer.json (model.type, model.vocab, "
+                             "model.merges, added_tokens)",
+                             tokenizer_path);
     }
     int32_t n_vocab = cJSON_GetArraySize(vocab), n_merges = cJSON_GetArraySize(merges);
     int32_t n_adds = cJSON_GetArraySize(adds), max_id = -1;
@@ -246,7 +238,7 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
         (t->added = (added *)calloc((size_t)n_adds + 1, sizeof *t->added)) == NULL ||
         (t->merge_text = (char *)malloc(merge_bytes + 1)) == NULL) {
         hf_tokenizer_free(t);
-        return fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "tokenizer: out of memory");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "tokenizer: out of memory");
     }
     for (const cJSON *x = vocab->child; x != NULL; x = x->next) {
         if (!cJSON_IsNumber(x) || x->valueint < 0) continue;
@@ -273,8 +265,8 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
             b = x->child->next->valuestring;
         }
         if (a == NULL || b == NULL || *a == 0 || *b == 0) {
-            r = fail(err, err_bytes, KVMIX_ERR_PARSE, "tokenizer: model.merges[%d] is malformed",
-                     (int)rank);
+            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                              "tokenizer: model.merges[%d] is malformed", (int)rank);
             break;
         }
         table_put(&t->merges, a, strlen(a), b, strlen(b), rank);
@@ -284,9 +276,9 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(x, "content");
         if (!cJSON_IsNumber(id) || id->valueint < 0 || !cJSON_IsString(content) ||
             content->valuestring[0] == 0) {
-            r = fail(err, err_bytes, KVMIX_ERR_PARSE,
-                     "tokenizer: an added_tokens entry is "
-                     "malformed");
+            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                              "tokenizer: an added_tokens entry is "
+                              "malformed");
             break;
         }
         added *a = &t->added[t->n_added++];
@@ -489,8 +481,8 @@ static void special(gen *g, kvmix_tag_marker *m, const char *content, bool requi
     if (g->r != KVMIX_SUCCESS) return;
     if (id < 0) {
         if (required)
-            g->r = fail(g->err, g->err_bytes, KVMIX_ERR_NOT_FOUND,
-                        "tokenizer: special token %s is missing", content);
+            g->r = tag_spec_fail(g->err, g->err_bytes, KVMIX_ERR_NOT_FOUND,
+                                 "tokenizer: special token %s is missing", content);
         return;
     }
     for (int a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
@@ -509,8 +501,9 @@ static void encode_seq(gen *g, const char *text, kvmix_tag_seq *q) {
     if (hf_tokenizer_encode(g->tok, text, strlen(text), q->ids, KVMIX_TAG_MAX_IDS, &n) !=
             KVMIX_SUCCESS ||
         n == 0) {
-        g->r = fail(g->err, g->err_bytes, KVMIX_ERR_NOT_FOUND,
-                    "tokenizer: \"%s\" does not encode in at most %d ids", text, KVMIX_TAG_MAX_IDS);
+        g->r = tag_spec_fail(g->err, g->err_bytes, KVMIX_ERR_NOT_FOUND,
+                             "tokenizer: \"%s\" does not encode in at most %d ids", text,
+                             KVMIX_TAG_MAX_IDS);
         return;
     }
     q->n_ids = n;
@@ -528,13 +521,14 @@ kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_
                                   const char *doc_name, const char *description, tag_spec_doc *out,
                                   char *err, size_t err_bytes) {
     if (tok == NULL || out == NULL || doc_name == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
     if (template_name == NULL)
         template_name = hf_tokenizer_special(tok, "<|im_start|>") >= 0  ? "chatml"
                         : hf_tokenizer_special(tok, "<|channel|>") >= 0 ? "harmony"
                                                                         : "unknown";
     tag_spec_doc *d = (tag_spec_doc *)calloc(1, sizeof *d);
-    if (d == NULL) return fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: out of memory");
+    if (d == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: out of memory");
     gen g = {tok, d, err, err_bytes, KVMIX_SUCCESS};
     kvmix_tag_spec *s = &d->spec;
     snprintf(d->name, sizeof d->name, "%s", doc_name);
@@ -586,12 +580,12 @@ kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_
         name(&g, s->channels, &s->n_channels, "commentary", KVMIX_ROLE_TOOL_CALL);
         name(&g, s->channels, &s->n_channels, "final", KVMIX_ROLE_ASSISTANT);
     } else {
-        g.r = fail(err, err_bytes, KVMIX_ERR_INVALID_ARGUMENT,
-                   "spec: unknown template \"%.32s\" (chatml or harmony)", template_name);
+        g.r = tag_spec_fail(err, err_bytes, KVMIX_ERR_INVALID_ARGUMENT,
+                            "spec: unknown template \"%.32s\" (chatml or harmony)", template_name);
     }
     if (g.r == KVMIX_SUCCESS && (g.r = kvmix_tag_spec_check(s)) != KVMIX_SUCCESS)
-        fail(err, err_bytes, g.r, "spec: kvmix_tag_spec_check refused it (%s)",
-             kvmix_result_string(g.r));
+        tag_spec_fail(err, err_bytes, g.r, "spec: kvmix_tag_spec_check refused it (%s)",
+                      kvmix_result_string(g.r));
     if (g.r == KVMIX_SUCCESS) *out = *d;
     free(d);
     return g.r;

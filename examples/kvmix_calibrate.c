@@ -184,30 +184,6 @@ static char *dup_string(const char *s) {
     return copy;
 }
 
-static char *read_file(const char *path, size_t *n_bytes) {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) return NULL;
-    size_t capacity = 1 << 20, n = 0;
-    char *buf = malloc(capacity);
-    while (buf != NULL) {
-        n += fread(buf + n, 1, capacity - n - 1, f);
-        if (n + 1 < capacity) break;
-        char *grown = realloc(buf, capacity * 2);
-        if (grown == NULL) free(buf);
-        buf = grown;
-        capacity *= 2;
-    }
-    bool failed = ferror(f) != 0;
-    fclose(f);
-    if (buf == NULL || failed) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = 0;
-    *n_bytes = n;
-    return buf;
-}
-
 /* ---- precisions at the calibration geometry ------------------------------------------------ */
 
 /* Resolves geo's defaults for head_dim and the five precisions' layouts and bits. */
@@ -462,7 +438,7 @@ static bool measure_capture(capture_job *job, const llama_capture *cap, const kv
 
 static void run_job(capture_job *job) {
     size_t n_bytes = 0;
-    char *bytes = read_file(job->path, &n_bytes);
+    char *bytes = llama_read_text(job->path, &n_bytes);
     llama_capture cap = {0};
     kvmix_tag *tags = NULL;
     precision prec[N_PREC];
@@ -1329,7 +1305,7 @@ static int run(const options *o) {
     bool ok;
     if (o->from_table != NULL) {
         size_t n = 0;
-        char *text = read_file(o->from_table, &n);
+        char *text = llama_read_text(o->from_table, &n);
         char why[ERR_BYTES - 64];
         ok = text != NULL && table_parse(text, n, &t, why);
         if (text == NULL)

@@ -151,30 +151,6 @@ static void texts_free(texts *t) {
     t->n = 0;
 }
 
-static char *read_file(const char *path, size_t *n_bytes) {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) return NULL;
-    size_t capacity = 1 << 20, n = 0;
-    char *buf = malloc(capacity);
-    while (buf != NULL) {
-        n += fread(buf + n, 1, capacity - n - 1, f);
-        if (n + 1 < capacity) break;
-        char *grown = realloc(buf, capacity * 2);
-        if (grown == NULL) free(buf);
-        buf = grown;
-        capacity *= 2;
-    }
-    bool failed = ferror(f) != 0;
-    fclose(f);
-    if (buf == NULL || failed) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = 0;
-    *n_bytes = n;
-    return buf;
-}
-
 /* --policy: a built-in name, else the path of a policy document (schema in README.md). */
 static bool load_policy(const char *arg, kvmix_policy *out, char *err) {
     const kvmix_policy *builtin = kvmix_kv_policy_builtin(arg);
@@ -183,7 +159,7 @@ static bool load_policy(const char *arg, kvmix_policy *out, char *err) {
         return true;
     }
     size_t n_bytes;
-    char *doc = read_file(arg, &n_bytes);
+    char *doc = llama_read_text(arg, &n_bytes);
     if (doc == NULL) {
         snprintf(err, ERR_BYTES,
                  "%s is neither a built-in policy (see --list-policies) nor a "
@@ -225,7 +201,7 @@ static bool take_line(const char *line, size_t n_bytes, const char *kind, texts 
 static bool load_texts(const options *o, texts *out, char *err) {
     *out = (texts){NULL, 0};
     size_t n_bytes;
-    char *data = read_file(o->data_path, &n_bytes);
+    char *data = llama_read_text(o->data_path, &n_bytes);
     if (data == NULL) {
         snprintf(err, ERR_BYTES, "cannot read %s", o->data_path);
         return false;
@@ -420,7 +396,7 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
 static int read_capture(const char *path) {
     size_t n_bytes;
     char err[ERR_BYTES];
-    char *bytes = read_file(path, &n_bytes);
+    char *bytes = llama_read_text(path, &n_bytes);
     if (bytes == NULL) {
         fprintf(stderr, "kvmix-eval: cannot read %s\n", path);
         return 1;

@@ -95,6 +95,15 @@ static llama_result read_whole_file(const char *path, uint8_t **bytes, size_t *n
     return LLAMA_OK;
 }
 
+char *llama_read_text(const char *path, size_t *n_bytes) {
+    uint8_t *bytes;
+    size_t n;
+    if (path == NULL || n_bytes == NULL || read_whole_file(path, &bytes, &n, NULL, 0) != LLAMA_OK)
+        return NULL;
+    *n_bytes = n;
+    return (char *)bytes;
+}
+
 // >>safetensors
 
 /* A JSON number that is a whole number in [0, 2^53], the range where doubles are exact. */

@@ -41,6 +41,10 @@ const char *llama_result_string(llama_result result);
 llama_result llama_fail(char *err, size_t err_bytes, llama_result result, const char *fmt, ...)
     LLAMA_PRINTF_LIKE(4, 5);
 
+/* The whole file at path, NUL-terminated (malloc'd; free() it), its size in *n_bytes; NULL when
+ * it cannot be opened, read or allocated. */
+char *llama_read_text(const char *path, size_t *n_bytes);
+
 /* ---------------------------------------------------------------------------------------------
  * Safetensors header
  * Layout: u64 little-endian header length N, N bytes of JSON, then the data section. The JSON maps

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static kvmix_result fail(char *err, size_t err_bytes, kvmix_result r, const char *fmt, ...) {
+kvmix_result tag_spec_fail(char *err, size_t err_bytes, kvmix_result r, const char *fmt, ...) {
     if (err != NULL && err_bytes > 0) {
         va_list args;
         va_start(args, fmt);
@@ -56,21 +56,22 @@ static kvmix_result take_seq(const cJSON *item, const char *field, kvmix_tag_seq
     int32_t n = 0;
     memset(out, 0, sizeof *out);
     if (!cJSON_IsArray(item))
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be an array of ids",
-                    field);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                             "spec field \"%s\": must be an array of ids", field);
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
         if (!cJSON_IsNumber(x) || x->valuedouble != (double)(int64_t)x->valuedouble ||
             x->valuedouble < 0 || x->valuedouble > 2147483647.0)
-            return fail(err, err_bytes, KVMIX_ERR_PARSE,
-                        "spec field \"%s\": ids must be integers in 0 .. 2147483647", field);
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                 "spec field \"%s\": ids must be integers in 0 .. 2147483647",
+                                 field);
         if (n == KVMIX_TAG_MAX_IDS)
-            return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": more than %d ids",
-                        field, KVMIX_TAG_MAX_IDS);
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                 "spec field \"%s\": more than %d ids", field, KVMIX_TAG_MAX_IDS);
         out->ids[n++] = (int32_t)x->valuedouble;
     }
     if (n == 0)
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": an empty id sequence",
-                    field);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                             "spec field \"%s\": an empty id sequence", field);
     out->n_ids = n;
     return KVMIX_SUCCESS;
 }
@@ -81,12 +82,13 @@ static kvmix_result take_marker(const cJSON *item, const char *field, kvmix_tag_
     int n = 0;
     memset(out, 0, sizeof *out);
     if (!cJSON_IsArray(item))
-        return fail(err, err_bytes, KVMIX_ERR_PARSE,
-                    "spec field \"%s\": must be an array of id arrays", field);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                             "spec field \"%s\": must be an array of id arrays", field);
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
         if (n == KVMIX_TAG_MAX_ALTS)
-            return fail(err, err_bytes, KVMIX_ERR_PARSE,
-                        "spec field \"%s\": more than %d sequences", field, KVMIX_TAG_MAX_ALTS);
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                 "spec field \"%s\": more than %d sequences", field,
+                                 KVMIX_TAG_MAX_ALTS);
         kvmix_result r = take_seq(x, field, &out->alts[n++], err, err_bytes);
         if (r != KVMIX_SUCCESS) return r;
     }
@@ -96,11 +98,12 @@ static kvmix_result take_marker(const cJSON *item, const char *field, kvmix_tag_
 static kvmix_result take_text(const cJSON *item, const char *field, char *out, size_t out_bytes,
                               size_t min_bytes, char *err, size_t err_bytes) {
     if (!cJSON_IsString(item) || item->valuestring == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be a string", field);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be a string",
+                             field);
     size_t n = strlen(item->valuestring);
     if (n < min_bytes || n >= out_bytes)
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": %zu to %zu bytes", field,
-                    min_bytes, out_bytes - 1);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": %zu to %zu bytes",
+                             field, min_bytes, out_bytes - 1);
     memcpy(out, item->valuestring, n + 1);
     return KVMIX_SUCCESS;
 }
@@ -111,17 +114,19 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
     int32_t n = 0;
     char where[64];
     if (!cJSON_IsArray(item))
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be an array", field);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be an array",
+                             field);
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
         bool seen[3] = {false, false, false};
         kvmix_tag_name *e = &out[n];
         if (n == KVMIX_TAG_MAX_NAMES)
-            return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": more than %d entries",
-                        field, KVMIX_TAG_MAX_NAMES);
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                 "spec field \"%s\": more than %d entries", field,
+                                 KVMIX_TAG_MAX_NAMES);
         snprintf(where, sizeof where, "%s[%d]", field, (int)n);
         if (!cJSON_IsObject(x))
-            return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be an object",
-                        where);
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                 "spec field \"%s\": must be an object", where);
         memset(e, 0, sizeof *e);
         for (const cJSON *f = x->child; f != NULL; f = f->next) {
             static const char *const KEYS[3] = {"name", "role", "ids"};
@@ -129,11 +134,12 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
             char sub[96];
             while (k < 3 && strcmp(f->string, KEYS[k]) != 0) k++;
             if (k == 3)
-                return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s.%.32s\": unknown",
-                            where, f->string);
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                     "spec field \"%s.%.32s\": unknown", where, f->string);
             snprintf(sub, sizeof sub, "%s.%s", where, KEYS[k]);
             if (seen[k])
-                return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": given twice", sub);
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                     "spec field \"%s\": given twice", sub);
             seen[k] = true;
             kvmix_result r = KVMIX_SUCCESS;
             if (k == 0)
@@ -145,21 +151,22 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
                 if (!cJSON_IsString(f) || f->valuestring == NULL ||
                     kvmix_tag_role_from_name(f->valuestring, &role) != KVMIX_SUCCESS ||
                     role == KVMIX_ROLE_SCAFFOLD)
-                    return fail(err, err_bytes, KVMIX_ERR_PARSE,
-                                "spec field \"%s\": one of \"instruction\", \"user\", "
-                                "\"assistant\", \"reasoning\", \"tool_call\", \"observation\"",
-                                sub);
+                    return tag_spec_fail(
+                        err, err_bytes, KVMIX_ERR_PARSE,
+                        "spec field \"%s\": one of \"instruction\", \"user\", "
+                        "\"assistant\", \"reasoning\", \"tool_call\", \"observation\"",
+                        sub);
                 e->role = (int32_t)role;
             }
             if (r != KVMIX_SUCCESS) return r;
         }
         for (int k = 0; k < 3; k++)
             if (!seen[k])
-                return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s.%s\": required",
-                            where,
-                            k == 0   ? "name"
-                            : k == 1 ? "role"
-                                     : "ids");
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                     "spec field \"%s.%s\": required", where,
+                                     k == 0   ? "name"
+                                     : k == 1 ? "role"
+                                              : "ids");
         n++;
     }
     *out_n = n;
@@ -186,22 +193,25 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
             else if (strcmp(key, "channels") == 0)
                 f = F_CHANNELS;
             else
-                return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%.64s\": unknown", key);
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                     "spec field \"%.64s\": unknown", key);
         }
         if (seen[f])
-            return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": given twice", key);
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": given twice",
+                                 key);
         seen[f] = true;
         kvmix_result r = KVMIX_SUCCESS;
         if (f < N_MARKERS) {
             r = take_marker(item, key, marker_at(&d->spec, f), err, err_bytes);
         } else if (f == F_VERSION) {
             if (!cJSON_IsNumber(item) || item->valuedouble != (double)(int)item->valuedouble)
-                return fail(err, err_bytes, KVMIX_ERR_PARSE,
-                            "spec field \"version\": must be an integer");
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                     "spec field \"version\": must be an integer");
             if ((int)item->valuedouble != TAG_SPEC_VERSION)
-                return fail(err, err_bytes, KVMIX_ERR_VERSION,
-                            "spec field \"version\": %d is not supported (this build reads %d)",
-                            (int)item->valuedouble, TAG_SPEC_VERSION);
+                return tag_spec_fail(
+                    err, err_bytes, KVMIX_ERR_VERSION,
+                    "spec field \"version\": %d is not supported (this build reads %d)",
+                    (int)item->valuedouble, TAG_SPEC_VERSION);
         } else if (f == F_NAME) {
             r = take_text(item, key, d->name, sizeof d->name, 1, err, err_bytes);
         } else if (f == F_DESCRIPTION) {
@@ -214,25 +224,27 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
         if (r != KVMIX_SUCCESS) return r;
     }
     if (!seen[F_VERSION])
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"version\": required");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"version\": required");
     if (!seen[F_NAME])
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"name\": required");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"name\": required");
     for (int f = 0; f < N_REQUIRED_MARKERS; f++)
         if (!seen[f] || marker_at(&d->spec, f)->alts[0].n_ids == 0)
-            return fail(err, err_bytes, KVMIX_ERR_PARSE,
-                        "spec field \"%s\": required, with at least one sequence", MARKERS[f].name);
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                 "spec field \"%s\": required, with at least one sequence",
+                                 MARKERS[f].name);
     return KVMIX_SUCCESS;
 }
 
 kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *out, char *err,
                             size_t err_bytes) {
     if (json == NULL || out == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
     const char *end = NULL;
     cJSON *root = cJSON_ParseWithLengthOpts(json, json_bytes, &end, 0);
     if (root == NULL) {
         size_t at = end != NULL && end >= json ? (size_t)(end - json) : 0;
-        return fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: malformed JSON near byte %zu", at);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: malformed JSON near byte %zu",
+                             at);
     }
     tag_spec_doc *d = (tag_spec_doc *)calloc(1, sizeof *d);
     kvmix_result r = KVMIX_SUCCESS;
@@ -240,18 +252,20 @@ kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *o
            (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
         end++;
     if (d == NULL)
-        r = fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: out of memory");
+        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: out of memory");
     else if (end == NULL || (size_t)(end - json) != json_bytes)
-        r = fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: bytes after the JSON object");
+        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: bytes after the JSON object");
     else if (!cJSON_IsObject(root))
-        r = fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: the document must be a JSON object");
+        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                          "spec: the document must be a JSON object");
     else
         r = take_fields(root, d, err, err_bytes);
     if (r == KVMIX_SUCCESS && (r = kvmix_tag_spec_check(&d->spec)) != KVMIX_SUCCESS)
-        fail(err, err_bytes, r,
-             "spec: refused by kvmix_tag_spec_check (%s): markers must differ from each other, "
-             "image pads are one id each",
-             kvmix_result_string(r));
+        tag_spec_fail(
+            err, err_bytes, r,
+            "spec: refused by kvmix_tag_spec_check (%s): markers must differ from each other, "
+            "image pads are one id each",
+            kvmix_result_string(r));
     if (r == KVMIX_SUCCESS) *out = *d;
     free(d);
     cJSON_Delete(root);
@@ -260,9 +274,10 @@ kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *o
 
 kvmix_result tag_spec_load(const char *path, tag_spec_doc *out, char *err, size_t err_bytes) {
     if (path == NULL || out == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
     FILE *f = fopen(path, "rb");
-    if (f == NULL) return fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "spec: cannot open %s", path);
+    if (f == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "spec: cannot open %s", path);
     size_t cap = 1 << 16, n = 0, got;
     char *buf = (char *)malloc(cap);
     while (buf != NULL && (got = fread(buf + n, 1, cap - n, f)) > 0) {
@@ -280,7 +295,8 @@ kvmix_result tag_spec_load(const char *path, tag_spec_doc *out, char *err, size_
     }
     fclose(f);
     if (buf == NULL)
-        return fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: %s is too large", path);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: %s is too large",
+                             path);
     kvmix_result r = tag_spec_parse(buf, n, out, err, err_bytes);
     free(buf);
     return r;

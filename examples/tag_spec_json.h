@@ -25,6 +25,17 @@
 
 #define TAG_SPEC_VERSION 1
 
+#if defined(__GNUC__)
+#define TAG_SPEC_PRINTF_LIKE(fmt, args) __attribute__((format(printf, fmt, args)))
+#else
+#define TAG_SPEC_PRINTF_LIKE(fmt, args)
+#endif
+
+/* Writes a printf-style message into err (err_bytes, may be NULL/0) and returns r: how the tag
+ * tools (this reader, hf_tokenizer.c) report what went wrong. */
+kvmix_result tag_spec_fail(char *err, size_t err_bytes, kvmix_result r, const char *fmt, ...)
+    TAG_SPEC_PRINTF_LIKE(4, 5);
+
 typedef struct tag_spec_doc {
     char name[64];         /* 1-63 bytes */
     char description[256]; /* 0-255 bytes */
