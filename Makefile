@@ -112,12 +112,12 @@ $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_pol
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples tests/test_llama.c \
 		tests/test_policy.c examples/llama.c examples/kvmix_kv.c -o $@ $(EVAL_LDLIBS)
 # Tags on the reference traces and the real tokenizers; it runs the tools too.
-$(BUILD)/model_test_tags: tests/test_tags.c $(TAG_SRC) $(TAG_TOOLS) | $(BUILD)
+$(BUILD)/model_test_tags: tests/test_tags.c tests/model_check.h $(TAG_SRC) $(TAG_TOOLS) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. -Iexamples tests/test_tags.c \
 		examples/tag_spec_json.c examples/hf_tokenizer.c -o $@ $(TAG_LDLIBS)
 
 # Captures two short traces with kvmix-eval and calibrates them with the sanitized kvmix-calibrate.
-$(BUILD)/model_test_calibrate: tests/test_calibrate.c kvmix.h $(BUILD)/kvmix-eval \
+$(BUILD)/model_test_calibrate: tests/test_calibrate.c tests/model_check.h kvmix.h $(BUILD)/kvmix-eval \
 		$(BUILD)/kvmix-calibrate-san | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_calibrate.c -o $@ \
 		-lcjson -lm

@@ -31,36 +31,7 @@
 #define BUILD_DIR "build"
 #endif
 
-static int n_passed, n_failed;
-
-static bool check_at(bool ok, int line, const char *what) {
-    if (ok)
-        n_passed++;
-    else {
-        n_failed++;
-        if (n_failed < 40) printf("FAIL line %d: %s\n", line, what);
-    }
-    return ok;
-}
-#define CHECK(cond)          check_at((cond), __LINE__, #cond)
-#define CHECK_MSG(cond, msg) check_at((cond), __LINE__, (msg))
-
-static char *read_file(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (f == NULL) return NULL;
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = size >= 0 ? (char *)malloc((size_t)size + 1) : NULL;
-    if (buf != NULL && fread(buf, 1, (size_t)size, f) != (size_t)size) {
-        free(buf);
-        buf = NULL;
-    }
-    fclose(f);
-    if (buf != NULL) buf[size] = 0;
-    *n = (size_t)size;
-    return buf;
-}
+#include "model_check.h"
 
 /* Feeds ids whole and in runs of 1..37; both must agree. Returns the whole-feed tags. */
 static kvmix_tag *tag_all(const kvmix_tag_spec *spec, const int32_t *ids, int32_t n,

@@ -1,0 +1,43 @@
+/* model_check.h - what the standalone model tests (test_tags.c, test_calibrate.c) share: pass and
+ * fail counters with a CHECK that prints the first 40 failures, and a whole-file reader. Each
+ * test program includes it in exactly one file. */
+#ifndef KVMIX_TESTS_MODEL_CHECK_H
+#define KVMIX_TESTS_MODEL_CHECK_H
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int n_passed, n_failed;
+
+static inline bool check_at(bool ok, int line, const char *what) {
+    if (ok)
+        n_passed++;
+    else {
+        n_failed++;
+        if (n_failed < 40) printf("FAIL line %d: %s\n", line, what);
+    }
+    return ok;
+}
+#define CHECK(cond)          check_at((cond), __LINE__, #cond)
+#define CHECK_MSG(cond, msg) check_at((cond), __LINE__, (msg))
+
+/* The whole file, NUL-terminated (malloc'd), its size in *n (may be NULL); NULL on failure. */
+static inline char *read_file(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (f == NULL) return NULL;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = size >= 0 ? (char *)malloc((size_t)size + 1) : NULL;
+    if (buf != NULL && fread(buf, 1, (size_t)size, f) != (size_t)size) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(f);
+    if (buf != NULL) buf[size] = 0;
+    if (buf != NULL && n != NULL) *n = (size_t)size;
+    return buf;
+}
+
+#endif /* KVMIX_TESTS_MODEL_CHECK_H */
