@@ -99,7 +99,7 @@ $(BUILD)/check_static: tests/compile_check.c kvmix.h | $(BUILD)
 HEADER_CHECKS := $(BUILD)/check_c99 $(BUILD)/check_c11 $(BUILD)/check_cpp $(BUILD)/check_static
 header-checks: $(HEADER_CHECKS)
 
-$(BUILD)/unit_tests: $(UNIT_SRC) tests/harness.h kvmix.h | $(BUILD)
+$(BUILD)/unit_tests: $(UNIT_SRC) tests/harness.h tests/device_arena_scenario.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. $(UNIT_SRC) -o $@ $(LDLIBS)
 
 # The cache example runs as a test too, under the sanitizers.
@@ -153,7 +153,7 @@ test: $(HEADER_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RU
 	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
 
-$(BUILD)/test_cuda: tests/test_cuda.cu kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
+$(BUILD)/test_cuda: tests/test_cuda.cu tests/device_arena_scenario.h kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 	$(NVCC) $(NVCCFLAGS) -I. tests/test_cuda.cu kvmix_cuda.cu -o $@
 
 test-cuda: $(BUILD)/test_cuda

@@ -319,6 +319,11 @@ typedef struct kvmix_cache_desc {
     size_t arena_bytes;    /* bytes of the page arena (required; a multiple of granule_bytes
                                    is used, the rest ignored) */
     size_t granule_bytes;  /* 0 = 256; allocation unit of the arena, a power of two 64 .. 2^20 */
+    int32_t device_arena;  /* 0: the arena is host memory that the calls write; 1: it is device
+                              memory the host never touches: calls that move row bytes queue
+                              jobs instead (see "Device arena" below) */
+    int32_t max_jobs;      /* device arena: queued jobs between two kvmix_cache_jobs_take;
+                              0 = 4 * n_layers * n_kv_heads * max_seqs (at most 2^24) */
 } kvmix_cache_desc;
 
 /* A page descriptor (read-only for callers). Page 0 is the sentinel: it owns no bytes and is
@@ -383,6 +388,15 @@ typedef struct kvmix_cache {
     float *scratch;             /* [page_tokens * head_dim] */
     void *sim;                  /* planning state of one call */
     void *journal;              /* allocator operations of one call's plan */
+    /* device arena only (private): queued jobs, arena released when they are taken */
+    void *jobs;                 /* [desc.max_jobs] */
+    int32_t n_jobs;
+    int32_t n_retired_runs;     /* granule runs of sealed buffers, held until the take */
+    void *retired_runs;         /* [desc.max_jobs] */
+    uint32_t *retired_pages;    /* [max_pages] released descriptors, held until the take */
+    int32_t n_retired_pages;
+    uint32_t segment;           /* jobs of one segment run in any order; segments in order */
+    uint32_t *page_segment;     /* [max_pages][2] the segments that last wrote, read each page */
 } kvmix_cache;
 
 /* Accounting of a whole cache. Bytes per format count key blocks under the key format and value
@@ -593,6 +607,86 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t l
 KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cache_stats *out);
 KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_t seq,
                                                 kvmix_cache_seq_stats *out);
+
+/* Device arena (desc.device_arena = 1). The arena passed to kvmix_cache_init is a device pointer
+   that the host never dereferences (views use it as base, so they describe device memory). The
+   host keeps all bookkeeping as in a host arena; every call that would touch row bytes queues
+   jobs instead, which the caller runs in order on one stream (kvmix_cuda_cache_run, or
+   kvmix_ref_cache_run on a host copy) with the same bytes as a host arena gets:
+     - kvmix_cache_write_rows queues the copy of FP16 rows from the caller's device arrays;
+     - reserve and finish queue the seals of full pages (and of a partial page at finish) and the
+       copy on write of a shared buffer page;
+     - kvmix_cache_write, ingest, append, read, ref_decode and retier, which pass rows through
+       host memory, return INVALID_ARGUMENT (retier: UNSUPPORTED).
+   Arena bytes a call releases (a sealed buffer, a freed page) stay allocated until the jobs are
+   taken, so that a queued job never reads bytes that a later one overwrites. Run the jobs of one
+   take before any kernel reads the cache (a view is only valid once they ran). A call that would
+   queue more than desc.max_jobs, or needs a page descriptor that a released page still holds,
+   returns OUT_OF_MEMORY and changes nothing: take the jobs and call again. */
+
+/* What a batch of jobs does. */
+typedef enum kvmix_cache_batch_kind {
+    KVMIX_CACHE_BATCH_QUANTIZE = 0, /* FP16 source rows into blocks of `layout` */
+    KVMIX_CACHE_BATCH_COPY = 1      /* bytes: a job copies n_rows bytes from src_offset */
+} kvmix_cache_batch_kind;
+
+/* Where the source offsets of a batch count from. */
+typedef enum kvmix_cache_source {
+    KVMIX_CACHE_SOURCE_KEYS = 0,   /* the key rows given to kvmix_cache_run's executor */
+    KVMIX_CACHE_SOURCE_VALUES = 1, /* the value rows */
+    KVMIX_CACHE_SOURCE_ARENA = 2   /* the arena itself (seals, copies on write) */
+} kvmix_cache_source;
+
+/* One job, 24 bytes, the layout kvmix_cuda_quantize reads from device memory. QUANTIZE: source
+   row r is at src_offset + r * src_row_stride FP16 elements of the source, and goes to row
+   first_row + r of the block at dst_offset bytes of the arena. COPY: n_rows bytes from byte
+   src_offset of the arena to byte dst_offset. */
+typedef struct kvmix_quantize_job {
+    uint64_t src_offset;
+    uint64_t dst_offset;
+    int32_t first_row;
+    int32_t n_rows;
+} kvmix_quantize_job;
+
+/* Jobs [first_job, first_job + n_jobs) of a take that run as one launch. A batch may start only
+   when every earlier batch has finished (launches in order on one stream). */
+typedef struct kvmix_cache_batch {
+    kvmix_layout layout;    /* QUANTIZE: of the destination blocks (resolved) */
+    int32_t kind;           /* kvmix_cache_batch_kind */
+    int32_t source;         /* kvmix_cache_source */
+    int64_t src_row_stride; /* QUANTIZE: FP16 elements between source rows */
+    int32_t first_job;
+    int32_t n_jobs;
+} kvmix_cache_batch;
+
+/* Queues the copy of layer `layer`'s rows of positions first_position .. + n_tokens - 1 (rules
+   as kvmix_cache_write) from rows source_row .. source_row + n_tokens - 1 of the caller's FP16
+   key and value arrays, each [rows][n_kv_heads][head_dim], passed to the executor. Returns
+   NULL_POINTER, INVALID_ARGUMENT (host arena, as kvmix_cache_write, source_row < 0) or
+   OUT_OF_MEMORY (the job queue is full); nothing is queued on error. Rows that are not finite
+   FP16 are reported by the executor (KVMIX_CUDA_QUANTIZE_BAD_VALUE) and leave their rows as
+   they were. */
+KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                             int32_t first_position, int32_t n_tokens,
+                                             int64_t source_row);
+
+/* Moves the queued jobs, in execution order and grouped into batches, into jobs [max_jobs] and
+   batches [max_batches] (both at most cache->n_jobs are needed), empties the queue and releases
+   the arena bytes held for it. Returns NULL_POINTER, INVALID_ARGUMENT (host arena) or
+   BUFFER_TOO_SMALL (nothing taken). */
+KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs,
+                                            int32_t max_jobs, kvmix_cache_batch *batches,
+                                            int32_t max_batches, int32_t *out_n_jobs,
+                                            int32_t *out_n_batches);
+
+/* CPU reference executor: runs batches over `arena` (a host copy of the device arena) with
+   key_rows and value_rows (FP16 bit patterns, may be NULL when no batch reads them), exactly as
+   kvmix_cuda_cache_run does on the device. A QUANTIZE job whose rows are not finite FP16, or
+   whose rows do not fit its block, writes nothing; *out_bad_jobs (may be NULL) counts them. */
+KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
+                                          const kvmix_quantize_job *jobs, const uint16_t *key_rows,
+                                          const uint16_t *value_rows, uint8_t *arena,
+                                          int32_t *out_bad_jobs);
 
 /* Verifies every invariant of the bookkeeping: reference counts equal the page-table references,
    page allocations are disjoint and are exactly the used granules, free lists are consistent,
@@ -2256,9 +2350,28 @@ typedef struct kvmix__plan {
     int32_t new_pages; /* descriptors taken */
     int32_t max_ops;   /* journal entries written */
     int32_t n_sealed;  /* seals that used the scratch block */
+    int32_t n_jobs;    /* device arena: jobs queued */
     kvmix__sim_page *pages;
     kvmix__arena_op *ops;
 } kvmix__plan;
+
+/* A queued job of a device arena, with what decides its batch. */
+typedef struct kvmix__job {
+    kvmix_quantize_job job;
+    uint32_t segment;
+    uint8_t kind;     /* kvmix_cache_batch_kind */
+    uint8_t source;   /* kvmix_cache_source */
+    uint8_t is_value; /* QUANTIZE: of the destination block */
+    uint8_t format;   /* QUANTIZE: of the destination block */
+    int32_t block_rows;
+    int32_t taken; /* while kvmix_cache_jobs_take groups them */
+} kvmix__job;
+
+/* Granules of a device arena held until the jobs are taken. */
+typedef struct kvmix__run {
+    int64_t start;
+    int64_t n;
+} kvmix__run;
 
 /* Byte geometry of a page with these formats: block sizes and the stride of one layer. */
 typedef struct kvmix__geom {
@@ -2446,8 +2559,19 @@ static int64_t kvmix__arena_take(kvmix_cache *c, kvmix__plan *plan, int64_t n) {
     return start;
 }
 
+/* Frees n granules; a device arena holds them (as used) until the jobs are taken. */
 static void kvmix__arena_give(kvmix_cache *c, kvmix__plan *plan, int64_t start, int64_t n) {
-    if (n <= 0 || !kvmix__journal(c, plan, start, n, 0)) return;
+    if (n <= 0) return;
+    if (c->desc.device_arena) {
+        if (!plan || !plan->dry) {
+            kvmix__run *runs = (kvmix__run *)c->retired_runs;
+            KVMIX_ASSERT(c->n_retired_runs < c->desc.max_jobs);
+            runs[c->n_retired_runs].start = start;
+            runs[c->n_retired_runs++].n = n;
+        }
+        return;
+    }
+    if (!kvmix__journal(c, plan, start, n, 0)) return;
     kvmix__granules_mark(c->bitmap, start, n, 0);
     c->n_free_granules += n;
     if (start < c->first_free_hint) c->first_free_hint = start;
@@ -2475,6 +2599,10 @@ static void kvmix__page_release(kvmix_cache *c, uint32_t id) {
     kvmix_cache_page *p = &c->pages[id];
     KVMIX_ASSERT(id != 0 && p->refcount > 0);
     if (--p->refcount > 0) return;
+    if (c->desc.device_arena) { /* bytes and descriptor held until the jobs are taken */
+        c->retired_pages[c->n_retired_pages++] = id;
+        return;
+    }
     kvmix__arena_give(c, NULL, (int64_t)(p->offset / c->desc.granule_bytes),
                       (int64_t)p->n_granules);
     memset(p, 0, sizeof *p);
@@ -2484,6 +2612,59 @@ static void kvmix__page_release(kvmix_cache *c, uint32_t id) {
 static uint8_t *kvmix__page_block(const kvmix_cache *c, const kvmix_cache_page *p,
                                   const kvmix__geom *g, int32_t layer, int is_value, int32_t head) {
     return c->arena + p->offset + kvmix__block_offset(c, g, layer, is_value, head);
+}
+
+/* Jobs of one segment may run in any order. Before jobs that read page `read` and write page
+   `write` (0: none), a new segment starts when they would read what the current one writes,
+   write what it reads, or (rewrite) write what it writes; after them, mark_pages records the
+   pages they touch. */
+static void kvmix__fence(kvmix_cache *c, uint32_t read, uint32_t write, int rewrite) {
+    const uint32_t *seg = c->page_segment;
+    if ((read != 0 && seg[2 * read] == c->segment) ||
+        (write != 0 && (seg[2 * write + 1] == c->segment ||
+                        (rewrite && seg[2 * write] == c->segment))))
+        c->segment++;
+}
+
+static void kvmix__mark_pages(kvmix_cache *c, uint32_t read, uint32_t write) {
+    if (read != 0) c->page_segment[2 * read + 1] = c->segment;
+    if (write != 0) c->page_segment[2 * write] = c->segment;
+}
+
+static void kvmix__queue(kvmix_cache *c, kvmix__job job) {
+    kvmix__job *q = (kvmix__job *)c->jobs;
+    KVMIX_ASSERT(c->n_jobs < c->desc.max_jobs);
+    job.segment = c->segment;
+    job.taken = 0;
+    q[c->n_jobs++] = job;
+}
+
+static kvmix__job kvmix__copy_job(uint64_t src, uint64_t dst, size_t bytes) {
+    kvmix__job j;
+    memset(&j, 0, sizeof j);
+    j.kind = KVMIX_CACHE_BATCH_COPY;
+    j.source = KVMIX_CACHE_SOURCE_ARENA;
+    j.job.src_offset = src;
+    j.job.dst_offset = dst;
+    j.job.n_rows = (int32_t)bytes;
+    return j;
+}
+
+static kvmix__job kvmix__quantize_job(int source, int is_value, int32_t format, int32_t block_rows,
+                                      uint64_t src, uint64_t dst, int32_t first_row,
+                                      int32_t n_rows) {
+    kvmix__job j;
+    memset(&j, 0, sizeof j);
+    j.kind = KVMIX_CACHE_BATCH_QUANTIZE;
+    j.source = (uint8_t)source;
+    j.is_value = (uint8_t)is_value;
+    j.format = (uint8_t)format;
+    j.block_rows = block_rows;
+    j.job.src_offset = src;
+    j.job.dst_offset = dst;
+    j.job.first_row = first_row;
+    j.job.n_rows = n_rows;
+    return j;
 }
 
 /* Quantizes src [rows][head_dim] into a block of `format` at dst (no checks: finite input). */
@@ -2515,7 +2696,8 @@ static void kvmix__page_block_read(const kvmix_cache *c, const kvmix_cache_page 
 
 /* Where each table lives in the metadata memory. */
 typedef struct kvmix__cache_regions {
-    size_t seqs, entries, slots, written, pages, free_pages, bitmap, scratch, sim, journal, total;
+    size_t seqs, entries, slots, written, pages, free_pages, bitmap, scratch, sim, journal, jobs,
+        retired_runs, retired_pages, page_segment, total;
     int64_t n_granules;
     int32_t max_pages;
     int32_t journal_capacity;
@@ -2531,7 +2713,7 @@ static int kvmix__region(size_t *cursor, size_t count, size_t elem, size_t *offs
 }
 
 static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regions *r) {
-    size_t cursor = 0;
+    size_t cursor = 0, n_jobs, n_held;
     int64_t max_pages = (int64_t)d->max_seqs * d->max_pages_per_seq + 1;
     if (max_pages > 0x7fffffff || max_pages * d->page_tokens > (int64_t)0xffffffffu) return 0;
     r->max_pages = (int32_t)max_pages;
@@ -2554,6 +2736,14 @@ static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regio
           kvmix__region(&cursor, (size_t)d->max_pages_per_seq, sizeof(kvmix__sim_page), &r->sim) &&
           kvmix__region(&cursor, (size_t)r->journal_capacity, sizeof(kvmix__arena_op),
                         &r->journal)))
+        return 0;
+    /* a device arena's job queue and what it holds until the take */
+    n_jobs = d->device_arena ? (size_t)d->max_jobs : 0;
+    n_held = d->device_arena ? (size_t)r->max_pages : 0;
+    if (!(kvmix__region(&cursor, n_jobs, sizeof(kvmix__job), &r->jobs) &&
+          kvmix__region(&cursor, n_jobs, sizeof(kvmix__run), &r->retired_runs) &&
+          kvmix__region(&cursor, n_held, sizeof(uint32_t), &r->retired_pages) &&
+          kvmix__region(&cursor, n_held, 2 * sizeof(uint32_t), &r->page_segment)))
         return 0;
     r->total = cursor;
     return 1;
@@ -2583,6 +2773,12 @@ KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc) {
     if (d.default_precision.key_format == 0) d.default_precision.key_format = KVMIX_FORMAT_INT4;
     if (d.default_precision.value_format == 0) d.default_precision.value_format = KVMIX_FORMAT_INT4;
     if (d.granule_bytes == 0) d.granule_bytes = 256;
+    if (d.device_arena < 0 || d.device_arena > 1 || d.max_jobs < 0 || d.max_jobs > (1 << 24))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d.max_jobs == 0 && d.device_arena) {
+        int64_t jobs = 4 * (int64_t)d.n_layers * d.n_kv_heads * d.max_seqs;
+        d.max_jobs = (int32_t)(jobs < (1 << 24) ? jobs : (1 << 24));
+    }
     if (d.page_tokens < 8 || d.page_tokens > 1024 || d.page_tokens % 8 != 0 || d.max_seqs < 0 ||
         d.max_seqs > (1 << 20) || d.max_tokens_per_seq < 0 || d.max_tokens_per_seq > (1 << 26))
         return KVMIX_ERR_INVALID_ARGUMENT;
@@ -2663,6 +2859,11 @@ KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *des
     cache->scratch = (float *)(void *)(m + g.scratch);
     cache->sim = (void *)(m + g.sim);
     cache->journal = (void *)(m + g.journal);
+    cache->jobs = (void *)(m + g.jobs);
+    cache->retired_runs = (void *)(m + g.retired_runs);
+    cache->retired_pages = (uint32_t *)(void *)(m + g.retired_pages);
+    cache->page_segment = (uint32_t *)(void *)(m + g.page_segment);
+    cache->segment = 1;
     /* the sentinel: pinned, no bytes */
     cache->pages[0].refcount = 1;
     cache->pages[0].sealed = 1;
@@ -2683,6 +2884,7 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
     kvmix_result r;
     if (!cache || !desc) return KVMIX_ERR_NULL_POINTER;
     d = *desc;
+    if (d.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* the caller's device memory */
     if ((r = kvmix_cache_memory_bytes(&d, &bytes)) != KVMIX_SUCCESS) return r;
     kvmix_cache_desc_resolve(&d);
     memset(&a, 0, sizeof a);
@@ -2902,6 +3104,7 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
     int64_t n = kvmix__granules_of(c, g.total_bytes), start;
     if (plan->dry && plan->new_pages + 1 > c->n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
     if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->dry && c->desc.device_arena) plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
         kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[sp->entry];
         uint32_t old = e->page, id = kvmix__page_pop(c), *slots = kvmix__seq_slots(c, seq);
@@ -2914,11 +3117,17 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
         np->n_granules = (uint32_t)n;
         np->refcount = 1;
         np->n_rows = sp->rows;
+        if (c->desc.device_arena) kvmix__fence(c, old, id, 0);
         for (layer = 0; layer < c->desc.n_layers; layer++)
             for (kv = 0; kv < 2; kv++)
-                for (h = 0; h < c->desc.n_kv_heads; h++)
-                    memcpy(kvmix__page_block(c, np, &g, layer, kv, h),
-                           kvmix__page_block(c, op, &g, layer, kv, h), row_bytes);
+                for (h = 0; h < c->desc.n_kv_heads; h++) {
+                    size_t at = kvmix__block_offset(c, &g, layer, kv, h);
+                    if (c->desc.device_arena)
+                        kvmix__queue(c, kvmix__copy_job(op->offset + at, np->offset + at, row_bytes));
+                    else
+                        memcpy(c->arena + np->offset + at, c->arena + op->offset + at, row_bytes);
+                }
+        if (c->desc.device_arena) kvmix__mark_pages(c, old, id);
         for (r = 0; r < sp->rows; r++)
             if (slots[e->first_pos + r] == kvmix__slot(c, old, r))
                 slots[e->first_pos + r] = kvmix__slot(c, id, r);
@@ -3037,6 +3246,18 @@ static void kvmix__seal_block(kvmix_cache *c, int is_value, uint8_t source_forma
     kvmix__cache_quantize(c, is_value, format, rows, c->scratch, dst);
 }
 
+/* The job of kvmix__seal_block for a device arena: a byte copy or a quantization from FP16. */
+static void kvmix__queue_seal(kvmix_cache *c, int is_value, uint8_t source_format, uint8_t format,
+                              int32_t rows, uint64_t src, uint64_t dst) {
+    kvmix__job j;
+    if (source_format == format)
+        j = kvmix__copy_job(src, dst, kvmix__cache_block_bytes(c, is_value, format, rows, rows));
+    else
+        j = kvmix__quantize_job(KVMIX_CACHE_SOURCE_ARENA, is_value, format, rows, src / 2, dst, 0,
+                                rows);
+    kvmix__queue(c, j);
+}
+
 /* Seals buffer page sp with `rows` rows into (key_format, value_format): by flag when both are
    FP16, otherwise quantized into a new allocation and the old bytes freed. With keys_only the
    values stay FP16 and the page unsealed: a values-only window still holds them. */
@@ -3060,20 +3281,29 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     g = kvmix__page_geom(c, key_format, value_format, rows, rows);
     n = kvmix__granules_of(c, g.total_bytes);
     if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->dry && c->desc.device_arena) plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
-        kvmix_cache_page *p = &c->pages[kvmix__seq_entries(c, seq)[sp->entry].page];
+        uint32_t id = kvmix__seq_entries(c, seq)[sp->entry].page;
+        kvmix_cache_page *p = &c->pages[id];
         kvmix__geom og;
         int32_t layer, kv, h;
         p->n_rows = rows; /* a buffer's rows past the sequence's are stale when not shared */
         og = kvmix__geom_of(c, p);
+        if (c->desc.device_arena) kvmix__fence(c, id, 0, 0); /* new bytes: no one reads them */
         for (layer = 0; layer < c->desc.n_layers; layer++)
             for (kv = 0; kv < 2; kv++)
-                for (h = 0; h < c->desc.n_kv_heads; h++)
-                    kvmix__seal_block(c, kv, kv ? p->value_format : p->key_format,
-                                      kvmix__page_block(c, p, &og, layer, kv, h),
-                                      kv ? value_format : key_format, rows,
-                                      c->arena + (size_t)start * c->desc.granule_bytes +
-                                          kvmix__block_offset(c, &g, layer, kv, h));
+                for (h = 0; h < c->desc.n_kv_heads; h++) {
+                    uint64_t src = p->offset + kvmix__block_offset(c, &og, layer, kv, h);
+                    uint64_t dst = (uint64_t)start * c->desc.granule_bytes +
+                                   kvmix__block_offset(c, &g, layer, kv, h);
+                    uint8_t from = kv ? p->value_format : p->key_format;
+                    uint8_t to = kv ? value_format : key_format;
+                    if (c->desc.device_arena)
+                        kvmix__queue_seal(c, kv, from, to, rows, src, dst);
+                    else
+                        kvmix__seal_block(c, kv, from, c->arena + src, to, rows, c->arena + dst);
+                }
+        if (c->desc.device_arena) kvmix__mark_pages(c, id, id);
         p->offset = (uint64_t)start * c->desc.granule_bytes;
         p->n_granules = (uint32_t)n;
         p->key_format = key_format;
@@ -3203,6 +3433,9 @@ static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_t
     kvmix__plan_undo(c, &plan, hint);
     memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
     memset(plan.ops, 0, (size_t)plan.max_ops * sizeof *plan.ops);
+    /* a device arena's queue holds the jobs and, one per seal, the granules released */
+    if (r == KVMIX_SUCCESS && plan.n_jobs > c->desc.max_jobs - c->n_jobs)
+        r = KVMIX_ERR_OUT_OF_MEMORY;
     if (r != KVMIX_SUCCESS) return r;
     kvmix__plan_begin(c, seq, &plan, 0);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
@@ -3253,40 +3486,69 @@ KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
-                                        int32_t first_position, int32_t n_tokens, const float *keys,
-                                        const float *values) {
+/* The checks of a write of layer rows: the place (kvmix_cache_write's rules) and, for positions
+   written before, that no one else sees them. */
+static kvmix_result kvmix__write_ok(const kvmix_cache *c, int32_t seq, int32_t layer,
+                                    int32_t first_position, int32_t n_tokens) {
     const uint32_t *slots;
-    kvmix_cache_seq *s;
+    const int32_t *written;
+    uint32_t page_tokens = (uint32_t)c->desc.page_tokens;
+    int32_t t, end;
     kvmix_result r;
-    int32_t *written, t, end, l, least;
-    uint32_t page_tokens;
-    size_t hd;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    s = &cache->seqs[seq];
-    written = kvmix__seq_written(cache, seq);
-    if (layer < 0 || layer >= cache->desc.n_layers || n_tokens < 0 || first_position < 0 ||
-        first_position > written[layer] || n_tokens > s->n_tokens - first_position)
+    if ((r = kvmix__cache_seq_ok(c, seq)) != KVMIX_SUCCESS) return r;
+    written = kvmix__seq_written(c, seq);
+    if (layer < 0 || layer >= c->desc.n_layers || n_tokens < 0 || first_position < 0 ||
+        first_position > written[layer] || n_tokens > c->seqs[seq].n_tokens - first_position)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_tokens == 0) return KVMIX_SUCCESS;
-    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
-    slots = kvmix__seq_slots(cache, seq);
-    page_tokens = (uint32_t)cache->desc.page_tokens;
+    slots = kvmix__seq_slots(c, seq);
     /* a row written before is rewritten only where no one else sees it; rows not written yet are
        in unsealed pages, live, and used by this sequence only (seals wait for n_written, eviction
        and fork take positions below it) */
     end = first_position + n_tokens < written[layer] ? first_position + n_tokens : written[layer];
     for (t = first_position; t < end; t++) {
-        const kvmix_cache_page *p = &cache->pages[slots[t] / page_tokens];
+        const kvmix_cache_page *p = &c->pages[slots[t] / page_tokens];
         if (slots[t] == KVMIX_CACHE_DEAD_SLOT || p->sealed || p->key_format != KVMIX_FORMAT_FP16 ||
             p->refcount > 1)
             return KVMIX_ERR_INVALID_ARGUMENT;
     }
+    return KVMIX_SUCCESS;
+}
+
+/* Positions up to `end` of the layer have rows: the layer's count and n_written follow. */
+static void kvmix__note_written(kvmix_cache *c, int32_t seq, int32_t layer, int32_t end) {
+    kvmix_cache_seq *s = &c->seqs[seq];
+    int32_t *written = kvmix__seq_written(c, seq), l, least;
+    int was_least;
+    if (end <= written[layer]) return;
+    was_least = written[layer] == s->n_written;
+    written[layer] = end;
+    if (!was_least) return;
+    least = written[0];
+    for (l = 1; l < c->desc.n_layers; l++)
+        if (written[l] < least) least = written[l];
+    s->n_written = least;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                        int32_t first_position, int32_t n_tokens, const float *keys,
+                                        const float *values) {
+    const uint32_t *slots;
+    kvmix_result r;
+    uint32_t page_tokens;
+    int32_t t;
+    size_t hd;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* kvmix_cache_write_rows */
+    if ((r = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)) != KVMIX_SUCCESS)
+        return r;
+    if (n_tokens == 0) return KVMIX_SUCCESS;
+    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
     hd = (size_t)cache->desc.n_kv_heads * (size_t)cache->desc.head_dim;
     if (!kvmix__rows_representable(keys, (size_t)n_tokens * hd) ||
         !kvmix__rows_representable(values, (size_t)n_tokens * hd))
         return KVMIX_ERR_BAD_VALUE;
+    slots = kvmix__seq_slots(cache, seq);
+    page_tokens = (uint32_t)cache->desc.page_tokens;
     for (t = 0; t < n_tokens; t++) {
         uint32_t slot = slots[first_position + t];
         KVMIX_ASSERT(slot != KVMIX_CACHE_DEAD_SLOT);
@@ -3294,15 +3556,159 @@ KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t
                           (int32_t)(slot % page_tokens), keys + hd * (size_t)t,
                           values + hd * (size_t)t);
     }
-    if (first_position + n_tokens > written[layer]) {
-        int was_least = written[layer] == s->n_written;
-        written[layer] = first_position + n_tokens;
-        if (was_least) {
-            least = written[0];
-            for (l = 1; l < cache->desc.n_layers; l++)
-                if (written[l] < least) least = written[l];
-            s->n_written = least;
+    kvmix__note_written(cache, seq, layer, first_position + n_tokens);
+    return KVMIX_SUCCESS;
+}
+
+/* Positions first .. of a sequence whose rows are consecutive rows of one page: their count. */
+static int32_t kvmix__page_run(const kvmix_cache *c, int32_t seq, int32_t first, int32_t n) {
+    const uint32_t *slots = kvmix__seq_slots(c, seq);
+    int32_t k = 1;
+    while (k < n && slots[first + k] == slots[first] + (uint32_t)k &&
+           slots[first + k] / (uint32_t)c->desc.page_tokens ==
+               slots[first] / (uint32_t)c->desc.page_tokens)
+        k++;
+    return k;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                             int32_t first_position, int32_t n_tokens,
+                                             int64_t source_row) {
+    const uint32_t *slots;
+    const int32_t *written;
+    uint32_t page_tokens;
+    int32_t t, k, runs = 0, n_heads, d;
+    kvmix_result r;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (!cache->desc.device_arena || source_row < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((r = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)) != KVMIX_SUCCESS)
+        return r;
+    n_heads = cache->desc.n_kv_heads;
+    d = cache->desc.head_dim;
+    for (t = 0; t < n_tokens; t += kvmix__page_run(cache, seq, first_position + t, n_tokens - t))
+        runs++;
+    if ((int64_t)runs * 2 * n_heads > (int64_t)cache->desc.max_jobs - cache->n_jobs)
+        return KVMIX_ERR_OUT_OF_MEMORY;
+    slots = kvmix__seq_slots(cache, seq);
+    written = kvmix__seq_written(cache, seq);
+    page_tokens = (uint32_t)cache->desc.page_tokens;
+    for (t = 0; t < n_tokens; t += k) {
+        int32_t pos = first_position + t, kv, h;
+        uint32_t id = slots[pos] / page_tokens;
+        const kvmix_cache_page *p = &cache->pages[id];
+        kvmix__geom g = kvmix__geom_of(cache, p);
+        k = kvmix__page_run(cache, seq, pos, n_tokens - t);
+        kvmix__fence(cache, 0, id, pos < written[layer]); /* a rewrite runs after the write */
+        for (kv = 0; kv < 2; kv++)
+            for (h = 0; h < n_heads; h++) {
+                uint64_t src = (uint64_t)(source_row + t) * (uint64_t)n_heads * (uint64_t)d +
+                               (uint64_t)h * (uint64_t)d;
+                kvmix__job j = kvmix__quantize_job(
+                    kv ? KVMIX_CACHE_SOURCE_VALUES : KVMIX_CACHE_SOURCE_KEYS, kv,
+                    KVMIX_FORMAT_FP16, p->capacity, src,
+                    p->offset + kvmix__block_offset(cache, &g, layer, kv, h),
+                    (int32_t)(slots[pos] % page_tokens), k);
+                kvmix__queue(cache, j);
+            }
+        kvmix__mark_pages(cache, 0, id);
+    }
+    kvmix__note_written(cache, seq, layer, first_position + n_tokens);
+    return KVMIX_SUCCESS;
+}
+
+/* The batch a job belongs to within its segment. */
+static int kvmix__same_batch(const kvmix__job *a, const kvmix__job *b) {
+    if (a->kind != b->kind) return 0;
+    if (a->kind == KVMIX_CACHE_BATCH_COPY) return 1;
+    return a->source == b->source && a->is_value == b->is_value && a->format == b->format &&
+           a->block_rows == b->block_rows;
+}
+
+/* Groups the queue, segment by segment, into batches of jobs that one launch runs; writes them
+   when jobs is not NULL. Returns the number of batches. */
+static int32_t kvmix__group_jobs(kvmix_cache *c, kvmix_quantize_job *jobs,
+                                 kvmix_cache_batch *batches) {
+    kvmix__job *q = (kvmix__job *)c->jobs;
+    int32_t i, k, m, seg_end, n_batches = 0, n_out = 0;
+    for (i = 0; i < c->n_jobs; i = seg_end) {
+        for (seg_end = i; seg_end < c->n_jobs && q[seg_end].segment == q[i].segment; seg_end++) {
         }
+        for (k = i; k < seg_end; k++) {
+            if (q[k].taken) continue;
+            if (batches) {
+                kvmix_cache_batch *b = &batches[n_batches];
+                memset(b, 0, sizeof *b);
+                b->kind = q[k].kind;
+                b->source = q[k].source;
+                b->first_job = n_out;
+                if (q[k].kind == KVMIX_CACHE_BATCH_QUANTIZE) {
+                    b->layout = kvmix__cache_layout(c, q[k].is_value, q[k].format, q[k].block_rows);
+                    kvmix_layout_resolve(&b->layout);
+                    b->src_row_stride = q[k].source == KVMIX_CACHE_SOURCE_ARENA
+                                            ? c->desc.head_dim
+                                            : (int64_t)c->desc.n_kv_heads * c->desc.head_dim;
+                }
+            }
+            for (m = k; m < seg_end; m++) {
+                if (q[m].taken || !kvmix__same_batch(&q[k], &q[m])) continue;
+                q[m].taken = 1;
+                if (jobs) jobs[n_out] = q[m].job;
+                n_out++;
+            }
+            if (batches) batches[n_batches].n_jobs = n_out - batches[n_batches].first_job;
+            n_batches++;
+        }
+    }
+    return n_batches;
+}
+
+/* The take: what the queue held is released. */
+static void kvmix__release_held(kvmix_cache *c) {
+    const kvmix__run *runs = (const kvmix__run *)c->retired_runs;
+    int32_t i;
+    for (i = 0; i < c->n_retired_runs; i++) {
+        kvmix__granules_mark(c->bitmap, runs[i].start, runs[i].n, 0);
+        c->n_free_granules += runs[i].n;
+        if (runs[i].start < c->first_free_hint) c->first_free_hint = runs[i].start;
+    }
+    for (i = 0; i < c->n_retired_pages; i++) {
+        uint32_t id = c->retired_pages[i];
+        kvmix_cache_page *p = &c->pages[id];
+        int64_t start = (int64_t)(p->offset / c->desc.granule_bytes);
+        kvmix__granules_mark(c->bitmap, start, (int64_t)p->n_granules, 0);
+        c->n_free_granules += (int64_t)p->n_granules;
+        if (start < c->first_free_hint) c->first_free_hint = start;
+        memset(p, 0, sizeof *p);
+        c->free_pages[c->n_free_pages++] = id;
+    }
+    memset(c->retired_runs, 0, (size_t)c->n_retired_runs * sizeof(kvmix__run));
+    c->n_retired_runs = 0;
+    c->n_retired_pages = 0;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs,
+                                            int32_t max_jobs, kvmix_cache_batch *batches,
+                                            int32_t max_batches, int32_t *out_n_jobs,
+                                            int32_t *out_n_batches) {
+    kvmix__job *q;
+    int32_t i, n_batches;
+    if (!cache || !out_n_jobs || !out_n_batches) return KVMIX_ERR_NULL_POINTER;
+    if (!cache->seqs || !cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (cache->n_jobs > 0 && (!jobs || !batches)) return KVMIX_ERR_NULL_POINTER;
+    q = (kvmix__job *)cache->jobs;
+    n_batches = kvmix__group_jobs(cache, NULL, NULL);
+    for (i = 0; i < cache->n_jobs; i++) q[i].taken = 0;
+    if (max_jobs < cache->n_jobs || max_batches < n_batches) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    kvmix__group_jobs(cache, jobs, batches);
+    memset(q, 0, (size_t)cache->n_jobs * sizeof *q);
+    *out_n_jobs = cache->n_jobs;
+    *out_n_batches = n_batches;
+    cache->n_jobs = 0;
+    kvmix__release_held(cache);
+    /* every page's segment stamp is now older than the current segment */
+    if (++cache->segment == 0) {
+        memset(cache->page_segment, 0, 2 * (size_t)cache->max_pages * sizeof(uint32_t));
+        cache->segment = 1;
     }
     return KVMIX_SUCCESS;
 }
@@ -3313,6 +3719,7 @@ KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_
     kvmix_result r;
     size_t n;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* rows pass the host */
     if ((r = kvmix__extend_ok(cache, seq, n_tokens, precisions)) != KVMIX_SUCCESS) return r;
     if (n_tokens == 0) return KVMIX_SUCCESS;
     if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
@@ -3407,6 +3814,7 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     int in_place;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if (cache->desc.device_arena) return KVMIX_ERR_UNSUPPORTED; /* rows pass the host */
     if (position < 0 || position >= cache->seqs[seq].n_tokens ||
         (rows != KVMIX_CACHE_ROWS_ORIGINAL && rows != KVMIX_CACHE_ROWS_RESIDUAL))
         return KVMIX_ERR_INVALID_ARGUMENT;
@@ -3480,6 +3888,7 @@ KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, in
     uint32_t slot;
     int32_t row, h, kv;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* rows on the device */
     if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
     if (position < 0 || position >= cache->seqs[seq].n_tokens || layer < 0 ||
         layer >= cache->desc.n_layers || position >= kvmix__seq_written(cache, seq)[layer])
@@ -3657,7 +4066,8 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t l
     kvmix_view view;
     kvmix_result r;
     if (!cache || !q || !out || !lse || !workspace) return KVMIX_ERR_NULL_POINTER;
-    if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (((uintptr_t)workspace & 7u) != 0 || cache->desc.device_arena)
+        return KVMIX_ERR_INVALID_ARGUMENT;
     if ((r = kvmix_cache_ref_decode_workspace(cache, seqs, n_seqs, &need)) != KVMIX_SUCCESS)
         return r;
     if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
@@ -3771,6 +4181,96 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
 
 /* ---- invariants ----------------------------------------------------------------------------- */
 
+/* Source rows of a QUANTIZE job as floats, or 0 when one is not finite FP16. */
+static int kvmix__job_rows(const uint16_t *src, int64_t stride, const kvmix_quantize_job *j,
+                           int32_t head_dim, float *out) {
+    int32_t r, c;
+    for (r = 0; r < j->n_rows; r++)
+        for (c = 0; c < head_dim; c++) {
+            uint16_t h = src[j->src_offset + (uint64_t)r * (uint64_t)stride + (uint64_t)c];
+            if ((h & 0x7c00u) == 0x7c00u) return 0; /* inf or NaN */
+            out[(size_t)r * (size_t)head_dim + (size_t)c] = kvmix__half_to_float(h);
+        }
+    return 1;
+}
+
+/* One QUANTIZE job: rows into an FP16 or per-token block, or a whole per-channel block. */
+static int kvmix__run_quantize_job(const kvmix_layout *l, const uint16_t *src, int64_t stride,
+                                   const kvmix_quantize_job *j, uint8_t *arena, float *rows) {
+    kvmix__sections s = kvmix__layout_sections(l);
+    uint8_t *block = arena + j->dst_offset;
+    int32_t r;
+    int whole = l->format == KVMIX_FORMAT_INT2_CHANNEL || l->format == KVMIX_FORMAT_BOOSTED;
+    if (j->first_row < 0 || j->n_rows < 1 || j->n_rows > l->n_tokens - j->first_row ||
+        (whole && j->n_rows != l->n_tokens))
+        return 0;
+    if (!kvmix__job_rows(src, stride, j, l->head_dim, rows)) return 0;
+    if (whole) {
+        memset(block, 0, s.total_bytes);
+        kvmix__quantize_per_channel(l, rows, l->head_dim, block);
+        return 1;
+    }
+    for (r = 0; r < j->n_rows; r++) {
+        memset(block + (size_t)(j->first_row + r) * s.row_bytes, 0, s.row_bytes);
+        kvmix__quantize_row(l, &s, rows + (size_t)r * (size_t)l->head_dim, block, j->first_row + r);
+    }
+    return 1;
+}
+
+KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
+                                          const kvmix_quantize_job *jobs, const uint16_t *key_rows,
+                                          const uint16_t *value_rows, uint8_t *arena,
+                                          int32_t *out_bad_jobs) {
+    float *rows = NULL;
+    int32_t b, i, bad = 0;
+    if (n_batches < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_batches > 0 && (!batches || !jobs || !arena)) return KVMIX_ERR_NULL_POINTER;
+    for (b = 0; b < n_batches; b++) {
+        const kvmix_cache_batch *batch = &batches[b];
+        const uint16_t *src = batch->source == KVMIX_CACHE_SOURCE_KEYS     ? key_rows
+                              : batch->source == KVMIX_CACHE_SOURCE_VALUES ? value_rows
+                                                                           : (const uint16_t *)arena;
+        kvmix_layout l = batch->layout;
+        if (batch->n_jobs < 0 || batch->first_job < 0) {
+            KVMIX_FREE(rows);
+            return KVMIX_ERR_INVALID_ARGUMENT;
+        }
+        if (batch->kind == KVMIX_CACHE_BATCH_COPY) {
+            for (i = 0; i < batch->n_jobs; i++) {
+                const kvmix_quantize_job *j = &jobs[batch->first_job + i];
+                memmove(arena + j->dst_offset, arena + j->src_offset, (size_t)j->n_rows);
+            }
+            continue;
+        }
+        if (!src) {
+            KVMIX_FREE(rows);
+            return KVMIX_ERR_NULL_POINTER;
+        }
+        if (kvmix_layout_resolve(&l) != KVMIX_SUCCESS || batch->src_row_stride < l.head_dim) {
+            KVMIX_FREE(rows);
+            return KVMIX_ERR_INVALID_ARGUMENT;
+        }
+        KVMIX_FREE(rows);
+        rows = (float *)KVMIX_MALLOC((size_t)(l.n_tokens > 0 ? l.n_tokens : 1) *
+                                     (size_t)l.head_dim * sizeof(float));
+        if (!rows) return KVMIX_ERR_OUT_OF_MEMORY;
+        for (i = 0; i < batch->n_jobs; i++)
+            bad += !kvmix__run_quantize_job(&l, src, batch->src_row_stride,
+                                            &jobs[batch->first_job + i], arena, rows);
+    }
+    KVMIX_FREE(rows);
+    if (out_bad_jobs) *out_bad_jobs = bad;
+    return KVMIX_SUCCESS;
+}
+
+/* Whether a released descriptor of a device arena waits for the take. */
+static int kvmix__page_held(const kvmix_cache *c, uint32_t id) {
+    int32_t i;
+    for (i = 0; i < c->n_retired_pages; i++)
+        if (c->retired_pages[i] == id) return 1;
+    return 0;
+}
+
 KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
     const kvmix_cache_desc *d;
     int64_t used = 0, bits = 0, i;
@@ -3785,7 +4285,9 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
         const kvmix_cache_page *p = &cache->pages[i];
         int64_t refs = 0, start, g;
         if (p->refcount == 0) {
-            if (p->n_granules != 0) return KVMIX_ERR_CORRUPT_DATA;
+            if (p->n_granules != 0 && !kvmix__page_held(cache, (uint32_t)i))
+                return KVMIX_ERR_CORRUPT_DATA;
+            used += p->n_granules; /* a device arena's released page, until the take */
             continue;
         }
         n_live_pages++;
@@ -3805,6 +4307,7 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
             if (!kvmix__granule_used(cache->bitmap, g)) return KVMIX_ERR_CORRUPT_DATA;
         used += p->n_granules;
     }
+    for (j = 0; j < cache->n_retired_runs; j++) used += ((const kvmix__run *)cache->retired_runs)[j].n;
     for (i = 0; i < cache->n_granules; i++) bits += kvmix__granule_used(cache->bitmap, i);
     for (i = 0; i < cache->first_free_hint && i < cache->n_granules; i++)
         if (!kvmix__granule_used(cache->bitmap, i)) return KVMIX_ERR_CORRUPT_DATA;
@@ -3812,7 +4315,8 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
     if (bits != used || cache->n_granules - cache->n_free_granules != used)
         return KVMIX_ERR_CORRUPT_DATA;
     /* the free stack holds exactly the free descriptors, once each */
-    if (cache->n_free_pages + n_live_pages != cache->max_pages - 1) return KVMIX_ERR_CORRUPT_DATA;
+    if (cache->n_free_pages + n_live_pages + cache->n_retired_pages != cache->max_pages - 1)
+        return KVMIX_ERR_CORRUPT_DATA;
     for (j = 0; j < cache->n_free_pages; j++) {
         uint32_t id = cache->free_pages[j];
         if (id == 0 || id >= (uint32_t)cache->max_pages || cache->pages[id].refcount != 0)

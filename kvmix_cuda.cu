@@ -2204,6 +2204,24 @@ static __global__ void __launch_bounds__(256)
     }
 }
 
+/* ---- byte copies of the cache's jobs ------------------------------------------------------- */
+
+/* One block per job: n_rows bytes from src + src_offset to dst + dst_offset, in 16-byte vectors
+   when both ends and the length allow. */
+static __global__ void __launch_bounds__(256)
+    kvmix__copy_kernel(const uint8_t *src, uint8_t *dst, const kvmix_quantize_job *jobs) {
+    const kvmix_quantize_job job = jobs[blockIdx.x];
+    const uint8_t *from = src + job.src_offset;
+    uint8_t *to = dst + job.dst_offset;
+    const int64_t n = job.n_rows;
+    if (((job.src_offset | job.dst_offset | (uint64_t)n) & 15u) == 0) {
+        for (int64_t i = threadIdx.x; i < n / 16; i += blockDim.x)
+            ((uint4 *)to)[i] = ((const uint4 *)from)[i];
+        return;
+    }
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) to[i] = from[i];
+}
+
 } // namespace
 #ifdef KVMIX__PROF
 extern "C" int kvmix__prof_get(void *host, size_t bytes) {
@@ -2260,6 +2278,42 @@ extern "C" kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const vo
     p.jobs = jobs, p.error_flags = error_flags;
     kvmix__quantize_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(p);
     return kvmix__launch_status();
+}
+
+extern "C" kvmix_result kvmix_cuda_copy_blocks(const void *src, void *dst,
+                                               const kvmix_quantize_job *jobs, int32_t n_jobs,
+                                               kvmix_stream stream) {
+    if (n_jobs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_jobs == 0) return KVMIX_SUCCESS;
+    if (!src || !dst || !jobs) return KVMIX_ERR_NULL_POINTER;
+    kvmix__copy_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(
+        (const uint8_t *)src, (uint8_t *)dst, jobs);
+    return kvmix__launch_status();
+}
+
+extern "C" kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
+                                             const kvmix_quantize_job *jobs, const void *key_rows,
+                                             const void *value_rows, void *arena,
+                                             int32_t *error_flags, kvmix_stream stream) {
+    if (n_batches < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_batches > 0 && (!batches || !jobs || !arena)) return KVMIX_ERR_NULL_POINTER;
+    for (int32_t b = 0; b < n_batches; b++) {
+        const kvmix_cache_batch *batch = &batches[b];
+        const kvmix_quantize_job *first = jobs + batch->first_job;
+        kvmix_result r;
+        if (batch->first_job < 0 || batch->n_jobs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+        if (batch->kind == KVMIX_CACHE_BATCH_COPY) {
+            r = kvmix_cuda_copy_blocks(arena, arena, first, batch->n_jobs, stream);
+        } else {
+            const void *src = batch->source == KVMIX_CACHE_SOURCE_KEYS     ? key_rows
+                              : batch->source == KVMIX_CACHE_SOURCE_VALUES ? value_rows
+                                                                           : arena;
+            r = kvmix_cuda_quantize(&batch->layout, src, batch->src_row_stride, arena, first,
+                                    batch->n_jobs, error_flags, stream);
+        }
+        if (r != KVMIX_SUCCESS) return r;
+    }
+    return KVMIX_SUCCESS;
 }
 
 /* Host-side checks of a view whose arrays are on the device. */

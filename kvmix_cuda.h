@@ -40,13 +40,11 @@ typedef enum kvmix_cuda_dtype { KVMIX_CUDA_FP16 = 1, KVMIX_CUDA_BF16 = 2 } kvmix
 /*     append of one token (it writes the row's codes and its (scale, min) pairs, nothing else).   */
 /*   - INT2_CHANNEL and BOOSTED: a job must cover the whole block (first_row 0, n_rows =          */
 /*     layout->n_tokens): a page flush. Channel ranking for BOOSTED runs on the GPU.               */
-/* Jobs live in device memory, 24 bytes each, in this layout:                                     */
-typedef struct kvmix_cuda_quantize_job {
-    uint64_t src_offset; /* fp16 elements from src to the job's first source row */
-    uint64_t dst_offset; /* bytes from dst to the destination block (its row 0), 16-byte multiple */
-    int32_t first_row;   /* block row that source row 0 goes to */
-    int32_t n_rows;      /* rows to write, >= 1 */
-} kvmix_cuda_quantize_job;
+/* Jobs live in device memory, 24 bytes each: kvmix_quantize_job (kvmix.h), whose src_offset     */
+/* counts fp16 elements from src to the job's first source row, dst_offset bytes from dst to the  */
+/* destination block (its row 0, a 16-byte multiple), first_row the block row that source row 0  */
+/* goes to and n_rows the rows to write (>= 1).                                                  */
+typedef kvmix_quantize_job kvmix_cuda_quantize_job;
 
 #define KVMIX_CUDA_QUANTIZE_BAD_VALUE 1 /* error_flags bit: a job's input had inf or NaN */
 #define KVMIX_CUDA_QUANTIZE_BAD_JOB   2 /* error_flags bit: a job's row range is invalid */
@@ -63,6 +61,26 @@ kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const void *src,
                                  int64_t src_row_stride, void *dst,
                                  const kvmix_cuda_quantize_job *jobs, int32_t n_jobs,
                                  int32_t *error_flags, kvmix_stream stream);
+
+/* ------------------------------------------------------------------------------------------- */
+/* The jobs of a cache whose arena is device memory (kvmix.h, "Device arena").                   */
+
+/* Byte copies: job j copies jobs[j].n_rows bytes from src + src_offset to dst + dst_offset
+   (jobs: device array). The ranges of one launch must not overlap. Returns NULL_POINTER,
+   INVALID_ARGUMENT (n_jobs < 0), CUDA. */
+kvmix_result kvmix_cuda_copy_blocks(const void *src, void *dst, const kvmix_quantize_job *jobs,
+                                    int32_t n_jobs, kvmix_stream stream);
+
+/* Runs the batches of one kvmix_cache_jobs_take in order on `stream`, as kvmix_ref_cache_run does
+   on the host: jobs is the take's job array copied to device memory, key_rows and value_rows the
+   device FP16 rows that kvmix_cache_write_rows named (may be NULL when no batch reads them),
+   arena the cache's device arena. A QUANTIZE job whose rows are not finite FP16 writes nothing
+   and ORs KVMIX_CUDA_QUANTIZE_BAD_VALUE into *error_flags (device int32, may be NULL). Returns
+   the first launcher error (later batches are not enqueued then). */
+kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
+                                  const kvmix_quantize_job *jobs, const void *key_rows,
+                                  const void *value_rows, void *arena, int32_t *error_flags,
+                                  kvmix_stream stream);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Dequantize a sequence of a view (device pointers in base, spans, seq_first_span, dead) into    */

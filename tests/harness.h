@@ -22,6 +22,7 @@ void unit_core(void);
 void unit_formats(void);
 void unit_attention(void);
 void unit_cache(void);
+void unit_device_arena(void);
 void unit_view(void);
 void unit_transfer(void);
 void unit_policy(void);

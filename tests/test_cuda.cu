@@ -1,9 +1,10 @@
 /* GPU tests of kvmix_cuda.cu against kvmix.h's CPU references.
-   Usage: test_cuda [--quick] [--seed N] [--only args|quantize|view|decode|payload].
+   Usage: test_cuda [--quick] [--seed N] [--only args|quantize|view|decode|arena|payload].
    Prints "N passed, N failed"; exit status 1 on failure. */
 #define KVMIX_IMPLEMENTATION
 #include "../kvmix.h"
 #include "../kvmix_cuda.h"
+#include "device_arena_scenario.h"
 
 #include <cuda_runtime.h>
 #include <math.h>
@@ -1421,6 +1422,80 @@ static void test_bad_arguments(void) {
     check(cudaGetLastError() == cudaSuccess, "no CUDA error left by bad-argument calls");
 }
 
+/* ---- device arena ------------------------------------------------------------------------ */
+
+/* Runs a cache's jobs on the GPU: staged rows and jobs uploaded, kvmix_cuda_cache_run. */
+struct gpu_executor {
+    uint8_t *arena;
+    uint16_t *keys, *values; /* room for max_rows rows */
+    kvmix_quantize_job *jobs;
+    int32_t *flags;
+    size_t row_halves;
+};
+
+static int gpu_run(void *ctx, const kvmix_cache_batch *batches, int32_t n_batches,
+                   const kvmix_quantize_job *jobs, int32_t n_jobs, const uint16_t *key_rows,
+                   const uint16_t *value_rows, int64_t n_rows, int32_t *bad_jobs) {
+    gpu_executor *g = (gpu_executor *)ctx;
+    size_t bytes = (size_t)n_rows * g->row_halves * 2;
+    int32_t flags = 0;
+    if (cudaMemcpy(g->keys, key_rows, bytes, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(g->values, value_rows, bytes, cudaMemcpyHostToDevice) != cudaSuccess ||
+        cudaMemcpy(g->jobs, jobs, (size_t)n_jobs * sizeof *jobs, cudaMemcpyHostToDevice) !=
+            cudaSuccess ||
+        cudaMemset(g->flags, 0, sizeof(int32_t)) != cudaSuccess)
+        return 0;
+    if (kvmix_cuda_cache_run(batches, n_batches, g->jobs, g->keys, g->values, g->arena, g->flags,
+                             NULL) != KVMIX_SUCCESS ||
+        cudaMemcpy(&flags, g->flags, sizeof flags, cudaMemcpyDeviceToHost) != cudaSuccess)
+        return 0;
+    *bad_jobs = flags != 0;
+    return 1;
+}
+
+static int gpu_fetch(void *ctx, uint8_t *host, size_t bytes) {
+    return cudaMemcpy(host, ((gpu_executor *)ctx)->arena, bytes, cudaMemcpyDeviceToHost) ==
+           cudaSuccess;
+}
+
+/* The unit_device_arena workloads with the jobs run by the pack: the same bytes as a host arena. */
+static void test_device_arena(bool quick) {
+    for (int which = 0; which < 4; which++) {
+        kvmix_cache_desc d = {};
+        d.n_layers = 2, d.n_kv_heads = 2, d.head_dim = which == 3 ? 128 : 64;
+        d.page_tokens = 16, d.max_seqs = 5, d.max_tokens_per_seq = 160;
+        d.arena_bytes = (size_t)1 << 21, d.max_jobs = 400;
+        if (which == 0) d.n_window = 16;
+        if (which == 1) d.n_sink = 4, d.n_window = 32, d.window_values_only = 1, d.n_boost = 8;
+        if (which == 2) {
+            d.n_sink = 8, d.partial = KVMIX_CACHE_PARTIAL_QUANTIZE;
+            d.group_size = 16, d.value_group_size = 64;
+        }
+        gpu_executor g = {};
+        g.row_halves = (size_t)d.n_kv_heads * (size_t)d.head_dim;
+        size_t max_rows = 4 * (size_t)d.n_layers * 32;
+        CUDA_OK(cudaMalloc(&g.arena, d.arena_bytes));
+        CUDA_OK(cudaMemset(g.arena, 0, d.arena_bytes));
+        CUDA_OK(cudaMalloc(&g.keys, max_rows * g.row_halves * 2));
+        CUDA_OK(cudaMalloc(&g.values, max_rows * g.row_halves * 2));
+        CUDA_OK(cudaMalloc(&g.jobs, (size_t)d.max_jobs * sizeof(kvmix_quantize_job)));
+        CUDA_OK(cudaMalloc(&g.flags, sizeof(int32_t)));
+        da_executor ex = {&g, g.arena, gpu_run, gpu_fetch};
+        for (int seed = 0; seed < (quick ? 2 : 6); seed++) {
+            char why[160], what[240];
+            int64_t jobs = 0;
+            int failures = da_scenario(&d, rnd(), 400, &ex, why, sizeof why, &jobs);
+            snprintf(what, sizeof what, "device arena desc %d seed %d: %s", which, seed, why);
+            check(failures == 0 && jobs > 100, what);
+        }
+        cudaFree(g.arena);
+        cudaFree(g.keys);
+        cudaFree(g.values);
+        cudaFree(g.jobs);
+        cudaFree(g.flags);
+    }
+}
+
 int main(int argc, char **argv) {
     bool quick = false;
     const char *only = NULL; /* one group of tests */
@@ -1468,6 +1543,10 @@ int main(int argc, char **argv) {
         printf(
             "decode: %d passed, %d failed so far; largest nmse out %.2e, lse %.2e (bound 1e-6)\n",
             g_passed, g_failed, g_decode_max_out, g_decode_max_lse);
+    }
+    if (runs("arena")) {
+        test_device_arena(quick);
+        printf("device arena: %d passed, %d failed so far\n", g_passed, g_failed);
     }
     if (runs("payload")) {
         test_payload(quick);

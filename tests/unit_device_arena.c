@@ -1,0 +1,158 @@
+/* unit_device_arena: a cache whose arena is device memory queues jobs instead of writing row
+   bytes; run by the CPU reference executor (kvmix_ref_cache_run) they give the bytes of a host
+   arena, over random workloads of several policies (device_arena_scenario.h; test_cuda runs the
+   same workloads on the GPU). Also: the calls that pass rows through the host refuse a device
+   arena, a full job queue fails cleanly, a dropped job is noticed. */
+#include "device_arena_scenario.h"
+#include "harness.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct ref_executor {
+    uint8_t *arena;
+    int drop_one; /* a mutant: skip the last job of the first batch once */
+} ref_executor;
+
+static int ref_run(void *ctx, const kvmix_cache_batch *batches, int32_t n_batches,
+                   const kvmix_quantize_job *jobs, int32_t n_jobs, const uint16_t *key_rows,
+                   const uint16_t *value_rows, int64_t n_rows, int32_t *bad_jobs) {
+    ref_executor *ex = (ref_executor *)ctx;
+    kvmix_cache_batch first = batches[0];
+    (void)n_jobs;
+    (void)n_rows;
+    if (ex->drop_one && first.n_jobs > 1) {
+        kvmix_cache_batch *copy = (kvmix_cache_batch *)test_alloc((size_t)n_batches * sizeof *copy);
+        kvmix_result r;
+        memcpy(copy, batches, (size_t)n_batches * sizeof *copy);
+        copy[0].n_jobs--;
+        ex->drop_one = 0;
+        r = kvmix_ref_cache_run(copy, n_batches, jobs, key_rows, value_rows, ex->arena, bad_jobs);
+        free(copy);
+        return r == KVMIX_SUCCESS;
+    }
+    return kvmix_ref_cache_run(batches, n_batches, jobs, key_rows, value_rows, ex->arena,
+                               bad_jobs) == KVMIX_SUCCESS;
+}
+
+static int ref_fetch(void *ctx, uint8_t *host, size_t bytes) {
+    memcpy(host, ((ref_executor *)ctx)->arena, bytes);
+    return 1;
+}
+
+/* The descs of the scenario: per-token formats with a window, Kitty's layout, sinks and a
+   partial page quantized at finish, FP16, grouped values. */
+static kvmix_cache_desc scenario_desc(int which) {
+    kvmix_cache_desc d;
+    memset(&d, 0, sizeof d);
+    d.n_layers = 2;
+    d.n_kv_heads = 2;
+    d.head_dim = 64;
+    d.page_tokens = 16;
+    d.max_seqs = 5;
+    d.max_tokens_per_seq = 160;
+    d.arena_bytes = (size_t)1 << 21;
+    d.max_jobs = 400;
+    switch (which) {
+    case 0: d.n_window = 16; break;
+    case 1:
+        d.n_sink = 4;
+        d.n_window = 32;
+        d.window_values_only = 1;
+        d.n_boost = 8;
+        break;
+    case 2:
+        d.n_sink = 8;
+        d.partial = KVMIX_CACHE_PARTIAL_QUANTIZE;
+        d.group_size = 16;
+        d.value_group_size = 64;
+        break;
+    default:
+        d.default_precision.key_format = KVMIX_FORMAT_FP16;
+        d.default_precision.value_format = KVMIX_FORMAT_FP16;
+        break;
+    }
+    return d;
+}
+
+static void test_scenarios(void) {
+    int which, seed;
+    for (which = 0; which < 4; which++)
+        for (seed = 0; seed < 6; seed++) {
+            kvmix_cache_desc d = scenario_desc(which);
+            ref_executor ex = {(uint8_t *)test_alloc(d.arena_bytes), 0};
+            da_executor e = {&ex, ex.arena, ref_run, ref_fetch};
+            char why[160];
+            int64_t jobs = 0;
+            memset(ex.arena, 0, d.arena_bytes);
+            test_context("desc %d seed %d", which, seed);
+            CHECK_MSG(da_scenario(&d, test_seed() + (uint64_t)(seed + 100 * which), 400, &e, why,
+                                  sizeof why,
+                                  &jobs) == 0,
+                      "%s", why);
+            CHECK(jobs > 100); /* the workload did queue work */
+            free(ex.arena);
+        }
+    test_context(NULL);
+}
+
+/* A job left out is a difference the scenario reports. */
+static void test_dropped_job_noticed(void) {
+    kvmix_cache_desc d = scenario_desc(0);
+    ref_executor ex = {(uint8_t *)test_alloc(d.arena_bytes), 1};
+    da_executor e = {&ex, ex.arena, ref_run, ref_fetch};
+    char why[160];
+    memset(ex.arena, 0, d.arena_bytes);
+    CHECK(da_scenario(&d, 7, 400, &e, why, sizeof why, NULL) > 0);
+    free(ex.arena);
+}
+
+/* Host-row calls refuse a device arena; a full queue fails without changing the cache. */
+static void test_device_arena_rules(void) {
+    kvmix_cache_desc d = scenario_desc(0);
+    kvmix_cache cache;
+    size_t bytes = 0;
+    void *memory;
+    uint8_t *arena = (uint8_t *)test_alloc(d.arena_bytes);
+    float rows[2 * 64] = {0};
+    kvmix_quantize_job jobs[64];
+    kvmix_cache_batch batches[64];
+    int32_t seq, n_jobs, n_batches;
+    d.device_arena = 1;
+    d.max_jobs = 12;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_memory_bytes(&d, &bytes), KVMIX_SUCCESS);
+    memory = test_alloc(bytes);
+    CHECK_RESULT(kvmix_cache_init(&cache, &d, memory, bytes, arena), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_append(&cache, seq, rows, rows, d.default_precision),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, seq, 3, NULL, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_write(&cache, seq, 0, 0, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write_rows(&cache, seq, 0, 0, 1, -1), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_write_rows(&cache, seq, 1, 1, 1, 0), KVMIX_ERR_INVALID_ARGUMENT);
+    /* 2 kv heads x (keys, values) = 4 jobs a write of one page run: 12 fit, the 4th write not */
+    CHECK_RESULT(kvmix_cache_write_rows(&cache, seq, 0, 0, 1, 0), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_write_rows(&cache, seq, 0, 1, 1, 1), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_write_rows(&cache, seq, 0, 2, 1, 2), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_write_rows(&cache, seq, 1, 0, 3, 0), KVMIX_ERR_OUT_OF_MEMORY);
+    CHECK_EQ_INT(cache.written[(size_t)seq * 2 + 1], 0);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq, 0, 0, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_jobs_take(&cache, jobs, 11, batches, 64, &n_jobs, &n_batches),
+                 KVMIX_ERR_BUFFER_TOO_SMALL);
+    CHECK_RESULT(kvmix_cache_jobs_take(&cache, jobs, 64, batches, 64, &n_jobs, &n_batches),
+                 KVMIX_SUCCESS);
+    CHECK_EQ_INT(n_jobs, 12);
+    CHECK_EQ_INT(n_batches, 2); /* keys and values: two sources */
+    CHECK_RESULT(kvmix_cache_write_rows(&cache, seq, 1, 0, 3, 0), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
+    free(memory);
+    free(arena);
+}
+
+void unit_device_arena(void) {
+    test_device_arena_rules();
+    test_dropped_job_noticed();
+    test_scenarios();
+}
