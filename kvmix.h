@@ -389,14 +389,14 @@ typedef struct kvmix_cache {
     void *sim;                  /* planning state of one call */
     void *journal;              /* allocator operations of one call's plan */
     /* device arena only (private): queued jobs, arena released when they are taken */
-    void *jobs;                 /* [desc.max_jobs] */
+    void *jobs; /* [desc.max_jobs] */
     int32_t n_jobs;
-    int32_t n_retired_runs;     /* granule runs of sealed buffers, held until the take */
-    void *retired_runs;         /* [desc.max_jobs] */
-    uint32_t *retired_pages;    /* [max_pages] released descriptors, held until the take */
+    int32_t n_retired_runs;  /* granule runs of sealed buffers, held until the take */
+    void *retired_runs;      /* [desc.max_jobs] */
+    uint32_t *retired_pages; /* [max_pages] released descriptors, held until the take */
     int32_t n_retired_pages;
-    uint32_t segment;           /* jobs of one segment run in any order; segments in order */
-    uint32_t *page_segment;     /* [max_pages][2] the segments that last wrote, read each page */
+    uint32_t segment;       /* jobs of one segment run in any order; segments in order */
+    uint32_t *page_segment; /* [max_pages][2] the segments that last wrote, read each page */
 } kvmix_cache;
 
 /* Accounting of a whole cache. Bytes per format count key blocks under the key format and value
@@ -2621,8 +2621,8 @@ static uint8_t *kvmix__page_block(const kvmix_cache *c, const kvmix_cache_page *
 static void kvmix__fence(kvmix_cache *c, uint32_t read, uint32_t write, int rewrite) {
     const uint32_t *seg = c->page_segment;
     if ((read != 0 && seg[2 * read] == c->segment) ||
-        (write != 0 && (seg[2 * write + 1] == c->segment ||
-                        (rewrite && seg[2 * write] == c->segment))))
+        (write != 0 &&
+         (seg[2 * write + 1] == c->segment || (rewrite && seg[2 * write] == c->segment))))
         c->segment++;
 }
 
@@ -3104,7 +3104,8 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
     int64_t n = kvmix__granules_of(c, g.total_bytes), start;
     if (plan->dry && plan->new_pages + 1 > c->n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
     if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
-    if (plan->dry && c->desc.device_arena) plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
+    if (plan->dry && c->desc.device_arena)
+        plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
         kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[sp->entry];
         uint32_t old = e->page, id = kvmix__page_pop(c), *slots = kvmix__seq_slots(c, seq);
@@ -3123,7 +3124,8 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
                 for (h = 0; h < c->desc.n_kv_heads; h++) {
                     size_t at = kvmix__block_offset(c, &g, layer, kv, h);
                     if (c->desc.device_arena)
-                        kvmix__queue(c, kvmix__copy_job(op->offset + at, np->offset + at, row_bytes));
+                        kvmix__queue(c,
+                                     kvmix__copy_job(op->offset + at, np->offset + at, row_bytes));
                     else
                         memcpy(c->arena + np->offset + at, c->arena + op->offset + at, row_bytes);
                 }
@@ -3281,7 +3283,8 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     g = kvmix__page_geom(c, key_format, value_format, rows, rows);
     n = kvmix__granules_of(c, g.total_bytes);
     if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
-    if (plan->dry && c->desc.device_arena) plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
+    if (plan->dry && c->desc.device_arena)
+        plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
         uint32_t id = kvmix__seq_entries(c, seq)[sp->entry].page;
         kvmix_cache_page *p = &c->pages[id];
@@ -3604,9 +3607,8 @@ KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, in
                 uint64_t src = (uint64_t)(source_row + t) * (uint64_t)n_heads * (uint64_t)d +
                                (uint64_t)h * (uint64_t)d;
                 kvmix__job j = kvmix__quantize_job(
-                    kv ? KVMIX_CACHE_SOURCE_VALUES : KVMIX_CACHE_SOURCE_KEYS, kv,
-                    KVMIX_FORMAT_FP16, p->capacity, src,
-                    p->offset + kvmix__block_offset(cache, &g, layer, kv, h),
+                    kv ? KVMIX_CACHE_SOURCE_VALUES : KVMIX_CACHE_SOURCE_KEYS, kv, KVMIX_FORMAT_FP16,
+                    p->capacity, src, p->offset + kvmix__block_offset(cache, &g, layer, kv, h),
                     (int32_t)(slots[pos] % page_tokens), k);
                 kvmix__queue(cache, j);
             }
@@ -4227,9 +4229,10 @@ KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int3
     if (n_batches > 0 && (!batches || !jobs || !arena)) return KVMIX_ERR_NULL_POINTER;
     for (b = 0; b < n_batches; b++) {
         const kvmix_cache_batch *batch = &batches[b];
-        const uint16_t *src = batch->source == KVMIX_CACHE_SOURCE_KEYS     ? key_rows
-                              : batch->source == KVMIX_CACHE_SOURCE_VALUES ? value_rows
-                                                                           : (const uint16_t *)arena;
+        const uint16_t *src = batch->source == KVMIX_CACHE_SOURCE_KEYS ? key_rows
+                              : batch->source == KVMIX_CACHE_SOURCE_VALUES
+                                  ? value_rows
+                                  : (const uint16_t *)arena;
         kvmix_layout l = batch->layout;
         if (batch->n_jobs < 0 || batch->first_job < 0) {
             KVMIX_FREE(rows);
@@ -4307,7 +4310,8 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
             if (!kvmix__granule_used(cache->bitmap, g)) return KVMIX_ERR_CORRUPT_DATA;
         used += p->n_granules;
     }
-    for (j = 0; j < cache->n_retired_runs; j++) used += ((const kvmix__run *)cache->retired_runs)[j].n;
+    for (j = 0; j < cache->n_retired_runs; j++)
+        used += ((const kvmix__run *)cache->retired_runs)[j].n;
     for (i = 0; i < cache->n_granules; i++) bits += kvmix__granule_used(cache->bitmap, i);
     for (i = 0; i < cache->first_free_hint && i < cache->n_granules; i++)
         if (!kvmix__granule_used(cache->bitmap, i)) return KVMIX_ERR_CORRUPT_DATA;

@@ -2286,8 +2286,8 @@ extern "C" kvmix_result kvmix_cuda_copy_blocks(const void *src, void *dst,
     if (n_jobs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     if (n_jobs == 0) return KVMIX_SUCCESS;
     if (!src || !dst || !jobs) return KVMIX_ERR_NULL_POINTER;
-    kvmix__copy_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(
-        (const uint8_t *)src, (uint8_t *)dst, jobs);
+    kvmix__copy_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>((const uint8_t *)src,
+                                                                           (uint8_t *)dst, jobs);
     return kvmix__launch_status();
 }
 

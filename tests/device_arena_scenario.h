@@ -57,9 +57,8 @@ static void da_fail(da_state *s, const char *what, long long a, long long b) {
 /* Takes the device cache's jobs and runs them. */
 static int da_take(da_state *s) {
     int32_t n_jobs = 0, n_batches = 0, bad = 0;
-    kvmix_result r = kvmix_cache_jobs_take(&s->device, s->jobs, s->device.desc.max_jobs,
-                                           s->batches, s->device.desc.max_jobs, &n_jobs,
-                                           &n_batches);
+    kvmix_result r = kvmix_cache_jobs_take(&s->device, s->jobs, s->device.desc.max_jobs, s->batches,
+                                           s->device.desc.max_jobs, &n_jobs, &n_batches);
     if (r != KVMIX_SUCCESS) {
         da_fail(s, "kvmix_cache_jobs_take failed", r, 0);
         return 0;
@@ -81,7 +80,7 @@ static int da_take(da_state *s) {
 #define DA_DEVICE_CALL(s, call, out_r)                                                             \
     do {                                                                                           \
         (out_r) = (call);                                                                          \
-        if ((out_r) == KVMIX_ERR_OUT_OF_MEMORY && (s)->device.n_jobs > 0 && da_take(s))          \
+        if ((out_r) == KVMIX_ERR_OUT_OF_MEMORY && (s)->device.n_jobs > 0 && da_take(s))            \
             (out_r) = (call);                                                                      \
     } while (0)
 
@@ -141,9 +140,8 @@ static void da_extend(da_state *s, int32_t seq, int32_t n) {
             if (count == 0) continue;
             row = da_rows(s, count);
             rh = kvmix_cache_write(&s->host, seq, layer, first + from, count, s->keys, s->values);
-            DA_DEVICE_CALL(s, kvmix_cache_write_rows(&s->device, seq, layer, first + from, count,
-                                                      row),
-                           rd);
+            DA_DEVICE_CALL(
+                s, kvmix_cache_write_rows(&s->device, seq, layer, first + from, count, row), rd);
             da_same(s, rh, rd, "write");
         }
     }
@@ -157,10 +155,10 @@ static size_t da_block_bytes(const kvmix_view *v, int format, int32_t rows, int 
     l.format = (kvmix_format)format;
     l.n_tokens = rows;
     l.head_dim = v->head_dim;
-    l.group_size = format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 ||
-                           format == KVMIX_FORMAT_INT2
-                       ? (is_value && v->value_group_size ? v->value_group_size : v->group_size)
-                       : 0;
+    l.group_size =
+        format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 || format == KVMIX_FORMAT_INT2
+            ? (is_value && v->value_group_size ? v->value_group_size : v->group_size)
+            : 0;
     l.n_boost = format == KVMIX_FORMAT_BOOSTED ? v->n_boost : 0;
     kvmix_layout_bytes(&l, &bytes);
     return bytes;
@@ -212,8 +210,10 @@ static void da_compare(da_state *s) {
                 for (h = 0; h < d->n_kv_heads; h++) {
                     size_t kb = da_block_bytes(&hv, a->key_format, a->n_tokens, 0);
                     size_t vb = da_block_bytes(&hv, a->value_format, a->n_tokens, 1);
-                    const uint8_t *hk = s->host.arena + a->key_offset + (size_t)h * a->key_head_bytes;
-                    const uint8_t *dk = s->device_copy + b->key_offset + (size_t)h * b->key_head_bytes;
+                    const uint8_t *hk =
+                        s->host.arena + a->key_offset + (size_t)h * a->key_head_bytes;
+                    const uint8_t *dk =
+                        s->device_copy + b->key_offset + (size_t)h * b->key_head_bytes;
                     const uint8_t *hval =
                         s->host.arena + a->value_offset + (size_t)h * a->value_head_bytes;
                     const uint8_t *dval =
@@ -234,7 +234,8 @@ static void da_compare(da_state *s) {
 /* One random operation on both caches. */
 static void da_step(da_state *s) {
     const kvmix_cache_desc *d = &s->host.desc;
-    int32_t seq = (int32_t)da_rand(s, (uint32_t)d->max_seqs), child_h, child_d, op = (int32_t)da_rand(s, 100);
+    int32_t seq = (int32_t)da_rand(s, (uint32_t)d->max_seqs), child_h, child_d,
+            op = (int32_t)da_rand(s, 100);
     kvmix_result rh, rd;
     if (!s->host.seqs[seq].in_use) {
         rh = kvmix_cache_seq_create(&s->host, &child_h);
@@ -253,7 +254,8 @@ static void da_step(da_state *s) {
         DA_DEVICE_CALL(s, kvmix_cache_seq_finish(&s->device, seq), rd);
         da_same(s, rh, rd, "finish");
     } else if (op < 75) {
-        int32_t n = s->host.seqs[seq].n_written, prefix = n ? (int32_t)da_rand(s, (uint32_t)n + 1) : 0;
+        int32_t n = s->host.seqs[seq].n_written,
+                prefix = n ? (int32_t)da_rand(s, (uint32_t)n + 1) : 0;
         rh = kvmix_cache_seq_fork(&s->host, seq, prefix, &child_h);
         rd = kvmix_cache_seq_fork(&s->device, seq, prefix, &child_d);
         da_same(s, rh, rd, "fork");
@@ -296,8 +298,8 @@ static int da_scenario(const kvmix_cache_desc *desc, uint64_t seed, int steps,
         return s.failures;
     }
     s.device_memory = malloc(memory_bytes);
-    if (!s.device_memory ||
-        kvmix_cache_init(&s.device, &dd, s.device_memory, memory_bytes, ex->arena) != KVMIX_SUCCESS) {
+    if (!s.device_memory || kvmix_cache_init(&s.device, &dd, s.device_memory, memory_bytes,
+                                             ex->arena) != KVMIX_SUCCESS) {
         da_fail(&s, "device cache init", 0, 0);
         kvmix_cache_deinit(&s.host);
         free(s.device_memory);

@@ -87,8 +87,7 @@ static void test_scenarios(void) {
             memset(ex.arena, 0, d.arena_bytes);
             test_context("desc %d seed %d", which, seed);
             CHECK_MSG(da_scenario(&d, test_seed() + (uint64_t)(seed + 100 * which), 400, &e, why,
-                                  sizeof why,
-                                  &jobs) == 0,
+                                  sizeof why, &jobs) == 0,
                       "%s", why);
             CHECK(jobs > 100); /* the workload did queue work */
             free(ex.arena);
