@@ -42,7 +42,7 @@ MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
 
-all: $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
+all: cuda-build $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
 
 $(BUILD):
@@ -139,9 +139,30 @@ $(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h $(LLAMA_S
 
 ifeq ($(strip $(NVCC)),)
 cuda-build:
-	@echo "nvcc not found: CUDA kernel pack not built (host parts are complete without it)"
+	@echo "nvcc not found: CUDA kernel pack and GPU runner not built (host parts are complete without it)"
 else
-cuda-build: $(BUILD)/kvmix_cuda.o
+cuda-build: $(BUILD)/kvmix_cuda.o $(BUILD)/kvmix-eval-cuda $(BUILD)/test_gpu_llama
+
+# the GPU runner: kvmix-eval built with gpu_llama (cuBLAS from the toolkit)
+$(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_kv.h \
+		examples/llama.h kvmix_cuda.h kvmix.h | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) -I. -Iexamples -c $< -o $@
+
+$(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(BUILD)/gpu_llama.o \
+		$(BUILD)/kvmix_cuda.o | $(BUILD)
+	$(CC) $(CFLAGS) -DKVMIX_EVAL_CUDA -I. -Iexamples -c examples/kvmix_eval.c -o $(BUILD)/eval_cuda_main.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/llama.c -o $(BUILD)/eval_cuda_llama.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/kvmix_kv.c -o $(BUILD)/eval_cuda_kv.o
+	$(NVCC) $(BUILD)/eval_cuda_main.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
+		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
+
+$(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda | $(BUILD)
+	$(CC) $(CFLAGS) -I. -Iexamples -Itests -c tests/test_gpu_llama.c -o $(BUILD)/test_gpu_llama.o
+	$(NVCC) $(BUILD)/test_gpu_llama.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
+		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
+
+test-gpu-model: $(BUILD)/test_gpu_llama
+	./$(BUILD)/test_gpu_llama $(SHARED)
 
 $(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 	$(NVCC) $(NVCCFLAGS) -c kvmix_cuda.cu -o $@
@@ -199,7 +220,7 @@ fuzz: $(patsubst %,$(BUILD)/fuzz_%,$(FUZZ_TARGETS))
 	@for t in $(FUZZ_TARGETS); do ./$(BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) || exit 1; done
 
 # ---- style ----------------------------------------------------------------------------------
-FORMAT_SRC := kvmix.h $(wildcard kvmix_cuda.h kvmix_cuda.cu examples/*.c examples/*.h tests/*.c \
+FORMAT_SRC := kvmix.h $(wildcard kvmix_cuda.h kvmix_cuda.cu examples/*.c examples/*.h examples/*.cu tests/*.c \
 	tests/*.h tests/*.cu bench/*.c bench/*.h)
 format-check:
 	clang-format --dry-run --Werror $(FORMAT_SRC)

@@ -2,6 +2,7 @@
  *
  *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]
  *              [--limit N] [--policy P] [--threads N] [--capture DIR]
+ *              [--device cpu|cuda] [--batch N]
  *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
@@ -30,13 +31,25 @@
  * more digits), one file per text with at least one scored position; DIR must exist and nothing
  * else is written there. Captured keys and values are what the policy's cache received (its
  * quantization affects later layers); --policy fp32 captures the full-precision model.
+ *
+ * --device cuda (kvmix-eval-cuda, the same program built with the GPU runner, gpu_llama.h; its
+ * default) runs the texts on the GPU, up to --batch N (default 256) of them at once in
+ * lockstep, one token each per step, sequences joining as others finish; the fp32 reference
+ * runs the same way first. The policy's cache is a kvmix cache with a device arena, attention is
+ * kvmix_cuda_decode. The JSON is the same, with "device" naming the GPU; --capture is CPU only.
+ * Progress (texts done, tokens per second, time left) goes to stderr when it is a terminal.
  */
 #define _POSIX_C_SOURCE 200809L /* opendir */
 #include "kvmix_kv.h"
 #include "llama.h"
 
+#ifdef KVMIX_EVAL_CUDA
+#include "gpu_llama.h"
+#endif
+
 #include <cjson/cJSON.h>
 #include <dirent.h>
+#include <unistd.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -56,6 +69,8 @@ typedef struct options {
     const char *capture_dir; /* NULL: no capture */
     bool list_policies;
     const char *read_capture_path; /* NULL: evaluate */
+    bool cuda;                     /* --device cuda */
+    int64_t batch;                 /* texts at once on the GPU */
 } options;
 
 static void usage(FILE *f) {
@@ -63,6 +78,7 @@ static void usage(FILE *f) {
         f,
         "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]\n"
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
+        "                  [--device cpu|cuda] [--batch N]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -93,7 +109,12 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
 }
 
 static bool parse_options(int argc, char **argv, options *o) {
-    *o = (options){NULL, NULL, NULL, 0, 0, "fp32", 2, NULL, false, NULL};
+#ifdef KVMIX_EVAL_CUDA
+    const bool cuda_default = true;
+#else
+    const bool cuda_default = false;
+#endif
+    *o = (options){NULL, NULL, NULL, 0, 0, "fp32", 2, NULL, false, NULL, cuda_default, 256};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -113,6 +134,11 @@ static bool parse_options(int argc, char **argv, options *o) {
             o->offset = n;
         } else if (strcmp(a, "--threads") == 0 && parse_count(value, 1, &n) && n <= 256) {
             o->n_threads = (int32_t)n;
+        } else if (strcmp(a, "--batch") == 0 && parse_count(value, 1, &n) && n <= 4096) {
+            o->batch = n;
+        } else if (strcmp(a, "--device") == 0 &&
+                   (strcmp(value, "cpu") == 0 || strcmp(value, "cuda") == 0)) {
+            o->cuda = strcmp(value, "cuda") == 0;
         } else {
             fprintf(stderr, "kvmix-eval: bad option %s %s\n", a, value);
             return false;
@@ -121,6 +147,16 @@ static bool parse_options(int argc, char **argv, options *o) {
     if (o->list_policies || o->read_capture_path != NULL) return true;
     if (o->model_path == NULL || o->data_path == NULL) {
         fprintf(stderr, "kvmix-eval: --model and --data are required\n");
+        return false;
+    }
+#ifndef KVMIX_EVAL_CUDA
+    if (o->cuda) {
+        fprintf(stderr, "kvmix-eval: built without CUDA; --device cuda is kvmix-eval-cuda's\n");
+        return false;
+    }
+#endif
+    if (o->cuda && o->capture_dir != NULL) {
+        fprintf(stderr, "kvmix-eval: --capture runs on the CPU only\n");
         return false;
     }
     if (o->kind != NULL && strcmp(o->kind, "trace") != 0 && strcmp(o->kind, "code") != 0) {
@@ -319,7 +355,39 @@ static llama_result capture_text(eval *e, int64_t index, int64_t n, totals *t) {
     return r;
 }
 
+static double now_seconds(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* A one-line progress report on stderr, when it is a terminal, at most twice a second. */
+typedef struct progress {
+    bool on;
+    int64_t total;
+    double start, last;
+} progress;
+
+static void progress_init(progress *p, int64_t total) {
+    p->on = isatty(STDERR_FILENO) != 0;
+    p->total = total;
+    p->start = p->last = now_seconds();
+}
+
+static void progress_show(progress *p, int64_t done, int64_t tokens) {
+    double t = now_seconds(), spent = t - p->start;
+    if (!p->on || (done < p->total && t - p->last < 0.5)) return;
+    p->last = t;
+    fprintf(stderr, "\r%lld/%lld texts, %.0f tokens/s", (long long)done, (long long)p->total,
+            spent > 0 ? (double)tokens / spent : 0.0);
+    if (done > 0 && done < p->total)
+        fprintf(stderr, ", %.0f s left   ", spent * (double)(p->total - done) / (double)done);
+    if (done == p->total) fprintf(stderr, "%20s\n", "");
+}
+
 static llama_result run_texts(eval *e, const texts *list, totals *t) {
+    progress prog;
+    progress_init(&prog, list->n);
     for (int64_t i = 0; i < list->n; i++) {
         int64_t n = encode_text(e, list->items[i]);
         if (n < 0) {
@@ -330,9 +398,187 @@ static llama_result run_texts(eval *e, const texts *list, totals *t) {
         llama_result r =
             e->opt->capture_dir != NULL ? capture_text(e, i, n, t) : score_text(e, &e->cache, n, t);
         if (r != LLAMA_OK) return r;
+        progress_show(&prog, i + 1, t->score.n_scored);
     }
+    progress_show(&prog, list->n, t->score.n_scored);
     return LLAMA_OK;
 }
+
+#ifdef KVMIX_EVAL_CUDA
+/* One text on the GPU: its tokens, answer mask, the reference's top-1 and what it scored. */
+typedef struct gpu_text {
+    int32_t *ids;
+    uint8_t *mask;
+    int32_t *ref_argmax;
+    int64_t n;
+    llama_score score;
+    llama_kv_stats stats;
+} gpu_text;
+
+/* The sequences of a pass that are running: text, sequence, position. */
+typedef struct gpu_batch {
+    int32_t n, *text, *seq, *pos, *tokens;
+    float *logits;
+} gpu_batch;
+
+/* Scores the position every running text is at (the reference pass records its top-1). */
+static void gpu_score_step(const eval *e, gpu_text *texts, const gpu_batch *b, bool reference) {
+    int32_t vocab = e->model->config.vocab;
+    for (int32_t i = 0; i < b->n; i++) {
+        gpu_text *t = &texts[b->text[i]];
+        const float *row = b->logits + (size_t)i * (size_t)vocab;
+        int32_t p = b->pos[i], next = t->ids[p + 1], top = llama_argmax(row, vocab);
+        if (reference || !e->separate_reference) t->ref_argmax[p] = top;
+        if (reference) continue;
+        t->score.bits += llama_bits_of(row, vocab, next);
+        t->score.n_scored++;
+        if (t->mask[p + 1]) {
+            t->score.n_answer++;
+            t->score.n_answer_correct += top == next;
+            t->score.n_answer_agree += top == t->ref_argmax[p];
+        }
+    }
+}
+
+/* Runs every text through g, up to b's capacity at once, sequences joining as others end. */
+static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_texts,
+                             int32_t capacity, gpu_batch *b, bool reference) {
+    const llama_tokenizer *tok = &e->model->tokenizer;
+    int64_t next = 0, done = 0, scored = 0;
+    progress prog;
+    llama_result r = LLAMA_OK;
+    progress_init(&prog, n_texts);
+    b->n = 0;
+    while (r == LLAMA_OK) {
+        for (; b->n < capacity && next < n_texts; next++) {
+            if (texts[next].n < 2) { /* an empty text has nothing to predict */
+                done++;
+                continue;
+            }
+            if ((r = gpu_llama_seq_start(g, &b->seq[b->n], e->err, sizeof e->err)) != LLAMA_OK)
+                return r;
+            b->text[b->n] = (int32_t)next;
+            b->pos[b->n++] = 0;
+        }
+        if (b->n == 0) break;
+        for (int32_t i = 0; i < b->n && r == LLAMA_OK; i++) {
+            const gpu_text *t = &texts[b->text[i]];
+            if (llama_is_message_start(tok, t->ids, t->n, b->pos[i], "user"))
+                r = gpu_llama_begin_request(g, b->seq[i], e->err, sizeof e->err);
+            b->tokens[i] = t->ids[b->pos[i]];
+        }
+        if (r == LLAMA_OK)
+            r = gpu_llama_step(g, b->seq, b->tokens, b->n, b->logits, e->err, sizeof e->err);
+        if (r != LLAMA_OK) break;
+        gpu_score_step(e, texts, b, reference);
+        scored += b->n;
+        for (int32_t i = 0; i < b->n;) {
+            gpu_text *t = &texts[b->text[i]];
+            if (++b->pos[i] + 1 < t->n) {
+                i++;
+                continue;
+            }
+            gpu_llama_seq_stats(g, b->seq[i], &t->stats);
+            gpu_llama_seq_end(g, b->seq[i]);
+            done++;
+            b->n--;
+            b->text[i] = b->text[b->n], b->seq[i] = b->seq[b->n], b->pos[i] = b->pos[b->n];
+        }
+        progress_show(&prog, done, scored);
+    }
+    return r;
+}
+
+static void gpu_texts_free(gpu_text *texts, int64_t n) {
+    for (int64_t i = 0; texts != NULL && i < n; i++) {
+        free(texts[i].ids);
+        free(texts[i].mask);
+        free(texts[i].ref_argmax);
+    }
+    free(texts);
+}
+
+/* Tokens, masks and buffers of every text. */
+static gpu_text *gpu_texts_make(eval *e, const texts *list) {
+    gpu_text *texts = calloc((size_t)(list->n > 0 ? list->n : 1), sizeof *texts);
+    for (int64_t i = 0; texts != NULL && i < list->n; i++) {
+        gpu_text *t = &texts[i];
+        t->n = encode_text(e, list->items[i]);
+        t->ids = malloc((size_t)(t->n > 0 ? t->n : 1) * sizeof *t->ids);
+        t->mask = malloc((size_t)(t->n > 0 ? t->n : 1));
+        t->ref_argmax = malloc((size_t)(t->n > 0 ? t->n : 1) * sizeof *t->ref_argmax);
+        if (t->n < 0 || !t->ids || !t->mask || !t->ref_argmax) {
+            gpu_texts_free(texts, list->n);
+            return NULL;
+        }
+        memcpy(t->ids, e->ids, (size_t)t->n * sizeof *t->ids);
+        llama_mark_answer_tokens(&e->model->tokenizer, t->ids, t->n, t->mask);
+    }
+    return texts;
+}
+
+/* A pass of `policy` on a fresh gpu_llama. */
+static llama_result gpu_run_policy(eval *e, const kvmix_policy *policy, gpu_text *texts,
+                                   int64_t n_texts, int32_t capacity, gpu_batch *b, bool reference,
+                                   char *device, size_t device_bytes) {
+    gpu_llama *g = NULL;
+    llama_result r = gpu_llama_create(e->model, policy, capacity, e->model->config.context + 1, &g,
+                                      e->err, sizeof e->err);
+    if (r == LLAMA_OK) {
+        snprintf(device, device_bytes, "%s", gpu_llama_device_name(g));
+        r = gpu_pass(e, g, texts, n_texts, capacity, b, reference);
+    }
+    gpu_llama_free(g);
+    return r;
+}
+
+/* The texts on the GPU: the fp32 reference pass (unless the policy is fp32), then the policy's;
+ * totals folded in text order, as run_texts does. */
+static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *device,
+                                  size_t device_bytes) {
+    int32_t capacity = (int32_t)(list->n < e->opt->batch ? list->n : e->opt->batch);
+    int32_t vocab = e->model->config.vocab;
+    if (capacity < 1) return LLAMA_OK;
+    gpu_text *texts = gpu_texts_make(e, list);
+    gpu_batch b = {0};
+    b.text = malloc((size_t)capacity * sizeof *b.text);
+    b.seq = malloc((size_t)capacity * sizeof *b.seq);
+    b.pos = malloc((size_t)capacity * sizeof *b.pos);
+    b.tokens = malloc((size_t)capacity * sizeof *b.tokens);
+    b.logits = malloc((size_t)capacity * (size_t)vocab * sizeof *b.logits);
+    llama_result r = LLAMA_OK;
+    if (!texts || !b.text || !b.seq || !b.pos || !b.tokens || !b.logits) {
+        snprintf(e->err, sizeof e->err, "cannot allocate the texts' buffers");
+        r = LLAMA_ERR_MEMORY;
+    }
+    if (r == LLAMA_OK && e->separate_reference)
+        r = gpu_run_policy(e, kvmix_kv_policy_builtin("fp32"), texts, list->n, capacity, &b, true,
+                           device, device_bytes);
+    if (r == LLAMA_OK)
+        r = gpu_run_policy(e, &e->policy, texts, list->n, capacity, &b, false, device,
+                           device_bytes);
+    for (int64_t i = 0; r == LLAMA_OK && i < list->n; i++) {
+        const gpu_text *x = &texts[i];
+        if (x->n < 2) continue;
+        t->score.bits += x->score.bits;
+        t->score.n_scored += x->score.n_scored;
+        t->score.n_answer += x->score.n_answer;
+        t->score.n_answer_correct += x->score.n_answer_correct;
+        t->score.n_answer_agree += x->score.n_answer_agree;
+        if (x->stats.bytes > t->kv_bytes_max) t->kv_bytes_max = x->stats.bytes;
+        t->avg_bits_sum += x->stats.avg_bits * (double)x->stats.n_tokens;
+        t->held_tokens += x->stats.n_tokens;
+        t->n_texts++;
+    }
+    gpu_texts_free(texts, list->n);
+    free(b.text);
+    free(b.seq);
+    free(b.pos);
+    free(b.tokens);
+    free(b.logits);
+    return r;
+}
+#endif
 
 static double ratio_or_nan(int64_t num, int64_t den) {
     return den > 0 ? (double)num / (double)den : NAN;
@@ -346,8 +592,9 @@ static void add_number_or_null(cJSON *obj, const char *key, double value) {
 }
 
 static bool print_report(const options *o, const llama_model *m, const kvmix_policy *p,
-                         const totals *t, double seconds) {
+                         const totals *t, double seconds, const char *device) {
     cJSON *obj = cJSON_CreateObject();
+    cJSON_AddStringToObject(obj, "device", device);
     cJSON_AddStringToObject(obj, "model", o->model_path);
     cJSON_AddStringToObject(obj, "model_name", m->config.name);
     cJSON_AddStringToObject(obj, "data", o->data_path);
@@ -440,12 +687,6 @@ static bool list_policies(void) {
     return true;
 }
 
-static double now_seconds(void) {
-    struct timespec ts;
-    timespec_get(&ts, TIME_UTC);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static llama_result eval_init(eval *e, const options *o, const kvmix_policy *p,
                               const llama_model *m) {
     int64_t capacity = (int64_t)m->config.context + 1;
@@ -459,9 +700,10 @@ static llama_result eval_init(eval *e, const options *o, const kvmix_policy *p,
         snprintf(e->err, sizeof e->err, "cannot allocate token buffers");
         return LLAMA_ERR_MEMORY;
     }
-    llama_result r = llama_runner_init(&e->runner, m, o->n_threads, e->err, sizeof e->err);
-    if (r == LLAMA_OK)
-        r = kvmix_kv_policy_resolve(p, m->config.head_dim, &e->policy, e->err, sizeof e->err);
+    llama_result r =
+        kvmix_kv_policy_resolve(p, m->config.head_dim, &e->policy, e->err, sizeof e->err);
+    if (r != LLAMA_OK || o->cuda) return r; /* the GPU runner builds its own caches */
+    r = llama_runner_init(&e->runner, m, o->n_threads, e->err, sizeof e->err);
     if (r == LLAMA_OK)
         r = kvmix_kv_create(&e->policy, &m->config, capacity, &e->cache, e->err, sizeof e->err);
     if (r == LLAMA_OK && e->separate_reference &&
@@ -498,8 +740,12 @@ static int run(const options *o) {
     }
     if (!load_texts(o, &list, e.err)) r = LLAMA_ERR_FORMAT;
     if (r == LLAMA_OK) r = eval_init(&e, o, &p, &model);
-    if (r == LLAMA_OK) r = run_texts(&e, &list, &t);
-    if (r == LLAMA_OK && !print_report(o, &model, &e.policy, &t, now_seconds() - start))
+    char device[256] = "cpu";
+#ifdef KVMIX_EVAL_CUDA
+    if (r == LLAMA_OK && o->cuda) r = run_texts_gpu(&e, &list, &t, device, sizeof device);
+#endif
+    if (r == LLAMA_OK && !o->cuda) r = run_texts(&e, &list, &t);
+    if (r == LLAMA_OK && !print_report(o, &model, &e.policy, &t, now_seconds() - start, device))
         r = LLAMA_ERR_MEMORY;
     if (r != LLAMA_OK) fprintf(stderr, "kvmix-eval: %s\n", e.err);
     eval_free(&e);

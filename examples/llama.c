@@ -539,6 +539,15 @@ static llama_result load_vector(const loader *ld, const char *name, int64_t n, f
     return load_tensor(ld, name, n, 0, *dst);
 }
 
+void llama_matrix_rows(const llama_matrix *m, float *out) {
+    for (int32_t r = 0; r < m->n_out; r++) {
+        size_t p = (size_t)(r / LLAMA_PANEL_ROWS), j = (size_t)(r % LLAMA_PANEL_ROWS);
+        for (int32_t i = 0; i < m->n_in; i++)
+            out[(size_t)r * (size_t)m->n_in + (size_t)i] =
+                m->panels[(p * (size_t)m->n_in + (size_t)i) * LLAMA_PANEL_ROWS + j];
+    }
+}
+
 /* Packs row-major rows into panels: row r = p*LLAMA_PANEL_ROWS + j, column i lives at
  * panels[(p*n_in + i)*LLAMA_PANEL_ROWS + j]; rows past n_out are zero. */
 static llama_result pack_matrix(const float *rows, int32_t n_out, int32_t n_in, llama_matrix *m) {

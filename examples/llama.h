@@ -201,6 +201,9 @@ typedef struct llama_model {
 llama_result llama_model_load(const char *path, llama_model *model, char *err, size_t err_bytes);
 void llama_model_free(llama_model *model);
 
+/* The matrix row-major, out [n_out][n_in] (for runners that keep their own copy, a GPU's). */
+void llama_matrix_rows(const llama_matrix *m, float *out);
+
 typedef struct llama_pool llama_pool;
 
 /* Scratch buffers and worker threads for one forward pass at a time. */

@@ -1,0 +1,741 @@
+/* gpu_llama.cu - the reference Llama models on a GPU over a device-arena kvmix cache
+ * (gpu_llama.h). The numerics follow llama.c: fp32 weights and activations, RMSNorm with its sum
+ * of squares in double, RoPE angles in double; keys and values reach the cache as FP16, as
+ * kvmix_cache_write rounds them on the CPU, and the decode kernel reads FP16 queries. */
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "gpu_llama.h"
+#include "kvmix_cuda.h"
+#include "kvmix_kv.h"
+}
+
+namespace {
+
+enum { MAX_SPLITS = 64, THREADS = 256 };
+
+struct layer_weights {
+    float *attn_norm, *ffn_norm, *qkv, *out, *gate_up, *down;
+};
+
+/* Host staging of one take or one view, pinned so that its uploads run in stream order. */
+struct staging {
+    kvmix_quantize_job *jobs; /* pinned [max_jobs] */
+    kvmix_quantize_job *d_jobs;
+    kvmix_view_span *spans; /* pinned [max_spans] */
+    kvmix_view_span *d_spans;
+    int32_t *first; /* pinned [max_seqs + 1] */
+    int32_t *d_first;
+    uint8_t *dead; /* pinned [max_dead] */
+    uint8_t *d_dead;
+};
+
+} // namespace
+
+struct gpu_llama {
+    llama_config c;
+    char device_name[256];
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    float *embed, *final_norm, *head;
+    layer_weights *layers; /* host array of device pointers */
+    double *inv_freq;
+    int32_t max_seqs, max_tokens;
+    bool fp32;
+    kvmix_policy policy;
+    int32_t *next_pos; /* host [max_seqs] */
+    uint8_t *in_use;   /* host [max_seqs] */
+    /* the fp32 reference: [max_seqs][n_layers][n_kv_heads][max_tokens][head_dim] */
+    float *ref_k, *ref_v;
+    /* the kvmix cache */
+    kvmix_cache cache;
+    void *cache_memory;
+    uint8_t *arena;
+    int32_t *kv_seq; /* [max_seqs] kvmix sequence of each sequence */
+    int32_t *step_kv_seqs;
+    kvmix_cache_batch *batches; /* [max_jobs] */
+    staging *stages;            /* [n_layers + 1]: one per layer, the last for flushes */
+    int32_t max_spans, max_dead;
+    int32_t *d_flags;
+    uint16_t *k16, *v16, *q16, *o16;
+    void *work;
+    size_t work_bytes;
+    int32_t n_sms;
+    /* activations [max_seqs][...] */
+    float *x, *xn, *qkv, *att, *ffn, *logits, *h_logits;
+    int32_t *h_step, *d_step; /* [3 max_seqs]: a step's tokens, positions, sequences */
+};
+
+namespace {
+
+/* ---- kernels ------------------------------------------------------------------------------ */
+
+__global__ void embed_kernel(const float *embed, const int32_t *tokens, int32_t hidden, float *x) {
+    const float *row = embed + (size_t)tokens[blockIdx.x] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        x[(size_t)blockIdx.x * hidden + i] = row[i];
+}
+
+/* One block per row: out = x / sqrt(mean(x^2) + eps) * weight, the sum of squares in double. */
+__global__ void rms_norm_kernel(const float *x, const float *weight, int32_t n, float eps,
+                                float *out) {
+    __shared__ double partial[THREADS];
+    const float *row = x + (size_t)blockIdx.x * n;
+    double sum = 0.0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sum += (double)row[i] * row[i];
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if ((int)threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+        __syncthreads();
+    }
+    float scale = (float)(1.0 / sqrt(partial[0] / n + eps));
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+        out[(size_t)blockIdx.x * n + i] = row[i] * scale * weight[i];
+}
+
+/* Rotate-half RoPE of the query and key heads of each row of qkv at the row's position. */
+__global__ void rope_kernel(float *qkv, const int32_t *pos, const double *inv_freq,
+                            int32_t row_floats, int32_t head_dim) {
+    int half = head_dim / 2, i = threadIdx.x;
+    float *x = qkv + (size_t)blockIdx.x * row_floats + (size_t)blockIdx.y * head_dim;
+    if (i >= half) return;
+    double angle = (double)pos[blockIdx.x] * inv_freq[i];
+    float c = (float)cos(angle), s = (float)sin(angle), a = x[i], b = x[i + half];
+    x[i] = a * c - b * s;
+    x[i + half] = b * c + a * s;
+}
+
+/* Keys, values and queries of each row as FP16 rows: k16, v16 [n][n_kv][D], q16 [n][n_q][D]. */
+__global__ void to_half_kernel(const float *qkv, int32_t n_q, int32_t n_kv, int32_t head_dim,
+                               __half *q16, __half *k16, __half *v16) {
+    int32_t row_floats = (n_q + 2 * n_kv) * head_dim, q_floats = n_q * head_dim;
+    int32_t kv_floats = n_kv * head_dim;
+    const float *row = qkv + (size_t)blockIdx.x * row_floats;
+    for (int i = threadIdx.x; i < row_floats; i += blockDim.x) {
+        __half h = __float2half_rn(row[i]);
+        if (i < q_floats)
+            q16[(size_t)blockIdx.x * q_floats + i] = h;
+        else if (i < q_floats + kv_floats)
+            k16[(size_t)blockIdx.x * kv_floats + i - q_floats] = h;
+        else
+            v16[(size_t)blockIdx.x * kv_floats + i - q_floats - kv_floats] = h;
+    }
+}
+
+__global__ void from_half_kernel(const __half *in, size_t n, float *out) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        out[i] = __half2float(in[i]);
+}
+
+__global__ void swiglu_kernel(float *gate_up, int32_t ffn) {
+    float *row = gate_up + (size_t)blockIdx.x * 2 * ffn;
+    for (int i = threadIdx.x; i < ffn; i += blockDim.x) {
+        float g = row[i];
+        row[i] = g / (1.0f + expf(-g)) * row[ffn + i];
+    }
+}
+
+struct ref_params {
+    float *k, *v;        /* the fp32 reference cache */
+    const float *qkv;    /* [n][row_floats] */
+    const int32_t *seqs; /* [n] */
+    const int32_t *pos;  /* [n] */
+    float *att;          /* [n][n_q][D] */
+    int32_t layer, n_layers, n_q, n_kv, head_dim, max_tokens;
+    float scale;
+};
+
+__device__ size_t ref_offset(const ref_params &p, int32_t seq, int32_t h, int32_t t) {
+    return ((((size_t)seq * p.n_layers + p.layer) * p.n_kv + h) * p.max_tokens + t) * p.head_dim;
+}
+
+/* Stores each row's keys and values at its position of the fp32 reference cache. */
+__global__ void ref_store_kernel(ref_params p) {
+    int32_t i = blockIdx.x, h = blockIdx.y;
+    const float *row = p.qkv + (size_t)i * (p.n_q + 2 * p.n_kv) * p.head_dim;
+    const float *k = row + (size_t)(p.n_q + h) * p.head_dim;
+    const float *v = row + (size_t)(p.n_q + p.n_kv + h) * p.head_dim;
+    size_t at = ref_offset(p, p.seqs[i], h, p.pos[i]);
+    for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+        p.k[at + d] = k[d];
+        p.v[at + d] = v[d];
+    }
+}
+
+/* fp32 attention of one query head over positions 0 .. pos (llama_attend_rows' order of work:
+ * scores, max, exp, a double sum, weighted values). Dynamic shared memory: max_tokens floats. */
+__global__ void ref_attend_kernel(ref_params p) {
+    extern __shared__ float scores[];
+    __shared__ double partial[THREADS];
+    __shared__ float top[THREADS];
+    int32_t i = blockIdx.x, hq = blockIdx.y, h = hq / (p.n_q / p.n_kv), n = p.pos[i] + 1;
+    const float *q =
+        p.qkv + (size_t)i * (p.n_q + 2 * p.n_kv) * p.head_dim + (size_t)hq * p.head_dim;
+    size_t base = ref_offset(p, p.seqs[i], h, 0);
+    float best = -INFINITY;
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        const float *k = p.k + base + (size_t)t * p.head_dim;
+        float acc = 0.0f;
+        for (int d = 0; d < p.head_dim; d++) acc += q[d] * k[d];
+        scores[t] = p.scale * acc;
+        best = fmaxf(best, scores[t]);
+    }
+    top[threadIdx.x] = best;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if ((int)threadIdx.x < stride)
+            top[threadIdx.x] = fmaxf(top[threadIdx.x], top[threadIdx.x + stride]);
+        __syncthreads();
+    }
+    best = top[0];
+    double sum = 0.0;
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        scores[t] = expf(scores[t] - best);
+        sum += scores[t];
+    }
+    partial[threadIdx.x] = sum;
+    __syncthreads();
+    for (int stride = blockDim.x / 2; stride > 0; stride /= 2) {
+        if ((int)threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+        __syncthreads();
+    }
+    float inv_sum = (float)(1.0 / partial[0]);
+    for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int t = 0; t < n; t++) acc += scores[t] * p.v[base + (size_t)t * p.head_dim + d];
+        p.att[((size_t)i * p.n_q + hq) * p.head_dim + d] = acc * inv_sum;
+    }
+}
+
+/* ---- host helpers ------------------------------------------------------------------------- */
+
+llama_result cuda_fail(char *err, size_t err_bytes, cudaError_t e, const char *what) {
+    return llama_fail(err, err_bytes,
+                      e == cudaErrorMemoryAllocation ? LLAMA_ERR_MEMORY : LLAMA_ERR_UNSUPPORTED,
+                      "%s: %s", what, cudaGetErrorString(e));
+}
+
+#define TRY_CUDA(call, what)                                                                       \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) return cuda_fail(err, err_bytes, e_, what);                         \
+    } while (0)
+
+#define TRY_KVMIX(call, what)                                                                      \
+    do {                                                                                           \
+        kvmix_result r_ = (call);                                                                  \
+        if (r_ != KVMIX_SUCCESS)                                                                   \
+            return llama_fail(err, err_bytes,                                                      \
+                              r_ == KVMIX_ERR_OUT_OF_MEMORY ? LLAMA_ERR_CAPACITY                   \
+                                                            : LLAMA_ERR_UNSUPPORTED,               \
+                              "%s: %s", what, kvmix_result_string(r_));                            \
+    } while (0)
+
+template <typename T> cudaError_t device_alloc(T **p, size_t count) {
+    return cudaMalloc((void **)p, count * sizeof(T) > 0 ? count * sizeof(T) : 1);
+}
+
+template <typename T> cudaError_t pinned_alloc(T **p, size_t count) {
+    return cudaMallocHost((void **)p, count * sizeof(T) > 0 ? count * sizeof(T) : 1);
+}
+
+llama_result upload(const float *host, size_t n, float **out, char *err, size_t err_bytes) {
+    TRY_CUDA(device_alloc(out, n), "weights");
+    TRY_CUDA(cudaMemcpy(*out, host, n * sizeof(float), cudaMemcpyHostToDevice), "weights");
+    return LLAMA_OK;
+}
+
+llama_result upload_matrix(const llama_matrix *m, float **out, char *err, size_t err_bytes) {
+    size_t n = (size_t)m->n_out * (size_t)m->n_in;
+    float *rows = (float *)malloc(n * sizeof(float));
+    if (!rows) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "weights: out of host memory");
+    llama_matrix_rows(m, rows);
+    llama_result r = upload(rows, n, out, err, err_bytes);
+    free(rows);
+    return r;
+}
+
+llama_result upload_model(gpu_llama *g, const llama_model *m, char *err, size_t err_bytes) {
+    const llama_config *c = &m->config;
+    llama_result r = upload(m->embed, (size_t)c->vocab * c->hidden, &g->embed, err, err_bytes);
+    if (r == LLAMA_OK) r = upload(m->final_norm, (size_t)c->hidden, &g->final_norm, err, err_bytes);
+    if (r == LLAMA_OK) r = upload_matrix(&m->head, &g->head, err, err_bytes);
+    g->layers = (layer_weights *)calloc((size_t)c->n_layers, sizeof *g->layers);
+    if (!g->layers) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    for (int32_t l = 0; r == LLAMA_OK && l < c->n_layers; l++) {
+        const llama_layer *src = &m->layers[l];
+        layer_weights *dst = &g->layers[l];
+        r = upload(src->attn_norm, (size_t)c->hidden, &dst->attn_norm, err, err_bytes);
+        if (r == LLAMA_OK)
+            r = upload(src->ffn_norm, (size_t)c->hidden, &dst->ffn_norm, err, err_bytes);
+        if (r == LLAMA_OK) r = upload_matrix(&src->qkv, &dst->qkv, err, err_bytes);
+        if (r == LLAMA_OK) r = upload_matrix(&src->out, &dst->out, err, err_bytes);
+        if (r == LLAMA_OK) r = upload_matrix(&src->gate_up, &dst->gate_up, err, err_bytes);
+        if (r == LLAMA_OK) r = upload_matrix(&src->down, &dst->down, err, err_bytes);
+    }
+    return r;
+}
+
+/* y[n][out] = x[n][in] . W[out][in]^T (+ y when accumulate), fp32 without tensor-core rounding;
+   rows of x are x_stride floats apart. */
+llama_result matmul(gpu_llama *g, const float *w, int32_t n_out, int32_t n_in, const float *x,
+                    int32_t x_stride, int32_t n, float *y, bool accumulate, char *err,
+                    size_t err_bytes) {
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_out, n, n_in, &one, w, n_in,
+                                   x, x_stride, accumulate ? &one : &zero, y, n_out);
+    if (s != CUBLAS_STATUS_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "cublasSgemm failed (%d)", (int)s);
+    return LLAMA_OK;
+}
+
+/* The cache's desc for the policy: room for every sequence's pages at FP16, plus the pages in
+   flight at a page boundary, as kvmix_kv.c sizes its one-sequence cache. */
+kvmix_result cache_desc(const gpu_llama *g, kvmix_cache_desc *d) {
+    memset(d, 0, sizeof *d);
+    d->n_layers = g->c.n_layers;
+    d->n_kv_heads = g->c.n_kv_heads;
+    d->head_dim = g->c.head_dim;
+    d->max_seqs = g->max_seqs;
+    d->max_tokens_per_seq = g->max_tokens;
+    kvmix_result r = kvmix_policy_apply(&g->policy, d, NULL);
+    if (r != KVMIX_SUCCESS) return r;
+    size_t page_bytes =
+        (size_t)d->n_layers * d->n_kv_heads * 2 * (size_t)d->page_tokens * (size_t)d->head_dim * 2;
+    size_t granule = 256, pages = (size_t)(g->max_tokens / d->page_tokens) + 4;
+    d->arena_bytes = (size_t)g->max_seqs * pages * ((page_bytes + granule - 1) / granule * granule);
+    d->granule_bytes = granule;
+    d->device_arena = 1;
+    int64_t jobs = 8 * (int64_t)d->n_layers * d->n_kv_heads * g->max_seqs + 64;
+    d->max_jobs = (int32_t)(jobs < (1 << 24) ? jobs : (1 << 24));
+    return KVMIX_SUCCESS;
+}
+
+llama_result create_stage(gpu_llama *g, staging *s, char *err, size_t err_bytes) {
+    size_t jobs = (size_t)g->cache.desc.max_jobs;
+    TRY_CUDA(pinned_alloc(&s->jobs, jobs), "pinned staging");
+    TRY_CUDA(device_alloc(&s->d_jobs, jobs), "job array");
+    TRY_CUDA(pinned_alloc(&s->spans, (size_t)g->max_spans), "pinned staging");
+    TRY_CUDA(device_alloc(&s->d_spans, (size_t)g->max_spans), "view spans");
+    TRY_CUDA(pinned_alloc(&s->first, (size_t)g->max_seqs + 1), "pinned staging");
+    TRY_CUDA(device_alloc(&s->d_first, (size_t)g->max_seqs + 1), "view spans");
+    TRY_CUDA(pinned_alloc(&s->dead, (size_t)g->max_dead), "pinned staging");
+    TRY_CUDA(device_alloc(&s->d_dead, (size_t)g->max_dead), "dead flags");
+    return LLAMA_OK;
+}
+
+void free_stage(staging *s) {
+    cudaFreeHost(s->jobs);
+    cudaFree(s->d_jobs);
+    cudaFreeHost(s->spans);
+    cudaFree(s->d_spans);
+    cudaFreeHost(s->first);
+    cudaFree(s->d_first);
+    cudaFreeHost(s->dead);
+    cudaFree(s->d_dead);
+}
+
+llama_result create_cache(gpu_llama *g, char *err, size_t err_bytes) {
+    kvmix_cache_desc d;
+    size_t memory_bytes = 0;
+    TRY_KVMIX(cache_desc(g, &d), "policy");
+    if (g->policy.value_group_size != 0 && g->policy.value_group_size != g->policy.group_size)
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "policy %s: the decode kernel reads values in the keys' groups only",
+                          g->policy.name);
+    TRY_KVMIX(kvmix_cache_memory_bytes(&d, &memory_bytes), "cache desc");
+    g->cache_memory = malloc(memory_bytes);
+    if (!g->cache_memory) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    TRY_CUDA(device_alloc(&g->arena, d.arena_bytes), "the cache arena");
+    TRY_KVMIX(kvmix_cache_init(&g->cache, &d, g->cache_memory, memory_bytes, g->arena), "cache");
+    g->max_spans = g->max_seqs * g->cache.desc.max_pages_per_seq;
+    g->max_dead = g->max_seqs * (g->cache.desc.max_pages_per_seq * g->cache.desc.page_tokens);
+    g->kv_seq = (int32_t *)malloc((size_t)g->max_seqs * sizeof(int32_t));
+    g->step_kv_seqs = (int32_t *)malloc((size_t)g->max_seqs * sizeof(int32_t));
+    g->batches = (kvmix_cache_batch *)malloc((size_t)d.max_jobs * sizeof(kvmix_cache_batch));
+    g->stages = (staging *)calloc((size_t)g->c.n_layers + 1, sizeof(staging));
+    if (!g->kv_seq || !g->step_kv_seqs || !g->batches || !g->stages)
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    for (int32_t l = 0; l <= g->c.n_layers; l++) {
+        llama_result r = create_stage(g, &g->stages[l], err, err_bytes);
+        if (r != LLAMA_OK) return r;
+    }
+    size_t kv_halves = (size_t)g->max_seqs * g->c.n_kv_heads * g->c.head_dim;
+    size_t q_halves = (size_t)g->max_seqs * g->c.n_heads * g->c.head_dim;
+    TRY_CUDA(device_alloc(&g->k16, kv_halves), "rows");
+    TRY_CUDA(device_alloc(&g->v16, kv_halves), "rows");
+    TRY_CUDA(device_alloc(&g->q16, q_halves), "rows");
+    TRY_CUDA(device_alloc(&g->o16, q_halves), "rows");
+    TRY_CUDA(device_alloc(&g->d_flags, 1), "flags");
+    TRY_CUDA(cudaMemset(g->d_flags, 0, sizeof(int32_t)), "flags");
+    TRY_KVMIX(kvmix_cuda_decode_workspace_bytes(g->max_seqs, g->c.n_heads, g->c.head_dim,
+                                                MAX_SPLITS, &g->work_bytes),
+              "decode workspace");
+    TRY_CUDA(cudaMalloc(&g->work, g->work_bytes), "decode workspace");
+    return LLAMA_OK;
+}
+
+llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
+    const llama_config *c = &g->c;
+    size_t n = (size_t)g->max_seqs;
+    size_t qkv = (size_t)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
+    TRY_CUDA(device_alloc(&g->x, n * c->hidden), "activations");
+    TRY_CUDA(device_alloc(&g->xn, n * c->hidden), "activations");
+    TRY_CUDA(device_alloc(&g->qkv, n * qkv), "activations");
+    TRY_CUDA(device_alloc(&g->att, n * c->n_heads * c->head_dim), "activations");
+    TRY_CUDA(device_alloc(&g->ffn, n * 2 * c->ffn), "activations");
+    TRY_CUDA(device_alloc(&g->logits, n * c->vocab), "activations");
+    TRY_CUDA(pinned_alloc(&g->h_logits, n * c->vocab), "pinned staging");
+    TRY_CUDA(device_alloc(&g->d_step, 3 * n), "tokens");
+    TRY_CUDA(pinned_alloc(&g->h_step, 3 * n), "pinned staging");
+    double *inv = (double *)malloc((size_t)c->head_dim / 2 * sizeof(double));
+    if (!inv) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    for (int32_t i = 0; i < c->head_dim / 2; i++)
+        inv[i] = pow((double)c->rope_theta, -2.0 * i / c->head_dim);
+    cudaError_t e = device_alloc(&g->inv_freq, (size_t)c->head_dim / 2);
+    if (e == cudaSuccess)
+        e = cudaMemcpy(g->inv_freq, inv, (size_t)c->head_dim / 2 * sizeof(double),
+                       cudaMemcpyHostToDevice);
+    free(inv);
+    TRY_CUDA(e, "rope table");
+    if (g->fp32) {
+        size_t floats = n * c->n_layers * c->n_kv_heads * (size_t)g->max_tokens * c->head_dim;
+        TRY_CUDA(device_alloc(&g->ref_k, floats), "the fp32 cache");
+        TRY_CUDA(device_alloc(&g->ref_v, floats), "the fp32 cache");
+    }
+    return LLAMA_OK;
+}
+
+/* Takes the cache's queued jobs into `stage` and enqueues them. */
+llama_result run_jobs(gpu_llama *g, staging *stage, char *err, size_t err_bytes) {
+    int32_t n_jobs = 0, n_batches = 0;
+    TRY_KVMIX(kvmix_cache_jobs_take(&g->cache, stage->jobs, g->cache.desc.max_jobs, g->batches,
+                                    g->cache.desc.max_jobs, &n_jobs, &n_batches),
+              "taking the cache's jobs");
+    if (n_jobs == 0) return LLAMA_OK;
+    TRY_CUDA(cudaMemcpyAsync(stage->d_jobs, stage->jobs, (size_t)n_jobs * sizeof *stage->jobs,
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading jobs");
+    TRY_KVMIX(kvmix_cuda_cache_run(g->batches, n_batches, stage->d_jobs, g->k16, g->v16, g->arena,
+                                   g->d_flags, g->stream),
+              "running the cache's jobs");
+    return LLAMA_OK;
+}
+
+/* A full job queue in the middle of a step: its jobs run now, through the spare stage. */
+llama_result flush_jobs(gpu_llama *g, char *err, size_t err_bytes) {
+    llama_result r = run_jobs(g, &g->stages[g->c.n_layers], err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    TRY_CUDA(cudaStreamSynchronize(g->stream), "flushing jobs");
+    return LLAMA_OK;
+}
+
+/* Attention of layer l through the cache: new rows written, jobs run, the layer's view of the
+   step's sequences uploaded, kvmix_cuda_decode. */
+llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t n, char *err,
+                          size_t err_bytes) {
+    const llama_config *c = &g->c;
+    staging *stage = &g->stages[l];
+    int64_t longest = 0;
+    to_half_kernel<<<n, THREADS, 0, g->stream>>>(g->qkv, c->n_heads, c->n_kv_heads, c->head_dim,
+                                                 (__half *)g->q16, (__half *)g->k16,
+                                                 (__half *)g->v16);
+    for (int32_t i = 0; i < n; i++) {
+        int32_t kv = g->kv_seq[seqs[i]], pos = g->next_pos[seqs[i]];
+        kvmix_result r = kvmix_cache_write_rows(&g->cache, kv, l, pos, 1, i);
+        if (r == KVMIX_ERR_OUT_OF_MEMORY) {
+            llama_result f = flush_jobs(g, err, err_bytes);
+            if (f != LLAMA_OK) return f;
+            r = kvmix_cache_write_rows(&g->cache, kv, l, pos, 1, i);
+        }
+        TRY_KVMIX(r, "writing rows");
+        g->step_kv_seqs[i] = kv;
+        if (pos + 1 > longest) longest = pos + 1;
+    }
+    llama_result rr = run_jobs(g, stage, err, err_bytes);
+    if (rr != LLAMA_OK) return rr;
+    kvmix_view view;
+    TRY_KVMIX(kvmix_cache_view(&g->cache, l, g->step_kv_seqs, n, stage->spans, g->max_spans,
+                               stage->first, stage->dead, g->max_dead, &view),
+              "building the view");
+    TRY_CUDA(cudaMemcpyAsync(stage->d_spans, stage->spans,
+                             (size_t)view.n_spans * sizeof *stage->spans, cudaMemcpyHostToDevice,
+                             g->stream),
+             "uploading the view");
+    TRY_CUDA(cudaMemcpyAsync(stage->d_first, stage->first, (size_t)(n + 1) * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading the view");
+    if (view.n_dead_flags > 0)
+        TRY_CUDA(cudaMemcpyAsync(stage->d_dead, stage->dead, (size_t)view.n_dead_flags,
+                                 cudaMemcpyHostToDevice, g->stream),
+                 "uploading the view");
+    view.spans = stage->d_spans;
+    view.seq_first_span = stage->d_first;
+    view.dead = stage->d_dead;
+    kvmix_cuda_decode_desc desc = {c->n_heads, 0.0f, KVMIX_CUDA_FP16, 1};
+    TRY_KVMIX(kvmix_cuda_decode_choose_splits(n, c->n_kv_heads, c->n_heads, longest, g->n_sms,
+                                              &desc.n_splits),
+              "split count");
+    if (desc.n_splits > MAX_SPLITS) desc.n_splits = MAX_SPLITS;
+    TRY_KVMIX(
+        kvmix_cuda_decode(&view, &desc, g->q16, g->o16, NULL, g->work, g->work_bytes, g->stream),
+        "decode attention");
+    size_t halves = (size_t)n * c->n_heads * c->head_dim;
+    from_half_kernel<<<(unsigned)((halves + THREADS - 1) / THREADS), THREADS, 0, g->stream>>>(
+        (const __half *)g->o16, halves, g->att);
+    return LLAMA_OK;
+}
+
+void attend_fp32(gpu_llama *g, int32_t l, int32_t n) {
+    const llama_config *c = &g->c;
+    ref_params p;
+    p.k = g->ref_k, p.v = g->ref_v, p.qkv = g->qkv, p.seqs = g->d_step + 2 * n;
+    p.pos = g->d_step + n;
+    p.att = g->att, p.layer = l, p.n_layers = c->n_layers, p.n_q = c->n_heads;
+    p.n_kv = c->n_kv_heads, p.head_dim = c->head_dim, p.max_tokens = g->max_tokens;
+    p.scale = (float)(1.0 / sqrt((double)c->head_dim));
+    ref_store_kernel<<<dim3(n, c->n_kv_heads), 128, 0, g->stream>>>(p);
+    ref_attend_kernel<<<dim3(n, c->n_heads), THREADS, (size_t)g->max_tokens * sizeof(float),
+                        g->stream>>>(p);
+}
+
+llama_result reserve_positions(gpu_llama *g, const int32_t *seqs, int32_t n, char *err,
+                               size_t err_bytes) {
+    for (int32_t i = 0; i < n; i++) {
+        int32_t kv = g->kv_seq[seqs[i]];
+        kvmix_result r = kvmix_cache_reserve(&g->cache, kv, 1, NULL, NULL);
+        if (r == KVMIX_ERR_OUT_OF_MEMORY && g->cache.n_jobs > 0) {
+            llama_result f = flush_jobs(g, err, err_bytes);
+            if (f != LLAMA_OK) return f;
+            r = kvmix_cache_reserve(&g->cache, kv, 1, NULL, NULL);
+        }
+        TRY_KVMIX(r, "reserving a position");
+    }
+    return LLAMA_OK;
+}
+
+llama_result check_step(const gpu_llama *g, const int32_t *seqs, const int32_t *tokens, int32_t n,
+                        char *err, size_t err_bytes) {
+    if (n < 1 || n > g->max_seqs)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "step of %d sequences", n);
+    for (int32_t i = 0; i < n; i++) {
+        if (seqs[i] < 0 || seqs[i] >= g->max_seqs || !g->in_use[seqs[i]])
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "sequence %d is not started",
+                              seqs[i]);
+        if (tokens[i] < 0 || tokens[i] >= g->c.vocab)
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "token %d is outside the vocab",
+                              tokens[i]);
+        if (g->next_pos[seqs[i]] >= g->max_tokens)
+            return llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY, "sequence %d is full", seqs[i]);
+        for (int32_t j = 0; j < i; j++)
+            if (seqs[j] == seqs[i])
+                return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "sequence %d twice in a step",
+                                  seqs[i]);
+    }
+    return LLAMA_OK;
+}
+
+} // namespace
+
+extern "C" llama_result gpu_llama_create(const llama_model *model, const kvmix_policy *policy,
+                                         int32_t max_seqs, int32_t max_tokens, gpu_llama **out,
+                                         char *err, size_t err_bytes) {
+    if (!model || !policy || !out)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_create: NULL argument");
+    *out = NULL;
+    if (max_seqs < 1 || max_tokens < 1 || max_tokens > model->config.context + 1)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "gpu_llama_create: %d sequences of %d tokens (context %d)", max_seqs,
+                          max_tokens, model->config.context);
+    int device = 0;
+    cudaDeviceProp prop;
+    TRY_CUDA(cudaGetDevice(&device), "no CUDA device");
+    TRY_CUDA(cudaGetDeviceProperties(&prop, device), "no CUDA device");
+    gpu_llama *g = (gpu_llama *)calloc(1, sizeof *g);
+    if (!g) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    *out = g;
+    g->c = model->config;
+    snprintf(g->device_name, sizeof g->device_name, "%s", prop.name);
+    g->n_sms = prop.multiProcessorCount;
+    g->max_seqs = max_seqs;
+    g->max_tokens = max_tokens;
+    g->fp32 = policy->key_format == KVMIX_KV_FORMAT_FP32;
+    char why[256];
+    if (!g->fp32 &&
+        kvmix_kv_policy_resolve(policy, g->c.head_dim, &g->policy, why, sizeof why) != LLAMA_OK)
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "%s", why);
+    if (g->fp32 && (size_t)max_tokens * sizeof(float) > (size_t)prop.sharedMemPerBlockOptin)
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "fp32 attention holds %d scores in shared memory", max_tokens);
+    g->next_pos = (int32_t *)calloc((size_t)max_seqs, sizeof(int32_t));
+    g->in_use = (uint8_t *)calloc((size_t)max_seqs, 1);
+    if (!g->next_pos || !g->in_use)
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    TRY_CUDA(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking), "stream");
+    if (cublasCreate(&g->blas) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetStream(g->blas, g->stream) != CUBLAS_STATUS_SUCCESS ||
+        cublasSetMathMode(g->blas, CUBLAS_PEDANTIC_MATH) != CUBLAS_STATUS_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "cuBLAS could not start");
+    llama_result r = upload_model(g, model, err, err_bytes);
+    if (r == LLAMA_OK) r = create_buffers(g, err, err_bytes);
+    if (r == LLAMA_OK && !g->fp32) r = create_cache(g, err, err_bytes);
+    if (r == LLAMA_OK && g->fp32)
+        TRY_CUDA(cudaFuncSetAttribute(ref_attend_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      max_tokens * (int)sizeof(float)),
+                 "fp32 attention");
+    return r;
+}
+
+extern "C" void gpu_llama_free(gpu_llama *g) {
+    if (!g) return;
+    if (g->stream) cudaStreamSynchronize(g->stream);
+    for (int32_t l = 0; g->layers && l < g->c.n_layers; l++) {
+        layer_weights *w = &g->layers[l];
+        cudaFree(w->attn_norm), cudaFree(w->ffn_norm), cudaFree(w->qkv);
+        cudaFree(w->out), cudaFree(w->gate_up), cudaFree(w->down);
+    }
+    free(g->layers);
+    for (int32_t l = 0; g->stages && l <= g->c.n_layers; l++) free_stage(&g->stages[l]);
+    free(g->stages);
+    cudaFree(g->embed), cudaFree(g->final_norm), cudaFree(g->head), cudaFree(g->inv_freq);
+    cudaFree(g->ref_k), cudaFree(g->ref_v), cudaFree(g->arena), cudaFree(g->d_flags);
+    cudaFree(g->k16), cudaFree(g->v16), cudaFree(g->q16), cudaFree(g->o16), cudaFree(g->work);
+    cudaFree(g->x), cudaFree(g->xn), cudaFree(g->qkv), cudaFree(g->att), cudaFree(g->ffn);
+    cudaFree(g->logits), cudaFree(g->d_step);
+    cudaFreeHost(g->h_logits), cudaFreeHost(g->h_step);
+    if (g->blas) cublasDestroy(g->blas);
+    if (g->stream) cudaStreamDestroy(g->stream);
+    free(g->cache_memory), free(g->kv_seq), free(g->step_kv_seqs), free(g->batches);
+    free(g->next_pos), free(g->in_use);
+    free(g);
+}
+
+extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char *err,
+                                            size_t err_bytes) {
+    int32_t s = 0;
+    while (s < g->max_seqs && g->in_use[s]) s++;
+    if (s == g->max_seqs)
+        return llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY, "all %d sequences in use",
+                          g->max_seqs);
+    if (!g->fp32) TRY_KVMIX(kvmix_cache_seq_create(&g->cache, &g->kv_seq[s]), "new sequence");
+    g->in_use[s] = 1;
+    g->next_pos[s] = 0;
+    *out_seq = s;
+    return LLAMA_OK;
+}
+
+extern "C" void gpu_llama_seq_end(gpu_llama *g, int32_t seq) {
+    if (seq < 0 || seq >= g->max_seqs || !g->in_use[seq]) return;
+    if (!g->fp32) kvmix_cache_seq_free(&g->cache, g->kv_seq[seq]);
+    g->in_use[seq] = 0;
+}
+
+extern "C" llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char *err,
+                                                size_t err_bytes) {
+    if (seq < 0 || seq >= g->max_seqs || !g->in_use[seq])
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "sequence %d is not started", seq);
+    if (g->fp32 || g->policy.request_boundary != KVMIX_POLICY_BOUNDARY_FINISH) return LLAMA_OK;
+    kvmix_result r = kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]);
+    if (r == KVMIX_ERR_OUT_OF_MEMORY && g->cache.n_jobs > 0) {
+        llama_result f = flush_jobs(g, err, err_bytes);
+        if (f != LLAMA_OK) return f;
+        r = kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]);
+    }
+    TRY_KVMIX(r, "finishing a request");
+    return LLAMA_OK;
+}
+
+extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens,
+                                       int32_t n, float *logits, char *err, size_t err_bytes) {
+    if (!g || !seqs || !tokens || !logits)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_step: NULL argument");
+    llama_result r = check_step(g, seqs, tokens, n, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    const llama_config *c = &g->c;
+    if (!g->fp32 && (r = reserve_positions(g, seqs, n, err, err_bytes)) != LLAMA_OK) return r;
+    for (int32_t i = 0; i < n; i++) {
+        g->h_step[i] = tokens[i];
+        g->h_step[n + i] = g->next_pos[seqs[i]];
+        g->h_step[2 * n + i] = seqs[i];
+    }
+    TRY_CUDA(cudaMemcpyAsync(g->d_step, g->h_step, 3 * (size_t)n * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading tokens");
+    const int32_t *d_pos = g->d_step + n;
+    int32_t qkv_rows = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
+    embed_kernel<<<n, THREADS, 0, g->stream>>>(g->embed, g->d_step, c->hidden, g->x);
+    for (int32_t l = 0; l < c->n_layers && r == LLAMA_OK; l++) {
+        const layer_weights *w = &g->layers[l];
+        rms_norm_kernel<<<n, THREADS, 0, g->stream>>>(g->x, w->attn_norm, c->hidden, c->norm_eps,
+                                                      g->xn);
+        r = matmul(g, w->qkv, qkv_rows, c->hidden, g->xn, c->hidden, n, g->qkv, false, err,
+                   err_bytes);
+        if (r != LLAMA_OK) break;
+        rope_kernel<<<dim3(n, c->n_heads + c->n_kv_heads), c->head_dim / 2, 0, g->stream>>>(
+            g->qkv, d_pos, g->inv_freq, qkv_rows, c->head_dim);
+        if (g->fp32)
+            attend_fp32(g, l, n);
+        else if ((r = attend_kvmix(g, l, seqs, n, err, err_bytes)) != LLAMA_OK)
+            break;
+        r = matmul(g, w->out, c->hidden, c->n_heads * c->head_dim, g->att, c->n_heads * c->head_dim,
+                   n, g->x, true, err, err_bytes);
+        if (r != LLAMA_OK) break;
+        rms_norm_kernel<<<n, THREADS, 0, g->stream>>>(g->x, w->ffn_norm, c->hidden, c->norm_eps,
+                                                      g->xn);
+        r = matmul(g, w->gate_up, 2 * c->ffn, c->hidden, g->xn, c->hidden, n, g->ffn, false, err,
+                   err_bytes);
+        if (r != LLAMA_OK) break;
+        swiglu_kernel<<<n, THREADS, 0, g->stream>>>(g->ffn, c->ffn);
+        r = matmul(g, w->down, c->hidden, c->ffn, g->ffn, 2 * c->ffn, n, g->x, true, err,
+                   err_bytes);
+    }
+    if (r != LLAMA_OK) return r;
+    rms_norm_kernel<<<n, THREADS, 0, g->stream>>>(g->x, g->final_norm, c->hidden, c->norm_eps,
+                                                  g->xn);
+    r = matmul(g, g->head, c->vocab, c->hidden, g->xn, c->hidden, n, g->logits, false, err,
+               err_bytes);
+    if (r != LLAMA_OK) return r;
+    TRY_CUDA(cudaMemcpyAsync(g->h_logits, g->logits, (size_t)n * c->vocab * sizeof(float),
+                             cudaMemcpyDeviceToHost, g->stream),
+             "downloading logits");
+    TRY_CUDA(cudaStreamSynchronize(g->stream), "the step");
+    int32_t flags = 0;
+    if (!g->fp32) {
+        TRY_CUDA(cudaMemcpy(&flags, g->d_flags, sizeof flags, cudaMemcpyDeviceToHost), "flags");
+        if (flags != 0)
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                              "a key or value row was not finite (error flags %d)", flags);
+    }
+    memcpy(logits, g->h_logits, (size_t)n * c->vocab * sizeof(float));
+    for (int32_t i = 0; i < n; i++) g->next_pos[seqs[i]]++;
+    return LLAMA_OK;
+}
+
+extern "C" void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_stats *out) {
+    memset(out, 0, sizeof *out);
+    if (seq < 0 || seq >= g->max_seqs || !g->in_use[seq]) return;
+    if (g->fp32) {
+        out->n_tokens = g->next_pos[seq];
+        out->bytes = 2 * (size_t)out->n_tokens * g->c.n_layers * g->c.n_kv_heads * g->c.head_dim *
+                     sizeof(float);
+        out->avg_bits = out->n_tokens > 0 ? 32.0 : 0.0;
+        return;
+    }
+    kvmix_cache_seq_stats st;
+    if (kvmix_cache_seq_stats_get(&g->cache, g->kv_seq[seq], &st) != KVMIX_SUCCESS) return;
+    out->n_tokens = st.n_live_tokens;
+    out->bytes = (size_t)ceil(st.attributed_bytes);
+    out->avg_bits = st.n_live_tokens > 0 ? st.bits_per_element : 0.0;
+}
+
+extern "C" const char *gpu_llama_device_name(const gpu_llama *g) { return g->device_name; }

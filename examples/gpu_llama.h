@@ -1,0 +1,64 @@
+/* gpu_llama.h - the reference Llama models on a GPU, many sequences at once, with their keys and
+ * values in a kvmix cache whose arena is device memory.
+ *
+ * A gpu_llama holds the weights (fp32, from a llama_model loaded by llama.h), one kvmix cache with
+ * a device arena (kvmix.h, "Device arena") built from a kvmix_policy, and room for max_seqs
+ * sequences of up to max_tokens positions each. Each step runs one token of every sequence named
+ * (decode, teacher-forced or sampled by the caller): the layers' matrix products through cuBLAS,
+ * norms, RoPE and activations in kernels of this file, new key/value rows packed on the GPU by
+ * the cache's jobs (kvmix_cuda_cache_run), and attention by kvmix_cuda_decode over the layer's
+ * view of every sequence in one launch. The host uploads only what changed: tokens, positions,
+ * the cache's jobs and the layer's view tables, never rows. Sequences join and leave between
+ * steps. The policy "fp32" (formats KVMIX_KV_FORMAT_FP32) keeps fp32 rows in a plain array and
+ * attends in fp32: the reference that answer agreement compares with.
+ *
+ * Errors: functions return llama_result and write a one-line message into (err, err_bytes).
+ * Nothing here prints or exits. One gpu_llama belongs to one thread at a time.
+ */
+#ifndef GPU_LLAMA_H
+#define GPU_LLAMA_H
+
+#include "kvmix.h"
+#include "llama.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gpu_llama gpu_llama;
+
+/* Uploads the model and builds the cache for `policy` (resolved for the model's head_dim), for
+ * up to max_seqs sequences of max_tokens positions (at most the model's context + 1: the last
+ * one is never run, but sizes the slot map as kvmix_kv_create's capacity does).
+ * LLAMA_ERR_UNSUPPORTED: no CUDA device, or a policy or shape the kernel pack does not run;
+ * LLAMA_ERR_MEMORY: the model, cache or buffers do not fit on the device. */
+llama_result gpu_llama_create(const llama_model *model, const kvmix_policy *policy,
+                              int32_t max_seqs, int32_t max_tokens, gpu_llama **out, char *err,
+                              size_t err_bytes);
+void gpu_llama_free(gpu_llama *g);
+
+/* A new, empty sequence; *out_seq in [0, max_seqs). LLAMA_ERR_CAPACITY when all are in use. */
+llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char *err, size_t err_bytes);
+/* Ends a sequence: its pages return to the cache (after the next step's jobs). */
+void gpu_llama_seq_end(gpu_llama *g, int32_t seq);
+/* A request (user turn) begins: the policy's request boundary (kvmix_cache_seq_finish when it
+ * says finish). */
+llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char *err, size_t err_bytes);
+
+/* One step: token tokens[i] at the next position of sequence seqs[i], i < n (distinct sequences,
+ * n <= max_seqs); logits [n][vocab] (host) receive each sequence's next-token logits. */
+llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens, int32_t n,
+                            float *logits, char *err, size_t err_bytes);
+
+/* What a sequence holds, as llama_kv_cache's stats (kvmix_kv.h's accounting for kvmix policies;
+ * 32 bits per element for fp32). */
+void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_stats *out);
+
+/* The device's name, for reports. */
+const char *gpu_llama_device_name(const gpu_llama *g);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* GPU_LLAMA_H */
