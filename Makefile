@@ -141,7 +141,8 @@ ifeq ($(strip $(NVCC)),)
 cuda-build:
 	@echo "nvcc not found: CUDA kernel pack and GPU runner not built (host parts are complete without it)"
 else
-cuda-build: $(BUILD)/kvmix_cuda.o $(BUILD)/kvmix-eval-cuda $(BUILD)/test_gpu_llama
+cuda-build: $(BUILD)/kvmix_cuda.o $(BUILD)/kvmix-eval-cuda $(BUILD)/test_gpu_llama \
+	$(BUILD)/bench_serve
 
 # the GPU runner: kvmix-eval built with gpu_llama (cuBLAS from the toolkit)
 $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_kv.h \
@@ -159,6 +160,11 @@ $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(BUILD)/
 $(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -Itests -c tests/test_gpu_llama.c -o $(BUILD)/test_gpu_llama.o
 	$(NVCC) $(BUILD)/test_gpu_llama.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
+		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
+
+$(BUILD)/bench_serve: bench/bench_serve.c $(BUILD)/kvmix-eval-cuda | $(BUILD)
+	$(CC) $(CFLAGS) -I. -Iexamples -c bench/bench_serve.c -o $(BUILD)/bench_serve.o
+	$(NVCC) $(BUILD)/bench_serve.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
 		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
 test-gpu-model: $(BUILD)/test_gpu_llama

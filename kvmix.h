@@ -585,7 +585,10 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
    head, strided by the head bytes); rows the sequence does not use (evicted, past its fork point)
    are dead flags. A sequence's span of an FP16 page ends at the positions the layer has rows for
    (reserved positions not written on the layer are left out). The view stays valid until the
-   next call that changes the cache. */
+   next call that changes the cache. A page lays its layers out one after another: where two
+   layers have the same positions written, layer l's spans are layer 0's with both offsets
+   moved by l * n_kv_heads * (key_head_bytes + value_head_bytes), so a GPU loop may build one
+   view per step and move it to each layer on the device. */
 KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, const int32_t *seqs,
                                        int32_t n_seqs, kvmix_view_span *spans, int32_t max_spans,
                                        int32_t *seq_first_span, uint8_t *dead,
@@ -3937,6 +3940,18 @@ static int kvmix__row_live(const kvmix_cache *c, const uint32_t *slots, const kv
     return row < e->n_rows && slots[e->first_pos + row] == kvmix__slot(c, e->page, row);
 }
 
+/* Whether the n rows of entry e are all the sequence's: without a row check when the sequence
+   has evicted nothing and the span ends inside the entry (views cost O(pages) then). */
+static int kvmix__span_all_live(const kvmix_cache *c, int32_t seq, const kvmix_cache_entry *e,
+                                int32_t n) {
+    const uint32_t *slots = kvmix__seq_slots(c, seq);
+    int32_t row;
+    if (n <= e->n_rows && c->seqs[seq].n_live == c->seqs[seq].n_tokens) return 1;
+    for (row = 0; row < n; row++)
+        if (!kvmix__row_live(c, slots, e, row)) return 0;
+    return 1;
+}
+
 static kvmix_result kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs) {
     int32_t i;
     if (n_seqs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
@@ -3951,20 +3966,15 @@ static kvmix_result kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seq
 /* Spans and dead flags of a view of a layer (-1: enough for every layer). */
 static void kvmix__view_count(const kvmix_cache *c, int32_t layer, const int32_t *seqs,
                               int32_t n_seqs, int64_t *n_spans, int64_t *n_dead) {
-    int32_t i, j, row;
+    int32_t i, j;
     *n_spans = *n_dead = 0;
     for (i = 0; i < n_seqs; i++) {
         const kvmix_cache_entry *e = kvmix__seq_entries(c, seqs[i]);
-        const uint32_t *slots = kvmix__seq_slots(c, seqs[i]);
         for (j = 0; j < c->seqs[seqs[i]].n_entries; j++) {
             int32_t n = kvmix__span_tokens(c, seqs[i], layer, &c->pages[e[j].page], &e[j]);
             if (n <= 0) continue;
             (*n_spans)++;
-            for (row = 0; row < n; row++)
-                if (!kvmix__row_live(c, slots, &e[j], row)) {
-                    *n_dead += n;
-                    break;
-                }
+            if (!kvmix__span_all_live(c, seqs[i], &e[j], n)) *n_dead += n;
         }
     }
 }
@@ -4005,7 +4015,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, 
             const kvmix_cache_page *p = &cache->pages[e[j].page];
             kvmix__geom g = kvmix__geom_of(cache, p);
             kvmix_view_span *vs = &spans[k];
-            int32_t n = kvmix__span_tokens(cache, seqs[i], layer, p, &e[j]), n_live = 0;
+            int32_t n = kvmix__span_tokens(cache, seqs[i], layer, p, &e[j]);
             if (n <= 0) continue;
             memset(vs, 0, sizeof *vs);
             vs->key_offset = p->offset + kvmix__block_offset(cache, &g, layer, 0, 0);
@@ -4016,8 +4026,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, 
             vs->key_format = p->key_format;
             vs->value_format = p->value_format;
             vs->dead_index = -1;
-            for (row = 0; row < n; row++) n_live += kvmix__row_live(cache, slots, &e[j], row);
-            if (n_live < n) {
+            if (!kvmix__span_all_live(cache, seqs[i], &e[j], n)) {
                 vs->dead_index = f;
                 for (row = 0; row < n; row++)
                     dead[f++] = (uint8_t)!kvmix__row_live(cache, slots, &e[j], row);

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 extern "C" {
 #include "gpu_llama.h"
@@ -19,22 +20,28 @@ extern "C" {
 
 namespace {
 
-enum { MAX_SPLITS = 64, THREADS = 256 };
+enum { MAX_SPLITS = 64, THREADS = 256, FILL_ROWS = 256 };
 
 struct layer_weights {
     float *attn_norm, *ffn_norm, *qkv, *out, *gate_up, *down;
 };
 
-/* Host staging of one take or one view, pinned so that its uploads run in stream order. */
+/* One layer's take of jobs (pinned, so that its upload runs in stream order while the host goes
+   on) and the layer's view spans on the device. */
 struct staging {
     kvmix_quantize_job *jobs; /* pinned [max_jobs] */
     kvmix_quantize_job *d_jobs;
-    kvmix_view_span *spans; /* pinned [max_spans] */
-    kvmix_view_span *d_spans;
-    int32_t *first; /* pinned [max_seqs + 1] */
-    int32_t *d_first;
-    uint8_t *dead; /* pinned [max_dead] */
-    uint8_t *d_dead;
+    kvmix_view_span *d_spans; /* [span_capacity] */
+    int32_t span_capacity;
+};
+
+/* A step's view, built once on the host (layer 0) and uploaded; capacities grow on demand. */
+struct view_staging {
+    kvmix_view view;
+    kvmix_view_span *spans, *d_spans; /* pinned, device [span_capacity] */
+    int32_t *first, *d_first;         /* [max_seqs + 1] */
+    uint8_t *dead, *d_dead;           /* [dead_capacity] */
+    int32_t span_capacity, dead_capacity;
 };
 
 } // namespace
@@ -62,7 +69,12 @@ struct gpu_llama {
     int32_t *step_kv_seqs;
     kvmix_cache_batch *batches; /* [max_jobs] */
     staging *stages;            /* [n_layers + 1]: one per layer, the last for flushes */
-    int32_t max_spans, max_dead;
+    view_staging view;
+    uint16_t *fill_k, *fill_v; /* synthetic rows of gpu_llama_fill, [FILL_ROWS][n_kv][D] */
+    /* profile */
+    bool profiling;
+    cudaEvent_t *events; /* [2 n_layers]: around each layer's attention */
+    gpu_llama_profile prof;
     int32_t *d_flags;
     uint16_t *k16, *v16, *q16, *o16;
     void *work;
@@ -141,6 +153,32 @@ __global__ void swiglu_kernel(float *gate_up, int32_t ffn) {
     for (int i = threadIdx.x; i < ffn; i += blockDim.x) {
         float g = row[i];
         row[i] = g / (1.0f + expf(-g)) * row[ffn + i];
+    }
+}
+
+/* Layer l's spans from layer 0's: a page lays its layers out one after another (kvmix.h,
+   kvmix_cache_view). */
+__global__ void shift_spans_kernel(const kvmix_view_span *in, kvmix_view_span *out, int32_t n,
+                                   int32_t layer, int32_t n_kv) {
+    int32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    kvmix_view_span s = in[i];
+    uint64_t step = (uint64_t)layer * (uint64_t)n_kv *
+                    ((uint64_t)s.key_head_bytes + (uint64_t)s.value_head_bytes);
+    s.key_offset += step;
+    s.value_offset += step;
+    out[i] = s;
+}
+
+/* Deterministic FP16 rows in [-2, 2) for synthetic fills. */
+__global__ void fill_rows_kernel(__half *rows, size_t n, uint32_t salt) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ salt;
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        rows[i] = __float2half_rn((float)(h & 0xffff) / 16384.0f - 2.0f);
     }
 }
 
@@ -324,30 +362,55 @@ llama_result create_stage(gpu_llama *g, staging *s, char *err, size_t err_bytes)
     size_t jobs = (size_t)g->cache.desc.max_jobs;
     TRY_CUDA(pinned_alloc(&s->jobs, jobs), "pinned staging");
     TRY_CUDA(device_alloc(&s->d_jobs, jobs), "job array");
-    TRY_CUDA(pinned_alloc(&s->spans, (size_t)g->max_spans), "pinned staging");
-    TRY_CUDA(device_alloc(&s->d_spans, (size_t)g->max_spans), "view spans");
-    TRY_CUDA(pinned_alloc(&s->first, (size_t)g->max_seqs + 1), "pinned staging");
-    TRY_CUDA(device_alloc(&s->d_first, (size_t)g->max_seqs + 1), "view spans");
-    TRY_CUDA(pinned_alloc(&s->dead, (size_t)g->max_dead), "pinned staging");
-    TRY_CUDA(device_alloc(&s->d_dead, (size_t)g->max_dead), "dead flags");
     return LLAMA_OK;
 }
 
 void free_stage(staging *s) {
     cudaFreeHost(s->jobs);
     cudaFree(s->d_jobs);
-    cudaFreeHost(s->spans);
     cudaFree(s->d_spans);
-    cudaFreeHost(s->first);
-    cudaFree(s->d_first);
-    cudaFreeHost(s->dead);
-    cudaFree(s->d_dead);
 }
 
-llama_result create_cache(gpu_llama *g, char *err, size_t err_bytes) {
+void free_view_staging(view_staging *v) {
+    cudaFreeHost(v->spans);
+    cudaFree(v->d_spans);
+    cudaFreeHost(v->first);
+    cudaFree(v->d_first);
+    cudaFreeHost(v->dead);
+    cudaFree(v->d_dead);
+}
+
+/* Room for n_spans spans and n_dead flags in the view staging: larger buffers once the stream
+   no longer reads the old ones. */
+llama_result grow_view_staging(gpu_llama *g, int32_t n_spans, int32_t n_dead, char *err,
+                               size_t err_bytes) {
+    view_staging *v = &g->view;
+    if (n_spans > v->span_capacity) {
+        int32_t cap = n_spans + n_spans / 2 + 64;
+        TRY_CUDA(cudaStreamSynchronize(g->stream), "growing the view");
+        cudaFreeHost(v->spans), cudaFree(v->d_spans);
+        v->spans = NULL, v->d_spans = NULL, v->span_capacity = 0;
+        TRY_CUDA(pinned_alloc(&v->spans, (size_t)cap), "pinned staging");
+        TRY_CUDA(device_alloc(&v->d_spans, (size_t)cap), "view spans");
+        v->span_capacity = cap;
+    }
+    if (n_dead > v->dead_capacity) {
+        int32_t cap = n_dead + n_dead / 2 + 4096;
+        TRY_CUDA(cudaStreamSynchronize(g->stream), "growing the view");
+        cudaFreeHost(v->dead), cudaFree(v->d_dead);
+        v->dead = NULL, v->d_dead = NULL, v->dead_capacity = 0;
+        TRY_CUDA(pinned_alloc(&v->dead, (size_t)cap), "pinned staging");
+        TRY_CUDA(device_alloc(&v->d_dead, (size_t)cap), "dead flags");
+        v->dead_capacity = cap;
+    }
+    return LLAMA_OK;
+}
+
+llama_result create_cache(gpu_llama *g, size_t arena_bytes, char *err, size_t err_bytes) {
     kvmix_cache_desc d;
     size_t memory_bytes = 0;
     TRY_KVMIX(cache_desc(g, &d), "policy");
+    if (arena_bytes != 0) d.arena_bytes = arena_bytes;
     if (g->policy.value_group_size != 0 && g->policy.value_group_size != g->policy.group_size)
         return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
                           "policy %s: the decode kernel reads values in the keys' groups only",
@@ -357,18 +420,21 @@ llama_result create_cache(gpu_llama *g, char *err, size_t err_bytes) {
     if (!g->cache_memory) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     TRY_CUDA(device_alloc(&g->arena, d.arena_bytes), "the cache arena");
     TRY_KVMIX(kvmix_cache_init(&g->cache, &d, g->cache_memory, memory_bytes, g->arena), "cache");
-    g->max_spans = g->max_seqs * g->cache.desc.max_pages_per_seq;
-    g->max_dead = g->max_seqs * (g->cache.desc.max_pages_per_seq * g->cache.desc.page_tokens);
     g->kv_seq = (int32_t *)malloc((size_t)g->max_seqs * sizeof(int32_t));
     g->step_kv_seqs = (int32_t *)malloc((size_t)g->max_seqs * sizeof(int32_t));
     g->batches = (kvmix_cache_batch *)malloc((size_t)d.max_jobs * sizeof(kvmix_cache_batch));
     g->stages = (staging *)calloc((size_t)g->c.n_layers + 1, sizeof(staging));
-    if (!g->kv_seq || !g->step_kv_seqs || !g->batches || !g->stages)
+    g->events = (cudaEvent_t *)calloc(2 * (size_t)g->c.n_layers, sizeof(cudaEvent_t));
+    if (!g->kv_seq || !g->step_kv_seqs || !g->batches || !g->stages || !g->events)
         return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     for (int32_t l = 0; l <= g->c.n_layers; l++) {
         llama_result r = create_stage(g, &g->stages[l], err, err_bytes);
         if (r != LLAMA_OK) return r;
     }
+    for (int32_t i = 0; i < 2 * g->c.n_layers; i++)
+        TRY_CUDA(cudaEventCreate(&g->events[i]), "events");
+    TRY_CUDA(pinned_alloc(&g->view.first, (size_t)g->max_seqs + 1), "pinned staging");
+    TRY_CUDA(device_alloc(&g->view.d_first, (size_t)g->max_seqs + 1), "view spans");
     size_t kv_halves = (size_t)g->max_seqs * g->c.n_kv_heads * g->c.head_dim;
     size_t q_halves = (size_t)g->max_seqs * g->c.n_heads * g->c.head_dim;
     TRY_CUDA(device_alloc(&g->k16, kv_halves), "rows");
@@ -415,8 +481,15 @@ llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
     return LLAMA_OK;
 }
 
-/* Takes the cache's queued jobs into `stage` and enqueues them. */
-llama_result run_jobs(gpu_llama *g, staging *stage, char *err, size_t err_bytes) {
+double now_seconds(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Takes the cache's queued jobs into `stage` and enqueues them with these source rows. */
+llama_result run_jobs(gpu_llama *g, staging *stage, const void *keys, const void *values, char *err,
+                      size_t err_bytes) {
     int32_t n_jobs = 0, n_batches = 0;
     TRY_KVMIX(kvmix_cache_jobs_take(&g->cache, stage->jobs, g->cache.desc.max_jobs, g->batches,
                                     g->cache.desc.max_jobs, &n_jobs, &n_batches),
@@ -425,35 +498,83 @@ llama_result run_jobs(gpu_llama *g, staging *stage, char *err, size_t err_bytes)
     TRY_CUDA(cudaMemcpyAsync(stage->d_jobs, stage->jobs, (size_t)n_jobs * sizeof *stage->jobs,
                              cudaMemcpyHostToDevice, g->stream),
              "uploading jobs");
-    TRY_KVMIX(kvmix_cuda_cache_run(g->batches, n_batches, stage->d_jobs, g->k16, g->v16, g->arena,
+    TRY_KVMIX(kvmix_cuda_cache_run(g->batches, n_batches, stage->d_jobs, keys, values, g->arena,
                                    g->d_flags, g->stream),
               "running the cache's jobs");
     return LLAMA_OK;
 }
 
-/* A full job queue in the middle of a step: its jobs run now, through the spare stage. */
-llama_result flush_jobs(gpu_llama *g, char *err, size_t err_bytes) {
-    llama_result r = run_jobs(g, &g->stages[g->c.n_layers], err, err_bytes);
+/* A full job queue in the middle of a call: its jobs run now, through the spare stage. */
+llama_result flush_jobs(gpu_llama *g, const void *keys, const void *values, char *err,
+                        size_t err_bytes) {
+    llama_result r = run_jobs(g, &g->stages[g->c.n_layers], keys, values, err, err_bytes);
     if (r != LLAMA_OK) return r;
     TRY_CUDA(cudaStreamSynchronize(g->stream), "flushing jobs");
     return LLAMA_OK;
 }
 
-/* Attention of layer l through the cache: new rows written, jobs run, the layer's view of the
-   step's sequences uploaded, kvmix_cuda_decode. */
+/* The step's view of layer 0, built on the host and uploaded. */
+llama_result upload_view(gpu_llama *g, int32_t n, char *err, size_t err_bytes) {
+    view_staging *v = &g->view;
+    int32_t n_spans = 0, n_dead = 0;
+    TRY_KVMIX(kvmix_cache_view_counts(&g->cache, g->step_kv_seqs, n, &n_spans, &n_dead),
+              "sizing the view");
+    llama_result r = grow_view_staging(g, n_spans, n_dead, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    TRY_KVMIX(kvmix_cache_view(&g->cache, 0, g->step_kv_seqs, n, v->spans, v->span_capacity,
+                               v->first, v->dead, v->dead_capacity, &v->view),
+              "building the view");
+    if (v->view.n_spans > 0)
+        TRY_CUDA(cudaMemcpyAsync(v->d_spans, v->spans, (size_t)v->view.n_spans * sizeof *v->spans,
+                                 cudaMemcpyHostToDevice, g->stream),
+                 "uploading the view");
+    TRY_CUDA(cudaMemcpyAsync(v->d_first, v->first, (size_t)(n + 1) * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading the view");
+    if (v->view.n_dead_flags > 0)
+        TRY_CUDA(cudaMemcpyAsync(v->d_dead, v->dead, (size_t)v->view.n_dead_flags,
+                                 cudaMemcpyHostToDevice, g->stream),
+                 "uploading the view");
+    v->view.spans = v->d_spans;
+    v->view.seq_first_span = v->d_first;
+    v->view.dead = v->d_dead;
+    return LLAMA_OK;
+}
+
+/* Layer l's view: layer 0's spans moved to the layer, on the device. */
+llama_result layer_view(gpu_llama *g, int32_t l, kvmix_view *out, char *err, size_t err_bytes) {
+    staging *stage = &g->stages[l];
+    *out = g->view.view;
+    if (l == 0 || out->n_spans == 0) return LLAMA_OK;
+    if (out->n_spans > stage->span_capacity) {
+        int32_t cap = out->n_spans + out->n_spans / 2 + 64;
+        cudaFree(stage->d_spans); /* waits for the kernels that read it */
+        stage->d_spans = NULL, stage->span_capacity = 0;
+        TRY_CUDA(device_alloc(&stage->d_spans, (size_t)cap), "view spans");
+        stage->span_capacity = cap;
+    }
+    shift_spans_kernel<<<(out->n_spans + THREADS - 1) / THREADS, THREADS, 0, g->stream>>>(
+        g->view.d_spans, stage->d_spans, out->n_spans, l, g->c.n_kv_heads);
+    out->spans = stage->d_spans;
+    return LLAMA_OK;
+}
+
+/* Attention of layer l through the cache: new rows written, jobs run, kvmix_cuda_decode over the
+   layer's view of the step's sequences. */
 llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t n, char *err,
                           size_t err_bytes) {
     const llama_config *c = &g->c;
-    staging *stage = &g->stages[l];
     int64_t longest = 0;
+    if (g->profiling) cudaEventRecord(g->events[2 * l], g->stream);
     to_half_kernel<<<n, THREADS, 0, g->stream>>>(g->qkv, c->n_heads, c->n_kv_heads, c->head_dim,
                                                  (__half *)g->q16, (__half *)g->k16,
                                                  (__half *)g->v16);
+    double host_start = now_seconds();
     for (int32_t i = 0; i < n; i++) {
         int32_t kv = g->kv_seq[seqs[i]], pos = g->next_pos[seqs[i]];
         kvmix_result r = kvmix_cache_write_rows(&g->cache, kv, l, pos, 1, i);
         if (r == KVMIX_ERR_OUT_OF_MEMORY) {
-            llama_result f = flush_jobs(g, err, err_bytes);
+            llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
             if (f != LLAMA_OK) return f;
             r = kvmix_cache_write_rows(&g->cache, kv, l, pos, 1, i);
         }
@@ -461,26 +582,12 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
         g->step_kv_seqs[i] = kv;
         if (pos + 1 > longest) longest = pos + 1;
     }
-    llama_result rr = run_jobs(g, stage, err, err_bytes);
-    if (rr != LLAMA_OK) return rr;
+    llama_result rr = run_jobs(g, &g->stages[l], g->k16, g->v16, err, err_bytes);
+    if (rr == LLAMA_OK && l == 0) rr = upload_view(g, n, err, err_bytes);
+    g->prof.host_seconds += now_seconds() - host_start;
     kvmix_view view;
-    TRY_KVMIX(kvmix_cache_view(&g->cache, l, g->step_kv_seqs, n, stage->spans, g->max_spans,
-                               stage->first, stage->dead, g->max_dead, &view),
-              "building the view");
-    TRY_CUDA(cudaMemcpyAsync(stage->d_spans, stage->spans,
-                             (size_t)view.n_spans * sizeof *stage->spans, cudaMemcpyHostToDevice,
-                             g->stream),
-             "uploading the view");
-    TRY_CUDA(cudaMemcpyAsync(stage->d_first, stage->first, (size_t)(n + 1) * sizeof(int32_t),
-                             cudaMemcpyHostToDevice, g->stream),
-             "uploading the view");
-    if (view.n_dead_flags > 0)
-        TRY_CUDA(cudaMemcpyAsync(stage->d_dead, stage->dead, (size_t)view.n_dead_flags,
-                                 cudaMemcpyHostToDevice, g->stream),
-                 "uploading the view");
-    view.spans = stage->d_spans;
-    view.seq_first_span = stage->d_first;
-    view.dead = stage->d_dead;
+    if (rr == LLAMA_OK) rr = layer_view(g, l, &view, err, err_bytes);
+    if (rr != LLAMA_OK) return rr;
     kvmix_cuda_decode_desc desc = {c->n_heads, 0.0f, KVMIX_CUDA_FP16, 1};
     TRY_KVMIX(kvmix_cuda_decode_choose_splits(n, c->n_kv_heads, c->n_heads, longest, g->n_sms,
                                               &desc.n_splits),
@@ -492,6 +599,7 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
     size_t halves = (size_t)n * c->n_heads * c->head_dim;
     from_half_kernel<<<(unsigned)((halves + THREADS - 1) / THREADS), THREADS, 0, g->stream>>>(
         (const __half *)g->o16, halves, g->att);
+    if (g->profiling) cudaEventRecord(g->events[2 * l + 1], g->stream);
     return LLAMA_OK;
 }
 
@@ -510,16 +618,18 @@ void attend_fp32(gpu_llama *g, int32_t l, int32_t n) {
 
 llama_result reserve_positions(gpu_llama *g, const int32_t *seqs, int32_t n, char *err,
                                size_t err_bytes) {
+    double host_start = now_seconds();
     for (int32_t i = 0; i < n; i++) {
         int32_t kv = g->kv_seq[seqs[i]];
         kvmix_result r = kvmix_cache_reserve(&g->cache, kv, 1, NULL, NULL);
         if (r == KVMIX_ERR_OUT_OF_MEMORY && g->cache.n_jobs > 0) {
-            llama_result f = flush_jobs(g, err, err_bytes);
+            llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
             if (f != LLAMA_OK) return f;
             r = kvmix_cache_reserve(&g->cache, kv, 1, NULL, NULL);
         }
         TRY_KVMIX(r, "reserving a position");
     }
+    g->prof.host_seconds += now_seconds() - host_start;
     return LLAMA_OK;
 }
 
@@ -547,15 +657,14 @@ llama_result check_step(const gpu_llama *g, const int32_t *seqs, const int32_t *
 } // namespace
 
 extern "C" llama_result gpu_llama_create(const llama_model *model, const kvmix_policy *policy,
-                                         int32_t max_seqs, int32_t max_tokens, gpu_llama **out,
-                                         char *err, size_t err_bytes) {
+                                         int32_t max_seqs, int32_t max_tokens, size_t arena_bytes,
+                                         gpu_llama **out, char *err, size_t err_bytes) {
     if (!model || !policy || !out)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_create: NULL argument");
     *out = NULL;
-    if (max_seqs < 1 || max_tokens < 1 || max_tokens > model->config.context + 1)
+    if (max_seqs < 1 || max_seqs > (1 << 20) || max_tokens < 1 || max_tokens > (1 << 26))
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
-                          "gpu_llama_create: %d sequences of %d tokens (context %d)", max_seqs,
-                          max_tokens, model->config.context);
+                          "gpu_llama_create: %d sequences of %d tokens", max_seqs, max_tokens);
     int device = 0;
     cudaDeviceProp prop;
     TRY_CUDA(cudaGetDevice(&device), "no CUDA device");
@@ -587,7 +696,7 @@ extern "C" llama_result gpu_llama_create(const llama_model *model, const kvmix_p
         return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "cuBLAS could not start");
     llama_result r = upload_model(g, model, err, err_bytes);
     if (r == LLAMA_OK) r = create_buffers(g, err, err_bytes);
-    if (r == LLAMA_OK && !g->fp32) r = create_cache(g, err, err_bytes);
+    if (r == LLAMA_OK && !g->fp32) r = create_cache(g, arena_bytes, err, err_bytes);
     if (r == LLAMA_OK && g->fp32)
         TRY_CUDA(cudaFuncSetAttribute(ref_attend_kernel,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -607,6 +716,11 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     free(g->layers);
     for (int32_t l = 0; g->stages && l <= g->c.n_layers; l++) free_stage(&g->stages[l]);
     free(g->stages);
+    free_view_staging(&g->view);
+    for (int32_t i = 0; g->events && i < 2 * g->c.n_layers; i++)
+        if (g->events[i]) cudaEventDestroy(g->events[i]);
+    free(g->events);
+    cudaFree(g->fill_k), cudaFree(g->fill_v);
     cudaFree(g->embed), cudaFree(g->final_norm), cudaFree(g->head), cudaFree(g->inv_freq);
     cudaFree(g->ref_k), cudaFree(g->ref_v), cudaFree(g->arena), cudaFree(g->d_flags);
     cudaFree(g->k16), cudaFree(g->v16), cudaFree(g->q16), cudaFree(g->o16), cudaFree(g->work);
@@ -647,7 +761,7 @@ extern "C" llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char 
     if (g->fp32 || g->policy.request_boundary != KVMIX_POLICY_BOUNDARY_FINISH) return LLAMA_OK;
     kvmix_result r = kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]);
     if (r == KVMIX_ERR_OUT_OF_MEMORY && g->cache.n_jobs > 0) {
-        llama_result f = flush_jobs(g, err, err_bytes);
+        llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
         if (f != LLAMA_OK) return f;
         r = kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]);
     }
@@ -662,6 +776,7 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
     llama_result r = check_step(g, seqs, tokens, n, err, err_bytes);
     if (r != LLAMA_OK) return r;
     const llama_config *c = &g->c;
+    double step_start = now_seconds();
     if (!g->fp32 && (r = reserve_positions(g, seqs, n, err, err_bytes)) != LLAMA_OK) return r;
     for (int32_t i = 0; i < n; i++) {
         g->h_step[i] = tokens[i];
@@ -718,7 +833,71 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
     }
     memcpy(logits, g->h_logits, (size_t)n * c->vocab * sizeof(float));
     for (int32_t i = 0; i < n; i++) g->next_pos[seqs[i]]++;
+    if (g->profiling && !g->fp32) {
+        for (int32_t l = 0; l < c->n_layers; l++) {
+            float ms = 0.0f;
+            if (cudaEventElapsedTime(&ms, g->events[2 * l], g->events[2 * l + 1]) == cudaSuccess)
+                g->prof.attention_seconds += 1e-3 * ms;
+        }
+    }
+    g->prof.step_seconds += now_seconds() - step_start;
+    g->prof.steps++;
+    g->prof.tokens += n;
     return LLAMA_OK;
+}
+
+extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_tokens,
+                                       const kvmix_cache_precision *precisions, char *err,
+                                       size_t err_bytes) {
+    if (!g || seq < 0 || seq >= g->max_seqs || !g->in_use[seq] || n_tokens < 0)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_fill: bad arguments");
+    if (g->fp32)
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "gpu_llama_fill: fp32 cache");
+    if (n_tokens > g->max_tokens - g->next_pos[seq])
+        return llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY, "sequence %d is full", seq);
+    size_t halves = (size_t)FILL_ROWS * g->c.n_kv_heads * g->c.head_dim;
+    if (!g->fill_k) {
+        TRY_CUDA(device_alloc(&g->fill_k, halves), "fill rows");
+        TRY_CUDA(device_alloc(&g->fill_v, halves), "fill rows");
+        fill_rows_kernel<<<64, THREADS, 0, g->stream>>>((__half *)g->fill_k, halves, 1u);
+        fill_rows_kernel<<<64, THREADS, 0, g->stream>>>((__half *)g->fill_v, halves, 2u);
+    }
+    int32_t kv = g->kv_seq[seq];
+    for (int32_t done = 0; done < n_tokens;) {
+        int32_t n = n_tokens - done < FILL_ROWS ? n_tokens - done : FILL_ROWS;
+        int32_t pos = g->next_pos[seq];
+        const kvmix_cache_precision *p = precisions ? precisions + done : NULL;
+        kvmix_result kr = kvmix_cache_reserve(&g->cache, kv, n, p, NULL);
+        if (kr == KVMIX_ERR_OUT_OF_MEMORY && g->cache.n_jobs > 0) {
+            llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
+            if (f != LLAMA_OK) return f;
+            kr = kvmix_cache_reserve(&g->cache, kv, n, p, NULL);
+        }
+        TRY_KVMIX(kr, "filling a sequence");
+        for (int32_t l = 0; l < g->c.n_layers; l++) {
+            kr = kvmix_cache_write_rows(&g->cache, kv, l, pos, n, 0);
+            if (kr == KVMIX_ERR_OUT_OF_MEMORY) {
+                llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
+                if (f != LLAMA_OK) return f;
+                kr = kvmix_cache_write_rows(&g->cache, kv, l, pos, n, 0);
+            }
+            TRY_KVMIX(kr, "filling a sequence");
+        }
+        llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
+        if (f != LLAMA_OK) return f;
+        g->next_pos[seq] += n;
+        done += n;
+    }
+    return LLAMA_OK;
+}
+
+extern "C" void gpu_llama_profile_start(gpu_llama *g) {
+    memset(&g->prof, 0, sizeof g->prof);
+    g->profiling = true;
+}
+
+extern "C" void gpu_llama_profile_get(const gpu_llama *g, gpu_llama_profile *out) {
+    *out = g->prof;
 }
 
 extern "C" void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_stats *out) {

@@ -28,13 +28,14 @@ extern "C" {
 typedef struct gpu_llama gpu_llama;
 
 /* Uploads the model and builds the cache for `policy` (resolved for the model's head_dim), for
- * up to max_seqs sequences of max_tokens positions (at most the model's context + 1: the last
- * one is never run, but sizes the slot map as kvmix_kv_create's capacity does).
+ * up to max_seqs sequences of max_tokens positions (past the model's trained context the model
+ * runs, but what it predicts there means nothing: for timing only). arena_bytes: the cache's
+ * device arena, 0 = room for every position of every sequence at FP16.
  * LLAMA_ERR_UNSUPPORTED: no CUDA device, or a policy or shape the kernel pack does not run;
  * LLAMA_ERR_MEMORY: the model, cache or buffers do not fit on the device. */
 llama_result gpu_llama_create(const llama_model *model, const kvmix_policy *policy,
-                              int32_t max_seqs, int32_t max_tokens, gpu_llama **out, char *err,
-                              size_t err_bytes);
+                              int32_t max_seqs, int32_t max_tokens, size_t arena_bytes,
+                              gpu_llama **out, char *err, size_t err_bytes);
 void gpu_llama_free(gpu_llama *g);
 
 /* A new, empty sequence; *out_seq in [0, max_seqs). LLAMA_ERR_CAPACITY when all are in use. */
@@ -49,6 +50,25 @@ llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char *err, size_
  * n <= max_seqs); logits [n][vocab] (host) receive each sequence's next-token logits. */
 llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens, int32_t n,
                             float *logits, char *err, size_t err_bytes);
+
+/* Appends n_tokens positions of synthetic keys and values (deterministic FP16 values, the same
+ * rows for every layer) to a sequence through the cache's own write and seal path, in chunks:
+ * a sequence at a long context for benchmarks without running the model over it. precisions:
+ * [n_tokens] formats asked per position (NULL = the policy's). LLAMA_ERR_CAPACITY when the
+ * arena is full (the sequence keeps what was filled), LLAMA_ERR_UNSUPPORTED for fp32. */
+llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_tokens,
+                            const kvmix_cache_precision *precisions, char *err, size_t err_bytes);
+
+/* Time spent since gpu_llama_profile_start: steps and tokens run, wall seconds inside
+ * gpu_llama_step, host seconds of the cache's bookkeeping in them (reserve, row writes, taking
+ * jobs, the view), and GPU seconds of attention (rows to FP16, jobs, decode, output), measured
+ * with events around each layer's attention. */
+typedef struct gpu_llama_profile {
+    int64_t steps, tokens;
+    double step_seconds, host_seconds, attention_seconds;
+} gpu_llama_profile;
+void gpu_llama_profile_start(gpu_llama *g);
+void gpu_llama_profile_get(const gpu_llama *g, gpu_llama_profile *out);
 
 /* What a sequence holds, as llama_kv_cache's stats (kvmix_kv.h's accounting for kvmix policies;
  * 32 bits per element for fp32). */

@@ -522,8 +522,8 @@ static llama_result gpu_run_policy(eval *e, const kvmix_policy *policy, gpu_text
                                    int64_t n_texts, int32_t capacity, gpu_batch *b, bool reference,
                                    char *device, size_t device_bytes) {
     gpu_llama *g = NULL;
-    llama_result r = gpu_llama_create(e->model, policy, capacity, e->model->config.context + 1, &g,
-                                      e->err, sizeof e->err);
+    llama_result r = gpu_llama_create(e->model, policy, capacity, e->model->config.context + 1, 0,
+                                      &g, e->err, sizeof e->err);
     if (r == LLAMA_OK) {
         snprintf(device, device_bytes, "%s", gpu_llama_device_name(g));
         r = gpu_pass(e, g, texts, n_texts, capacity, b, reference);

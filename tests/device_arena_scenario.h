@@ -174,7 +174,7 @@ static void da_compare(da_state *s) {
         return;
     }
     for (seq = 0; seq < d->max_seqs; seq++) {
-        kvmix_view_span *hs, *ds;
+        kvmix_view_span *hs, *ds, *first_layer;
         uint8_t *hdead, *ddead;
         int32_t hfirst[2], dfirst[2], i, h;
         if (!s->host.seqs[seq].in_use) continue;
@@ -183,10 +183,11 @@ static void da_compare(da_state *s) {
             return;
         }
         hs = (kvmix_view_span *)calloc((size_t)n_spans + 1, sizeof *hs);
+        first_layer = (kvmix_view_span *)calloc((size_t)n_spans + 1, sizeof *hs);
         ds = (kvmix_view_span *)calloc((size_t)n_spans + 1, sizeof *ds);
         hdead = (uint8_t *)calloc((size_t)n_dead + 1, 1);
         ddead = (uint8_t *)calloc((size_t)n_dead + 1, 1);
-        for (layer = 0; hs && ds && hdead && ddead && layer < d->n_layers; layer++) {
+        for (layer = 0; hs && ds && first_layer && hdead && ddead && layer < d->n_layers; layer++) {
             kvmix_view hv, dv;
             if (kvmix_cache_view(&s->host, layer, &seq, 1, hs, n_spans, hfirst, hdead, n_dead,
                                  &hv) != KVMIX_SUCCESS ||
@@ -200,8 +201,15 @@ static void da_compare(da_state *s) {
                 da_fail(s, "view shape or dead flags differ", seq, layer);
                 break;
             }
+            if (layer == 0) memcpy(first_layer, hs, (size_t)hv.n_spans * sizeof *hs);
             for (i = 0; i < hv.n_spans; i++) {
                 const kvmix_view_span *a = &hs[i], *b = &ds[i];
+                uint64_t shift = (uint64_t)layer * (uint64_t)d->n_kv_heads *
+                                 ((uint64_t)a->key_head_bytes + a->value_head_bytes);
+                if (first_layer[i].key_offset + shift != a->key_offset ||
+                    first_layer[i].value_offset + shift != a->value_offset ||
+                    first_layer[i].n_tokens != a->n_tokens)
+                    da_fail(s, "a layer's spans are not layer 0's moved", seq, layer);
                 if (a->n_tokens != b->n_tokens || a->key_format != b->key_format ||
                     a->value_format != b->value_format || a->dead_index != b->dead_index) {
                     da_fail(s, "span differs", seq, i);
@@ -225,6 +233,7 @@ static void da_compare(da_state *s) {
             }
         }
         free(hs);
+        free(first_layer);
         free(ds);
         free(hdead);
         free(ddead);

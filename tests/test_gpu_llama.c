@@ -91,7 +91,8 @@ static gap compare_policy(const llama_model *m, const char *policy_name,
     cpu.logits = malloc((size_t)vocab * sizeof(float));
     if (!CHECK(policy && gpu_logits && cpu.logits) ||
         !CHECK(llama_runner_init(&cpu.runner, m, 1, err, sizeof err) == LLAMA_OK) ||
-        !CHECK_MSG(gpu_llama_create(m, policy, N_TEXTS, STEPS + 1, &g, err, sizeof err) == LLAMA_OK,
+        !CHECK_MSG(gpu_llama_create(m, policy, N_TEXTS, STEPS + 1, 0, &g, err, sizeof err) ==
+                       LLAMA_OK,
                    err)) {
         worst.max = INFINITY;
         return worst;
@@ -150,12 +151,12 @@ static void check_bad_inputs(const llama_model *m) {
     float *logits = malloc((size_t)m->config.vocab * sizeof(float));
     kvmix_policy split = *kvmix_kv_policy_builtin("int4");
     split.value_group_size = 16; /* values in groups of their own: the decode kernel refuses */
-    CHECK(gpu_llama_create(m, &split, 2, 64, &g, err, sizeof err) == LLAMA_ERR_UNSUPPORTED);
+    CHECK(gpu_llama_create(m, &split, 2, 64, 0, &g, err, sizeof err) == LLAMA_ERR_UNSUPPORTED);
     gpu_llama_free(g);
     g = NULL;
-    CHECK(gpu_llama_create(m, kvmix_kv_policy_builtin("int4"), 2, m->config.context + 2, &g, err,
-                           sizeof err) == LLAMA_ERR_ARGUMENT);
-    CHECK(gpu_llama_create(m, kvmix_kv_policy_builtin("int4"), 1, 4, &g, err, sizeof err) ==
+    CHECK(gpu_llama_create(m, kvmix_kv_policy_builtin("int4"), 0, 64, 0, &g, err, sizeof err) ==
+          LLAMA_ERR_ARGUMENT);
+    CHECK(gpu_llama_create(m, kvmix_kv_policy_builtin("int4"), 1, 4, 0, &g, err, sizeof err) ==
           LLAMA_OK);
     CHECK(gpu_llama_step(g, &seq, &token, 1, logits, err, sizeof err) == LLAMA_ERR_ARGUMENT);
     CHECK(gpu_llama_seq_start(g, &seq, err, sizeof err) == LLAMA_OK);
