@@ -534,6 +534,12 @@ KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_
 KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
                                          const float *values, kvmix_cache_precision precision);
 
+/* Seals what the next kvmix_cache_reserve would seal first (full pages whose positions are
+   written on every layer and left the window), adding no position: for a loop that writes rows
+   in bulk and wants them packed before it stops. Returns NULL_POINTER, INVALID_ARGUMENT (seq) or
+   OUT_OF_MEMORY, leaving the cache exactly as before. */
+KVMIXDEF kvmix_result kvmix_cache_seal_ready(kvmix_cache *cache, int32_t seq);
+
 /* Ends a request: seals every full buffer page it does not share, whatever the window, then
    applies desc.partial to its partial last page if not shared; pages with positions not written
    on every layer are left as they are. The sequence stays usable (later rows start a new page if
@@ -3410,6 +3416,7 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
         }
         if ((r = kvmix__plan_seal_ready(c, seq, plan, 0)) != KVMIX_SUCCESS) return r;
     }
+    if (n_tokens == 0 && !finish) return kvmix__plan_seal_ready(c, seq, plan, 0);
     if (finish) {
         kvmix__sim_page *tail;
         if ((r = kvmix__plan_seal_ready(c, seq, plan, 1)) != KVMIX_SUCCESS) return r;
@@ -3739,6 +3746,13 @@ KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_
 KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
                                          const float *values, kvmix_cache_precision precision) {
     return kvmix_cache_ingest(cache, seq, 1, keys, values, &precision);
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seal_ready(kvmix_cache *cache, int32_t seq) {
+    kvmix_result r;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    return kvmix__plan_and_run(cache, seq, 0, NULL, NULL, NULL, 0);
 }
 
 KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq) {

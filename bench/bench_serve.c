@@ -149,8 +149,8 @@ static bool run_policy(const llama_model *m, const char *name, int32_t context, 
         fprintf(stderr, "bench_serve: unknown policy %s\n", name);
         return false;
     }
-    bool ok = gpu_llama_create(m, p, MAX_SEQS, context + WARM_STEPS + steps + 64, budget, &g, err,
-                               sizeof err) == LLAMA_OK;
+    bool ok = gpu_llama_create(m, p, MAX_SEQS, context + 8 * (WARM_STEPS + steps) + 64, budget, &g,
+                               err, sizeof err) == LLAMA_OK;
     int32_t fit = ok ? fill_until_full(g, context, prec, err, sizeof err) : 0;
     llama_kv_stats st = {0, 0.0, 0};
     if (ok && fit > 0) gpu_llama_seq_stats(g, 0, &st);
@@ -168,6 +168,7 @@ int main(int argc, char **argv) {
     serve_options o;
     llama_model m;
     char err[512];
+    setvbuf(stdout, NULL, _IOLBF, 0); /* rows survive a run stopped early */
     if (!parse(argc, argv, &o)) {
         fprintf(stderr,
                 "usage: bench_serve [--model PATH] [--contexts 4096,32768] "

@@ -20,7 +20,7 @@ extern "C" {
 
 namespace {
 
-enum { MAX_SPLITS = 64, THREADS = 256, FILL_ROWS = 256 };
+enum { MAX_SPLITS = 64, THREADS = 256, FILL_ROWS = 1024 };
 
 struct layer_weights {
     float *attn_norm, *ffn_norm, *qkv, *out, *gate_up, *down;
@@ -410,7 +410,10 @@ llama_result create_cache(gpu_llama *g, size_t arena_bytes, char *err, size_t er
     kvmix_cache_desc d;
     size_t memory_bytes = 0;
     TRY_KVMIX(cache_desc(g, &d), "policy");
-    if (arena_bytes != 0) d.arena_bytes = arena_bytes;
+    if (arena_bytes != 0) { /* a budget: larger granules keep allocation scans short */
+        d.arena_bytes = arena_bytes;
+        d.granule_bytes = 4096;
+    }
     if (g->policy.value_group_size != 0 && g->policy.value_group_size != g->policy.group_size)
         return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
                           "policy %s: the decode kernel reads values in the keys' groups only",
@@ -622,7 +625,7 @@ llama_result reserve_positions(gpu_llama *g, const int32_t *seqs, int32_t n, cha
     for (int32_t i = 0; i < n; i++) {
         int32_t kv = g->kv_seq[seqs[i]];
         kvmix_result r = kvmix_cache_reserve(&g->cache, kv, 1, NULL, NULL);
-        if (r == KVMIX_ERR_OUT_OF_MEMORY && g->cache.n_jobs > 0) {
+        if (r == KVMIX_ERR_OUT_OF_MEMORY) { /* released bytes wait for a take */
             llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
             if (f != LLAMA_OK) return f;
             r = kvmix_cache_reserve(&g->cache, kv, 1, NULL, NULL);
@@ -760,7 +763,7 @@ extern "C" llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char 
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "sequence %d is not started", seq);
     if (g->fp32 || g->policy.request_boundary != KVMIX_POLICY_BOUNDARY_FINISH) return LLAMA_OK;
     kvmix_result r = kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]);
-    if (r == KVMIX_ERR_OUT_OF_MEMORY && g->cache.n_jobs > 0) {
+    if (r == KVMIX_ERR_OUT_OF_MEMORY) {
         llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
         if (f != LLAMA_OK) return f;
         r = kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]);
@@ -868,7 +871,7 @@ extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_toke
         int32_t pos = g->next_pos[seq];
         const kvmix_cache_precision *p = precisions ? precisions + done : NULL;
         kvmix_result kr = kvmix_cache_reserve(&g->cache, kv, n, p, NULL);
-        if (kr == KVMIX_ERR_OUT_OF_MEMORY && g->cache.n_jobs > 0) {
+        if (kr == KVMIX_ERR_OUT_OF_MEMORY) {
             llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
             if (f != LLAMA_OK) return f;
             kr = kvmix_cache_reserve(&g->cache, kv, n, p, NULL);
@@ -888,7 +891,15 @@ extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_toke
         g->next_pos[seq] += n;
         done += n;
     }
-    return LLAMA_OK;
+    /* the last chunk's full pages are packed now, as a decode step would */
+    kvmix_result kr = kvmix_cache_seal_ready(&g->cache, kv);
+    if (kr == KVMIX_ERR_OUT_OF_MEMORY) {
+        llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
+        if (f != LLAMA_OK) return f;
+        kr = kvmix_cache_seal_ready(&g->cache, kv);
+    }
+    TRY_KVMIX(kr, "filling a sequence");
+    return flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
 }
 
 extern "C" void gpu_llama_profile_start(gpu_llama *g) {

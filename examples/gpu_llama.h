@@ -30,7 +30,8 @@ typedef struct gpu_llama gpu_llama;
 /* Uploads the model and builds the cache for `policy` (resolved for the model's head_dim), for
  * up to max_seqs sequences of max_tokens positions (past the model's trained context the model
  * runs, but what it predicts there means nothing: for timing only). arena_bytes: the cache's
- * device arena, 0 = room for every position of every sequence at FP16.
+ * device arena, 0 = room for every position of every sequence at FP16 (granules of 256 bytes);
+ * a given budget uses granules of 4 KiB.
  * LLAMA_ERR_UNSUPPORTED: no CUDA device, or a policy or shape the kernel pack does not run;
  * LLAMA_ERR_MEMORY: the model, cache or buffers do not fit on the device. */
 llama_result gpu_llama_create(const llama_model *model, const kvmix_policy *policy,

@@ -150,7 +150,35 @@ static void test_device_arena_rules(void) {
     free(arena);
 }
 
+/* kvmix_cache_seal_ready packs what the next reserve would, and adds no position. */
+static void test_seal_ready(void) {
+    kvmix_cache_desc d = scenario_desc(0);
+    kvmix_cache cache;
+    kvmix_cache_stats before, after;
+    float *rows = (float *)test_alloc(48 * 2 * 64 * sizeof(float));
+    int32_t seq, layer, i;
+    for (i = 0; i < 48 * 2 * 64; i++) rows[i] = (float)(i % 97) / 50.0f - 1.0f;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seal_ready(&cache, seq + 1), KVMIX_ERR_INVALID_ARGUMENT);
+    /* 48 positions, pages of 16, a window of 16: the first two pages may be sealed */
+    CHECK_RESULT(kvmix_cache_reserve(&cache, seq, 48, NULL, NULL), KVMIX_SUCCESS);
+    for (layer = 0; layer < d.n_layers; layer++)
+        CHECK_RESULT(kvmix_cache_write(&cache, seq, layer, 0, 48, rows, rows), KVMIX_SUCCESS);
+    kvmix_cache_stats_get(&cache, &before);
+    CHECK_RESULT(kvmix_cache_seal_ready(&cache, seq), KVMIX_SUCCESS);
+    kvmix_cache_stats_get(&cache, &after);
+    CHECK_EQ_INT(before.n_buffer_pages, 3);
+    CHECK_EQ_INT(after.n_buffer_pages, 1);
+    CHECK(after.arena_used_bytes < before.arena_used_bytes);
+    CHECK_EQ_INT(cache.seqs[seq].n_tokens, 48);
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
+    free(rows);
+}
+
 void unit_device_arena(void) {
+    test_seal_ready();
     test_device_arena_rules();
     test_dropped_job_noticed();
     test_scenarios();
