@@ -2515,31 +2515,45 @@ static void kvmix__granules_mark(uint64_t *bitmap, int64_t start, int64_t n, int
 }
 
 /* First fit: the lowest run of n free granules, or -1. */
+/* Trailing zero bits of a nonzero word. */
+static int kvmix__ctz64(uint64_t x) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_ctzll(x);
+#else
+    int n = 0;
+    while (!(x & 1u)) x >>= 1, n++;
+    return n;
+#endif
+}
+
+/* The first run of n free granules at or after the hint (first fit), or -1. Walks the bitmap a
+   word at a time: used and free stretches are skipped whole. */
 static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n) {
     const uint64_t *bm = c->bitmap;
     int64_t total = c->n_granules, i = c->first_free_hint;
     if (n <= 0 || n > c->n_free_granules) return -1;
     while (i + n <= total) {
         int64_t j, end = i + n;
-        if ((i & 63) == 0 && bm[i >> 6] == ~(uint64_t)0) {
-            i += 64;
-            continue;
-        }
-        if (kvmix__granule_used(bm, i)) {
-            i++;
+        uint64_t used = bm[i >> 6] >> (i & 63);
+        if (used & 1u) { /* skip the used bits from i on */
+            uint64_t free_bits = ~used;
+            i = free_bits == 0 || (i & 63) + kvmix__ctz64(free_bits) >= 64
+                    ? (i | 63) + 1
+                    : i + kvmix__ctz64(free_bits);
             continue;
         }
         j = i;
-        while (j < end) {
-            if ((j & 63) == 0 && end - j >= 64 && bm[j >> 6] == 0) {
-                j += 64;
+        while (j < end) { /* the free run from i */
+            uint64_t w = bm[j >> 6] >> (j & 63);
+            if (w == 0) {
+                j = (j | 63) + 1;
                 continue;
             }
-            if (kvmix__granule_used(bm, j)) break;
-            j++;
+            j += kvmix__ctz64(w);
+            break;
         }
-        if (j == end) return i;
-        i = j + 1;
+        if (j >= end) return i;
+        i = j;
     }
     return -1;
 }

@@ -91,10 +91,12 @@ static const kvmix_policy *policy_of(const char *name, int32_t context,
     return prec ? p : NULL;
 }
 
-/* Fills sequences to `context` until the arena is full; the last, partial one is ended and so is
- * one full one, so that the rest have room to decode. Returns the sequences kept. */
-static int32_t fill_until_full(gpu_llama *g, int32_t context, const kvmix_cache_precision *prec,
-                               char *err, size_t err_bytes) {
+/* Fills sequences to `context` until the arena is full, then ends the last, partial one and as
+ * many full ones as it takes to leave every other sequence a new FP16 buffer page (what a decode
+ * step may add). Returns the sequences kept. */
+static int32_t fill_until_full(gpu_llama *g, const llama_config *c, const kvmix_policy *p,
+                               int32_t context, const kvmix_cache_precision *prec, char *err,
+                               size_t err_bytes) {
     int32_t n = 0, seq;
     while (n < MAX_SEQS && gpu_llama_seq_start(g, &seq, err, err_bytes) == LLAMA_OK) {
         if (gpu_llama_fill(g, seq, context, prec, err, err_bytes) != LLAMA_OK) {
@@ -103,8 +105,12 @@ static int32_t fill_until_full(gpu_llama *g, int32_t context, const kvmix_cache_
         }
         n++;
     }
-    if (n == MAX_SEQS) return n;
-    if (n > 0) gpu_llama_seq_end(g, --n); /* decode room: new buffer pages as steps go on */
+    if (n == MAX_SEQS || n == 0) return n;
+    llama_kv_stats st;
+    gpu_llama_seq_stats(g, 0, &st);
+    double page = 4.0 * c->n_layers * c->n_kv_heads * p->page_tokens * c->head_dim;
+    int32_t room = (int32_t)ceil((double)n * page / (double)(st.bytes ? st.bytes : 1)) + 1;
+    while (room-- > 0 && n > 0) gpu_llama_seq_end(g, --n);
     return n;
 }
 
@@ -151,7 +157,7 @@ static bool run_policy(const llama_model *m, const char *name, int32_t context, 
     }
     bool ok = gpu_llama_create(m, p, MAX_SEQS, context + 8 * (WARM_STEPS + steps) + 64, budget, &g,
                                err, sizeof err) == LLAMA_OK;
-    int32_t fit = ok ? fill_until_full(g, context, prec, err, sizeof err) : 0;
+    int32_t fit = ok ? fill_until_full(g, &m->config, p, context, prec, err, sizeof err) : 0;
     llama_kv_stats st = {0, 0.0, 0};
     if (ok && fit > 0) gpu_llama_seq_stats(g, 0, &st);
     row->fit = fit;
