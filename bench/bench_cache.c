@@ -9,13 +9,21 @@
    one append per sequence, timing each append. It prints the configuration, ns per append (mean,
    median, p99, max; mean split into appends that sealed a page and those that did not), the
    bookkeeping-only baseline measured in the same run (the same steps with a 1-layer, 1-head,
-   head_dim 32 cache, where row bytes are negligible), and the cache's accounting. */
+   head_dim 32 cache, where row bytes are negligible), and the cache's accounting.
+
+   Then the device-arena bookkeeping row: what a GPU loop's host does per decode step when the
+   arena is device memory (the host never touches it; examples/gpu_llama.cu): reserve one
+   position per sequence, queue every layer's row copies (kvmix_cache_write_rows), take the jobs
+   after each layer, and build the step's view once (kvmix_cache_view_counts + kvmix_cache_view
+   of layer 0). Sequences are first filled to the context the same way, in chunks. Shape of
+   kvm-base (8 layers, 2 kv heads of 128), kivi2 (pages of 32, a 128-token FP16 window). */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c99/c11 */
 #define KVMIX_IMPLEMENTATION
 #include "kvmix.h"
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 typedef struct bench_config {
@@ -151,6 +159,87 @@ static int bench_run(const bench_config *bc, int32_t n_seqs, int32_t steps, int 
     return 0;
 }
 
+/* Per decode step of the device-arena bookkeeping, in microseconds (mean over `steps`). */
+static int bench_device_step(int32_t n_seqs, int32_t context, int32_t steps) {
+    kvmix_cache_desc d;
+    kvmix_cache cache;
+    size_t bytes = 0, arena_granules;
+    void *memory;
+    kvmix_quantize_job *jobs;
+    kvmix_cache_batch *batches;
+    kvmix_view_span *spans;
+    uint8_t *dead;
+    int32_t *seqs, *first, s, t, layer, n_jobs, n_batches, n_spans = 0, n_dead = 0;
+    double per_step, take_ns = 0.0, view_ns = 0.0, total_ns = 0.0;
+    kvmix_view view;
+    memset(&d, 0, sizeof d);
+    d.n_layers = 8, d.n_kv_heads = 2, d.head_dim = 128, d.max_seqs = n_seqs;
+    d.max_tokens_per_seq = context + steps + 8;
+    kvmix_policy_apply(kvmix_policy_find("kivi2"), &d, NULL);
+    /* every page at 2.5 bytes a row and head, and the FP16 window: ample for kivi2 */
+    arena_granules = (size_t)n_seqs * ((size_t)context / 32 + 16) * 64;
+    d.granule_bytes = 4096;
+    d.arena_bytes = arena_granules * d.granule_bytes;
+    d.device_arena = 1;
+    if (kvmix_cache_memory_bytes(&d, &bytes) != KVMIX_SUCCESS) return 1;
+    memory = malloc(bytes);
+    /* a device pointer the host never dereferences: any aligned value does */
+    if (!memory ||
+        kvmix_cache_init(&cache, &d, memory, bytes, (void *)(uintptr_t)4096) != KVMIX_SUCCESS)
+        return 1;
+    jobs = (kvmix_quantize_job *)malloc((size_t)d.max_jobs * sizeof *jobs);
+    batches = (kvmix_cache_batch *)malloc((size_t)d.max_jobs * sizeof *batches);
+    seqs = (int32_t *)malloc((size_t)n_seqs * sizeof *seqs);
+    first = (int32_t *)malloc(((size_t)n_seqs + 1) * sizeof *first);
+    if (!jobs || !batches || !seqs || !first) return 1;
+    for (s = 0; s < n_seqs; s++) {
+        if (kvmix_cache_seq_create(&cache, &seqs[s]) != KVMIX_SUCCESS) return 1;
+        for (t = 0; t < context; t += 1024) {
+            int32_t n = context - t < 1024 ? context - t : 1024;
+            if (kvmix_cache_reserve(&cache, seqs[s], n, NULL, NULL) != KVMIX_SUCCESS) return 1;
+            for (layer = 0; layer < d.n_layers; layer++)
+                kvmix_cache_write_rows(&cache, seqs[s], layer, t, n, 0);
+            kvmix_cache_jobs_take(&cache, jobs, d.max_jobs, batches, d.max_jobs, &n_jobs,
+                                  &n_batches);
+        }
+        if (kvmix_cache_seal_ready(&cache, seqs[s]) != KVMIX_SUCCESS) return 1;
+        kvmix_cache_jobs_take(&cache, jobs, d.max_jobs, batches, d.max_jobs, &n_jobs, &n_batches);
+    }
+    kvmix_cache_view_counts(&cache, seqs, n_seqs, &n_spans, &n_dead);
+    spans = (kvmix_view_span *)malloc(((size_t)n_spans + (size_t)n_seqs) * sizeof *spans);
+    dead = (uint8_t *)malloc((size_t)n_dead + 1);
+    if (!spans || !dead) return 1;
+    for (t = 0; t < steps; t++) {
+        double step_start = bench_now_ns(), mark;
+        for (s = 0; s < n_seqs; s++)
+            if (kvmix_cache_reserve(&cache, seqs[s], 1, NULL, NULL) != KVMIX_SUCCESS) return 1;
+        for (layer = 0; layer < d.n_layers; layer++) {
+            for (s = 0; s < n_seqs; s++)
+                kvmix_cache_write_rows(&cache, seqs[s], layer, context + t, 1, s);
+            mark = bench_now_ns();
+            kvmix_cache_jobs_take(&cache, jobs, d.max_jobs, batches, d.max_jobs, &n_jobs,
+                                  &n_batches);
+            take_ns += bench_now_ns() - mark;
+            if (layer == 0) {
+                mark = bench_now_ns();
+                kvmix_cache_view_counts(&cache, seqs, n_seqs, &n_spans, &n_dead);
+                if (kvmix_cache_view(&cache, 0, seqs, n_seqs, spans, n_spans, first, dead, n_dead,
+                                     &view) != KVMIX_SUCCESS)
+                    return 1;
+                view_ns += bench_now_ns() - mark;
+            }
+        }
+        total_ns += bench_now_ns() - step_start;
+    }
+    per_step = total_ns / steps / 1e3;
+    printf("device-arena kvm-base-shape kivi2: %d seqs at %d tokens (%d spans a view): %.0f us "
+           "a step (view %.0f, taking jobs %.0f, reserve and row writes the rest)\n",
+           n_seqs, context, view.n_spans, per_step, view_ns / steps / 1e3, take_ns / steps / 1e3);
+    kvmix_cache_deinit(&cache);
+    free(memory), free(jobs), free(batches), free(seqs), free(first), free(spans), free(dead);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int32_t n_seqs = argc > 1 ? atoi(argv[1]) : 256, steps = argc > 2 ? atoi(argv[2]) : 128;
     static const bench_config configs[] = {
@@ -175,5 +264,8 @@ int main(int argc, char **argv) {
         if (bench_run(&configs[i], n_seqs, steps, 0, &mean)) return 1;
         printf("  ratio to the bookkeeping baseline: %.1fx\n", mean / baseline);
     }
+    if (bench_device_step(64, 4096, 32) || bench_device_step(256, 4096, 32) ||
+        bench_device_step(64, 32768, 16) || bench_device_step(135, 32768, 16))
+        return 1;
     return 0;
 }
