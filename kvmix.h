@@ -395,8 +395,9 @@ typedef struct kvmix_cache {
     void *retired_runs;      /* [desc.max_jobs] */
     uint32_t *retired_pages; /* [max_pages] released descriptors, held until the take */
     int32_t n_retired_pages;
-    uint32_t segment;       /* jobs of one segment run in any order; segments in order */
-    uint32_t *page_segment; /* [max_pages][2] the segments that last wrote, read each page */
+    uint32_t segment;              /* jobs of one segment run in any order; segments in order */
+    uint32_t *page_segment;        /* [max_pages][2] the segments that last wrote, read each page */
+    size_t full_block_bytes[2][8]; /* private: [is_value][format] of a block of page_tokens rows */
 } kvmix_cache;
 
 /* Accounting of a whole cache. Bytes per format count key blocks under the key format and value
@@ -2433,6 +2434,10 @@ static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int is_value, int32
                                        int32_t rows, int32_t capacity) {
     kvmix_layout l;
     size_t bytes;
+    int full =
+        format == KVMIX_FORMAT_FP16 ? capacity == c->desc.page_tokens : rows == c->desc.page_tokens;
+    if (full && format > 0 && format < 8 && c->full_block_bytes[is_value][format] != 0)
+        return c->full_block_bytes[is_value][format]; /* views ask this for every page */
     if (format == KVMIX_FORMAT_FP16) {
         bytes = (size_t)capacity * (size_t)c->desc.head_dim * 2;
     } else {
@@ -2887,6 +2892,12 @@ KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *des
     cache->retired_pages = (uint32_t *)(void *)(m + g.retired_pages);
     cache->page_segment = (uint32_t *)(void *)(m + g.page_segment);
     cache->segment = 1;
+    for (i = KVMIX_FORMAT_FP16; i <= KVMIX_FORMAT_BOOSTED; i++) {
+        cache->full_block_bytes[0][i] =
+            kvmix__cache_block_bytes(cache, 0, i, d.page_tokens, d.page_tokens);
+        cache->full_block_bytes[1][i] =
+            kvmix__cache_block_bytes(cache, 1, i, d.page_tokens, d.page_tokens);
+    }
     /* the sentinel: pinned, no bytes */
     cache->pages[0].refcount = 1;
     cache->pages[0].sealed = 1;
