@@ -14,6 +14,7 @@
  *
  * "mix" is kivi2's layout with one page in four asked at INT4 keys and values: 75% of the pages
  * INT2 (per-channel keys, per-token values), 25% INT4. */
+#define _POSIX_C_SOURCE 200809L /* isatty */
 #include "gpu_llama.h"
 #include "kvmix_kv.h"
 #include "llama.h"
@@ -22,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 enum { MAX_SEQS = 1024, MAX_LIST = 8, WARM_STEPS = 2 };
 
@@ -98,13 +100,17 @@ static int32_t fill_until_full(gpu_llama *g, const llama_config *c, const kvmix_
                                int32_t context, const kvmix_cache_precision *prec, char *err,
                                size_t err_bytes) {
     int32_t n = 0, seq;
+    bool progress = isatty(STDERR_FILENO) != 0; /* fills take seconds to minutes */
     while (n < MAX_SEQS && gpu_llama_seq_start(g, &seq, err, err_bytes) == LLAMA_OK) {
         if (gpu_llama_fill(g, seq, context, prec, err, err_bytes) != LLAMA_OK) {
             gpu_llama_seq_end(g, seq);
             break;
         }
         n++;
+        if (progress)
+            fprintf(stderr, "\r%s: %d sequences filled to %d tokens", p->name, n, context);
     }
+    if (progress) fprintf(stderr, "\r%60s\r", "");
     if (n == MAX_SEQS || n == 0) return n;
     llama_kv_stats st;
     gpu_llama_seq_stats(g, 0, &st);

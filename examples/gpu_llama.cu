@@ -668,6 +668,13 @@ extern "C" llama_result gpu_llama_create(const llama_model *model, const kvmix_p
     if (max_seqs < 1 || max_seqs > (1 << 20) || max_tokens < 1 || max_tokens > (1 << 26))
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
                           "gpu_llama_create: %d sequences of %d tokens", max_seqs, max_tokens);
+    const llama_config *mc = &model->config;
+    if ((mc->head_dim != 64 && mc->head_dim != 128 && mc->head_dim != 256) || mc->n_kv_heads < 1 ||
+        mc->n_heads % mc->n_kv_heads != 0)
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "a model of head_dim %d, %d query and %d kv heads: the decode kernel "
+                          "runs head_dim 64, 128 and 256 with whole query groups",
+                          mc->head_dim, mc->n_heads, mc->n_kv_heads);
     int device = 0;
     cudaDeviceProp prop;
     TRY_CUDA(cudaGetDevice(&device), "no CUDA device");
