@@ -398,6 +398,9 @@ typedef struct kvmix_cache {
     uint32_t segment;              /* jobs of one segment run in any order; segments in order */
     uint32_t *page_segment;        /* [max_pages][2] the segments that last wrote, read each page */
     size_t full_block_bytes[2][8]; /* private: [is_value][format] of a block of page_tokens rows */
+    /* private: for the last sizes asked, no free run that long starts below fit_from */
+    int64_t fit_size[8], fit_from[8];
+    int32_t fit_next;
 } kvmix_cache;
 
 /* Accounting of a whole cache. Bytes per format count key blocks under the key format and value
@@ -2533,9 +2536,9 @@ static int kvmix__ctz64(uint64_t x) {
 
 /* The first run of n free granules at or after the hint (first fit), or -1. Walks the bitmap a
    word at a time: used and free stretches are skipped whole. */
-static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n) {
+static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n, int64_t from) {
     const uint64_t *bm = c->bitmap;
-    int64_t total = c->n_granules, i = c->first_free_hint;
+    int64_t total = c->n_granules, i = from > c->first_free_hint ? from : c->first_free_hint;
     if (n <= 0 || n > c->n_free_granules) return -1;
     while (i + n <= total) {
         int64_t j, end = i + n;
@@ -2577,10 +2580,42 @@ static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int6
     return 1;
 }
 
+/* The slot of size n's fit hint, or -1. A search for n starts at the hint: first fit scans
+   past the small holes below it only once. */
+static int32_t kvmix__fit_slot(const kvmix_cache *c, int64_t n) {
+    int32_t k;
+    for (k = 0; k < 8; k++)
+        if (c->fit_size[k] == n) return k;
+    return -1;
+}
+
+/* Records that no free run of n granules starts below `from` (a successful search's result). */
+static void kvmix__fit_found(kvmix_cache *c, int64_t n, int64_t from) {
+    int32_t k = kvmix__fit_slot(c, n);
+    if (k < 0) {
+        k = c->fit_next;
+        c->fit_next = (k + 1) % 8;
+        c->fit_size[k] = n;
+    }
+    c->fit_from[k] = from;
+}
+
+/* Granules from `start` became free: a run that long may now start at or before the free run
+   that holds them. */
+static void kvmix__fit_freed(kvmix_cache *c, int64_t start) {
+    int32_t k;
+    while (start > 0 && !kvmix__granule_used(c->bitmap, start - 1))
+        start -= (start & 63) == 0 && c->bitmap[(start - 1) >> 6] == 0 ? 64 : 1;
+    for (k = 0; k < 8; k++)
+        if (c->fit_from[k] > start) c->fit_from[k] = start;
+}
+
 /* Takes n granules; returns the first or -1 (nothing changed). */
 static int64_t kvmix__arena_take(kvmix_cache *c, kvmix__plan *plan, int64_t n) {
-    int64_t start = kvmix__arena_find(c, n);
+    int32_t k = kvmix__fit_slot(c, n);
+    int64_t start = kvmix__arena_find(c, n, k < 0 ? 0 : c->fit_from[k]);
     if (start < 0 || !kvmix__journal(c, plan, start, n, 1)) return -1;
+    kvmix__fit_found(c, n, start);
     kvmix__granules_mark(c->bitmap, start, n, 1);
     c->n_free_granules -= n;
     if (start == c->first_free_hint) c->first_free_hint = start + n;
@@ -2603,6 +2638,7 @@ static void kvmix__arena_give(kvmix_cache *c, kvmix__plan *plan, int64_t start, 
     kvmix__granules_mark(c->bitmap, start, n, 0);
     c->n_free_granules += n;
     if (start < c->first_free_hint) c->first_free_hint = start;
+    kvmix__fit_freed(c, start);
 }
 
 /* Undoes a plan's journaled arena operations, newest first, and restores the hint. */
@@ -3462,13 +3498,20 @@ static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_t
                                         const float *keys, const float *values,
                                         const kvmix_cache_precision *precisions, int finish) {
     kvmix__plan plan;
-    int64_t hint = c->first_free_hint;
+    int64_t hint = c->first_free_hint, fit_size[8], fit_from[8];
+    int32_t fit_next = c->fit_next;
     kvmix_result r;
     /* the plan state and the scratch block are zero between calls, so that a failed call
-       leaves every byte of the metadata memory as it was */
+       leaves every byte of the metadata memory as it was; the fit hints, which the plan's
+       undone allocations would leave too high, come back as they were */
+    memcpy(fit_size, c->fit_size, sizeof fit_size);
+    memcpy(fit_from, c->fit_from, sizeof fit_from);
     kvmix__plan_begin(c, seq, &plan, 1);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
     kvmix__plan_undo(c, &plan, hint);
+    memcpy(c->fit_size, fit_size, sizeof fit_size);
+    memcpy(c->fit_from, fit_from, sizeof fit_from);
+    c->fit_next = fit_next;
     memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
     memset(plan.ops, 0, (size_t)plan.max_ops * sizeof *plan.ops);
     /* a device arena's queue holds the jobs and, one per seal, the granules released */
@@ -3707,6 +3750,7 @@ static void kvmix__release_held(kvmix_cache *c) {
         kvmix__granules_mark(c->bitmap, runs[i].start, runs[i].n, 0);
         c->n_free_granules += runs[i].n;
         if (runs[i].start < c->first_free_hint) c->first_free_hint = runs[i].start;
+        kvmix__fit_freed(c, runs[i].start);
     }
     for (i = 0; i < c->n_retired_pages; i++) {
         uint32_t id = c->retired_pages[i];
@@ -3715,6 +3759,7 @@ static void kvmix__release_held(kvmix_cache *c) {
         kvmix__granules_mark(c->bitmap, start, (int64_t)p->n_granules, 0);
         c->n_free_granules += (int64_t)p->n_granules;
         if (start < c->first_free_hint) c->first_free_hint = start;
+        kvmix__fit_freed(c, start);
         memset(p, 0, sizeof *p);
         c->free_pages[c->n_free_pages++] = id;
     }
