@@ -659,6 +659,10 @@ llama_result check_step(const gpu_llama *g, const int32_t *seqs, const int32_t *
 
 } // namespace
 
+static llama_result create_runner(gpu_llama *g, const llama_model *model,
+                                  const kvmix_policy *policy, int32_t max_seqs, int32_t max_tokens,
+                                  size_t arena_bytes, char *err, size_t err_bytes);
+
 extern "C" llama_result gpu_llama_create(const llama_model *model, const kvmix_policy *policy,
                                          int32_t max_seqs, int32_t max_tokens, size_t arena_bytes,
                                          gpu_llama **out, char *err, size_t err_bytes) {
@@ -675,13 +679,25 @@ extern "C" llama_result gpu_llama_create(const llama_model *model, const kvmix_p
                           "a model of head_dim %d, %d query and %d kv heads: the decode kernel "
                           "runs head_dim 64, 128 and 256 with whole query groups",
                           mc->head_dim, mc->n_heads, mc->n_kv_heads);
+    gpu_llama *g = (gpu_llama *)calloc(1, sizeof *g);
+    if (!g) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    llama_result r =
+        create_runner(g, model, policy, max_seqs, max_tokens, arena_bytes, err, err_bytes);
+    if (r != LLAMA_OK)
+        gpu_llama_free(g); /* what was made before the failure */
+    else
+        *out = g;
+    return r;
+}
+
+/* gpu_llama_create's work on a zeroed g, which gpu_llama_free releases whatever the outcome. */
+static llama_result create_runner(gpu_llama *g, const llama_model *model,
+                                  const kvmix_policy *policy, int32_t max_seqs, int32_t max_tokens,
+                                  size_t arena_bytes, char *err, size_t err_bytes) {
     int device = 0;
     cudaDeviceProp prop;
     TRY_CUDA(cudaGetDevice(&device), "no CUDA device");
     TRY_CUDA(cudaGetDeviceProperties(&prop, device), "no CUDA device");
-    gpu_llama *g = (gpu_llama *)calloc(1, sizeof *g);
-    if (!g) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
-    *out = g;
     g->c = model->config;
     snprintf(g->device_name, sizeof g->device_name, "%s", prop.name);
     g->n_sms = prop.multiProcessorCount;
@@ -837,9 +853,11 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
     int32_t flags = 0;
     if (!g->fp32) {
         TRY_CUDA(cudaMemcpy(&flags, g->d_flags, sizeof flags, cudaMemcpyDeviceToHost), "flags");
-        if (flags != 0)
+        if (flags != 0) { /* reported once: the flags start clean for the next step */
+            cudaMemset(g->d_flags, 0, sizeof(int32_t));
             return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
                               "a key or value row was not finite (error flags %d)", flags);
+        }
     }
     memcpy(logits, g->h_logits, (size_t)n * c->vocab * sizeof(float));
     for (int32_t i = 0; i < n; i++) g->next_pos[seqs[i]]++;

@@ -27,7 +27,8 @@ extern "C" {
 
 typedef struct gpu_llama gpu_llama;
 
-/* Uploads the model and builds the cache for `policy` (resolved for the model's head_dim), for
+/* Uploads the model and builds the cache for `policy` (resolved for the model's head_dim) into a
+ * new runner, *out (NULL on failure, when everything made so far is released), for
  * up to max_seqs sequences of max_tokens positions (past the model's trained context the model
  * runs, but what it predicts there means nothing: for timing only). arena_bytes: the cache's
  * device arena, 0 = room for every position of every sequence at FP16 (granules of 256 bytes);
