@@ -36,7 +36,7 @@ NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
-FUZZ_TARGETS := formats view payload safetensors policy tags tagspec
+FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate
 
@@ -59,9 +59,11 @@ $(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS)
 
 # ---- reference-model runner and quality harness ----------------------------------------------
-$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
-	$(CC) $(CFLAGS) -I. -Iexamples examples/kvmix_eval.c examples/llama.c examples/kvmix_kv.c \
-		-o $@ $(EVAL_LDLIBS)
+EVAL_TAG_SRC := examples/tag_spec_json.c examples/tag_allocation.c
+$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) \
+		examples/tag_allocation.h examples/tag_spec_json.h | $(BUILD)
+	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_eval.c \
+		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) -o $@ $(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
 
@@ -108,9 +110,10 @@ $(BUILD)/example_cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 
 # Model tests take the shared folder as their argument (tests/run_all.sh passes it).
 $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_policy.h $(LLAMA_SRC) \
-		$(KV_SRC) | $(BUILD)
-	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples tests/test_llama.c \
-		tests/test_policy.c examples/llama.c examples/kvmix_kv.c -o $@ $(EVAL_LDLIBS)
+		$(KV_SRC) $(EVAL_TAG_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples \
+		-DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION tests/test_llama.c tests/test_policy.c \
+		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) -o $@ $(EVAL_LDLIBS)
 # Tags on the reference traces and the real tokenizers; it runs the tools too.
 $(BUILD)/model_test_tags: tests/test_tags.c tests/model_check.h $(TAG_SRC) $(TAG_TOOLS) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. -Iexamples tests/test_tags.c \
@@ -129,6 +132,10 @@ $(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c tests/fuzz_seed_driver.h
 		| $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/fuzz_allocation_run: tests/fuzz_allocation.c tests/fuzz_seed_driver.h $(EVAL_TAG_SRC) \
+		examples/tag_allocation.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_allocation.c \
+		$(EVAL_TAG_SRC) -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_tagspec_run: tests/fuzz_tagspec.c tests/fuzz_seed_driver.h $(TAG_SRC) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_tagspec.c \
 		examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
@@ -149,13 +156,17 @@ $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_
 		examples/llama.h kvmix_cuda.h kvmix.h | $(BUILD)
 	$(NVCC) $(NVCCFLAGS) -I. -Iexamples -c $< -o $@
 
-$(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(BUILD)/gpu_llama.o \
+$(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_EVAL_CUDA -I. -Iexamples -c examples/kvmix_eval.c -o $(BUILD)/eval_cuda_main.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/llama.c -o $(BUILD)/eval_cuda_llama.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/kvmix_kv.c -o $(BUILD)/eval_cuda_kv.o
+	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION -c \
+		examples/tag_spec_json.c -o $(BUILD)/eval_cuda_spec.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/tag_allocation.c -o $(BUILD)/eval_cuda_alloc.o
 	$(NVCC) $(BUILD)/eval_cuda_main.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
-		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
+		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/gpu_llama.o \
+		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
 $(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -Itests -c tests/test_gpu_llama.c -o $(BUILD)/test_gpu_llama.o
@@ -217,6 +228,9 @@ $(BUILD)/fuzz_%: tests/fuzz_%.c tests/fuzz_invariants.h kvmix.h | $(BUILD)
 	$(LIBFUZZER) $< -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_safetensors.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+$(BUILD)/fuzz_allocation: tests/fuzz_allocation.c $(EVAL_TAG_SRC) examples/tag_allocation.h \
+		| $(BUILD)
+	$(LIBFUZZER) tests/fuzz_allocation.c $(EVAL_TAG_SRC) -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_tagspec: tests/fuzz_tagspec.c $(TAG_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_tagspec.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_policy: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)

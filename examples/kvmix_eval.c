@@ -2,7 +2,7 @@
  *
  *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]
  *              [--limit N] [--policy P] [--threads N] [--capture DIR]
- *              [--device cpu|cuda] [--batch N]
+ *              [--device cpu|cuda] [--batch N] [--tag-spec S.json --allocation A.json]
  *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
@@ -38,10 +38,17 @@
  * runs the same way first. The policy's cache is a kvmix cache with a device arena, attention is
  * kvmix_cuda_decode. The JSON is the same, with "device" naming the GPU; --capture is CPU only.
  * Progress (texts done, tokens per second, time left) goes to stderr when it is a terminal.
+ *
+ * --tag-spec S.json --allocation A.json (together; CPU only for now) store each token by its
+ * template tag: the spec (tag_spec_json.h) tags the ids as they run, the allocation
+ * (kvmix-calibrate's, tag_allocation.h) gives each tag its formats in the current turn, tags it
+ * does not list keep the policy's; a page seals in the highest precision its tokens ask for.
  */
 #define _POSIX_C_SOURCE 200809L /* opendir */
 #include "kvmix_kv.h"
 #include "llama.h"
+#include "tag_allocation.h"
+#include "tag_spec_json.h"
 
 #ifdef KVMIX_EVAL_CUDA
 #include "gpu_llama.h"
@@ -71,6 +78,8 @@ typedef struct options {
     const char *read_capture_path; /* NULL: evaluate */
     bool cuda;                     /* --device cuda */
     int64_t batch;                 /* texts at once on the GPU */
+    const char *tag_spec_path;     /* with allocation_path: store tokens by their tags */
+    const char *allocation_path;
 } options;
 
 static void usage(FILE *f) {
@@ -78,7 +87,7 @@ static void usage(FILE *f) {
         f,
         "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]\n"
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
-        "                  [--device cpu|cuda] [--batch N]\n"
+        "                  [--device cpu|cuda] [--batch N] [--tag-spec S --allocation A]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -96,9 +105,14 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
     const struct {
         const char *flag;
         const char **dest;
-    } flags[] = {{"--model", &o->model_path},    {"--data", &o->data_path},
-                 {"--kind", &o->kind},           {"--policy", &o->policy},
-                 {"--capture", &o->capture_dir}, {"--read-capture", &o->read_capture_path}};
+    } flags[] = {{"--model", &o->model_path},
+                 {"--data", &o->data_path},
+                 {"--kind", &o->kind},
+                 {"--policy", &o->policy},
+                 {"--capture", &o->capture_dir},
+                 {"--read-capture", &o->read_capture_path},
+                 {"--tag-spec", &o->tag_spec_path},
+                 {"--allocation", &o->allocation_path}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
             *flags[i].dest = value;
@@ -114,7 +128,8 @@ static bool parse_options(int argc, char **argv, options *o) {
 #else
     const bool cuda_default = false;
 #endif
-    *o = (options){NULL, NULL, NULL, 0, 0, "fp32", 2, NULL, false, NULL, cuda_default, 256};
+    *o = (options){NULL,  NULL, NULL,         0,   0,    "fp32", 2, NULL,
+                   false, NULL, cuda_default, 256, NULL, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -155,6 +170,14 @@ static bool parse_options(int argc, char **argv, options *o) {
         return false;
     }
 #endif
+    if ((o->tag_spec_path == NULL) != (o->allocation_path == NULL)) {
+        fprintf(stderr, "kvmix-eval: --tag-spec and --allocation go together\n");
+        return false;
+    }
+    if (o->cuda && o->tag_spec_path != NULL) {
+        fprintf(stderr, "kvmix-eval: tagged storage runs on the CPU only for now\n");
+        return false;
+    }
     if (o->cuda && o->capture_dir != NULL) {
         fprintf(stderr, "kvmix-eval: --capture runs on the CPU only\n");
         return false;
@@ -595,6 +618,10 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
                          const totals *t, double seconds, const char *device) {
     cJSON *obj = cJSON_CreateObject();
     cJSON_AddStringToObject(obj, "device", device);
+    if (o->tag_spec_path != NULL) {
+        cJSON_AddStringToObject(obj, "tag_spec", o->tag_spec_path);
+        cJSON_AddStringToObject(obj, "allocation", o->allocation_path);
+    }
     cJSON_AddStringToObject(obj, "model", o->model_path);
     cJSON_AddStringToObject(obj, "model_name", m->config.name);
     cJSON_AddStringToObject(obj, "data", o->data_path);
@@ -713,6 +740,22 @@ static llama_result eval_init(eval *e, const options *o, const kvmix_policy *p,
     return r;
 }
 
+/* --tag-spec and --allocation: the policy's cache stores each token by its tag. */
+static llama_result tag_cache(eval *e, const options *o) {
+    static tag_spec_doc doc; /* large: kept off the stack */
+    kvmix_tag_precision table;
+    kvmix_cache_precision fallback = {(uint8_t)e->policy.key_format,
+                                      (uint8_t)e->policy.value_format};
+    char why[ERR_BYTES - 64];
+    if (tag_spec_load(o->tag_spec_path, &doc, why, sizeof why) != KVMIX_SUCCESS ||
+        tag_allocation_load(o->allocation_path, fallback, &table, why, sizeof why) !=
+            KVMIX_SUCCESS) {
+        snprintf(e->err, sizeof e->err, "%s", why);
+        return LLAMA_ERR_FORMAT;
+    }
+    return kvmix_kv_tag(&e->cache, &doc.spec, &table, e->err, sizeof e->err);
+}
+
 static void eval_free(eval *e) {
     if (e->cache.destroy != NULL) e->cache.destroy(e->cache.state);
     if (e->reference.destroy != NULL) e->reference.destroy(e->reference.state);
@@ -740,6 +783,7 @@ static int run(const options *o) {
     }
     if (!load_texts(o, &list, e.err)) r = LLAMA_ERR_FORMAT;
     if (r == LLAMA_OK) r = eval_init(&e, o, &p, &model);
+    if (r == LLAMA_OK && o->tag_spec_path != NULL) r = tag_cache(&e, o);
     char device[256] = "cpu";
 #ifdef KVMIX_EVAL_CUDA
     if (r == LLAMA_OK && o->cuda) r = run_texts_gpu(&e, &list, &t, device, sizeof device);

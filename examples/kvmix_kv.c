@@ -380,6 +380,14 @@ typedef struct kv_kvmix {
     int64_t capacity;
     int32_t max_spans, max_dead;
     head_view *heads; /* [n_kv_heads] */
+    /* by tag (kvmix_kv_tag): the policy with the table, the stream's tagger, the formats the
+     * token announced at next_pos asks for */
+    bool tagged;
+    kvmix_policy policy;
+    kvmix_tag_precision table;
+    kvmix_tagger tagger;
+    kvmix_cache_precision next;
+    int64_t next_pos;
 } kv_kvmix;
 
 /* Positions of `layer` that have rows. */
@@ -397,7 +405,8 @@ static llama_result kv_kvmix_store(void *state, int32_t layer, int64_t pos, cons
     /* Layer 0 reserves the position, unless an earlier store that failed after reserving it did.
      * The cache stores it as the policy says (kvmix_policy_apply made it the default). */
     if (layer == 0 && kv->cache.seqs[kv->seq].n_tokens == pos) {
-        kvmix_result r = kvmix_cache_reserve(&kv->cache, kv->seq, 1, NULL, NULL);
+        const kvmix_cache_precision *by_tag = kv->tagged && kv->next_pos == pos ? &kv->next : NULL;
+        kvmix_result r = kvmix_cache_reserve(&kv->cache, kv->seq, 1, by_tag, NULL);
         if (r == KVMIX_ERR_OUT_OF_MEMORY) return LLAMA_ERR_CAPACITY;
         if (r != KVMIX_SUCCESS) return LLAMA_ERR_ARGUMENT;
     }
@@ -445,8 +454,20 @@ static void kv_kvmix_begin_request(void *state, int64_t pos) {
         kvmix_cache_seq_finish(&kv->cache, kv->seq);
 }
 
+/* Tags the token about to run and keeps the formats its tag gets (a new token is always of the
+ * current turn). */
+static void kv_kvmix_on_token(void *state, int64_t pos, int32_t id) {
+    kv_kvmix *kv = state;
+    kvmix_tag tag;
+    kv->next_pos = -1;
+    if (kvmix_tagger_feed(&kv->tagger, &id, 1, &tag) == KVMIX_SUCCESS &&
+        kvmix_policy_token_precision(&kv->policy, tag, tag.turn, &kv->next) == KVMIX_SUCCESS)
+        kv->next_pos = pos;
+}
+
 static void kv_kvmix_reset(void *state) {
     kv_kvmix *kv = state;
+    if (kv->tagged) kvmix_tagger_reset(&kv->tagger);
     kvmix_cache_seq_free(&kv->cache, kv->seq);
     kvmix_cache_seq_create(&kv->cache, &kv->seq); /* cannot fail: the only sequence was freed */
 }
@@ -538,6 +559,7 @@ llama_result kvmix_kv_create(const kvmix_policy *policy, const llama_config *con
     kv->n_kv_heads = config->n_kv_heads;
     kv->capacity = capacity;
     kv->request_boundary = p.request_boundary;
+    kv->policy = p;
     kvmix_result kr = init_cache(kv, &p, config);
     if (kr != KVMIX_SUCCESS) {
         kv_kvmix_destroy(kv);
@@ -555,7 +577,35 @@ llama_result kvmix_kv_create(const kvmix_policy *policy, const llama_config *con
                             kv_kvmix_begin_request,
                             kv_kvmix_reset,
                             kv_kvmix_stats,
-                            kv_kvmix_destroy};
+                            kv_kvmix_destroy,
+                            NULL};
+    return LLAMA_OK;
+}
+
+llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
+                          const kvmix_tag_precision *table, char *err, size_t err_bytes) {
+    if (cache == NULL || spec == NULL || table == NULL)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv tags: NULL argument");
+    if (cache->store != kv_kvmix_store)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "kv tags: the fp32 cache keeps every token in fp32");
+    kv_kvmix *kv = cache->state;
+    kvmix_policy_error why;
+    kvmix_policy p = kv->policy;
+    kvmix_tagger tagger;
+    p.tag_precision = table;
+    if (kvmix_policy_check(&p, &why) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv tags: %s: %s", why.field,
+                          why.reason);
+    if (kvmix_tagger_init(&tagger, spec) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv tags: the spec does not check");
+    kv->table = *table;
+    kv->policy = p;
+    kv->policy.tag_precision = &kv->table;
+    kv->tagger = tagger;
+    kv->tagged = true;
+    kv->next_pos = -1;
+    cache->on_token = kv_kvmix_on_token;
     return LLAMA_OK;
 }
 

@@ -1041,6 +1041,7 @@ llama_result llama_forward(llama_runner *runner, llama_kv_cache *cache, int32_t 
     if (pos < 0 || pos >= c->context)
         return llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY,
                           "position %lld is outside the context of %d", (long long)pos, c->context);
+    if (cache->on_token != NULL) cache->on_token(cache->state, pos, token);
     memcpy(runner->x, m->embed + (size_t)token * c->hidden, (size_t)c->hidden * sizeof(float));
     rope_table(runner, pos);
     for (int32_t l = 0; l < c->n_layers; l++) {
@@ -1202,7 +1203,8 @@ llama_result llama_kv_fp32_create(const llama_config *config, int64_t capacity,
                             kv_fp32_begin_request,
                             kv_fp32_reset,
                             kv_fp32_stats,
-                            kv_fp32_destroy};
+                            kv_fp32_destroy,
+                            NULL};
     return LLAMA_OK;
 }
 
@@ -1294,6 +1296,11 @@ static void kv_capture_begin_request(void *state, int64_t pos) {
     w->inner.begin_request(w->inner.state, pos);
 }
 
+static void kv_capture_on_token(void *state, int64_t pos, int32_t id) {
+    kv_capture *w = state;
+    w->inner.on_token(w->inner.state, pos, id);
+}
+
 static void kv_capture_reset(void *state) {
     kv_capture *w = state;
     w->inner.reset(w->inner.state);
@@ -1328,7 +1335,8 @@ llama_result llama_kv_capture_wrap(llama_kv_cache *inner, llama_capture *cap, ll
                             kv_capture_begin_request,
                             kv_capture_reset,
                             kv_capture_stats,
-                            kv_capture_destroy};
+                            kv_capture_destroy,
+                            inner->on_token != NULL ? kv_capture_on_token : NULL};
     return LLAMA_OK;
 }
 

@@ -156,6 +156,9 @@ typedef struct llama_kv_cache {
     void (*stats)(const void *state, llama_kv_stats *out);
     /* Frees state and everything it owns. */
     void (*destroy)(void *state);
+    /* Token `id` is about to run at position pos (before any layer stores it), or NULL: a cache
+     * that stores tokens by their template tag learns the ids here. */
+    void (*on_token)(void *state, int64_t pos, int32_t id);
 } llama_kv_cache;
 
 /* Softmax attention of one query row over float rows: out = sum_t softmax_t(scale * q.k_t) v_t.

@@ -672,8 +672,9 @@ static void test_score_sequence(void) {
     counting_cache counter = {0};
     CHECK(llama_runner_init(&runner, &model, 2, err, sizeof err) == LLAMA_OK);
     CHECK(llama_kv_fp32_create(&model.config, model.config.context, &counter.inner) == LLAMA_OK);
-    llama_kv_cache cache = {&counter,       counting_store, counting_attend, counting_begin_request,
-                            counting_reset, counting_stats, counting_destroy};
+    llama_kv_cache cache = {
+        &counter,       counting_store, counting_attend,  counting_begin_request,
+        counting_reset, counting_stats, counting_destroy, NULL};
     const int32_t ids[16] = {256, 257, 'u', 's', 'e', 'r', '\n', 'a',
                              258, 257, 'u', 's', 'e', 'r', '\n', 'b'};
     uint8_t mask[16];

@@ -6,6 +6,9 @@
  *     (bit for bit: it reads the cache itself, no copy), for every built-in and two custom
  *     policies, across request boundaries and a reset; after evictions, against softmax attention
  *     over the rows kvmix_cache_read returns for the positions left (within 1e-5 relative);
+ *   - the allocation reader (good and bad documents), and a cache that stores tokens by their
+ *     tags (kvmix_kv_tag): on a trace's first 512 ids (its system prompt), instruction-only
+ *     pages sealed at the instruction's INT2, no user token below INT8, no INT2 without the tags;
  *   - kvm-small on 2 texts of eval-dev: int8 within 1% of fp32 bits per token, kivi2 within 5%
  *     of fp32 and at least 0.1% away from it (the compressed path is the one used), and avg_bits
  *     equal, within 0.1%, to what the formats' block sizes predict for the text.
@@ -13,6 +16,8 @@
 #include "test_policy.h"
 
 #include "kvmix_kv.h"
+#include "tag_allocation.h"
+#include "tag_spec_json.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -662,6 +667,116 @@ static void test_model_quality(const char *shared_dir) {
     llama_model_free(&model);
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * Storage by template tag
+ */
+static const char ALLOCATION[] =
+    "{\"version\": 1, \"kind\": \"kvmix-allocation\", \"budget_bits\": 3, \"tags\": ["
+    "{\"name\": \"current/instruction/text\", \"bucket\": \"current\", \"role\": \"instruction\","
+    " \"modality\": \"text\", \"key_format\": \"int2_channel\", \"value_format\": \"int2\"},"
+    "{\"bucket\": \"current\", \"role\": \"user\", \"modality\": \"text\","
+    " \"key_format\": \"int8\", \"value_format\": \"int8\"}]}";
+
+static void test_allocation_reader(void) {
+    kvmix_tag_precision t;
+    kvmix_cache_precision int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4};
+    char err[256];
+    CHECK(tag_allocation_parse(ALLOCATION, strlen(ALLOCATION), int4, &t, err, sizeof err) ==
+          KVMIX_SUCCESS);
+    CHECK(t.formats[KVMIX_BUCKET_CURRENT][KVMIX_ROLE_INSTRUCTION][KVMIX_MODALITY_TEXT].key_format ==
+          KVMIX_FORMAT_INT2_CHANNEL);
+    CHECK(t.formats[KVMIX_BUCKET_CURRENT][KVMIX_ROLE_USER][KVMIX_MODALITY_TEXT].value_format ==
+          KVMIX_FORMAT_INT8);
+    CHECK(t.formats[KVMIX_BUCKET_OLDER][KVMIX_ROLE_USER][KVMIX_MODALITY_TEXT].key_format ==
+          KVMIX_FORMAT_INT4); /* not listed: the fallback */
+    static const char *const bad[] = {
+        "{\"version\": 2, \"kind\": \"kvmix-allocation\", \"tags\": []}",
+        "{\"version\": 1, \"kind\": \"kvmix-calibration-table\", \"tags\": []}",
+        "{\"version\": 1, \"kind\": \"kvmix-allocation\", \"tags\": [{\"bucket\": \"now\", "
+        "\"role\": \"user\", \"modality\": \"text\", \"key_format\": \"int8\", "
+        "\"value_format\": \"int8\"}]}",
+        "{\"version\": 1, \"kind\": \"kvmix-allocation\", \"tags\": [{\"bucket\": \"current\", "
+        "\"role\": \"user\", \"modality\": \"text\", \"key_format\": \"int3\", "
+        "\"value_format\": \"int8\"}]}",
+        "{\"version\": 1, \"kind\": \"kvmix-allocation\", \"tags\": [",
+    };
+    const kvmix_result want[] = {KVMIX_ERR_VERSION, KVMIX_ERR_PARSE, KVMIX_ERR_PARSE,
+                                 KVMIX_ERR_PARSE, KVMIX_ERR_PARSE};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvmix_tag_precision before = t;
+        CHECK(tag_allocation_parse(bad[i], strlen(bad[i]), int4, &t, err, sizeof err) == want[i]);
+        CHECK(memcmp(&before, &t, sizeof t) == 0);
+    }
+}
+
+/* Counts, over a text's positions, those stored with INT2_CHANNEL keys and the user tokens stored
+ * below INT8, with the cache tagged by the allocation or not. */
+static void stored_formats(llama_runner *runner, const llama_model *m, const texts2 *s, bool tagged,
+                           int64_t *n_int2, int64_t *n_user_low) {
+    static tag_spec_doc doc;
+    kvmix_tag_precision table;
+    kvmix_cache_precision int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4};
+    llama_kv_cache cache;
+    kvmix_tagger tagger;
+    llama_score score = {0};
+    char err[256];
+    *n_int2 = *n_user_low = -1;
+    if (!check_at(tag_spec_load("examples/specs/kvm-byte.json", &doc, err, sizeof err) ==
+                          KVMIX_SUCCESS &&
+                      tag_allocation_parse(ALLOCATION, strlen(ALLOCATION), int4, &table, err,
+                                           sizeof err) == KVMIX_SUCCESS &&
+                      kvmix_kv_create(kvmix_kv_policy_builtin("int4"), &m->config,
+                                      m->config.context + 1, &cache, err, sizeof err) == LLAMA_OK,
+                  __LINE__, err))
+        return;
+    if (tagged) CHECK(kvmix_kv_tag(&cache, &doc.spec, &table, err, sizeof err) == LLAMA_OK);
+    CHECK(llama_score_sequence(runner, &cache, s->ids[0], s->n[0], NULL, NULL, NULL, &score, err,
+                               sizeof err) == LLAMA_OK);
+    CHECK(kvmix_tagger_init(&tagger, &doc.spec) == KVMIX_SUCCESS);
+    int32_t seq;
+    const kvmix_cache *kc = kvmix_kv_inner(&cache, &seq);
+    *n_int2 = *n_user_low = 0;
+    for (int64_t pos = 0; kc != NULL && pos + 1 < s->n[0]; pos++) {
+        kvmix_tag tag;
+        kvmix_cache_precision stored;
+        kvmix_tagger_feed(&tagger, &s->ids[0][pos], 1, &tag);
+        if (kvmix_cache_read(kc, seq, (int32_t)pos, 0, NULL, NULL, &stored) != KVMIX_SUCCESS)
+            continue;
+        *n_int2 += stored.key_format == KVMIX_FORMAT_INT2_CHANNEL;
+        *n_user_low += tag.role == KVMIX_ROLE_USER && stored.key_format != KVMIX_FORMAT_INT8 &&
+                       stored.key_format != KVMIX_FORMAT_FP16;
+    }
+    cache.destroy(cache.state);
+}
+
+static void test_tagged_storage(const char *shared_dir) {
+    char model_path[512], data_path[512], err[256] = "";
+    snprintf(model_path, sizeof model_path, "%s/models/kvm-small.safetensors", shared_dir);
+    snprintf(data_path, sizeof data_path, "%s/data/eval-dev.jsonl", shared_dir);
+    llama_model model;
+    llama_runner runner;
+    texts2 s = {{NULL, NULL}, {0, 0}};
+    int64_t n_int2 = 0, n_user_low = 0, plain_int2 = 0, plain_user_low = 0;
+    if (!check_at(llama_model_load(model_path, &model, err, sizeof err) == LLAMA_OK, __LINE__, err))
+        return;
+    if (CHECK(load_texts(data_path, &model.tokenizer, &s)) &&
+        CHECK(llama_runner_init(&runner, &model, 2, err, sizeof err) == LLAMA_OK)) {
+        stored_formats(&runner, &model, &s, true, &n_int2, &n_user_low);
+        stored_formats(&runner, &model, &s, false, &plain_int2, &plain_user_low);
+        printf("  by tag: %lld positions with INT2 keys, %lld user tokens below INT8 (untagged: "
+               "%lld, %lld)\n",
+               (long long)n_int2, (long long)n_user_low, (long long)plain_int2,
+               (long long)plain_user_low);
+        CHECK(n_int2 >= 32);    /* at least a page of the system prompt */
+        CHECK(n_user_low == 0); /* user tokens (if sealed here) take their pages to INT8 */
+        CHECK(plain_int2 == 0); /* without the tags, the policy's INT4 */
+        llama_runner_free(&runner);
+    }
+    free(s.ids[0]);
+    free(s.ids[1]);
+    llama_model_free(&model);
+}
+
 void test_policy_run(const char *shared_dir, int *n_passed, int *n_failed) {
     passed = failed = 0;
     test_parse_good();
@@ -670,6 +785,8 @@ void test_policy_run(const char *shared_dir, int *n_passed, int *n_failed) {
     test_cache_matches_reference();
     test_request_boundary();
     test_model_quality(shared_dir);
+    test_allocation_reader();
+    test_tagged_storage(shared_dir);
     *n_passed += passed;
     *n_failed += failed;
 }

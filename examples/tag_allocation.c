@@ -1,0 +1,104 @@
+/* tag_allocation.c - see tag_allocation.h. */
+#include "tag_allocation.h"
+#include "tag_spec_json.h"
+
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The index whose name(index) equals text among [0, n), or -1. */
+static int name_index(const char *text, int n, const char *(*name)(int)) {
+    for (int i = 0; i < n; i++)
+        if (strcmp(text, name(i)) == 0) return i;
+    return -1;
+}
+
+static const char *bucket_name(int i) { return kvmix_tag_bucket_name((kvmix_tag_bucket)i); }
+static const char *role_name(int i) { return kvmix_tag_role_name((kvmix_tag_role)i); }
+static const char *modality_name(int i) { return kvmix_tag_modality_name((kvmix_tag_modality)i); }
+static const char *format_name(int i) { return kvmix_format_name((kvmix_format)i); }
+
+/* A string field of a tag entry, looked up by name; -1 when missing or unknown. */
+static int field_index(const cJSON *tag, const char *field, int n, const char *(*name)(int)) {
+    const cJSON *item = cJSON_GetObjectItemCaseSensitive(tag, field);
+    return cJSON_IsString(item) ? name_index(item->valuestring, n, name) : -1;
+}
+
+/* One entry of "tags" into the table. */
+static kvmix_result take_tag(const cJSON *tag, int index, kvmix_tag_precision *table, char *err,
+                             size_t err_bytes) {
+    static const char *const fields[] = {"bucket", "role", "modality", "key_format",
+                                         "value_format"};
+    int v[5];
+    v[0] = field_index(tag, fields[0], KVMIX_TAG_N_BUCKETS, bucket_name);
+    v[1] = field_index(tag, fields[1], KVMIX_TAG_N_ROLES, role_name);
+    v[2] = field_index(tag, fields[2], KVMIX_TAG_N_MODALITIES, modality_name);
+    v[3] = field_index(tag, fields[3], 7, format_name);
+    v[4] = field_index(tag, fields[4], 7, format_name);
+    for (int f = 0; f < 5; f++)
+        if (v[f] < 0 || (f >= 3 && v[f] == 0))
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                                 "allocation: tags[%d].%s is missing or unknown", index, fields[f]);
+    table->formats[v[0]][v[1]][v[2]].key_format = (uint8_t)v[3];
+    table->formats[v[0]][v[1]][v[2]].value_format = (uint8_t)v[4];
+    return KVMIX_SUCCESS;
+}
+
+kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,
+                                  kvmix_cache_precision fallback, kvmix_tag_precision *out,
+                                  char *err, size_t err_bytes) {
+    if (json == NULL || out == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "allocation: NULL argument");
+    kvmix_tag_precision table;
+    if (kvmix_tag_precision_fill(&table, fallback) != KVMIX_SUCCESS)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_UNKNOWN_FORMAT,
+                             "allocation: the fallback formats are unknown");
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(json, json_bytes, &end, 0);
+    const cJSON *version = cJSON_GetObjectItemCaseSensitive(root, "version");
+    const cJSON *kind = cJSON_GetObjectItemCaseSensitive(root, "kind");
+    const cJSON *tags = cJSON_GetObjectItemCaseSensitive(root, "tags");
+    kvmix_result r = KVMIX_SUCCESS;
+    if (!cJSON_IsObject(root) || !cJSON_IsNumber(version) || !cJSON_IsString(kind) ||
+        strcmp(kind->valuestring, "kvmix-allocation") != 0 || !cJSON_IsArray(tags))
+        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                          "allocation: needs {\"version\", \"kind\": \"kvmix-allocation\", "
+                          "\"tags\": [...]}");
+    else if (version->valuedouble != 1.0)
+        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_VERSION, "allocation: version %g, reads 1",
+                          version->valuedouble);
+    int index = 0;
+    for (const cJSON *tag = r == KVMIX_SUCCESS ? tags->child : NULL; tag && r == KVMIX_SUCCESS;
+         tag = tag->next)
+        r = take_tag(tag, index++, &table, err, err_bytes);
+    cJSON_Delete(root);
+    if (r == KVMIX_SUCCESS) *out = table;
+    return r;
+}
+
+kvmix_result tag_allocation_load(const char *path, kvmix_cache_precision fallback,
+                                 kvmix_tag_precision *out, char *err, size_t err_bytes) {
+    FILE *f = path != NULL ? fopen(path, "rb") : NULL;
+    if (f == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "cannot read %s",
+                             path ? path : "(null)");
+    char *text = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            char *grown = realloc(text, cap = cap ? 2 * cap : 65536);
+            if (grown == NULL) break;
+            text = grown;
+        }
+        size_t got = fread(text + n, 1, cap - n, f);
+        n += got;
+        if (got == 0) break;
+    }
+    fclose(f);
+    kvmix_result r = text != NULL ? tag_allocation_parse(text, n, fallback, out, err, err_bytes)
+                                  : tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY,
+                                                  "cannot read %s", path);
+    free(text);
+    return r;
+}
