@@ -171,7 +171,8 @@ $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TA
 $(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -Itests -c tests/test_gpu_llama.c -o $(BUILD)/test_gpu_llama.o
 	$(NVCC) $(BUILD)/test_gpu_llama.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
-		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
+		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/gpu_llama.o \
+		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
 $(BUILD)/bench_serve: bench/bench_serve.c $(BUILD)/kvmix-eval-cuda | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -c bench/bench_serve.c -o $(BUILD)/bench_serve.o

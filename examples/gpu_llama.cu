@@ -71,6 +71,13 @@ struct gpu_llama {
     staging *stages;            /* [n_layers + 1]: one per layer, the last for flushes */
     view_staging view;
     uint16_t *fill_k, *fill_v; /* synthetic rows of gpu_llama_fill, [FILL_ROWS][n_kv][D] */
+    /* storage by template tag (gpu_llama_tag): a tagger per sequence, the formats of the step */
+    bool tagged;
+    kvmix_policy tag_policy;
+    kvmix_tag_precision tag_table;
+    kvmix_tag_spec tag_spec;
+    kvmix_tagger *taggers;         /* [max_seqs] */
+    kvmix_cache_precision *by_tag; /* [max_seqs] */
     /* profile */
     bool profiling;
     cudaEvent_t *events; /* [2 n_layers]: around each layer's attention */
@@ -619,16 +626,33 @@ void attend_fp32(gpu_llama *g, int32_t l, int32_t n) {
                         g->stream>>>(p);
 }
 
-llama_result reserve_positions(gpu_llama *g, const int32_t *seqs, int32_t n, char *err,
+/* The formats each step token asks for by its tag (NULL when the cache is not tagged). */
+const kvmix_cache_precision *tag_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens,
+                                      int32_t n) {
+    if (!g->tagged) return NULL;
+    for (int32_t i = 0; i < n; i++) {
+        kvmix_tag tag;
+        kvmix_cache_precision *p = &g->by_tag[i];
+        p->key_format = (uint8_t)g->tag_policy.key_format;
+        p->value_format = (uint8_t)g->tag_policy.value_format;
+        if (kvmix_tagger_feed(&g->taggers[seqs[i]], &tokens[i], 1, &tag) == KVMIX_SUCCESS)
+            kvmix_policy_token_precision(&g->tag_policy, tag, tag.turn, p);
+    }
+    return g->by_tag;
+}
+
+llama_result reserve_positions(gpu_llama *g, const int32_t *seqs, int32_t n,
+                               const kvmix_cache_precision *precisions, char *err,
                                size_t err_bytes) {
     double host_start = now_seconds();
     for (int32_t i = 0; i < n; i++) {
         int32_t kv = g->kv_seq[seqs[i]];
-        kvmix_result r = kvmix_cache_reserve(&g->cache, kv, 1, NULL, NULL);
+        const kvmix_cache_precision *p = precisions ? &precisions[i] : NULL;
+        kvmix_result r = kvmix_cache_reserve(&g->cache, kv, 1, p, NULL);
         if (r == KVMIX_ERR_OUT_OF_MEMORY) { /* released bytes wait for a take */
             llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
             if (f != LLAMA_OK) return f;
-            r = kvmix_cache_reserve(&g->cache, kv, 1, NULL, NULL);
+            r = kvmix_cache_reserve(&g->cache, kv, 1, p, NULL);
         }
         TRY_KVMIX(r, "reserving a position");
     }
@@ -756,7 +780,7 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     if (g->blas) cublasDestroy(g->blas);
     if (g->stream) cudaStreamDestroy(g->stream);
     free(g->cache_memory), free(g->kv_seq), free(g->step_kv_seqs), free(g->batches);
-    free(g->next_pos), free(g->in_use);
+    free(g->next_pos), free(g->in_use), free(g->taggers), free(g->by_tag);
     free(g);
 }
 
@@ -768,6 +792,7 @@ extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char
         return llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY, "all %d sequences in use",
                           g->max_seqs);
     if (!g->fp32) TRY_KVMIX(kvmix_cache_seq_create(&g->cache, &g->kv_seq[s]), "new sequence");
+    if (g->tagged) kvmix_tagger_init(&g->taggers[s], &g->tag_spec); /* a new stream */
     g->in_use[s] = 1;
     g->next_pos[s] = 0;
     *out_seq = s;
@@ -803,7 +828,9 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
     if (r != LLAMA_OK) return r;
     const llama_config *c = &g->c;
     double step_start = now_seconds();
-    if (!g->fp32 && (r = reserve_positions(g, seqs, n, err, err_bytes)) != LLAMA_OK) return r;
+    if (!g->fp32 && (r = reserve_positions(g, seqs, n, tag_step(g, seqs, tokens, n), err,
+                                           err_bytes)) != LLAMA_OK)
+        return r;
     for (int32_t i = 0; i < n; i++) {
         g->h_step[i] = tokens[i];
         g->h_step[n + i] = g->next_pos[seqs[i]];
@@ -925,6 +952,41 @@ extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_toke
     }
     TRY_KVMIX(kr, "filling a sequence");
     return flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
+}
+
+extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
+                                      const kvmix_tag_precision *table, char *err,
+                                      size_t err_bytes) {
+    if (!g || !spec || !table)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: NULL argument");
+    if (g->fp32)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "gpu_llama_tag: the fp32 cache keeps every token in fp32");
+    for (int32_t s = 0; s < g->max_seqs; s++)
+        if (g->in_use[s])
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                              "gpu_llama_tag: sequences are running");
+    kvmix_policy p = g->policy;
+    kvmix_policy_error why;
+    kvmix_tagger probe;
+    p.tag_precision = table;
+    if (kvmix_policy_check(&p, &why) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: %s: %s", why.field,
+                          why.reason);
+    if (kvmix_tagger_init(&probe, spec) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: bad spec");
+    if (!g->taggers) {
+        g->taggers = (kvmix_tagger *)calloc((size_t)g->max_seqs, sizeof *g->taggers);
+        g->by_tag = (kvmix_cache_precision *)calloc((size_t)g->max_seqs, sizeof *g->by_tag);
+        if (!g->taggers || !g->by_tag)
+            return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    }
+    g->tag_spec = *spec;
+    g->tag_table = *table;
+    g->tag_policy = p;
+    g->tag_policy.tag_precision = &g->tag_table;
+    g->tagged = true;
+    return LLAMA_OK;
 }
 
 extern "C" void gpu_llama_profile_start(gpu_llama *g) {

@@ -61,6 +61,13 @@ llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const int32_t *to
 llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_tokens,
                             const kvmix_cache_precision *precisions, char *err, size_t err_bytes);
 
+/* Makes the cache store each token by its template tag, as kvmix_kv_tag (kvmix_kv.h) does on the
+ * CPU: a tagger of `spec` per sequence tags the step's tokens, and each asks for the formats
+ * `table` gives its tag in the current turn. Call it before any sequence starts. spec and table
+ * are copied. LLAMA_ERR_ARGUMENT for fp32, running sequences, a bad spec or table. */
+llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
+                           const kvmix_tag_precision *table, char *err, size_t err_bytes);
+
 /* Time spent since gpu_llama_profile_start: steps and tokens run, wall seconds inside
  * gpu_llama_step, host seconds of the cache's bookkeeping in them (reserve, row writes, taking
  * jobs, the view), and GPU seconds of attention (rows to FP16, jobs, decode, output), measured

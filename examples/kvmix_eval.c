@@ -39,7 +39,7 @@
  * kvmix_cuda_decode. The JSON is the same, with "device" naming the GPU; --capture is CPU only.
  * Progress (texts done, tokens per second, time left) goes to stderr when it is a terminal.
  *
- * --tag-spec S.json --allocation A.json (together; CPU only for now) store each token by its
+ * --tag-spec S.json --allocation A.json (together) store each token by its
  * template tag: the spec (tag_spec_json.h) tags the ids as they run, the allocation
  * (kvmix-calibrate's, tag_allocation.h) gives each tag its formats in the current turn, tags it
  * does not list keep the policy's; a page seals in the highest precision its tokens ask for.
@@ -174,10 +174,6 @@ static bool parse_options(int argc, char **argv, options *o) {
         fprintf(stderr, "kvmix-eval: --tag-spec and --allocation go together\n");
         return false;
     }
-    if (o->cuda && o->tag_spec_path != NULL) {
-        fprintf(stderr, "kvmix-eval: tagged storage runs on the CPU only for now\n");
-        return false;
-    }
     if (o->cuda && o->capture_dir != NULL) {
         fprintf(stderr, "kvmix-eval: --capture runs on the CPU only\n");
         return false;
@@ -307,6 +303,9 @@ typedef struct eval {
     int32_t *ids;
     uint8_t *mask;
     int32_t *ref_argmax;
+    bool tagged; /* --tag-spec and --allocation: the policy's cache stores tokens by tag */
+    const tag_spec_doc *tag_doc;
+    kvmix_tag_precision tag_table;
     char err[ERR_BYTES];
 } eval;
 
@@ -547,6 +546,8 @@ static llama_result gpu_run_policy(eval *e, const kvmix_policy *policy, gpu_text
     gpu_llama *g = NULL;
     llama_result r = gpu_llama_create(e->model, policy, capacity, e->model->config.context + 1, 0,
                                       &g, e->err, sizeof e->err);
+    if (r == LLAMA_OK && !reference && e->tagged)
+        r = gpu_llama_tag(g, &e->tag_doc->spec, &e->tag_table, e->err, sizeof e->err);
     if (r == LLAMA_OK) {
         snprintf(device, device_bytes, "%s", gpu_llama_device_name(g));
         r = gpu_pass(e, g, texts, n_texts, capacity, b, reference);
@@ -753,7 +754,11 @@ static llama_result tag_cache(eval *e, const options *o) {
         snprintf(e->err, sizeof e->err, "%s", why);
         return LLAMA_ERR_FORMAT;
     }
-    return kvmix_kv_tag(&e->cache, &doc.spec, &table, e->err, sizeof e->err);
+    e->tagged = true;
+    e->tag_doc = &doc;
+    e->tag_table = table;
+    /* the GPU runner applies them to its own cache (gpu_run_policy) */
+    return o->cuda ? LLAMA_OK : kvmix_kv_tag(&e->cache, &doc.spec, &table, e->err, sizeof e->err);
 }
 
 static void eval_free(eval *e) {

@@ -2,12 +2,15 @@
  * eval-dev run together, the third joining later and the first leaving early (continuous
  * batching), one with a request boundary; at every position the GPU's logits are compared with
  * llama_forward's over the same policy's CPU cache: the fp32 reference (the runners differ only in
- * the order of float sums) and kvmix policies (the GPU also reads FP16 queries).
+ * the order of float sums) and kvmix policies (the GPU also reads FP16 queries), one of them
+ * storing tokens by their template tags on both sides.
  * Usage: test_gpu_llama [SHARED_DIR] (default ../shared). Needs a CUDA device. */
 #include "gpu_llama.h"
 #include "kvmix_kv.h"
 #include "llama.h"
 #include "model_check.h"
+#include "tag_allocation.h"
+#include "tag_spec_json.h"
 
 #include <math.h>
 #include <string.h>
@@ -76,9 +79,18 @@ static void add_gap(gap *g, const float *a, const float *b, int32_t n) {
     }
 }
 
-/* The texts through both runners under one policy: how far their logits are. */
+/* An allocation by tag: instructions at INT2, user text at INT8, the rest the policy's. */
+static const char ALLOCATION[] =
+    "{\"version\": 1, \"kind\": \"kvmix-allocation\", \"tags\": ["
+    "{\"bucket\": \"current\", \"role\": \"instruction\", \"modality\": \"text\","
+    " \"key_format\": \"int2_channel\", \"value_format\": \"int2\"},"
+    "{\"bucket\": \"current\", \"role\": \"user\", \"modality\": \"text\","
+    " \"key_format\": \"int8\", \"value_format\": \"int8\"}]}";
+
+/* The texts through both runners under one policy (by tag when `tags` is given): how far their
+ * logits are. */
 static gap compare_policy(const llama_model *m, const char *policy_name,
-                          int32_t ids[N_TEXTS][STEPS + 1]) {
+                          int32_t ids[N_TEXTS][STEPS + 1], const tag_spec_doc *tags) {
     const kvmix_policy *policy = kvmix_kv_policy_builtin(policy_name);
     const int32_t vocab = m->config.vocab;
     char err[256];
@@ -97,9 +109,18 @@ static gap compare_policy(const llama_model *m, const char *policy_name,
         worst.max = INFINITY;
         return worst;
     }
-    for (int t = 0; t < N_TEXTS; t++)
+    kvmix_tag_precision table;
+    kvmix_cache_precision fallback = {(uint8_t)policy->key_format, (uint8_t)policy->value_format};
+    if (tags)
+        CHECK(tag_allocation_parse(ALLOCATION, strlen(ALLOCATION), fallback, &table, err,
+                                   sizeof err) == KVMIX_SUCCESS &&
+              gpu_llama_tag(g, &tags->spec, &table, err, sizeof err) == LLAMA_OK);
+    for (int t = 0; t < N_TEXTS; t++) {
         CHECK(kvmix_kv_create(policy, &m->config, STEPS + 1, &cpu.cache[t], err, sizeof err) ==
               LLAMA_OK);
+        if (tags)
+            CHECK(kvmix_kv_tag(&cpu.cache[t], &tags->spec, &table, err, sizeof err) == LLAMA_OK);
+    }
     for (int s = 0; s < STEPS; s++) {
         int32_t n = 0;
         for (int t = 0; t < N_TEXTS; t++) {
@@ -138,8 +159,9 @@ static gap compare_policy(const llama_model *m, const char *policy_name,
     llama_runner_free(&cpu.runner);
     free(cpu.logits);
     free(gpu_logits);
-    printf("%-10s |logit difference| GPU - CPU over %d steps: largest %.2e, mean %.2e\n",
-           policy_name, STEPS, worst.max, worst.n ? worst.sum / (double)worst.n : 0.0);
+    printf("%-10s%s |logit difference| GPU - CPU over %d steps: largest %.2e, mean %.2e\n",
+           policy_name, tags ? " by tag" : "", STEPS, worst.max,
+           worst.n ? worst.sum / (double)worst.n : 0.0);
     return worst;
 }
 
@@ -185,14 +207,20 @@ int main(int argc, char **argv) {
          * outputs; at 2 bits a key row one FP16 step away from the CPU's can move a group's scale
          * and so every code of it, which later layers amplify: their largest gaps are larger, the
          * mean stays small (seen: fp32 2.7e-5; fp16 1.2e-2; kivi2-sink, kitty-25 1.7e-1, 2.2e-1) */
-        gap g = compare_policy(&m, "fp32", ids);
+        static tag_spec_doc doc;
+        gap g = compare_policy(&m, "fp32", ids, NULL);
         CHECK(g.max < 1e-3);
-        g = compare_policy(&m, "fp16", ids);
+        g = compare_policy(&m, "fp16", ids, NULL);
         CHECK(g.max < 0.05);
-        g = compare_policy(&m, "kivi2-sink", ids);
+        g = compare_policy(&m, "kivi2-sink", ids, NULL);
         CHECK(g.max < 1.0 && g.sum / (double)g.n < 0.02);
-        g = compare_policy(&m, "kitty-25", ids);
+        g = compare_policy(&m, "kitty-25", ids, NULL);
         CHECK(g.max < 1.0 && g.sum / (double)g.n < 0.02);
+        if (CHECK(tag_spec_load("examples/specs/kvm-byte.json", &doc, err, sizeof err) ==
+                  KVMIX_SUCCESS)) {
+            g = compare_policy(&m, "int4", ids, &doc); /* the same formats chosen: bytes equal */
+            CHECK(g.max < 1.0 && g.sum / (double)g.n < 0.02);
+        }
     }
     check_bad_inputs(&m);
     llama_model_free(&m);
