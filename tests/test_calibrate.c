@@ -15,6 +15,7 @@
  *     equal to the reported bits; distortion = the sum of its tags' table distortions at their
  *     precisions; every sweep entry within its budget, infeasible (null) exactly when the budget
  *     is below the cheapest precision; two-level exhaustive distortion non-increasing in B.
+ *   - kvmix-eval --tag-spec --allocation runs on the allocation written (tag_allocation.c reads it).
  *   - Round trip: --from-table TABLE --table OUT writes TABLE's bytes, and the same allocation;
  *     --threads 1 gives the same table as --threads 2 (at --stride 64, for time; the main run
  *     uses --stride 16).
@@ -524,6 +525,16 @@ int main(int argc, char **argv) {
     }
     cJSON_Delete(t);
     cJSON_Delete(a);
+    /* the runner stores tokens by the allocation it wrote */
+    snprintf(cmd, sizeof cmd,
+             "%s/kvmix-eval --model %s/models/kvm-small.safetensors --data " TMP
+             "/traces.jsonl --limit 1 --policy int4 --tag-spec examples/specs/kvm-byte.json "
+             "--allocation " TMP "/alloc.json",
+             BUILD_DIR, shared);
+    CHECK_MSG(run(cmd, &out) == 0 && out != NULL && strstr(out, "\"allocation\"") != NULL,
+              "kvmix-eval --tag-spec --allocation reads kvmix-calibrate's allocation");
+    free(out);
+    out = NULL;
     CHECK(run(QUIET TOOL " --from-table " TMP "/table.json --budget 3 --table " TMP
                          "/table2.json --allocation " TMP "/alloc2.json",
               NULL) == 0);
