@@ -65,7 +65,8 @@ llama_result kvmix_kv_create(const kvmix_policy *policy, const llama_config *con
 /* Makes a kvmix-backed cache store each token by its template tag: the tagger of `spec` tags the
  * ids the runner announces (llama_kv_cache.on_token), and a token asks for the formats `table`
  * gives its tag in the current turn (kvmix_policy_token_precision); a page is sealed in the
- * highest precision its tokens ask for. spec and table are copied. LLAMA_ERR_ARGUMENT for the
+ * highest precision its tokens ask for, and keeps it as the turn ages (no re-tiering yet). spec
+ * and table are copied. LLAMA_ERR_ARGUMENT for the
  * fp32 cache, a spec that does not check or a table with unknown formats. */
 llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
                           const kvmix_tag_precision *table, char *err, size_t err_bytes);
