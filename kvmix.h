@@ -694,8 +694,10 @@ KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_j
 
 /* CPU reference executor: runs batches over `arena` (a host copy of the device arena) with
    key_rows and value_rows (FP16 bit patterns, may be NULL when no batch reads them), exactly as
-   kvmix_cuda_cache_run does on the device. A QUANTIZE job whose rows are not finite FP16, or
-   whose rows do not fit its block, writes nothing; *out_bad_jobs (may be NULL) counts them. */
+   kvmix_cuda_cache_run does on the device. Batches are checked before any runs (a bad kind,
+   range, layout or missing source: INVALID_ARGUMENT or NULL_POINTER, nothing written). A
+   QUANTIZE job whose rows are not finite FP16, or whose rows do not fit its block, writes
+   nothing; *out_bad_jobs (may be NULL) counts them. */
 KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
                                           const kvmix_quantize_job *jobs, const uint16_t *key_rows,
                                           const uint16_t *value_rows, uint8_t *arena,
@@ -4312,47 +4314,62 @@ static int kvmix__run_quantize_job(const kvmix_layout *l, const uint16_t *src, i
     return 1;
 }
 
+/* The FP16 rows a QUANTIZE batch reads: key rows, value rows or the arena. */
+static const uint16_t *kvmix__batch_source(const kvmix_cache_batch *b, const uint16_t *key_rows,
+                                           const uint16_t *value_rows, const uint8_t *arena) {
+    if (b->source == KVMIX_CACHE_SOURCE_KEYS) return key_rows;
+    if (b->source == KVMIX_CACHE_SOURCE_VALUES) return value_rows;
+    return (const uint16_t *)(const void *)arena;
+}
+
+/* Checks every batch before any runs; *max_rows: the most rows a QUANTIZE block holds. */
+static kvmix_result kvmix__batches_ok(const kvmix_cache_batch *batches, int32_t n_batches,
+                                      const uint16_t *key_rows, const uint16_t *value_rows,
+                                      const uint8_t *arena, size_t *max_floats) {
+    int32_t b;
+    *max_floats = 1;
+    for (b = 0; b < n_batches; b++) {
+        const kvmix_cache_batch *batch = &batches[b];
+        kvmix_layout l = batch->layout;
+        if (batch->n_jobs < 0 || batch->first_job < 0 ||
+            (batch->kind != KVMIX_CACHE_BATCH_COPY && batch->kind != KVMIX_CACHE_BATCH_QUANTIZE))
+            return KVMIX_ERR_INVALID_ARGUMENT;
+        if (batch->kind == KVMIX_CACHE_BATCH_COPY) continue;
+        if (!kvmix__batch_source(batch, key_rows, value_rows, arena)) return KVMIX_ERR_NULL_POINTER;
+        if (kvmix_layout_resolve(&l) != KVMIX_SUCCESS || batch->src_row_stride < l.head_dim)
+            return KVMIX_ERR_INVALID_ARGUMENT;
+        if ((size_t)l.n_tokens * (size_t)l.head_dim > *max_floats)
+            *max_floats = (size_t)l.n_tokens * (size_t)l.head_dim;
+    }
+    return KVMIX_SUCCESS;
+}
+
 KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
                                           const kvmix_quantize_job *jobs, const uint16_t *key_rows,
                                           const uint16_t *value_rows, uint8_t *arena,
                                           int32_t *out_bad_jobs) {
-    float *rows = NULL;
+    float *rows;
+    size_t max_floats;
     int32_t b, i, bad = 0;
+    kvmix_result r;
     if (n_batches < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     if (n_batches > 0 && (!batches || !jobs || !arena)) return KVMIX_ERR_NULL_POINTER;
+    r = kvmix__batches_ok(batches, n_batches, key_rows, value_rows, arena, &max_floats);
+    if (r != KVMIX_SUCCESS) return r;
+    rows = (float *)KVMIX_MALLOC(max_floats * sizeof(float));
+    if (!rows) return KVMIX_ERR_OUT_OF_MEMORY;
     for (b = 0; b < n_batches; b++) {
         const kvmix_cache_batch *batch = &batches[b];
-        const uint16_t *src = batch->source == KVMIX_CACHE_SOURCE_KEYS ? key_rows
-                              : batch->source == KVMIX_CACHE_SOURCE_VALUES
-                                  ? value_rows
-                                  : (const uint16_t *)arena;
+        const uint16_t *src = kvmix__batch_source(batch, key_rows, value_rows, arena);
         kvmix_layout l = batch->layout;
-        if (batch->n_jobs < 0 || batch->first_job < 0) {
-            KVMIX_FREE(rows);
-            return KVMIX_ERR_INVALID_ARGUMENT;
-        }
-        if (batch->kind == KVMIX_CACHE_BATCH_COPY) {
-            for (i = 0; i < batch->n_jobs; i++) {
-                const kvmix_quantize_job *j = &jobs[batch->first_job + i];
+        kvmix_layout_resolve(&l);
+        for (i = 0; i < batch->n_jobs; i++) {
+            const kvmix_quantize_job *j = &jobs[batch->first_job + i];
+            if (batch->kind == KVMIX_CACHE_BATCH_COPY)
                 memmove(arena + j->dst_offset, arena + j->src_offset, (size_t)j->n_rows);
-            }
-            continue;
+            else
+                bad += !kvmix__run_quantize_job(&l, src, batch->src_row_stride, j, arena, rows);
         }
-        if (!src) {
-            KVMIX_FREE(rows);
-            return KVMIX_ERR_NULL_POINTER;
-        }
-        if (kvmix_layout_resolve(&l) != KVMIX_SUCCESS || batch->src_row_stride < l.head_dim) {
-            KVMIX_FREE(rows);
-            return KVMIX_ERR_INVALID_ARGUMENT;
-        }
-        KVMIX_FREE(rows);
-        rows = (float *)KVMIX_MALLOC((size_t)(l.n_tokens > 0 ? l.n_tokens : 1) *
-                                     (size_t)l.head_dim * sizeof(float));
-        if (!rows) return KVMIX_ERR_OUT_OF_MEMORY;
-        for (i = 0; i < batch->n_jobs; i++)
-            bad += !kvmix__run_quantize_job(&l, src, batch->src_row_stride,
-                                            &jobs[batch->first_job + i], arena, rows);
     }
     KVMIX_FREE(rows);
     if (out_bad_jobs) *out_bad_jobs = bad;

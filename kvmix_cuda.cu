@@ -2297,11 +2297,20 @@ extern "C" kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, i
                                              int32_t *error_flags, kvmix_stream stream) {
     if (n_batches < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     if (n_batches > 0 && (!batches || !jobs || !arena)) return KVMIX_ERR_NULL_POINTER;
+    for (int32_t b = 0; b < n_batches; b++) { /* every batch checked before any is enqueued */
+        const kvmix_cache_batch *batch = &batches[b];
+        bool copy = batch->kind == KVMIX_CACHE_BATCH_COPY;
+        if (batch->first_job < 0 || batch->n_jobs < 0 ||
+            (!copy && batch->kind != KVMIX_CACHE_BATCH_QUANTIZE))
+            return KVMIX_ERR_INVALID_ARGUMENT;
+        if (!copy && ((batch->source == KVMIX_CACHE_SOURCE_KEYS && !key_rows) ||
+                      (batch->source == KVMIX_CACHE_SOURCE_VALUES && !value_rows)))
+            return KVMIX_ERR_NULL_POINTER;
+    }
     for (int32_t b = 0; b < n_batches; b++) {
         const kvmix_cache_batch *batch = &batches[b];
         const kvmix_quantize_job *first = jobs + batch->first_job;
         kvmix_result r;
-        if (batch->first_job < 0 || batch->n_jobs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
         if (batch->kind == KVMIX_CACHE_BATCH_COPY) {
             r = kvmix_cuda_copy_blocks(arena, arena, first, batch->n_jobs, stream);
         } else {

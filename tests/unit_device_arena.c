@@ -145,6 +145,17 @@ static void test_device_arena_rules(void) {
     CHECK_EQ_INT(n_batches, 2); /* keys and values: two sources */
     CHECK_RESULT(kvmix_cache_write_rows(&cache, seq, 1, 0, 3, 0), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    /* the executor checks every batch before it writes anything */
+    CHECK_RESULT(kvmix_cache_jobs_take(&cache, jobs, 64, batches, 64, &n_jobs, &n_batches),
+                 KVMIX_SUCCESS);
+    test_poison(arena, d.arena_bytes, 7);
+    CHECK_RESULT(kvmix_ref_cache_run(batches, n_batches, jobs, NULL, NULL, arena, NULL),
+                 KVMIX_ERR_NULL_POINTER); /* the batches read key and value rows */
+    batches[n_batches - 1].kind = 7;
+    CHECK_RESULT(kvmix_ref_cache_run(batches, n_batches, jobs, (const uint16_t *)arena,
+                                     (const uint16_t *)arena, arena, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(test_is_poisoned(arena, d.arena_bytes, 7));
     kvmix_cache_deinit(&cache);
     free(memory);
     free(arena);
