@@ -243,7 +243,7 @@ static void da_compare(da_state *s) {
 /* One random operation on both caches. */
 static void da_step(da_state *s) {
     const kvmix_cache_desc *d = &s->host.desc;
-    int32_t seq = (int32_t)da_rand(s, (uint32_t)d->max_seqs), child_h, child_d,
+    int32_t seq = (int32_t)da_rand(s, (uint32_t)d->max_seqs), child_h = -1, child_d = -1,
             op = (int32_t)da_rand(s, 100);
     kvmix_result rh, rd;
     if (!s->host.seqs[seq].in_use) {
