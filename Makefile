@@ -148,7 +148,7 @@ ifeq ($(strip $(NVCC)),)
 cuda-build:
 	@echo "nvcc not found: CUDA kernel pack and GPU runner not built (host parts are complete without it)"
 else
-cuda-build: $(BUILD)/kvmix_cuda.o $(BUILD)/kvmix-eval-cuda $(BUILD)/test_gpu_llama \
+cuda-build: $(BUILD)/kvmix_cuda.o $(BUILD)/kvmix-eval-cuda $(BUILD)/test_gpu_llama $(BUILD)/test_cuda \
 	$(BUILD)/bench_serve
 
 # the GPU runner: kvmix-eval built with gpu_llama (cuBLAS from the toolkit)
