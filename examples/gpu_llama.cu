@@ -387,30 +387,31 @@ void free_view_staging(view_staging *v) {
     cudaFree(v->d_dead);
 }
 
-/* Room for n_spans spans and n_dead flags in the view staging: larger buffers once the stream
-   no longer reads the old ones. */
+/* A pinned host array and its device twin with room for `need` elements: larger ones (with
+   `slack` more) once the stream no longer reads the old ones. */
+template <typename T>
+llama_result grow_pair(gpu_llama *g, T **host, T **device, int32_t *capacity, int32_t need,
+                       int32_t slack, char *err, size_t err_bytes) {
+    if (need <= *capacity) return LLAMA_OK;
+    int32_t cap = need + need / 2 + slack;
+    TRY_CUDA(cudaStreamSynchronize(g->stream), "growing the view");
+    cudaFreeHost(*host), cudaFree(*device);
+    *host = NULL, *device = NULL, *capacity = 0;
+    TRY_CUDA(pinned_alloc(host, (size_t)cap), "pinned staging");
+    TRY_CUDA(device_alloc(device, (size_t)cap), "view arrays");
+    *capacity = cap;
+    return LLAMA_OK;
+}
+
+/* Room for n_spans spans and n_dead flags in the view staging. */
 llama_result grow_view_staging(gpu_llama *g, int32_t n_spans, int32_t n_dead, char *err,
                                size_t err_bytes) {
     view_staging *v = &g->view;
-    if (n_spans > v->span_capacity) {
-        int32_t cap = n_spans + n_spans / 2 + 64;
-        TRY_CUDA(cudaStreamSynchronize(g->stream), "growing the view");
-        cudaFreeHost(v->spans), cudaFree(v->d_spans);
-        v->spans = NULL, v->d_spans = NULL, v->span_capacity = 0;
-        TRY_CUDA(pinned_alloc(&v->spans, (size_t)cap), "pinned staging");
-        TRY_CUDA(device_alloc(&v->d_spans, (size_t)cap), "view spans");
-        v->span_capacity = cap;
-    }
-    if (n_dead > v->dead_capacity) {
-        int32_t cap = n_dead + n_dead / 2 + 4096;
-        TRY_CUDA(cudaStreamSynchronize(g->stream), "growing the view");
-        cudaFreeHost(v->dead), cudaFree(v->d_dead);
-        v->dead = NULL, v->d_dead = NULL, v->dead_capacity = 0;
-        TRY_CUDA(pinned_alloc(&v->dead, (size_t)cap), "pinned staging");
-        TRY_CUDA(device_alloc(&v->d_dead, (size_t)cap), "dead flags");
-        v->dead_capacity = cap;
-    }
-    return LLAMA_OK;
+    llama_result r =
+        grow_pair(g, &v->spans, &v->d_spans, &v->span_capacity, n_spans, 64, err, err_bytes);
+    return r == LLAMA_OK
+               ? grow_pair(g, &v->dead, &v->d_dead, &v->dead_capacity, n_dead, 4096, err, err_bytes)
+               : r;
 }
 
 llama_result create_cache(gpu_llama *g, size_t arena_bytes, char *err, size_t err_bytes) {
@@ -523,6 +524,21 @@ llama_result flush_jobs(gpu_llama *g, const void *keys, const void *values, char
     return LLAMA_OK;
 }
 
+/* A cache call that may find the job queue or the arena full (bytes a call frees wait for the
+   take): the queued jobs run, with these source rows, and the call runs once more. */
+template <typename Call>
+llama_result call_with_room(gpu_llama *g, const void *keys, const void *values, const char *what,
+                            char *err, size_t err_bytes, Call call) {
+    kvmix_result r = call();
+    if (r == KVMIX_ERR_OUT_OF_MEMORY) {
+        llama_result f = flush_jobs(g, keys, values, err, err_bytes);
+        if (f != LLAMA_OK) return f;
+        r = call();
+    }
+    TRY_KVMIX(r, what);
+    return LLAMA_OK;
+}
+
 /* The step's view of layer 0, built on the host and uploaded. */
 llama_result upload_view(gpu_llama *g, int32_t n, char *err, size_t err_bytes) {
     view_staging *v = &g->view;
@@ -582,13 +598,10 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
     double host_start = now_seconds();
     for (int32_t i = 0; i < n; i++) {
         int32_t kv = g->kv_seq[seqs[i]], pos = g->next_pos[seqs[i]];
-        kvmix_result r = kvmix_cache_write_rows(&g->cache, kv, l, pos, 1, i);
-        if (r == KVMIX_ERR_OUT_OF_MEMORY) {
-            llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
-            if (f != LLAMA_OK) return f;
-            r = kvmix_cache_write_rows(&g->cache, kv, l, pos, 1, i);
-        }
-        TRY_KVMIX(r, "writing rows");
+        llama_result r = call_with_room(g, g->k16, g->v16, "writing rows", err, err_bytes, [&] {
+            return kvmix_cache_write_rows(&g->cache, kv, l, pos, 1, i);
+        });
+        if (r != LLAMA_OK) return r;
         g->step_kv_seqs[i] = kv;
         if (pos + 1 > longest) longest = pos + 1;
     }
@@ -648,13 +661,10 @@ llama_result reserve_positions(gpu_llama *g, const int32_t *seqs, int32_t n,
     for (int32_t i = 0; i < n; i++) {
         int32_t kv = g->kv_seq[seqs[i]];
         const kvmix_cache_precision *p = precisions ? &precisions[i] : NULL;
-        kvmix_result r = kvmix_cache_reserve(&g->cache, kv, 1, p, NULL);
-        if (r == KVMIX_ERR_OUT_OF_MEMORY) { /* released bytes wait for a take */
-            llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
-            if (f != LLAMA_OK) return f;
-            r = kvmix_cache_reserve(&g->cache, kv, 1, p, NULL);
-        }
-        TRY_KVMIX(r, "reserving a position");
+        llama_result r =
+            call_with_room(g, g->k16, g->v16, "reserving a position", err, err_bytes,
+                           [&] { return kvmix_cache_reserve(&g->cache, kv, 1, p, NULL); });
+        if (r != LLAMA_OK) return r;
     }
     g->prof.host_seconds += now_seconds() - host_start;
     return LLAMA_OK;
@@ -810,14 +820,8 @@ extern "C" llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char 
     if (seq < 0 || seq >= g->max_seqs || !g->in_use[seq])
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "sequence %d is not started", seq);
     if (g->fp32 || g->policy.request_boundary != KVMIX_POLICY_BOUNDARY_FINISH) return LLAMA_OK;
-    kvmix_result r = kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]);
-    if (r == KVMIX_ERR_OUT_OF_MEMORY) {
-        llama_result f = flush_jobs(g, g->k16, g->v16, err, err_bytes);
-        if (f != LLAMA_OK) return f;
-        r = kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]);
-    }
-    TRY_KVMIX(r, "finishing a request");
-    return LLAMA_OK;
+    return call_with_room(g, g->k16, g->v16, "finishing a request", err, err_bytes,
+                          [&] { return kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]); });
 }
 
 extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens,
@@ -922,36 +926,21 @@ extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_toke
         int32_t n = n_tokens - done < FILL_ROWS ? n_tokens - done : FILL_ROWS;
         int32_t pos = g->next_pos[seq];
         const kvmix_cache_precision *p = precisions ? precisions + done : NULL;
-        kvmix_result kr = kvmix_cache_reserve(&g->cache, kv, n, p, NULL);
-        if (kr == KVMIX_ERR_OUT_OF_MEMORY) {
-            llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
-            if (f != LLAMA_OK) return f;
-            kr = kvmix_cache_reserve(&g->cache, kv, n, p, NULL);
-        }
-        TRY_KVMIX(kr, "filling a sequence");
-        for (int32_t l = 0; l < g->c.n_layers; l++) {
-            kr = kvmix_cache_write_rows(&g->cache, kv, l, pos, n, 0);
-            if (kr == KVMIX_ERR_OUT_OF_MEMORY) {
-                llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
-                if (f != LLAMA_OK) return f;
-                kr = kvmix_cache_write_rows(&g->cache, kv, l, pos, n, 0);
-            }
-            TRY_KVMIX(kr, "filling a sequence");
-        }
-        llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
+        llama_result f =
+            call_with_room(g, g->fill_k, g->fill_v, "filling a sequence", err, err_bytes,
+                           [&] { return kvmix_cache_reserve(&g->cache, kv, n, p, NULL); });
+        for (int32_t l = 0; f == LLAMA_OK && l < g->c.n_layers; l++)
+            f = call_with_room(g, g->fill_k, g->fill_v, "filling a sequence", err, err_bytes,
+                               [&] { return kvmix_cache_write_rows(&g->cache, kv, l, pos, n, 0); });
+        if (f == LLAMA_OK) f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
         if (f != LLAMA_OK) return f;
         g->next_pos[seq] += n;
         done += n;
     }
     /* the last chunk's full pages are packed now, as a decode step would */
-    kvmix_result kr = kvmix_cache_seal_ready(&g->cache, kv);
-    if (kr == KVMIX_ERR_OUT_OF_MEMORY) {
-        llama_result f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
-        if (f != LLAMA_OK) return f;
-        kr = kvmix_cache_seal_ready(&g->cache, kv);
-    }
-    TRY_KVMIX(kr, "filling a sequence");
-    return flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
+    llama_result f = call_with_room(g, g->fill_k, g->fill_v, "filling a sequence", err, err_bytes,
+                                    [&] { return kvmix_cache_seal_ready(&g->cache, kv); });
+    return f == LLAMA_OK ? flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes) : f;
 }
 
 extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
@@ -968,12 +957,11 @@ extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
                               "gpu_llama_tag: sequences are running");
     kvmix_policy p = g->policy;
     kvmix_policy_error why;
-    kvmix_tagger probe;
     p.tag_precision = table;
     if (kvmix_policy_check(&p, &why) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: %s: %s", why.field,
                           why.reason);
-    if (kvmix_tagger_init(&probe, spec) != KVMIX_SUCCESS)
+    if (kvmix_tag_spec_check(spec) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: bad spec");
     if (!g->taggers) {
         g->taggers = (kvmix_tagger *)calloc((size_t)g->max_seqs, sizeof *g->taggers);
