@@ -79,26 +79,16 @@ kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,
 
 kvmix_result tag_allocation_load(const char *path, kvmix_cache_precision fallback,
                                  kvmix_tag_precision *out, char *err, size_t err_bytes) {
-    FILE *f = path != NULL ? fopen(path, "rb") : NULL;
-    if (f == NULL)
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "cannot read %s",
-                             path ? path : "(null)");
-    char *text = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (n == cap) {
-            char *grown = realloc(text, cap = cap ? 2 * cap : 65536);
-            if (grown == NULL) break;
-            text = grown;
-        }
-        size_t got = fread(text + n, 1, cap - n, f);
-        n += got;
-        if (got == 0) break;
-    }
-    fclose(f);
-    kvmix_result r = text != NULL ? tag_allocation_parse(text, n, fallback, out, err, err_bytes)
-                                  : tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY,
-                                                  "cannot read %s", path);
+    if (path == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "allocation: NULL path");
+    size_t n = 0;
+    kvmix_result why;
+    char *text = tag_spec_read_file(path, &n, &why);
+    if (text == NULL)
+        return tag_spec_fail(err, err_bytes, why,
+                             why == KVMIX_ERR_NOT_FOUND ? "cannot read %s" : "%s is too large",
+                             path);
+    kvmix_result r = tag_allocation_parse(text, n, fallback, out, err, err_bytes);
     free(text);
     return r;
 }

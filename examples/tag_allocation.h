@@ -20,7 +20,8 @@ kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,
                                   kvmix_cache_precision fallback, kvmix_tag_precision *out,
                                   char *err, size_t err_bytes);
 
-/* Reads and parses the file at path; KVMIX_ERR_NOT_FOUND when it cannot be read. */
+/* Reads (tag_spec_read_file: at most 16 MiB) and parses the file at path; KVMIX_ERR_NOT_FOUND
+ * when it cannot be opened. */
 kvmix_result tag_allocation_load(const char *path, kvmix_cache_precision fallback,
                                  kvmix_tag_precision *out, char *err, size_t err_bytes);
 

@@ -272,12 +272,10 @@ kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *o
     return r;
 }
 
-kvmix_result tag_spec_load(const char *path, tag_spec_doc *out, char *err, size_t err_bytes) {
-    if (path == NULL || out == NULL)
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
+char *tag_spec_read_file(const char *path, size_t *n_bytes, kvmix_result *why) {
     FILE *f = fopen(path, "rb");
-    if (f == NULL)
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NOT_FOUND, "spec: cannot open %s", path);
+    *why = KVMIX_ERR_NOT_FOUND;
+    if (f == NULL) return NULL;
     size_t cap = 1 << 16, n = 0, got;
     char *buf = (char *)malloc(cap);
     while (buf != NULL && (got = fread(buf + n, 1, cap - n, f)) > 0) {
@@ -294,9 +292,21 @@ kvmix_result tag_spec_load(const char *path, tag_spec_doc *out, char *err, size_
         }
     }
     fclose(f);
+    *why = buf != NULL ? KVMIX_SUCCESS : KVMIX_ERR_OUT_OF_MEMORY;
+    *n_bytes = n;
+    return buf;
+}
+
+kvmix_result tag_spec_load(const char *path, tag_spec_doc *out, char *err, size_t err_bytes) {
+    if (path == NULL || out == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
+    size_t n = 0;
+    kvmix_result why;
+    char *buf = tag_spec_read_file(path, &n, &why);
     if (buf == NULL)
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: %s is too large",
-                             path);
+        return tag_spec_fail(
+            err, err_bytes, why,
+            why == KVMIX_ERR_NOT_FOUND ? "spec: cannot open %s" : "spec: %s is too large", path);
     kvmix_result r = tag_spec_parse(buf, n, out, err, err_bytes);
     free(buf);
     return r;

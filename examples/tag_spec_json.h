@@ -50,6 +50,11 @@ typedef struct tag_spec_doc {
 kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *out, char *err,
                             size_t err_bytes);
 
+/* The whole file at path (malloc'd, at most 16 MiB; free() it), its size in *n_bytes: how the tag
+ * tools read their documents. NULL with *why KVMIX_ERR_NOT_FOUND (it cannot be opened) or
+ * KVMIX_ERR_OUT_OF_MEMORY (too large). */
+char *tag_spec_read_file(const char *path, size_t *n_bytes, kvmix_result *why);
+
 /* Reads and parses the file at path; KVMIX_ERR_NOT_FOUND when it cannot be read. */
 kvmix_result tag_spec_load(const char *path, tag_spec_doc *out, char *err, size_t err_bytes);
 
