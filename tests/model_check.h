@@ -1,6 +1,6 @@
 /* model_check.h - what the standalone model tests (test_tags.c, test_calibrate.c) share: pass and
- * fail counters with a CHECK that prints the first 40 failures, and a whole-file reader. Each
- * test program includes it in exactly one file. */
+ * fail counters with a CHECK that prints the first 40 failures, a whole-file reader and a
+ * command runner. Each test program includes it in exactly one file. */
 #ifndef KVMIX_TESTS_MODEL_CHECK_H
 #define KVMIX_TESTS_MODEL_CHECK_H
 
@@ -38,6 +38,31 @@ static inline char *read_file(const char *path, size_t *n) {
     if (buf != NULL) buf[size] = 0;
     if (buf != NULL && n != NULL) *n = (size_t)size;
     return buf;
+}
+
+/* Runs cmd through the shell; returns its exit status (-1 when it cannot start) and its stdout,
+ * NUL-terminated and malloc'd, in *out (NULL when out of memory; pass out NULL to drop it). */
+static inline int run_command(const char *cmd, char **out) {
+    FILE *p = popen(cmd, "r");
+    if (p == NULL) return -1;
+    size_t cap = 1 << 14, n = 0, got;
+    char *buf = (char *)malloc(cap + 1);
+    while (buf != NULL && (got = fread(buf + n, 1, cap - n, p)) > 0) {
+        n += got;
+        if (n == cap) {
+            char *bigger = (char *)realloc(buf, cap * 2 + 1);
+            if (bigger == NULL) free(buf);
+            buf = bigger;
+            cap *= 2;
+        }
+    }
+    int status = pclose(p);
+    if (buf != NULL) buf[n] = 0;
+    if (out != NULL)
+        *out = buf;
+    else
+        free(buf);
+    return status;
 }
 
 #endif /* KVMIX_TESTS_MODEL_CHECK_H */

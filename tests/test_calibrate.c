@@ -61,26 +61,8 @@ static bool write_bytes(const char *path, const void *bytes, size_t n) {
 static int run(const char *cmd, char **out) {
     char full[4096];
     snprintf(full, sizeof full, "%s 2>&1", cmd);
-    FILE *p = popen(full, "r");
-    if (p == NULL) return -1;
-    size_t cap = 1 << 14, n = 0, got;
-    char *buf = (char *)malloc(cap + 1);
-    while (buf != NULL && (got = fread(buf + n, 1, cap - n, p)) > 0) {
-        n += got;
-        if (n == cap) {
-            char *bigger = (char *)realloc(buf, cap * 2 + 1);
-            if (bigger == NULL) free(buf);
-            buf = bigger;
-            cap *= 2;
-        }
-    }
-    int status = pclose(p);
-    if (buf != NULL) buf[n] = 0;
-    if (out != NULL)
-        *out = buf;
-    else
-        free(buf);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    int status = run_command(full, out);
+    return status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 static cJSON *load_json(const char *path) {

@@ -5,6 +5,7 @@
  * the order of float sums) and kvmix policies (the GPU also reads FP16 queries), one of them
  * storing tokens by their template tags on both sides.
  * Usage: test_gpu_llama [SHARED_DIR] (default ../shared). Needs a CUDA device. */
+#define _POSIX_C_SOURCE 200809L /* popen, in model_check.h */
 #include "gpu_llama.h"
 #include "kvmix_kv.h"
 #include "llama.h"

@@ -320,27 +320,12 @@ static void test_tokenizer(const char *shared, const char *dir, const char *spec
 }
 
 /* ---- the command-line tools ---------------------------------------------------------------- */
+/* The stdout of a command that succeeds, or NULL. */
 static char *run_capture(const char *cmd) {
-    FILE *p = popen(cmd, "r");
-    if (p == NULL) return NULL;
-    size_t cap = 1 << 16, n = 0, got;
-    char *buf = (char *)malloc(cap + 1);
-    while (buf != NULL && (got = fread(buf + n, 1, cap - n, p)) > 0) {
-        n += got;
-        if (n == cap) {
-            char *bigger = (char *)realloc(buf, cap * 2 + 1);
-            if (bigger == NULL) free(buf);
-            buf = bigger;
-            cap *= 2;
-        }
-    }
-    int status = pclose(p);
-    if (buf != NULL) buf[n] = 0;
-    if (status != 0) {
-        free(buf);
-        return NULL;
-    }
-    return buf;
+    char *out = NULL;
+    if (run_command(cmd, &out) == 0) return out;
+    free(out);
+    return NULL;
 }
 
 static void test_tools(const char *shared, bool have_tokenizers) {
