@@ -2664,7 +2664,12 @@ static uint32_t kvmix__page_pop(kvmix_cache *c) {
 static void kvmix__page_release(kvmix_cache *c, uint32_t id) {
     kvmix_cache_page *p = &c->pages[id];
     KVMIX_ASSERT(id != 0 && p->refcount > 0);
-    if (--p->refcount > 0) return;
+    if (--p->refcount > 0) {
+        /* the sequences left may now write rows the released one wrote in this segment: their
+           writes wait for it, as after a read */
+        if (c->desc.device_arena) c->page_segment[2 * id + 1] = c->segment;
+        return;
+    }
     if (c->desc.device_arena) { /* bytes and descriptor held until the jobs are taken */
         c->retired_pages[c->n_retired_pages++] = id;
         return;

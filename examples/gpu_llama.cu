@@ -986,6 +986,13 @@ extern "C" void gpu_llama_profile_get(const gpu_llama *g, gpu_llama_profile *out
     *out = g->prof;
 }
 
+extern "C" const kvmix_cache *gpu_llama_inner(const gpu_llama *g, int32_t seq,
+                                              int32_t *out_kv_seq) {
+    bool running = g && !g->fp32 && seq >= 0 && seq < g->max_seqs && g->in_use[seq];
+    if (out_kv_seq) *out_kv_seq = running ? g->kv_seq[seq] : -1;
+    return running ? &g->cache : NULL;
+}
+
 extern "C" void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_stats *out) {
     memset(out, 0, sizeof *out);
     if (seq < 0 || seq >= g->max_seqs || !g->in_use[seq]) return;

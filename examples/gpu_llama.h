@@ -83,6 +83,11 @@ void gpu_llama_profile_get(const gpu_llama *g, gpu_llama_profile *out);
  * 32 bits per element for fp32). */
 void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_stats *out);
 
+/* The kvmix cache and its sequence behind a running sequence (NULL / -1 for the fp32 loop or a
+ * sequence not running): its host bookkeeping, for views and statistics; its arena is device
+ * memory. */
+const kvmix_cache *gpu_llama_inner(const gpu_llama *g, int32_t seq, int32_t *out_kv_seq);
+
 /* The device's name, for reports. */
 const char *gpu_llama_device_name(const gpu_llama *g);
 

@@ -164,6 +164,17 @@ static size_t da_block_bytes(const kvmix_view *v, int format, int32_t rows, int 
     return bytes;
 }
 
+/* One block, host against device: where they first differ, if they do. */
+static void da_compare_block(da_state *s, const char *side, const uint8_t *host,
+                             const uint8_t *device, size_t bytes, int format, int32_t n_tokens) {
+    size_t i = 0;
+    while (i < bytes && host[i] == device[i]) i++;
+    if (i < bytes && s->failures++ == 0 && s->why)
+        snprintf(s->why, s->why_bytes,
+                 "%s block bytes differ: format %d, %d tokens, byte %zu of %zu: %02x vs %02x",
+                 side, format, (int)n_tokens, i, bytes, host[i], device[i]);
+}
+
 /* Every view of every live sequence, host against device. */
 static void da_compare(da_state *s) {
     const kvmix_cache_desc *d = &s->host.desc;
@@ -226,9 +237,8 @@ static void da_compare(da_state *s) {
                         s->host.arena + a->value_offset + (size_t)h * a->value_head_bytes;
                     const uint8_t *dval =
                         s->device_copy + b->value_offset + (size_t)h * b->value_head_bytes;
-                    if (memcmp(hk, dk, kb) != 0) da_fail(s, "key block bytes differ", seq, layer);
-                    if (memcmp(hval, dval, vb) != 0)
-                        da_fail(s, "value block bytes differ", seq, layer);
+                    da_compare_block(s, "key", hk, dk, kb, a->key_format, a->n_tokens);
+                    da_compare_block(s, "value", hval, dval, vb, a->value_format, a->n_tokens);
                 }
             }
         }

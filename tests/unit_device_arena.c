@@ -12,7 +12,28 @@
 typedef struct ref_executor {
     uint8_t *arena;
     int drop_one; /* a mutant: skip the last job of the first batch once */
+    int reverse;  /* each batch's jobs last to first: a launch runs them in any order */
 } ref_executor;
+
+/* The batches in order, each one's jobs from last to first. */
+static kvmix_result run_reversed(const kvmix_cache_batch *batches, int32_t n_batches,
+                                 const kvmix_quantize_job *jobs, const uint16_t *key_rows,
+                                 const uint16_t *value_rows, uint8_t *arena, int32_t *bad_jobs) {
+    int32_t b, j, bad = 0;
+    for (b = 0; b < n_batches; b++)
+        for (j = batches[b].n_jobs - 1; j >= 0; j--) {
+            kvmix_cache_batch one = batches[b];
+            int32_t one_bad = 0;
+            kvmix_result r;
+            one.first_job += j;
+            one.n_jobs = 1;
+            r = kvmix_ref_cache_run(&one, 1, jobs, key_rows, value_rows, arena, &one_bad);
+            if (r != KVMIX_SUCCESS) return r;
+            bad += one_bad;
+        }
+    if (bad_jobs) *bad_jobs = bad;
+    return KVMIX_SUCCESS;
+}
 
 static int ref_run(void *ctx, const kvmix_cache_batch *batches, int32_t n_batches,
                    const kvmix_quantize_job *jobs, int32_t n_jobs, const uint16_t *key_rows,
@@ -31,6 +52,9 @@ static int ref_run(void *ctx, const kvmix_cache_batch *batches, int32_t n_batche
         free(copy);
         return r == KVMIX_SUCCESS;
     }
+    if (ex->reverse)
+        return run_reversed(batches, n_batches, jobs, key_rows, value_rows, ex->arena, bad_jobs) ==
+               KVMIX_SUCCESS;
     return kvmix_ref_cache_run(batches, n_batches, jobs, key_rows, value_rows, ex->arena,
                                bad_jobs) == KVMIX_SUCCESS;
 }
@@ -80,7 +104,7 @@ static void test_scenarios(void) {
     for (which = 0; which < 4; which++)
         for (seed = 0; seed < 6; seed++) {
             kvmix_cache_desc d = scenario_desc(which);
-            ref_executor ex = {(uint8_t *)test_alloc(d.arena_bytes), 0};
+            ref_executor ex = {(uint8_t *)test_alloc(d.arena_bytes), 0, seed % 2};
             da_executor e = {&ex, ex.arena, ref_run, ref_fetch};
             char why[160];
             int64_t jobs = 0;
@@ -98,12 +122,63 @@ static void test_scenarios(void) {
 /* A job left out is a difference the scenario reports. */
 static void test_dropped_job_noticed(void) {
     kvmix_cache_desc d = scenario_desc(0);
-    ref_executor ex = {(uint8_t *)test_alloc(d.arena_bytes), 1};
+    ref_executor ex = {(uint8_t *)test_alloc(d.arena_bytes), 1, 0};
     da_executor e = {&ex, ex.arena, ref_run, ref_fetch};
     char why[160];
     memset(ex.arena, 0, d.arena_bytes);
     CHECK(da_scenario(&d, 7, 400, &e, why, sizeof why, NULL) > 0);
     free(ex.arena);
+}
+
+/* A sequence forked from another that wrote past the fork point, left alone on the page when
+   the other is freed, writes the row the other wrote before the take: its write runs last,
+   whatever order a launch gives the jobs of a batch. */
+static void test_write_after_release(void) {
+    kvmix_cache_desc d = scenario_desc(0);
+    kvmix_cache cache;
+    size_t bytes = 0;
+    void *memory;
+    uint8_t *arena = (uint8_t *)test_alloc(d.arena_bytes);
+    int32_t per = d.n_kv_heads * d.head_dim, parent, child, layer, first[2], n_jobs, n_batches, i;
+    uint16_t *rows = (uint16_t *)test_alloc((size_t)28 * (size_t)per * 2);
+    kvmix_quantize_job *jobs = (kvmix_quantize_job *)test_alloc(64 * sizeof *jobs);
+    kvmix_cache_batch batches[64];
+    kvmix_view_span spans[4];
+    uint8_t dead[32];
+    kvmix_view view;
+    for (i = 0; i < 28 * per; i++) rows[i] = kvmix_fp32_to_fp16((float)(i % 251) / 64.0f);
+    d.device_arena = 1;
+    CHECK_RESULT(kvmix_cache_memory_bytes(&d, &bytes), KVMIX_SUCCESS);
+    memory = test_alloc(bytes);
+    CHECK_RESULT(kvmix_cache_init(&cache, &d, memory, bytes, arena), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &parent), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, parent, 13, NULL, NULL), KVMIX_SUCCESS);
+    for (layer = 0; layer < 2; layer++) /* staged rows 0-12 and 13-25 */
+        CHECK_RESULT(kvmix_cache_write_rows(&cache, parent, layer, 0, 13, 13 * layer),
+                     KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_fork(&cache, parent, 12, &child), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_free(&cache, parent), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, child, 1, NULL, NULL), KVMIX_SUCCESS);
+    for (layer = 0; layer < 2; layer++) /* staged rows 26 and 27 */
+        CHECK_RESULT(kvmix_cache_write_rows(&cache, child, layer, 12, 1, 26 + layer),
+                     KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_jobs_take(&cache, jobs, 64, batches, 64, &n_jobs, &n_batches),
+                 KVMIX_SUCCESS);
+    CHECK_RESULT(run_reversed(batches, n_batches, jobs, rows, rows, arena, NULL), KVMIX_SUCCESS);
+    for (layer = 0; layer < 2; layer++) {
+        CHECK_RESULT(kvmix_cache_view(&cache, layer, &child, 1, spans, 4, first, dead, 32, &view),
+                     KVMIX_SUCCESS);
+        CHECK_EQ_INT(view.n_spans, 1);
+        CHECK_EQ_INT(spans[0].key_format, KVMIX_FORMAT_FP16);
+        CHECK_EQ_INT(spans[0].n_tokens, 13);
+        CHECK(memcmp(arena + spans[0].key_offset + (size_t)12 * (size_t)d.head_dim * 2,
+                     rows + (size_t)(26 + layer) * (size_t)per, (size_t)d.head_dim * 2) == 0);
+    }
+    kvmix_cache_deinit(&cache);
+    free(memory);
+    free(arena);
+    free(rows);
+    free(jobs);
 }
 
 /* Host-row calls refuse a device arena; a full queue fails without changing the cache. */
@@ -191,6 +266,7 @@ static void test_seal_ready(void) {
 void unit_device_arena(void) {
     test_seal_ready();
     test_device_arena_rules();
+    test_write_after_release();
     test_dropped_job_noticed();
     test_scenarios();
 }
