@@ -1224,6 +1224,418 @@ KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, k
                                                    int32_t current_turn,
                                                    kvmix_cache_precision *out);
 
+/* ------------------------------------------------------------------------------------------- */
+/* Format rules, shared by the host and the device. The pure arithmetic of the byte formats      */
+/* (geometry, scale and minimum, codes), the checks of layouts and view blocks, and the payload  */
+/* header's fields: written once, compiled as C99 here and as __host__ __device__ code when nvcc */
+/* compiles kvmix_cuda.cu, which calls them instead of keeping copies. Private (kvmix__ names):  */
+/* the formats themselves are documented in the >>formats and >>transfer rooms.                 */
+/* ------------------------------------------------------------------------------------------- */
+#include <math.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#define KVMIX__RULE static __host__ __device__ inline
+#else
+#define KVMIX__RULE static inline
+#endif
+
+KVMIX__RULE uint32_t kvmix__float_bits(float value) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(value);
+#else
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return bits;
+#endif
+}
+
+KVMIX__RULE float kvmix__bits_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(bits);
+#else
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+#endif
+}
+
+/* FP32 to FP16, rounding to nearest even; beyond the range: infinity; NaN: 0x7fff. */
+KVMIX__RULE uint16_t kvmix__f2h(float value) {
+#if defined(__CUDA_ARCH__)
+    return __half_as_ushort(__float2half_rn(value));
+#else
+    uint32_t bits = kvmix__float_bits(value);
+    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    uint32_t magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return 0x7fff;                      /* NaN */
+    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
+    if (magnitude >= 0x38800000u) {                                  /* normal half: >= 2^-14 */
+        uint32_t odd = (magnitude >> 13) & 1u;
+        magnitude += 0xfffu + odd;
+        return (uint16_t)(sign | ((magnitude - 0x38000000u) >> 13));
+    }
+    if (magnitude < 0x33000000u) return sign; /* below 2^-25: rounds to zero */
+    {
+        /* subnormal half: count units of 2^-24, rounding the dropped bits to even */
+        int32_t shift = 126 - (int32_t)(magnitude >> 23);
+        uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+        uint32_t units = mantissa >> shift;
+        uint32_t rest = mantissa & ((1u << shift) - 1u);
+        uint32_t halfway = 1u << (shift - 1);
+        if (rest > halfway || (rest == halfway && (units & 1u))) units++;
+        return (uint16_t)(sign | units);
+    }
+#endif
+}
+
+KVMIX__RULE float kvmix__h2f(uint16_t half) {
+#if defined(__CUDA_ARCH__)
+    return __half2float(__ushort_as_half(half));
+#else
+    uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
+    uint32_t exponent = (half >> 10) & 0x1fu;
+    uint32_t mantissa = half & 0x3ffu;
+    if (exponent == 0x1f) return kvmix__bits_float(sign | 0x7f800000u | (mantissa << 13));
+    if (exponent == 0) {
+        float magnitude = (float)mantissa * (1.0f / 16777216.0f); /* exact: mantissa * 2^-24 */
+        return sign ? -magnitude : magnitude;
+    }
+    return kvmix__bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+#endif
+}
+
+/* Float operations each rounded once: the device compiler would otherwise fuse a multiply and
+   an add, and the bytes and dequantized values must equal the host's. */
+KVMIX__RULE float kvmix__fsub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fsub_rn(a, b);
+#else
+    return a - b;
+#endif
+}
+KVMIX__RULE float kvmix__fdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+KVMIX__RULE float kvmix__fmul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+}
+KVMIX__RULE float kvmix__fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(a, b);
+#else
+    return a + b;
+#endif
+}
+
+/* Little-endian 16-bit loads and stores, so packed bytes mean the same on every host. */
+KVMIX__RULE uint16_t kvmix__load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+KVMIX__RULE void kvmix__store_u16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)(v & 0xffu);
+    p[1] = (uint8_t)(v >> 8);
+}
+
+/* Bits per code of a format; 0 for a value that is not a kvmix_format. */
+KVMIX__RULE int kvmix__format_bits(int format) {
+    switch (format) {
+    case KVMIX_FORMAT_FP16: return 16;
+    case KVMIX_FORMAT_INT8: return 8;
+    case KVMIX_FORMAT_INT4: return 4;
+    case KVMIX_FORMAT_INT2:
+    case KVMIX_FORMAT_INT2_CHANNEL:
+    case KVMIX_FORMAT_BOOSTED: return 2;
+    default: return 0;
+    }
+}
+
+KVMIX__RULE int kvmix__is_per_token_int(int format) {
+    return format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 ||
+           format == KVMIX_FORMAT_INT2;
+}
+
+KVMIX__RULE int kvmix__is_per_channel(int format) {
+    return format == KVMIX_FORMAT_INT2_CHANNEL || format == KVMIX_FORMAT_BOOSTED;
+}
+
+/* kvmix_layout's constraints; *group_size 0 resolves to KVMIX_GROUP_SIZE_DEFAULT for the
+   per-token integer formats. */
+KVMIX__RULE kvmix_result kvmix__layout_check(int format, int64_t n_tokens, int32_t head_dim,
+                                             int32_t *group_size, int32_t n_boost) {
+    if (kvmix__format_bits(format) == 0) return KVMIX_ERR_UNKNOWN_FORMAT;
+    if (n_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (head_dim <= 0 || head_dim % 32 != 0 || head_dim > KVMIX_MAX_HEAD_DIM)
+        return KVMIX_ERR_BAD_SHAPE;
+    if (kvmix__is_per_token_int(format)) {
+        if (*group_size == 0) *group_size = KVMIX_GROUP_SIZE_DEFAULT;
+        if (*group_size < 0 || *group_size % 8 != 0 || head_dim % *group_size != 0)
+            return KVMIX_ERR_BAD_SHAPE;
+    } else if (*group_size != 0) {
+        return KVMIX_ERR_BAD_SHAPE;
+    }
+    if (format == KVMIX_FORMAT_BOOSTED) {
+        if (n_boost < 0 || n_boost % 4 != 0 || n_boost > head_dim || n_boost > 252)
+            return KVMIX_ERR_BAD_SHAPE;
+    } else if (n_boost != 0) {
+        return KVMIX_ERR_BAD_SHAPE;
+    }
+    return KVMIX_SUCCESS;
+}
+
+/* Sections of one block of a checked layout; offsets from the block start. */
+typedef struct kvmix__sections {
+    uint64_t data_bytes;  /* codes (dense codes for BOOSTED); FP16 rows for FP16 */
+    uint64_t row_bytes;   /* one token's share of the data section */
+    uint64_t high_offset; /* BOOSTED: high bits */
+    uint64_t high_row_bytes;
+    uint64_t meta_offset;
+    uint64_t index_offset; /* BOOSTED: channel-to-slot index */
+    uint64_t total_bytes;  /* 0 for a block of no tokens */
+} kvmix__sections;
+
+KVMIX__RULE kvmix__sections kvmix__block_sections(int format, int64_t n_tokens, int32_t head_dim,
+                                                  int32_t group_size, int32_t n_boost) {
+    kvmix__sections s;
+    uint64_t n = (uint64_t)n_tokens, d = (uint64_t)head_dim;
+    int boosted = format == KVMIX_FORMAT_BOOSTED;
+    s.row_bytes = d * (uint64_t)kvmix__format_bits(format) / 8u;
+    s.data_bytes = n * s.row_bytes;
+    s.high_row_bytes = boosted ? (uint64_t)n_boost / 4u : 0u;
+    s.high_offset = s.data_bytes;
+    s.meta_offset = s.high_offset + n * s.high_row_bytes;
+    if (format == KVMIX_FORMAT_FP16)
+        s.index_offset = s.meta_offset;
+    else if (kvmix__is_per_token_int(format))
+        s.index_offset = s.meta_offset + n * (d / (uint64_t)group_size) * 4u;
+    else
+        s.index_offset = s.meta_offset + d * 4u;
+    s.total_bytes = n == 0 ? 0u : s.index_offset + (boosted ? d : 0u);
+    return s;
+}
+
+/* A group's (scale, min) pair: FP16 bit patterns and their values. */
+typedef struct kvmix__qparams {
+    uint16_t scale_h;
+    uint16_t min_h;
+    float scale;
+    float min;
+} kvmix__qparams;
+
+KVMIX__RULE uint16_t kvmix__fp16_step_down(uint16_t h) {
+    if (h == 0x0000u || h == 0x8000u) return 0x8001u;
+    return (h & 0x8000u) ? (uint16_t)(h + 1u) : (uint16_t)(h - 1u);
+}
+
+/* Scale grid S of a per-token group of `bits`-bit codes (see >>formats). */
+KVMIX__RULE unsigned kvmix__scale_grid(int bits) { return bits == 2 ? 4u : bits == 4 ? 16u : 1u; }
+
+/* Parameters for values in [lo, hi] with `levels` steps and scale grid `grid` (see >>formats).
+   The test scale * levels + min is exact in double (FP16 operands, levels < 256), so it needs
+   no care about rounding. */
+KVMIX__RULE kvmix__qparams kvmix__choose_qparams(float lo, float hi, int levels, unsigned grid) {
+    kvmix__qparams p;
+    float step;
+    p.min_h = kvmix__f2h(lo);
+    if (kvmix__h2f(p.min_h) > lo) p.min_h = kvmix__fp16_step_down(p.min_h);
+    p.min = kvmix__h2f(p.min_h);
+    step = kvmix__fdiv(kvmix__fsub(hi, p.min), (float)levels);
+    p.scale_h = (uint16_t)((kvmix__f2h(step) + grid - 1u) / grid * grid);
+    while ((double)kvmix__h2f(p.scale_h) * levels + (double)p.min < (double)hi)
+        p.scale_h = (uint16_t)(p.scale_h + grid); /* non-negative: the next grid FP16 up */
+    p.scale = kvmix__h2f(p.scale_h);
+    return p;
+}
+
+/* Code of x: rint((x - min) / scale) clamped to [0, levels]; 0 when scale is 0. */
+KVMIX__RULE uint32_t kvmix__quantize_value(float x, kvmix__qparams p, int levels) {
+    float q;
+    if (p.scale_h == 0) return 0;
+    q = rintf(kvmix__fdiv(kvmix__fsub(x, p.min), p.scale));
+    if (q < 0.0f) q = 0.0f;
+    if (q > (float)levels) q = (float)levels;
+    return (uint32_t)q;
+}
+
+KVMIX__RULE float kvmix__dequantize_value(uint32_t q, float scale, float min) {
+    return kvmix__fadd(kvmix__fmul((float)q, scale), min);
+}
+
+KVMIX__RULE void kvmix__store_qparams(uint8_t *meta, kvmix__qparams p) {
+    kvmix__store_u16(meta, p.scale_h);
+    kvmix__store_u16(meta + 2, p.min_h);
+}
+
+/* Code c of a row of `bits`-bit codes (2, 4 or 8: they never straddle a byte), low bits first;
+   bit offset c * bits, so no division per code. put ORs into a zeroed row. */
+KVMIX__RULE void kvmix__put_code(uint8_t *row, int32_t c, int bits, uint32_t q) {
+    uint64_t at = (uint64_t)c * (uint64_t)bits;
+    row[at >> 3] = (uint8_t)(row[at >> 3] | (q << (at & 7u)));
+}
+
+KVMIX__RULE uint32_t kvmix__get_code(const uint8_t *row, int32_t c, int bits) {
+    uint64_t at = (uint64_t)c * (uint64_t)bits;
+    return (row[at >> 3] >> (at & 7u)) & ((1u << bits) - 1u);
+}
+
+/* The group of a view's keys (is_value 0) or values of `format`: value_group_size 0 takes
+   group_size, 0 the default; formats without groups have none (0). */
+KVMIX__RULE int32_t kvmix__view_group(int32_t group_size, int32_t value_group_size, int is_value,
+                                      int format) {
+    int32_t g = is_value && value_group_size != 0 ? value_group_size : group_size;
+    if (!kvmix__is_per_token_int(format)) return 0;
+    return g != 0 ? g : KVMIX_GROUP_SIZE_DEFAULT;
+}
+
+/* A view block (keys or values of n_kv_heads heads, head_bytes apart) of n_tokens rows at
+   `offset`: a valid layout, and every head's block inside the base region of base_bytes. On
+   success *out holds its sections. */
+KVMIX__RULE kvmix_result kvmix__view_block_check(int format, int32_t n_tokens, uint64_t offset,
+                                                 uint32_t head_bytes, int32_t n_kv_heads,
+                                                 int32_t head_dim, int32_t group, int32_t n_boost,
+                                                 uint64_t base_bytes, kvmix__sections *out) {
+    kvmix_result r;
+    uint64_t extent;
+    if (n_tokens <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (format != KVMIX_FORMAT_BOOSTED) n_boost = 0;
+    if ((r = kvmix__layout_check(format, n_tokens, head_dim, &group, n_boost)) != KVMIX_SUCCESS)
+        return r;
+    *out = kvmix__block_sections(format, n_tokens, head_dim, group, n_boost);
+    if (head_bytes < out->total_bytes) return KVMIX_ERR_INVALID_ARGUMENT;
+    extent = (uint64_t)head_bytes * (uint64_t)(n_kv_heads - 1) + out->total_bytes;
+    if (offset > base_bytes || extent > base_bytes - offset) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    return KVMIX_SUCCESS;
+}
+
+/* A view span's dead flags, if it has any (dead_index >= 0), lie inside n_dead_flags. */
+KVMIX__RULE int kvmix__view_dead_ok(int32_t dead_index, int32_t n_tokens, int32_t n_dead_flags) {
+    return dead_index == -1 || (dead_index >= 0 && n_tokens <= n_dead_flags - dead_index);
+}
+
+/* A sequence's span range [first, last) of a view of n_spans spans. */
+KVMIX__RULE int kvmix__view_range_ok(int32_t first, int32_t last, int32_t n_spans) {
+    return first >= 0 && last >= first && last <= n_spans;
+}
+
+/* The view's own fields (>>view): counts, head_dim, groups, boost count. */
+KVMIX__RULE kvmix_result kvmix__view_shape_check(const kvmix_view *v) {
+    int32_t groups[2];
+    int i;
+    if (v->n_seqs < 0 || v->n_kv_heads <= 0 || v->n_spans < 0 || v->n_dead_flags < 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (v->head_dim <= 0 || v->head_dim % 32 != 0 || v->head_dim > KVMIX_MAX_HEAD_DIM)
+        return KVMIX_ERR_BAD_SHAPE;
+    groups[0] = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
+    groups[1] = kvmix__view_group(v->group_size, v->value_group_size, 1, KVMIX_FORMAT_INT4);
+    for (i = 0; i < 2; i++)
+        if (groups[i] < 0 || groups[i] % 8 != 0 || v->head_dim % groups[i] != 0)
+            return KVMIX_ERR_BAD_SHAPE;
+    if (v->n_boost < 0 || v->n_boost % 4 != 0 || v->n_boost > v->head_dim || v->n_boost > 252)
+        return KVMIX_ERR_BAD_SHAPE;
+    return KVMIX_SUCCESS;
+}
+
+/* ---- the transfer payload (>>transfer) ---- */
+
+#define KVMIX__PAYLOAD_MAX_BYTES ((uint64_t)1 << 62)
+
+KVMIX__RULE void kvmix__store_u32(uint8_t *p, uint32_t v) {
+    kvmix__store_u16(p, (uint16_t)(v & 0xffffu));
+    kvmix__store_u16(p + 2, (uint16_t)(v >> 16));
+}
+KVMIX__RULE uint32_t kvmix__load_u32(const uint8_t *p) {
+    return (uint32_t)kvmix__load_u16(p) | ((uint32_t)kvmix__load_u16(p + 2) << 16);
+}
+KVMIX__RULE void kvmix__store_u64(uint8_t *p, uint64_t v) {
+    kvmix__store_u32(p, (uint32_t)(v & 0xffffffffu));
+    kvmix__store_u32(p + 4, (uint32_t)(v >> 32));
+}
+KVMIX__RULE uint64_t kvmix__load_u64(const uint8_t *p) {
+    return (uint64_t)kvmix__load_u32(p) | ((uint64_t)kvmix__load_u32(p + 4) << 32);
+}
+
+KVMIX__RULE uint64_t kvmix__round16(uint64_t n) { return (n + 15u) & ~(uint64_t)15u; }
+
+/* The format of tier i (0, 1, 2: FP16, INT8, INT4). */
+KVMIX__RULE int kvmix__tier_format(int i) {
+    return i == 0 ? KVMIX_FORMAT_FP16 : i == 1 ? KVMIX_FORMAT_INT8 : KVMIX_FORMAT_INT4;
+}
+
+/* Tier i's token count in info. */
+KVMIX__RULE int32_t kvmix__tier_count(const kvmix_payload_info *info, int i) {
+    return i == 0 ? info->n_fp16 : i == 1 ? info->n_int8 : info->n_int4;
+}
+
+/* Sections of tier i's block in a payload of this shape (FP16 has no groups). */
+KVMIX__RULE kvmix__sections kvmix__tier_sections(const kvmix_payload_info *info, int i) {
+    return kvmix__block_sections(kvmix__tier_format(i), kvmix__tier_count(info, i),
+                                 info->desc.head_dim, i == 0 ? 0 : info->desc.group_size, 0);
+}
+
+/* Bytes of tier i's block in the body, padded to 16. */
+KVMIX__RULE uint64_t kvmix__tier_bytes(const kvmix_payload_info *info, int i) {
+    return kvmix__round16(kvmix__tier_sections(info, i).total_bytes);
+}
+
+/* Bytes of one (layer, keys or values, kv head) slice of the body: its three tier blocks. */
+KVMIX__RULE uint64_t kvmix__payload_slice(const kvmix_payload_info *info) {
+    return kvmix__tier_bytes(info, 0) + kvmix__tier_bytes(info, 1) + kvmix__tier_bytes(info, 2);
+}
+
+/* Range checks of a description; writes it back with group_size resolved. */
+KVMIX__RULE kvmix_result kvmix__payload_check_desc(kvmix_payload_desc *d) {
+    if (d->kind != KVMIX_PAYLOAD_ROWS && d->kind != KVMIX_PAYLOAD_RESIDUAL)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d->n_kv_heads < 1 || d->n_kv_heads > 65535 || d->n_layers < 1 || d->n_layers > 65535 ||
+        d->first_layer < 0 || d->first_layer > 0x7fffffff - d->n_layers || d->n_tokens < 0 ||
+        d->first_position < 0 || (d->kind == KVMIX_PAYLOAD_ROWS && d->base_id != 0))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    return kvmix__layout_check(KVMIX_FORMAT_INT8, 0, d->head_dim, &d->group_size, 0);
+}
+
+/* Head and total sizes of info (desc checked, counts set); BAD_SHAPE beyond 2^62 bytes or
+   size_t. */
+KVMIX__RULE kvmix_result kvmix__payload_sizes(kvmix_payload_info *info) {
+    uint64_t blocks = (uint64_t)info->desc.n_layers * 2u * (uint64_t)info->desc.n_kv_heads;
+    uint64_t head = KVMIX_PAYLOAD_HEADER_BYTES + kvmix__round16((uint64_t)info->desc.n_tokens);
+    uint64_t slice = kvmix__payload_slice(info); /* < 2^31 * 2 * 512 * 3: no overflow */
+    if (slice > (KVMIX__PAYLOAD_MAX_BYTES - head) / blocks) return KVMIX_ERR_BAD_SHAPE;
+    if (head + blocks * slice > (uint64_t)(size_t)-1) return KVMIX_ERR_BAD_SHAPE;
+    info->head_bytes = (size_t)head;
+    info->total_bytes = (size_t)(head + blocks * slice);
+    return KVMIX_SUCCESS;
+}
+
+/* The KVMIX_PAYLOAD_HEADER_BYTES header bytes that info describes (reserved fields zero). */
+KVMIX__RULE void kvmix__payload_header_put(const kvmix_payload_info *info, uint8_t *p) {
+    const kvmix_payload_desc *d = &info->desc;
+    int i;
+    for (i = 0; i < KVMIX_PAYLOAD_HEADER_BYTES; i++) p[i] = 0;
+    p[0] = 'K', p[1] = 'V', p[2] = 'M', p[3] = 'P';
+    kvmix__store_u16(p + 4, KVMIX_PAYLOAD_VERSION);
+    kvmix__store_u16(p + 6, (uint16_t)d->kind);
+    kvmix__store_u32(p + 8, (uint32_t)d->head_dim);
+    kvmix__store_u32(p + 12, (uint32_t)d->n_kv_heads);
+    kvmix__store_u32(p + 16, (uint32_t)d->group_size);
+    kvmix__store_u32(p + 20, (uint32_t)d->first_layer);
+    kvmix__store_u32(p + 24, (uint32_t)d->n_layers);
+    kvmix__store_u32(p + 28, (uint32_t)d->n_tokens);
+    kvmix__store_u64(p + 32, (uint64_t)d->first_position);
+    kvmix__store_u64(p + 40, d->id);
+    kvmix__store_u64(p + 48, d->base_id);
+    kvmix__store_u32(p + 56, (uint32_t)info->n_fp16);
+    kvmix__store_u32(p + 60, (uint32_t)info->n_int8);
+    kvmix__store_u32(p + 64, (uint32_t)info->n_int4);
+    kvmix__store_u64(p + 72, (uint64_t)info->total_bytes);
+}
+
 #endif /* KVMIX_H */
 
 /* =========================================================================================== */
@@ -1273,56 +1685,9 @@ KVMIXDEF const char *kvmix_result_string(kvmix_result result) {
 
 KVMIXDEF const char *kvmix_version_string(void) { return KVMIX_VERSION_STRING; }
 
-static uint32_t kvmix__float_bits(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    return bits;
-}
+KVMIXDEF uint16_t kvmix_fp32_to_fp16(float value) { return kvmix__f2h(value); }
 
-static float kvmix__bits_float(uint32_t bits) {
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-KVMIXDEF uint16_t kvmix_fp32_to_fp16(float value) {
-    uint32_t bits = kvmix__float_bits(value);
-    uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-    uint32_t magnitude = bits & 0x7fffffffu;
-    if (magnitude > 0x7f800000u) return 0x7fff;                      /* NaN */
-    if (magnitude >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
-    if (magnitude >= 0x38800000u) {                                  /* normal half: >= 2^-14 */
-        uint32_t odd = (magnitude >> 13) & 1u;
-        magnitude += 0xfffu + odd;
-        return (uint16_t)(sign | ((magnitude - 0x38000000u) >> 13));
-    }
-    if (magnitude < 0x33000000u) return sign; /* below 2^-25: rounds to zero */
-    {
-        /* subnormal half: count units of 2^-24, rounding the dropped bits to even */
-        int32_t shift = 126 - (int32_t)(magnitude >> 23);
-        uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
-        uint32_t units = mantissa >> shift;
-        uint32_t rest = mantissa & ((1u << shift) - 1u);
-        uint32_t halfway = 1u << (shift - 1);
-        if (rest > halfway || (rest == halfway && (units & 1u))) units++;
-        return (uint16_t)(sign | units);
-    }
-}
-
-/* kvmix_fp16_to_fp32's body, static so that the decoders' loops inline it. */
-static inline float kvmix__half_to_float(uint16_t half) {
-    uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
-    uint32_t exponent = (half >> 10) & 0x1fu;
-    uint32_t mantissa = half & 0x3ffu;
-    if (exponent == 0x1f) return kvmix__bits_float(sign | 0x7f800000u | (mantissa << 13));
-    if (exponent == 0) {
-        float magnitude = (float)mantissa * (1.0f / 16777216.0f); /* exact: mantissa * 2^-24 */
-        return sign ? -magnitude : magnitude;
-    }
-    return kvmix__bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-}
-
-KVMIXDEF float kvmix_fp16_to_fp32(uint16_t half) { return kvmix__half_to_float(half); }
+KVMIXDEF float kvmix_fp16_to_fp32(uint16_t half) { return kvmix__h2f(half); }
 
 KVMIXDEF uint16_t kvmix_fp32_to_bf16(float value) {
     uint32_t bits = kvmix__float_bits(value);
@@ -1332,14 +1697,6 @@ KVMIXDEF uint16_t kvmix_fp32_to_bf16(float value) {
 }
 
 KVMIXDEF float kvmix_bf16_to_fp32(uint16_t bf16) { return kvmix__bits_float((uint32_t)bf16 << 16); }
-
-/* Little-endian 16-bit loads and stores, so packed bytes mean the same on every host. */
-static uint16_t kvmix__load_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
-
-static void kvmix__store_u16(uint8_t *p, uint16_t v) {
-    p[0] = (uint8_t)(v & 0xffu);
-    p[1] = (uint8_t)(v >> 8);
-}
 
 // >>formats
 /*
@@ -1376,25 +1733,6 @@ static void kvmix__store_u16(uint8_t *p, uint16_t v) {
    multiply-add), so |x' - x| <= scale / 2 up to float rounding.
 */
 
-typedef struct kvmix__qparams {
-    uint16_t scale_h;
-    uint16_t min_h;
-    float scale;
-    float min;
-} kvmix__qparams;
-
-static int kvmix__format_bits(kvmix_format format) {
-    switch (format) {
-    case KVMIX_FORMAT_FP16: return 16;
-    case KVMIX_FORMAT_INT8: return 8;
-    case KVMIX_FORMAT_INT4: return 4;
-    case KVMIX_FORMAT_INT2:
-    case KVMIX_FORMAT_INT2_CHANNEL:
-    case KVMIX_FORMAT_BOOSTED: return 2;
-    }
-    return 0;
-}
-
 KVMIXDEF const char *kvmix_format_name(kvmix_format format) {
     switch (format) {
     case KVMIX_FORMAT_FP16: return "fp16";
@@ -1407,68 +1745,22 @@ KVMIXDEF const char *kvmix_format_name(kvmix_format format) {
     return "unknown";
 }
 
-static int kvmix__is_per_token_int(kvmix_format format) {
-    return format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 ||
-           format == KVMIX_FORMAT_INT2;
-}
-
 KVMIXDEF kvmix_result kvmix_layout_resolve(kvmix_layout *layout) {
     kvmix_layout resolved;
+    kvmix_result r;
     if (!layout) return KVMIX_ERR_NULL_POINTER;
     resolved = *layout;
-    if (kvmix__format_bits(resolved.format) == 0) return KVMIX_ERR_UNKNOWN_FORMAT;
-    if (resolved.n_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (resolved.head_dim <= 0 || resolved.head_dim % 32 != 0 ||
-        resolved.head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
-    if (kvmix__is_per_token_int(resolved.format)) {
-        if (resolved.group_size == 0) resolved.group_size = KVMIX_GROUP_SIZE_DEFAULT;
-        if (resolved.group_size < 0 || resolved.group_size % 8 != 0 ||
-            resolved.head_dim % resolved.group_size != 0)
-            return KVMIX_ERR_BAD_SHAPE;
-    } else if (resolved.group_size != 0) {
-        return KVMIX_ERR_BAD_SHAPE;
-    }
-    if (resolved.format == KVMIX_FORMAT_BOOSTED) {
-        if (resolved.n_boost < 0 || resolved.n_boost % 4 != 0 ||
-            resolved.n_boost > resolved.head_dim || resolved.n_boost > 252)
-            return KVMIX_ERR_BAD_SHAPE;
-    } else if (resolved.n_boost != 0) {
-        return KVMIX_ERR_BAD_SHAPE;
-    }
+    r = kvmix__layout_check(resolved.format, resolved.n_tokens, resolved.head_dim,
+                            &resolved.group_size, resolved.n_boost);
+    if (r != KVMIX_SUCCESS) return r;
     *layout = resolved;
     return KVMIX_SUCCESS;
 }
 
-/* Section sizes of a resolved layout; `offset` fields are from the block start. */
-typedef struct kvmix__sections {
-    size_t data_bytes;  /* codes (dense codes for BOOSTED); FP16 rows for FP16 */
-    size_t row_bytes;   /* one token's share of the data section */
-    size_t high_offset; /* BOOSTED: high bits */
-    size_t high_row_bytes;
-    size_t meta_offset;
-    size_t index_offset; /* BOOSTED: channel-to-slot index */
-    size_t total_bytes;
-} kvmix__sections;
-
+/* Section sizes of a resolved layout. */
 static kvmix__sections kvmix__layout_sections(const kvmix_layout *layout) {
-    kvmix__sections s;
-    size_t n = (size_t)layout->n_tokens, d = (size_t)layout->head_dim;
-    memset(&s, 0, sizeof s);
-    s.row_bytes = d * (size_t)kvmix__format_bits(layout->format) / 8;
-    s.data_bytes = n * s.row_bytes;
-    s.high_row_bytes = (size_t)layout->n_boost / 4;
-    s.high_offset = s.data_bytes;
-    s.meta_offset = s.high_offset + n * s.high_row_bytes;
-    if (layout->format == KVMIX_FORMAT_FP16)
-        s.index_offset = s.meta_offset;
-    else if (kvmix__is_per_token_int(layout->format))
-        s.index_offset = s.meta_offset + n * (d / (size_t)layout->group_size) * 4;
-    else
-        s.index_offset = s.meta_offset + d * 4;
-    s.total_bytes = s.index_offset + (layout->format == KVMIX_FORMAT_BOOSTED ? d : 0);
-    if (n == 0) s.total_bytes = 0;
-    return s;
+    return kvmix__block_sections(layout->format, layout->n_tokens, layout->head_dim,
+                                 layout->group_size, layout->n_boost);
 }
 
 KVMIXDEF kvmix_result kvmix_layout_bytes(const kvmix_layout *layout, size_t *out_bytes) {
@@ -1495,61 +1787,6 @@ KVMIXDEF kvmix_result kvmix_layout_bits(const kvmix_layout *layout, double *out_
 
 static int kvmix__representable(float x) { return x >= -65504.0f && x <= 65504.0f; } /* NaN: no */
 
-static uint16_t kvmix__fp16_step_down(uint16_t h) {
-    if (h == 0x0000u || h == 0x8000u) return 0x8001u;
-    return (h & 0x8000u) ? (uint16_t)(h + 1u) : (uint16_t)(h - 1u);
-}
-
-/* Scale grid S of a per-token group of `bits`-bit codes (see the layout comment above). */
-static unsigned kvmix__scale_grid(int bits) { return bits == 2 ? 4u : bits == 4 ? 16u : 1u; }
-
-/* Parameters for values in [lo, hi] with `levels` steps and scale grid `grid`; see the layout
-   comment above. */
-static kvmix__qparams kvmix__choose_qparams(float lo, float hi, int levels, unsigned grid) {
-    kvmix__qparams p;
-    float step;
-    p.min_h = kvmix_fp32_to_fp16(lo);
-    if (kvmix_fp16_to_fp32(p.min_h) > lo) p.min_h = kvmix__fp16_step_down(p.min_h);
-    p.min = kvmix_fp16_to_fp32(p.min_h);
-    step = (hi - p.min) / (float)levels;
-    p.scale_h = (uint16_t)((kvmix_fp32_to_fp16(step) + grid - 1u) / grid * grid);
-    while ((double)kvmix_fp16_to_fp32(p.scale_h) * levels + (double)p.min < (double)hi)
-        p.scale_h = (uint16_t)(p.scale_h + grid); /* non-negative: the next grid FP16 up */
-    p.scale = kvmix_fp16_to_fp32(p.scale_h);
-    return p;
-}
-
-static uint32_t kvmix__quantize_value(float x, const kvmix__qparams *p, int levels) {
-    float q;
-    if (p->scale_h == 0) return 0;
-    q = rintf((x - p->min) / p->scale);
-    if (q < 0.0f) q = 0.0f;
-    if (q > (float)levels) q = (float)levels;
-    return (uint32_t)q;
-}
-
-static float kvmix__dequantize_value(uint32_t q, float scale, float min) {
-    float scaled = (float)q * scale;
-    return scaled + min;
-}
-
-static void kvmix__store_qparams(uint8_t *meta, const kvmix__qparams *p) {
-    kvmix__store_u16(meta, p->scale_h);
-    kvmix__store_u16(meta + 2, p->min_h);
-}
-
-/* Code c of a row of `bits`-bit codes (2, 4 or 8: they never straddle a byte), low bits first;
-   bit offset c * bits, so no division per code. */
-static void kvmix__put_code(uint8_t *row, int32_t c, int bits, uint32_t q) {
-    size_t at = (size_t)c * (size_t)bits;
-    row[at >> 3] = (uint8_t)(row[at >> 3] | (q << (at & 7u)));
-}
-
-static uint32_t kvmix__get_code(const uint8_t *row, int32_t c, int bits) {
-    size_t at = (size_t)c * (size_t)bits;
-    return (row[at >> 3] >> (at & 7u)) & ((1u << bits) - 1u);
-}
-
 /* Row t of an FP16 or per-token block (zeroed before: codes are ORed in) from the floats x. */
 static void kvmix__quantize_row(const kvmix_layout *l, const kvmix__sections *s, const float *x,
                                 uint8_t *block, int32_t t) {
@@ -1571,8 +1808,8 @@ static void kvmix__quantize_row(const kvmix_layout *l, const kvmix__sections *s,
         }
         p = kvmix__choose_qparams(lo, hi, levels, kvmix__scale_grid(bits));
         for (c = c0; c < c1; c++)
-            kvmix__put_code(row, c, bits, kvmix__quantize_value(x[c], &p, levels));
-        kvmix__store_qparams(block + s->meta_offset + ((size_t)t * groups + g) * 4, &p);
+            kvmix__put_code(row, c, bits, kvmix__quantize_value(x[c], p, levels));
+        kvmix__store_qparams(block + s->meta_offset + ((size_t)t * groups + g) * 4, p);
     }
 }
 
@@ -1619,13 +1856,13 @@ static void kvmix__quantize_per_channel(const kvmix_layout *l, const float *src,
         }
         p = kvmix__choose_qparams(lo, hi, levels, 1u);
         for (t = 0; t < l->n_tokens; t++) {
-            uint32_t q = kvmix__quantize_value(src[(size_t)t * stride + c], &p, levels);
+            uint32_t q = kvmix__quantize_value(src[(size_t)t * stride + c], p, levels);
             kvmix__put_code(dst + (size_t)t * s.row_bytes, c, 2, q & 3u);
             if (is_boosted[c])
                 kvmix__put_code(dst + s.high_offset + (size_t)t * s.high_row_bytes, slot, 2,
                                 q >> 2);
         }
-        kvmix__store_qparams(dst + s.meta_offset + (size_t)c * 4, &p);
+        kvmix__store_qparams(dst + s.meta_offset + (size_t)c * 4, p);
         if (l->format == KVMIX_FORMAT_BOOSTED)
             dst[s.index_offset + c] = is_boosted[c] ? (uint8_t)slot++ : (uint8_t)KVMIX_BOOST_NONE;
     }
@@ -1697,12 +1934,8 @@ static kvmix_result kvmix__check_block(const kvmix_layout *l, const uint8_t *blo
 }
 
 static void kvmix__meta_at(const uint8_t *meta, float *scale, float *min) {
-    *scale = kvmix__half_to_float(kvmix__load_u16(meta));
-    *min = kvmix__half_to_float(kvmix__load_u16(meta + 2));
-}
-
-static int kvmix__is_per_channel(kvmix_format format) {
-    return format == KVMIX_FORMAT_INT2_CHANNEL || format == KVMIX_FORMAT_BOOSTED;
+    *scale = kvmix__h2f(kvmix__load_u16(meta));
+    *min = kvmix__h2f(kvmix__load_u16(meta + 2));
 }
 
 /* The scale and minimum of every channel of a checked per-channel block: a block's rows share
@@ -1740,7 +1973,7 @@ static void kvmix__decode_row(const kvmix_layout *l, const kvmix__sections *s, c
     float scale, min;
     if (l->format == KVMIX_FORMAT_FP16) {
         for (c = 0; c < l->head_dim; c++)
-            out[c] = kvmix__half_to_float(kvmix__load_u16(row + 2 * c));
+            out[c] = kvmix__h2f(kvmix__load_u16(row + 2 * c));
     } else if (kvmix__is_per_token_int(l->format)) {
         int32_t groups = l->head_dim / l->group_size, g;
         const uint8_t *meta = block + s->meta_offset + (size_t)t * groups * 4;
@@ -1944,23 +2177,16 @@ typedef struct kvmix__span_list {
     int32_t count;
 } kvmix__span_list;
 
-static int kvmix__format_known(int32_t format) {
-    return format >= KVMIX_FORMAT_FP16 && format <= KVMIX_FORMAT_BOOSTED;
-}
+static int kvmix__format_known(int32_t format) { return kvmix__format_bits(format) != 0; }
 
 /* The block layout of a view's keys or values; the format must be known. */
-/* The group of a view's keys (is_value 0) or values: value_group_size 0 takes group_size. */
-static int32_t kvmix__view_group(const kvmix_view *view, int is_value) {
-    return is_value && view->value_group_size != 0 ? view->value_group_size : view->group_size;
-}
-
 static kvmix_layout kvmix__view_layout(const kvmix_view *view, int is_value, uint8_t format,
                                        int32_t n_tokens) {
     kvmix_layout l;
     l.format = (kvmix_format)format;
     l.n_tokens = n_tokens;
     l.head_dim = view->head_dim;
-    l.group_size = kvmix__is_per_token_int(l.format) ? kvmix__view_group(view, is_value) : 0;
+    l.group_size = kvmix__view_group(view->group_size, view->value_group_size, is_value, format);
     l.n_boost = l.format == KVMIX_FORMAT_BOOSTED ? view->n_boost : 0;
     return l;
 }
@@ -2082,57 +2308,41 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
 
 // >>view
 
-/* A view block (one of keys or values) of n_kv_heads heads: known format, valid layout, extent
-   inside the base region. */
-static kvmix_result kvmix__check_view_block(const kvmix_view *view, int is_value, uint8_t format,
-                                            int32_t n_tokens, uint64_t offset,
-                                            uint32_t head_bytes) {
-    kvmix_layout l;
-    kvmix_result r;
-    uint64_t block_bytes, extent;
-    if (!kvmix__format_known(format)) return KVMIX_ERR_UNKNOWN_FORMAT;
-    l = kvmix__view_layout(view, is_value, format, n_tokens);
-    if ((r = kvmix_layout_resolve(&l)) != KVMIX_SUCCESS) return r;
-    block_bytes = kvmix__layout_sections(&l).total_bytes;
-    if (head_bytes < block_bytes) return KVMIX_ERR_INVALID_ARGUMENT;
-    extent = (uint64_t)head_bytes * (uint64_t)(view->n_kv_heads - 1) + block_bytes;
-    if (offset > view->base_bytes || extent > view->base_bytes - offset)
-        return KVMIX_ERR_BUFFER_TOO_SMALL;
-    return KVMIX_SUCCESS;
-}
-
+/* A view span: its dead flags and both blocks (kvmix__view_block_check). */
 static kvmix_result kvmix__check_view_span(const kvmix_view *view, const kvmix_view_span *vs) {
+    kvmix__sections unused;
     kvmix_result r;
-    if (vs->n_tokens <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (vs->dead_index < -1 ||
-        (vs->dead_index >= 0 && vs->n_tokens > view->n_dead_flags - vs->dead_index))
+    int kv;
+    if (vs->n_tokens <= 0 || !kvmix__view_dead_ok(vs->dead_index, vs->n_tokens, view->n_dead_flags))
         return KVMIX_ERR_INVALID_ARGUMENT;
-    r = kvmix__check_view_block(view, 0, vs->key_format, vs->n_tokens, vs->key_offset,
-                                vs->key_head_bytes);
-    if (r != KVMIX_SUCCESS) return r;
-    return kvmix__check_view_block(view, 1, vs->value_format, vs->n_tokens, vs->value_offset,
-                                   vs->value_head_bytes);
+    for (kv = 0; kv < 2; kv++) {
+        int format = kv ? vs->value_format : vs->key_format;
+        r = kvmix__view_block_check(
+            format, vs->n_tokens, kv ? vs->value_offset : vs->key_offset,
+            kv ? vs->value_head_bytes : vs->key_head_bytes, view->n_kv_heads, view->head_dim,
+            kvmix__view_group(view->group_size, view->value_group_size, kv, format), view->n_boost,
+            view->base_bytes, &unused);
+        if (r != KVMIX_SUCCESS) return r;
+    }
+    return KVMIX_SUCCESS;
 }
 
 KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view) {
     int32_t s, i;
+    kvmix_result r;
     if (!view) return KVMIX_ERR_NULL_POINTER;
-    if (view->n_seqs < 0 || view->n_kv_heads <= 0 || view->n_spans < 0 || view->n_dead_flags < 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (view->head_dim <= 0 || view->head_dim % 32 != 0 || view->head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
+    if ((r = kvmix__view_shape_check(view)) != KVMIX_SUCCESS) return r;
     if (!view->seq_first_span || (view->n_spans > 0 && (!view->spans || !view->base)) ||
         (view->n_dead_flags > 0 && !view->dead))
         return KVMIX_ERR_NULL_POINTER;
     if (view->seq_first_span[0] != 0 || view->seq_first_span[view->n_seqs] != view->n_spans)
         return KVMIX_ERR_INVALID_ARGUMENT;
     for (s = 0; s < view->n_seqs; s++)
-        if (view->seq_first_span[s + 1] < view->seq_first_span[s])
+        if (!kvmix__view_range_ok(view->seq_first_span[s], view->seq_first_span[s + 1],
+                                  view->n_spans))
             return KVMIX_ERR_INVALID_ARGUMENT;
-    for (i = 0; i < view->n_spans; i++) {
-        kvmix_result r = kvmix__check_view_span(view, &view->spans[i]);
-        if (r != KVMIX_SUCCESS) return r;
-    }
+    for (i = 0; i < view->n_spans; i++)
+        if ((r = kvmix__check_view_span(view, &view->spans[i])) != KVMIX_SUCCESS) return r;
     return KVMIX_SUCCESS;
 }
 
@@ -3321,7 +3531,7 @@ static void kvmix__seal_block(kvmix_cache *c, int is_value, uint8_t source_forma
         return;
     }
     KVMIX_ASSERT(source_format == KVMIX_FORMAT_FP16);
-    for (i = 0; i < n; i++) c->scratch[i] = kvmix__half_to_float(kvmix__load_u16(src + 2 * i));
+    for (i = 0; i < n; i++) c->scratch[i] = kvmix__h2f(kvmix__load_u16(src + 2 * i));
     kvmix__cache_quantize(c, is_value, format, rows, c->scratch, dst);
 }
 
@@ -4291,7 +4501,7 @@ static int kvmix__job_rows(const uint16_t *src, int64_t stride, const kvmix_quan
         for (c = 0; c < head_dim; c++) {
             uint16_t h = src[j->src_offset + (uint64_t)r * (uint64_t)stride + (uint64_t)c];
             if ((h & 0x7c00u) == 0x7c00u) return 0; /* inf or NaN */
-            out[(size_t)r * (size_t)head_dim + (size_t)c] = kvmix__half_to_float(h);
+            out[(size_t)r * (size_t)head_dim + (size_t)c] = kvmix__h2f(h);
         }
     return 1;
 }
@@ -4724,33 +4934,11 @@ KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache
    Layer l of the body is absolute layer first_layer + l.
 */
 
-#define KVMIX__PAYLOAD_MAX_BYTES ((uint64_t)1 << 62)
-
-static const kvmix_format kvmix__payload_tier_formats[3] = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8,
-                                                            KVMIX_FORMAT_INT4};
-
-static void kvmix__store_u32(uint8_t *p, uint32_t v) {
-    kvmix__store_u16(p, (uint16_t)(v & 0xffffu));
-    kvmix__store_u16(p + 2, (uint16_t)(v >> 16));
-}
-static uint32_t kvmix__load_u32(const uint8_t *p) {
-    return (uint32_t)kvmix__load_u16(p) | ((uint32_t)kvmix__load_u16(p + 2) << 16);
-}
-static void kvmix__store_u64(uint8_t *p, uint64_t v) {
-    kvmix__store_u32(p, (uint32_t)(v & 0xffffffffu));
-    kvmix__store_u32(p + 4, (uint32_t)(v >> 32));
-}
-static uint64_t kvmix__load_u64(const uint8_t *p) {
-    return (uint64_t)kvmix__load_u32(p) | ((uint64_t)kvmix__load_u32(p + 4) << 32);
-}
-
-static uint64_t kvmix__round16(uint64_t n) { return (n + 15u) & ~(uint64_t)15u; }
-
 /* 0, 1, 2 for the FP16, INT8, INT4 tiers; -1 for anything else (NO_ROW included). */
 static int kvmix__tier_index(uint8_t tier) {
     int i;
     for (i = 0; i < 3; i++)
-        if (tier == (uint8_t)kvmix__payload_tier_formats[i]) return i;
+        if (tier == (uint8_t)kvmix__tier_format(i)) return i;
     return -1;
 }
 
@@ -4762,22 +4950,12 @@ static int kvmix__tier_allowed(kvmix_payload_kind kind, uint8_t tier) {
 /* The layout of tier i's block in a payload of this shape. */
 static kvmix_layout kvmix__tier_layout(const kvmix_payload_info *info, int i) {
     kvmix_layout l;
-    const int32_t counts[3] = {info->n_fp16, info->n_int8, info->n_int4};
-    l.format = kvmix__payload_tier_formats[i];
-    l.n_tokens = counts[i];
+    l.format = (kvmix_format)kvmix__tier_format(i);
+    l.n_tokens = kvmix__tier_count(info, i);
     l.head_dim = info->desc.head_dim;
     l.group_size = i == 0 ? 0 : info->desc.group_size; /* FP16 has no groups */
     l.n_boost = 0;
     return l;
-}
-
-static uint64_t kvmix__tier_bytes(const kvmix_payload_info *info, int i) {
-    kvmix_layout l = kvmix__tier_layout(info, i);
-    return kvmix__round16((uint64_t)kvmix__layout_sections(&l).total_bytes);
-}
-
-static uint64_t kvmix__payload_slice(const kvmix_payload_info *info) {
-    return kvmix__tier_bytes(info, 0) + kvmix__tier_bytes(info, 1) + kvmix__tier_bytes(info, 2);
 }
 
 /* The three tier blocks of one slice (layer index within the payload, kv, head). */
@@ -4802,38 +4980,6 @@ static kvmix__tier_blocks kvmix__payload_blocks(const kvmix_payload_info *info, 
         off += kvmix__round16((uint64_t)b.sections[i].total_bytes);
     }
     return b;
-}
-
-/* Range checks of a description; writes it back with group_size resolved. */
-static kvmix_result kvmix__payload_check_desc(kvmix_payload_desc *d) {
-    kvmix_layout l;
-    kvmix_result r;
-    if (d->kind != KVMIX_PAYLOAD_ROWS && d->kind != KVMIX_PAYLOAD_RESIDUAL)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d->n_kv_heads < 1 || d->n_kv_heads > 65535 || d->n_layers < 1 || d->n_layers > 65535 ||
-        d->first_layer < 0 || d->first_layer > 0x7fffffff - d->n_layers || d->n_tokens < 0 ||
-        d->first_position < 0 || (d->kind == KVMIX_PAYLOAD_ROWS && d->base_id != 0))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    l.format = KVMIX_FORMAT_INT8;
-    l.n_tokens = 0;
-    l.head_dim = d->head_dim;
-    l.group_size = d->group_size;
-    l.n_boost = 0;
-    if ((r = kvmix_layout_resolve(&l)) != KVMIX_SUCCESS) return r;
-    d->group_size = l.group_size;
-    return KVMIX_SUCCESS;
-}
-
-/* Head and total sizes of info (desc and counts set); BAD_SHAPE beyond 2^62 bytes. */
-static kvmix_result kvmix__payload_sizes(kvmix_payload_info *info) {
-    uint64_t blocks = (uint64_t)info->desc.n_layers * 2u * (uint64_t)info->desc.n_kv_heads;
-    uint64_t head = KVMIX_PAYLOAD_HEADER_BYTES + kvmix__round16((uint64_t)info->desc.n_tokens);
-    uint64_t slice = kvmix__payload_slice(info); /* < 2^31 * 2 * 512 * 3: no overflow */
-    if (slice > (KVMIX__PAYLOAD_MAX_BYTES - head) / blocks) return KVMIX_ERR_BAD_SHAPE;
-    if (head + blocks * slice > (uint64_t)(size_t)-1) return KVMIX_ERR_BAD_SHAPE;
-    info->head_bytes = (size_t)head;
-    info->total_bytes = (size_t)(head + blocks * slice);
-    return KVMIX_SUCCESS;
 }
 
 KVMIXDEF kvmix_result kvmix_payload_describe(const kvmix_payload_desc *desc, const uint8_t *tiers,
@@ -4872,22 +5018,7 @@ KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, c
     if (dst_bytes < info->head_bytes) return KVMIX_ERR_BUFFER_TOO_SMALL;
     d = &info->desc;
     memset(p, 0, info->head_bytes);
-    memcpy(p, "KVMP", 4);
-    kvmix__store_u16(p + 4, KVMIX_PAYLOAD_VERSION);
-    kvmix__store_u16(p + 6, (uint16_t)d->kind);
-    kvmix__store_u32(p + 8, (uint32_t)d->head_dim);
-    kvmix__store_u32(p + 12, (uint32_t)d->n_kv_heads);
-    kvmix__store_u32(p + 16, (uint32_t)d->group_size);
-    kvmix__store_u32(p + 20, (uint32_t)d->first_layer);
-    kvmix__store_u32(p + 24, (uint32_t)d->n_layers);
-    kvmix__store_u32(p + 28, (uint32_t)d->n_tokens);
-    kvmix__store_u64(p + 32, (uint64_t)d->first_position);
-    kvmix__store_u64(p + 40, d->id);
-    kvmix__store_u64(p + 48, d->base_id);
-    kvmix__store_u32(p + 56, (uint32_t)info->n_fp16);
-    kvmix__store_u32(p + 60, (uint32_t)info->n_int8);
-    kvmix__store_u32(p + 64, (uint32_t)info->n_int4);
-    kvmix__store_u64(p + 72, (uint64_t)info->total_bytes);
+    kvmix__payload_header_put(info, p);
     if (d->n_tokens > 0) memcpy(p + KVMIX_PAYLOAD_HEADER_BYTES, tiers, (size_t)d->n_tokens);
     return KVMIX_SUCCESS;
 }
