@@ -1421,6 +1421,22 @@ KVMIX__RULE kvmix__sections kvmix__block_sections(int format, int64_t n_tokens, 
     return s;
 }
 
+/* Byte offsets, from the block start, of token t's codes, its high bits (BOOSTED), the (scale,
+   min) pair of its group g of `groups` (per-token formats) and channel c's pair (per-channel). */
+KVMIX__RULE uint64_t kvmix__row_at(const kvmix__sections *s, int64_t t) {
+    return (uint64_t)t * s->row_bytes;
+}
+KVMIX__RULE uint64_t kvmix__high_row_at(const kvmix__sections *s, int64_t t) {
+    return s->high_offset + (uint64_t)t * s->high_row_bytes;
+}
+KVMIX__RULE uint64_t kvmix__token_meta_at(const kvmix__sections *s, int64_t t, int32_t groups,
+                                          int32_t g) {
+    return s->meta_offset + ((uint64_t)t * (uint64_t)groups + (uint64_t)g) * 4u;
+}
+KVMIX__RULE uint64_t kvmix__channel_meta_at(const kvmix__sections *s, int32_t c) {
+    return s->meta_offset + (uint64_t)c * 4u;
+}
+
 /* A group's (scale, min) pair: FP16 bit patterns and their values. */
 typedef struct kvmix__qparams {
     uint16_t scale_h;
@@ -1483,6 +1499,19 @@ KVMIX__RULE void kvmix__put_code(uint8_t *row, int32_t c, int bits, uint32_t q) 
 KVMIX__RULE uint32_t kvmix__get_code(const uint8_t *row, int32_t c, int bits) {
     uint64_t at = (uint64_t)c * (uint64_t)bits;
     return (row[at >> 3] >> (at & 7u)) & ((1u << bits) - 1u);
+}
+
+/* The 2-bit code of element (t, c) of a per-channel block, with the high bits of a boosted
+   channel: its 4-bit code. */
+KVMIX__RULE uint32_t kvmix__channel_code(int format, const uint8_t *block, const kvmix__sections *s,
+                                         int64_t t, int32_t c) {
+    uint32_t q = kvmix__get_code(block + kvmix__row_at(s, t), c, 2);
+    if (format == KVMIX_FORMAT_BOOSTED) {
+        uint8_t slot = block[s->index_offset + (uint64_t)c];
+        if (slot != KVMIX_BOOST_NONE)
+            q |= kvmix__get_code(block + kvmix__high_row_at(s, t), slot, 2) << 2;
+    }
+    return q;
 }
 
 /* The group of a view's keys (is_value 0) or values of `format`: value_group_size 0 takes
@@ -1809,7 +1838,7 @@ static void kvmix__quantize_row(const kvmix_layout *l, const kvmix__sections *s,
         p = kvmix__choose_qparams(lo, hi, levels, kvmix__scale_grid(bits));
         for (c = c0; c < c1; c++)
             kvmix__put_code(row, c, bits, kvmix__quantize_value(x[c], p, levels));
-        kvmix__store_qparams(block + s->meta_offset + ((size_t)t * groups + g) * 4, p);
+        kvmix__store_qparams(block + kvmix__token_meta_at(s, t, groups, g), p);
     }
 }
 
@@ -1858,11 +1887,9 @@ static void kvmix__quantize_per_channel(const kvmix_layout *l, const float *src,
         for (t = 0; t < l->n_tokens; t++) {
             uint32_t q = kvmix__quantize_value(src[(size_t)t * stride + c], p, levels);
             kvmix__put_code(dst + (size_t)t * s.row_bytes, c, 2, q & 3u);
-            if (is_boosted[c])
-                kvmix__put_code(dst + s.high_offset + (size_t)t * s.high_row_bytes, slot, 2,
-                                q >> 2);
+            if (is_boosted[c]) kvmix__put_code(dst + kvmix__high_row_at(&s, t), slot, 2, q >> 2);
         }
-        kvmix__store_qparams(dst + s.meta_offset + (size_t)c * 4, p);
+        kvmix__store_qparams(dst + kvmix__channel_meta_at(&s, c), p);
         if (l->format == KVMIX_FORMAT_BOOSTED)
             dst[s.index_offset + c] = is_boosted[c] ? (uint8_t)slot++ : (uint8_t)KVMIX_BOOST_NONE;
     }
@@ -1944,41 +1971,32 @@ static void kvmix__channel_params(const kvmix_layout *l, const kvmix__sections *
                                   const uint8_t *block, float *scale, float *min) {
     int32_t c;
     for (c = 0; c < l->head_dim; c++)
-        kvmix__meta_at(block + s->meta_offset + (size_t)c * 4, &scale[c], &min[c]);
+        kvmix__meta_at(block + kvmix__channel_meta_at(s, c), &scale[c], &min[c]);
 }
 
 /* Row t of a checked per-channel block, given its channel parameters. */
 static void kvmix__decode_channel_row(const kvmix_layout *l, const kvmix__sections *s,
                                       const uint8_t *block, int32_t t, const float *scale,
                                       const float *min, float *out) {
-    const uint8_t *row = block + (size_t)t * s->row_bytes;
-    const uint8_t *high = block + s->high_offset + (size_t)t * s->high_row_bytes;
     int32_t c;
-    for (c = 0; c < l->head_dim; c++) {
-        uint32_t q = kvmix__get_code(row, c, 2);
-        if (l->format == KVMIX_FORMAT_BOOSTED) {
-            uint8_t slot = block[s->index_offset + c];
-            if (slot != KVMIX_BOOST_NONE) q |= kvmix__get_code(high, slot, 2) << 2;
-        }
-        out[c] = kvmix__dequantize_value(q, scale[c], min[c]);
-    }
+    for (c = 0; c < l->head_dim; c++)
+        out[c] = kvmix__dequantize_value(kvmix__channel_code(l->format, block, s, t, c), scale[c],
+                                         min[c]);
 }
 
 /* Row t of a checked block; the one decoder that attention and dequantize share. */
 static void kvmix__decode_row(const kvmix_layout *l, const kvmix__sections *s, const uint8_t *block,
                               int32_t t, float *out) {
-    const uint8_t *row = block + (size_t)t * s->row_bytes;
+    const uint8_t *row = block + kvmix__row_at(s, t);
     int bits = kvmix__format_bits(l->format);
     int32_t c;
     float scale, min;
     if (l->format == KVMIX_FORMAT_FP16) {
-        for (c = 0; c < l->head_dim; c++)
-            out[c] = kvmix__h2f(kvmix__load_u16(row + 2 * c));
+        for (c = 0; c < l->head_dim; c++) out[c] = kvmix__h2f(kvmix__load_u16(row + 2 * c));
     } else if (kvmix__is_per_token_int(l->format)) {
         int32_t groups = l->head_dim / l->group_size, g;
-        const uint8_t *meta = block + s->meta_offset + (size_t)t * groups * 4;
         for (g = 0; g < groups; g++) { /* one scale and minimum per group */
-            kvmix__meta_at(meta + (size_t)g * 4, &scale, &min);
+            kvmix__meta_at(block + kvmix__token_meta_at(s, t, groups, g), &scale, &min);
             for (c = g * l->group_size; c < (g + 1) * l->group_size; c++)
                 out[c] = kvmix__dequantize_value(kvmix__get_code(row, c, bits), scale, min);
         }
