@@ -127,12 +127,13 @@ KVMIXDEF const char *kvmix_format_name(kvmix_format format);
 
 #define KVMIX_GROUP_SIZE_DEFAULT 32
 #define KVMIX_MAX_HEAD_DIM       512
+#define KVMIX_MAX_BOOST          252 /* boosted channels of a block: slots fit a byte beside NONE */
 #define KVMIX_BOOST_NONE         0xFF /* channel-to-slot index entry of a channel that is not boosted */
 
 /* The shape of one block. Zero fields take defaults: group_size 0 means 32 (per-token formats).
    Constraints: head_dim a positive multiple of 32, at most KVMIX_MAX_HEAD_DIM; n_tokens >= 0;
    group_size (per-token integer formats) a multiple of 8 that divides head_dim;
-   n_boost (BOOSTED only, else 0) a multiple of 4, at most head_dim and at most 252. */
+   n_boost (BOOSTED only, else 0) a multiple of 4, at most head_dim and at most KVMIX_MAX_BOOST. */
 typedef struct kvmix_layout {
     kvmix_format format;
     int32_t n_tokens;
@@ -1240,6 +1241,11 @@ KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, k
 #else
 #define KVMIX__RULE static inline
 #endif
+#if defined(__cplusplus) && __cplusplus >= 201402L
+#define KVMIX__CONST constexpr /* usable in the kernels' template arguments */
+#else
+#define KVMIX__CONST
+#endif
 
 KVMIX__RULE uint32_t kvmix__float_bits(float value) {
 #if defined(__CUDA_ARCH__)
@@ -1344,8 +1350,17 @@ KVMIX__RULE void kvmix__store_u16(uint8_t *p, uint16_t v) {
     p[1] = (uint8_t)(v >> 8);
 }
 
+/* An FP16 bit pattern of a finite value (not infinity or NaN). */
+KVMIX__RULE int kvmix__fp16_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+
+/* A (scale, min) pair a quantize call can write: a finite scale with the sign bit clear (never
+   -0) and a finite minimum. */
+KVMIX__RULE int kvmix__qparams_valid(uint16_t scale_h, uint16_t min_h) {
+    return (scale_h & 0x8000u) == 0 && kvmix__fp16_finite(scale_h) && kvmix__fp16_finite(min_h);
+}
+
 /* Bits per code of a format; 0 for a value that is not a kvmix_format. */
-KVMIX__RULE int kvmix__format_bits(int format) {
+KVMIX__RULE KVMIX__CONST int kvmix__format_bits(int format) {
     switch (format) {
     case KVMIX_FORMAT_FP16: return 16;
     case KVMIX_FORMAT_INT8: return 8;
@@ -1357,13 +1372,19 @@ KVMIX__RULE int kvmix__format_bits(int format) {
     }
 }
 
-KVMIX__RULE int kvmix__is_per_token_int(int format) {
+KVMIX__RULE KVMIX__CONST int kvmix__is_per_token_int(int format) {
     return format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 ||
            format == KVMIX_FORMAT_INT2;
 }
 
-KVMIX__RULE int kvmix__is_per_channel(int format) {
+KVMIX__RULE KVMIX__CONST int kvmix__is_per_channel(int format) {
     return format == KVMIX_FORMAT_INT2_CHANNEL || format == KVMIX_FORMAT_BOOSTED;
+}
+
+/* A boosted block's channel count: a multiple of 4 (high bits pack 4 a byte), at most head_dim
+   and KVMIX_MAX_BOOST. */
+KVMIX__RULE int kvmix__boost_count_ok(int32_t n_boost, int32_t head_dim) {
+    return n_boost >= 0 && n_boost % 4 == 0 && n_boost <= head_dim && n_boost <= KVMIX_MAX_BOOST;
 }
 
 /* kvmix_layout's constraints; *group_size 0 resolves to KVMIX_GROUP_SIZE_DEFAULT for the
@@ -1382,8 +1403,7 @@ KVMIX__RULE kvmix_result kvmix__layout_check(int format, int64_t n_tokens, int32
         return KVMIX_ERR_BAD_SHAPE;
     }
     if (format == KVMIX_FORMAT_BOOSTED) {
-        if (n_boost < 0 || n_boost % 4 != 0 || n_boost > head_dim || n_boost > 252)
-            return KVMIX_ERR_BAD_SHAPE;
+        if (!kvmix__boost_count_ok(n_boost, head_dim)) return KVMIX_ERR_BAD_SHAPE;
     } else if (n_boost != 0) {
         return KVMIX_ERR_BAD_SHAPE;
     }
@@ -1451,7 +1471,9 @@ KVMIX__RULE uint16_t kvmix__fp16_step_down(uint16_t h) {
 }
 
 /* Scale grid S of a per-token group of `bits`-bit codes (see >>formats). */
-KVMIX__RULE unsigned kvmix__scale_grid(int bits) { return bits == 2 ? 4u : bits == 4 ? 16u : 1u; }
+KVMIX__RULE KVMIX__CONST unsigned kvmix__scale_grid(int bits) {
+    return bits == 2 ? 4u : bits == 4 ? 16u : 1u;
+}
 
 /* Parameters for values in [lo, hi] with `levels` steps and scale grid `grid` (see >>formats).
    The test scale * levels + min is exact in double (FP16 operands, levels < 256), so it needs
@@ -1533,6 +1555,7 @@ KVMIX__RULE kvmix_result kvmix__view_block_check(int format, int32_t n_tokens, u
     kvmix_result r;
     uint64_t extent;
     if (n_tokens <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__is_per_token_int(format)) group = 0; /* the view's groups are for those only */
     if (format != KVMIX_FORMAT_BOOSTED) n_boost = 0;
     if ((r = kvmix__layout_check(format, n_tokens, head_dim, &group, n_boost)) != KVMIX_SUCCESS)
         return r;
@@ -1566,8 +1589,15 @@ KVMIX__RULE kvmix_result kvmix__view_shape_check(const kvmix_view *v) {
     for (i = 0; i < 2; i++)
         if (groups[i] < 0 || groups[i] % 8 != 0 || v->head_dim % groups[i] != 0)
             return KVMIX_ERR_BAD_SHAPE;
-    if (v->n_boost < 0 || v->n_boost % 4 != 0 || v->n_boost > v->head_dim || v->n_boost > 252)
-        return KVMIX_ERR_BAD_SHAPE;
+    if (!kvmix__boost_count_ok(v->n_boost, v->head_dim)) return KVMIX_ERR_BAD_SHAPE;
+    return KVMIX_SUCCESS;
+}
+
+/* The view's arrays are given where its counts need them. */
+KVMIX__RULE kvmix_result kvmix__view_arrays_check(const kvmix_view *v) {
+    if (!v->seq_first_span || (v->n_spans > 0 && (!v->spans || !v->base)) ||
+        (v->n_dead_flags > 0 && !v->dead))
+        return KVMIX_ERR_NULL_POINTER;
     return KVMIX_SUCCESS;
 }
 
@@ -1921,15 +1951,6 @@ KVMIXDEF kvmix_result kvmix_ref_quantize(const kvmix_layout *layout, const float
     return KVMIX_SUCCESS;
 }
 
-/* Parameters a quantize call can write: a finite scale with the sign bit clear (never -0) and a
-   finite minimum. */
-static int kvmix__qparams_valid(const uint8_t *meta) {
-    uint16_t scale_h = kvmix__load_u16(meta);
-    float min = kvmix_fp16_to_fp32(kvmix__load_u16(meta + 2));
-    return (scale_h & 0x8000u) == 0 && kvmix__representable(kvmix_fp16_to_fp32(scale_h)) &&
-           kvmix__representable(min);
-}
-
 /* Checks what a quantize call guarantees about packed bytes: finite FP16 rows and parameters,
    scales with the sign bit clear, and a boost index that gives each of the n_boost slots to exactly one
    channel. */
@@ -1939,11 +1960,12 @@ static kvmix_result kvmix__check_block(const kvmix_layout *l, const uint8_t *blo
     if (l->n_tokens == 0) return KVMIX_SUCCESS;
     if (l->format == KVMIX_FORMAT_FP16) {
         for (i = 0; i < s.total_bytes; i += 2)
-            if ((kvmix__load_u16(block + i) & 0x7c00u) == 0x7c00u) return KVMIX_ERR_CORRUPT_DATA;
+            if (!kvmix__fp16_finite(kvmix__load_u16(block + i))) return KVMIX_ERR_CORRUPT_DATA;
         return KVMIX_SUCCESS;
     }
     for (i = s.meta_offset; i < meta_end; i += 4)
-        if (!kvmix__qparams_valid(block + i)) return KVMIX_ERR_CORRUPT_DATA;
+        if (!kvmix__qparams_valid(kvmix__load_u16(block + i), kvmix__load_u16(block + i + 2)))
+            return KVMIX_ERR_CORRUPT_DATA;
     if (l->format == KVMIX_FORMAT_BOOSTED) {
         uint8_t slot_used[256];
         int32_t c, n_used = 0;
@@ -2349,10 +2371,9 @@ KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view) {
     int32_t s, i;
     kvmix_result r;
     if (!view) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__view_shape_check(view)) != KVMIX_SUCCESS) return r;
-    if (!view->seq_first_span || (view->n_spans > 0 && (!view->spans || !view->base)) ||
-        (view->n_dead_flags > 0 && !view->dead))
-        return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__view_shape_check(view)) != KVMIX_SUCCESS ||
+        (r = kvmix__view_arrays_check(view)) != KVMIX_SUCCESS)
+        return r;
     if (view->seq_first_span[0] != 0 || view->seq_first_span[view->n_seqs] != view->n_spans)
         return KVMIX_ERR_INVALID_ARGUMENT;
     for (s = 0; s < view->n_seqs; s++)
@@ -4518,7 +4539,7 @@ static int kvmix__job_rows(const uint16_t *src, int64_t stride, const kvmix_quan
     for (r = 0; r < j->n_rows; r++)
         for (c = 0; c < head_dim; c++) {
             uint16_t h = src[j->src_offset + (uint64_t)r * (uint64_t)stride + (uint64_t)c];
-            if ((h & 0x7c00u) == 0x7c00u) return 0; /* inf or NaN */
+            if (!kvmix__fp16_finite(h)) return 0;
             out[(size_t)r * (size_t)head_dim + (size_t)c] = kvmix__h2f(h);
         }
     return 1;

@@ -25,12 +25,6 @@ namespace {
 
 constexpr int kvmix__view_tile_tokens = 32; /* tokens per block of dequantize and score */
 
-__device__ __forceinline__ float kvmix__h2f(uint16_t h) {
-    return __half2float(__ushort_as_half(h));
-}
-__device__ __forceinline__ uint16_t kvmix__f2h(float x) {
-    return __half_as_ushort(__float2half_rn(x));
-}
 __device__ __forceinline__ float kvmix__bf2f(uint16_t b) {
     return __uint_as_float((uint32_t)b << 16);
 }
@@ -62,94 +56,30 @@ __device__ __forceinline__ uint4 kvmix__u16x8(const uint16_t *e) {
         (uint32_t)e[4] | ((uint32_t)e[5] << 16), (uint32_t)e[6] | ((uint32_t)e[7] << 16));
 }
 
-__host__ __device__ constexpr int kvmix__bits_of(int format) {
-    switch (format) {
-    case KVMIX_FORMAT_FP16: return 16;
-    case KVMIX_FORMAT_INT8: return 8;
-    case KVMIX_FORMAT_INT4: return 4;
-    case KVMIX_FORMAT_INT2:
-    case KVMIX_FORMAT_INT2_CHANNEL:
-    case KVMIX_FORMAT_BOOSTED: return 2;
-    default: return 0;
-    }
-}
-
-__host__ __device__ constexpr bool kvmix__per_token(int format) {
-    return format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 ||
-           format == KVMIX_FORMAT_INT2;
-}
-
-/* Section offsets of one block (the same arithmetic as kvmix.h's kvmix__layout_sections). */
-struct kvmix__sec {
-    uint64_t row_bytes, high_row_bytes, high_offset, meta_offset, index_offset, total_bytes;
-};
-
-__host__ __device__ inline kvmix__sec kvmix__sections(int format, int64_t n, int d, int group,
-                                                      int n_boost) {
-    kvmix__sec s;
-    bool boosted = format == KVMIX_FORMAT_BOOSTED;
-    s.row_bytes = (uint64_t)d * (uint64_t)kvmix__bits_of(format) / 8;
-    s.high_row_bytes = boosted ? (uint64_t)n_boost / 4 : 0;
-    s.high_offset = (uint64_t)n * s.row_bytes;
-    s.meta_offset = s.high_offset + (uint64_t)n * s.high_row_bytes;
-    if (format == KVMIX_FORMAT_FP16)
-        s.index_offset = s.meta_offset;
-    else if (kvmix__per_token(format))
-        s.index_offset = s.meta_offset + (uint64_t)n * (uint64_t)(d / group) * 4;
-    else
-        s.index_offset = s.meta_offset + (uint64_t)d * 4;
-    s.total_bytes = s.index_offset + (boosted ? (uint64_t)d : 0);
-    if (n == 0) s.total_bytes = 0;
-    return s;
-}
-
-/* (scale, min) of a group with `levels` steps over [lo, hi] and scale grid `grid`: kvmix.h's
-   kvmix__choose_qparams and kvmix__scale_grid (the grid is a power of two). */
+/* A group's parameters (kvmix.h's kvmix__choose_qparams) and their rounded reciprocal scale,
+   kvmix__quantize_code's first try. */
 struct kvmix__qp {
-    uint16_t scale_h, min_h;
-    float scale, min;
-    float inv_scale; /* 1 / scale, rounded: kvmix__quantize_value's first try */
+    kvmix__qparams p;
+    float inv_scale;
 };
 
-__host__ __device__ constexpr unsigned kvmix__scale_grid(int bits) {
-    return bits == 2 ? 4u : bits == 4 ? 16u : 1u;
+__device__ inline kvmix__qp kvmix__choose_qp(float lo, float hi, int levels, unsigned grid) {
+    kvmix__qp q;
+    q.p = kvmix__choose_qparams(lo, hi, levels, grid);
+    q.inv_scale = __frcp_rn(q.p.scale);
+    return q;
 }
 
-__device__ inline kvmix__qp kvmix__choose_qparams(float lo, float hi, int levels, unsigned grid) {
-    kvmix__qp p;
-    p.min_h = kvmix__f2h(lo);
-    if (kvmix__h2f(p.min_h) > lo) {
-        uint16_t h = p.min_h;
-        p.min_h = (h == 0x0000u || h == 0x8000u) ? (uint16_t)0x8001u
-                  : (h & 0x8000u)                ? (uint16_t)(h + 1u)
-                                                 : (uint16_t)(h - 1u);
-    }
-    p.min = kvmix__h2f(p.min_h);
-    float step = __fdiv_rn(__fsub_rn(hi, p.min), (float)levels);
-    p.scale_h = (uint16_t)((kvmix__f2h(step) + grid - 1u) & ~(grid - 1u));
-    while (__dadd_rn(__dmul_rn((double)kvmix__h2f(p.scale_h), (double)levels), (double)p.min) <
-           (double)hi)
-        p.scale_h = (uint16_t)(p.scale_h + grid);
-    p.scale = kvmix__h2f(p.scale_h);
-    p.inv_scale = __frcp_rn(p.scale);
-    return p;
-}
-
-/* kvmix.h's rintf((x - min) / scale), clamped to [0, levels], mostly without a division: while
-   |quotient| < 1024, the product by the rounded 1 / scale lies within 2e-4 of the correctly
-   rounded quotient (three roundings of 2^-24 relative), so both round to the same integer unless
-   the product lies within 1e-3 of a half; those few (about 0.2%) take the division. */
-__device__ __forceinline__ uint32_t kvmix__quantize_value(float x, const kvmix__qp &p, int levels) {
-    if (p.scale_h == 0) return 0;
-    const float a = __fsub_rn(x, p.min);
-    float q = __fmul_rn(a, p.inv_scale);
-    if (!(fabsf(q - floorf(q) - 0.5f) >= 1e-3f) || !(fabsf(q) < 1024.0f)) q = __fdiv_rn(a, p.scale);
-    q = fminf(fmaxf(rintf(q), 0.0f), (float)levels);
-    return (uint32_t)q;
-}
-
-__device__ __forceinline__ float kvmix__dequantize_value(uint32_t q, float scale, float min) {
-    return __fadd_rn(__fmul_rn((float)q, scale), min);
+/* kvmix.h's kvmix__quantize_value, mostly without a division: while |quotient| < 1024, the
+   product by the rounded 1 / scale lies within 2e-4 of the correctly rounded quotient (three
+   roundings of 2^-24 relative), so both round to the same integer unless the product lies within
+   1e-3 of a half; those few (about 0.2%) take the division of the rule itself. */
+__device__ __forceinline__ uint32_t kvmix__quantize_code(float x, const kvmix__qp &q, int levels) {
+    if (q.p.scale_h == 0) return 0;
+    float r = __fmul_rn(__fsub_rn(x, q.p.min), q.inv_scale);
+    if (!(fabsf(r - floorf(r) - 0.5f) >= 1e-3f) || !(fabsf(r) < 1024.0f))
+        return kvmix__quantize_value(x, q.p, levels);
+    return (uint32_t)fminf(fmaxf(rintf(r), 0.0f), (float)levels);
 }
 
 /* One group of `group` elements x (dtype) of a per-token row, as kvmix.h's kvmix__quantize_row:
@@ -164,47 +94,35 @@ __device__ inline void kvmix__quantize_group(const uint16_t *x, int dtype, int g
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
     }
-    kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels, kvmix__scale_grid(bits));
+    kvmix__qp qp = kvmix__choose_qp(lo, hi, levels, kvmix__scale_grid(bits));
     for (int b = 0; b < group / per_byte; b++) {
         uint32_t byte = 0;
         for (int k = 0; k < per_byte; k++)
-            byte |= kvmix__quantize_value(kvmix__load_elem(x + b * per_byte + k, dtype), qp, levels)
+            byte |= kvmix__quantize_code(kvmix__load_elem(x + b * per_byte + k, dtype), qp, levels)
                     << (k * bits);
         codes[b] = (uint8_t)byte;
     }
-    meta[0] = (uint8_t)(qp.scale_h & 0xffu);
-    meta[1] = (uint8_t)(qp.scale_h >> 8);
-    meta[2] = (uint8_t)(qp.min_h & 0xffu);
-    meta[3] = (uint8_t)(qp.min_h >> 8);
+    kvmix__store_qparams(meta, qp.p);
 }
 
-__device__ __forceinline__ uint32_t kvmix__ld_u16(const uint8_t *p) {
-    return (uint32_t)p[0] | ((uint32_t)p[1] << 8);
-}
-
-/* Element (t, c) of a block, exactly as kvmix.h's kvmix__decode_row (byte loads, any alignment). */
-__device__ inline float kvmix__decode_value(int format, const uint8_t *blk, const kvmix__sec &s,
-                                            int64_t t, int c, int group) {
-    const uint8_t *row = blk + (uint64_t)t * s.row_bytes;
-    if (format == KVMIX_FORMAT_FP16) return kvmix__h2f((uint16_t)kvmix__ld_u16(row + 2 * c));
-    int bits = kvmix__bits_of(format), per_byte = 8 / bits;
-    uint32_t q = (row[c / per_byte] >> ((c % per_byte) * bits)) & ((1u << bits) - 1u);
+/* Element (t, c) of a block, as kvmix.h's kvmix__decode_row (byte loads, any alignment). */
+__device__ inline float kvmix__decode_value(int format, const uint8_t *blk,
+                                            const kvmix__sections &s, int64_t t, int c, int group) {
+    const uint8_t *row = blk + kvmix__row_at(&s, t);
+    if (format == KVMIX_FORMAT_FP16) return kvmix__h2f(kvmix__load_u16(row + 2 * c));
+    uint32_t q;
     const uint8_t *meta;
-    if (kvmix__per_token(format)) {
-        int groups = (int)(s.row_bytes * 8 / (uint64_t)bits) / group;
-        meta = blk + s.meta_offset + ((uint64_t)t * (uint64_t)groups + (uint64_t)(c / group)) * 4;
+    if (kvmix__is_per_token_int(format)) {
+        const int bits = kvmix__format_bits(format);
+        const int32_t groups = (int32_t)(s.row_bytes * 8 / (uint64_t)bits) / group;
+        q = kvmix__get_code(row, c, bits);
+        meta = blk + kvmix__token_meta_at(&s, t, groups, c / group);
     } else {
-        if (format == KVMIX_FORMAT_BOOSTED) {
-            uint8_t slot = blk[s.index_offset + c];
-            if (slot != KVMIX_BOOST_NONE) {
-                const uint8_t *high = blk + s.high_offset + (uint64_t)t * s.high_row_bytes;
-                q |= ((high[slot / 4] >> ((slot % 4) * 2)) & 3u) << 2;
-            }
-        }
-        meta = blk + s.meta_offset + (uint64_t)c * 4;
+        q = kvmix__channel_code(format, blk, &s, t, c);
+        meta = blk + kvmix__channel_meta_at(&s, c);
     }
-    return kvmix__dequantize_value(q, kvmix__h2f((uint16_t)kvmix__ld_u16(meta)),
-                                   kvmix__h2f((uint16_t)kvmix__ld_u16(meta + 2)));
+    return kvmix__dequantize_value(q, kvmix__h2f(kvmix__load_u16(meta)),
+                                   kvmix__h2f(kvmix__load_u16(meta + 2)));
 }
 
 /* Inclusive block-wide sum scan of one int64 per thread; scratch: 32 shared int64.
@@ -227,9 +145,11 @@ __device__ inline int64_t kvmix__block_scan(int64_t v, int64_t *scratch, int64_t
     return v + before;
 }
 
+constexpr int kvmix__max_block_threads = 1024; /* of any CUDA block: the walker's scan */
+
 struct kvmix__walk_smem {
-    int64_t scratch[32];
-    int64_t start[1024];
+    int64_t scratch[kvmix__max_block_threads / 32];
+    int64_t start[kvmix__max_block_threads];
 };
 
 /* Calls fn(span_index, first_token_of_span) for every span of [first, last) that overlaps tokens
@@ -255,27 +175,13 @@ __device__ void kvmix__for_spans(const kvmix_view_span *spans, int first, int la
     }
 }
 
-/* Whether a block of a view span is readable: known format, extent inside base, aligned. */
+/* Whether a block of a view span is readable (kvmix__view_block_check) and 16-byte aligned. */
 __device__ inline bool kvmix__block_ok(int format, int n, uint64_t offset, uint32_t head_bytes,
                                        int n_kv, int d, int group, int n_boost, uint64_t base_bytes,
-                                       kvmix__sec *out) {
-    if (kvmix__bits_of(format) == 0 || n < 1) return false;
-    kvmix__sec s = kvmix__sections(format, n, d, group, n_boost);
-    if (head_bytes < s.total_bytes || ((offset | head_bytes) & 15u) != 0) return false;
-    uint64_t extent = (uint64_t)head_bytes * (uint64_t)(n_kv - 1) + s.total_bytes;
-    if (offset > base_bytes || extent > base_bytes - offset) return false;
-    *out = s;
-    return true;
-}
-
-/* Whether a span's dead flags, if it has any, lie inside the view's n_dead_flags. */
-__device__ __forceinline__ bool kvmix__dead_ok(const kvmix_view_span &sp, int n_dead_flags) {
-    return sp.dead_index < 0 || sp.dead_index <= n_dead_flags - sp.n_tokens;
-}
-
-/* Whether a sequence's span range [first, last) lies inside the view's n_spans spans. */
-__device__ __forceinline__ bool kvmix__range_ok(int first, int last, int n_spans) {
-    return first >= 0 && last >= first && last <= n_spans;
+                                       kvmix__sections *out) {
+    return ((offset | head_bytes) & 15u) == 0 &&
+           kvmix__view_block_check(format, n, offset, head_bytes, n_kv, d, group, n_boost,
+                                   base_bytes, out) == KVMIX_SUCCESS;
 }
 
 } // namespace
@@ -288,7 +194,7 @@ namespace {
 
 struct kvmix__quantize_params {
     int format, n_tokens, head_dim, group_size, n_boost;
-    kvmix__sec sec;
+    kvmix__sections sec;
     const uint16_t *src;
     int64_t src_row_stride;
     uint8_t *dst;
@@ -300,15 +206,17 @@ struct kvmix__quantize_smem {
     float lo[KVMIX_MAX_HEAD_DIM], hi[KVMIX_MAX_HEAD_DIM], score[KVMIX_MAX_HEAD_DIM];
     kvmix__qp qp[KVMIX_MAX_HEAD_DIM];
     uint8_t boosted[KVMIX_MAX_HEAD_DIM];
-    int16_t slot_channel[256];
+    int16_t slot_channel[KVMIX_MAX_BOOST];
 };
+static_assert(KVMIX_MAX_BOOST < 256 && KVMIX_BOOST_NONE >= KVMIX_MAX_BOOST,
+              "a slot fits a byte of the boost index, apart from NONE");
 
 /* One block per job. [n_rows][head_dim] fp16 in, one block's rows (or the whole block) out. */
 static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quantize_params p) {
     __shared__ kvmix__quantize_smem sm;
     const kvmix_cuda_quantize_job job = p.jobs[blockIdx.x];
     const int d = p.head_dim;
-    const bool per_channel = !kvmix__per_token(p.format) && p.format != KVMIX_FORMAT_FP16;
+    const bool per_channel = !kvmix__is_per_token_int(p.format) && p.format != KVMIX_FORMAT_FP16;
     bool bad_job = job.n_rows < 1 || job.first_row < 0 || job.first_row > p.n_tokens - job.n_rows ||
                    (per_channel && (job.first_row != 0 || job.n_rows != p.n_tokens)) ||
                    (job.dst_offset & 15u) != 0;
@@ -321,7 +229,7 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
     int bad = 0;
     for (int64_t e = threadIdx.x; e < n_elems; e += blockDim.x) {
         uint16_t h = src[(e / d) * p.src_row_stride + e % d];
-        bad |= (h & 0x7c00u) == 0x7c00u;
+        bad |= !kvmix__fp16_finite(h);
     }
     if (__syncthreads_or(bad)) {
         if (threadIdx.x == 0 && p.error_flags)
@@ -329,7 +237,7 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
         return;
     }
     uint8_t *blk = p.dst + job.dst_offset;
-    const kvmix__sec &s = p.sec;
+    const kvmix__sections &s = p.sec;
     if (p.format == KVMIX_FORMAT_FP16) {
         uint16_t *out = (uint16_t *)(blk + (uint64_t)job.first_row * s.row_bytes);
         for (int64_t e = threadIdx.x; e < n_elems; e += blockDim.x)
@@ -337,7 +245,7 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
         return;
     }
     if (!per_channel) {
-        const int bits = kvmix__bits_of(p.format);
+        const int bits = kvmix__format_bits(p.format);
         const int groups = d / p.group_size, per_byte = 8 / bits;
         const int64_t n_tasks = (int64_t)job.n_rows * groups;
         for (int64_t task = threadIdx.x; task < n_tasks; task += blockDim.x) {
@@ -346,7 +254,7 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
             kvmix__quantize_group(
                 src + r * p.src_row_stride + g * p.group_size, KVMIX_CUDA_FP16, p.group_size, bits,
                 blk + (uint64_t)t * s.row_bytes + (uint64_t)g * p.group_size / per_byte,
-                blk + s.meta_offset + ((uint64_t)t * groups + g) * 4);
+                blk + kvmix__token_meta_at(&s, t, groups, g));
         }
         return;
     }
@@ -374,13 +282,9 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
     __syncthreads();
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
         int levels = sm.boosted[c] ? 15 : 3;
-        const kvmix__qp qp = kvmix__choose_qparams(sm.lo[c], sm.hi[c], levels, 1u);
+        const kvmix__qp qp = kvmix__choose_qp(sm.lo[c], sm.hi[c], levels, 1u);
         sm.qp[c] = qp;
-        uint8_t *meta = blk + s.meta_offset + (uint64_t)c * 4;
-        meta[0] = (uint8_t)(qp.scale_h & 0xffu);
-        meta[1] = (uint8_t)(qp.scale_h >> 8);
-        meta[2] = (uint8_t)(qp.min_h & 0xffu);
-        meta[3] = (uint8_t)(qp.min_h >> 8);
+        kvmix__store_qparams(blk + kvmix__channel_meta_at(&s, c), qp.p);
         if (boosted) {
             int slot = 0;
             for (int o = 0; o < c; o++) slot += sm.boosted[o];
@@ -389,30 +293,30 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
         }
     }
     __syncthreads();
-    const int row_bytes = d / 4;
+    const int row_bytes = (int)s.row_bytes; /* 2-bit codes */
     for (int64_t e = threadIdx.x; e < (int64_t)n * row_bytes; e += blockDim.x) {
         int t = (int)(e / row_bytes), b = (int)(e % row_bytes);
         uint32_t byte = 0;
         for (int k = 0; k < 4; k++) {
             int c = b * 4 + k;
-            uint32_t q = kvmix__quantize_value(kvmix__h2f(src[t * p.src_row_stride + c]), sm.qp[c],
-                                               sm.boosted[c] ? 15 : 3);
+            uint32_t q = kvmix__quantize_code(kvmix__h2f(src[t * p.src_row_stride + c]), sm.qp[c],
+                                              sm.boosted[c] ? 15 : 3);
             byte |= (q & 3u) << (2 * k);
         }
         blk[(uint64_t)t * row_bytes + b] = (uint8_t)byte;
     }
     if (boosted) {
-        const int high_bytes = p.n_boost / 4;
+        const int high_bytes = (int)s.high_row_bytes;
         for (int64_t e = threadIdx.x; e < (int64_t)n * high_bytes; e += blockDim.x) {
             int t = (int)(e / high_bytes), b = (int)(e % high_bytes);
             uint32_t byte = 0;
             for (int k = 0; k < 4; k++) {
                 int c = sm.slot_channel[b * 4 + k];
                 uint32_t q =
-                    kvmix__quantize_value(kvmix__h2f(src[t * p.src_row_stride + c]), sm.qp[c], 15);
+                    kvmix__quantize_code(kvmix__h2f(src[t * p.src_row_stride + c]), sm.qp[c], 15);
                 byte |= (q >> 2) << (2 * k);
             }
-            blk[s.high_offset + (uint64_t)t * high_bytes + b] = (uint8_t)byte;
+            blk[kvmix__high_row_at(&s, t) + b] = (uint8_t)byte;
         }
     }
 }
@@ -439,7 +343,8 @@ static __global__ void __launch_bounds__(256) kvmix__view_dequantize_kernel(kvmi
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
     const int d = p.head_dim, n_kv = p.n_kv_heads;
     const int first = p.seq_first_span[p.seq], last = p.seq_first_span[p.seq + 1];
-    if (!kvmix__range_ok(first, last, p.n_spans)) { /* no span read: every row of the tile NaN */
+    if (!kvmix__view_range_ok(first, last,
+                              p.n_spans)) { /* no span read: every row of the tile NaN */
         const int64_t row = (int64_t)n_kv * d;
         for (int64_t e = threadIdx.x; e < (hi - lo) * row; e += blockDim.x)
             for (int which = 0; which < 2; which++) {
@@ -457,10 +362,10 @@ static __global__ void __launch_bounds__(256) kvmix__view_dequantize_kernel(kvmi
             int format = which ? sp.value_format : sp.key_format;
             uint64_t offset = which ? sp.value_offset : sp.key_offset;
             uint32_t head_bytes = which ? sp.value_head_bytes : sp.key_head_bytes;
-            kvmix__sec s;
+            kvmix__sections s;
             bool ok = kvmix__block_ok(format, sp.n_tokens, offset, head_bytes, n_kv, d,
                                       p.group_size, p.n_boost, p.base_bytes, &s) &&
-                      kvmix__dead_ok(sp, p.n_dead_flags);
+                      kvmix__view_dead_ok(sp.dead_index, sp.n_tokens, p.n_dead_flags);
             int64_t n_elems = (t1 - t0) * n_kv * d;
             for (int64_t e = threadIdx.x; e < n_elems; e += blockDim.x) {
                 int64_t pos = t0 + e / ((int64_t)n_kv * d);
@@ -488,7 +393,8 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
     const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / p.n_kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const int first = p.seq_first_span[p.seq], last = p.seq_first_span[p.seq + 1];
-    if (!kvmix__range_ok(first, last, p.n_spans)) { /* no span read: every score of the tile NaN */
+    if (!kvmix__view_range_ok(first, last,
+                              p.n_spans)) { /* no span read: every score of the tile NaN */
         for (int64_t t = lo + threadIdx.x; t < hi; t += blockDim.x)
             p.scores[t] = __int_as_float(0x7fffffff);
         return;
@@ -496,10 +402,10 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
     kvmix__for_spans(p.spans, first, last, lo, hi, sm, [&](int si, int64_t start) {
         const kvmix_view_span sp = p.spans[si];
         int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
-        kvmix__sec s;
+        kvmix__sections s;
         bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
                                   n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
-                  kvmix__dead_ok(sp, p.n_dead_flags);
+                  kvmix__view_dead_ok(sp.dead_index, sp.n_tokens, p.n_dead_flags);
         for (int64_t pos = t0 + warp; pos < t1; pos += n_warps) {
             int64_t t = pos - start;
             float acc = 0.0f;
@@ -671,16 +577,6 @@ template <int D> __device__ __forceinline__ int kvmix__tc_kdim(int c, int j, int
     return base + 2 * v + (e & 1) * 8 + (e >> 1);
 }
 
-template <int F> __host__ __device__ constexpr int kvmix__fbits() {
-    return F == KVMIX_FORMAT_FP16   ? 16
-           : F == KVMIX_FORMAT_INT8 ? 8
-           : F == KVMIX_FORMAT_INT4 ? 4
-                                    : 2;
-}
-__host__ __device__ constexpr bool kvmix__per_channel(int f) {
-    return f == KVMIX_FORMAT_INT2_CHANNEL || f == KVMIX_FORMAT_BOOSTED;
-}
-
 /* Staging: each warp owns two stage buffers of kvmix__tc_cfg<D>::stage bytes in dynamic shared
    memory. A unit (up to 128 tokens of one span, fewer for wide formats so that it fits) is copied
    there in 16-byte words (bulk copies; zero-filled past the block's end) while the warp computes
@@ -689,29 +585,31 @@ __host__ __device__ constexpr bool kvmix__per_channel(int f) {
    (boosted), K meta (per-token rows or per-channel table), scratch for the boosted-key B operand
    and slot->channel table, then the same for V. A unit with per-channel keys that covers its span
    is instead one copy per block, in the block's own layout. */
-#ifndef KVMIX__TC_STAGE
-#define KVMIX__TC_STAGE 12288 /* stage bytes at D 64 and 128 */
-#endif
-#ifndef KVMIX__SPLIT_WAVES
-#define KVMIX__SPLIT_WAVES 1 /* waves of blocks kvmix_cuda_decode_choose_splits aims for */
-#endif
-#ifndef KVMIX__TC_BLOCKS
-#define KVMIX__TC_BLOCKS 2 /* blocks per SM at D 64 and 128 */
-#endif
+/* The decode kernel's tuned constants, chosen on an H100 (bench/DECODE_NOTES.md): stage bytes and
+   blocks per SM at D 64 and 128, and the waves of blocks kvmix_cuda_decode_choose_splits aims for.
+   A stage of 12 KiB at 2 blocks per SM leaves room for 4 warps' double buffers. */
+constexpr int kvmix__tc_stage_bytes = 12288;
+constexpr int kvmix__tc_blocks_per_sm = 2;
+constexpr int kvmix__split_waves = 1;
 template <int D> struct kvmix__tc_cfg {
     /* a stage holds 16 tokens of every format pair (FP16 keys and values: 64 * D bytes, plus the
        misalignment of each region); D 256 needs more than 12 KiB for that, and so runs one block
        per SM with 24 KiB stages (bench/DECODE_NOTES.md, v14) */
-    static constexpr int stage = D == 256 ? 24576 : KVMIX__TC_STAGE;
-    static constexpr int min_blocks = D == 256 ? 1 : KVMIX__TC_BLOCKS;
+    static constexpr int stage = D == 256 ? 24576 : kvmix__tc_stage_bytes;
+    static constexpr int min_blocks = D == 256 ? 1 : kvmix__tc_blocks_per_sm;
     static constexpr int dyn_bytes = 2 * kvmix__tc_warps * stage;
     static_assert(stage >= 64 * D + 64, "a stage must hold 16 tokens of FP16 keys and values");
 };
 
-struct kvmix__tc_plan {            /* spans of one walk chunk (index = thread of the block) */
-    uint64_t koff[128], voff[128]; /* bytes from base to this kv head's key / value block */
-    int ntok[128], ut[128], dead[128], ub[128], ue[128];
-    uint8_t kf[128], vf[128];
+constexpr int kvmix__tc_threads = kvmix__tc_warps * 32;
+constexpr int kvmix__tc_min_group = 16; /* decode's smallest group (kvmix_cuda_decode) */
+
+struct kvmix__tc_plan { /* spans of one walk chunk (index = thread of the block) */
+    uint64_t koff[kvmix__tc_threads],
+        voff[kvmix__tc_threads]; /* to the kv head's key / value block */
+    int ntok[kvmix__tc_threads], ut[kvmix__tc_threads], dead[kvmix__tc_threads];
+    int ub[kvmix__tc_threads], ue[kvmix__tc_threads];
+    uint8_t kf[kvmix__tc_threads], vf[kvmix__tc_threads];
 };
 
 /* Index of (head h, dim d) in kvmix__tc_smem::q: dim-major with the 4 heads inner and one pad
@@ -723,8 +621,9 @@ __device__ __forceinline__ int kvmix__qi(int h, int d) { return ((d + (d >> 5)) 
 __host__ __device__ constexpr int kvmix__qi_step(int off) { return (off + (off >> 5)) << 2; }
 
 template <int D> struct kvmix__tc_smem {
+    static_assert(D <= 256, "qsum holds every group of a head of at most 256 dims");
     float q[4 * (D + D / 32)]; /* query * scale * log2(e), 0 for unused head slots; at kvmix__qi */
-    float qsum[4][16];         /* per-token keys: sum of q over each group */
+    float qsum[4][256 / kvmix__tc_min_group]; /* per-token keys: sum of q over each group */
     uint2 bq[D / 16][32]; /* B of the logits for every non-channel key format (lane fragments) */
     kvmix__tc_plan plan;
     int64_t scratch[32];
@@ -743,8 +642,8 @@ template <int D> struct kvmix__tc_state {
     float m, l;
 };
 
-/* Sections of one block in 32 bits (a block lies inside its head stride, a uint32): the
-   per-unit arithmetic of the walk (kvmix__sections is 64-bit and stays for the checks). */
+/* kvmix__block_sections in 32 bits (a block lies inside its head stride, a uint32): the
+   per-unit arithmetic of the walk. */
 struct kvmix__tsec {
     uint32_t row_bytes, high_row_bytes, high_offset, meta_offset, index_offset, total_bytes;
 };
@@ -752,19 +651,11 @@ struct kvmix__tsec {
 template <int D>
 __device__ __forceinline__ kvmix__tsec kvmix__tc_sections(int format, uint32_t n, int group,
                                                           int n_boost) {
+    const kvmix__sections w = kvmix__block_sections(format, n, D, group, n_boost);
     kvmix__tsec s;
-    const bool boosted = format == KVMIX_FORMAT_BOOSTED;
-    s.row_bytes = (uint32_t)(D * kvmix__bits_of(format) / 8);
-    s.high_row_bytes = boosted ? (uint32_t)n_boost / 4 : 0u;
-    s.high_offset = n * s.row_bytes;
-    s.meta_offset = s.high_offset + n * s.high_row_bytes;
-    if (format == KVMIX_FORMAT_FP16)
-        s.index_offset = s.meta_offset;
-    else if (kvmix__per_token(format))
-        s.index_offset = s.meta_offset + n * (uint32_t)(D / group) * 4u;
-    else
-        s.index_offset = s.meta_offset + D * 4u;
-    s.total_bytes = s.index_offset + (boosted ? (uint32_t)D : 0u);
+    s.row_bytes = (uint32_t)w.row_bytes, s.high_row_bytes = (uint32_t)w.high_row_bytes;
+    s.high_offset = (uint32_t)w.high_offset, s.meta_offset = (uint32_t)w.meta_offset;
+    s.index_offset = (uint32_t)w.index_offset, s.total_bytes = (uint32_t)w.total_bytes;
     return s;
 }
 
@@ -893,10 +784,10 @@ __device__ __forceinline__ kvmix__tc_block kvmix__tc_place(int f, const kvmix__t
                                      n16 * (int)s.high_row_bytes, worst, dst, blk, total, lane);
         b.index = kvmix__tc_put<COPY>(off, s.index_offset, D, worst, dst, blk, total, lane);
     }
-    if (kvmix__per_token(f))
+    if (kvmix__is_per_token_int(f))
         b.meta = kvmix__tc_put<COPY>(off, s.meta_offset + (uint32_t)(a * NG * 4), n16 * NG * 4,
                                      worst, dst, blk, total, lane);
-    else if (kvmix__per_channel(f))
+    else if (kvmix__is_per_channel(f))
         b.meta = kvmix__tc_put<COPY>(off, s.meta_offset, D * 4, worst, dst, blk, total, lane);
     return b;
 }
@@ -912,7 +803,7 @@ __device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(
     const int NG = D / G;
     /* units of spans with per-channel keys are whole pages unless a split cuts them; other units
        are smaller than a page, and the test alone costs them ~1% (bench/DECODE_NOTES.md) */
-    const bool whole = !worst && kvmix__per_channel(kf) && a == 0 && n == ntok && n % 16 == 0;
+    const bool whole = !worst && kvmix__is_per_channel(kf) && a == 0 && n == ntok && n % 16 == 0;
     g.k = kvmix__tc_place<D, COPY>(kf, ks, a, n, whole, NG, worst, off, dst, kblk, lane);
     g.b2 = g.sl = 0;
     if (kf == KVMIX_FORMAT_BOOSTED) {
@@ -1146,342 +1037,432 @@ __device__ __forceinline__ void kvmix__tc_chan_b(const kvmix__tc_smem<D> &sm, co
         }
 }
 
+/* What a warp's unit reads and how (kvmix__tc_unit): formats, lane position, group shape, the
+   staged (or in-place) rows and meta. */
+template <int D> struct kvmix__tc_unit_ctx {
+    int kf, vf, KB, VB;
+    bool k_chan, k_tok, v_chan, v_tok;
+    bool k_exact, v_exact; /* per-token INT2 / INT4: code * scale is exact in fp16 (scale grid) */
+    int lane, r, c, G, NG, gsh;
+    bool two; /* a value lane's dims span two groups: D 256 with G 16 */
+    uint32_t krow, vrow;
+    const uint8_t *K, *KM, *V, *VM;
+    uint8_t *stg;
+};
+
+/* B of the logits, lane (slot c, column r): head r / 2, part r % 2 (per-channel keys:
+   kvmix__tc_chan_b, with kfac = 2^-z and kconst = sum of q * min of head c); per-token keys also
+   B of the minima mma (k = group 4c + e). */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_key_b(const kvmix__tc_unit_ctx<D> &u,
+                                                kvmix__tc_smem<D> &sm, uint32_t (&bk)[D / 16][2],
+                                                uint32_t (&bm)[2], float &kfac, float &kconst) {
+    if (u.k_chan) {
+        kvmix__tc_chan_b<D>(sm, u.KM, u.lane, bk, kfac, kconst);
+    } else {
+#pragma unroll
+        for (int j = 0; j < D / 16; j++) {
+            uint2 b = sm.bq[j][u.lane];
+            bk[j][0] = b.x, bk[j][1] = b.y;
+        }
+    }
+    if (u.k_tok) {
+        const int h = u.r >> 1, part = u.r & 1;
+        float e[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            int g = 4 * u.c + x;
+            e[x] = g < u.NG ? sm.qsum[h][g] : 0.0f;
+        }
+        bm[0] = kvmix__split_pair(e[0], e[1], part);
+        bm[1] = kvmix__split_pair(e[2], e[3], part);
+    }
+}
+
+/* Boosted keys: B of the high bits' mma at b2 (k-steps over the slots, returned), from the
+   slot -> channel table built in the unit's scratch. */
+template <int D>
+__device__ __forceinline__ int kvmix__tc_boost_b(const kvmix__tc_unit_ctx<D> &u,
+                                                 const kvmix__tc_smem<D> &sm,
+                                                 const kvmix__tc_regions &rg, int nb, uint2 *b2) {
+    uint8_t *slot_ch = u.stg + rg.sl;
+    const int ks2 = (nb + 15) / 16;
+    for (int d = u.lane; d < D; d += 32) {
+        int s = u.stg[rg.k.index + d];
+        if (s < nb) slot_ch[s] = (uint8_t)d;
+    }
+    __syncwarp();
+    const int h = u.r >> 1, part = u.r & 1;
+    for (int jb = 0; jb < ks2; jb++) {
+        float e[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            int s = 16 * jb + 4 * u.c + x;
+            e[x] = 0.0f;
+            if (s < nb) {
+                int d = slot_ch[s] & (D - 1);
+                e[x] =
+                    4.0f * sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(u.KM + d * 4));
+            }
+        }
+        b2[jb * 32 + u.lane] =
+            make_uint2(kvmix__split_pair(e[0], e[1], part), kvmix__split_pair(e[2], e[3], part));
+    }
+    __syncwarp();
+    return ks2;
+}
+
+/* The lane's value rows vt[] (words vw) and their per-token (scale, min) pairs, loaded first: they
+   are used after the softmax. INT2 / INT4 rows: lanes c >= 2 load the two tokens of each pair in
+   swapped order (vswz), so that the four rows a load instruction touches fall into different
+   banks. */
+template <int D, bool GL>
+__device__ __forceinline__ void
+kvmix__tc_load_values(const kvmix__tc_unit_ctx<D> &u, int t0, const int (&vt)[4], bool vswz, int n,
+                      uint32_t (&vw)[4][D / 16], uint32_t (&vmeta)[4], uint32_t (&vmeta2)[4]) {
+    constexpr int DV = D / 8;
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        int vx = vt[x];
+        if (vswz) vx = t0 + 2 * u.c + ((x & 1) ^ (u.c >> 1)) + 8 * (x >> 1);
+        if (GL) vx = min(vx, n - 1);
+        kvmix__tc_vload<DV, GL>(u.VB, u.V + (uint32_t)vx * u.vrow + u.r * (DV * u.VB / 8), vw[x]);
+    }
+    if (u.v_tok) {
+        const int gv = (u.r * DV) >> u.gsh;
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            vmeta[x] = kvmix__lds32(u.VM + ((uint32_t)vt[x] * u.NG + gv) * 4);
+            if (u.two) vmeta2[x] = kvmix__lds32(u.VM + ((uint32_t)vt[x] * u.NG + gv + 1) * 4);
+        }
+    }
+}
+
+/* Per-channel keys: the lane's 2-bit codes of rows kr0, kr1 against B, as integer digits (0, 1)
+   then (2, 3) by k-step parity. */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_logits_channel(const uint8_t *k0, const uint8_t *k1,
+                                                         const uint32_t (&bk)[D / 16][2],
+                                                         int32_t (&ia)[4][4]) {
+    constexpr int DQ = D / 4;
+    uint32_t w0[DQ / 16], w1[DQ / 16];
+    kvmix__lds_words<DQ / 16>(k0, w0);
+    kvmix__lds_words<DQ / 16>(k1, w1);
+#pragma unroll
+    for (int s = 0; s < D / 32; s++) {
+        const uint32_t x0 = w0[s >> 1] >> (4 * (s & 1)), x1 = w1[s >> 1] >> (4 * (s & 1));
+        const uint32_t a0 = x0 & 0x03030303u, a1 = x1 & 0x03030303u;
+        const uint32_t a2 = (x0 >> 2) & 0x03030303u, a3 = (x1 >> 2) & 0x03030303u;
+        kvmix__imma(ia[s & 1], a0, a1, a2, a3, bk[2 * s][0], bk[2 * s][1]);
+        kvmix__imma(ia[2 + (s & 1)], a0, a1, a2, a3, bk[2 * s + 1][0], bk[2 * s + 1][1]);
+    }
+}
+
+/* Per-token and FP16 keys: rows kr0, kr1 against B, four accumulators (k-step j adds to j % 4)
+   so that consecutive mmas do not wait on each other; per-token codes are scaled in fp16, and
+   where code * scale is not exact (INT8) its rounding error is a second product into [1]. */
+template <int D, bool GL>
+__device__ __forceinline__ void
+kvmix__tc_logits_token(const kvmix__tc_unit_ctx<D> &u, const uint8_t *k0, const uint8_t *k1,
+                       int kr0, int kr1, const uint32_t (&bk)[D / 16][2], float (&sacc)[4][4]) {
+    constexpr int KS = D / 16, DQ = D / 4;
+#pragma unroll
+    for (int ch = 0; ch < KS / 4; ch++) {
+        uint32_t R0[8], R1[8];
+        kvmix__tc_kload<GL>(u.kf, k0, ch, R0);
+        kvmix__tc_kload<GL>(u.kf, k1, ch, R1);
+        if (!u.k_tok) {
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                const int j = 4 * ch + v;
+                kvmix__mma(sacc[v], R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1], bk[j][0],
+                           bk[j][1]);
+            }
+            continue;
+        }
+        const int g = (u.c * DQ + 16 * ch) >> u.gsh;
+        uint32_t m0 = kvmix__lds32(u.KM + ((uint32_t)kr0 * u.NG + g) * 4);
+        uint32_t m1 = kvmix__lds32(u.KM + ((uint32_t)kr1 * u.NG + g) * 4);
+        __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
+        __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
+#pragma unroll
+        for (int v = 0; v < 4; v++) {
+            __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0),
+                    a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
+            __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
+                    a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
+            const int j = 4 * ch + v;
+            float(&acc)[4] = sacc[u.k_exact ? v : 0];
+            kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
+                       bk[j][0], bk[j][1]);
+            if (!u.k_exact) {
+                __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
+                __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
+                __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
+                __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
+                kvmix__mma(sacc[1], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3),
+                           bk[j][0], bk[j][1]);
+            }
+        }
+    }
+}
+
+/* Per-token keys: the minima, A[token][group] against the query sums, into sacc[2]. */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_logits_minima(const kvmix__tc_unit_ctx<D> &u, int kr0,
+                                                        int kr1, const uint32_t (&bm)[2],
+                                                        float (&acc)[4]) {
+    uint32_t mn[2][4];
+#pragma unroll
+    for (int x = 0; x < 4; x++) {
+        int g = 4 * u.c + x;
+        mn[0][x] = g < u.NG ? kvmix__lds32(u.KM + ((uint32_t)kr0 * u.NG + g) * 4) : 0u;
+        mn[1][x] = g < u.NG ? kvmix__lds32(u.KM + ((uint32_t)kr1 * u.NG + g) * 4) : 0u;
+    }
+    kvmix__mma(acc, kvmix__prmt(mn[0][0], mn[0][1], 0x7632u),
+               kvmix__prmt(mn[1][0], mn[1][1], 0x7632u), kvmix__prmt(mn[0][2], mn[0][3], 0x7632u),
+               kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
+}
+
+/* Boosted keys: the high bits of the boosted slots of rows kr0, kr1, into acc. */
+__device__ __forceinline__ void kvmix__tc_logits_high(const uint8_t *high, uint32_t hrow, int kr0,
+                                                      int kr1, int ks2, const uint2 *b2, int lane,
+                                                      float (&acc)[4]) {
+    const int c = lane & 3;
+    const uint8_t *h0 = high + (uint32_t)kr0 * hrow, *h1 = high + (uint32_t)kr1 * hrow;
+    for (int jb = 0; jb < ks2; jb++) {
+        uint32_t bi = 4 * jb + c;
+        uint32_t x0 = bi < hrow ? h0[bi] : 0u, x1 = bi < hrow ? h1[bi] : 0u;
+        x0 |= x0 << 14, x1 |= x1 << 14;
+        uint2 b = b2[jb * 32 + lane];
+        kvmix__mma(acc, kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                   kvmix__code(x1, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                   kvmix__code(x0 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                   kvmix__code(x1 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u), b.x, b.y);
+    }
+}
+
+/* The logits of tokens r and r + 8 (head c) from the accumulators: per-channel keys sum their
+   digits exactly (2^14 d0 + 2^7 d1 + d2, then d3 / 128), times 2^-z, plus the boosted high
+   bits. */
+__device__ __forceinline__ void kvmix__tc_logits_sum(bool k_chan, bool boosted,
+                                                     const int32_t (&ia)[4][4],
+                                                     const float (&sacc)[4][4], float kfac,
+                                                     float kconst, float &s0, float &s1) {
+    s0 = s1 = kconst;
+    if (!k_chan) {
+#pragma unroll
+        for (int a = 0; a < 4; a++) s0 += sacc[a][0] + sacc[a][1], s1 += sacc[a][2] + sacc[a][3];
+        return;
+    }
+    const int32_t u0 =
+        (ia[0][0] + ia[1][0]) * 16384 + (ia[0][1] + ia[1][1]) * 128 + ia[2][0] + ia[3][0];
+    const int32_t u1 =
+        (ia[0][2] + ia[1][2]) * 16384 + (ia[0][3] + ia[1][3]) * 128 + ia[2][2] + ia[3][2];
+    const float lofac = kfac * 0.0078125f;
+    s0 = fmaf((float)u0, kfac, fmaf((float)(ia[2][1] + ia[3][1]), lofac, kconst));
+    s1 = fmaf((float)u1, kfac, fmaf((float)(ia[2][3] + ia[3][3]), lofac, kconst));
+    if (boosted) s0 += sacc[3][0] + sacc[3][1], s1 += sacc[3][2] + sacc[3][3];
+}
+
+/* One tile's online softmax step (log2 units): the running max (the reference of p) moves only
+   when a logit passes it by more than 8, so p stays under 2^8 and most tiles skip the reduction
+   and the rescale. Returns p of tokens r and r + 8 (split into fp16 pairs in pb0, pb1). */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_softmax(kvmix__tc_state<D> &st, float &lsp, bool v_chan,
+                                                  float s0, float s1, uint32_t &pb0,
+                                                  uint32_t &pb1) {
+    if (__any_sync(0xffffffffu, fmaxf(s0, s1) > st.m + 8.0f)) {
+        float tmax = fmaxf(s0, s1);
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1)
+            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+        const float mnew = fmaxf(st.m, tmax), alpha = kvmix__ex2(st.m - mnew);
+#pragma unroll
+        for (int i = 0; i < D / 16; i++)
+#pragma unroll
+            for (int x = 0; x < 4; x++) st.o[i][x] *= alpha;
+#pragma unroll
+        for (int x = 0; x < 4; x++) st.om[x] *= alpha, st.om2[x] *= alpha;
+        st.l *= alpha;
+        lsp *= alpha;
+        st.m = mnew;
+    }
+    const float msafe = st.m == -INFINITY ? 0.0f : st.m;
+    const float p0 = kvmix__ex2(s0 - msafe), p1 = kvmix__ex2(s1 - msafe);
+    st.l += p0 + p1;
+    if (v_chan) lsp += p0 + p1;
+    pb0 = kvmix__trans(kvmix__split2(p0)), pb1 = kvmix__trans(kvmix__split2(p1));
+}
+
+/* Boosted values: adds 4 * the high bits of the boosted channels to the codes Ra, Rb. */
+template <int D>
+__device__ __forceinline__ void
+kvmix__tc_values_high(const kvmix__tc_unit_ctx<D> &u, const kvmix__tc_regions &rg, uint32_t hrow,
+                      const int (&vt)[4], uint32_t (&Ra)[D / 8], uint32_t (&Rb)[D / 8]) {
+    constexpr int DV = D / 8;
+#pragma unroll
+    for (int k = 0; k < DV; k++) {
+        int d = u.r * DV + k, s = u.stg[rg.v.index + d];
+        if (s == KVMIX_BOOST_NONE) continue;
+        uint32_t hv[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++)
+            hv[x] = (u.stg[rg.v.high + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) & 3u;
+        __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]),
+                                    __ushort2half_rn((unsigned short)hv[1]));
+        __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]),
+                                    __ushort2half_rn((unsigned short)hv[3]));
+        Ra[k] = kvmix__h2u(__hfma2(ha, __float2half2_rn(4.0f), kvmix__u2h(Ra[k])));
+        Rb[k] = kvmix__h2u(__hfma2(hb, __float2half2_rn(4.0f), kvmix__u2h(Rb[k])));
+    }
+}
+
+/* o += p * values of a quantized tile: codes Ra, Rb times their scales in fp16 (a second
+   product for the rounding error where it is not exact), and per-token minima into om, om2. */
+template <int D>
+__device__ __forceinline__ void
+kvmix__tc_values_scaled(const kvmix__tc_unit_ctx<D> &u, kvmix__tc_state<D> &st,
+                        const uint32_t (&Ra)[D / 8], const uint32_t (&Rb)[D / 8],
+                        const uint32_t (&vmeta)[4], const uint32_t (&vmeta2)[4], uint32_t pb0,
+                        uint32_t pb1) {
+    constexpr int DV = D / 8;
+    __half2 sa = __float2half2_rn(0.0f), sb = sa, sa2 = sa, sb2 = sa;
+    if (u.v_tok) {
+        sa = kvmix__u2h(kvmix__prmt(vmeta[0], vmeta[1], 0x5410u));
+        sb = kvmix__u2h(kvmix__prmt(vmeta[2], vmeta[3], 0x5410u));
+        sa2 = kvmix__u2h(kvmix__prmt(vmeta2[0], vmeta2[1], 0x5410u));
+        sb2 = kvmix__u2h(kvmix__prmt(vmeta2[2], vmeta2[3], 0x5410u));
+    }
+#pragma unroll
+    for (int i = 0; i < D / 16; i++) {
+        const bool second = u.two && 2 * i >= u.G;
+        __half2 s0a = second ? sa2 : sa, s0b = second ? sb2 : sb, s1a = s0a, s1b = s0b;
+        if (u.v_chan) {
+            int d = u.r * DV + 2 * i;
+            s0a = s0b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(u.VM + d * 4)));
+            s1a = s1b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(u.VM + (d + 1) * 4)));
+        }
+        __half2 a0 = __hmul2(kvmix__u2h(Ra[2 * i]), s0a),
+                a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
+        __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b),
+                a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
+        kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3), pb0,
+                   pb1);
+        if (!u.v_exact) {
+            __half2 l0 = __hfma2(kvmix__u2h(Ra[2 * i]), s0a, __hneg2(a0));
+            __half2 l1 = __hfma2(kvmix__u2h(Ra[2 * i + 1]), s1a, __hneg2(a1));
+            __half2 l2 = __hfma2(kvmix__u2h(Rb[2 * i]), s0b, __hneg2(a2));
+            __half2 l3 = __hfma2(kvmix__u2h(Rb[2 * i + 1]), s1b, __hneg2(a3));
+            kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), pb0,
+                       pb1);
+        }
+    }
+    if (u.v_tok) {
+        uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u),
+                 mb = kvmix__prmt(vmeta[2], vmeta[3], 0x7632u);
+        kvmix__mma(st.om, ma, ma, mb, mb, pb0, pb1);
+        if (u.two) {
+            ma = kvmix__prmt(vmeta2[0], vmeta2[1], 0x7632u),
+            mb = kvmix__prmt(vmeta2[2], vmeta2[3], 0x7632u);
+            kvmix__mma(st.om2, ma, ma, mb, mb, pb0, pb1);
+        }
+    }
+}
+
+/* Per-channel values after the unit: o += min * the sum of p over it. */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_channel_minima(const kvmix__tc_unit_ctx<D> &u,
+                                                         kvmix__tc_state<D> &st, float lsp) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) lsp += __shfl_xor_sync(0xffffffffu, lsp, off);
+#pragma unroll
+    for (int i = 0; i < D / 16; i++) {
+        int d = u.r * (D / 8) + 2 * i;
+        st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(u.VM + d * 4 + 2));
+        st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(u.VM + (d + 1) * 4 + 2));
+    }
+}
+
 /* One warp: tokens [a, a + n) of a span, staged at stg (regions rg). KFT / VFT: the key / value
    format when known at compile time, 0 for the generic path (formats kf_rt / vf_rt). GL: K and V
-   rows are read in place from global memory at kg / vg (FP16 pairs: no staging). */
+   rows are read in place from global memory at kg / vg (FP16 pairs: no staging). Per tile of 16
+   tokens: value rows first, the logits, the softmax step, the values. */
 template <int D, int KFT, int VFT, bool GL = false>
 __device__ __forceinline__ void
 kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decode_params &p,
                uint8_t *stg, const kvmix__tc_regions &rg, int kf_rt, int vf_rt,
                const kvmix__tsec &ks, const kvmix__tsec &vs, int n, const uint8_t *dead,
                const uint8_t *kg = nullptr, const uint8_t *vg = nullptr) {
-    constexpr int KS = D / 16, DQ = D / 4, DV = D / 8;
-    constexpr int NWV = DV / 2; /* V words per lane per token, FP16 (the widest) */
-    const int kf = KFT ? KFT : kf_rt, vf = VFT ? VFT : vf_rt;
-    const bool k_chan = kvmix__per_channel(kf), k_tok = kvmix__per_token(kf);
-    const bool v_chan = kvmix__per_channel(vf), v_tok = kvmix__per_token(vf);
-    const int KB = kvmix__bits_of(kf), VB = kvmix__bits_of(vf);
-    /* per-token INT2 / INT4 scales lie on kvmix.h's scale grid: code * scale is exact in fp16 */
-    const bool k_exact = k_tok && KB <= 4, v_exact = v_tok && VB <= 4;
-    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-    const int G = p.group_size, NG = D / G;
-    const int gsh = __ffs(G) - 1; /* G divides D (64, 128 or 256): a power of two */
-    /* a value lane's dims span two groups: D 256 with G 16 (decode takes G a multiple of 16, so
-       never below D 256) */
-    const bool two = DV > 16 && DV > G;
-    const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
-    const uint8_t *K = GL ? kg : stg + rg.k.rows, *KM = stg + rg.k.meta,
-                  *V = GL ? vg : stg + rg.v.rows, *VM = stg + rg.v.meta;
+    constexpr int DQ = D / 4, DV = D / 8;
+    kvmix__tc_unit_ctx<D> u;
+    u.kf = KFT ? KFT : kf_rt, u.vf = VFT ? VFT : vf_rt;
+    u.k_chan = kvmix__is_per_channel(u.kf), u.k_tok = kvmix__is_per_token_int(u.kf);
+    u.v_chan = kvmix__is_per_channel(u.vf), u.v_tok = kvmix__is_per_token_int(u.vf);
+    u.KB = kvmix__format_bits(u.kf), u.VB = kvmix__format_bits(u.vf);
+    u.k_exact = u.k_tok && u.KB <= 4, u.v_exact = u.v_tok && u.VB <= 4;
+    u.lane = threadIdx.x & 31, u.r = u.lane >> 2, u.c = u.lane & 3;
+    u.G = p.group_size, u.NG = D / u.G;
+    u.gsh = __ffs(u.G) - 1;      /* G divides D (64, 128 or 256): a power of two */
+    u.two = DV > 16 && DV > u.G; /* decode takes G a multiple of 16, so never below D 256 */
+    u.krow = D * u.KB / 8, u.vrow = D * u.VB / 8;
+    u.K = GL ? kg : stg + rg.k.rows, u.KM = stg + rg.k.meta;
+    u.V = GL ? vg : stg + rg.v.rows, u.VM = stg + rg.v.meta;
+    u.stg = stg;
 
-    /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 (per-channel keys:
-       kvmix__tc_chan_b) */
-    uint32_t bk[KS][2];
-    float kconst = 0.0f, kfac = 0.0f; /* per-channel keys: sum of q * min, 2^-z (head c) */
-    if (k_chan) {
-        kvmix__tc_chan_b<D>(sm, KM, lane, bk, kfac, kconst);
-    } else {
-#pragma unroll
-        for (int j = 0; j < KS; j++) {
-            uint2 b = sm.bq[j][lane];
-            bk[j][0] = b.x, bk[j][1] = b.y;
-        }
-    }
-    uint32_t bm[2] = {0u, 0u}; /* per-token keys: B of the minima mma (k = group 4c + e) */
-    if (k_tok) {
-        const int h = r >> 1, part = r & 1;
-        float e[4];
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            int g = 4 * c + x;
-            e[x] = g < NG ? sm.qsum[h][g] : 0.0f;
-        }
-        bm[0] = kvmix__split_pair(e[0], e[1], part);
-        bm[1] = kvmix__split_pair(e[2], e[3], part);
-    }
-    int ks2 = 0; /* boosted keys: k-steps over the slots */
+    uint32_t bk[D / 16][2], bm[2] = {0u, 0u};
+    float kconst = 0.0f, kfac = 0.0f;
+    kvmix__tc_key_b<D>(u, sm, bk, bm, kfac, kconst);
     uint2 *b2 = (uint2 *)(stg + rg.b2);
-    if (kf == KVMIX_FORMAT_BOOSTED) {
-        const int nb = p.n_boost;
-        uint8_t *slot_ch = stg + rg.sl;
-        ks2 = (nb + 15) / 16;
-        for (int d = lane; d < D; d += 32) {
-            int s = stg[rg.k.index + d];
-            if (s < nb) slot_ch[s] = (uint8_t)d;
-        }
-        __syncwarp();
-        const int h = r >> 1, part = r & 1;
-        for (int jb = 0; jb < ks2; jb++) {
-            float e[4];
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                int s = 16 * jb + 4 * c + x;
-                e[x] = 0.0f;
-                if (s < nb) {
-                    int d = slot_ch[s] & (D - 1);
-                    e[x] = 4.0f * sm.q[kvmix__qi(h, d)] *
-                           kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
-                }
-            }
-            b2[jb * 32 + lane] = make_uint2(kvmix__split_pair(e[0], e[1], part),
-                                            kvmix__split_pair(e[2], e[3], part));
-        }
-        __syncwarp();
-    }
+    const bool k_boost = u.kf == KVMIX_FORMAT_BOOSTED;
+    const int ks2 = k_boost ? kvmix__tc_boost_b<D>(u, sm, rg, p.n_boost, b2) : 0;
     float lsp = 0.0f; /* per-channel values: sum of p over this unit (head c, lane partial) */
-#ifndef KVMIX__TC_VSWZ
-#define KVMIX__TC_VSWZ 1
-#endif
-    const bool vswz =
-        KVMIX__TC_VSWZ && !GL && (VFT == KVMIX_FORMAT_INT2 || VFT == KVMIX_FORMAT_INT4);
-    const uint32_t vslo = vswz && (c >> 1) ? 0x1054u : 0x5410u; /* vshi = vslo + 0x2222 */
+    const bool vswz = !GL && (VFT == KVMIX_FORMAT_INT2 || VFT == KVMIX_FORMAT_INT4);
+    const uint32_t vslo = vswz && (u.c >> 1) ? 0x1054u : 0x5410u; /* vshi = vslo + 0x2222 */
 
     /* rows of the last tile past n: staged ones are read as they are (kvmix__tc_place), rows
        read in place are clamped */
     auto row = [n](int t) { return GL ? min(t, n - 1) : t; };
     for (int t0 = 0; t0 < n; t0 += 16) {
-        const int kr0 = row(t0 + r), kr1 = row(t0 + r + 8);
-        int vt[4];
-        vt[0] = row(t0 + 2 * c), vt[1] = row(t0 + 2 * c + 1);
-        vt[2] = row(t0 + 2 * c + 8), vt[3] = row(t0 + 2 * c + 9);
-        /* ---- values and meta first (shared memory loads, used after the softmax) ---- */
-        /* INT2 / INT4 rows: lanes c >= 2 load the two tokens of each pair in swapped order, so that
-           the four token rows a load instruction touches fall into different banks */
-        uint32_t vw[4][NWV];
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            const int vx = vswz ? row(t0 + 2 * c + ((x & 1) ^ (c >> 1)) + 8 * (x >> 1)) : vt[x];
-            kvmix__tc_vload<DV, GL>(VB, V + (uint32_t)vx * vrow + r * (DV * VB / 8), vw[x]);
-        }
-        uint32_t vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
-        if (v_tok) {
-            const int gv = (r * DV) >> gsh;
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                vmeta[x] = kvmix__lds32(VM + ((uint32_t)vt[x] * NG + gv) * 4);
-                if (two) vmeta2[x] = kvmix__lds32(VM + ((uint32_t)vt[x] * NG + gv + 1) * 4);
-            }
-        }
+        const int kr0 = row(t0 + u.r), kr1 = row(t0 + u.r + 8);
+        const int vt[4] = {row(t0 + 2 * u.c), row(t0 + 2 * u.c + 1), row(t0 + 2 * u.c + 8),
+                           row(t0 + 2 * u.c + 9)};
+        uint32_t vw[4][D / 16], vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
+        kvmix__tc_load_values<D, GL>(u, t0, vt, vswz, n, vw, vmeta, vmeta2);
 
-        /* ---- logits ---- */
-        /* four accumulators (k-step j adds to j % 4), so that consecutive mmas do not wait on
-           each other; INT8 keys keep code * scale in [0] and its rounding error in [1] */
         float sacc[4][4] = {};
-        int32_t ia[4][4] = {}; /* per-channel keys: digits (0, 1) then (2, 3), by k-step parity */
-        const uint8_t *k0 = K + (uint32_t)kr0 * krow + c * (DQ * KB / 8);
-        const uint8_t *k1 = K + (uint32_t)kr1 * krow + c * (DQ * KB / 8);
-        if (k_chan) {
-            uint32_t w0[DQ / 16], w1[DQ / 16]; /* the lane's 2-bit codes of rows kr0, kr1 */
-            kvmix__lds_words<DQ / 16>(k0, w0);
-            kvmix__lds_words<DQ / 16>(k1, w1);
-#pragma unroll
-            for (int s = 0; s < D / 32; s++) {
-                const uint32_t x0 = w0[s >> 1] >> (4 * (s & 1)), x1 = w1[s >> 1] >> (4 * (s & 1));
-                const uint32_t a0 = x0 & 0x03030303u, a1 = x1 & 0x03030303u;
-                const uint32_t a2 = (x0 >> 2) & 0x03030303u, a3 = (x1 >> 2) & 0x03030303u;
-                kvmix__imma(ia[s & 1], a0, a1, a2, a3, bk[2 * s][0], bk[2 * s][1]);
-                kvmix__imma(ia[2 + (s & 1)], a0, a1, a2, a3, bk[2 * s + 1][0], bk[2 * s + 1][1]);
-            }
-        } else {
-#pragma unroll
-            for (int ch = 0; ch < KS / 4; ch++) {
-                uint32_t R0[8], R1[8];
-                kvmix__tc_kload<GL>(kf, k0, ch, R0);
-                kvmix__tc_kload<GL>(kf, k1, ch, R1);
-                if (k_tok) {
-                    const int g = (c * DQ + 16 * ch) >> gsh;
-                    uint32_t m0 = kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4);
-                    uint32_t m1 = kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4);
-                    __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
-                    __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
-#pragma unroll
-                    for (int v = 0; v < 4; v++) {
-                        __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0),
-                                a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
-                        __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
-                                a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
-                        const int j = 4 * ch + v;
-                        float(&acc)[4] = sacc[k_exact ? v : 0];
-                        kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2),
-                                   kvmix__h2u(a3), bk[j][0], bk[j][1]);
-                        if (!k_exact) { /* the rounding error of code * scale, as a second product */
-                            __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
-                            __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
-                            __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
-                            __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
-                            kvmix__mma(sacc[1], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
-                                       kvmix__h2u(l3), bk[j][0], bk[j][1]);
-                        }
-                    }
-                } else {
-#pragma unroll
-                    for (int v = 0; v < 4; v++) {
-                        const int j = 4 * ch + v;
-                        kvmix__mma(sacc[v], R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1],
-                                   bk[j][0], bk[j][1]);
-                    }
-                }
-            }
-        }
-        if (k_tok) { /* minima: A[token][group] */
-            uint32_t mn[2][4];
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                int g = 4 * c + x;
-                mn[0][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4) : 0u;
-                mn[1][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4) : 0u;
-            }
-            kvmix__mma(sacc[2], kvmix__prmt(mn[0][0], mn[0][1], 0x7632u),
-                       kvmix__prmt(mn[1][0], mn[1][1], 0x7632u),
-                       kvmix__prmt(mn[0][2], mn[0][3], 0x7632u),
-                       kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
-        }
-        if (kf == KVMIX_FORMAT_BOOSTED) { /* high bits of the boosted slots */
-            const uint32_t hrow = (uint32_t)ks.high_row_bytes;
-            const uint8_t *h0 = stg + rg.k.high + (uint32_t)kr0 * hrow;
-            const uint8_t *h1 = stg + rg.k.high + (uint32_t)kr1 * hrow;
-            for (int jb = 0; jb < ks2; jb++) {
-                uint32_t bi = 4 * jb + c;
-                uint32_t x0 = bi < hrow ? h0[bi] : 0u, x1 = bi < hrow ? h1[bi] : 0u;
-                x0 |= x0 << 14, x1 |= x1 << 14;
-                uint2 b = b2[jb * 32 + lane];
-                kvmix__mma(sacc[3], kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
-                           kvmix__code(x1, 0x00030003u, 0x3C003C00u, 0xE400E400u),
-                           kvmix__code(x0 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u),
-                           kvmix__code(x1 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u), b.x, b.y);
-            }
-        }
+        int32_t ia[4][4] = {};
+        const uint8_t *k0 = u.K + (uint32_t)kr0 * u.krow + u.c * (DQ * u.KB / 8);
+        const uint8_t *k1 = u.K + (uint32_t)kr1 * u.krow + u.c * (DQ * u.KB / 8);
+        if (u.k_chan)
+            kvmix__tc_logits_channel<D>(k0, k1, bk, ia);
+        else
+            kvmix__tc_logits_token<D, GL>(u, k0, k1, kr0, kr1, bk, sacc);
+        if (u.k_tok) kvmix__tc_logits_minima<D>(u, kr0, kr1, bm, sacc[2]);
+        if (k_boost)
+            kvmix__tc_logits_high(stg + rg.k.high, ks.high_row_bytes, kr0, kr1, ks2, b2, u.lane,
+                                  sacc[3]);
+        float s0, s1;
+        kvmix__tc_logits_sum(u.k_chan, k_boost, ia, sacc, kfac, kconst, s0, s1);
+        if (t0 + u.r >= n || (dead && dead[t0 + u.r])) s0 = -INFINITY;
+        if (t0 + u.r + 8 >= n || (dead && dead[t0 + u.r + 8])) s1 = -INFINITY;
+        uint32_t pb0, pb1;
+        kvmix__tc_softmax<D>(st, lsp, u.v_chan, s0, s1, pb0, pb1);
 
-        /* ---- online softmax (head c, tokens r and r + 8) ---- */
-        float s0 = kconst, s1 = kconst;
-        if (k_chan) { /* sum of digits: 2^14 d0 + 2^7 d1 + d2 exactly, then d3 / 128 */
-            const int32_t u0 =
-                (ia[0][0] + ia[1][0]) * 16384 + (ia[0][1] + ia[1][1]) * 128 + ia[2][0] + ia[3][0];
-            const int32_t u1 =
-                (ia[0][2] + ia[1][2]) * 16384 + (ia[0][3] + ia[1][3]) * 128 + ia[2][2] + ia[3][2];
-            const float lofac = kfac * 0.0078125f;
-            s0 = fmaf((float)u0, kfac, fmaf((float)(ia[2][1] + ia[3][1]), lofac, kconst));
-            s1 = fmaf((float)u1, kfac, fmaf((float)(ia[2][3] + ia[3][3]), lofac, kconst));
-            if (kf == KVMIX_FORMAT_BOOSTED)
-                s0 += sacc[3][0] + sacc[3][1], s1 += sacc[3][2] + sacc[3][3];
-        } else {
-#pragma unroll
-            for (int a = 0; a < 4; a++)
-                s0 += sacc[a][0] + sacc[a][1], s1 += sacc[a][2] + sacc[a][3];
-        }
-        {
-            int t = t0 + r;
-            if (t >= n || (dead && dead[t])) s0 = -INFINITY;
-            t += 8;
-            if (t >= n || (dead && dead[t])) s1 = -INFINITY;
-        }
-        /* the running max (the reference of p) moves only when a logit passes it by more than 8
-           (log2 units): p stays under 2^8, and most tiles skip the reduction and the rescale */
-        if (__any_sync(0xffffffffu, fmaxf(s0, s1) > st.m + 8.0f)) {
-            float tmax = fmaxf(s0, s1);
-#pragma unroll
-            for (int off = 4; off < 32; off <<= 1)
-                tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
-            const float mnew = fmaxf(st.m, tmax), alpha = kvmix__ex2(st.m - mnew);
-#pragma unroll
-            for (int i = 0; i < D / 16; i++)
-#pragma unroll
-                for (int x = 0; x < 4; x++) st.o[i][x] *= alpha;
-#pragma unroll
-            for (int x = 0; x < 4; x++) st.om[x] *= alpha, st.om2[x] *= alpha;
-            st.l *= alpha;
-            lsp *= alpha;
-            st.m = mnew;
-        }
-        const float msafe = st.m == -INFINITY ? 0.0f : st.m;
-        const float p0 = kvmix__ex2(s0 - msafe), p1 = kvmix__ex2(s1 - msafe);
-        st.l += p0 + p1;
-        if (v_chan) lsp += p0 + p1;
-        const uint32_t pb0 = kvmix__trans(kvmix__split2(p0)), pb1 = kvmix__trans(kvmix__split2(p1));
-
-        /* ---- values ---- */
         uint32_t Ra[DV], Rb[DV];
-        kvmix__tc_vconv<DV>(vf, vw[0], vw[1], Ra, vslo, vslo + 0x2222u);
-        kvmix__tc_vconv<DV>(vf, vw[2], vw[3], Rb, vslo, vslo + 0x2222u);
-        if (vf == KVMIX_FORMAT_BOOSTED) { /* add 4 * high bits of boosted channels */
-            const uint32_t hrow = (uint32_t)vs.high_row_bytes;
-#pragma unroll
-            for (int k = 0; k < DV; k++) {
-                int d = r * DV + k, s = stg[rg.v.index + d];
-                if (s != KVMIX_BOOST_NONE) {
-                    uint32_t hv[4];
-#pragma unroll
-                    for (int x = 0; x < 4; x++)
-                        hv[x] =
-                            (stg[rg.v.high + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) &
-                            3u;
-                    __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]),
-                                                __ushort2half_rn((unsigned short)hv[1]));
-                    __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]),
-                                                __ushort2half_rn((unsigned short)hv[3]));
-                    Ra[k] = kvmix__h2u(__hfma2(ha, __float2half2_rn(4.0f), kvmix__u2h(Ra[k])));
-                    Rb[k] = kvmix__h2u(__hfma2(hb, __float2half2_rn(4.0f), kvmix__u2h(Rb[k])));
-                }
-            }
-        }
-        if (vf == KVMIX_FORMAT_FP16) {
+        kvmix__tc_vconv<DV>(u.vf, vw[0], vw[1], Ra, vslo, vslo + 0x2222u);
+        kvmix__tc_vconv<DV>(u.vf, vw[2], vw[3], Rb, vslo, vslo + 0x2222u);
+        if (u.vf == KVMIX_FORMAT_BOOSTED)
+            kvmix__tc_values_high<D>(u, rg, vs.high_row_bytes, vt, Ra, Rb);
+        if (u.vf == KVMIX_FORMAT_FP16) {
 #pragma unroll
             for (int i = 0; i < D / 16; i++)
                 kvmix__mma(st.o[i], Ra[2 * i], Ra[2 * i + 1], Rb[2 * i], Rb[2 * i + 1], pb0, pb1);
         } else {
-            __half2 sa = __float2half2_rn(0.0f), sb = sa, sa2 = sa, sb2 = sa;
-            if (v_tok) {
-                sa = kvmix__u2h(kvmix__prmt(vmeta[0], vmeta[1], 0x5410u));
-                sb = kvmix__u2h(kvmix__prmt(vmeta[2], vmeta[3], 0x5410u));
-                sa2 = kvmix__u2h(kvmix__prmt(vmeta2[0], vmeta2[1], 0x5410u));
-                sb2 = kvmix__u2h(kvmix__prmt(vmeta2[2], vmeta2[3], 0x5410u));
-            }
-#pragma unroll
-            for (int i = 0; i < D / 16; i++) {
-                const bool second = two && 2 * i >= G;
-                __half2 s0a = second ? sa2 : sa, s0b = second ? sb2 : sb, s1a = s0a, s1b = s0b;
-                if (v_chan) {
-                    int d = r * DV + 2 * i;
-                    s0a = s0b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + d * 4)));
-                    s1a = s1b =
-                        __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + (d + 1) * 4)));
-                }
-                __half2 a0 = __hmul2(kvmix__u2h(Ra[2 * i]), s0a),
-                        a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
-                __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b),
-                        a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
-                kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
-                           pb0, pb1);
-                if (!v_exact) { /* the rounding error of code * scale, as a second product */
-                    __half2 l0 = __hfma2(kvmix__u2h(Ra[2 * i]), s0a, __hneg2(a0));
-                    __half2 l1 = __hfma2(kvmix__u2h(Ra[2 * i + 1]), s1a, __hneg2(a1));
-                    __half2 l2 = __hfma2(kvmix__u2h(Rb[2 * i]), s0b, __hneg2(a2));
-                    __half2 l3 = __hfma2(kvmix__u2h(Rb[2 * i + 1]), s1b, __hneg2(a3));
-                    kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
-                               kvmix__h2u(l3), pb0, pb1);
-                }
-            }
-            if (v_tok) {
-                uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u),
-                         mb = kvmix__prmt(vmeta[2], vmeta[3], 0x7632u);
-                kvmix__mma(st.om, ma, ma, mb, mb, pb0, pb1);
-                if (two) {
-                    ma = kvmix__prmt(vmeta2[0], vmeta2[1], 0x7632u),
-                    mb = kvmix__prmt(vmeta2[2], vmeta2[3], 0x7632u);
-                    kvmix__mma(st.om2, ma, ma, mb, mb, pb0, pb1);
-                }
-            }
+            kvmix__tc_values_scaled<D>(u, st, Ra, Rb, vmeta, vmeta2, pb0, pb1);
         }
     }
-    if (v_chan) { /* per-channel minima: o += min * sum of p over the unit */
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) lsp += __shfl_xor_sync(0xffffffffu, lsp, off);
-#pragma unroll
-        for (int i = 0; i < D / 16; i++) {
-            int d = r * DV + 2 * i;
-            st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + d * 4 + 2));
-            st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + (d + 1) * 4 + 2));
-        }
-    }
+    if (u.v_chan) kvmix__tc_channel_minima<D>(u, st, lsp);
 }
 
 /* FP16 keys and values at D 128 are read in place (units of 128 tokens, no staging): their
@@ -1574,25 +1555,10 @@ __device__ __forceinline__ void kvmix__tc_run(kvmix__tc_state<D> &st, kvmix__tc_
     }
 }
 
-#ifdef KVMIX__PROF /* timing probes for profiling builds only: [block][warp][8] */
-__device__ unsigned long long kvmix__prof_buf[4096][4][8];
-__device__ __forceinline__ unsigned long long kvmix__gtime() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-#define KVMIX__PROBE(i, v)                                                                         \
-    do {                                                                                           \
-        if (lane == 0 && kvmix__pbid < 4096) kvmix__prof_buf[kvmix__pbid][warp][i] = (v);          \
-    } while (0)
-#else
-#define KVMIX__PROBE(i, v) ((void)0)
-#endif
-
 /* Grid (n_splits, n_kv_heads * q_chunks, n_seqs), 128 threads; a block serves query heads
    [kv * q_per_kv + chunk * 4, + 4) (fewer in the last chunk) over its split's token range. */
 template <int D>
-static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>::min_blocks)
+static __global__ void __launch_bounds__(kvmix__tc_threads, kvmix__tc_cfg<D>::min_blocks)
     kvmix__tc_decode_kernel(kvmix__decode_params p) {
     extern __shared__ __align__(16) uint8_t kvmix__tc_dyn[];
     __shared__ kvmix__tc_smem<D> sm;
@@ -1602,18 +1568,11 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     const int qh0 = kv * p.q_per_kv + chunk * 4, nq = min(4, p.q_per_kv - chunk * 4);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int G = p.group_size, NG = D / G;
-#ifdef KVMIX__PROF
-    const int kvmix__pbid = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    const long long kvmix__c0 = clock64();
-    KVMIX__PROBE(0, kvmix__gtime());
-    int kvmix__nunits = 0;
-    bool kvmix__first = true;
-#endif
 
     /* the sequence's span range first: its load is in flight while the query table is built; a
        range outside the view's spans is an error, and no span of it is read */
     int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
-    const bool bad_range = !kvmix__range_ok(first, last, p.n_spans);
+    const bool bad_range = !kvmix__view_range_ok(first, last, p.n_spans);
     if (bad_range) first = last = 0;
     { /* all of a thread's query loads in flight at once (a serial loop costs one latency each) */
         constexpr int T = W * 32, NE = 4 * D / T;
@@ -1669,7 +1628,6 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     for (int x = 0; x < 4; x++) st.om[x] = 0.0f, st.om2[x] = 0.0f;
     st.m = -INFINITY, st.l = 0.0f;
     __syncthreads();
-    KVMIX__PROBE(1, clock64() - kvmix__c0);
     uint8_t *const stage0 = kvmix__tc_dyn + warp * 2 * STAGE;
     const uint32_t stage0_sh = (uint32_t)__cvta_generic_to_shared(stage0);
     const uint32_t bar0_sh = (uint32_t)__cvta_generic_to_shared(&sm.bar[warp][0]);
@@ -1682,13 +1640,13 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
         int nu = 0;
         if (i < s_hi) {
             const kvmix_view_span sp = p.spans[i];
-            kvmix__sec ks, vs;
+            kvmix__sections ks, vs;
             bool ok =
                 kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
                                 p.n_kv_heads, D, G, p.n_boost, p.base_bytes, &ks) &&
                 kvmix__block_ok(sp.value_format, sp.n_tokens, sp.value_offset, sp.value_head_bytes,
                                 p.n_kv_heads, D, G, p.n_boost, p.base_bytes, &vs) &&
-                kvmix__dead_ok(sp, p.n_dead_flags);
+                kvmix__view_dead_ok(sp.dead_index, sp.n_tokens, p.n_dead_flags);
             if (!ok) {
                 atomicExch(&sm.error, 1);
             } else {
@@ -1731,11 +1689,6 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             kvmix__bar_wait(bar0_sh + 8u * (uint32_t)buf, (phase >> buf) & 1u);
             phase ^= 1u << buf;
             __syncwarp();
-#ifdef KVMIX__PROF
-            if (kvmix__first) KVMIX__PROBE(2, clock64() - kvmix__c0);
-            kvmix__first = false;
-            kvmix__nunits++;
-#endif
             {
                 uint8_t *stg = stage0 + buf * STAGE;
                 const int kf = sm.plan.kf[jj], vf = sm.plan.vf[jj];
@@ -1759,8 +1712,6 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
     /* the merge launch (programmatic dependent launch) may start once every block is here; it
        waits for this grid's completion before it reads the partial results */
     asm volatile("griddepcontrol.launch_dependents;");
-    KVMIX__PROBE(3, clock64() - kvmix__c0);
-    KVMIX__PROBE(5, kvmix__nunits);
 
     /* the warp's sum of p per head, then merge the block's warps */
 #pragma unroll
@@ -1804,15 +1755,6 @@ static __global__ void __launch_bounds__(kvmix__tc_warps * 32, kvmix__tc_cfg<D>:
             if (c == 0) p.part_lse[part + h] = lse2;
         }
     }
-    KVMIX__PROBE(4, clock64() - kvmix__c0);
-#ifdef KVMIX__PROF
-    {
-        unsigned smid;
-        asm("mov.u32 %0, %%smid;" : "=r"(smid));
-        KVMIX__PROBE(6, smid);
-        KVMIX__PROBE(7, kvmix__gtime());
-    }
-#endif
 }
 
 struct kvmix__merge_params {
@@ -1823,12 +1765,15 @@ struct kvmix__merge_params {
 };
 
 /* One block per (sequence, query head), head_dim threads: merges the splits' partials. */
-static __global__ void __launch_bounds__(256) kvmix__decode_merge_kernel(kvmix__merge_params p) {
+constexpr int kvmix__merge_threads = 256; /* the largest head_dim decode takes */
+
+static __global__ void __launch_bounds__(kvmix__merge_threads)
+    kvmix__decode_merge_kernel(kvmix__merge_params p) {
     /* blockDim.x = head_dim (a multiple of 32, at most 256): the splits' lse are read in parallel
        and their weights kept in shared memory, so that the partial outputs of all splits can be
        loaded with many reads in flight (a serial walk over 33+ splits was latency-bound) */
-    __shared__ float sw[256], rmx[8];
-    __shared__ int rnan[8];
+    __shared__ float sw[kvmix__merge_threads], rmx[kvmix__merge_threads / 32];
+    __shared__ int rnan[kvmix__merge_threads / 32];
     const int sh = blockIdx.x, seq = sh / p.n_q_heads, h = sh % p.n_q_heads, c = threadIdx.x;
     const int lane = c & 31, warp = c >> 5, nw = (int)blockDim.x >> 5, nt = (int)blockDim.x;
     const size_t first = (size_t)seq * p.n_splits * p.n_q_heads + h;
@@ -1904,7 +1849,7 @@ struct kvmix__payload_params {
     int n_rows[3];           /* tokens at tier i */
     int row_base[3];         /* tier i's first entry of the row list */
     int first_chunk[4];      /* blockIdx.x of tier i's first row chunk; [3]: all chunks */
-    kvmix__sec sec[3];       /* tier i's block */
+    kvmix__sections sec[3];  /* tier i's block */
     uint64_t tier_offset[4]; /* tier i's block from its slice's start; [3]: slice bytes */
     uint64_t head_bytes;
     uint8_t head[KVMIX_PAYLOAD_HEADER_BYTES]; /* the header that info describes */
@@ -2026,7 +1971,7 @@ static __global__ void __launch_bounds__(256)
             for (int k = 0; k < 8; k++) {
                 const uint16_t x = kvmix__u16_of(w, k);
                 bad |= p.dtype == KVMIX_CUDA_BF16 ? !(fabsf(kvmix__bf2f(x)) <= 65504.0f)
-                                                  : (x & 0x7c00u) == 0x7c00u;
+                                                  : !kvmix__fp16_finite(x);
             }
         }
     }
@@ -2045,9 +1990,9 @@ static __global__ void __launch_bounds__(256) kvmix__payload_pack_kernel(kvmix__
     if (*p.status != 0) return; /* a bad head or input row: no body byte is written */
     const kvmix__payload_chunk c = kvmix__payload_chunk_of(p);
     const int32_t *rows = p.rows + p.row_base[c.tier] + c.r0;
-    const kvmix__sec sec = p.sec[c.tier];
+    const kvmix__sections sec = p.sec[c.tier];
     const int d = p.head_dim, parts = d / 8, row_bytes = (int)sec.row_bytes, n_units = c.n * parts;
-    const int bits = kvmix__bits_of(c.tier + KVMIX_FORMAT_FP16), levels = (1 << bits) - 1;
+    const int bits = kvmix__format_bits(c.tier + KVMIX_FORMAT_FP16), levels = (1 << bits) - 1;
     const int groups = d / p.group_size, lanes = p.group_size / 8, lane = threadIdx.x & 31;
     const bool by_lanes = lanes <= 32 && (lanes & (lanes - 1)) == 0;
     const bool last = c.r0 + c.n == p.n_rows[c.tier];
@@ -2070,7 +2015,7 @@ static __global__ void __launch_bounds__(256) kvmix__payload_pack_kernel(kvmix__
         }
         if (last && threadIdx.x < 3) { /* the block's padding: at most 3 words after the pairs */
             const uint64_t at =
-                sec.meta_offset + (uint64_t)p.n_rows[c.tier] * groups * 4 + 4 * threadIdx.x;
+                kvmix__token_meta_at(&sec, p.n_rows[c.tier], groups, 0) + 4 * threadIdx.x;
             if (at < p.tier_offset[c.tier + 1] - p.tier_offset[c.tier]) *(uint32_t *)(blk + at) = 0;
         }
         if (!by_lanes) {
@@ -2079,7 +2024,7 @@ static __global__ void __launch_bounds__(256) kvmix__payload_pack_kernel(kvmix__
                 kvmix__quantize_group(
                     in + kvmix__payload_row(p, sl, rows[task / groups]) + g * p.group_size, p.dtype,
                     p.group_size, bits, blk + r * row_bytes + g * p.group_size * bits / 8,
-                    blk + sec.meta_offset + (r * groups + g) * 4);
+                    blk + kvmix__token_meta_at(&sec, (int64_t)r, groups, (int32_t)g));
             }
             continue;
         }
@@ -2104,10 +2049,10 @@ static __global__ void __launch_bounds__(256) kvmix__payload_pack_kernel(kvmix__
                 hi = o_hi > hi || (!(hi > o_hi) && o_first) ? o_hi : hi;
             }
             if (!on) continue;
-            const kvmix__qp qp = kvmix__choose_qparams(lo, hi, levels, kvmix__scale_grid(bits));
+            const kvmix__qp qp = kvmix__choose_qp(lo, hi, levels, kvmix__scale_grid(bits));
             uint64_t q = 0;
             for (int j = 0; j < 8; j++)
-                q |= (uint64_t)kvmix__quantize_value(x[j], qp, levels) << (bits * j);
+                q |= (uint64_t)kvmix__quantize_code(x[j], qp, levels) << (bits * j);
             const uint64_t row = (uint64_t)(c.r0 + r);
             if (bits == 8)
                 *(uint2 *)(blk + row * row_bytes + k * 8) =
@@ -2115,8 +2060,8 @@ static __global__ void __launch_bounds__(256) kvmix__payload_pack_kernel(kvmix__
             else
                 *(uint32_t *)(blk + row * row_bytes + k * 4) = (uint32_t)q;
             if (k % lanes == 0)
-                *(uint32_t *)(blk + sec.meta_offset + (row * groups + k / lanes) * 4) =
-                    (uint32_t)qp.scale_h | ((uint32_t)qp.min_h << 16);
+                *(uint32_t *)(blk + kvmix__token_meta_at(&sec, (int64_t)row, groups, k / lanes)) =
+                    (uint32_t)qp.p.scale_h | ((uint32_t)qp.p.min_h << 16);
         }
     }
 }
@@ -2137,14 +2082,13 @@ static __global__ void __launch_bounds__(256)
         if (rel >= p.sec[i].total_bytes || (i != 0 && rel < p.sec[i].meta_offset)) continue;
         const uint4 v = *(const uint4 *)(p.payload + p.head_bytes + w * 16);
         if (i == 0) {
-            for (int k = 0; k < 8; k++) bad |= (kvmix__u16_of(v, k) & 0x7c00u) == 0x7c00u;
+            for (int k = 0; k < 8; k++) bad |= !kvmix__fp16_finite(kvmix__u16_of(v, k));
             continue;
         }
         for (int k = 0; k < 4; k++) {
             if (rel + 4 * k >= p.sec[i].total_bytes) break; /* the block's padding */
             const uint16_t scale_h = kvmix__u16_of(v, 2 * k), min_h = kvmix__u16_of(v, 2 * k + 1);
-            bad |= (scale_h & 0x8000u) != 0 || (scale_h & 0x7c00u) == 0x7c00u ||
-                   (min_h & 0x7c00u) == 0x7c00u;
+            bad |= !kvmix__qparams_valid(scale_h, min_h);
         }
     }
     if (__syncthreads_or(bad) && threadIdx.x == 0)
@@ -2159,7 +2103,7 @@ static __global__ void __launch_bounds__(256)
     if (*p.status != 0) return; /* a bad head or block: no output is written */
     const kvmix__payload_chunk c = kvmix__payload_chunk_of(p);
     const int32_t *rows = p.rows + p.row_base[c.tier] + c.r0;
-    const kvmix__sec sec = p.sec[c.tier];
+    const kvmix__sections sec = p.sec[c.tier];
     const int parts = p.head_dim / 8, groups = p.head_dim / p.group_size;
     for (uint64_t s = blockIdx.y; s < p.n_slices; s += gridDim.y) {
         const kvmix__payload_slice sl = kvmix__payload_slice_of(p, s);
@@ -2175,8 +2119,9 @@ static __global__ void __launch_bounds__(256)
                 for (int j = 0; j < 8; j++) v[j] = kvmix__h2f(kvmix__u16_of(w, j));
             } else {
                 /* 8 channels share a group: G is a multiple of 8 */
-                const uint32_t m = *(const uint32_t *)(blk + sec.meta_offset +
-                                                       (r * groups + k * 8 / p.group_size) * 4);
+                const uint32_t m =
+                    *(const uint32_t *)(blk + kvmix__token_meta_at(&sec, (int64_t)r, groups,
+                                                                   k * 8 / p.group_size));
                 const float scale = kvmix__h2f((uint16_t)(m & 0xffffu)),
                             min = kvmix__h2f((uint16_t)(m >> 16));
                 uint64_t q;
@@ -2223,11 +2168,6 @@ static __global__ void __launch_bounds__(256)
 }
 
 } // namespace
-#ifdef KVMIX__PROF
-extern "C" int kvmix__prof_get(void *host, size_t bytes) {
-    return (int)cudaMemcpyFromSymbol(host, kvmix__prof_buf, bytes);
-}
-#endif
 
 // >>launch
 
@@ -2235,27 +2175,9 @@ static kvmix_result kvmix__launch_status(void) {
     return cudaGetLastError() == cudaSuccess ? KVMIX_SUCCESS : KVMIX_ERR_CUDA;
 }
 
-/* Resolves and checks a layout the way kvmix_layout_resolve does (no kvmix.h implementation is
-   linked into this file). */
+/* Resolves and checks a layout as kvmix_layout_resolve does. */
 static kvmix_result kvmix__resolve(kvmix_layout *l) {
-    if (kvmix__bits_of(l->format) == 0) return KVMIX_ERR_UNKNOWN_FORMAT;
-    if (l->n_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (l->head_dim <= 0 || l->head_dim % 32 != 0 || l->head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
-    if (kvmix__per_token(l->format)) {
-        if (l->group_size == 0) l->group_size = KVMIX_GROUP_SIZE_DEFAULT;
-        if (l->group_size < 0 || l->group_size % 8 != 0 || l->head_dim % l->group_size != 0)
-            return KVMIX_ERR_BAD_SHAPE;
-    } else if (l->group_size != 0) {
-        return KVMIX_ERR_BAD_SHAPE;
-    }
-    if (l->format == KVMIX_FORMAT_BOOSTED) {
-        if (l->n_boost < 0 || l->n_boost % 4 != 0 || l->n_boost > l->head_dim || l->n_boost > 252)
-            return KVMIX_ERR_BAD_SHAPE;
-    } else if (l->n_boost != 0) {
-        return KVMIX_ERR_BAD_SHAPE;
-    }
-    return KVMIX_SUCCESS;
+    return kvmix__layout_check(l->format, l->n_tokens, l->head_dim, &l->group_size, l->n_boost);
 }
 
 extern "C" kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const void *src,
@@ -2273,7 +2195,7 @@ extern "C" kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const vo
     kvmix__quantize_params p;
     p.format = l.format, p.n_tokens = l.n_tokens, p.head_dim = l.head_dim;
     p.group_size = l.group_size, p.n_boost = l.n_boost;
-    p.sec = kvmix__sections(l.format, l.n_tokens, l.head_dim, l.group_size, l.n_boost);
+    p.sec = kvmix__block_sections(l.format, l.n_tokens, l.head_dim, l.group_size, l.n_boost);
     p.src = (const uint16_t *)src, p.src_row_stride = src_row_stride, p.dst = (uint8_t *)dst;
     p.jobs = jobs, p.error_flags = error_flags;
     kvmix__quantize_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(p);
@@ -2325,23 +2247,20 @@ extern "C" kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, i
     return KVMIX_SUCCESS;
 }
 
-/* Host-side checks of a view whose arrays are on the device. */
+/* Host-side checks of a view whose arrays are on the device: its shape and arrays
+   (kvmix_view_check's first steps; the kernels check every span they read), a 16-byte aligned
+   base, and one group for keys and values. */
 static kvmix_result kvmix__check_device_view(const kvmix_view *v) {
     if (!v) return KVMIX_ERR_NULL_POINTER;
-    if (v->n_seqs < 0 || v->n_kv_heads <= 0 || v->n_spans < 0 || v->n_dead_flags < 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (v->head_dim <= 0 || v->head_dim % 32 != 0 || v->head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
-    int group = v->group_size ? v->group_size : KVMIX_GROUP_SIZE_DEFAULT;
-    if (group < 0 || group % 8 != 0 || v->head_dim % group != 0) return KVMIX_ERR_BAD_SHAPE;
+    kvmix_result r;
+    if ((r = kvmix__view_shape_check(v)) != KVMIX_SUCCESS ||
+        (r = kvmix__view_arrays_check(v)) != KVMIX_SUCCESS)
+        return r;
     /* the kernels read every per-token block with one group: values in groups of their own are
        not supported yet */
-    if (v->value_group_size != 0 && v->value_group_size != group) return KVMIX_ERR_UNSUPPORTED;
-    if (v->n_boost < 0 || v->n_boost % 4 != 0 || v->n_boost > v->head_dim || v->n_boost > 252)
-        return KVMIX_ERR_BAD_SHAPE;
-    if (!v->seq_first_span || (v->n_spans > 0 && (!v->spans || !v->base)) ||
-        (v->n_dead_flags > 0 && !v->dead))
-        return KVMIX_ERR_NULL_POINTER;
+    if (kvmix__view_group(v->group_size, v->value_group_size, 1, KVMIX_FORMAT_INT4) !=
+        kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4))
+        return KVMIX_ERR_UNSUPPORTED;
     if (((uintptr_t)v->base & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
     return KVMIX_SUCCESS;
 }
@@ -2352,7 +2271,7 @@ static kvmix__view_params kvmix__view_params_of(const kvmix_view *v, int32_t seq
     p.seq_first_span = v->seq_first_span, p.dead = v->dead, p.n_spans = v->n_spans;
     p.n_dead_flags = v->n_dead_flags;
     p.n_kv_heads = v->n_kv_heads, p.head_dim = v->head_dim;
-    p.group_size = v->group_size ? v->group_size : KVMIX_GROUP_SIZE_DEFAULT;
+    p.group_size = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
     p.n_boost = v->n_boost, p.seq = seq, p.capacity = 0, p.dtype = KVMIX_CUDA_FP16;
     p.n_q_heads = v->n_kv_heads, p.keys_out = p.values_out = nullptr;
     p.memory = nullptr, p.scores = nullptr;
@@ -2407,17 +2326,21 @@ extern "C" kvmix_result kvmix_cuda_decode_workspace_bytes(int32_t n_seqs, int32_
 }
 
 extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads,
-                                                        int32_t n_q_heads, int64_t max_seq_tokens,
-                                                        int32_t n_sms, int32_t *out_splits) {
+                                                        int32_t n_q_heads, int32_t head_dim,
+                                                        int64_t max_seq_tokens, int32_t n_sms,
+                                                        int32_t *out_splits) {
     if (!out_splits) return KVMIX_ERR_NULL_POINTER;
     if (n_seqs < 0 || n_kv_heads <= 0 || n_q_heads <= 0 || n_q_heads % n_kv_heads != 0 ||
         max_seq_tokens < 0 || n_sms <= 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    int g = n_q_heads / n_kv_heads;
-    /* one block per (sequence, kv head, 4 query heads, split); min_blocks (2 at D 128) fit on an SM:
-       fill the machine in one wave, with at least ~256 tokens per split */
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
+    const int g = n_q_heads / n_kv_heads;
+    const int per_sm = head_dim == 256 ? kvmix__tc_cfg<256>::min_blocks
+                                       : kvmix__tc_cfg<128>::min_blocks;
+    /* one block per (sequence, kv head, 4 query heads, split); per_sm fit on an SM: fill the
+       machine in one wave, with at least ~256 tokens per split */
     int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
-    int64_t want = KVMIX__SPLIT_WAVES * kvmix__tc_cfg<128>::min_blocks * (int64_t)n_sms / blocks;
+    int64_t want = kvmix__split_waves * per_sm * (int64_t)n_sms / blocks;
     int64_t most = max_seq_tokens / 256;
     if (want > most) want = most;
     if (want < 1) want = 1;
@@ -2432,7 +2355,7 @@ static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix_
     cudaError_t e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<D>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
-    kvmix__tc_decode_kernel<D><<<grid, kvmix__tc_warps * 32, bytes, stream>>>(p);
+    kvmix__tc_decode_kernel<D><<<grid, kvmix__tc_threads, bytes, stream>>>(p);
     return cudaSuccess;
 }
 
@@ -2448,8 +2371,8 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
         isinf(desc->scale) || desc->n_splits < 1 || desc->n_splits > KVMIX_CUDA_MAX_SPLITS)
         return KVMIX_ERR_INVALID_ARGUMENT;
     if (d != 64 && d != 128 && d != 256) return KVMIX_ERR_UNSUPPORTED;
-    int group = view->group_size ? view->group_size : KVMIX_GROUP_SIZE_DEFAULT;
-    if (group % 16 != 0) return KVMIX_ERR_UNSUPPORTED;
+    int group = kvmix__view_group(view->group_size, view->value_group_size, 0, KVMIX_FORMAT_INT4);
+    if (group % kvmix__tc_min_group != 0) return KVMIX_ERR_UNSUPPORTED;
     if (desc->dtype != KVMIX_CUDA_FP16 && desc->dtype != KVMIX_CUDA_BF16)
         return KVMIX_ERR_UNSUPPORTED;
     if (view->n_seqs == 0) return KVMIX_SUCCESS;
@@ -2515,7 +2438,7 @@ extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_
     if (q_per_kv <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
     int blocks = 0;
     cudaError_t e = cudaErrorInvalidValue;
-    const int threads = kvmix__tc_warps * 32;
+    const int threads = kvmix__tc_threads;
     if (head_dim == 64 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<64>,
                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                     kvmix__tc_cfg<64>::dyn_bytes)) == cudaSuccess)
@@ -2552,69 +2475,34 @@ extern "C" kvmix_result kvmix_cuda_payload_workspace_bytes(int32_t n_tokens, siz
     return KVMIX_SUCCESS;
 }
 
-/* The 80 header bytes that info describes, as kvmix_payload_write_head writes them. */
-static void kvmix__payload_header(const kvmix_payload_info *info, uint8_t *h) {
-    const kvmix_payload_desc &d = info->desc;
-    auto put = [h](int offset, uint64_t v, int bytes) {
-        for (int b = 0; b < bytes; b++) h[offset + b] = (uint8_t)(v >> (8 * b));
-    };
-    put(0, 0x504d564bu, 4); /* "KVMP" */
-    put(4, KVMIX_PAYLOAD_VERSION, 2);
-    put(6, (uint64_t)d.kind, 2);
-    put(8, (uint64_t)d.head_dim, 4);
-    put(12, (uint64_t)d.n_kv_heads, 4);
-    put(16, (uint64_t)d.group_size, 4);
-    put(20, (uint64_t)d.first_layer, 4);
-    put(24, (uint64_t)d.n_layers, 4);
-    put(28, (uint64_t)d.n_tokens, 4);
-    put(32, (uint64_t)d.first_position, 8);
-    put(40, d.id, 8);
-    put(48, d.base_id, 8);
-    put(56, (uint64_t)info->n_fp16, 4);
-    put(60, (uint64_t)info->n_int8, 4);
-    put(64, (uint64_t)info->n_int4, 4);
-    put(68, 0, 4);
-    put(72, (uint64_t)info->total_bytes, 8);
-}
-
-/* Checks info the way kvmix_payload_describe builds one (no kvmix.h implementation is linked
-   into this file: the sizes are derived again here), the dtype and the buffers every call needs,
-   and fills p's shape. *nothing: a payload of 0 tokens, for which no check of the buffers is
-   made and nothing is enqueued. */
+/* Checks info against what kvmix_payload_describe builds from its desc and counts, the dtype and
+   the buffers every call needs, and fills p's shape. *nothing: a payload of 0 tokens, for which no
+   check of the buffers is made and nothing is enqueued. */
 static kvmix_result kvmix__payload_setup(const kvmix_payload_info *info, kvmix_cuda_dtype dtype,
                                          const void *payload, void *workspace,
                                          size_t workspace_bytes, int32_t *error_flags,
                                          kvmix__payload_params *p, bool *nothing) {
     if (!info) return KVMIX_ERR_NULL_POINTER;
     const kvmix_payload_desc &d = info->desc;
-    const int32_t counts[3] = {info->n_fp16, info->n_int8, info->n_int4};
-    if ((d.kind != KVMIX_PAYLOAD_ROWS && d.kind != KVMIX_PAYLOAD_RESIDUAL) || d.n_kv_heads < 1 ||
-        d.n_kv_heads > 65535 || d.n_layers < 1 || d.n_layers > 65535 || d.first_layer < 0 ||
-        d.first_layer > 0x7fffffff - d.n_layers || d.n_tokens < 0 || d.first_position < 0 ||
-        (d.kind == KVMIX_PAYLOAD_ROWS && d.base_id != 0))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.head_dim <= 0 || d.head_dim % 32 != 0 || d.head_dim > KVMIX_MAX_HEAD_DIM ||
-        d.group_size < 8 || d.group_size % 8 != 0 || d.head_dim % d.group_size != 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    kvmix_payload_info check = *info;
     int64_t n_rows = 0;
+    if (kvmix__payload_check_desc(&check.desc) != KVMIX_SUCCESS || d.group_size == 0)
+        return KVMIX_ERR_INVALID_ARGUMENT; /* a described payload has its group resolved */
     for (int i = 0; i < 3; i++) {
-        if (counts[i] < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-        n_rows += counts[i];
+        if (kvmix__tier_count(info, i) < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+        n_rows += kvmix__tier_count(info, i);
     }
-    if (d.kind == KVMIX_PAYLOAD_ROWS ? n_rows != d.n_tokens : n_rows > d.n_tokens)
+    if ((d.kind == KVMIX_PAYLOAD_ROWS ? n_rows != d.n_tokens : n_rows > d.n_tokens) ||
+        kvmix__payload_sizes(&check) != KVMIX_SUCCESS || check.head_bytes != info->head_bytes ||
+        check.total_bytes != info->total_bytes)
         return KVMIX_ERR_INVALID_ARGUMENT;
     p->tier_offset[0] = 0;
     for (int i = 0; i < 3; i++) {
-        p->sec[i] = kvmix__sections(KVMIX_FORMAT_FP16 + i, counts[i], d.head_dim, d.group_size, 0);
-        p->tier_offset[i + 1] = p->tier_offset[i] + ((p->sec[i].total_bytes + 15) & ~(uint64_t)15);
+        p->sec[i] = kvmix__tier_sections(info, i);
+        p->tier_offset[i + 1] = p->tier_offset[i] + kvmix__tier_bytes(info, i);
     }
-    const uint64_t head =
-        KVMIX_PAYLOAD_HEADER_BYTES + (((uint64_t)d.n_tokens + 15) & ~(uint64_t)15);
+    const uint64_t head = info->head_bytes;
     const uint64_t slices = (uint64_t)d.n_layers * 2u * (uint64_t)d.n_kv_heads;
-    const uint64_t slice = p->tier_offset[3], most = (uint64_t)1 << 62;
-    if (slice > (most - head) / slices || info->head_bytes != head ||
-        info->total_bytes != head + slices * slice)
-        return KVMIX_ERR_INVALID_ARGUMENT;
     if (dtype != KVMIX_CUDA_FP16 && dtype != KVMIX_CUDA_BF16) return KVMIX_ERR_UNSUPPORTED;
     *nothing = d.n_tokens == 0;
     if (*nothing) return KVMIX_SUCCESS;
@@ -2628,13 +2516,13 @@ static kvmix_result kvmix__payload_setup(const kvmix_payload_info *info, kvmix_c
     p->n_kv_heads = d.n_kv_heads, p->n_tokens = d.n_tokens, p->n_slices = slices;
     p->first_chunk[0] = 0;
     for (int i = 0; i < 3; i++) {
-        p->n_rows[i] = counts[i];
-        p->row_base[i] = i == 0 ? 0 : p->row_base[i - 1] + counts[i - 1];
-        p->first_chunk[i + 1] = p->first_chunk[i] + (counts[i] + kvmix__payload_chunk_rows - 1) /
+        p->n_rows[i] = kvmix__tier_count(info, i);
+        p->row_base[i] = i == 0 ? 0 : p->row_base[i - 1] + p->n_rows[i - 1];
+        p->first_chunk[i + 1] = p->first_chunk[i] + (p->n_rows[i] + kvmix__payload_chunk_rows - 1) /
                                                         kvmix__payload_chunk_rows;
     }
     p->head_bytes = head;
-    kvmix__payload_header(info, p->head);
+    kvmix__payload_header_put(info, p->head);
     p->payload = (uint8_t *)payload;
     p->keys_in = p->values_in = nullptr;
     p->keys_out = p->values_out = nullptr;

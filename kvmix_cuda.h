@@ -133,10 +133,12 @@ kvmix_result kvmix_cuda_decode_workspace_bytes(int32_t n_seqs, int32_t n_q_heads
                                                int32_t n_splits, size_t *out_bytes);
 
 /* A split count that fills n_sms multiprocessors for a batch whose longest sequence has
-   max_seq_tokens tokens (host arithmetic only; at least 1, at most KVMIX_CUDA_MAX_SPLITS). */
+   max_seq_tokens tokens, from every shape parameter the decode grid depends on: sequences, kv
+   heads, query heads per kv head, head_dim (blocks per SM). Host arithmetic only; at least 1, at
+   most KVMIX_CUDA_MAX_SPLITS. Returns NULL_POINTER, INVALID_ARGUMENT, UNSUPPORTED (head_dim). */
 kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads, int32_t n_q_heads,
-                                             int64_t max_seq_tokens, int32_t n_sms,
-                                             int32_t *out_splits);
+                                             int32_t head_dim, int64_t max_seq_tokens,
+                                             int32_t n_sms, int32_t *out_splits);
 
 /* Enqueues decode attention. view: host struct whose pointers are device pointers. workspace:
    device memory of workspace_bytes >= kvmix_cuda_decode_workspace_bytes (256-byte aligned).

@@ -88,8 +88,8 @@ class Lib:
         L.kvmix_cuda_decode.argtypes = [C.POINTER(View), C.POINTER(DecodeDesc), C.c_void_p, C.c_void_p, C.c_void_p,
                                         C.c_void_p, C.c_size_t, C.c_void_p]
         L.kvmix_cuda_decode_workspace_bytes.argtypes = [C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.POINTER(C.c_size_t)]
-        L.kvmix_cuda_decode_choose_splits.argtypes = [C.c_int32, C.c_int32, C.c_int32, C.c_int64, C.c_int32,
-                                                      C.POINTER(C.c_int32)]
+        L.kvmix_cuda_decode_choose_splits.argtypes = [C.c_int32, C.c_int32, C.c_int32, C.c_int32, C.c_int64,
+                                                      C.c_int32, C.POINTER(C.c_int32)]
         L.kvmix_cuda_decode_blocks_per_sm.argtypes = [C.c_int32, C.c_int32, C.POINTER(C.c_int32)]
         L.kvmix_bench_read.argtypes = [C.c_void_p, C.c_size_t, C.c_void_p, C.c_int, C.c_void_p]
 
@@ -209,7 +209,7 @@ def main():
         B, T = int(b), int(t)
         arena = Arena(lib, mix, B, T, H, D, P, NB, src, stream)
         splits = C.c_int32(0)
-        lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, T, n_sms, C.byref(splits)), "splits")
+        lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, D, T, n_sms, C.byref(splits)), "splits")
         ws_bytes = C.c_size_t(0)
         lib.check(lib.lib.kvmix_cuda_decode_workspace_bytes(B, HQ, D, splits.value, C.byref(ws_bytes)), "ws")
         ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device="cuda")
@@ -281,7 +281,7 @@ def main():
 def time_decode(lib, arenas, sets, B, T, n_sms, H, HQ, D, stream):
     """Median time (ms) of one decode call over the arena sets; lib.splits records the split count."""
     splits = C.c_int32(0)
-    lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, T, n_sms, C.byref(splits)), "splits")
+    lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, D, T, n_sms, C.byref(splits)), "splits")
     ws_bytes = C.c_size_t(0)
     lib.check(lib.lib.kvmix_cuda_decode_workspace_bytes(B, HQ, D, splits.value, C.byref(ws_bytes)), "ws")
     ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device="cuda")

@@ -1416,9 +1416,20 @@ static void test_bad_arguments(void) {
     check(kvmix_cuda_view_score(&v, 0, 4, NULL, (float *)dummy, 4, 0) == KVMIX_ERR_NULL_POINTER,
           "score: NULL memory");
     int32_t splits = 0;
-    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 32768, 132, &splits) == KVMIX_SUCCESS &&
+    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 128, 32768, 132, &splits) == KVMIX_SUCCESS &&
               splits >= 1,
           "choose splits");
+    int32_t wide = 0, grouped = 0; /* D 256 runs one block per SM, 16 q heads per kv head 4 */
+    check(kvmix_cuda_decode_choose_splits(1, 8, 32, 256, 1 << 20, 128, &wide) == KVMIX_SUCCESS &&
+              kvmix_cuda_decode_choose_splits(1, 8, 32, 128, 1 << 20, 128, &splits) ==
+                  KVMIX_SUCCESS &&
+              kvmix_cuda_decode_choose_splits(1, 8, 128, 128, 1 << 20, 128, &grouped) ==
+                  KVMIX_SUCCESS &&
+              wide * 2 == splits && grouped * 4 == splits,
+          "choose splits: head_dim and grouped-query ratio");
+    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 96, 32768, 132, &splits) ==
+              KVMIX_ERR_UNSUPPORTED,
+          "choose splits: head_dim");
     check(cudaGetLastError() == cudaSuccess, "no CUDA error left by bad-argument calls");
 }
 
