@@ -1545,20 +1545,17 @@ KVMIX__RULE int32_t kvmix__view_group(int32_t group_size, int32_t value_group_si
     return g != 0 ? g : KVMIX_GROUP_SIZE_DEFAULT;
 }
 
-/* A view block (keys or values of n_kv_heads heads, head_bytes apart) of n_tokens rows at
-   `offset`: a valid layout, and every head's block inside the base region of base_bytes. On
-   success *out holds its sections. */
-KVMIX__RULE kvmix_result kvmix__view_block_check(int format, int32_t n_tokens, uint64_t offset,
-                                                 uint32_t head_bytes, int32_t n_kv_heads,
-                                                 int32_t head_dim, int32_t group, int32_t n_boost,
-                                                 uint64_t base_bytes, kvmix__sections *out) {
-    kvmix_result r;
+/* A view block of a view whose shape is checked (kvmix__view_shape_check): keys or values of
+   n_kv_heads heads, head_bytes apart, n_tokens rows of `format` at `offset`, every head's block
+   inside the base region of base_bytes. group and n_boost: the view's for this format. On success
+   *out holds its sections. */
+KVMIX__RULE kvmix_result kvmix__view_block_extent(int format, int32_t n_tokens, uint64_t offset,
+                                                  uint32_t head_bytes, int32_t n_kv_heads,
+                                                  int32_t head_dim, int32_t group, int32_t n_boost,
+                                                  uint64_t base_bytes, kvmix__sections *out) {
     uint64_t extent;
+    if (kvmix__format_bits(format) == 0) return KVMIX_ERR_UNKNOWN_FORMAT;
     if (n_tokens <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!kvmix__is_per_token_int(format)) group = 0; /* the view's groups are for those only */
-    if (format != KVMIX_FORMAT_BOOSTED) n_boost = 0;
-    if ((r = kvmix__layout_check(format, n_tokens, head_dim, &group, n_boost)) != KVMIX_SUCCESS)
-        return r;
     *out = kvmix__block_sections(format, n_tokens, head_dim, group, n_boost);
     if (head_bytes < out->total_bytes) return KVMIX_ERR_INVALID_ARGUMENT;
     extent = (uint64_t)head_bytes * (uint64_t)(n_kv_heads - 1) + out->total_bytes;
@@ -2348,7 +2345,7 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
 
 // >>view
 
-/* A view span: its dead flags and both blocks (kvmix__view_block_check). */
+/* A view span of a view whose shape is checked: its dead flags and both blocks. */
 static kvmix_result kvmix__check_view_span(const kvmix_view *view, const kvmix_view_span *vs) {
     kvmix__sections unused;
     kvmix_result r;
@@ -2357,7 +2354,7 @@ static kvmix_result kvmix__check_view_span(const kvmix_view *view, const kvmix_v
         return KVMIX_ERR_INVALID_ARGUMENT;
     for (kv = 0; kv < 2; kv++) {
         int format = kv ? vs->value_format : vs->key_format;
-        r = kvmix__view_block_check(
+        r = kvmix__view_block_extent(
             format, vs->n_tokens, kv ? vs->value_offset : vs->key_offset,
             kv ? vs->value_head_bytes : vs->key_head_bytes, view->n_kv_heads, view->head_dim,
             kvmix__view_group(view->group_size, view->value_group_size, kv, format), view->n_boost,

@@ -175,13 +175,14 @@ __device__ void kvmix__for_spans(const kvmix_view_span *spans, int first, int la
     }
 }
 
-/* Whether a block of a view span is readable (kvmix__view_block_check) and 16-byte aligned. */
+/* Whether a block of a view span is readable (kvmix__view_block_extent: the launchers checked the
+   view's shape) and 16-byte aligned. */
 __device__ inline bool kvmix__block_ok(int format, int n, uint64_t offset, uint32_t head_bytes,
                                        int n_kv, int d, int group, int n_boost, uint64_t base_bytes,
                                        kvmix__sections *out) {
     return ((offset | head_bytes) & 15u) == 0 &&
-           kvmix__view_block_check(format, n, offset, head_bytes, n_kv, d, group, n_boost,
-                                   base_bytes, out) == KVMIX_SUCCESS;
+           kvmix__view_block_extent(format, n, offset, head_bytes, n_kv, d, group, n_boost,
+                                    base_bytes, out) == KVMIX_SUCCESS;
 }
 
 } // namespace
@@ -642,8 +643,10 @@ template <int D> struct kvmix__tc_state {
     float m, l;
 };
 
-/* kvmix__block_sections in 32 bits (a block lies inside its head stride, a uint32): the
-   per-unit arithmetic of the walk. */
+/* kvmix__block_sections in 32 bits (a block lies inside its head stride, a uint32), with D known
+   at compile time: the per-unit arithmetic of the walk. The one place the rule is written again:
+   calling the shared function (or a 32-bit twin of it) here measured 3-5% slower on the INT2
+   mixes (bench/DECODE_NOTES.md); the decode tests check every format against the reference. */
 struct kvmix__tsec {
     uint32_t row_bytes, high_row_bytes, high_offset, meta_offset, index_offset, total_bytes;
 };
@@ -651,11 +654,19 @@ struct kvmix__tsec {
 template <int D>
 __device__ __forceinline__ kvmix__tsec kvmix__tc_sections(int format, uint32_t n, int group,
                                                           int n_boost) {
-    const kvmix__sections w = kvmix__block_sections(format, n, D, group, n_boost);
     kvmix__tsec s;
-    s.row_bytes = (uint32_t)w.row_bytes, s.high_row_bytes = (uint32_t)w.high_row_bytes;
-    s.high_offset = (uint32_t)w.high_offset, s.meta_offset = (uint32_t)w.meta_offset;
-    s.index_offset = (uint32_t)w.index_offset, s.total_bytes = (uint32_t)w.total_bytes;
+    const bool boosted = format == KVMIX_FORMAT_BOOSTED;
+    s.row_bytes = (uint32_t)(D * kvmix__format_bits(format) / 8);
+    s.high_row_bytes = boosted ? (uint32_t)n_boost / 4 : 0u;
+    s.high_offset = n * s.row_bytes;
+    s.meta_offset = s.high_offset + n * s.high_row_bytes;
+    if (format == KVMIX_FORMAT_FP16)
+        s.index_offset = s.meta_offset;
+    else if (kvmix__is_per_token_int(format))
+        s.index_offset = s.meta_offset + n * (uint32_t)(D / group) * 4u;
+    else
+        s.index_offset = s.meta_offset + D * 4u;
+    s.total_bytes = s.index_offset + (boosted ? (uint32_t)D : 0u);
     return s;
 }
 
@@ -1037,432 +1048,338 @@ __device__ __forceinline__ void kvmix__tc_chan_b(const kvmix__tc_smem<D> &sm, co
         }
 }
 
-/* What a warp's unit reads and how (kvmix__tc_unit): formats, lane position, group shape, the
-   staged (or in-place) rows and meta. */
-template <int D> struct kvmix__tc_unit_ctx {
-    int kf, vf, KB, VB;
-    bool k_chan, k_tok, v_chan, v_tok;
-    bool k_exact, v_exact; /* per-token INT2 / INT4: code * scale is exact in fp16 (scale grid) */
-    int lane, r, c, G, NG, gsh;
-    bool two; /* a value lane's dims span two groups: D 256 with G 16 */
-    uint32_t krow, vrow;
-    const uint8_t *K, *KM, *V, *VM;
-    uint8_t *stg;
-};
-
-/* B of the logits, lane (slot c, column r): head r / 2, part r % 2 (per-channel keys:
-   kvmix__tc_chan_b, with kfac = 2^-z and kconst = sum of q * min of head c); per-token keys also
-   B of the minima mma (k = group 4c + e). */
-template <int D>
-__device__ __forceinline__ void kvmix__tc_key_b(const kvmix__tc_unit_ctx<D> &u,
-                                                kvmix__tc_smem<D> &sm, uint32_t (&bk)[D / 16][2],
-                                                uint32_t (&bm)[2], float &kfac, float &kconst) {
-    if (u.k_chan) {
-        kvmix__tc_chan_b<D>(sm, u.KM, u.lane, bk, kfac, kconst);
-    } else {
-#pragma unroll
-        for (int j = 0; j < D / 16; j++) {
-            uint2 b = sm.bq[j][u.lane];
-            bk[j][0] = b.x, bk[j][1] = b.y;
-        }
-    }
-    if (u.k_tok) {
-        const int h = u.r >> 1, part = u.r & 1;
-        float e[4];
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            int g = 4 * u.c + x;
-            e[x] = g < u.NG ? sm.qsum[h][g] : 0.0f;
-        }
-        bm[0] = kvmix__split_pair(e[0], e[1], part);
-        bm[1] = kvmix__split_pair(e[2], e[3], part);
-    }
-}
-
-/* Boosted keys: B of the high bits' mma at b2 (k-steps over the slots, returned), from the
-   slot -> channel table built in the unit's scratch. */
-template <int D>
-__device__ __forceinline__ int kvmix__tc_boost_b(const kvmix__tc_unit_ctx<D> &u,
-                                                 const kvmix__tc_smem<D> &sm,
-                                                 const kvmix__tc_regions &rg, int nb, uint2 *b2) {
-    uint8_t *slot_ch = u.stg + rg.sl;
-    const int ks2 = (nb + 15) / 16;
-    for (int d = u.lane; d < D; d += 32) {
-        int s = u.stg[rg.k.index + d];
-        if (s < nb) slot_ch[s] = (uint8_t)d;
-    }
-    __syncwarp();
-    const int h = u.r >> 1, part = u.r & 1;
-    for (int jb = 0; jb < ks2; jb++) {
-        float e[4];
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            int s = 16 * jb + 4 * u.c + x;
-            e[x] = 0.0f;
-            if (s < nb) {
-                int d = slot_ch[s] & (D - 1);
-                e[x] =
-                    4.0f * sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(u.KM + d * 4));
-            }
-        }
-        b2[jb * 32 + u.lane] =
-            make_uint2(kvmix__split_pair(e[0], e[1], part), kvmix__split_pair(e[2], e[3], part));
-    }
-    __syncwarp();
-    return ks2;
-}
-
-/* The lane's value rows vt[] (words vw) and their per-token (scale, min) pairs, loaded first: they
-   are used after the softmax. INT2 / INT4 rows: lanes c >= 2 load the two tokens of each pair in
-   swapped order (vswz), so that the four rows a load instruction touches fall into different
-   banks. */
-template <int D, bool GL>
-__device__ __forceinline__ void
-kvmix__tc_load_values(const kvmix__tc_unit_ctx<D> &u, int t0, const int (&vt)[4], bool vswz, int n,
-                      uint32_t (&vw)[4][D / 16], uint32_t (&vmeta)[4], uint32_t (&vmeta2)[4]) {
-    constexpr int DV = D / 8;
-#pragma unroll
-    for (int x = 0; x < 4; x++) {
-        int vx = vt[x];
-        if (vswz) vx = t0 + 2 * u.c + ((x & 1) ^ (u.c >> 1)) + 8 * (x >> 1);
-        if (GL) vx = min(vx, n - 1);
-        kvmix__tc_vload<DV, GL>(u.VB, u.V + (uint32_t)vx * u.vrow + u.r * (DV * u.VB / 8), vw[x]);
-    }
-    if (u.v_tok) {
-        const int gv = (u.r * DV) >> u.gsh;
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            vmeta[x] = kvmix__lds32(u.VM + ((uint32_t)vt[x] * u.NG + gv) * 4);
-            if (u.two) vmeta2[x] = kvmix__lds32(u.VM + ((uint32_t)vt[x] * u.NG + gv + 1) * 4);
-        }
-    }
-}
-
-/* Per-channel keys: the lane's 2-bit codes of rows kr0, kr1 against B, as integer digits (0, 1)
-   then (2, 3) by k-step parity. */
-template <int D>
-__device__ __forceinline__ void kvmix__tc_logits_channel(const uint8_t *k0, const uint8_t *k1,
-                                                         const uint32_t (&bk)[D / 16][2],
-                                                         int32_t (&ia)[4][4]) {
-    constexpr int DQ = D / 4;
-    uint32_t w0[DQ / 16], w1[DQ / 16];
-    kvmix__lds_words<DQ / 16>(k0, w0);
-    kvmix__lds_words<DQ / 16>(k1, w1);
-#pragma unroll
-    for (int s = 0; s < D / 32; s++) {
-        const uint32_t x0 = w0[s >> 1] >> (4 * (s & 1)), x1 = w1[s >> 1] >> (4 * (s & 1));
-        const uint32_t a0 = x0 & 0x03030303u, a1 = x1 & 0x03030303u;
-        const uint32_t a2 = (x0 >> 2) & 0x03030303u, a3 = (x1 >> 2) & 0x03030303u;
-        kvmix__imma(ia[s & 1], a0, a1, a2, a3, bk[2 * s][0], bk[2 * s][1]);
-        kvmix__imma(ia[2 + (s & 1)], a0, a1, a2, a3, bk[2 * s + 1][0], bk[2 * s + 1][1]);
-    }
-}
-
-/* Per-token and FP16 keys: rows kr0, kr1 against B, four accumulators (k-step j adds to j % 4)
-   so that consecutive mmas do not wait on each other; per-token codes are scaled in fp16, and
-   where code * scale is not exact (INT8) its rounding error is a second product into [1]. */
-template <int D, bool GL>
-__device__ __forceinline__ void
-kvmix__tc_logits_token(const kvmix__tc_unit_ctx<D> &u, const uint8_t *k0, const uint8_t *k1,
-                       int kr0, int kr1, const uint32_t (&bk)[D / 16][2], float (&sacc)[4][4]) {
-    constexpr int KS = D / 16, DQ = D / 4;
-#pragma unroll
-    for (int ch = 0; ch < KS / 4; ch++) {
-        uint32_t R0[8], R1[8];
-        kvmix__tc_kload<GL>(u.kf, k0, ch, R0);
-        kvmix__tc_kload<GL>(u.kf, k1, ch, R1);
-        if (!u.k_tok) {
-#pragma unroll
-            for (int v = 0; v < 4; v++) {
-                const int j = 4 * ch + v;
-                kvmix__mma(sacc[v], R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1], bk[j][0],
-                           bk[j][1]);
-            }
-            continue;
-        }
-        const int g = (u.c * DQ + 16 * ch) >> u.gsh;
-        uint32_t m0 = kvmix__lds32(u.KM + ((uint32_t)kr0 * u.NG + g) * 4);
-        uint32_t m1 = kvmix__lds32(u.KM + ((uint32_t)kr1 * u.NG + g) * 4);
-        __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
-        __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
-#pragma unroll
-        for (int v = 0; v < 4; v++) {
-            __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0),
-                    a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
-            __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
-                    a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
-            const int j = 4 * ch + v;
-            float(&acc)[4] = sacc[u.k_exact ? v : 0];
-            kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
-                       bk[j][0], bk[j][1]);
-            if (!u.k_exact) {
-                __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
-                __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
-                __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
-                __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
-                kvmix__mma(sacc[1], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3),
-                           bk[j][0], bk[j][1]);
-            }
-        }
-    }
-}
-
-/* Per-token keys: the minima, A[token][group] against the query sums, into sacc[2]. */
-template <int D>
-__device__ __forceinline__ void kvmix__tc_logits_minima(const kvmix__tc_unit_ctx<D> &u, int kr0,
-                                                        int kr1, const uint32_t (&bm)[2],
-                                                        float (&acc)[4]) {
-    uint32_t mn[2][4];
-#pragma unroll
-    for (int x = 0; x < 4; x++) {
-        int g = 4 * u.c + x;
-        mn[0][x] = g < u.NG ? kvmix__lds32(u.KM + ((uint32_t)kr0 * u.NG + g) * 4) : 0u;
-        mn[1][x] = g < u.NG ? kvmix__lds32(u.KM + ((uint32_t)kr1 * u.NG + g) * 4) : 0u;
-    }
-    kvmix__mma(acc, kvmix__prmt(mn[0][0], mn[0][1], 0x7632u),
-               kvmix__prmt(mn[1][0], mn[1][1], 0x7632u), kvmix__prmt(mn[0][2], mn[0][3], 0x7632u),
-               kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
-}
-
-/* Boosted keys: the high bits of the boosted slots of rows kr0, kr1, into acc. */
-__device__ __forceinline__ void kvmix__tc_logits_high(const uint8_t *high, uint32_t hrow, int kr0,
-                                                      int kr1, int ks2, const uint2 *b2, int lane,
-                                                      float (&acc)[4]) {
-    const int c = lane & 3;
-    const uint8_t *h0 = high + (uint32_t)kr0 * hrow, *h1 = high + (uint32_t)kr1 * hrow;
-    for (int jb = 0; jb < ks2; jb++) {
-        uint32_t bi = 4 * jb + c;
-        uint32_t x0 = bi < hrow ? h0[bi] : 0u, x1 = bi < hrow ? h1[bi] : 0u;
-        x0 |= x0 << 14, x1 |= x1 << 14;
-        uint2 b = b2[jb * 32 + lane];
-        kvmix__mma(acc, kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
-                   kvmix__code(x1, 0x00030003u, 0x3C003C00u, 0xE400E400u),
-                   kvmix__code(x0 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u),
-                   kvmix__code(x1 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u), b.x, b.y);
-    }
-}
-
-/* The logits of tokens r and r + 8 (head c) from the accumulators: per-channel keys sum their
-   digits exactly (2^14 d0 + 2^7 d1 + d2, then d3 / 128), times 2^-z, plus the boosted high
-   bits. */
-__device__ __forceinline__ void kvmix__tc_logits_sum(bool k_chan, bool boosted,
-                                                     const int32_t (&ia)[4][4],
-                                                     const float (&sacc)[4][4], float kfac,
-                                                     float kconst, float &s0, float &s1) {
-    s0 = s1 = kconst;
-    if (!k_chan) {
-#pragma unroll
-        for (int a = 0; a < 4; a++) s0 += sacc[a][0] + sacc[a][1], s1 += sacc[a][2] + sacc[a][3];
-        return;
-    }
-    const int32_t u0 =
-        (ia[0][0] + ia[1][0]) * 16384 + (ia[0][1] + ia[1][1]) * 128 + ia[2][0] + ia[3][0];
-    const int32_t u1 =
-        (ia[0][2] + ia[1][2]) * 16384 + (ia[0][3] + ia[1][3]) * 128 + ia[2][2] + ia[3][2];
-    const float lofac = kfac * 0.0078125f;
-    s0 = fmaf((float)u0, kfac, fmaf((float)(ia[2][1] + ia[3][1]), lofac, kconst));
-    s1 = fmaf((float)u1, kfac, fmaf((float)(ia[2][3] + ia[3][3]), lofac, kconst));
-    if (boosted) s0 += sacc[3][0] + sacc[3][1], s1 += sacc[3][2] + sacc[3][3];
-}
-
-/* One tile's online softmax step (log2 units): the running max (the reference of p) moves only
-   when a logit passes it by more than 8, so p stays under 2^8 and most tiles skip the reduction
-   and the rescale. Returns p of tokens r and r + 8 (split into fp16 pairs in pb0, pb1). */
-template <int D>
-__device__ __forceinline__ void kvmix__tc_softmax(kvmix__tc_state<D> &st, float &lsp, bool v_chan,
-                                                  float s0, float s1, uint32_t &pb0,
-                                                  uint32_t &pb1) {
-    if (__any_sync(0xffffffffu, fmaxf(s0, s1) > st.m + 8.0f)) {
-        float tmax = fmaxf(s0, s1);
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1)
-            tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
-        const float mnew = fmaxf(st.m, tmax), alpha = kvmix__ex2(st.m - mnew);
-#pragma unroll
-        for (int i = 0; i < D / 16; i++)
-#pragma unroll
-            for (int x = 0; x < 4; x++) st.o[i][x] *= alpha;
-#pragma unroll
-        for (int x = 0; x < 4; x++) st.om[x] *= alpha, st.om2[x] *= alpha;
-        st.l *= alpha;
-        lsp *= alpha;
-        st.m = mnew;
-    }
-    const float msafe = st.m == -INFINITY ? 0.0f : st.m;
-    const float p0 = kvmix__ex2(s0 - msafe), p1 = kvmix__ex2(s1 - msafe);
-    st.l += p0 + p1;
-    if (v_chan) lsp += p0 + p1;
-    pb0 = kvmix__trans(kvmix__split2(p0)), pb1 = kvmix__trans(kvmix__split2(p1));
-}
-
-/* Boosted values: adds 4 * the high bits of the boosted channels to the codes Ra, Rb. */
-template <int D>
-__device__ __forceinline__ void
-kvmix__tc_values_high(const kvmix__tc_unit_ctx<D> &u, const kvmix__tc_regions &rg, uint32_t hrow,
-                      const int (&vt)[4], uint32_t (&Ra)[D / 8], uint32_t (&Rb)[D / 8]) {
-    constexpr int DV = D / 8;
-#pragma unroll
-    for (int k = 0; k < DV; k++) {
-        int d = u.r * DV + k, s = u.stg[rg.v.index + d];
-        if (s == KVMIX_BOOST_NONE) continue;
-        uint32_t hv[4];
-#pragma unroll
-        for (int x = 0; x < 4; x++)
-            hv[x] = (u.stg[rg.v.high + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) & 3u;
-        __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]),
-                                    __ushort2half_rn((unsigned short)hv[1]));
-        __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]),
-                                    __ushort2half_rn((unsigned short)hv[3]));
-        Ra[k] = kvmix__h2u(__hfma2(ha, __float2half2_rn(4.0f), kvmix__u2h(Ra[k])));
-        Rb[k] = kvmix__h2u(__hfma2(hb, __float2half2_rn(4.0f), kvmix__u2h(Rb[k])));
-    }
-}
-
-/* o += p * values of a quantized tile: codes Ra, Rb times their scales in fp16 (a second
-   product for the rounding error where it is not exact), and per-token minima into om, om2. */
-template <int D>
-__device__ __forceinline__ void
-kvmix__tc_values_scaled(const kvmix__tc_unit_ctx<D> &u, kvmix__tc_state<D> &st,
-                        const uint32_t (&Ra)[D / 8], const uint32_t (&Rb)[D / 8],
-                        const uint32_t (&vmeta)[4], const uint32_t (&vmeta2)[4], uint32_t pb0,
-                        uint32_t pb1) {
-    constexpr int DV = D / 8;
-    __half2 sa = __float2half2_rn(0.0f), sb = sa, sa2 = sa, sb2 = sa;
-    if (u.v_tok) {
-        sa = kvmix__u2h(kvmix__prmt(vmeta[0], vmeta[1], 0x5410u));
-        sb = kvmix__u2h(kvmix__prmt(vmeta[2], vmeta[3], 0x5410u));
-        sa2 = kvmix__u2h(kvmix__prmt(vmeta2[0], vmeta2[1], 0x5410u));
-        sb2 = kvmix__u2h(kvmix__prmt(vmeta2[2], vmeta2[3], 0x5410u));
-    }
-#pragma unroll
-    for (int i = 0; i < D / 16; i++) {
-        const bool second = u.two && 2 * i >= u.G;
-        __half2 s0a = second ? sa2 : sa, s0b = second ? sb2 : sb, s1a = s0a, s1b = s0b;
-        if (u.v_chan) {
-            int d = u.r * DV + 2 * i;
-            s0a = s0b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(u.VM + d * 4)));
-            s1a = s1b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(u.VM + (d + 1) * 4)));
-        }
-        __half2 a0 = __hmul2(kvmix__u2h(Ra[2 * i]), s0a),
-                a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
-        __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b),
-                a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
-        kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3), pb0,
-                   pb1);
-        if (!u.v_exact) {
-            __half2 l0 = __hfma2(kvmix__u2h(Ra[2 * i]), s0a, __hneg2(a0));
-            __half2 l1 = __hfma2(kvmix__u2h(Ra[2 * i + 1]), s1a, __hneg2(a1));
-            __half2 l2 = __hfma2(kvmix__u2h(Rb[2 * i]), s0b, __hneg2(a2));
-            __half2 l3 = __hfma2(kvmix__u2h(Rb[2 * i + 1]), s1b, __hneg2(a3));
-            kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2), kvmix__h2u(l3), pb0,
-                       pb1);
-        }
-    }
-    if (u.v_tok) {
-        uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u),
-                 mb = kvmix__prmt(vmeta[2], vmeta[3], 0x7632u);
-        kvmix__mma(st.om, ma, ma, mb, mb, pb0, pb1);
-        if (u.two) {
-            ma = kvmix__prmt(vmeta2[0], vmeta2[1], 0x7632u),
-            mb = kvmix__prmt(vmeta2[2], vmeta2[3], 0x7632u);
-            kvmix__mma(st.om2, ma, ma, mb, mb, pb0, pb1);
-        }
-    }
-}
-
-/* Per-channel values after the unit: o += min * the sum of p over it. */
-template <int D>
-__device__ __forceinline__ void kvmix__tc_channel_minima(const kvmix__tc_unit_ctx<D> &u,
-                                                         kvmix__tc_state<D> &st, float lsp) {
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) lsp += __shfl_xor_sync(0xffffffffu, lsp, off);
-#pragma unroll
-    for (int i = 0; i < D / 16; i++) {
-        int d = u.r * (D / 8) + 2 * i;
-        st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(u.VM + d * 4 + 2));
-        st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(u.VM + (d + 1) * 4 + 2));
-    }
-}
-
 /* One warp: tokens [a, a + n) of a span, staged at stg (regions rg). KFT / VFT: the key / value
    format when known at compile time, 0 for the generic path (formats kf_rt / vf_rt). GL: K and V
-   rows are read in place from global memory at kg / vg (FP16 pairs: no staging). Per tile of 16
-   tokens: value rows first, the logits, the softmax step, the values. */
+   rows are read in place from global memory at kg / vg (FP16 pairs: no staging). */
 template <int D, int KFT, int VFT, bool GL = false>
 __device__ __forceinline__ void
 kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decode_params &p,
                uint8_t *stg, const kvmix__tc_regions &rg, int kf_rt, int vf_rt,
                const kvmix__tsec &ks, const kvmix__tsec &vs, int n, const uint8_t *dead,
                const uint8_t *kg = nullptr, const uint8_t *vg = nullptr) {
-    constexpr int DQ = D / 4, DV = D / 8;
-    kvmix__tc_unit_ctx<D> u;
-    u.kf = KFT ? KFT : kf_rt, u.vf = VFT ? VFT : vf_rt;
-    u.k_chan = kvmix__is_per_channel(u.kf), u.k_tok = kvmix__is_per_token_int(u.kf);
-    u.v_chan = kvmix__is_per_channel(u.vf), u.v_tok = kvmix__is_per_token_int(u.vf);
-    u.KB = kvmix__format_bits(u.kf), u.VB = kvmix__format_bits(u.vf);
-    u.k_exact = u.k_tok && u.KB <= 4, u.v_exact = u.v_tok && u.VB <= 4;
-    u.lane = threadIdx.x & 31, u.r = u.lane >> 2, u.c = u.lane & 3;
-    u.G = p.group_size, u.NG = D / u.G;
-    u.gsh = __ffs(u.G) - 1;      /* G divides D (64, 128 or 256): a power of two */
-    u.two = DV > 16 && DV > u.G; /* decode takes G a multiple of 16, so never below D 256 */
-    u.krow = D * u.KB / 8, u.vrow = D * u.VB / 8;
-    u.K = GL ? kg : stg + rg.k.rows, u.KM = stg + rg.k.meta;
-    u.V = GL ? vg : stg + rg.v.rows, u.VM = stg + rg.v.meta;
-    u.stg = stg;
+    constexpr int KS = D / 16, DQ = D / 4, DV = D / 8;
+    constexpr int NWV = DV / 2; /* V words per lane per token, FP16 (the widest) */
+    const int kf = KFT ? KFT : kf_rt, vf = VFT ? VFT : vf_rt;
+    const bool k_chan = kvmix__is_per_channel(kf), k_tok = kvmix__is_per_token_int(kf);
+    const bool v_chan = kvmix__is_per_channel(vf), v_tok = kvmix__is_per_token_int(vf);
+    const int KB = kvmix__format_bits(kf), VB = kvmix__format_bits(vf);
+    /* per-token INT2 / INT4 scales lie on kvmix.h's scale grid: code * scale is exact in fp16 */
+    const bool k_exact = k_tok && KB <= 4, v_exact = v_tok && VB <= 4;
+    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+    const int G = p.group_size, NG = D / G;
+    const int gsh = __ffs(G) - 1; /* G divides D (64, 128 or 256): a power of two */
+    /* a value lane's dims span two groups: D 256 with G 16 (decode takes G a multiple of 16, so
+       never below D 256) */
+    const bool two = DV > 16 && DV > G;
+    const uint32_t krow = D * KB / 8, vrow = D * VB / 8;
+    const uint8_t *K = GL ? kg : stg + rg.k.rows, *KM = stg + rg.k.meta,
+                  *V = GL ? vg : stg + rg.v.rows, *VM = stg + rg.v.meta;
 
-    uint32_t bk[D / 16][2], bm[2] = {0u, 0u};
-    float kconst = 0.0f, kfac = 0.0f;
-    kvmix__tc_key_b<D>(u, sm, bk, bm, kfac, kconst);
+    /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 (per-channel keys:
+       kvmix__tc_chan_b) */
+    uint32_t bk[KS][2];
+    float kconst = 0.0f, kfac = 0.0f; /* per-channel keys: sum of q * min, 2^-z (head c) */
+    if (k_chan) {
+        kvmix__tc_chan_b<D>(sm, KM, lane, bk, kfac, kconst);
+    } else {
+#pragma unroll
+        for (int j = 0; j < KS; j++) {
+            uint2 b = sm.bq[j][lane];
+            bk[j][0] = b.x, bk[j][1] = b.y;
+        }
+    }
+    uint32_t bm[2] = {0u, 0u}; /* per-token keys: B of the minima mma (k = group 4c + e) */
+    if (k_tok) {
+        const int h = r >> 1, part = r & 1;
+        float e[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            int g = 4 * c + x;
+            e[x] = g < NG ? sm.qsum[h][g] : 0.0f;
+        }
+        bm[0] = kvmix__split_pair(e[0], e[1], part);
+        bm[1] = kvmix__split_pair(e[2], e[3], part);
+    }
+    int ks2 = 0; /* boosted keys: k-steps over the slots */
     uint2 *b2 = (uint2 *)(stg + rg.b2);
-    const bool k_boost = u.kf == KVMIX_FORMAT_BOOSTED;
-    const int ks2 = k_boost ? kvmix__tc_boost_b<D>(u, sm, rg, p.n_boost, b2) : 0;
+    if (kf == KVMIX_FORMAT_BOOSTED) {
+        const int nb = p.n_boost;
+        uint8_t *slot_ch = stg + rg.sl;
+        ks2 = (nb + 15) / 16;
+        for (int d = lane; d < D; d += 32) {
+            int s = stg[rg.k.index + d];
+            if (s < nb) slot_ch[s] = (uint8_t)d;
+        }
+        __syncwarp();
+        const int h = r >> 1, part = r & 1;
+        for (int jb = 0; jb < ks2; jb++) {
+            float e[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                int s = 16 * jb + 4 * c + x;
+                e[x] = 0.0f;
+                if (s < nb) {
+                    int d = slot_ch[s] & (D - 1);
+                    e[x] = 4.0f * sm.q[kvmix__qi(h, d)] *
+                           kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
+                }
+            }
+            b2[jb * 32 + lane] = make_uint2(kvmix__split_pair(e[0], e[1], part),
+                                            kvmix__split_pair(e[2], e[3], part));
+        }
+        __syncwarp();
+    }
     float lsp = 0.0f; /* per-channel values: sum of p over this unit (head c, lane partial) */
     const bool vswz = !GL && (VFT == KVMIX_FORMAT_INT2 || VFT == KVMIX_FORMAT_INT4);
-    const uint32_t vslo = vswz && (u.c >> 1) ? 0x1054u : 0x5410u; /* vshi = vslo + 0x2222 */
+    const uint32_t vslo = vswz && (c >> 1) ? 0x1054u : 0x5410u; /* vshi = vslo + 0x2222 */
 
     /* rows of the last tile past n: staged ones are read as they are (kvmix__tc_place), rows
        read in place are clamped */
     auto row = [n](int t) { return GL ? min(t, n - 1) : t; };
     for (int t0 = 0; t0 < n; t0 += 16) {
-        const int kr0 = row(t0 + u.r), kr1 = row(t0 + u.r + 8);
-        const int vt[4] = {row(t0 + 2 * u.c), row(t0 + 2 * u.c + 1), row(t0 + 2 * u.c + 8),
-                           row(t0 + 2 * u.c + 9)};
-        uint32_t vw[4][D / 16], vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
-        kvmix__tc_load_values<D, GL>(u, t0, vt, vswz, n, vw, vmeta, vmeta2);
+        const int kr0 = row(t0 + r), kr1 = row(t0 + r + 8);
+        int vt[4];
+        vt[0] = row(t0 + 2 * c), vt[1] = row(t0 + 2 * c + 1);
+        vt[2] = row(t0 + 2 * c + 8), vt[3] = row(t0 + 2 * c + 9);
+        /* ---- values and meta first (shared memory loads, used after the softmax) ---- */
+        /* INT2 / INT4 rows: lanes c >= 2 load the two tokens of each pair in swapped order, so that
+           the four token rows a load instruction touches fall into different banks */
+        uint32_t vw[4][NWV];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            const int vx = vswz ? row(t0 + 2 * c + ((x & 1) ^ (c >> 1)) + 8 * (x >> 1)) : vt[x];
+            kvmix__tc_vload<DV, GL>(VB, V + (uint32_t)vx * vrow + r * (DV * VB / 8), vw[x]);
+        }
+        uint32_t vmeta[4] = {0u, 0u, 0u, 0u}, vmeta2[4] = {0u, 0u, 0u, 0u};
+        if (v_tok) {
+            const int gv = (r * DV) >> gsh;
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                vmeta[x] = kvmix__lds32(VM + ((uint32_t)vt[x] * NG + gv) * 4);
+                if (two) vmeta2[x] = kvmix__lds32(VM + ((uint32_t)vt[x] * NG + gv + 1) * 4);
+            }
+        }
 
+        /* ---- logits ---- */
+        /* four accumulators (k-step j adds to j % 4), so that consecutive mmas do not wait on
+           each other; INT8 keys keep code * scale in [0] and its rounding error in [1] */
         float sacc[4][4] = {};
-        int32_t ia[4][4] = {};
-        const uint8_t *k0 = u.K + (uint32_t)kr0 * u.krow + u.c * (DQ * u.KB / 8);
-        const uint8_t *k1 = u.K + (uint32_t)kr1 * u.krow + u.c * (DQ * u.KB / 8);
-        if (u.k_chan)
-            kvmix__tc_logits_channel<D>(k0, k1, bk, ia);
-        else
-            kvmix__tc_logits_token<D, GL>(u, k0, k1, kr0, kr1, bk, sacc);
-        if (u.k_tok) kvmix__tc_logits_minima<D>(u, kr0, kr1, bm, sacc[2]);
-        if (k_boost)
-            kvmix__tc_logits_high(stg + rg.k.high, ks.high_row_bytes, kr0, kr1, ks2, b2, u.lane,
-                                  sacc[3]);
-        float s0, s1;
-        kvmix__tc_logits_sum(u.k_chan, k_boost, ia, sacc, kfac, kconst, s0, s1);
-        if (t0 + u.r >= n || (dead && dead[t0 + u.r])) s0 = -INFINITY;
-        if (t0 + u.r + 8 >= n || (dead && dead[t0 + u.r + 8])) s1 = -INFINITY;
-        uint32_t pb0, pb1;
-        kvmix__tc_softmax<D>(st, lsp, u.v_chan, s0, s1, pb0, pb1);
+        int32_t ia[4][4] = {}; /* per-channel keys: digits (0, 1) then (2, 3), by k-step parity */
+        const uint8_t *k0 = K + (uint32_t)kr0 * krow + c * (DQ * KB / 8);
+        const uint8_t *k1 = K + (uint32_t)kr1 * krow + c * (DQ * KB / 8);
+        if (k_chan) {
+            uint32_t w0[DQ / 16], w1[DQ / 16]; /* the lane's 2-bit codes of rows kr0, kr1 */
+            kvmix__lds_words<DQ / 16>(k0, w0);
+            kvmix__lds_words<DQ / 16>(k1, w1);
+#pragma unroll
+            for (int s = 0; s < D / 32; s++) {
+                const uint32_t x0 = w0[s >> 1] >> (4 * (s & 1)), x1 = w1[s >> 1] >> (4 * (s & 1));
+                const uint32_t a0 = x0 & 0x03030303u, a1 = x1 & 0x03030303u;
+                const uint32_t a2 = (x0 >> 2) & 0x03030303u, a3 = (x1 >> 2) & 0x03030303u;
+                kvmix__imma(ia[s & 1], a0, a1, a2, a3, bk[2 * s][0], bk[2 * s][1]);
+                kvmix__imma(ia[2 + (s & 1)], a0, a1, a2, a3, bk[2 * s + 1][0], bk[2 * s + 1][1]);
+            }
+        } else {
+#pragma unroll
+            for (int ch = 0; ch < KS / 4; ch++) {
+                uint32_t R0[8], R1[8];
+                kvmix__tc_kload<GL>(kf, k0, ch, R0);
+                kvmix__tc_kload<GL>(kf, k1, ch, R1);
+                if (k_tok) {
+                    const int g = (c * DQ + 16 * ch) >> gsh;
+                    uint32_t m0 = kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4);
+                    uint32_t m1 = kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4);
+                    __half2 s0 = kvmix__u2h(kvmix__prmt(m0, m0, 0x1010u));
+                    __half2 s1 = kvmix__u2h(kvmix__prmt(m1, m1, 0x1010u));
+#pragma unroll
+                    for (int v = 0; v < 4; v++) {
+                        __half2 a0 = __hmul2(kvmix__u2h(R0[2 * v]), s0),
+                                a2 = __hmul2(kvmix__u2h(R0[2 * v + 1]), s0);
+                        __half2 a1 = __hmul2(kvmix__u2h(R1[2 * v]), s1),
+                                a3 = __hmul2(kvmix__u2h(R1[2 * v + 1]), s1);
+                        const int j = 4 * ch + v;
+                        float(&acc)[4] = sacc[k_exact ? v : 0];
+                        kvmix__mma(acc, kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2),
+                                   kvmix__h2u(a3), bk[j][0], bk[j][1]);
+                        if (!k_exact) { /* the rounding error of code * scale, as a second product */
+                            __half2 l0 = __hfma2(kvmix__u2h(R0[2 * v]), s0, __hneg2(a0));
+                            __half2 l2 = __hfma2(kvmix__u2h(R0[2 * v + 1]), s0, __hneg2(a2));
+                            __half2 l1 = __hfma2(kvmix__u2h(R1[2 * v]), s1, __hneg2(a1));
+                            __half2 l3 = __hfma2(kvmix__u2h(R1[2 * v + 1]), s1, __hneg2(a3));
+                            kvmix__mma(sacc[1], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
+                                       kvmix__h2u(l3), bk[j][0], bk[j][1]);
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int v = 0; v < 4; v++) {
+                        const int j = 4 * ch + v;
+                        kvmix__mma(sacc[v], R0[2 * v], R1[2 * v], R0[2 * v + 1], R1[2 * v + 1],
+                                   bk[j][0], bk[j][1]);
+                    }
+                }
+            }
+        }
+        if (k_tok) { /* minima: A[token][group] */
+            uint32_t mn[2][4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                int g = 4 * c + x;
+                mn[0][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr0 * NG + g) * 4) : 0u;
+                mn[1][x] = g < NG ? kvmix__lds32(KM + ((uint32_t)kr1 * NG + g) * 4) : 0u;
+            }
+            kvmix__mma(sacc[2], kvmix__prmt(mn[0][0], mn[0][1], 0x7632u),
+                       kvmix__prmt(mn[1][0], mn[1][1], 0x7632u),
+                       kvmix__prmt(mn[0][2], mn[0][3], 0x7632u),
+                       kvmix__prmt(mn[1][2], mn[1][3], 0x7632u), bm[0], bm[1]);
+        }
+        if (kf == KVMIX_FORMAT_BOOSTED) { /* high bits of the boosted slots */
+            const uint32_t hrow = (uint32_t)ks.high_row_bytes;
+            const uint8_t *h0 = stg + rg.k.high + (uint32_t)kr0 * hrow;
+            const uint8_t *h1 = stg + rg.k.high + (uint32_t)kr1 * hrow;
+            for (int jb = 0; jb < ks2; jb++) {
+                uint32_t bi = 4 * jb + c;
+                uint32_t x0 = bi < hrow ? h0[bi] : 0u, x1 = bi < hrow ? h1[bi] : 0u;
+                x0 |= x0 << 14, x1 |= x1 << 14;
+                uint2 b = b2[jb * 32 + lane];
+                kvmix__mma(sacc[3], kvmix__code(x0, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                           kvmix__code(x1, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                           kvmix__code(x0 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u),
+                           kvmix__code(x1 >> 4, 0x00030003u, 0x3C003C00u, 0xE400E400u), b.x, b.y);
+            }
+        }
 
+        /* ---- online softmax (head c, tokens r and r + 8) ---- */
+        float s0 = kconst, s1 = kconst;
+        if (k_chan) { /* sum of digits: 2^14 d0 + 2^7 d1 + d2 exactly, then d3 / 128 */
+            const int32_t u0 =
+                (ia[0][0] + ia[1][0]) * 16384 + (ia[0][1] + ia[1][1]) * 128 + ia[2][0] + ia[3][0];
+            const int32_t u1 =
+                (ia[0][2] + ia[1][2]) * 16384 + (ia[0][3] + ia[1][3]) * 128 + ia[2][2] + ia[3][2];
+            const float lofac = kfac * 0.0078125f;
+            s0 = fmaf((float)u0, kfac, fmaf((float)(ia[2][1] + ia[3][1]), lofac, kconst));
+            s1 = fmaf((float)u1, kfac, fmaf((float)(ia[2][3] + ia[3][3]), lofac, kconst));
+            if (kf == KVMIX_FORMAT_BOOSTED)
+                s0 += sacc[3][0] + sacc[3][1], s1 += sacc[3][2] + sacc[3][3];
+        } else {
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+                s0 += sacc[a][0] + sacc[a][1], s1 += sacc[a][2] + sacc[a][3];
+        }
+        {
+            int t = t0 + r;
+            if (t >= n || (dead && dead[t])) s0 = -INFINITY;
+            t += 8;
+            if (t >= n || (dead && dead[t])) s1 = -INFINITY;
+        }
+        /* the running max (the reference of p) moves only when a logit passes it by more than 8
+           (log2 units): p stays under 2^8, and most tiles skip the reduction and the rescale */
+        if (__any_sync(0xffffffffu, fmaxf(s0, s1) > st.m + 8.0f)) {
+            float tmax = fmaxf(s0, s1);
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1)
+                tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, off));
+            const float mnew = fmaxf(st.m, tmax), alpha = kvmix__ex2(st.m - mnew);
+#pragma unroll
+            for (int i = 0; i < D / 16; i++)
+#pragma unroll
+                for (int x = 0; x < 4; x++) st.o[i][x] *= alpha;
+#pragma unroll
+            for (int x = 0; x < 4; x++) st.om[x] *= alpha, st.om2[x] *= alpha;
+            st.l *= alpha;
+            lsp *= alpha;
+            st.m = mnew;
+        }
+        const float msafe = st.m == -INFINITY ? 0.0f : st.m;
+        const float p0 = kvmix__ex2(s0 - msafe), p1 = kvmix__ex2(s1 - msafe);
+        st.l += p0 + p1;
+        if (v_chan) lsp += p0 + p1;
+        const uint32_t pb0 = kvmix__trans(kvmix__split2(p0)), pb1 = kvmix__trans(kvmix__split2(p1));
+
+        /* ---- values ---- */
         uint32_t Ra[DV], Rb[DV];
-        kvmix__tc_vconv<DV>(u.vf, vw[0], vw[1], Ra, vslo, vslo + 0x2222u);
-        kvmix__tc_vconv<DV>(u.vf, vw[2], vw[3], Rb, vslo, vslo + 0x2222u);
-        if (u.vf == KVMIX_FORMAT_BOOSTED)
-            kvmix__tc_values_high<D>(u, rg, vs.high_row_bytes, vt, Ra, Rb);
-        if (u.vf == KVMIX_FORMAT_FP16) {
+        kvmix__tc_vconv<DV>(vf, vw[0], vw[1], Ra, vslo, vslo + 0x2222u);
+        kvmix__tc_vconv<DV>(vf, vw[2], vw[3], Rb, vslo, vslo + 0x2222u);
+        if (vf == KVMIX_FORMAT_BOOSTED) { /* add 4 * high bits of boosted channels */
+            const uint32_t hrow = (uint32_t)vs.high_row_bytes;
+#pragma unroll
+            for (int k = 0; k < DV; k++) {
+                int d = r * DV + k, s = stg[rg.v.index + d];
+                if (s != KVMIX_BOOST_NONE) {
+                    uint32_t hv[4];
+#pragma unroll
+                    for (int x = 0; x < 4; x++)
+                        hv[x] =
+                            (stg[rg.v.high + (uint32_t)vt[x] * hrow + (s >> 2)] >> ((s & 3) * 2)) &
+                            3u;
+                    __half2 ha = __halves2half2(__ushort2half_rn((unsigned short)hv[0]),
+                                                __ushort2half_rn((unsigned short)hv[1]));
+                    __half2 hb = __halves2half2(__ushort2half_rn((unsigned short)hv[2]),
+                                                __ushort2half_rn((unsigned short)hv[3]));
+                    Ra[k] = kvmix__h2u(__hfma2(ha, __float2half2_rn(4.0f), kvmix__u2h(Ra[k])));
+                    Rb[k] = kvmix__h2u(__hfma2(hb, __float2half2_rn(4.0f), kvmix__u2h(Rb[k])));
+                }
+            }
+        }
+        if (vf == KVMIX_FORMAT_FP16) {
 #pragma unroll
             for (int i = 0; i < D / 16; i++)
                 kvmix__mma(st.o[i], Ra[2 * i], Ra[2 * i + 1], Rb[2 * i], Rb[2 * i + 1], pb0, pb1);
         } else {
-            kvmix__tc_values_scaled<D>(u, st, Ra, Rb, vmeta, vmeta2, pb0, pb1);
+            __half2 sa = __float2half2_rn(0.0f), sb = sa, sa2 = sa, sb2 = sa;
+            if (v_tok) {
+                sa = kvmix__u2h(kvmix__prmt(vmeta[0], vmeta[1], 0x5410u));
+                sb = kvmix__u2h(kvmix__prmt(vmeta[2], vmeta[3], 0x5410u));
+                sa2 = kvmix__u2h(kvmix__prmt(vmeta2[0], vmeta2[1], 0x5410u));
+                sb2 = kvmix__u2h(kvmix__prmt(vmeta2[2], vmeta2[3], 0x5410u));
+            }
+#pragma unroll
+            for (int i = 0; i < D / 16; i++) {
+                const bool second = two && 2 * i >= G;
+                __half2 s0a = second ? sa2 : sa, s0b = second ? sb2 : sb, s1a = s0a, s1b = s0b;
+                if (v_chan) {
+                    int d = r * DV + 2 * i;
+                    s0a = s0b = __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + d * 4)));
+                    s1a = s1b =
+                        __half2half2(__ushort_as_half((uint16_t)kvmix__lds16(VM + (d + 1) * 4)));
+                }
+                __half2 a0 = __hmul2(kvmix__u2h(Ra[2 * i]), s0a),
+                        a1 = __hmul2(kvmix__u2h(Ra[2 * i + 1]), s1a);
+                __half2 a2 = __hmul2(kvmix__u2h(Rb[2 * i]), s0b),
+                        a3 = __hmul2(kvmix__u2h(Rb[2 * i + 1]), s1b);
+                kvmix__mma(st.o[i], kvmix__h2u(a0), kvmix__h2u(a1), kvmix__h2u(a2), kvmix__h2u(a3),
+                           pb0, pb1);
+                if (!v_exact) { /* the rounding error of code * scale, as a second product */
+                    __half2 l0 = __hfma2(kvmix__u2h(Ra[2 * i]), s0a, __hneg2(a0));
+                    __half2 l1 = __hfma2(kvmix__u2h(Ra[2 * i + 1]), s1a, __hneg2(a1));
+                    __half2 l2 = __hfma2(kvmix__u2h(Rb[2 * i]), s0b, __hneg2(a2));
+                    __half2 l3 = __hfma2(kvmix__u2h(Rb[2 * i + 1]), s1b, __hneg2(a3));
+                    kvmix__mma(st.o[i], kvmix__h2u(l0), kvmix__h2u(l1), kvmix__h2u(l2),
+                               kvmix__h2u(l3), pb0, pb1);
+                }
+            }
+            if (v_tok) {
+                uint32_t ma = kvmix__prmt(vmeta[0], vmeta[1], 0x7632u),
+                         mb = kvmix__prmt(vmeta[2], vmeta[3], 0x7632u);
+                kvmix__mma(st.om, ma, ma, mb, mb, pb0, pb1);
+                if (two) {
+                    ma = kvmix__prmt(vmeta2[0], vmeta2[1], 0x7632u),
+                    mb = kvmix__prmt(vmeta2[2], vmeta2[3], 0x7632u);
+                    kvmix__mma(st.om2, ma, ma, mb, mb, pb0, pb1);
+                }
+            }
         }
     }
-    if (u.v_chan) kvmix__tc_channel_minima<D>(u, st, lsp);
+    if (v_chan) { /* per-channel minima: o += min * sum of p over the unit */
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) lsp += __shfl_xor_sync(0xffffffffu, lsp, off);
+#pragma unroll
+        for (int i = 0; i < D / 16; i++) {
+            int d = r * DV + 2 * i;
+            st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + d * 4 + 2));
+            st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + (d + 1) * 4 + 2));
+        }
+    }
 }
 
 /* FP16 keys and values at D 128 are read in place (units of 128 tokens, no staging): their
@@ -2335,8 +2252,8 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
         return KVMIX_ERR_INVALID_ARGUMENT;
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
     const int g = n_q_heads / n_kv_heads;
-    const int per_sm = head_dim == 256 ? kvmix__tc_cfg<256>::min_blocks
-                                       : kvmix__tc_cfg<128>::min_blocks;
+    const int per_sm =
+        head_dim == 256 ? kvmix__tc_cfg<256>::min_blocks : kvmix__tc_cfg<128>::min_blocks;
     /* one block per (sequence, kv head, 4 query heads, split); per_sm fit on an SM: fill the
        machine in one wave, with at least ~256 tokens per split */
     int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
