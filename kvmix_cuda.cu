@@ -1048,6 +1048,85 @@ __device__ __forceinline__ void kvmix__tc_chan_b(const kvmix__tc_smem<D> &sm, co
         }
 }
 
+/* B of the logits, lane (slot c, column r): head r / 2, part r % 2 (per-channel keys:
+   kvmix__tc_chan_b, with kfac = 2^-z and kconst = sum of q * min of head c); per-token keys also
+   B of the minima mma (k = group 4c + e). */
+template <int D>
+__device__ __forceinline__ void
+kvmix__tc_key_b(kvmix__tc_smem<D> &sm, const uint8_t *KM, bool k_chan, bool k_tok, int NG, int lane,
+                uint32_t (&bk)[D / 16][2], uint32_t (&bm)[2], float &kfac, float &kconst) {
+    const int r = lane >> 2, c = lane & 3;
+    if (k_chan) {
+        kvmix__tc_chan_b<D>(sm, KM, lane, bk, kfac, kconst);
+    } else {
+#pragma unroll
+        for (int j = 0; j < D / 16; j++) {
+            uint2 b = sm.bq[j][lane];
+            bk[j][0] = b.x, bk[j][1] = b.y;
+        }
+    }
+    if (k_tok) {
+        const int h = r >> 1, part = r & 1;
+        float e[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            int g = 4 * c + x;
+            e[x] = g < NG ? sm.qsum[h][g] : 0.0f;
+        }
+        bm[0] = kvmix__split_pair(e[0], e[1], part);
+        bm[1] = kvmix__split_pair(e[2], e[3], part);
+    }
+}
+
+/* Boosted keys: B of the high bits' mma at b2, from a slot -> channel table built in the unit's
+   scratch; returns the k-steps over the slots. */
+template <int D>
+__device__ __forceinline__ int kvmix__tc_boost_b(const kvmix__tc_smem<D> &sm, uint8_t *stg,
+                                                 const kvmix__tc_regions &rg, const uint8_t *KM,
+                                                 int nb, int lane, uint2 *b2) {
+    const int r = lane >> 2, c = lane & 3;
+    uint8_t *slot_ch = stg + rg.sl;
+    const int ks2 = (nb + 15) / 16;
+    for (int d = lane; d < D; d += 32) {
+        int s = stg[rg.k.index + d];
+        if (s < nb) slot_ch[s] = (uint8_t)d;
+    }
+    __syncwarp();
+    const int h = r >> 1, part = r & 1;
+    for (int jb = 0; jb < ks2; jb++) {
+        float e[4];
+#pragma unroll
+        for (int x = 0; x < 4; x++) {
+            int s = 16 * jb + 4 * c + x;
+            e[x] = 0.0f;
+            if (s < nb) {
+                int d = slot_ch[s] & (D - 1);
+                e[x] =
+                    4.0f * sm.q[kvmix__qi(h, d)] * kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
+            }
+        }
+        b2[jb * 32 + lane] =
+            make_uint2(kvmix__split_pair(e[0], e[1], part), kvmix__split_pair(e[2], e[3], part));
+    }
+    __syncwarp();
+    return ks2;
+}
+
+/* Per-channel values after a unit: o += min * the sum of p over it (lsp, the lane's part). */
+template <int D>
+__device__ __forceinline__ void kvmix__tc_channel_minima(kvmix__tc_state<D> &st, const uint8_t *VM,
+                                                         int lane, float lsp) {
+    const int r = lane >> 2;
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) lsp += __shfl_xor_sync(0xffffffffu, lsp, off);
+#pragma unroll
+    for (int i = 0; i < D / 16; i++) {
+        int d = r * (D / 8) + 2 * i;
+        st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + d * 4 + 2));
+        st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + (d + 1) * 4 + 2));
+    }
+}
+
 /* One warp: tokens [a, a + n) of a span, staged at stg (regions rg). KFT / VFT: the key / value
    format when known at compile time, 0 for the generic path (formats kf_rt / vf_rt). GL: K and V
    rows are read in place from global memory at kg / vg (FP16 pairs: no staging). */
@@ -1075,60 +1154,12 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
     const uint8_t *K = GL ? kg : stg + rg.k.rows, *KM = stg + rg.k.meta,
                   *V = GL ? vg : stg + rg.v.rows, *VM = stg + rg.v.meta;
 
-    /* B of the logits: lane (slot c, column r): head r / 2, part r % 2 (per-channel keys:
-       kvmix__tc_chan_b) */
-    uint32_t bk[KS][2];
-    float kconst = 0.0f, kfac = 0.0f; /* per-channel keys: sum of q * min, 2^-z (head c) */
-    if (k_chan) {
-        kvmix__tc_chan_b<D>(sm, KM, lane, bk, kfac, kconst);
-    } else {
-#pragma unroll
-        for (int j = 0; j < KS; j++) {
-            uint2 b = sm.bq[j][lane];
-            bk[j][0] = b.x, bk[j][1] = b.y;
-        }
-    }
-    uint32_t bm[2] = {0u, 0u}; /* per-token keys: B of the minima mma (k = group 4c + e) */
-    if (k_tok) {
-        const int h = r >> 1, part = r & 1;
-        float e[4];
-#pragma unroll
-        for (int x = 0; x < 4; x++) {
-            int g = 4 * c + x;
-            e[x] = g < NG ? sm.qsum[h][g] : 0.0f;
-        }
-        bm[0] = kvmix__split_pair(e[0], e[1], part);
-        bm[1] = kvmix__split_pair(e[2], e[3], part);
-    }
-    int ks2 = 0; /* boosted keys: k-steps over the slots */
+    uint32_t bk[KS][2], bm[2] = {0u, 0u};
+    float kconst = 0.0f, kfac = 0.0f;
+    kvmix__tc_key_b<D>(sm, KM, k_chan, k_tok, NG, lane, bk, bm, kfac, kconst);
     uint2 *b2 = (uint2 *)(stg + rg.b2);
-    if (kf == KVMIX_FORMAT_BOOSTED) {
-        const int nb = p.n_boost;
-        uint8_t *slot_ch = stg + rg.sl;
-        ks2 = (nb + 15) / 16;
-        for (int d = lane; d < D; d += 32) {
-            int s = stg[rg.k.index + d];
-            if (s < nb) slot_ch[s] = (uint8_t)d;
-        }
-        __syncwarp();
-        const int h = r >> 1, part = r & 1;
-        for (int jb = 0; jb < ks2; jb++) {
-            float e[4];
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                int s = 16 * jb + 4 * c + x;
-                e[x] = 0.0f;
-                if (s < nb) {
-                    int d = slot_ch[s] & (D - 1);
-                    e[x] = 4.0f * sm.q[kvmix__qi(h, d)] *
-                           kvmix__h2f((uint16_t)kvmix__lds16(KM + d * 4));
-                }
-            }
-            b2[jb * 32 + lane] = make_uint2(kvmix__split_pair(e[0], e[1], part),
-                                            kvmix__split_pair(e[2], e[3], part));
-        }
-        __syncwarp();
-    }
+    const int ks2 =
+        kf == KVMIX_FORMAT_BOOSTED ? kvmix__tc_boost_b<D>(sm, stg, rg, KM, p.n_boost, lane, b2) : 0;
     float lsp = 0.0f; /* per-channel values: sum of p over this unit (head c, lane partial) */
     const bool vswz = !GL && (VFT == KVMIX_FORMAT_INT2 || VFT == KVMIX_FORMAT_INT4);
     const uint32_t vslo = vswz && (c >> 1) ? 0x1054u : 0x5410u; /* vshi = vslo + 0x2222 */
@@ -1370,16 +1401,7 @@ kvmix__tc_unit(kvmix__tc_state<D> &st, kvmix__tc_smem<D> &sm, const kvmix__decod
             }
         }
     }
-    if (v_chan) { /* per-channel minima: o += min * sum of p over the unit */
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) lsp += __shfl_xor_sync(0xffffffffu, lsp, off);
-#pragma unroll
-        for (int i = 0; i < D / 16; i++) {
-            int d = r * DV + 2 * i;
-            st.o[i][0] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + d * 4 + 2));
-            st.o[i][2] += lsp * kvmix__h2f((uint16_t)kvmix__lds16(VM + (d + 1) * 4 + 2));
-        }
-    }
+    if (v_chan) kvmix__tc_channel_minima<D>(st, VM, lane, lsp);
 }
 
 /* FP16 keys and values at D 128 are read in place (units of 128 tokens, no staging): their
