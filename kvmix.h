@@ -4145,6 +4145,13 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, 
 
 static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 
+/* Workspace of a view of n_seqs sequences with these counts: spans, seq_first_span, dead flags,
+   each part 8-byte aligned. */
+static size_t kvmix__decode_workspace_bytes(int32_t n_seqs, int32_t n_spans, int32_t n_dead) {
+    return kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span)) +
+           kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t)) + (size_t)n_dead;
+}
+
 KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
                                                        const int32_t *seqs, int32_t n_seqs,
                                                        size_t *out_bytes) {
@@ -4153,8 +4160,7 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
     if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead)) != KVMIX_SUCCESS)
         return r;
-    *out_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span)) +
-                 kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t)) + (size_t)n_dead;
+    *out_bytes = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead);
     return KVMIX_SUCCESS;
 }
 
@@ -4163,17 +4169,17 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t l
                                              float scale, const float *q, float *out, float *lse,
                                              void *workspace, size_t workspace_bytes) {
     int32_t n_spans, n_dead;
-    size_t need, spans_bytes, first_bytes;
+    size_t spans_bytes, first_bytes;
     uint8_t *w = (uint8_t *)workspace;
     kvmix_view view;
     kvmix_result r;
     if (!cache || !q || !out || !lse || !workspace) return KVMIX_ERR_NULL_POINTER;
     if (((uintptr_t)workspace & 7u) != 0 || cache->desc.device_arena)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((r = kvmix_cache_ref_decode_workspace(cache, seqs, n_seqs, &need)) != KVMIX_SUCCESS)
+    if ((r = kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead)) != KVMIX_SUCCESS)
         return r;
-    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
-    kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead);
+    if (workspace_bytes < kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead))
+        return KVMIX_ERR_BUFFER_TOO_SMALL;
     spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
     first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
     r = kvmix_cache_view(cache, layer, seqs, n_seqs, (kvmix_view_span *)(void *)w, n_spans,
