@@ -171,8 +171,8 @@ static void da_compare_block(da_state *s, const char *side, const uint8_t *host,
     while (i < bytes && host[i] == device[i]) i++;
     if (i < bytes && s->failures++ == 0 && s->why)
         snprintf(s->why, s->why_bytes,
-                 "%s block bytes differ: format %d, %d tokens, byte %zu of %zu: %02x vs %02x",
-                 side, format, (int)n_tokens, i, bytes, host[i], device[i]);
+                 "%s block bytes differ: format %d, %d tokens, byte %zu of %zu: %02x vs %02x", side,
+                 format, (int)n_tokens, i, bytes, host[i], device[i]);
 }
 
 /* Every view of every live sequence, host against device. */
