@@ -272,6 +272,10 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
 /* maps, prefix sharing by reference count, eviction, re-tiering, views for attention. The design */
 /* (page layout, buffer and window, sharing, fragmentation) is written out in the >>cache room.   */
 /*                                                                                               */
+/* A call that names a place takes it in the order sequence(s), layer, position: write(cache,     */
+/* seq, layer, position, ...), read(cache, seq, layer, position, ...), view(cache, seqs, n_seqs,  */
+/* layer, ...).                                                                                  */
+/*                                                                                               */
 /* Thread safety: one writer per cache. Functions that take a non-const kvmix_cache* must not run */
 /* concurrently with any other call on the same cache; const ones may run together on any        */
 /* threads. Distinct caches are independent.                                                     */
@@ -578,8 +582,8 @@ KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, 
    may be NULL), and the storage formats when out_precision is not NULL.
    Returns NOT_FOUND for an evicted position and INVALID_ARGUMENT for one not written on that
    layer yet (nothing written to the outputs). */
-KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t position,
-                                       int32_t layer, float *keys, float *values,
+KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t layer,
+                                       int32_t position, float *keys, float *values,
                                        kvmix_cache_precision *out_precision);
 
 /* Sizes of a view of these sequences: enough for every layer (exact when every reserved
@@ -599,9 +603,9 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
    layers have the same positions written, layer l's spans are layer 0's with both offsets
    moved by l * n_kv_heads * (key_head_bytes + value_head_bytes), so a GPU loop may build one
    view per step and move it to each layer on the device. */
-KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, const int32_t *seqs,
-                                       int32_t n_seqs, kvmix_view_span *spans, int32_t max_spans,
-                                       int32_t *seq_first_span, uint8_t *dead,
+KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *seqs,
+                                       int32_t n_seqs, int32_t layer, kvmix_view_span *spans,
+                                       int32_t max_spans, int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view);
 
 /* Workspace bytes of kvmix_cache_ref_decode for these sequences. */
@@ -612,8 +616,8 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
 /* CPU reference decode step of layer `layer` over cached sequences: builds the view in
    `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
    [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim). */
-KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t layer,
-                                             const int32_t *seqs, int32_t n_seqs, int32_t n_q_heads,
+KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, const int32_t *seqs,
+                                             int32_t n_seqs, int32_t layer, int32_t n_q_heads,
                                              float scale, const float *q, float *out, float *lse,
                                              void *workspace, size_t workspace_bytes);
 
@@ -3975,8 +3979,8 @@ KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, 
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t position,
-                                       int32_t layer, float *keys, float *values,
+KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t layer,
+                                       int32_t position, float *keys, float *values,
                                        kvmix_cache_precision *out_precision) {
     const kvmix_cache_page *p;
     kvmix__geom g;
@@ -4084,9 +4088,9 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, const int32_t *seqs,
-                                       int32_t n_seqs, kvmix_view_span *spans, int32_t max_spans,
-                                       int32_t *seq_first_span, uint8_t *dead,
+KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *seqs,
+                                       int32_t n_seqs, int32_t layer, kvmix_view_span *spans,
+                                       int32_t max_spans, int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view) {
     int64_t n_spans, n_dead;
     int32_t i, j, row, k = 0, f = 0;
@@ -4164,8 +4168,8 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t layer,
-                                             const int32_t *seqs, int32_t n_seqs, int32_t n_q_heads,
+KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, const int32_t *seqs,
+                                             int32_t n_seqs, int32_t layer, int32_t n_q_heads,
                                              float scale, const float *q, float *out, float *lse,
                                              void *workspace, size_t workspace_bytes) {
     int32_t n_spans, n_dead;
@@ -4182,7 +4186,7 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t l
         return KVMIX_ERR_BUFFER_TOO_SMALL;
     spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
     first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
-    r = kvmix_cache_view(cache, layer, seqs, n_seqs, (kvmix_view_span *)(void *)w, n_spans,
+    r = kvmix_cache_view(cache, seqs, n_seqs, layer, (kvmix_view_span *)(void *)w, n_spans,
                          (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes,
                          n_dead, &view);
     if (r != KVMIX_SUCCESS) return r;

@@ -68,7 +68,7 @@ static int decode_step(kvmix_cache *cache, int32_t seq, workspace *w) {
         fill(values, ROW_FLOATS);
         fill(q, N_Q_HEADS * HEAD_DIM);
         TRY(kvmix_cache_write(cache, seq, layer, position, 1, keys, values));
-        TRY(kvmix_cache_ref_decode(cache, layer, &seq, 1, N_Q_HEADS, 0.0f, q, out, lse, w->memory,
+        TRY(kvmix_cache_ref_decode(cache, &seq, 1, layer, N_Q_HEADS, 0.0f, q, out, lse, w->memory,
                                    w->bytes));
     }
     return 0;

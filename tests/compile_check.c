@@ -36,7 +36,7 @@ static int check_cache_loop(void) {
                 q[i] = (float)(i % 3);
             }
             failed |= kvmix_cache_write(&cache, seq, layer, pos, 1, k, v) != KVMIX_SUCCESS;
-            failed |= kvmix_cache_ref_decode(&cache, layer, &seq, 1, CHECK_HEADS, 0.0f, q, out, lse,
+            failed |= kvmix_cache_ref_decode(&cache, &seq, 1, layer, CHECK_HEADS, 0.0f, q, out, lse,
                                              workspace, sizeof workspace) != KVMIX_SUCCESS;
         }
     }

@@ -243,7 +243,7 @@ static double attend_vs_reference(llama_kv_cache *cache, int32_t layer, int32_t 
             size_t at = (size_t)kv * (size_t)group * (size_t)head_dim;
             ok = cache->attend(cache->state, layer, kv, q + at, group, scale, out + at) == LLAMA_OK;
         }
-        ok = ok && kvmix_cache_ref_decode(c, layer, &seq, 1, n_q, scale, q, ref, lse, ws,
+        ok = ok && kvmix_cache_ref_decode(c, &seq, 1, layer, n_q, scale, q, ref, lse, ws,
                                           ws_bytes + 8) == KVMIX_SUCCESS;
         if (ok) {
             double max_ref = 1e-30, max_diff = 0.0;
@@ -315,10 +315,10 @@ static void check_evicted_attention(llama_kv_cache *cache, const char *name, int
     static float keys[L][NKV][T * D], values[L][NKV][T * D], row_k[NKV * D], row_v[NKV * D];
     int32_t n_live = 0;
     for (int32_t pos = 0; pos < n; pos++) {
-        kvmix_result r = kvmix_cache_read(c, seq, pos, 0, NULL, NULL, NULL);
+        kvmix_result r = kvmix_cache_read(c, seq, 0, pos, NULL, NULL, NULL);
         if (r == KVMIX_ERR_NOT_FOUND) continue; /* evicted */
         for (int32_t layer = 0; layer < L; layer++) {
-            if (!CHECK(kvmix_cache_read(c, seq, pos, layer, row_k, row_v, NULL) == KVMIX_SUCCESS))
+            if (!CHECK(kvmix_cache_read(c, seq, layer, pos, row_k, row_v, NULL) == KVMIX_SUCCESS))
                 return;
             for (int32_t h = 0; h < NKV; h++) {
                 memcpy(&keys[layer][h][(size_t)n_live * D], &row_k[h * D], D * sizeof(float));
@@ -740,7 +740,7 @@ static void stored_formats(llama_runner *runner, const llama_model *m, const tex
         kvmix_tag tag;
         kvmix_cache_precision stored;
         kvmix_tagger_feed(&tagger, &s->ids[0][pos], 1, &tag);
-        if (kvmix_cache_read(kc, seq, (int32_t)pos, 0, NULL, NULL, &stored) != KVMIX_SUCCESS)
+        if (kvmix_cache_read(kc, seq, 0, (int32_t)pos, NULL, NULL, &stored) != KVMIX_SUCCESS)
             continue;
         *n_int2 += stored.key_format == KVMIX_FORMAT_INT2_CHANNEL;
         *n_user_low += tag.role == KVMIX_ROLE_USER && stored.key_format != KVMIX_FORMAT_INT8 &&

@@ -223,7 +223,7 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
         CHECK_RESULT(kvmix_cache_locate(c, s, pos, &slot), KVMIX_SUCCESS);
         if (!q->alive[pos]) {
             CHECK_EQ_UINT(slot, KVMIX_CACHE_DEAD_SLOT);
-            CHECK_RESULT(kvmix_cache_read(c, s, pos, 0, keys, values, &f), KVMIX_ERR_NOT_FOUND);
+            CHECK_RESULT(kvmix_cache_read(c, s, 0, pos, keys, values, &f), KVMIX_ERR_NOT_FOUND);
             continue;
         }
         n_alive++;
@@ -231,14 +231,14 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
         for (layer = 0; layer < c->desc.n_layers; layer++) {
             double bk, bv, worst_k = 0.0, worst_v = 0.0;
             if (pos >= q->written[layer]) {
-                CHECK_RESULT(kvmix_cache_read(c, s, pos, layer, keys, values, &f),
+                CHECK_RESULT(kvmix_cache_read(c, s, layer, pos, keys, values, &f),
                              KVMIX_ERR_INVALID_ARGUMENT);
                 /* seals, of keys too, wait for the rows */
                 CHECK(!c->pages[ct_page_of(m, slot)].sealed &&
                       c->pages[ct_page_of(m, slot)].key_format == KVMIX_FORMAT_FP16);
                 continue;
             }
-            if (!CHECK_RESULT(kvmix_cache_read(c, s, pos, layer, keys, values, &f), KVMIX_SUCCESS))
+            if (!CHECK_RESULT(kvmix_cache_read(c, s, layer, pos, keys, values, &f), KVMIX_SUCCESS))
                 break;
             bk = ct_bound(f.key_format) + q->debt_k[pos];
             bv = ct_bound(f.value_format) + q->debt_v[pos];
@@ -314,7 +314,7 @@ static void ct_verify(ct_model *m) {
         spans = (kvmix_view_span *)test_alloc((size_t)(n_spans + 1) * sizeof *spans);
         dead = (uint8_t *)test_alloc((size_t)n_dead + 1);
         for (layer = 0; layer < c->desc.n_layers; layer++) {
-            CHECK_RESULT(kvmix_cache_view(c, layer, seqs, n_live_seqs, spans, n_spans, first, dead,
+            CHECK_RESULT(kvmix_cache_view(c, seqs, n_live_seqs, layer, spans, n_spans, first, dead,
                                           n_dead, &view),
                          KVMIX_SUCCESS);
             CHECK_RESULT(kvmix_view_check(&view), KVMIX_SUCCESS);
@@ -356,7 +356,7 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     for (i = 0; i < n * nq * d; i++) q[i] = (float)(2.0 * test_rng_unit(&m->rng) - 1.0);
     CHECK_RESULT(kvmix_cache_ref_decode_workspace(c, seqs, n, &ws_bytes), KVMIX_SUCCESS);
     ws = test_alloc(ws_bytes + 8);
-    CHECK_RESULT(kvmix_cache_ref_decode(c, layer, seqs, n, nq, 0.0f, q, out, lse, ws, ws_bytes),
+    CHECK_RESULT(kvmix_cache_ref_decode(c, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes),
                  KVMIX_SUCCESS);
     for (i = 0; i < n; i++) {
         const ct_seq *cs = &m->seqs[seqs[i]];
@@ -368,7 +368,7 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
             for (t = 0; t < cs->written[layer]; t++) { /* pass 1: max logit */
                 double dot = 0.0;
                 if (!cs->alive[t]) continue;
-                kvmix_cache_read(c, seqs[i], t, layer, keys, values, NULL);
+                kvmix_cache_read(c, seqs[i], layer, t, keys, values, NULL);
                 for (c2 = 0; c2 < d; c2++) dot += (double)qh[c2] * keys[kvh * d + c2];
                 if (dot * scale > mx) mx = dot * scale;
                 n_live++;
@@ -376,7 +376,7 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
             for (t = 0; t < cs->written[layer]; t++) {
                 double dot = 0.0, w;
                 if (!cs->alive[t]) continue;
-                kvmix_cache_read(c, seqs[i], t, layer, keys, values, NULL);
+                kvmix_cache_read(c, seqs[i], layer, t, keys, values, NULL);
                 for (c2 = 0; c2 < d; c2++) dot += (double)qh[c2] * keys[kvh * d + c2];
                 w = exp(dot * scale - mx);
                 sum += w;
@@ -676,7 +676,7 @@ static void ct_op_append_layers(ct_model *m, int32_t s, int32_t n) {
     last = q->len - 1;
     for (layer = 0; layer < c->desc.n_layers; layer++) {
         int32_t from = q->written[layer], split;
-        CHECK_RESULT(kvmix_cache_read(c, s, last, layer, keys, values, NULL),
+        CHECK_RESULT(kvmix_cache_read(c, s, layer, last, keys, values, NULL),
                      KVMIX_ERR_INVALID_ARGUMENT);
         split = test_rng_range(&m->rng, from, q->len);
         if (split > from)
@@ -684,13 +684,13 @@ static void ct_op_append_layers(ct_model *m, int32_t s, int32_t n) {
         if (q->len > split)
             CHECK_RESULT(ct_write_layer(m, s, layer, split, q->len - split), KVMIX_SUCCESS);
         /* the new rows are FP16 buffer rows: read back exactly */
-        if (CHECK_RESULT(kvmix_cache_read(c, s, last, layer, keys, values, NULL), KVMIX_SUCCESS))
+        if (CHECK_RESULT(kvmix_cache_read(c, s, layer, last, keys, values, NULL), KVMIX_SUCCESS))
             for (i = 0; i < hd; i++) {
                 CHECK_EQ_FLOAT_BITS(keys[i], ct_key(m, q->tok[last], layer, 0)[i]);
                 CHECK_EQ_FLOAT_BITS(values[i], ct_value(m, q->tok[last], layer, 0)[i]);
             }
         if (layer + 1 < c->desc.n_layers && q->written[layer + 1] <= last)
-            CHECK_RESULT(kvmix_cache_read(c, s, last, layer + 1, keys, values, NULL),
+            CHECK_RESULT(kvmix_cache_read(c, s, layer + 1, last, keys, values, NULL),
                          KVMIX_ERR_INVALID_ARGUMENT);
         ct_verify(m); /* views of every layer: this one holds the new rows, later ones do not */
         ct_verify_decode(m, layer);
@@ -754,7 +754,7 @@ static void ct_op_retier(ct_model *m, int32_t s, int up) {
                 if ((int32_t)ct_page_of(m, sl) != page) continue;
                 row = (int32_t)(sl % (uint32_t)c->desc.page_tokens);
                 for (layer = 0; layer < c->desc.n_layers; layer++) {
-                    kvmix_cache_read(c, s2, p2, layer, keys, values, NULL);
+                    kvmix_cache_read(c, s2, layer, p2, keys, values, NULL);
                     for (h = 0; h < c->desc.n_kv_heads; h++)
                         for (i = 0; i < d; i++) {
                             size_t at =
@@ -920,7 +920,7 @@ static void ct_fill(ct_model *m, int32_t s, int32_t n, uint8_t kf, uint8_t vf) {
 static kvmix_cache_precision ct_format_at(ct_model *m, int32_t s, int32_t pos) {
     kvmix_cache_precision f;
     f.key_format = f.value_format = 0;
-    kvmix_cache_read(&m->cache, s, pos, 0, NULL, NULL, &f);
+    kvmix_cache_read(&m->cache, s, 0, pos, NULL, NULL, &f);
     return f;
 }
 
@@ -1153,7 +1153,7 @@ static void ct_decode_one(ct_model *m, int32_t s, int32_t layer, const float *q,
     void *ws;
     CHECK_RESULT(kvmix_cache_ref_decode_workspace(&m->cache, &s, 1, &ws_bytes), KVMIX_SUCCESS);
     ws = test_alloc(ws_bytes + 8);
-    CHECK_RESULT(kvmix_cache_ref_decode(&m->cache, layer, &s, 1, m->desc.n_kv_heads, 0.0f, q, out,
+    CHECK_RESULT(kvmix_cache_ref_decode(&m->cache, &s, 1, layer, m->desc.n_kv_heads, 0.0f, q, out,
                                         lse, ws, ws_bytes),
                  KVMIX_SUCCESS);
     free(ws);
@@ -1304,9 +1304,9 @@ static void test_reserve_write_bad_inputs(void) {
     bad[2 * hd - 1] = 70000.0f;
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, bad, rows), KVMIX_ERR_BAD_VALUE);
     /* calls that need every layer written; reads of rows not written */
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 20, 0, rows, rows, NULL),
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 0, 20, rows, rows, NULL),
                  KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL),
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 1, 21, rows, rows, NULL),
                  KVMIX_ERR_INVALID_ARGUMENT);
     pos = 20;
     CHECK_RESULT(kvmix_cache_evict(&m.cache, s, &pos, 1), KVMIX_ERR_INVALID_ARGUMENT);
@@ -1317,8 +1317,8 @@ static void test_reserve_write_bad_inputs(void) {
     ct_unchanged(&m);
     /* layer 0 written: its rows read, layer 1's still refused, still no fork past them */
     CHECK_RESULT(ct_write_layer(&m, s, 0, 20, 2), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 0, rows, rows, NULL), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL),
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 0, 21, rows, rows, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 1, 21, rows, rows, NULL),
                  KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_seq_fork(&m.cache, s, 21, &child), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(ct_write_layer(&m, s, 1, 20, 2), KVMIX_SUCCESS);
@@ -1460,21 +1460,21 @@ static void test_bad_inputs(void) {
         free(big);
     }
     CHECK_RESULT(kvmix_cache_locate(&m.cache, s, 20, &slot), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 0, 2, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 2, 0, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_view_counts(&m.cache, &s, 1, &n_spans, &n_dead), KVMIX_SUCCESS);
     CHECK_EQ_INT(n_spans, 2);
-    CHECK_RESULT(kvmix_cache_view(&m.cache, 0, &s, 1, spans, 1, first, dead, 64, &view),
+    CHECK_RESULT(kvmix_cache_view(&m.cache, &s, 1, 0, spans, 1, first, dead, 64, &view),
                  KVMIX_ERR_BUFFER_TOO_SMALL);
-    CHECK_RESULT(kvmix_cache_view(&m.cache, 2, &s, 1, spans, 4, first, dead, 64, &view),
+    CHECK_RESULT(kvmix_cache_view(&m.cache, &s, 1, 2, spans, 4, first, dead, 64, &view),
                  KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_view(&m.cache, 0, &out, 1, spans, 4, first, dead, 64, &view),
+    CHECK_RESULT(kvmix_cache_view(&m.cache, &out, 1, 0, spans, 4, first, dead, 64, &view),
                  KVMIX_ERR_INVALID_ARGUMENT);
     {
         uint64_t ws[64];
         float q[4 * 64], o[4 * 64], l[4];
-        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, 0, &s, 1, 4, 0.0f, q, o, l, ws, 8),
+        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 4, 0.0f, q, o, l, ws, 8),
                      KVMIX_ERR_BUFFER_TOO_SMALL);
-        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, 0, &s, 1, 3, 0.0f, q, o, l, ws, sizeof ws),
+        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 3, 0.0f, q, o, l, ws, sizeof ws),
                      KVMIX_ERR_INVALID_ARGUMENT);
     }
     ct_unchanged(&m);

@@ -166,7 +166,7 @@ static void test_write_after_release(void) {
                  KVMIX_SUCCESS);
     CHECK_RESULT(run_reversed(batches, n_batches, jobs, rows, rows, arena, NULL), KVMIX_SUCCESS);
     for (layer = 0; layer < 2; layer++) {
-        CHECK_RESULT(kvmix_cache_view(&cache, layer, &child, 1, spans, 4, first, dead, 32, &view),
+        CHECK_RESULT(kvmix_cache_view(&cache, &child, 1, layer, spans, 4, first, dead, 32, &view),
                      KVMIX_SUCCESS);
         CHECK_EQ_INT(view.n_spans, 1);
         CHECK_EQ_INT(spans[0].key_format, KVMIX_FORMAT_FP16);

@@ -217,9 +217,9 @@ static void test_apply(void) {
         CHECK_RESULT(kvmix_cache_append(&cache, seq, k, v, desc.default_precision), KVMIX_SUCCESS);
     }
     CHECK_RESULT(kvmix_cache_seq_finish(&cache, seq), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_read(&cache, seq, 2, 1, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq, 1, 2, NULL, NULL, &got), KVMIX_SUCCESS);
     CHECK(got.key_format == KVMIX_FORMAT_FP16 && got.value_format == KVMIX_FORMAT_FP16);
-    CHECK_RESULT(kvmix_cache_read(&cache, seq, 10, 1, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq, 1, 10, NULL, NULL, &got), KVMIX_SUCCESS);
     CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT4);
     kvmix_cache_deinit(&cache);
     test_context(NULL);

@@ -529,7 +529,7 @@ static void test_into_cache(void) {
         CHECK_RESULT(kvmix_cache_write(&cache, seq, layer, first, pc.desc.n_tokens, k, v),
                      KVMIX_SUCCESS);
         for (t = 0; t < pc.desc.n_tokens; t++) {
-            CHECK_RESULT(kvmix_cache_read(&cache, seq, first + t, layer, rk, rv, NULL),
+            CHECK_RESULT(kvmix_cache_read(&cache, seq, layer, first + t, rk, rv, NULL),
                          KVMIX_SUCCESS);
             for (h = 0; h < pc.desc.n_kv_heads; h++)
                 for (c = 0; c < pc.desc.head_dim; c++) {
