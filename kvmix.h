@@ -60,17 +60,23 @@
 typedef enum kvmix_result {
     KVMIX_SUCCESS = 0,
     KVMIX_ERR_NULL_POINTER = -1,     /* a required pointer argument is NULL */
-    KVMIX_ERR_INVALID_ARGUMENT = -2, /* a count, index or option is out of range */
+    KVMIX_ERR_INVALID_ARGUMENT = -2, /* a count, index or option is out of range, or the call is
+                                        not allowed in the object's state */
     KVMIX_ERR_BAD_SHAPE = -3,        /* head_dim, group size or boost count not supported */
     KVMIX_ERR_UNKNOWN_FORMAT = -4,   /* a kvmix_format value that does not exist */
     KVMIX_ERR_BUFFER_TOO_SMALL = -5, /* a caller buffer is smaller than the size query says */
     KVMIX_ERR_BAD_VALUE = -6,        /* an input is NaN, infinite or beyond the FP16 range */
-    KVMIX_ERR_OUT_OF_MEMORY = -7,    /* an allocator or arena has no room left */
+    KVMIX_ERR_OUT_OF_MEMORY = -7,    /* no room left: an allocator, a cache's arena, tables or job
+                                        queue, or a bit budget that cannot hold the cheapest choice */
     KVMIX_ERR_UNSUPPORTED = -8,      /* valid, but not supported by this backend or build */
-    KVMIX_ERR_CORRUPT_DATA = -9,     /* packed bytes that no quantize call could have written */
-    KVMIX_ERR_VERSION = -10,         /* a serialized document of an unknown version */
-    KVMIX_ERR_PARSE = -11,           /* malformed JSON or payload */
-    KVMIX_ERR_NOT_FOUND = -12,       /* a named item does not exist */
+    KVMIX_ERR_CORRUPT_DATA = -9,     /* packed bytes, or cache bookkeeping, that no call could have
+                                        written */
+    KVMIX_ERR_VERSION = -10,         /* serialized input (a payload) of a version this build does
+                                        not read */
+    KVMIX_ERR_MALFORMED = -11,       /* serialized input that does not follow its documented byte
+                                        layout (a payload's header or tier table) */
+    KVMIX_ERR_NOT_FOUND = -12,       /* what was asked for does not exist (a name, an evicted
+                                        position, a page) */
     KVMIX_ERR_CUDA = -13             /* the CUDA runtime reported an error */
 } kvmix_result;
 
@@ -862,7 +868,7 @@ KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const u
 
 /* Reads and checks a payload's header and tier table from the first src_bytes bytes (at least
    the head; the body need not be there yet). *out_tiers (may be NULL) points into src.
-   Returns NULL_POINTER, PARSE (not a payload, truncated head, reserved bytes set, tier table
+   Returns NULL_POINTER, MALFORMED (not a payload, truncated head, reserved bytes set, tier table
    that disagrees with the header's counts), VERSION (a version this build does not read),
    INVALID_ARGUMENT / BAD_SHAPE (fields out of range). Never reads past src_bytes. */
 KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
@@ -1259,16 +1265,16 @@ KVMIXDEF const char *kvmix_result_string(kvmix_result result) {
     switch (result) {
     case KVMIX_SUCCESS: return "success";
     case KVMIX_ERR_NULL_POINTER: return "a required pointer argument is NULL";
-    case KVMIX_ERR_INVALID_ARGUMENT: return "an argument is out of range";
+    case KVMIX_ERR_INVALID_ARGUMENT: return "an argument is out of range or not allowed now";
     case KVMIX_ERR_BAD_SHAPE: return "head_dim, group size or boost count not supported";
     case KVMIX_ERR_UNKNOWN_FORMAT: return "unknown format";
     case KVMIX_ERR_BUFFER_TOO_SMALL: return "buffer too small";
     case KVMIX_ERR_BAD_VALUE: return "input is NaN, infinite or beyond the FP16 range";
-    case KVMIX_ERR_OUT_OF_MEMORY: return "out of memory";
+    case KVMIX_ERR_OUT_OF_MEMORY: return "no room left (allocator, arena, table or budget)";
     case KVMIX_ERR_UNSUPPORTED: return "not supported by this backend or build";
-    case KVMIX_ERR_CORRUPT_DATA: return "packed data is corrupt";
-    case KVMIX_ERR_VERSION: return "unsupported format version";
-    case KVMIX_ERR_PARSE: return "malformed document";
+    case KVMIX_ERR_CORRUPT_DATA: return "packed bytes or bookkeeping are corrupt";
+    case KVMIX_ERR_VERSION: return "serialized input of a version this build does not read";
+    case KVMIX_ERR_MALFORMED: return "serialized input does not follow its byte layout";
     case KVMIX_ERR_NOT_FOUND: return "not found";
     case KVMIX_ERR_CUDA: return "CUDA runtime error";
     }
@@ -4971,9 +4977,10 @@ KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
     size_t i;
     kvmix_result r;
     if (!src || !out_info) return KVMIX_ERR_NULL_POINTER;
-    if (src_bytes < KVMIX_PAYLOAD_HEADER_BYTES || memcmp(p, "KVMP", 4) != 0) return KVMIX_ERR_PARSE;
+    if (src_bytes < KVMIX_PAYLOAD_HEADER_BYTES || memcmp(p, "KVMP", 4) != 0)
+        return KVMIX_ERR_MALFORMED;
     if (kvmix__load_u16(p + 4) != KVMIX_PAYLOAD_VERSION) return KVMIX_ERR_VERSION;
-    if (kvmix__load_u32(p + 68) != 0) return KVMIX_ERR_PARSE;
+    if (kvmix__load_u32(p + 68) != 0) return KVMIX_ERR_MALFORMED;
     memset(&d, 0, sizeof d);
     d.kind = (kvmix_payload_kind)kvmix__load_u16(p + 6);
     pos = kvmix__load_u64(p + 32);
@@ -4990,23 +4997,23 @@ KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
     memset(&info, 0, sizeof info);
     info.desc = d;
     if ((r = kvmix__payload_check_desc(&info.desc)) != KVMIX_SUCCESS) return r;
-    if ((int64_t)counts[0] + counts[1] + counts[2] > d.n_tokens) return KVMIX_ERR_PARSE;
+    if ((int64_t)counts[0] + counts[1] + counts[2] > d.n_tokens) return KVMIX_ERR_MALFORMED;
     info.n_fp16 = counts[0];
     info.n_int8 = counts[1];
     info.n_int4 = counts[2];
     if ((r = kvmix__payload_sizes(&info)) != KVMIX_SUCCESS) return r;
     if (src_bytes < info.head_bytes || kvmix__load_u64(p + 72) != (uint64_t)info.total_bytes)
-        return KVMIX_ERR_PARSE;
+        return KVMIX_ERR_MALFORMED;
     counts[0] = counts[1] = counts[2] = 0;
     for (t = 0; t < d.n_tokens; t++) {
         uint8_t tier = p[KVMIX_PAYLOAD_HEADER_BYTES + t];
-        if (!kvmix__tier_allowed(d.kind, tier)) return KVMIX_ERR_PARSE;
+        if (!kvmix__tier_allowed(d.kind, tier)) return KVMIX_ERR_MALFORMED;
         if (kvmix__tier_index(tier) >= 0) counts[kvmix__tier_index(tier)]++;
     }
     if (counts[0] != info.n_fp16 || counts[1] != info.n_int8 || counts[2] != info.n_int4)
-        return KVMIX_ERR_PARSE;
+        return KVMIX_ERR_MALFORMED;
     for (i = KVMIX_PAYLOAD_HEADER_BYTES + (size_t)d.n_tokens; i < info.head_bytes; i++)
-        if (p[i] != 0) return KVMIX_ERR_PARSE;
+        if (p[i] != 0) return KVMIX_ERR_MALFORMED;
     *out_info = info;
     if (out_tiers) *out_tiers = p + KVMIX_PAYLOAD_HEADER_BYTES;
     return KVMIX_SUCCESS;

@@ -700,8 +700,8 @@ static void test_allocation_reader(void) {
         "\"value_format\": \"int8\"}]}",
         "{\"version\": 1, \"kind\": \"kvmix-allocation\", \"tags\": [",
     };
-    const kvmix_result want[] = {KVMIX_ERR_VERSION, KVMIX_ERR_PARSE, KVMIX_ERR_PARSE,
-                                 KVMIX_ERR_PARSE, KVMIX_ERR_PARSE};
+    const kvmix_result want[] = {KVMIX_ERR_VERSION, KVMIX_ERR_MALFORMED, KVMIX_ERR_MALFORMED,
+                                 KVMIX_ERR_MALFORMED, KVMIX_ERR_MALFORMED};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvmix_tag_precision before = t;
         CHECK(tag_allocation_parse(bad[i], strlen(bad[i]), int4, &t, err, sizeof err) == want[i]);
