@@ -372,45 +372,52 @@ typedef struct kvmix_cache_seq {
     int32_t n_written; /* positions 0 .. n_written - 1 have rows on every layer */
 } kvmix_cache_seq;
 
-/* A cache. Transparent so that tests and tools can read it; change it only through the
-   functions below. Everything it points at lives in the metadata memory and the arena. */
-typedef struct kvmix_cache {
-    kvmix_cache_desc desc; /* resolved */
-    uint8_t *arena;        /* desc.arena_bytes; views use it as base */
-    void *memory;          /* the metadata memory (kvmix_cache_memory_bytes) */
+/* The cache's own state: its memory, the granule allocator, the plan of one call, a device
+   arena's queue. Private: nothing in it is promised from one version to the next; tests read it,
+   callers never write it. */
+typedef struct kvmix__cache_private {
+    void *memory; /* the metadata memory (kvmix_cache_memory_bytes) */
     size_t memory_bytes;
     kvmix_allocator allocator; /* of kvmix_cache_init_allocator; owns_memory says whether used */
     int32_t owns_memory;
-    int32_t max_pages;    /* page descriptors, the sentinel included */
     int32_t n_free_pages; /* descriptors on the free stack */
     int32_t journal_capacity;
     int64_t n_granules; /* arena granules */
     int64_t n_free_granules;
-    int64_t first_free_hint;    /* no free granule below it */
-    kvmix_cache_seq *seqs;      /* [max_seqs] */
-    kvmix_cache_entry *entries; /* [max_seqs][max_pages_per_seq] */
-    uint32_t *slots;            /* [max_seqs][max_tokens_per_seq]: page * page_tokens + row */
-    int32_t *written;           /* [max_seqs][n_layers]: positions 0 .. written - 1 of the
-                                     layer have rows (kvmix_cache_write) */
-    kvmix_cache_page *pages;    /* [max_pages] */
-    uint32_t *free_pages;       /* [max_pages] stack of free descriptors */
-    uint64_t *bitmap;           /* [ceil(n_granules / 64)] one bit per used granule */
-    float *scratch;             /* [page_tokens * head_dim] */
-    void *sim;                  /* planning state of one call */
-    void *journal;              /* allocator operations of one call's plan */
-    /* device arena only (private): queued jobs, arena released when they are taken */
-    void *jobs; /* [desc.max_jobs] */
-    int32_t n_jobs;
+    int64_t first_free_hint; /* no free granule below it */
+    uint32_t *free_pages;    /* [max_pages] stack of free descriptors */
+    uint64_t *bitmap;        /* [ceil(n_granules / 64)] one bit per used granule */
+    float *scratch;          /* [page_tokens * head_dim] */
+    void *sim;               /* planning state of one call */
+    void *journal;           /* allocator operations of one call's plan */
+    /* device arena only: queued jobs, arena released when they are taken */
+    void *jobs;              /* [desc.max_jobs] */
     int32_t n_retired_runs;  /* granule runs of sealed buffers, held until the take */
     void *retired_runs;      /* [desc.max_jobs] */
     uint32_t *retired_pages; /* [max_pages] released descriptors, held until the take */
     int32_t n_retired_pages;
     uint32_t segment;              /* jobs of one segment run in any order; segments in order */
     uint32_t *page_segment;        /* [max_pages][2] the segments that last wrote, read each page */
-    size_t full_block_bytes[2][8]; /* private: [is_value][format] of a block of page_tokens rows */
-    /* private: for the last sizes asked, no free run that long starts below fit_from */
+    size_t full_block_bytes[2][8]; /* [is_value][format] of a block of page_tokens rows */
+    /* for the last sizes asked, no free run that long starts below fit_from */
     int64_t fit_size[8], fit_from[8];
     int32_t fit_next;
+} kvmix__cache_private;
+
+/* A cache. Transparent so that tests and tools can read its tables; change it only through the
+   functions below. Everything it points at lives in the metadata memory and the arena. */
+typedef struct kvmix_cache {
+    kvmix_cache_desc desc;      /* resolved */
+    uint8_t *arena;             /* desc.arena_bytes; views use it as base */
+    int32_t max_pages;          /* page descriptors, the sentinel included */
+    int32_t n_jobs;             /* device arena: jobs queued (kvmix_cache_jobs_take) */
+    kvmix_cache_seq *seqs;      /* [max_seqs] */
+    kvmix_cache_entry *entries; /* [max_seqs][max_pages_per_seq] */
+    uint32_t *slots;            /* [max_seqs][max_tokens_per_seq]: page * page_tokens + row */
+    int32_t *written;           /* [max_seqs][n_layers]: positions 0 .. written - 1 of the
+                                     layer have rows (kvmix_cache_write) */
+    kvmix_cache_page *pages;    /* [max_pages] */
+    kvmix__cache_private priv;  /* the implementation's own state: not for callers */
 } kvmix_cache;
 
 /* Accounting of a whole cache. Bytes per format count key blocks under the key format and value
@@ -2451,8 +2458,8 @@ static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int is_value, int32
     size_t bytes;
     int full =
         format == KVMIX_FORMAT_FP16 ? capacity == c->desc.page_tokens : rows == c->desc.page_tokens;
-    if (full && format > 0 && format < 8 && c->full_block_bytes[is_value][format] != 0)
-        return c->full_block_bytes[is_value][format]; /* views ask this for every page */
+    if (full && format > 0 && format < 8 && c->priv.full_block_bytes[is_value][format] != 0)
+        return c->priv.full_block_bytes[is_value][format]; /* views ask this for every page */
     if (format == KVMIX_FORMAT_FP16) {
         bytes = (size_t)capacity * (size_t)c->desc.head_dim * 2;
     } else {
@@ -2549,9 +2556,10 @@ static int kvmix__ctz64(uint64_t x) {
 /* The first run of n free granules at or after the hint (first fit), or -1. Walks the bitmap a
    word at a time: used and free stretches are skipped whole. */
 static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n, int64_t from) {
-    const uint64_t *bm = c->bitmap;
-    int64_t total = c->n_granules, i = from > c->first_free_hint ? from : c->first_free_hint;
-    if (n <= 0 || n > c->n_free_granules) return -1;
+    const uint64_t *bm = c->priv.bitmap;
+    int64_t total = c->priv.n_granules,
+            i = from > c->priv.first_free_hint ? from : c->priv.first_free_hint;
+    if (n <= 0 || n > c->priv.n_free_granules) return -1;
     while (i + n <= total) {
         int64_t j, end = i + n;
         uint64_t used = bm[i >> 6] >> (i & 63);
@@ -2580,7 +2588,7 @@ static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n, int64_t from) 
 
 static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int64_t n, int taken) {
     if (!plan || !plan->dry) return 1;
-    if (plan->n_ops >= c->journal_capacity) {
+    if (plan->n_ops >= c->priv.journal_capacity) {
         plan->overflow = 1;
         return 0;
     }
@@ -2597,7 +2605,7 @@ static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int6
 static int32_t kvmix__fit_slot(const kvmix_cache *c, int64_t n) {
     int32_t k;
     for (k = 0; k < 8; k++)
-        if (c->fit_size[k] == n) return k;
+        if (c->priv.fit_size[k] == n) return k;
     return -1;
 }
 
@@ -2605,32 +2613,32 @@ static int32_t kvmix__fit_slot(const kvmix_cache *c, int64_t n) {
 static void kvmix__fit_found(kvmix_cache *c, int64_t n, int64_t from) {
     int32_t k = kvmix__fit_slot(c, n);
     if (k < 0) {
-        k = c->fit_next;
-        c->fit_next = (k + 1) % 8;
-        c->fit_size[k] = n;
+        k = c->priv.fit_next;
+        c->priv.fit_next = (k + 1) % 8;
+        c->priv.fit_size[k] = n;
     }
-    c->fit_from[k] = from;
+    c->priv.fit_from[k] = from;
 }
 
 /* Granules from `start` became free: a run that long may now start at or before the free run
    that holds them. */
 static void kvmix__fit_freed(kvmix_cache *c, int64_t start) {
     int32_t k;
-    while (start > 0 && !kvmix__granule_used(c->bitmap, start - 1))
-        start -= (start & 63) == 0 && c->bitmap[(start - 1) >> 6] == 0 ? 64 : 1;
+    while (start > 0 && !kvmix__granule_used(c->priv.bitmap, start - 1))
+        start -= (start & 63) == 0 && c->priv.bitmap[(start - 1) >> 6] == 0 ? 64 : 1;
     for (k = 0; k < 8; k++)
-        if (c->fit_from[k] > start) c->fit_from[k] = start;
+        if (c->priv.fit_from[k] > start) c->priv.fit_from[k] = start;
 }
 
 /* Takes n granules; returns the first or -1 (nothing changed). */
 static int64_t kvmix__arena_take(kvmix_cache *c, kvmix__plan *plan, int64_t n) {
     int32_t k = kvmix__fit_slot(c, n);
-    int64_t start = kvmix__arena_find(c, n, k < 0 ? 0 : c->fit_from[k]);
+    int64_t start = kvmix__arena_find(c, n, k < 0 ? 0 : c->priv.fit_from[k]);
     if (start < 0 || !kvmix__journal(c, plan, start, n, 1)) return -1;
     kvmix__fit_found(c, n, start);
-    kvmix__granules_mark(c->bitmap, start, n, 1);
-    c->n_free_granules -= n;
-    if (start == c->first_free_hint) c->first_free_hint = start + n;
+    kvmix__granules_mark(c->priv.bitmap, start, n, 1);
+    c->priv.n_free_granules -= n;
+    if (start == c->priv.first_free_hint) c->priv.first_free_hint = start + n;
     return start;
 }
 
@@ -2639,17 +2647,17 @@ static void kvmix__arena_give(kvmix_cache *c, kvmix__plan *plan, int64_t start, 
     if (n <= 0) return;
     if (c->desc.device_arena) {
         if (!plan || !plan->dry) {
-            kvmix__run *runs = (kvmix__run *)c->retired_runs;
-            KVMIX_ASSERT(c->n_retired_runs < c->desc.max_jobs);
-            runs[c->n_retired_runs].start = start;
-            runs[c->n_retired_runs++].n = n;
+            kvmix__run *runs = (kvmix__run *)c->priv.retired_runs;
+            KVMIX_ASSERT(c->priv.n_retired_runs < c->desc.max_jobs);
+            runs[c->priv.n_retired_runs].start = start;
+            runs[c->priv.n_retired_runs++].n = n;
         }
         return;
     }
     if (!kvmix__journal(c, plan, start, n, 0)) return;
-    kvmix__granules_mark(c->bitmap, start, n, 0);
-    c->n_free_granules += n;
-    if (start < c->first_free_hint) c->first_free_hint = start;
+    kvmix__granules_mark(c->priv.bitmap, start, n, 0);
+    c->priv.n_free_granules += n;
+    if (start < c->priv.first_free_hint) c->priv.first_free_hint = start;
     kvmix__fit_freed(c, start);
 }
 
@@ -2657,17 +2665,17 @@ static void kvmix__arena_give(kvmix_cache *c, kvmix__plan *plan, int64_t start, 
 static void kvmix__plan_undo(kvmix_cache *c, kvmix__plan *plan, int64_t hint) {
     while (plan->n_ops > 0) {
         const kvmix__arena_op *op = &plan->ops[--plan->n_ops];
-        kvmix__granules_mark(c->bitmap, op->start, op->n, op->taken ? 0 : 1);
-        c->n_free_granules += op->taken ? op->n : -op->n;
+        kvmix__granules_mark(c->priv.bitmap, op->start, op->n, op->taken ? 0 : 1);
+        c->priv.n_free_granules += op->taken ? op->n : -op->n;
     }
-    c->first_free_hint = hint;
+    c->priv.first_free_hint = hint;
 }
 
 /* ---- page descriptors -------------------------------------------------------------------- */
 
 static uint32_t kvmix__page_pop(kvmix_cache *c) {
-    KVMIX_ASSERT(c->n_free_pages > 0);
-    return c->free_pages[--c->n_free_pages];
+    KVMIX_ASSERT(c->priv.n_free_pages > 0);
+    return c->priv.free_pages[--c->priv.n_free_pages];
 }
 
 /* Drops one reference; the last one returns the page's granules and its descriptor. */
@@ -2677,17 +2685,17 @@ static void kvmix__page_release(kvmix_cache *c, uint32_t id) {
     if (--p->refcount > 0) {
         /* the sequences left may now write rows the released one wrote in this segment: their
            writes wait for it, as after a read */
-        if (c->desc.device_arena) c->page_segment[2 * id + 1] = c->segment;
+        if (c->desc.device_arena) c->priv.page_segment[2 * id + 1] = c->priv.segment;
         return;
     }
     if (c->desc.device_arena) { /* bytes and descriptor held until the jobs are taken */
-        c->retired_pages[c->n_retired_pages++] = id;
+        c->priv.retired_pages[c->priv.n_retired_pages++] = id;
         return;
     }
     kvmix__arena_give(c, NULL, (int64_t)(p->offset / c->desc.granule_bytes),
                       (int64_t)p->n_granules);
     memset(p, 0, sizeof *p);
-    c->free_pages[c->n_free_pages++] = id;
+    c->priv.free_pages[c->priv.n_free_pages++] = id;
 }
 
 static uint8_t *kvmix__page_block(const kvmix_cache *c, const kvmix_cache_page *p,
@@ -2700,22 +2708,22 @@ static uint8_t *kvmix__page_block(const kvmix_cache *c, const kvmix_cache_page *
    write what it reads, or (rewrite) write what it writes; after them, mark_pages records the
    pages they touch. */
 static void kvmix__fence(kvmix_cache *c, uint32_t read, uint32_t write, int rewrite) {
-    const uint32_t *seg = c->page_segment;
-    if ((read != 0 && seg[2 * read] == c->segment) ||
+    const uint32_t *seg = c->priv.page_segment;
+    if ((read != 0 && seg[2 * read] == c->priv.segment) ||
         (write != 0 &&
-         (seg[2 * write + 1] == c->segment || (rewrite && seg[2 * write] == c->segment))))
-        c->segment++;
+         (seg[2 * write + 1] == c->priv.segment || (rewrite && seg[2 * write] == c->priv.segment))))
+        c->priv.segment++;
 }
 
 static void kvmix__mark_pages(kvmix_cache *c, uint32_t read, uint32_t write) {
-    if (read != 0) c->page_segment[2 * read + 1] = c->segment;
-    if (write != 0) c->page_segment[2 * write] = c->segment;
+    if (read != 0) c->priv.page_segment[2 * read + 1] = c->priv.segment;
+    if (write != 0) c->priv.page_segment[2 * write] = c->priv.segment;
 }
 
 static void kvmix__queue(kvmix_cache *c, kvmix__job job) {
-    kvmix__job *q = (kvmix__job *)c->jobs;
+    kvmix__job *q = (kvmix__job *)c->priv.jobs;
     KVMIX_ASSERT(c->n_jobs < c->desc.max_jobs);
-    job.segment = c->segment;
+    job.segment = c->priv.segment;
     job.taken = 0;
     q[c->n_jobs++] = job;
 }
@@ -2924,31 +2932,31 @@ KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *des
     memset(cache, 0, sizeof *cache);
     cache->desc = d;
     cache->arena = (uint8_t *)arena;
-    cache->memory = memory;
-    cache->memory_bytes = g.total;
+    cache->priv.memory = memory;
+    cache->priv.memory_bytes = g.total;
     cache->max_pages = g.max_pages;
-    cache->journal_capacity = g.journal_capacity;
-    cache->n_granules = g.n_granules;
-    cache->n_free_granules = g.n_granules;
+    cache->priv.journal_capacity = g.journal_capacity;
+    cache->priv.n_granules = g.n_granules;
+    cache->priv.n_free_granules = g.n_granules;
     cache->seqs = (kvmix_cache_seq *)(void *)(m + g.seqs);
     cache->entries = (kvmix_cache_entry *)(void *)(m + g.entries);
     cache->slots = (uint32_t *)(void *)(m + g.slots);
     cache->written = (int32_t *)(void *)(m + g.written);
     cache->pages = (kvmix_cache_page *)(void *)(m + g.pages);
-    cache->free_pages = (uint32_t *)(void *)(m + g.free_pages);
-    cache->bitmap = (uint64_t *)(void *)(m + g.bitmap);
-    cache->scratch = (float *)(void *)(m + g.scratch);
-    cache->sim = (void *)(m + g.sim);
-    cache->journal = (void *)(m + g.journal);
-    cache->jobs = (void *)(m + g.jobs);
-    cache->retired_runs = (void *)(m + g.retired_runs);
-    cache->retired_pages = (uint32_t *)(void *)(m + g.retired_pages);
-    cache->page_segment = (uint32_t *)(void *)(m + g.page_segment);
-    cache->segment = 1;
+    cache->priv.free_pages = (uint32_t *)(void *)(m + g.free_pages);
+    cache->priv.bitmap = (uint64_t *)(void *)(m + g.bitmap);
+    cache->priv.scratch = (float *)(void *)(m + g.scratch);
+    cache->priv.sim = (void *)(m + g.sim);
+    cache->priv.journal = (void *)(m + g.journal);
+    cache->priv.jobs = (void *)(m + g.jobs);
+    cache->priv.retired_runs = (void *)(m + g.retired_runs);
+    cache->priv.retired_pages = (uint32_t *)(void *)(m + g.retired_pages);
+    cache->priv.page_segment = (uint32_t *)(void *)(m + g.page_segment);
+    cache->priv.segment = 1;
     for (i = KVMIX_FORMAT_FP16; i <= KVMIX_FORMAT_BOOSTED; i++) {
-        cache->full_block_bytes[0][i] =
+        cache->priv.full_block_bytes[0][i] =
             kvmix__cache_block_bytes(cache, 0, i, d.page_tokens, d.page_tokens);
-        cache->full_block_bytes[1][i] =
+        cache->priv.full_block_bytes[1][i] =
             kvmix__cache_block_bytes(cache, 1, i, d.page_tokens, d.page_tokens);
     }
     /* the sentinel: pinned, no bytes */
@@ -2956,8 +2964,9 @@ KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *des
     cache->pages[0].sealed = 1;
     cache->pages[0].key_format = KVMIX_FORMAT_FP16;
     cache->pages[0].value_format = KVMIX_FORMAT_FP16;
-    for (i = 0; i < g.max_pages - 1; i++) cache->free_pages[i] = (uint32_t)(g.max_pages - 1 - i);
-    cache->n_free_pages = g.max_pages - 1;
+    for (i = 0; i < g.max_pages - 1; i++)
+        cache->priv.free_pages[i] = (uint32_t)(g.max_pages - 1 - i);
+    cache->priv.n_free_pages = g.max_pages - 1;
     *desc = d;
     return KVMIX_SUCCESS;
 }
@@ -2997,21 +3006,21 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
         }
         return r;
     }
-    cache->allocator = a;
-    cache->owns_memory = 1;
+    cache->priv.allocator = a;
+    cache->priv.owns_memory = 1;
     *desc = d;
     return KVMIX_SUCCESS;
 }
 
 KVMIXDEF void kvmix_cache_deinit(kvmix_cache *cache) {
     if (!cache) return;
-    if (cache->owns_memory) {
-        if (cache->allocator.free_fn) {
-            cache->allocator.free_fn(cache->arena, cache->allocator.user);
-            cache->allocator.free_fn(cache->memory, cache->allocator.user);
+    if (cache->priv.owns_memory) {
+        if (cache->priv.allocator.free_fn) {
+            cache->priv.allocator.free_fn(cache->arena, cache->priv.allocator.user);
+            cache->priv.allocator.free_fn(cache->priv.memory, cache->priv.allocator.user);
         } else {
             KVMIX_FREE(cache->arena);
-            KVMIX_FREE(cache->memory);
+            KVMIX_FREE(cache->priv.memory);
         }
     }
     memset(cache, 0, sizeof *cache);
@@ -3158,8 +3167,8 @@ static void kvmix__plan_begin(kvmix_cache *c, int32_t seq, kvmix__plan *plan, in
     int32_t i = s->n_entries, j;
     memset(plan, 0, sizeof *plan);
     plan->dry = dry;
-    plan->pages = (kvmix__sim_page *)c->sim;
-    plan->ops = (kvmix__arena_op *)c->journal;
+    plan->pages = (kvmix__sim_page *)c->priv.sim;
+    plan->ops = (kvmix__arena_op *)c->priv.journal;
     plan->len = s->n_tokens;
     plan->written = s->n_written;
     plan->n_entries = s->n_entries;
@@ -3189,7 +3198,7 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
                                      kvmix__sim_page *sp) {
     kvmix__geom g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, sp->capacity);
     int64_t n = kvmix__granules_of(c, g.total_bytes), start;
-    if (plan->dry && plan->new_pages + 1 > c->n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
     if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
     if (plan->dry && c->desc.device_arena)
         plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
@@ -3242,7 +3251,7 @@ static kvmix_result kvmix__plan_new_page(kvmix_cache *c, int32_t seq, kvmix__pla
         sink = 1;
     }
     if (plan->n_entries >= c->desc.max_pages_per_seq) return KVMIX_ERR_OUT_OF_MEMORY;
-    if (plan->dry && plan->new_pages + 1 > c->n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
     g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, capacity);
     n = kvmix__granules_of(c, g.total_bytes);
     if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
@@ -3331,8 +3340,8 @@ static void kvmix__seal_block(kvmix_cache *c, int is_value, uint8_t source_forma
         return;
     }
     KVMIX_ASSERT(source_format == KVMIX_FORMAT_FP16);
-    for (i = 0; i < n; i++) c->scratch[i] = kvmix__half_to_float(kvmix__load_u16(src + 2 * i));
-    kvmix__cache_quantize(c, is_value, format, rows, c->scratch, dst);
+    for (i = 0; i < n; i++) c->priv.scratch[i] = kvmix__half_to_float(kvmix__load_u16(src + 2 * i));
+    kvmix__cache_quantize(c, is_value, format, rows, c->priv.scratch, dst);
 }
 
 /* The job of kvmix__seal_block for a device arena: a byte copy or a quantization from FP16. */
@@ -3515,20 +3524,20 @@ static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_t
                                         const float *keys, const float *values,
                                         const kvmix_cache_precision *precisions, int finish) {
     kvmix__plan plan;
-    int64_t hint = c->first_free_hint, fit_size[8], fit_from[8];
-    int32_t fit_next = c->fit_next;
+    int64_t hint = c->priv.first_free_hint, fit_size[8], fit_from[8];
+    int32_t fit_next = c->priv.fit_next;
     kvmix_result r;
     /* the plan state and the scratch block are zero between calls, so that a failed call
        leaves every byte of the metadata memory as it was; the fit hints, which the plan's
        undone allocations would leave too high, come back as they were */
-    memcpy(fit_size, c->fit_size, sizeof fit_size);
-    memcpy(fit_from, c->fit_from, sizeof fit_from);
+    memcpy(fit_size, c->priv.fit_size, sizeof fit_size);
+    memcpy(fit_from, c->priv.fit_from, sizeof fit_from);
     kvmix__plan_begin(c, seq, &plan, 1);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
     kvmix__plan_undo(c, &plan, hint);
-    memcpy(c->fit_size, fit_size, sizeof fit_size);
-    memcpy(c->fit_from, fit_from, sizeof fit_from);
-    c->fit_next = fit_next;
+    memcpy(c->priv.fit_size, fit_size, sizeof fit_size);
+    memcpy(c->priv.fit_from, fit_from, sizeof fit_from);
+    c->priv.fit_next = fit_next;
     memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
     memset(plan.ops, 0, (size_t)plan.max_ops * sizeof *plan.ops);
     /* a device arena's queue holds the jobs and, one per seal, the granules released */
@@ -3540,7 +3549,7 @@ static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_t
     KVMIX_ASSERT(r == KVMIX_SUCCESS);
     memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
     if (plan.n_sealed > 0)
-        memset(c->scratch, 0,
+        memset(c->priv.scratch, 0,
                (size_t)c->desc.page_tokens * (size_t)c->desc.head_dim * sizeof(float));
     if (keys) kvmix__seq_set_written(c, seq, c->seqs[seq].n_tokens);
     return r;
@@ -3725,7 +3734,7 @@ static int kvmix__same_batch(const kvmix__job *a, const kvmix__job *b) {
    when jobs is not NULL. Returns the number of batches. */
 static int32_t kvmix__group_jobs(kvmix_cache *c, kvmix_quantize_job *jobs,
                                  kvmix_cache_batch *batches) {
-    kvmix__job *q = (kvmix__job *)c->jobs;
+    kvmix__job *q = (kvmix__job *)c->priv.jobs;
     int32_t i, k, m, seg_end, n_batches = 0, n_out = 0;
     for (i = 0; i < c->n_jobs; i = seg_end) {
         for (seg_end = i; seg_end < c->n_jobs && q[seg_end].segment == q[i].segment; seg_end++) {
@@ -3761,28 +3770,28 @@ static int32_t kvmix__group_jobs(kvmix_cache *c, kvmix_quantize_job *jobs,
 
 /* The take: what the queue held is released. */
 static void kvmix__release_held(kvmix_cache *c) {
-    const kvmix__run *runs = (const kvmix__run *)c->retired_runs;
+    const kvmix__run *runs = (const kvmix__run *)c->priv.retired_runs;
     int32_t i;
-    for (i = 0; i < c->n_retired_runs; i++) {
-        kvmix__granules_mark(c->bitmap, runs[i].start, runs[i].n, 0);
-        c->n_free_granules += runs[i].n;
-        if (runs[i].start < c->first_free_hint) c->first_free_hint = runs[i].start;
+    for (i = 0; i < c->priv.n_retired_runs; i++) {
+        kvmix__granules_mark(c->priv.bitmap, runs[i].start, runs[i].n, 0);
+        c->priv.n_free_granules += runs[i].n;
+        if (runs[i].start < c->priv.first_free_hint) c->priv.first_free_hint = runs[i].start;
         kvmix__fit_freed(c, runs[i].start);
     }
-    for (i = 0; i < c->n_retired_pages; i++) {
-        uint32_t id = c->retired_pages[i];
+    for (i = 0; i < c->priv.n_retired_pages; i++) {
+        uint32_t id = c->priv.retired_pages[i];
         kvmix_cache_page *p = &c->pages[id];
         int64_t start = (int64_t)(p->offset / c->desc.granule_bytes);
-        kvmix__granules_mark(c->bitmap, start, (int64_t)p->n_granules, 0);
-        c->n_free_granules += (int64_t)p->n_granules;
-        if (start < c->first_free_hint) c->first_free_hint = start;
+        kvmix__granules_mark(c->priv.bitmap, start, (int64_t)p->n_granules, 0);
+        c->priv.n_free_granules += (int64_t)p->n_granules;
+        if (start < c->priv.first_free_hint) c->priv.first_free_hint = start;
         kvmix__fit_freed(c, start);
         memset(p, 0, sizeof *p);
-        c->free_pages[c->n_free_pages++] = id;
+        c->priv.free_pages[c->priv.n_free_pages++] = id;
     }
-    memset(c->retired_runs, 0, (size_t)c->n_retired_runs * sizeof(kvmix__run));
-    c->n_retired_runs = 0;
-    c->n_retired_pages = 0;
+    memset(c->priv.retired_runs, 0, (size_t)c->priv.n_retired_runs * sizeof(kvmix__run));
+    c->priv.n_retired_runs = 0;
+    c->priv.n_retired_pages = 0;
 }
 
 KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs,
@@ -3794,7 +3803,7 @@ KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_j
     if (!cache || !out_n_jobs || !out_n_batches) return KVMIX_ERR_NULL_POINTER;
     if (!cache->seqs || !cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT;
     if (cache->n_jobs > 0 && (!jobs || !batches)) return KVMIX_ERR_NULL_POINTER;
-    q = (kvmix__job *)cache->jobs;
+    q = (kvmix__job *)cache->priv.jobs;
     n_batches = kvmix__group_jobs(cache, NULL, NULL);
     for (i = 0; i < cache->n_jobs; i++) q[i].taken = 0;
     if (max_jobs < cache->n_jobs || max_batches < n_batches) return KVMIX_ERR_BUFFER_TOO_SMALL;
@@ -3805,9 +3814,9 @@ KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_j
     cache->n_jobs = 0;
     kvmix__release_held(cache);
     /* every page's segment stamp is now older than the current segment */
-    if (++cache->segment == 0) {
-        memset(cache->page_segment, 0, 2 * (size_t)cache->max_pages * sizeof(uint32_t));
-        cache->segment = 1;
+    if (++cache->priv.segment == 0) {
+        memset(cache->priv.page_segment, 0, 2 * (size_t)cache->max_pages * sizeof(uint32_t));
+        cache->priv.segment = 1;
     }
     return KVMIX_SUCCESS;
 }
@@ -3851,7 +3860,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq) {
 
 /* ---- re-tiering ----------------------------------------------------------------------------- */
 
-/* The new contents of one block into c->scratch [n_rows][head_dim]: the dequantized rows, the
+/* The new contents of one block into c->priv.scratch [n_rows][head_dim]: the dequantized rows, the
    given originals, or dequantized + residual. rows_in: [n_layers][n_rows][n_kv_heads][head_dim]. */
 static void kvmix__retier_source(const kvmix_cache *c, const kvmix_cache_page *p,
                                  const kvmix__geom *g, int32_t layer, int is_value, int32_t head,
@@ -3859,11 +3868,11 @@ static void kvmix__retier_source(const kvmix_cache *c, const kvmix_cache_page *p
     int32_t n = p->n_rows, d = c->desc.head_dim, t, i;
     size_t heads = (size_t)c->desc.n_kv_heads;
     if (!rows_in || mode == KVMIX_CACHE_ROWS_RESIDUAL)
-        kvmix__page_block_read(c, p, g, layer, is_value, head, c->scratch);
+        kvmix__page_block_read(c, p, g, layer, is_value, head, c->priv.scratch);
     if (!rows_in) return;
     for (t = 0; t < n; t++) {
         const float *x = rows_in + (((size_t)layer * n + t) * heads + (size_t)head) * d;
-        float *y = c->scratch + (size_t)t * d;
+        float *y = c->priv.scratch + (size_t)t * d;
         for (i = 0; i < d; i++) y[i] = mode == KVMIX_CACHE_ROWS_ORIGINAL ? x[i] : y[i] + x[i];
     }
 }
@@ -3955,7 +3964,7 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
                                kvmix__block_offset(cache, &ng, layer, kv, h);
                 kvmix__retier_source(cache, p, &og, layer, kv, h, kv ? values : keys, rows);
                 kvmix__cache_quantize(cache, kv, kv ? precision.value_format : precision.key_format,
-                                      p->n_rows, cache->scratch, dst);
+                                      p->n_rows, cache->priv.scratch, dst);
             }
     if (in_place)
         kvmix__arena_give(cache, NULL, old_start + new_n, old_n - new_n);
@@ -3968,7 +3977,7 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     p->want_key = precision.key_format;
     p->want_value = precision.value_format;
     p->capacity = p->n_rows;
-    memset(cache->scratch, 0,
+    memset(cache->priv.scratch, 0,
            (size_t)p->n_rows * (size_t)d * sizeof(float)); /* zero between calls */
     return KVMIX_SUCCESS;
 }
@@ -4146,7 +4155,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
     out_view->n_spans = k;
     out_view->n_dead_flags = f;
     out_view->base = cache->arena;
-    out_view->base_bytes = (size_t)cache->n_granules * cache->desc.granule_bytes;
+    out_view->base_bytes = (size_t)cache->priv.n_granules * cache->desc.granule_bytes;
     out_view->spans = spans;
     out_view->seq_first_span = seq_first_span;
     out_view->dead = dead;
@@ -4222,12 +4231,12 @@ KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cach
     if (!cache || !out) return KVMIX_ERR_NULL_POINTER;
     if (!cache->seqs) return KVMIX_ERR_INVALID_ARGUMENT;
     memset(&st, 0, sizeof st);
-    st.arena_bytes = (size_t)cache->n_granules * cache->desc.granule_bytes;
-    st.arena_free_bytes = (size_t)cache->n_free_granules * cache->desc.granule_bytes;
+    st.arena_bytes = (size_t)cache->priv.n_granules * cache->desc.granule_bytes;
+    st.arena_free_bytes = (size_t)cache->priv.n_free_granules * cache->desc.granule_bytes;
     st.arena_used_bytes = st.arena_bytes - st.arena_free_bytes;
-    st.metadata_bytes = cache->memory_bytes;
-    for (i = 0; i < cache->n_granules; i++) {
-        run = kvmix__granule_used(cache->bitmap, i) ? 0 : run + 1;
+    st.metadata_bytes = cache->priv.memory_bytes;
+    for (i = 0; i < cache->priv.n_granules; i++) {
+        run = kvmix__granule_used(cache->priv.bitmap, i) ? 0 : run + 1;
         if (run > best) best = run;
     }
     st.largest_free_bytes = (size_t)best * cache->desc.granule_bytes;
@@ -4400,8 +4409,8 @@ KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int3
 /* Whether a released descriptor of a device arena waits for the take. */
 static int kvmix__page_held(const kvmix_cache *c, uint32_t id) {
     int32_t i;
-    for (i = 0; i < c->n_retired_pages; i++)
-        if (c->retired_pages[i] == id) return 1;
+    for (i = 0; i < c->priv.n_retired_pages; i++)
+        if (c->priv.retired_pages[i] == id) return 1;
     return 0;
 }
 
@@ -4436,28 +4445,29 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
             p->n_rows < 0 || p->n_rows > p->capacity || p->capacity > d->page_tokens)
             return KVMIX_ERR_CORRUPT_DATA;
         start = (int64_t)(p->offset / d->granule_bytes);
-        if (start + (int64_t)p->n_granules > cache->n_granules) return KVMIX_ERR_CORRUPT_DATA;
+        if (start + (int64_t)p->n_granules > cache->priv.n_granules) return KVMIX_ERR_CORRUPT_DATA;
         for (g = start; g < start + (int64_t)p->n_granules; g++)
-            if (!kvmix__granule_used(cache->bitmap, g)) return KVMIX_ERR_CORRUPT_DATA;
+            if (!kvmix__granule_used(cache->priv.bitmap, g)) return KVMIX_ERR_CORRUPT_DATA;
         used += p->n_granules;
     }
-    for (j = 0; j < cache->n_retired_runs; j++)
-        used += ((const kvmix__run *)cache->retired_runs)[j].n;
-    for (i = 0; i < cache->n_granules; i++) bits += kvmix__granule_used(cache->bitmap, i);
-    for (i = 0; i < cache->first_free_hint && i < cache->n_granules; i++)
-        if (!kvmix__granule_used(cache->bitmap, i)) return KVMIX_ERR_CORRUPT_DATA;
+    for (j = 0; j < cache->priv.n_retired_runs; j++)
+        used += ((const kvmix__run *)cache->priv.retired_runs)[j].n;
+    for (i = 0; i < cache->priv.n_granules; i++) bits += kvmix__granule_used(cache->priv.bitmap, i);
+    for (i = 0; i < cache->priv.first_free_hint && i < cache->priv.n_granules; i++)
+        if (!kvmix__granule_used(cache->priv.bitmap, i)) return KVMIX_ERR_CORRUPT_DATA;
     /* disjoint extents: each page's granules are set and their sum is the set bits */
-    if (bits != used || cache->n_granules - cache->n_free_granules != used)
+    if (bits != used || cache->priv.n_granules - cache->priv.n_free_granules != used)
         return KVMIX_ERR_CORRUPT_DATA;
     /* the free stack holds exactly the free descriptors, once each */
-    if (cache->n_free_pages + n_live_pages + cache->n_retired_pages != cache->max_pages - 1)
+    if (cache->priv.n_free_pages + n_live_pages + cache->priv.n_retired_pages !=
+        cache->max_pages - 1)
         return KVMIX_ERR_CORRUPT_DATA;
-    for (j = 0; j < cache->n_free_pages; j++) {
-        uint32_t id = cache->free_pages[j];
+    for (j = 0; j < cache->priv.n_free_pages; j++) {
+        uint32_t id = cache->priv.free_pages[j];
         if (id == 0 || id >= (uint32_t)cache->max_pages || cache->pages[id].refcount != 0)
             return KVMIX_ERR_CORRUPT_DATA;
         for (k = 0; k < j; k++)
-            if (cache->free_pages[k] == id) return KVMIX_ERR_CORRUPT_DATA;
+            if (cache->priv.free_pages[k] == id) return KVMIX_ERR_CORRUPT_DATA;
     }
     /* sequences: ordered entries, slot maps that point into their own entries */
     for (s = 0; s < d->max_seqs; s++) {

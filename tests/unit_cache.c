@@ -868,8 +868,8 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
         if (m.seqs[s].in_use) ct_op_free(&m, s);
     ct_verify(&m);
     /* no leak: every granule and descriptor is back, the sentinel is still there */
-    CHECK_EQ_INT(m.cache.n_free_granules, m.cache.n_granules);
-    CHECK_EQ_INT(m.cache.n_free_pages, m.cache.max_pages - 1);
+    CHECK_EQ_INT(m.cache.priv.n_free_granules, m.cache.priv.n_granules);
+    CHECK_EQ_INT(m.cache.priv.n_free_pages, m.cache.max_pages - 1);
     CHECK_EQ_INT(m.cache.pages[0].refcount, 1);
     CHECK_MSG(m.n_oom > 0 || n_ops < 200, "config %d reached arena exhaustion (%lld times)",
               (int)config, (long long)m.n_oom);
@@ -1136,7 +1136,7 @@ static void test_demote_full_arena(void) {
     }
     CHECK_EQ_INT(ct_format_at(&m, s, 3).key_format, KVMIX_FORMAT_INT2_CHANNEL);
     ct_verify(&m);
-    CHECK(m.cache.n_free_granules > 0);
+    CHECK(m.cache.priv.n_free_granules > 0);
     ct_close(&m);
 }
 
@@ -1547,11 +1547,11 @@ static void test_release_and_check(void) {
     CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &s), KVMIX_SUCCESS);
     m.seqs[s].in_use = 1;
     ct_fill(&m, s, 40, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4);
-    free_before = m.cache.n_free_granules;
+    free_before = m.cache.priv.n_free_granules;
     for (i = 0; i < 16; i++) positions[i] = 16 + i; /* the whole second page */
     CHECK_RESULT(kvmix_cache_evict(&m.cache, s, positions, 16), KVMIX_SUCCESS);
     for (i = 0; i < 16; i++) m.seqs[s].alive[16 + i] = 0;
-    CHECK(m.cache.n_free_granules > free_before); /* returned to the arena */
+    CHECK(m.cache.priv.n_free_granules > free_before); /* returned to the arena */
     CHECK_EQ_INT(m.cache.seqs[s].n_entries, 2);
     p.key_format = p.value_format = KVMIX_FORMAT_INT2;
     ct_snapshot(&m);
@@ -1562,9 +1562,9 @@ static void test_release_and_check(void) {
     m.cache.pages[1].refcount++;
     CHECK_RESULT(kvmix_cache_check(&m.cache), KVMIX_ERR_CORRUPT_DATA);
     m.cache.pages[1].refcount--;
-    m.cache.bitmap[0] ^= 1u;
+    m.cache.priv.bitmap[0] ^= 1u;
     CHECK_RESULT(kvmix_cache_check(&m.cache), KVMIX_ERR_CORRUPT_DATA);
-    m.cache.bitmap[0] ^= 1u;
+    m.cache.priv.bitmap[0] ^= 1u;
     m.cache.slots[5] = KVMIX_CACHE_DEAD_SLOT + 1u;
     CHECK_RESULT(kvmix_cache_check(&m.cache), KVMIX_ERR_CORRUPT_DATA);
     m.cache.slots[5] = (uint32_t)m.cache.desc.page_tokens * m.cache.entries[0].page + 5u;
