@@ -372,6 +372,8 @@ typedef struct kvmix_cache_seq {
     int32_t n_written; /* positions 0 .. n_written - 1 have rows on every layer */
 } kvmix_cache_seq;
 
+#define KVMIX_CACHE_ERROR_BYTES 128 /* a cache's last-error message, its NUL included */
+
 /* The cache's own state: its memory, the granule allocator, the plan of one call, a device
    arena's queue. Private: nothing in it is promised from one version to the next; tests read it,
    callers never write it. */
@@ -402,6 +404,7 @@ typedef struct kvmix__cache_private {
     /* for the last sizes asked, no free run that long starts below fit_from */
     int64_t fit_size[8], fit_from[8];
     int32_t fit_next;
+    char error[KVMIX_CACHE_ERROR_BYTES]; /* kvmix_cache_last_error */
 } kvmix__cache_private;
 
 /* A cache. Transparent so that tests and tools can read its tables; change it only through the
@@ -457,12 +460,22 @@ typedef struct kvmix_cache_seq_stats {
     size_t format_bytes[8];  /* of the referenced pages, as in kvmix_cache_stats */
 } kvmix_cache_seq_stats;
 
-/* Checks a desc and writes it back with defaults resolved. Returns KVMIX_ERR_NULL_POINTER,
-   INVALID_ARGUMENT (a count or option out of range, sizes that overflow), BAD_SHAPE (head_dim,
-   group_size, n_boost) or UNKNOWN_FORMAT (default_precision). */
-KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc);
+/* What kvmix_cache_desc_resolve found wrong: the field as kvmix_cache_desc spells it ("n_sink")
+   and why, both static strings (as kvmix_policy_error for policies). */
+typedef struct kvmix_cache_desc_error {
+    const char *field;
+    const char *reason;
+} kvmix_cache_desc_error;
 
-/* Bytes of metadata memory a cache of this desc needs (the arena is separate: desc.arena_bytes). */
+/* Checks a desc and writes it back with defaults resolved; on failure *desc is unchanged and
+   *out_error (may be NULL) names the field and says why. Returns KVMIX_ERR_NULL_POINTER,
+   INVALID_ARGUMENT (a count or option out of range, sizes that overflow), BAD_SHAPE (head_dim,
+   group_size, n_boost) or UNKNOWN_FORMAT (default_precision). Pure, thread-safe. */
+KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc,
+                                               kvmix_cache_desc_error *out_error);
+
+/* Bytes of metadata memory a cache of this desc needs (the arena is separate: desc.arena_bytes).
+   Returns NULL_POINTER or kvmix_cache_desc_resolve's errors (which says why). */
 KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes);
 
 /* Initializes a cache into caller memory: `memory` (8-byte aligned, memory_bytes at least the
@@ -481,6 +494,16 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
 /* Releases what kvmix_cache_init_allocator allocated (nothing for kvmix_cache_init) and zeroes
    the struct. NULL is ignored. */
 KVMIXDEF void kvmix_cache_deinit(kvmix_cache *cache);
+
+/* Why the last call on this cache that records failed, as "argument: why" (for example
+   "first_position: its positions are not reserved yet (kvmix_cache_reserve first)", or
+   "desc.n_sink: must be in 0 .. page_tokens" from an init); "" when that call succeeded. Every
+   function that takes a non-const kvmix_cache records, the inits included (a failed init writes
+   only the message into *cache); apart from the message a failed call changes nothing. Functions
+   that take a const cache do not record, so that they may run concurrently: their failures
+   leave the message as it was. The message lives in the cache until its next recording call;
+   the library never prints it. Never NULL (a static message for a NULL cache). */
+KVMIXDEF const char *kvmix_cache_last_error(const kvmix_cache *cache);
 
 /* Creates an empty sequence; *out_seq receives its id in [0, max_seqs).
    Returns OUT_OF_MEMORY when max_seqs sequences are live. */
@@ -628,8 +651,11 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
 
 /* CPU reference decode step of layer `layer` over cached sequences: builds the view in
    `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
-   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim). */
-KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, const int32_t *seqs,
+   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim).
+   It changes nothing in the cache but records why it failed (kvmix_cache_last_error), so it
+   takes a non-const cache and must not overlap other calls on it; to decode on many threads at
+   once, build views (kvmix_cache_view) and run kvmix_ref_view_decode on them. */
+KVMIXDEF kvmix_result kvmix_cache_ref_decode(kvmix_cache *cache, const int32_t *seqs,
                                              int32_t n_seqs, int32_t layer, int32_t n_q_heads,
                                              float scale, const float *q, float *out, float *lse,
                                              void *workspace, size_t workspace_bytes);
@@ -2344,6 +2370,56 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
 #define KVMIX__CACHE_MAX_LAYERS 4096
 #define KVMIX__CACHE_MAX_HEADS  4096
 
+/* ---- why a call failed ----------------------------------------------------------------------- */
+
+/* A check's verdict: the result and, when it failed, the argument and why (static strings). */
+typedef struct kvmix__why {
+    kvmix_result result;
+    const char *argument;
+    const char *reason;
+} kvmix__why;
+
+static kvmix__why kvmix__why_not(kvmix_result result, const char *argument, const char *reason) {
+    kvmix__why w;
+    w.result = result;
+    w.argument = argument;
+    w.reason = reason;
+    return w;
+}
+
+static kvmix__why kvmix__why_ok(void) { return kvmix__why_not(KVMIX_SUCCESS, NULL, NULL); }
+
+/* Appends text to the cache's message at *at, truncating it to the buffer. */
+static void kvmix__error_append(kvmix_cache *c, size_t *at, const char *text) {
+    while (*text && *at + 1 < KVMIX_CACHE_ERROR_BYTES) c->priv.error[(*at)++] = *text++;
+    c->priv.error[*at] = 0;
+}
+
+/* The verdict of a call that records: its message becomes "<prefix><argument>: <reason>", or ""
+   when it succeeded. Returns the verdict's result. */
+static kvmix_result kvmix__record_as(kvmix_cache *c, const char *prefix, kvmix__why w) {
+    size_t at = 0;
+    c->priv.error[0] = 0;
+    if (w.result == KVMIX_SUCCESS) return KVMIX_SUCCESS;
+    kvmix__error_append(c, &at, prefix);
+    kvmix__error_append(c, &at, w.argument);
+    kvmix__error_append(c, &at, ": ");
+    kvmix__error_append(c, &at, w.reason);
+    return w.result;
+}
+
+static kvmix_result kvmix__record(kvmix_cache *c, kvmix__why w) {
+    return kvmix__record_as(c, "", w);
+}
+
+KVMIXDEF const char *kvmix_cache_last_error(const kvmix_cache *cache) {
+    return cache ? cache->priv.error : "cache: NULL";
+}
+
+static int kvmix__int_in(int32_t v, int32_t lo, int32_t hi, int32_t multiple) {
+    return v >= lo && v <= hi && v % multiple == 0;
+}
+
 /* One unsealed page of the sequence a plan works on, oldest first. */
 typedef struct kvmix__sim_page {
     int32_t entry; /* index in the sequence's page table */
@@ -2385,7 +2461,17 @@ typedef struct kvmix__plan {
     int32_t n_jobs;    /* device arena: jobs queued */
     kvmix__sim_page *pages;
     kvmix__arena_op *ops;
+    kvmix__why failure; /* what ran out, when something did */
 } kvmix__plan;
+
+/* The plan cannot go on: `argument` ran out of room. */
+static kvmix_result kvmix__plan_fail(kvmix__plan *plan, const char *argument, const char *reason) {
+    plan->failure = kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, argument, reason);
+    return KVMIX_ERR_OUT_OF_MEMORY;
+}
+
+#define KVMIX__HELD_DESCRIPTORS "released pages hold them until kvmix_cache_jobs_take"
+#define KVMIX__NO_RUN           "no free run of granules for "
 
 /* A queued job of a device arena, with what decides its batch. */
 typedef struct kvmix__job {
@@ -2838,23 +2924,82 @@ static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regio
     return 1;
 }
 
-static int kvmix__format_value_known(uint8_t format) { return kvmix__format_known(format); }
+/* The counts and capacities, each within its documented range; zeros already defaulted. */
+static kvmix__why kvmix__desc_counts_ok(const kvmix_cache_desc *d) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__int_in(d->page_tokens, 8, 1024, 8))
+        return kvmix__why_not(bad, "page_tokens", "must be a multiple of 8 in 8 .. 1024");
+    if (!kvmix__int_in(d->max_seqs, 1, 1 << 20, 1))
+        return kvmix__why_not(bad, "max_seqs", "must be in 1 .. 2^20");
+    if (!kvmix__int_in(d->max_tokens_per_seq, 1, 1 << 26, 1))
+        return kvmix__why_not(bad, "max_tokens_per_seq", "must be in 1 .. 2^26");
+    if (!kvmix__int_in(d->max_pages_per_seq, 1, 1 << 24, 1))
+        return kvmix__why_not(bad, "max_pages_per_seq", "must be in 1 .. 2^24");
+    if (!kvmix__int_in(d->n_sink, 0, d->page_tokens, 1))
+        return kvmix__why_not(bad, "n_sink", "must be in 0 .. page_tokens");
+    if (!kvmix__int_in(d->n_window, 0, d->max_tokens_per_seq, 1))
+        return kvmix__why_not(bad, "n_window", "must be in 0 .. max_tokens_per_seq");
+    if (!kvmix__int_in(d->window_values_only, 0, 1, 1))
+        return kvmix__why_not(bad, "window_values_only", "must be 0 or 1");
+    if (d->partial != KVMIX_CACHE_PARTIAL_KEEP_FP16 && d->partial != KVMIX_CACHE_PARTIAL_QUANTIZE)
+        return kvmix__why_not(bad, "partial", "must be a kvmix_cache_partial");
+    if (d->granule_bytes < 64 || d->granule_bytes > ((size_t)1 << 20) ||
+        (d->granule_bytes & (d->granule_bytes - 1)) != 0)
+        return kvmix__why_not(bad, "granule_bytes", "must be a power of two in 64 .. 2^20");
+    if (d->arena_bytes < d->granule_bytes)
+        return kvmix__why_not(bad, "arena_bytes", "must be at least granule_bytes");
+    return kvmix__why_ok();
+}
 
-KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc) {
-    kvmix_cache_desc d;
-    kvmix__cache_regions regions;
+/* Channel groups, boosted channels and the default formats against head_dim. */
+static kvmix__why kvmix__desc_formats_ok(const kvmix_cache_desc *d) {
     kvmix_layout probe;
+    memset(&probe, 0, sizeof probe);
+    probe.format = KVMIX_FORMAT_INT4;
+    probe.head_dim = d->head_dim;
+    probe.group_size = d->group_size;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "group_size",
+                              "must be a multiple of 8 that divides head_dim");
+    probe.group_size = d->value_group_size;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "value_group_size",
+                              "must be a multiple of 8 that divides head_dim");
+    probe.format = KVMIX_FORMAT_BOOSTED;
+    probe.group_size = 0;
+    probe.n_boost = d->n_boost;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "n_boost",
+                              "must be a multiple of 4, at most head_dim and 252");
+    if (!kvmix__format_known(d->default_precision.key_format) ||
+        !kvmix__format_known(d->default_precision.value_format))
+        return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "default_precision",
+                              "holds a value that is not a kvmix_format");
+    return kvmix__why_ok();
+}
+
+/* Checks a desc and writes it back with defaults resolved (unchanged on failure). */
+static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
+    kvmix_cache_desc d = *desc;
+    kvmix__cache_regions regions;
     double fp16_page_bytes;
-    if (!desc) return KVMIX_ERR_NULL_POINTER;
-    d = *desc;
-    if (d.n_layers <= 0 || d.n_layers > KVMIX__CACHE_MAX_LAYERS || d.n_kv_heads <= 0 ||
-        d.n_kv_heads > KVMIX__CACHE_MAX_HEADS)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.head_dim <= 0 || d.head_dim % 32 != 0 || d.head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
+    kvmix__why w;
+    if (!kvmix__int_in(d.n_layers, 1, KVMIX__CACHE_MAX_LAYERS, 1))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_layers", "must be in 1 .. 4096");
+    if (!kvmix__int_in(d.n_kv_heads, 1, KVMIX__CACHE_MAX_HEADS, 1))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads", "must be in 1 .. 4096");
+    if (!kvmix__int_in(d.head_dim, 32, KVMIX_MAX_HEAD_DIM, 32))
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "head_dim",
+                              "must be a multiple of 32 up to KVMIX_MAX_HEAD_DIM");
+    if (!kvmix__int_in(d.device_arena, 0, 1, 1))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena", "must be 0 or 1");
+    if (!kvmix__int_in(d.max_jobs, 0, 1 << 24, 1))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "max_jobs", "must be in 0 .. 2^24");
     if (d.page_tokens == 0) d.page_tokens = 64;
     if (d.max_seqs == 0) d.max_seqs = 64;
     if (d.max_tokens_per_seq == 0) d.max_tokens_per_seq = 4096;
+    if (d.max_pages_per_seq == 0 && d.page_tokens > 0 && d.max_tokens_per_seq > 0)
+        d.max_pages_per_seq = (d.max_tokens_per_seq + d.page_tokens - 1) / d.page_tokens + 8;
     if (d.group_size == 0) d.group_size = KVMIX_GROUP_SIZE_DEFAULT;
     if (d.value_group_size == 0) d.value_group_size = d.group_size;
     if (d.n_boost == 0) d.n_boost = 16;
@@ -2862,45 +3007,35 @@ KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc) {
     if (d.default_precision.key_format == 0) d.default_precision.key_format = KVMIX_FORMAT_INT4;
     if (d.default_precision.value_format == 0) d.default_precision.value_format = KVMIX_FORMAT_INT4;
     if (d.granule_bytes == 0) d.granule_bytes = 256;
-    if (d.device_arena < 0 || d.device_arena > 1 || d.max_jobs < 0 || d.max_jobs > (1 << 24))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.max_jobs == 0 && d.device_arena) {
+    if (d.max_jobs == 0 && d.device_arena && d.max_seqs > 0) {
         int64_t jobs = 4 * (int64_t)d.n_layers * d.n_kv_heads * d.max_seqs;
         d.max_jobs = (int32_t)(jobs < (1 << 24) ? jobs : (1 << 24));
     }
-    if (d.page_tokens < 8 || d.page_tokens > 1024 || d.page_tokens % 8 != 0 || d.max_seqs < 0 ||
-        d.max_seqs > (1 << 20) || d.max_tokens_per_seq < 0 || d.max_tokens_per_seq > (1 << 26))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.max_pages_per_seq == 0)
-        d.max_pages_per_seq = (d.max_tokens_per_seq + d.page_tokens - 1) / d.page_tokens + 8;
-    if (d.max_pages_per_seq < 0 || d.max_pages_per_seq > (1 << 24) || d.n_sink < 0 ||
-        d.n_sink > d.page_tokens || d.n_window < 0 || d.n_window > d.max_tokens_per_seq ||
-        d.window_values_only < 0 || d.window_values_only > 1 ||
-        (d.partial != KVMIX_CACHE_PARTIAL_KEEP_FP16 && d.partial != KVMIX_CACHE_PARTIAL_QUANTIZE))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.granule_bytes < 64 || d.granule_bytes > ((size_t)1 << 20) ||
-        (d.granule_bytes & (d.granule_bytes - 1)) != 0 || d.arena_bytes < d.granule_bytes)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    memset(&probe, 0, sizeof probe);
-    probe.format = KVMIX_FORMAT_INT4;
-    probe.head_dim = d.head_dim;
-    probe.group_size = d.group_size;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
-    probe.group_size = d.value_group_size;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
-    probe.format = KVMIX_FORMAT_BOOSTED;
-    probe.group_size = 0;
-    probe.n_boost = d.n_boost;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
-    if (!kvmix__format_value_known(d.default_precision.key_format) ||
-        !kvmix__format_value_known(d.default_precision.value_format))
-        return KVMIX_ERR_UNKNOWN_FORMAT;
+    if ((w = kvmix__desc_counts_ok(&d)).result != KVMIX_SUCCESS) return w;
+    if ((w = kvmix__desc_formats_ok(&d)).result != KVMIX_SUCCESS) return w;
     /* the largest page (an FP16 buffer) must be addressable in granules */
     fp16_page_bytes = 4.0 * d.n_layers * d.n_kv_heads * d.page_tokens * (double)d.head_dim;
-    if (fp16_page_bytes / (double)d.granule_bytes > 2147483647.0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!kvmix__cache_regions_of(&d, &regions)) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (fp16_page_bytes / (double)d.granule_bytes > 2147483647.0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "granule_bytes",
+                              "too small: an FP16 page needs more than 2^31 granules");
+    if (!kvmix__cache_regions_of(&d, &regions))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "max_seqs",
+                              "with max_tokens_per_seq and max_pages_per_seq, more metadata "
+                              "than memory can address");
     *desc = d;
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc,
+                                               kvmix_cache_desc_error *out_error) {
+    kvmix__why w;
+    if (!desc) return KVMIX_ERR_NULL_POINTER;
+    w = kvmix__desc_resolve(desc);
+    if (w.result != KVMIX_SUCCESS && out_error) {
+        out_error->field = w.argument;
+        out_error->reason = w.reason;
+    }
+    return w.result;
 }
 
 KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes) {
@@ -2909,66 +3044,94 @@ KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, siz
     kvmix_result r;
     if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
     d = *desc;
-    if ((r = kvmix_cache_desc_resolve(&d)) != KVMIX_SUCCESS) return r;
-    if (!kvmix__cache_regions_of(&d, &regions)) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((r = kvmix__desc_resolve(&d).result) != KVMIX_SUCCESS) return r;
+    kvmix__cache_regions_of(&d, &regions);
     *out_bytes = regions.total;
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *desc, void *memory,
-                                       size_t memory_bytes, void *arena) {
-    kvmix_cache_desc d;
-    kvmix__cache_regions g;
-    kvmix_result r;
-    uint8_t *m = (uint8_t *)memory;
+/* kvmix_cache_init's work once the desc is resolved. */
+static void kvmix__cache_setup(kvmix_cache *cache, const kvmix_cache_desc *d, uint8_t *m,
+                               const kvmix__cache_regions *g, void *arena) {
     int32_t i;
-    if (!cache || !desc || !memory || !arena) return KVMIX_ERR_NULL_POINTER;
-    d = *desc;
-    if ((r = kvmix_cache_desc_resolve(&d)) != KVMIX_SUCCESS) return r;
-    if (((uintptr_t)memory & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    kvmix__cache_regions_of(&d, &g);
-    if (memory_bytes < g.total) return KVMIX_ERR_BUFFER_TOO_SMALL;
-    memset(memory, 0, g.total);
+    memset(m, 0, g->total);
     memset(cache, 0, sizeof *cache);
-    cache->desc = d;
+    cache->desc = *d;
     cache->arena = (uint8_t *)arena;
-    cache->priv.memory = memory;
-    cache->priv.memory_bytes = g.total;
-    cache->max_pages = g.max_pages;
-    cache->priv.journal_capacity = g.journal_capacity;
-    cache->priv.n_granules = g.n_granules;
-    cache->priv.n_free_granules = g.n_granules;
-    cache->seqs = (kvmix_cache_seq *)(void *)(m + g.seqs);
-    cache->entries = (kvmix_cache_entry *)(void *)(m + g.entries);
-    cache->slots = (uint32_t *)(void *)(m + g.slots);
-    cache->written = (int32_t *)(void *)(m + g.written);
-    cache->pages = (kvmix_cache_page *)(void *)(m + g.pages);
-    cache->priv.free_pages = (uint32_t *)(void *)(m + g.free_pages);
-    cache->priv.bitmap = (uint64_t *)(void *)(m + g.bitmap);
-    cache->priv.scratch = (float *)(void *)(m + g.scratch);
-    cache->priv.sim = (void *)(m + g.sim);
-    cache->priv.journal = (void *)(m + g.journal);
-    cache->priv.jobs = (void *)(m + g.jobs);
-    cache->priv.retired_runs = (void *)(m + g.retired_runs);
-    cache->priv.retired_pages = (uint32_t *)(void *)(m + g.retired_pages);
-    cache->priv.page_segment = (uint32_t *)(void *)(m + g.page_segment);
+    cache->priv.memory = m;
+    cache->priv.memory_bytes = g->total;
+    cache->max_pages = g->max_pages;
+    cache->priv.journal_capacity = g->journal_capacity;
+    cache->priv.n_granules = g->n_granules;
+    cache->priv.n_free_granules = g->n_granules;
+    cache->seqs = (kvmix_cache_seq *)(void *)(m + g->seqs);
+    cache->entries = (kvmix_cache_entry *)(void *)(m + g->entries);
+    cache->slots = (uint32_t *)(void *)(m + g->slots);
+    cache->written = (int32_t *)(void *)(m + g->written);
+    cache->pages = (kvmix_cache_page *)(void *)(m + g->pages);
+    cache->priv.free_pages = (uint32_t *)(void *)(m + g->free_pages);
+    cache->priv.bitmap = (uint64_t *)(void *)(m + g->bitmap);
+    cache->priv.scratch = (float *)(void *)(m + g->scratch);
+    cache->priv.sim = (void *)(m + g->sim);
+    cache->priv.journal = (void *)(m + g->journal);
+    cache->priv.jobs = (void *)(m + g->jobs);
+    cache->priv.retired_runs = (void *)(m + g->retired_runs);
+    cache->priv.retired_pages = (uint32_t *)(void *)(m + g->retired_pages);
+    cache->priv.page_segment = (uint32_t *)(void *)(m + g->page_segment);
     cache->priv.segment = 1;
     for (i = KVMIX_FORMAT_FP16; i <= KVMIX_FORMAT_BOOSTED; i++) {
         cache->priv.full_block_bytes[0][i] =
-            kvmix__cache_block_bytes(cache, 0, i, d.page_tokens, d.page_tokens);
+            kvmix__cache_block_bytes(cache, 0, i, d->page_tokens, d->page_tokens);
         cache->priv.full_block_bytes[1][i] =
-            kvmix__cache_block_bytes(cache, 1, i, d.page_tokens, d.page_tokens);
+            kvmix__cache_block_bytes(cache, 1, i, d->page_tokens, d->page_tokens);
     }
     /* the sentinel: pinned, no bytes */
     cache->pages[0].refcount = 1;
     cache->pages[0].sealed = 1;
     cache->pages[0].key_format = KVMIX_FORMAT_FP16;
     cache->pages[0].value_format = KVMIX_FORMAT_FP16;
-    for (i = 0; i < g.max_pages - 1; i++)
-        cache->priv.free_pages[i] = (uint32_t)(g.max_pages - 1 - i);
-    cache->priv.n_free_pages = g.max_pages - 1;
+    for (i = 0; i < g->max_pages - 1; i++)
+        cache->priv.free_pages[i] = (uint32_t)(g->max_pages - 1 - i);
+    cache->priv.n_free_pages = g->max_pages - 1;
+}
+
+/* Records a refused desc as "desc.<field>: <reason>". */
+static kvmix_result kvmix__record_desc(kvmix_cache *cache, kvmix__why w) {
+    return kvmix__record_as(cache, "desc.", w);
+}
+
+KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *desc, void *memory,
+                                       size_t memory_bytes, void *arena) {
+    kvmix_cache_desc d;
+    kvmix__cache_regions g;
+    kvmix__why w;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (!desc || !memory || !arena)
+        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                                                   !desc     ? "desc"
+                                                   : !memory ? "memory"
+                                                             : "arena",
+                                                   "NULL"));
+    d = *desc;
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__record_desc(cache, w);
+    if (((uintptr_t)memory & 7u) != 0)
+        return kvmix__record(
+            cache, kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "memory", "not 8-byte aligned"));
+    kvmix__cache_regions_of(&d, &g);
+    if (memory_bytes < g.total)
+        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "memory_bytes",
+                                                   "less than kvmix_cache_memory_bytes"));
+    kvmix__cache_setup(cache, &d, (uint8_t *)memory, &g, arena);
     *desc = d;
     return KVMIX_SUCCESS;
+}
+
+/* Returns memory taken from the allocator (NULL functions: KVMIX_FREE). */
+static void kvmix__allocator_free(const kvmix_allocator *a, void *ptr) {
+    if (a->free_fn)
+        a->free_fn(ptr, a->user);
+    else
+        KVMIX_FREE(ptr);
 }
 
 KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache_desc *desc,
@@ -2978,32 +3141,30 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
     size_t bytes;
     void *memory, *arena;
     kvmix_result r;
-    if (!cache || !desc) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (!desc) return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_NULL_POINTER, "desc", "NULL"));
     d = *desc;
-    if (d.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* the caller's device memory */
-    if ((r = kvmix_cache_memory_bytes(&d, &bytes)) != KVMIX_SUCCESS) return r;
-    kvmix_cache_desc_resolve(&d);
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__record_desc(cache, w);
+    if (d.device_arena)
+        return kvmix__record_desc(
+            cache, kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena",
+                                  "a device arena is the caller's: kvmix_cache_init takes it"));
+    kvmix_cache_memory_bytes(&d, &bytes);
     memset(&a, 0, sizeof a);
     if (allocator && allocator->alloc_fn && allocator->free_fn) a = *allocator;
     memory = a.alloc_fn ? a.alloc_fn(bytes, a.user) : KVMIX_MALLOC(bytes);
-    if (!memory) return KVMIX_ERR_OUT_OF_MEMORY;
     arena = a.alloc_fn ? a.alloc_fn(d.arena_bytes, a.user) : KVMIX_MALLOC(d.arena_bytes);
-    if (!arena) {
-        if (a.free_fn)
-            a.free_fn(memory, a.user);
-        else
-            KVMIX_FREE(memory);
-        return KVMIX_ERR_OUT_OF_MEMORY;
+    if (!memory || !arena) {
+        if (memory) kvmix__allocator_free(&a, memory);
+        if (arena) kvmix__allocator_free(&a, arena);
+        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "allocator",
+                                                   !memory ? "no metadata memory" : "no arena"));
     }
     r = kvmix_cache_init(cache, &d, memory, bytes, arena);
     if (r != KVMIX_SUCCESS) {
-        if (a.free_fn) {
-            a.free_fn(arena, a.user);
-            a.free_fn(memory, a.user);
-        } else {
-            KVMIX_FREE(arena);
-            KVMIX_FREE(memory);
-        }
+        kvmix__allocator_free(&a, arena);
+        kvmix__allocator_free(&a, memory);
         return r;
     }
     cache->priv.allocator = a;
@@ -3015,24 +3176,27 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
 KVMIXDEF void kvmix_cache_deinit(kvmix_cache *cache) {
     if (!cache) return;
     if (cache->priv.owns_memory) {
-        if (cache->priv.allocator.free_fn) {
-            cache->priv.allocator.free_fn(cache->arena, cache->priv.allocator.user);
-            cache->priv.allocator.free_fn(cache->priv.memory, cache->priv.allocator.user);
-        } else {
-            KVMIX_FREE(cache->arena);
-            KVMIX_FREE(cache->priv.memory);
-        }
+        kvmix__allocator_free(&cache->priv.allocator, cache->arena);
+        kvmix__allocator_free(&cache->priv.allocator, cache->priv.memory);
     }
     memset(cache, 0, sizeof *cache);
 }
 
 /* ---- sequences ----------------------------------------------------------------------------- */
 
-static kvmix_result kvmix__cache_seq_ok(const kvmix_cache *c, int32_t seq) {
-    if (!c->seqs) return KVMIX_ERR_INVALID_ARGUMENT; /* not initialized */
+static kvmix__why kvmix__cache_ok(const kvmix_cache *c) {
+    if (!c->seqs)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "not initialized (kvmix_cache_init)");
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__cache_seq_ok(const kvmix_cache *c, int32_t seq) {
+    if (!c->seqs) return kvmix__cache_ok(c);
     if (seq < 0 || seq >= c->desc.max_seqs || !c->seqs[seq].in_use)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    return KVMIX_SUCCESS;
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seq",
+                              "not a live sequence (kvmix_cache_seq_create)");
+    return kvmix__why_ok();
 }
 
 static int32_t kvmix__free_seq_id(const kvmix_cache *c) {
@@ -3042,15 +3206,23 @@ static int32_t kvmix__free_seq_id(const kvmix_cache *c) {
     return -1;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_seq) {
+static kvmix__why kvmix__seq_create(kvmix_cache *cache, int32_t *out_seq) {
+    kvmix__why w;
     int32_t s;
-    if (!cache || !out_seq) return KVMIX_ERR_NULL_POINTER;
-    if (!cache->seqs) return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((s = kvmix__free_seq_id(cache)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (!out_seq) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "out_seq", "NULL");
+    if ((w = kvmix__cache_ok(cache)).result != KVMIX_SUCCESS) return w;
+    if ((s = kvmix__free_seq_id(cache)) < 0)
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "desc.max_seqs",
+                              "that many sequences are live (kvmix_cache_seq_free one)");
     memset(&cache->seqs[s], 0, sizeof cache->seqs[s]);
     cache->seqs[s].in_use = 1;
     *out_seq = s;
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_seq) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_create(cache, out_seq));
 }
 
 /* Whether entry j still has a row the sequence uses. */
@@ -3081,20 +3253,27 @@ static void kvmix__drop_dead_entries(kvmix_cache *c, int32_t seq) {
     s->n_entries = kept;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
-                                           int32_t *out_seq) {
+static kvmix__why kvmix__seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
+                                  int32_t *out_seq) {
     const kvmix_cache_seq *ps;
     const kvmix_cache_entry *pe;
     kvmix_cache_seq *cs;
     kvmix_cache_entry *ce;
     uint32_t *slots;
-    kvmix_result r;
+    kvmix__why w;
     int32_t child, i, pos;
-    if (!cache || !out_seq) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, parent)) != KVMIX_SUCCESS) return r;
+    if (!out_seq) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "out_seq", "NULL");
+    if ((w = kvmix__cache_seq_ok(cache, parent)).result != KVMIX_SUCCESS) {
+        w.argument = "parent";
+        return w;
+    }
     ps = &cache->seqs[parent];
-    if (n_prefix < 0 || n_prefix > ps->n_written) return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((child = kvmix__free_seq_id(cache)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (n_prefix < 0 || n_prefix > ps->n_written)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_prefix",
+                              "must be in 0 .. the parent's positions written on every layer");
+    if ((child = kvmix__free_seq_id(cache)) < 0)
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "desc.max_seqs",
+                              "that many sequences are live (kvmix_cache_seq_free one)");
     cs = &cache->seqs[child];
     pe = kvmix__seq_entries(cache, parent);
     ce = kvmix__seq_entries(cache, child);
@@ -3114,16 +3293,21 @@ KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, i
         if (slots[pos] != KVMIX_CACHE_DEAD_SLOT) cs->n_live++;
     kvmix__drop_dead_entries(cache, child);
     *out_seq = child;
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
-KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq) {
+KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
+                                           int32_t *out_seq) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_fork(cache, parent, n_prefix, out_seq));
+}
+
+static kvmix__why kvmix__seq_free(kvmix_cache *cache, int32_t seq) {
     kvmix_cache_seq *s;
     kvmix_cache_entry *e;
-    kvmix_result r;
+    kvmix__why w;
     int32_t i;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
     s = &cache->seqs[seq];
     e = kvmix__seq_entries(cache, seq);
     for (i = 0; i < s->n_entries; i++) {
@@ -3132,23 +3316,30 @@ KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq) {
     }
     kvmix__seq_set_written(cache, seq, 0);
     memset(s, 0, sizeof *s);
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
-KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
-                                        int32_t n_positions) {
+KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_free(cache, seq));
+}
+
+static kvmix__why kvmix__evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
+                               int32_t n_positions) {
     kvmix_cache_seq *s;
     uint32_t *slots;
-    kvmix_result r;
+    kvmix__why w;
     int32_t i;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    if (n_positions < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_positions == 0) return KVMIX_SUCCESS;
-    if (!positions) return KVMIX_ERR_NULL_POINTER;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    if (n_positions < 0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_positions", "negative");
+    if (n_positions == 0) return kvmix__why_ok();
+    if (!positions) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "positions", "NULL");
     s = &cache->seqs[seq];
     for (i = 0; i < n_positions; i++)
-        if (positions[i] < 0 || positions[i] >= s->n_written) return KVMIX_ERR_INVALID_ARGUMENT;
+        if (positions[i] < 0 || positions[i] >= s->n_written)
+            return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "positions",
+                                  "one is not in 0 .. the positions written on every layer");
     slots = kvmix__seq_slots(cache, seq);
     for (i = 0; i < n_positions; i++)
         if (slots[positions[i]] != KVMIX_CACHE_DEAD_SLOT) {
@@ -3156,7 +3347,13 @@ KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const i
             s->n_live--;
         }
     kvmix__drop_dead_entries(cache, seq);
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
+                                        int32_t n_positions) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__evict(cache, seq, positions, n_positions));
 }
 
 /* ---- writes: plan, then commit ------------------------------------------------------------- */
@@ -3198,8 +3395,10 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
                                      kvmix__sim_page *sp) {
     kvmix__geom g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, sp->capacity);
     int64_t n = kvmix__granules_of(c, g.total_bytes), start;
-    if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
-    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages)
+        return kvmix__plan_fail(plan, "page descriptors", KVMIX__HELD_DESCRIPTORS);
+    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+        return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "the copy of a shared page");
     if (plan->dry && c->desc.device_arena)
         plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
@@ -3250,11 +3449,14 @@ static kvmix_result kvmix__plan_new_page(kvmix_cache *c, int32_t seq, kvmix__pla
         capacity = c->desc.n_sink - plan->len;
         sink = 1;
     }
-    if (plan->n_entries >= c->desc.max_pages_per_seq) return KVMIX_ERR_OUT_OF_MEMORY;
-    if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->n_entries >= c->desc.max_pages_per_seq)
+        return kvmix__plan_fail(plan, "desc.max_pages_per_seq", "the page table is full");
+    if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages)
+        return kvmix__plan_fail(plan, "page descriptors", KVMIX__HELD_DESCRIPTORS);
     g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, capacity);
     n = kvmix__granules_of(c, g.total_bytes);
-    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+        return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "a new page");
     sp = &plan->pages[plan->n++];
     memset(sp, 0, sizeof *sp);
     sp->entry = plan->n_entries;
@@ -3378,7 +3580,8 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     }
     g = kvmix__page_geom(c, key_format, value_format, rows, rows);
     n = kvmix__granules_of(c, g.total_bytes);
-    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+        return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "sealing a page");
     if (plan->dry && c->desc.device_arena)
         plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
@@ -3520,9 +3723,9 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
 }
 
 /* Plans the call (undoing its arena operations), then runs it for real. */
-static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_tokens,
-                                        const float *keys, const float *values,
-                                        const kvmix_cache_precision *precisions, int finish) {
+static kvmix__why kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_tokens,
+                                      const float *keys, const float *values,
+                                      const kvmix_cache_precision *precisions, int finish) {
     kvmix__plan plan;
     int64_t hint = c->priv.first_free_hint, fit_size[8], fit_from[8];
     int32_t fit_next = c->priv.fit_next;
@@ -3534,6 +3737,8 @@ static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_t
     memcpy(fit_from, c->priv.fit_from, sizeof fit_from);
     kvmix__plan_begin(c, seq, &plan, 1);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
+    if (plan.overflow)
+        kvmix__plan_fail(&plan, "n_tokens", "more arena operations than a plan holds");
     kvmix__plan_undo(c, &plan, hint);
     memcpy(c->priv.fit_size, fit_size, sizeof fit_size);
     memcpy(c->priv.fit_from, fit_from, sizeof fit_from);
@@ -3542,8 +3747,8 @@ static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_t
     memset(plan.ops, 0, (size_t)plan.max_ops * sizeof *plan.ops);
     /* a device arena's queue holds the jobs and, one per seal, the granules released */
     if (r == KVMIX_SUCCESS && plan.n_jobs > c->desc.max_jobs - c->n_jobs)
-        r = KVMIX_ERR_OUT_OF_MEMORY;
-    if (r != KVMIX_SUCCESS) return r;
+        r = kvmix__plan_fail(&plan, "desc.max_jobs", "the job queue is full (take the jobs)");
+    if (r != KVMIX_SUCCESS) return plan.failure;
     kvmix__plan_begin(c, seq, &plan, 0);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
     KVMIX_ASSERT(r == KVMIX_SUCCESS);
@@ -3552,7 +3757,7 @@ static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_t
         memset(c->priv.scratch, 0,
                (size_t)c->desc.page_tokens * (size_t)c->desc.head_dim * sizeof(float));
     if (keys) kvmix__seq_set_written(c, seq, c->seqs[seq].n_tokens);
-    return r;
+    return kvmix__why_ok();
 }
 
 static int kvmix__rows_representable(const float *x, size_t n) {
@@ -3563,50 +3768,69 @@ static int kvmix__rows_representable(const float *x, size_t n) {
 }
 
 /* The checks shared by reserve and ingest: the sequence, the count, the formats. */
-static kvmix_result kvmix__extend_ok(const kvmix_cache *c, int32_t seq, int32_t n_tokens,
-                                     const kvmix_cache_precision *precisions) {
-    kvmix_result r;
+static kvmix__why kvmix__extend_ok(const kvmix_cache *c, int32_t seq, int32_t n_tokens,
+                                   const kvmix_cache_precision *precisions) {
+    kvmix__why w;
     int32_t t;
-    if ((r = kvmix__cache_seq_ok(c, seq)) != KVMIX_SUCCESS) return r;
-    if (n_tokens < 0 || n_tokens > c->desc.max_tokens_per_seq - c->seqs[seq].n_tokens)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((w = kvmix__cache_seq_ok(c, seq)).result != KVMIX_SUCCESS) return w;
+    if (n_tokens < 0) return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens", "negative");
+    if (n_tokens > c->desc.max_tokens_per_seq - c->seqs[seq].n_tokens)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens",
+                              "the sequence would pass desc.max_tokens_per_seq");
     if (precisions)
         for (t = 0; t < n_tokens; t++)
             if (!kvmix__format_known(precisions[t].key_format) ||
                 !kvmix__format_known(precisions[t].value_format))
-                return KVMIX_ERR_UNKNOWN_FORMAT;
-    return KVMIX_SUCCESS;
+                return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precisions",
+                                      "a value that is not a kvmix_format");
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__reserve(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                 const kvmix_cache_precision *precisions,
+                                 int32_t *out_first_position) {
+    kvmix__why w;
+    int32_t first;
+    if ((w = kvmix__extend_ok(cache, seq, n_tokens, precisions)).result != KVMIX_SUCCESS) return w;
+    first = cache->seqs[seq].n_tokens;
+    if (n_tokens > 0 &&
+        (w = kvmix__plan_and_run(cache, seq, n_tokens, NULL, NULL, precisions, 0)).result !=
+            KVMIX_SUCCESS)
+        return w;
+    if (out_first_position) *out_first_position = first;
+    return kvmix__why_ok();
 }
 
 KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                           const kvmix_cache_precision *precisions,
                                           int32_t *out_first_position) {
-    kvmix_result r;
-    int32_t first;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__extend_ok(cache, seq, n_tokens, precisions)) != KVMIX_SUCCESS) return r;
-    first = cache->seqs[seq].n_tokens;
-    if (n_tokens > 0 &&
-        (r = kvmix__plan_and_run(cache, seq, n_tokens, NULL, NULL, precisions, 0)) != KVMIX_SUCCESS)
-        return r;
-    if (out_first_position) *out_first_position = first;
-    return KVMIX_SUCCESS;
+    return kvmix__record(cache,
+                         kvmix__reserve(cache, seq, n_tokens, precisions, out_first_position));
 }
 
 /* The checks of a write of layer rows: the place (kvmix_cache_write's rules) and, for positions
    written before, that no one else sees them. */
-static kvmix_result kvmix__write_ok(const kvmix_cache *c, int32_t seq, int32_t layer,
-                                    int32_t first_position, int32_t n_tokens) {
+static kvmix__why kvmix__write_ok(const kvmix_cache *c, int32_t seq, int32_t layer,
+                                  int32_t first_position, int32_t n_tokens) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
     const uint32_t *slots;
     const int32_t *written;
     uint32_t page_tokens = (uint32_t)c->desc.page_tokens;
     int32_t t, end;
-    kvmix_result r;
-    if ((r = kvmix__cache_seq_ok(c, seq)) != KVMIX_SUCCESS) return r;
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(c, seq)).result != KVMIX_SUCCESS) return w;
     written = kvmix__seq_written(c, seq);
-    if (layer < 0 || layer >= c->desc.n_layers || n_tokens < 0 || first_position < 0 ||
-        first_position > written[layer] || n_tokens > c->seqs[seq].n_tokens - first_position)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (layer < 0 || layer >= c->desc.n_layers)
+        return kvmix__why_not(bad, "layer", "must be in 0 .. desc.n_layers - 1");
+    if (n_tokens < 0) return kvmix__why_not(bad, "n_tokens", "negative");
+    if (first_position < 0) return kvmix__why_not(bad, "first_position", "negative");
+    if (n_tokens > c->seqs[seq].n_tokens - first_position)
+        return kvmix__why_not(bad, "first_position",
+                              "its positions are not reserved yet (kvmix_cache_reserve first)");
+    if (first_position > written[layer])
+        return kvmix__why_not(bad, "first_position",
+                              "past the layer's written rows: rows go in order, without gaps");
     slots = kvmix__seq_slots(c, seq);
     /* a row written before is rewritten only where no one else sees it; rows not written yet are
        in unsealed pages, live, and used by this sequence only (seals wait for n_written, eviction
@@ -3616,9 +3840,10 @@ static kvmix_result kvmix__write_ok(const kvmix_cache *c, int32_t seq, int32_t l
         const kvmix_cache_page *p = &c->pages[slots[t] / page_tokens];
         if (slots[t] == KVMIX_CACHE_DEAD_SLOT || p->sealed || p->key_format != KVMIX_FORMAT_FP16 ||
             p->refcount > 1)
-            return KVMIX_ERR_INVALID_ARGUMENT;
+            return kvmix__why_not(bad, "first_position",
+                                  "rewrites a row that is sealed, shared or evicted");
     }
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
 /* Positions up to `end` of the layer have rows: the layer's count and n_written follow. */
@@ -3636,24 +3861,35 @@ static void kvmix__note_written(kvmix_cache *c, int32_t seq, int32_t layer, int3
     s->n_written = least;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
-                                        int32_t first_position, int32_t n_tokens, const float *keys,
-                                        const float *values) {
+/* Which of two row arrays holds a value that is not FP16-representable, or NULL. */
+static const char *kvmix__rows_unrepresentable(const float *keys, const float *values, size_t n) {
+    if (!kvmix__rows_representable(keys, n)) return "keys";
+    if (!kvmix__rows_representable(values, n)) return "values";
+    return NULL;
+}
+
+#define KVMIX__NOT_FP16 "a value is NaN, infinite or beyond the FP16 range"
+
+static kvmix__why kvmix__write(kvmix_cache *cache, int32_t seq, int32_t layer,
+                               int32_t first_position, int32_t n_tokens, const float *keys,
+                               const float *values) {
     const uint32_t *slots;
-    kvmix_result r;
+    const char *bad_rows;
     uint32_t page_tokens;
     int32_t t;
     size_t hd;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* kvmix_cache_write_rows */
-    if ((r = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)) != KVMIX_SUCCESS)
-        return r;
-    if (n_tokens == 0) return KVMIX_SUCCESS;
-    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is device memory (kvmix_cache_write_rows)");
+    if ((w = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)).result != KVMIX_SUCCESS)
+        return w;
+    if (n_tokens == 0) return kvmix__why_ok();
+    if (!keys || !values)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER, !keys ? "keys" : "values", "NULL");
     hd = (size_t)cache->desc.n_kv_heads * (size_t)cache->desc.head_dim;
-    if (!kvmix__rows_representable(keys, (size_t)n_tokens * hd) ||
-        !kvmix__rows_representable(values, (size_t)n_tokens * hd))
-        return KVMIX_ERR_BAD_VALUE;
+    if ((bad_rows = kvmix__rows_unrepresentable(keys, values, (size_t)n_tokens * hd)) != NULL)
+        return kvmix__why_not(KVMIX_ERR_BAD_VALUE, bad_rows, KVMIX__NOT_FP16);
     slots = kvmix__seq_slots(cache, seq);
     page_tokens = (uint32_t)cache->desc.page_tokens;
     for (t = 0; t < n_tokens; t++) {
@@ -3664,7 +3900,15 @@ KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t
                           values + hd * (size_t)t);
     }
     kvmix__note_written(cache, seq, layer, first_position + n_tokens);
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                        int32_t first_position, int32_t n_tokens, const float *keys,
+                                        const float *values) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache,
+                         kvmix__write(cache, seq, layer, first_position, n_tokens, keys, values));
 }
 
 /* Positions first .. of a sequence whose rows are consecutive rows of one page: their count. */
@@ -3678,24 +3922,26 @@ static int32_t kvmix__page_run(const kvmix_cache *c, int32_t seq, int32_t first,
     return k;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, int32_t layer,
-                                             int32_t first_position, int32_t n_tokens,
-                                             int64_t source_row) {
+static kvmix__why kvmix__write_rows(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                    int32_t first_position, int32_t n_tokens, int64_t source_row) {
     const uint32_t *slots;
     const int32_t *written;
     uint32_t page_tokens;
     int32_t t, k, runs = 0, n_heads, d;
-    kvmix_result r;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if (!cache->desc.device_arena || source_row < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((r = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)) != KVMIX_SUCCESS)
-        return r;
+    kvmix__why w;
+    if (!cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is host memory (kvmix_cache_write)");
+    if (source_row < 0) return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "source_row", "negative");
+    if ((w = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)).result != KVMIX_SUCCESS)
+        return w;
     n_heads = cache->desc.n_kv_heads;
     d = cache->desc.head_dim;
     for (t = 0; t < n_tokens; t += kvmix__page_run(cache, seq, first_position + t, n_tokens - t))
         runs++;
     if ((int64_t)runs * 2 * n_heads > (int64_t)cache->desc.max_jobs - cache->n_jobs)
-        return KVMIX_ERR_OUT_OF_MEMORY;
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "desc.max_jobs",
+                              "the job queue is full (take the jobs)");
     slots = kvmix__seq_slots(cache, seq);
     written = kvmix__seq_written(cache, seq);
     page_tokens = (uint32_t)cache->desc.page_tokens;
@@ -3719,7 +3965,15 @@ KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, in
         kvmix__mark_pages(cache, 0, id);
     }
     kvmix__note_written(cache, seq, layer, first_position + n_tokens);
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                             int32_t first_position, int32_t n_tokens,
+                                             int64_t source_row) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(
+        cache, kvmix__write_rows(cache, seq, layer, first_position, n_tokens, source_row));
 }
 
 /* The batch a job belongs to within its segment. */
@@ -3794,19 +4048,29 @@ static void kvmix__release_held(kvmix_cache *c) {
     c->priv.n_retired_pages = 0;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs,
-                                            int32_t max_jobs, kvmix_cache_batch *batches,
-                                            int32_t max_batches, int32_t *out_n_jobs,
-                                            int32_t *out_n_batches) {
+static kvmix__why kvmix__jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs, int32_t max_jobs,
+                                   kvmix_cache_batch *batches, int32_t max_batches,
+                                   int32_t *out_n_jobs, int32_t *out_n_batches) {
     kvmix__job *q;
     int32_t i, n_batches;
-    if (!cache || !out_n_jobs || !out_n_batches) return KVMIX_ERR_NULL_POINTER;
-    if (!cache->seqs || !cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (cache->n_jobs > 0 && (!jobs || !batches)) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!out_n_jobs || !out_n_batches)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER, !out_n_jobs ? "out_n_jobs" : "out_n_batches",
+                              "NULL");
+    if ((w = kvmix__cache_ok(cache)).result != KVMIX_SUCCESS) return w;
+    if (!cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is host memory: it queues no jobs");
+    if (cache->n_jobs > 0 && (!jobs || !batches))
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER, !jobs ? "jobs" : "batches", "NULL");
     q = (kvmix__job *)cache->priv.jobs;
     n_batches = kvmix__group_jobs(cache, NULL, NULL);
     for (i = 0; i < cache->n_jobs; i++) q[i].taken = 0;
-    if (max_jobs < cache->n_jobs || max_batches < n_batches) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if (max_jobs < cache->n_jobs)
+        return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "max_jobs", "less than cache->n_jobs");
+    if (max_batches < n_batches)
+        return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "max_batches",
+                              "less than the batches of the queue (at most cache->n_jobs)");
     kvmix__group_jobs(cache, jobs, batches);
     memset(q, 0, (size_t)cache->n_jobs * sizeof *q);
     *out_n_jobs = cache->n_jobs;
@@ -3818,25 +4082,46 @@ KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_j
         memset(cache->priv.page_segment, 0, 2 * (size_t)cache->max_pages * sizeof(uint32_t));
         cache->priv.segment = 1;
     }
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs,
+                                            int32_t max_jobs, kvmix_cache_batch *batches,
+                                            int32_t max_batches, int32_t *out_n_jobs,
+                                            int32_t *out_n_batches) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__jobs_take(cache, jobs, max_jobs, batches, max_batches,
+                                                 out_n_jobs, out_n_batches));
+}
+
+static kvmix__why kvmix__ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                const float *keys, const float *values,
+                                const kvmix_cache_precision *precisions) {
+    const char *bad_rows;
+    kvmix__why w;
+    size_t n;
+    if (cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is device memory: rows pass the host here");
+    if ((w = kvmix__extend_ok(cache, seq, n_tokens, precisions)).result != KVMIX_SUCCESS) return w;
+    if (n_tokens == 0) return kvmix__why_ok();
+    if (!keys || !values)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER, !keys ? "keys" : "values", "NULL");
+    if (cache->seqs[seq].n_written != cache->seqs[seq].n_tokens)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seq",
+                              "has reserved positions not written on every layer yet");
+    n = (size_t)cache->desc.n_layers * (size_t)n_tokens * (size_t)cache->desc.n_kv_heads *
+        (size_t)cache->desc.head_dim;
+    if ((bad_rows = kvmix__rows_unrepresentable(keys, values, n)) != NULL)
+        return kvmix__why_not(KVMIX_ERR_BAD_VALUE, bad_rows, KVMIX__NOT_FP16);
+    return kvmix__plan_and_run(cache, seq, n_tokens, keys, values, precisions, 0);
 }
 
 KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                          const float *keys, const float *values,
                                          const kvmix_cache_precision *precisions) {
-    kvmix_result r;
-    size_t n;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* rows pass the host */
-    if ((r = kvmix__extend_ok(cache, seq, n_tokens, precisions)) != KVMIX_SUCCESS) return r;
-    if (n_tokens == 0) return KVMIX_SUCCESS;
-    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
-    if (cache->seqs[seq].n_written != cache->seqs[seq].n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
-    n = (size_t)cache->desc.n_layers * (size_t)n_tokens * (size_t)cache->desc.n_kv_heads *
-        (size_t)cache->desc.head_dim;
-    if (!kvmix__rows_representable(keys, n) || !kvmix__rows_representable(values, n))
-        return KVMIX_ERR_BAD_VALUE;
-    return kvmix__plan_and_run(cache, seq, n_tokens, keys, values, precisions, 0);
+    return kvmix__record(cache, kvmix__ingest(cache, seq, n_tokens, keys, values, precisions));
 }
 
 KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
@@ -3844,18 +4129,21 @@ KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const 
     return kvmix_cache_ingest(cache, seq, 1, keys, values, &precision);
 }
 
+/* Seals what is ready (finish 0) or ends a request (finish 1). */
+static kvmix__why kvmix__seal(kvmix_cache *cache, int32_t seq, int finish) {
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    return kvmix__plan_and_run(cache, seq, 0, NULL, NULL, NULL, finish);
+}
+
 KVMIXDEF kvmix_result kvmix_cache_seal_ready(kvmix_cache *cache, int32_t seq) {
-    kvmix_result r;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    return kvmix__plan_and_run(cache, seq, 0, NULL, NULL, NULL, 0);
+    return kvmix__record(cache, kvmix__seal(cache, seq, 0));
 }
 
 KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq) {
-    kvmix_result r;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    return kvmix__plan_and_run(cache, seq, 0, NULL, NULL, NULL, 1);
+    return kvmix__record(cache, kvmix__seal(cache, seq, 1));
 }
 
 /* ---- re-tiering ----------------------------------------------------------------------------- */
@@ -3917,37 +4205,61 @@ static const kvmix_cache_entry *kvmix__entry_at(const kvmix_cache *c, int32_t se
     return NULL;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_t position,
-                                         kvmix_cache_precision precision, const float *keys,
-                                         const float *values, kvmix_cache_rows rows) {
+/* The checks of a retier, its rows' values included; *out_page: the page to rewrite. */
+static kvmix__why kvmix__retier_ok(const kvmix_cache *cache, int32_t seq, int32_t position,
+                                   kvmix_cache_precision precision, const float *keys,
+                                   const float *values, kvmix_cache_rows rows, uint32_t *out_page) {
     const kvmix_cache_entry *e;
-    kvmix_cache_page *p;
-    kvmix__geom og, ng;
-    kvmix_result r;
-    int64_t old_start, old_n, new_n, start;
-    int32_t layer, kv, h, d;
-    int in_place;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    if (cache->desc.device_arena) return KVMIX_ERR_UNSUPPORTED; /* rows pass the host */
-    if (position < 0 || position >= cache->seqs[seq].n_tokens ||
-        (rows != KVMIX_CACHE_ROWS_ORIGINAL && rows != KVMIX_CACHE_ROWS_RESIDUAL))
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    const kvmix_cache_page *p;
+    kvmix__geom og;
+    int32_t layer, kv, h;
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    if (cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_UNSUPPORTED, "cache",
+                              "its arena is device memory: rows pass the host here");
+    if (position < 0 || position >= cache->seqs[seq].n_tokens)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "position",
+                              "must be in 0 .. the sequence's positions - 1");
+    if (rows != KVMIX_CACHE_ROWS_ORIGINAL && rows != KVMIX_CACHE_ROWS_RESIDUAL)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "rows", "must be a kvmix_cache_rows");
     if (!kvmix__format_known(precision.key_format) || !kvmix__format_known(precision.value_format))
-        return KVMIX_ERR_UNKNOWN_FORMAT;
-    if (!(e = kvmix__entry_at(cache, seq, position))) return KVMIX_ERR_NOT_FOUND;
+        return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precision",
+                              "a value that is not a kvmix_format");
+    if (!(e = kvmix__entry_at(cache, seq, position)))
+        return kvmix__why_not(KVMIX_ERR_NOT_FOUND, "position", "evicted: no page holds it");
     p = &cache->pages[e->page];
-    if (!p->sealed) return KVMIX_ERR_INVALID_ARGUMENT;
-    d = cache->desc.head_dim;
+    if (!p->sealed)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "position",
+                              "its page is an FP16 buffer, not sealed yet");
     og = kvmix__geom_of(cache, p);
-    ng =
-        kvmix__page_geom(cache, precision.key_format, precision.value_format, p->n_rows, p->n_rows);
     /* validate every block's new contents before writing any (no byte of the cache changes) */
     for (layer = 0; layer < cache->desc.n_layers; layer++)
         for (kv = 0; kv < 2; kv++)
             for (h = 0; h < cache->desc.n_kv_heads; h++)
                 if (!kvmix__retier_valid(cache, p, &og, layer, kv, h, kv ? values : keys, rows))
-                    return KVMIX_ERR_BAD_VALUE;
+                    return kvmix__why_not(KVMIX_ERR_BAD_VALUE, kv ? "values" : "keys",
+                                          "a new row value is NaN, infinite or beyond FP16");
+    *out_page = e->page;
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__retier(kvmix_cache *cache, int32_t seq, int32_t position,
+                                kvmix_cache_precision precision, const float *keys,
+                                const float *values, kvmix_cache_rows rows) {
+    kvmix_cache_page *p;
+    kvmix__geom og, ng;
+    int64_t old_start, old_n, new_n, start;
+    int32_t layer, kv, h, d;
+    uint32_t page = 0;
+    int in_place;
+    kvmix__why w = kvmix__retier_ok(cache, seq, position, precision, keys, values, rows, &page);
+    if (w.result != KVMIX_SUCCESS) return w;
+    p = &cache->pages[page];
+    d = cache->desc.head_dim;
+    og = kvmix__geom_of(cache, p);
+    ng =
+        kvmix__page_geom(cache, precision.key_format, precision.value_format, p->n_rows, p->n_rows);
     old_start = (int64_t)(p->offset / cache->desc.granule_bytes);
     old_n = (int64_t)p->n_granules;
     new_n = kvmix__granules_of(cache, ng.total_bytes);
@@ -3956,7 +4268,8 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     in_place = ng.key_bytes <= og.key_bytes && ng.value_bytes <= og.value_bytes;
     start = old_start;
     if (!in_place && (start = kvmix__arena_take(cache, NULL, new_n)) < 0)
-        return KVMIX_ERR_OUT_OF_MEMORY;
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
+                              "no free run of granules for the larger page");
     for (layer = 0; layer < cache->desc.n_layers; layer++)
         for (kv = 0; kv < 2; kv++)
             for (h = 0; h < cache->desc.n_kv_heads; h++) {
@@ -3979,7 +4292,14 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     p->capacity = p->n_rows;
     memset(cache->priv.scratch, 0,
            (size_t)p->n_rows * (size_t)d * sizeof(float)); /* zero between calls */
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_t position,
+                                         kvmix_cache_precision precision, const float *keys,
+                                         const float *values, kvmix_cache_rows rows) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__retier(cache, seq, position, precision, keys, values, rows));
 }
 
 /* ---- reading -------------------------------------------------------------------------------- */
@@ -3988,7 +4308,7 @@ KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, 
                                          uint32_t *out_slot) {
     kvmix_result r;
     if (!cache || !out_slot) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
     if (position < 0 || position >= cache->seqs[seq].n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
     *out_slot = kvmix__seq_slots(cache, seq)[position];
     return KVMIX_SUCCESS;
@@ -4004,7 +4324,7 @@ KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, in
     int32_t row, h, kv;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* rows on the device */
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
     if (position < 0 || position >= cache->seqs[seq].n_tokens || layer < 0 ||
         layer >= cache->desc.n_layers || position >= kvmix__seq_written(cache, seq)[layer])
         return KVMIX_ERR_INVALID_ARGUMENT; /* beyond the sequence, or its row not written yet */
@@ -4062,15 +4382,18 @@ static int kvmix__span_all_live(const kvmix_cache *c, int32_t seq, const kvmix_c
     return 1;
 }
 
-static kvmix_result kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs) {
+static kvmix__why kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs) {
     int32_t i;
-    if (n_seqs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_seqs > 0 && !seqs) return KVMIX_ERR_NULL_POINTER;
+    if (n_seqs < 0) return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_seqs", "negative");
+    if (n_seqs > 0 && !seqs) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "seqs", "NULL");
     for (i = 0; i < n_seqs; i++) {
-        kvmix_result r = kvmix__cache_seq_ok(c, seqs[i]);
-        if (r != KVMIX_SUCCESS) return r;
+        kvmix__why w = kvmix__cache_seq_ok(c, seqs[i]);
+        if (w.result != KVMIX_SUCCESS) {
+            if (c->seqs) w.argument = "seqs";
+            return w;
+        }
     }
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
 /* Spans and dead flags of a view of a layer (-1: enough for every layer). */
@@ -4095,7 +4418,7 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
     int64_t n_spans, n_dead;
     kvmix_result r;
     if (!cache || !out_n_spans || !out_n_dead_flags) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs).result) != KVMIX_SUCCESS) return r;
     kvmix__view_count(cache, -1, seqs, n_seqs, &n_spans, &n_dead);
     if (n_spans > 0x7fffffff || n_dead > 0x7fffffff) return KVMIX_ERR_INVALID_ARGUMENT;
     *out_n_spans = (int32_t)n_spans;
@@ -4111,7 +4434,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
     int32_t i, j, row, k = 0, f = 0;
     kvmix_result r;
     if (!cache || !seq_first_span || !out_view) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs).result) != KVMIX_SUCCESS) return r;
     if (layer < 0 || layer >= cache->desc.n_layers || max_spans < 0 || max_dead_flags < 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
     kvmix__view_count(cache, layer, seqs, n_seqs, &n_spans, &n_dead);
@@ -4183,29 +4506,70 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, const int32_t *seqs,
-                                             int32_t n_seqs, int32_t layer, int32_t n_q_heads,
-                                             float scale, const float *q, float *out, float *lse,
-                                             void *workspace, size_t workspace_bytes) {
+/* The checks of a reference decode that kvmix_ref_view_decode would make without saying why. */
+static kvmix__why kvmix__ref_decode_ok(const kvmix_cache *cache, const int32_t *seqs,
+                                       int32_t n_seqs, int32_t layer, int32_t n_q_heads,
+                                       float scale, void *workspace) {
+    kvmix__why w;
+    if (cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is device memory (kvmix_cuda_decode reads a view)");
+    if (((uintptr_t)workspace & 7u) != 0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "workspace", "not 8-byte aligned");
+    if ((w = kvmix__view_seqs_ok(cache, seqs, n_seqs)).result != KVMIX_SUCCESS) return w;
+    if (layer < 0 || layer >= cache->desc.n_layers)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "layer",
+                              "must be in 0 .. desc.n_layers - 1");
+    if (n_q_heads <= 0 || n_q_heads % cache->desc.n_kv_heads != 0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_q_heads",
+                              "must be a positive multiple of desc.n_kv_heads");
+    if (!(scale >= 0.0f) || isinf(scale))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "scale",
+                              "must be finite and >= 0 (0 = 1 / sqrt(head_dim))");
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__ref_decode(const kvmix_cache *cache, const int32_t *seqs, int32_t n_seqs,
+                                    int32_t layer, int32_t n_q_heads, float scale, const float *q,
+                                    float *out, float *lse, void *workspace,
+                                    size_t workspace_bytes) {
     int32_t n_spans, n_dead;
     size_t spans_bytes, first_bytes;
     uint8_t *w = (uint8_t *)workspace;
     kvmix_view view;
-    kvmix_result r;
-    if (!cache || !q || !out || !lse || !workspace) return KVMIX_ERR_NULL_POINTER;
-    if (((uintptr_t)workspace & 7u) != 0 || cache->desc.device_arena)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((r = kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead)) != KVMIX_SUCCESS)
-        return r;
+    kvmix__why why;
+    if (!q || !out || !lse || !workspace)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                              !q     ? "q"
+                              : !out ? "out"
+                              : !lse ? "lse"
+                                     : "workspace",
+                              "NULL");
+    why = kvmix__ref_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, workspace);
+    if (why.result != KVMIX_SUCCESS) return why;
+    if (kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seqs", "a view of 2^31 spans or more");
     if (workspace_bytes < kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead))
-        return KVMIX_ERR_BUFFER_TOO_SMALL;
+        return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "workspace_bytes",
+                              "less than kvmix_cache_ref_decode_workspace");
     spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
     first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
-    r = kvmix_cache_view(cache, seqs, n_seqs, layer, (kvmix_view_span *)(void *)w, n_spans,
-                         (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes,
-                         n_dead, &view);
-    if (r != KVMIX_SUCCESS) return r;
-    return kvmix_ref_view_decode(&view, n_q_heads, scale, q, out, lse);
+    kvmix_cache_view(cache, seqs, n_seqs, layer, (kvmix_view_span *)(void *)w, n_spans,
+                     (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes, n_dead,
+                     &view);
+    if (kvmix_ref_view_decode(&view, n_q_heads, scale, q, out, lse) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_CORRUPT_DATA, "arena",
+                              "a packed block no seal wrote (kvmix_cache_check)");
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_ref_decode(kvmix_cache *cache, const int32_t *seqs,
+                                             int32_t n_seqs, int32_t layer, int32_t n_q_heads,
+                                             float scale, const float *q, float *out, float *lse,
+                                             void *workspace, size_t workspace_bytes) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__ref_decode(cache, seqs, n_seqs, layer, n_q_heads, scale, q,
+                                                  out, lse, workspace, workspace_bytes));
 }
 
 /* ---- accounting ----------------------------------------------------------------------------- */
@@ -4273,7 +4637,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
     int32_t j, row;
     double elements;
     if (!cache || !out) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
     memset(&st, 0, sizeof st);
     e = kvmix__seq_entries(cache, seq);
     slots = kvmix__seq_slots(cache, seq);
@@ -4584,10 +4948,6 @@ static kvmix_result kvmix__policy_fail(kvmix_policy_error *out_error, kvmix_resu
         out_error->reason = reason;
     }
     return result;
-}
-
-static int kvmix__int_in(int32_t v, int32_t lo, int32_t hi, int32_t multiple) {
-    return v >= lo && v <= hi && v % multiple == 0;
 }
 
 static int kvmix__text_ok(const char *text, size_t bytes, int allow_empty) {

@@ -134,10 +134,23 @@ static void ct_snapshot(ct_model *m) {
     memcpy(m->snap_arena, m->arena, m->arena_bytes);
 }
 
+/* Every byte as at the snapshot but the last-error message, which every call that records
+   rewrites. */
 static int ct_unchanged(ct_model *m) {
-    return CHECK_MEM_EQ(m->snap_struct, &m->cache, sizeof m->cache) &&
+    kvmix_cache before;
+    memcpy(&before, m->snap_struct, sizeof before);
+    memcpy(before.priv.error, m->cache.priv.error, sizeof before.priv.error);
+    return CHECK_MEM_EQ(&before, &m->cache, sizeof m->cache) &&
            CHECK_MEM_EQ(m->snap_memory, m->memory, m->memory_bytes) &&
            CHECK_MEM_EQ(m->snap_arena, m->arena, m->arena_bytes);
+}
+
+/* A refused call: nothing changed, and the cache says why. */
+static void ct_refused(ct_model *m) {
+    const char *why = kvmix_cache_last_error(&m->cache);
+    CHECK_MSG(why[0] != '\0' && strchr(why, ':') != NULL,
+              "a refused call names no argument: \"%s\"", why);
+    ct_unchanged(m);
 }
 
 /* A new token of random FP16-exact values in [-1, 1]; returns its pool index. */
@@ -356,8 +369,9 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     for (i = 0; i < n * nq * d; i++) q[i] = (float)(2.0 * test_rng_unit(&m->rng) - 1.0);
     CHECK_RESULT(kvmix_cache_ref_decode_workspace(c, seqs, n, &ws_bytes), KVMIX_SUCCESS);
     ws = test_alloc(ws_bytes + 8);
-    CHECK_RESULT(kvmix_cache_ref_decode(c, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes),
-                 KVMIX_SUCCESS);
+    CHECK_RESULT(
+        kvmix_cache_ref_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes),
+        KVMIX_SUCCESS);
     for (i = 0; i < n; i++) {
         const ct_seq *cs = &m->seqs[seqs[i]];
         for (h = 0; h < nq; h++) {
@@ -414,7 +428,7 @@ static int32_t ct_pick_seq(ct_model *m) {
         ct_snapshot(m);                                                                            \
         result = (expr);                                                                           \
         if (result != KVMIX_SUCCESS) {                                                             \
-            ct_unchanged(m);                                                                       \
+            ct_refused(m);                                                                         \
             CHECK_MSG(result == KVMIX_ERR_OUT_OF_MEMORY, "%s: %s", #expr,                          \
                       kvmix_result_string(result));                                                \
             (m)->n_oom++;                                                                          \
@@ -466,7 +480,7 @@ static void ct_op_ingest(ct_model *m, int32_t s, int32_t n) {
         else
             CHECK_RESULT(kvmix_cache_ingest(&m->cache, s, n, keys, values, prec),
                          KVMIX_ERR_INVALID_ARGUMENT);
-        ct_unchanged(m);
+        ct_refused(m);
         r = KVMIX_ERR_INVALID_ARGUMENT;
     } else if (n == 1 && test_rng_range(&m->rng, 0, 1)) {
         CT_CALL(m, kvmix_cache_append(&m->cache, s, keys, values, prec[0]), r);
@@ -500,7 +514,7 @@ static void ct_op_evict(ct_model *m, int32_t s) {
         positions[1] = test_rng_range(&m->rng, n_written, q->len - 1);
         ct_snapshot(m);
         CHECK_RESULT(kvmix_cache_evict(&m->cache, s, positions, 2), KVMIX_ERR_INVALID_ARGUMENT);
-        ct_unchanged(m);
+        ct_refused(m);
         return;
     }
     if (n_written == 0) return;
@@ -522,7 +536,7 @@ static void ct_op_fork(ct_model *m, int32_t s) {
         CHECK_RESULT(kvmix_cache_seq_fork(&m->cache, s,
                                           test_rng_range(&m->rng, n_written + 1, q->len), &child),
                      KVMIX_ERR_INVALID_ARGUMENT);
-        ct_unchanged(m);
+        ct_refused(m);
         return;
     }
     ct_fork_at(m, s, n_prefix);
@@ -662,7 +676,7 @@ static void ct_op_write(ct_model *m, int32_t s) {
     ct_snapshot(m);
     r = ct_write_layer(m, s, layer, first, n);
     CHECK_RESULT(r, valid ? KVMIX_SUCCESS : KVMIX_ERR_INVALID_ARGUMENT);
-    if (r != KVMIX_SUCCESS) ct_unchanged(m);
+    if (r != KVMIX_SUCCESS) ct_refused(m);
 }
 
 /* A decode step as an inference loop runs it: reserve, then per layer write the rows and check
@@ -728,7 +742,7 @@ static void ct_op_retier(ct_model *m, int32_t s, int up) {
         CHECK_RESULT(
             kvmix_cache_retier(&m->cache, s, pos, p16, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL),
             KVMIX_ERR_INVALID_ARGUMENT);
-        ct_unchanged(m);
+        ct_refused(m);
         return;
     }
     old.key_format = c->pages[page].key_format;
@@ -1363,44 +1377,44 @@ static void test_bad_inputs(void) {
     int i;
     ct_small_desc(&d);
     /* descs */
-    CHECK_RESULT(kvmix_cache_desc_resolve(NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_cache_desc_resolve(NULL, NULL), KVMIX_ERR_NULL_POINTER);
     bad = d;
     bad.n_layers = 0;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.head_dim = 48;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_BAD_SHAPE);
     bad = d;
     bad.page_tokens = 12;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.n_sink = 17;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.group_size = 24;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_BAD_SHAPE);
     bad = d;
     bad.n_boost = 6;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_BAD_SHAPE);
     bad = d;
     bad.granule_bytes = 100;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.arena_bytes = 0;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.partial = (kvmix_cache_partial)7;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.default_precision.key_format = 9;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_UNKNOWN_FORMAT);
     bad = d;
     bad.max_seqs = 1 << 20;
     bad.max_tokens_per_seq = 1 << 26;
     CHECK_RESULT(kvmix_cache_memory_bytes(&bad, &bytes),
                  sizeof(size_t) >= 8 ? KVMIX_ERR_INVALID_ARGUMENT : KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_SUCCESS);
     CHECK_EQ_INT(bad.max_pages_per_seq, 96 / 16 + 8);
     CHECK_EQ_INT(bad.default_precision.key_format, KVMIX_FORMAT_INT4);
     CHECK_EQ_UINT(bad.granule_bytes, 256);
@@ -1572,9 +1586,85 @@ static void test_release_and_check(void) {
     ct_close(&m);
 }
 
+/* The cache's last-error message starts with "argument:". */
+static int ct_says(const kvmix_cache *cache, const char *argument) {
+    const char *why = kvmix_cache_last_error(cache);
+    size_t n = strlen(argument);
+    return CHECK_MSG(strncmp(why, argument, n) == 0 && why[n] == ':',
+                     "the message \"%s\" does not name %s", why, argument);
+}
+
+/* Refused calls say which argument and why; a successful call clears the message, a const call
+   leaves it; desc errors before a cache exists name the field. */
+static void test_error_messages(void) {
+    kvmix_cache cache;
+    kvmix_cache_desc d, bad;
+    kvmix_cache_desc_error why = {NULL, NULL};
+    float rows[2 * 64], q[3 * 64], out[3 * 64], lse[3];
+    uint64_t ws[256];
+    uint32_t slot;
+    int32_t s = -1, pos = -1, layer, i;
+    for (i = 0; i < 2 * 64; i++) rows[i] = 0.5f - (float)i / 128.0f;
+    for (i = 0; i < 3 * 64; i++) q[i] = (float)(i % 5) - 2.0f;
+    ct_small_desc(&d);
+    d.n_kv_heads = 1;
+    /* too many sinks: refused by the desc's check and by the init, both naming n_sink */
+    bad = d;
+    bad.n_sink = bad.page_tokens + 1;
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, &why), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(why.field != NULL && strcmp(why.field, "n_sink") == 0);
+    CHECK(why.reason != NULL && why.reason[0] != '\0');
+    CHECK_EQ_INT(bad.n_sink, d.page_tokens + 1); /* unchanged */
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "desc.n_sink");
+    d.n_kv_heads = 2;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_EQ_INT(kvmix_cache_last_error(&cache)[0], '\0');
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
+    /* a write before its positions are reserved */
+    CHECK_RESULT(kvmix_cache_write(&cache, s, 0, 0, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "first_position");
+    /* a const call that fails leaves the message as it was */
+    CHECK_RESULT(kvmix_cache_locate(&cache, s, 7, &slot), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "first_position");
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, 1, NULL, &pos), KVMIX_SUCCESS);
+    CHECK_EQ_INT(kvmix_cache_last_error(&cache)[0], '\0');
+    for (layer = 0; layer < d.n_layers; layer++)
+        CHECK_RESULT(kvmix_cache_write(&cache, s, layer, pos, 1, rows, rows), KVMIX_SUCCESS);
+    /* 3 query heads for 2 kv heads */
+    CHECK_RESULT(kvmix_cache_ref_decode(&cache, &s, 1, 0, 3, 0.0f, q, out, lse, ws, sizeof ws),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "n_q_heads");
+    CHECK_RESULT(kvmix_cache_ref_decode(&cache, &s, 1, 0, 2, 0.0f, q, out, lse, ws, sizeof ws),
+                 KVMIX_SUCCESS);
+    CHECK_EQ_INT(kvmix_cache_last_error(&cache)[0], '\0');
+    /* a few more, each naming its argument */
+    CHECK_RESULT(kvmix_cache_write(&cache, s, 2, pos, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "layer");
+    CHECK_RESULT(kvmix_cache_reserve(&cache, 5, 1, NULL, &pos), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "seq");
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, d.max_tokens_per_seq, NULL, &pos),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "n_tokens");
+    rows[3] = NAN;
+    CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, cache.desc.default_precision),
+                 KVMIX_ERR_BAD_VALUE);
+    ct_says(&cache, "keys");
+    CHECK_RESULT(kvmix_cache_seq_fork(&cache, s, 2, &pos), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "n_prefix");
+    for (i = 1; i < CT_MAX_SEQS; i++)
+        CHECK_RESULT(kvmix_cache_seq_create(&cache, &pos), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &pos), KVMIX_ERR_OUT_OF_MEMORY);
+    ct_says(&cache, "desc.max_seqs");
+    CHECK(strlen(kvmix_cache_last_error(&cache)) < KVMIX_CACHE_ERROR_BYTES);
+    CHECK(kvmix_cache_last_error(NULL) != NULL);
+    kvmix_cache_deinit(&cache);
+}
+
 void unit_cache(void) {
     int32_t config;
     test_bad_inputs();
+    test_error_messages();
     test_allocator_init();
     test_decode_reaches_2bit();
     test_values_only_window();
