@@ -299,7 +299,9 @@ typedef enum kvmix_cache_rows {
     KVMIX_CACHE_ROWS_RESIDUAL = 1  /* retier rows are added to the page's dequantized rows */
 } kvmix_cache_rows;
 
-/* The formats a token asks for (from any policy); each a kvmix_format. */
+/* The formats a token asks for (from any policy); each a kvmix_format, or 0 for that side of the
+   cache's desc.default_precision: wherever a cache call takes a precision, {0, 0} means the
+   default precision, {0, KVMIX_FORMAT_INT8} default keys and INT8 values. */
 typedef struct kvmix_cache_precision {
     uint8_t key_format;
     uint8_t value_format;
@@ -325,7 +327,8 @@ typedef struct kvmix_cache_desc {
     int32_t n_boost;             /* 0 = 16; boosted channels of BOOSTED blocks */
     kvmix_cache_partial partial; /* what kvmix_cache_seq_finish does to a partial page */
     kvmix_cache_precision
-        default_precision; /* for NULL precisions; {0, 0} = INT4 keys, INT4 values */
+        default_precision; /* for NULL precisions and zero formats; {0, 0} = INT4 keys,
+                              INT4 values */
     size_t arena_bytes;    /* bytes of the page arena (required; a multiple of granule_bytes
                                    is used, the rest ignored) */
     size_t granule_bytes;  /* 0 = 256; allocation unit of the arena, a power of two 64 .. 2^20 */
@@ -537,7 +540,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq);
 /* Appends n_tokens positions (n_tokens, n_tokens + 1, ...) to a sequence without rows: slot map,
    page table and FP16 buffer rows (allocated, copy on write of a shared buffer page done), to be
    filled by kvmix_cache_write on every layer. precisions: [n_tokens] requested formats (NULL =
-   desc.default_precision); sink positions are FP16 whatever they ask. Pages that became sealable
+   desc.default_precision for all, a zero format its side of it); sink positions are FP16 whatever they ask. Pages that became sealable
    (see the sealing rule above; only positions written before this call count) are sealed on the
    way. *out_first_position (may be NULL) receives the first new position. n_tokens 0 does
    nothing. Returns NULL_POINTER, INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq),
@@ -574,7 +577,8 @@ KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_
                                          const float *keys, const float *values,
                                          const kvmix_cache_precision *precisions);
 
-/* One decode step: kvmix_cache_ingest of one token. keys, values: [n_layers][n_kv_heads][head_dim]. */
+/* One decode step: kvmix_cache_ingest of one token. keys, values: [n_layers][n_kv_heads][head_dim].
+   precision as one of kvmix_cache_reserve's: {0, 0} stores it in desc.default_precision. */
 KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
                                          const float *values, kvmix_cache_precision precision);
 
@@ -598,8 +602,9 @@ KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq);
 KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
                                         int32_t n_positions);
 
-/* Rewrites the sealed page that holds `position` of `seq` in `precision`, keeping its page id and
-   every slot map (all sequences sharing the page see the new formats). keys, values: NULL, or
+/* Rewrites the sealed page that holds `position` of `seq` in `precision` (a zero format: that
+   side of desc.default_precision), keeping its page id and every slot map (all sequences
+   sharing the page see the new formats). keys, values: NULL, or
    [n_layers][n_rows][n_kv_heads][head_dim] for the page's n_rows (kvmix_cache_page): NULL
    requantizes from the dequantized rows (demotion); rows given are the originals or residuals
    added to the dequantized rows (upgrade). A page whose new blocks are no larger is rewritten
@@ -1246,7 +1251,8 @@ KVMIXDEF kvmix_result kvmix_tag_role_from_name(const char *name, kvmix_tag_role 
 #define KVMIX_TAG_N_MODALITIES 2
 
 typedef struct kvmix_tag_precision {
-    /* [kvmix_tag_bucket][kvmix_tag_role][kvmix_tag_modality]: each a pair of kvmix_formats */
+    /* [kvmix_tag_bucket][kvmix_tag_role][kvmix_tag_modality]: each a pair of kvmix_formats; a
+       zero format is that side of the policy's key_format / value_format */
     kvmix_cache_precision formats[KVMIX_TAG_N_BUCKETS][KVMIX_TAG_N_ROLES][KVMIX_TAG_N_MODALITIES];
 } kvmix_tag_precision;
 
@@ -1255,13 +1261,13 @@ typedef struct kvmix_tag_precision {
 KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
                                                kvmix_cache_precision precision);
 
-/* Checks that every entry holds known formats. Returns NULL_POINTER or UNKNOWN_FORMAT. Pure. */
+/* Checks that every entry holds known formats or 0. Returns NULL_POINTER or UNKNOWN_FORMAT. Pure. */
 KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table);
 
 /* The formats a policy stores a token of tag `tag` in while the stream is at `current_turn`:
    the policy's key_format / value_format when it has no tag_precision, else
-   tag_precision->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality].
-   Returns NULL_POINTER, INVALID_ARGUMENT (a role or modality out of range), or the policy's
+   tag_precision->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality]
+   with a zero format replaced by the policy's, so never 0. Returns NULL_POINTER, INVALID_ARGUMENT (a role or modality out of range), or the policy's
    check errors (kvmix_policy_check); *out is written only on success. Pure, thread-safe. */
 KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
                                                    int32_t current_turn,
@@ -2511,6 +2517,20 @@ static int kvmix__format_rank(int32_t format) {
     return 0;
 }
 
+/* A requested precision with each zero format replaced by the desc's default for that side. */
+static kvmix_cache_precision kvmix__precision_or_default(const kvmix_cache *c,
+                                                         kvmix_cache_precision p) {
+    if (p.key_format == 0) p.key_format = c->desc.default_precision.key_format;
+    if (p.value_format == 0) p.value_format = c->desc.default_precision.value_format;
+    return p;
+}
+
+/* Whether a requested precision names formats: known ones, or 0 for the default. */
+static int kvmix__precision_known(kvmix_cache_precision p) {
+    return (p.key_format == 0 || kvmix__format_known(p.key_format)) &&
+           (p.value_format == 0 || kvmix__format_known(p.value_format));
+}
+
 static uint8_t kvmix__higher_format(uint8_t a, uint8_t b) {
     return kvmix__format_rank(a) >= kvmix__format_rank(b) ? a : b;
 }
@@ -3692,7 +3712,8 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
             tail = &plan->pages[plan->n - 1];
         }
         kvmix__plan_reserve(c, seq, plan, tail,
-                            precisions ? precisions[t] : c->desc.default_precision);
+                            precisions ? kvmix__precision_or_default(c, precisions[t])
+                                       : c->desc.default_precision);
         if (keys) {
             if (!plan->dry) {
                 const kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[tail->entry];
@@ -3779,8 +3800,7 @@ static kvmix__why kvmix__extend_ok(const kvmix_cache *c, int32_t seq, int32_t n_
                               "the sequence would pass desc.max_tokens_per_seq");
     if (precisions)
         for (t = 0; t < n_tokens; t++)
-            if (!kvmix__format_known(precisions[t].key_format) ||
-                !kvmix__format_known(precisions[t].value_format))
+            if (!kvmix__precision_known(precisions[t]))
                 return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precisions",
                                       "a value that is not a kvmix_format");
     return kvmix__why_ok();
@@ -4223,7 +4243,7 @@ static kvmix__why kvmix__retier_ok(const kvmix_cache *cache, int32_t seq, int32_
                               "must be in 0 .. the sequence's positions - 1");
     if (rows != KVMIX_CACHE_ROWS_ORIGINAL && rows != KVMIX_CACHE_ROWS_RESIDUAL)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "rows", "must be a kvmix_cache_rows");
-    if (!kvmix__format_known(precision.key_format) || !kvmix__format_known(precision.value_format))
+    if (!kvmix__precision_known(precision))
         return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precision",
                               "a value that is not a kvmix_format");
     if (!(e = kvmix__entry_at(cache, seq, position)))
@@ -4255,6 +4275,7 @@ static kvmix__why kvmix__retier(kvmix_cache *cache, int32_t seq, int32_t positio
     int in_place;
     kvmix__why w = kvmix__retier_ok(cache, seq, position, precision, keys, values, rows, &page);
     if (w.result != KVMIX_SUCCESS) return w;
+    precision = kvmix__precision_or_default(cache, precision);
     p = &cache->pages[page];
     d = cache->desc.head_dim;
     og = kvmix__geom_of(cache, p);
@@ -6378,8 +6399,7 @@ KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
                                                kvmix_cache_precision precision) {
     int b, r, m;
     if (!table) return KVMIX_ERR_NULL_POINTER;
-    if (!kvmix__format_known(precision.key_format) || !kvmix__format_known(precision.value_format))
-        return KVMIX_ERR_UNKNOWN_FORMAT;
+    if (!kvmix__precision_known(precision)) return KVMIX_ERR_UNKNOWN_FORMAT;
     for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++)
         for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
             for (m = 0; m < KVMIX_TAG_N_MODALITIES; m++) table->formats[b][r][m] = precision;
@@ -6392,8 +6412,7 @@ KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table
     for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++)
         for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
             for (m = 0; m < KVMIX_TAG_N_MODALITIES; m++)
-                if (!kvmix__format_known(table->formats[b][r][m].key_format) ||
-                    !kvmix__format_known(table->formats[b][r][m].value_format))
+                if (!kvmix__precision_known(table->formats[b][r][m]))
                     return KVMIX_ERR_UNKNOWN_FORMAT;
     return KVMIX_SUCCESS;
 }
@@ -6413,6 +6432,8 @@ KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, k
     }
     *out = policy->tag_precision
                ->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality];
+    if (out->key_format == 0) out->key_format = (uint8_t)policy->key_format;
+    if (out->value_format == 0) out->value_format = (uint8_t)policy->value_format;
     return KVMIX_SUCCESS;
 }
 

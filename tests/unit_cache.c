@@ -1276,7 +1276,7 @@ static void test_reserve_write_bad_inputs(void) {
     m.seqs[s].alive[evicted] = 0;
     p4.key_format = p4.value_format = KVMIX_FORMAT_INT4;
     wrong.key_format = KVMIX_FORMAT_INT4;
-    wrong.value_format = 0;
+    wrong.value_format = 7; /* not a kvmix_format (0 is the default) */
     ct_snapshot(&m);
     CHECK_RESULT(kvmix_cache_reserve(NULL, s, 1, NULL, &first), KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_cache_reserve(&m.cache, -1, 1, NULL, &first), KVMIX_ERR_INVALID_ARGUMENT);
@@ -1435,7 +1435,7 @@ static void test_bad_inputs(void) {
     for (i = 0; i < 2 * 2 * 64; i++) rows[i] = nan_rows[i] = 0.25f;
     nan_rows[77] = NAN;
     p.key_format = p.value_format = KVMIX_FORMAT_INT4;
-    wrong.key_format = 0;
+    wrong.key_format = 9; /* not a kvmix_format (0 is the default) */
     wrong.value_format = KVMIX_FORMAT_INT4;
     ct_snapshot(&m);
     CHECK_RESULT(kvmix_cache_append(NULL, s, rows, rows, p), KVMIX_ERR_NULL_POINTER);
@@ -1586,6 +1586,99 @@ static void test_release_and_check(void) {
     ct_close(&m);
 }
 
+/* Row value of token t, layer l, channel i (FP16-exact, varied per channel). */
+static float ct_row_value(int32_t t, int32_t l, int32_t i) {
+    return (float)((t * 7 + l * 3 + i * 5) % 33 - 16) / 16.0f;
+}
+
+/* A precision of {0, 0}, or a zero on one side, is the desc's default precision (that side)
+   wherever a cache call takes one: reserve, ingest, append, retier store exactly what NULL
+   precisions store. */
+static void test_zero_precision_is_default(void) {
+    enum { N = 32 };
+    kvmix_cache cache;
+    kvmix_cache_desc d;
+    kvmix_cache_precision zero = {0, 0}, zero_keys = {0, KVMIX_FORMAT_INT4}, got, want;
+    kvmix_cache_precision zeros[N];
+    int32_t hd, per_token, seq[4], t, l, i, first;
+    float *prompt_k, *prompt_v, *one_k, *one_v, *row_k, *row_v, *ref_k, *ref_v;
+    ct_small_desc(&d);
+    d.default_precision.key_format = KVMIX_FORMAT_INT2_CHANNEL;
+    d.default_precision.value_format = KVMIX_FORMAT_INT8;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    hd = d.n_kv_heads * d.head_dim;
+    per_token = d.n_layers * hd;
+    prompt_k = (float *)test_alloc((size_t)N * per_token * sizeof(float));
+    prompt_v = (float *)test_alloc((size_t)N * per_token * sizeof(float));
+    one_k = (float *)test_alloc((size_t)per_token * sizeof(float));
+    one_v = (float *)test_alloc((size_t)per_token * sizeof(float));
+    row_k = (float *)test_alloc((size_t)hd * sizeof(float));
+    row_v = (float *)test_alloc((size_t)hd * sizeof(float));
+    ref_k = (float *)test_alloc((size_t)hd * sizeof(float));
+    ref_v = (float *)test_alloc((size_t)hd * sizeof(float));
+    for (l = 0; l < d.n_layers; l++)
+        for (t = 0; t < N; t++)
+            for (i = 0; i < hd; i++) {
+                prompt_k[((size_t)l * N + t) * hd + i] = ct_row_value(t, l, i);
+                prompt_v[((size_t)l * N + t) * hd + i] = -ct_row_value(t, l, i + 1);
+            }
+    for (t = 0; t < N; t++) zeros[t] = zero;
+    for (i = 0; i < 4; i++) CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq[i]), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ingest(&cache, seq[0], N, prompt_k, prompt_v, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ingest(&cache, seq[1], N, prompt_k, prompt_v, zeros), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, seq[2], N, zeros, &first), KVMIX_SUCCESS);
+    for (l = 0; l < d.n_layers; l++)
+        CHECK_RESULT(kvmix_cache_write(&cache, seq[2], l, 0, N, prompt_k + (size_t)l * N * hd,
+                                       prompt_v + (size_t)l * N * hd),
+                     KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seal_ready(&cache, seq[2]), KVMIX_SUCCESS);
+    for (t = 0; t < N; t++) {
+        for (l = 0; l < d.n_layers; l++) {
+            memcpy(one_k + (size_t)l * hd, prompt_k + ((size_t)l * N + t) * hd,
+                   (size_t)hd * sizeof(float));
+            memcpy(one_v + (size_t)l * hd, prompt_v + ((size_t)l * N + t) * hd,
+                   (size_t)hd * sizeof(float));
+        }
+        CHECK_RESULT(kvmix_cache_append(&cache, seq[3], one_k, one_v, zero), KVMIX_SUCCESS);
+    }
+    /* every position of every sequence: the default formats, the same rows as NULL gave */
+    for (t = 0; t < N; t++)
+        for (l = 0; l < d.n_layers; l++) {
+            CHECK_RESULT(kvmix_cache_read(&cache, seq[0], l, t, ref_k, ref_v, &want),
+                         KVMIX_SUCCESS);
+            CHECK(want.key_format == KVMIX_FORMAT_INT2_CHANNEL &&
+                  want.value_format == KVMIX_FORMAT_INT8);
+            for (i = 1; i < 4; i++) {
+                CHECK_RESULT(kvmix_cache_read(&cache, seq[i], l, t, row_k, row_v, &got),
+                             KVMIX_SUCCESS);
+                CHECK(got.key_format == want.key_format && got.value_format == want.value_format);
+                CHECK_MEM_EQ(row_k, ref_k, (size_t)hd * sizeof(float));
+                CHECK_MEM_EQ(row_v, ref_v, (size_t)hd * sizeof(float));
+            }
+        }
+    /* a zero on one side: that side's default, the other as asked; retier {0, 0}: the default */
+    CHECK_RESULT(kvmix_cache_seq_free(&cache, seq[1]), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq[1]), KVMIX_SUCCESS);
+    for (t = 0; t < N; t++) zeros[t] = zero_keys;
+    CHECK_RESULT(kvmix_cache_ingest(&cache, seq[1], N, prompt_k, prompt_v, zeros), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq[1], 0, 3, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT4);
+    CHECK_RESULT(kvmix_cache_retier(&cache, seq[1], 3, zero, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL),
+                 KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq[1], 0, 3, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT8);
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
+    free(prompt_k);
+    free(prompt_v);
+    free(one_k);
+    free(one_v);
+    free(row_k);
+    free(row_v);
+    free(ref_k);
+    free(ref_v);
+}
+
 /* The cache's last-error message starts with "argument:". */
 static int ct_says(const kvmix_cache *cache, const char *argument) {
     const char *why = kvmix_cache_last_error(cache);
@@ -1665,6 +1758,7 @@ void unit_cache(void) {
     int32_t config;
     test_bad_inputs();
     test_error_messages();
+    test_zero_precision_is_default();
     test_allocator_init();
     test_decode_reaches_2bit();
     test_values_only_window();
