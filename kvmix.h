@@ -307,30 +307,48 @@ typedef struct kvmix_cache_precision {
     uint8_t value_format;
 } kvmix_cache_precision;
 
-/* Zero fields take defaults; kvmix_cache_desc_resolve and the inits write the resolved values
-   back. Required: n_layers, n_kv_heads, head_dim, arena_bytes. */
+/* What a cache holds. Zero fields take defaults, and kvmix_cache_desc_resolve and the inits write
+   the resolved values back. A zero count of things kept (n_sink, n_window, n_boost) means none;
+   a zero size or capacity means the value its comment gives. Required: n_layers, n_kv_heads,
+   head_dim, arena_bytes. The defaults store like the built-in "int4" policy (pages of 32
+   tokens, INT4 keys and values in groups of 32 channels, no sinks, no window) for one sequence
+   of up to 4096 positions; kvmix_policy_apply writes another policy in.
+
+   What a sequence holds: new rows land in an FP16 buffer page of page_tokens rows, allocated
+   whole, and a page is quantized only once it is full (and older than the window). So a
+   sequence shorter than a page is all FP16 at a page's bytes (a 10-token sequence with pages
+   of 32 holds 32 FP16 rows: 51 bits per stored element), and a longer one keeps its last
+   partial page (and the window) FP16; kvmix_cache_seq_stats_get counts all of it. */
 typedef struct kvmix_cache_desc {
     int32_t n_layers;            /* 1 .. 4096 */
     int32_t n_kv_heads;          /* 1 .. 4096 */
     int32_t head_dim;            /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
-    int32_t page_tokens;         /* 0 = 64; a multiple of 8 in 8 .. 1024 */
-    int32_t max_seqs;            /* 0 = 64; live sequences at once, 1 .. 2^20 */
-    int32_t max_tokens_per_seq;  /* 0 = 4096; positions per sequence, 1 .. 2^26 */
+    int32_t page_tokens;         /* 0 = 32, the built-in policies' page; a multiple of 8 in
+                                    8 .. 1024: tokens per page, over which per-channel keys
+                                    take their statistics, and the FP16 buffer's size */
+    int32_t max_seqs;            /* 0 = 1; live sequences at once, 1 .. 2^20 (each costs its
+                                    slot map and page table in metadata, reserved up front) */
+    int32_t max_tokens_per_seq;  /* 0 = 4096; positions per sequence, 1 .. 2^26 (4 bytes of
+                                    slot map each, per sequence) */
     int32_t max_pages_per_seq;   /* 0 = ceil(max_tokens_per_seq / page_tokens) + 8 */
-    int32_t n_sink;              /* first positions kept FP16 forever, 0 .. page_tokens */
-    int32_t n_window;            /* most recent positions kept FP16, 0 .. max_tokens_per_seq */
+    int32_t n_sink;              /* first positions kept FP16 forever, 0 .. page_tokens; 0 = none */
+    int32_t n_window;            /* most recent positions kept FP16, 0 .. max_tokens_per_seq;
+                                    0 = none (the buffer page still fills in FP16) */
     int32_t window_values_only;  /* 0: the window keeps keys and values FP16; 1: values only,
                                     keys are sealed once their page is full (Kitty's layout) */
     int32_t group_size;          /* 0 = 32; of the per-token integer formats (keys, and values
                                     unless value_group_size is set) */
     int32_t value_group_size;    /* 0 = group_size; of the per-token integer value blocks */
-    int32_t n_boost;             /* 0 = 16; boosted channels of BOOSTED blocks */
-    kvmix_cache_partial partial; /* what kvmix_cache_seq_finish does to a partial page */
+    int32_t n_boost;             /* boosted channels of BOOSTED blocks, a multiple of 4 up to
+                                    head_dim and 252; 0 = none, and then a BOOSTED precision is
+                                    refused (BAD_SHAPE) */
+    kvmix_cache_partial partial; /* what kvmix_cache_seq_finish does to a partial page;
+                                    0 = KEEP_FP16 */
     kvmix_cache_precision
         default_precision; /* for NULL precisions and zero formats; {0, 0} = INT4 keys,
                               INT4 values */
     size_t arena_bytes;    /* bytes of the page arena (required; a multiple of granule_bytes
-                                   is used, the rest ignored) */
+                              is used, the rest ignored); kvmix_cache_arena_bytes_for sizes it */
     size_t granule_bytes;  /* 0 = 256; allocation unit of the arena, a power of two 64 .. 2^20 */
     int32_t device_arena;  /* 0: the arena is host memory that the calls write; 1: it is device
                               memory the host never touches: calls that move row bytes queue
@@ -540,12 +558,13 @@ KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq);
 /* Appends n_tokens positions (n_tokens, n_tokens + 1, ...) to a sequence without rows: slot map,
    page table and FP16 buffer rows (allocated, copy on write of a shared buffer page done), to be
    filled by kvmix_cache_write on every layer. precisions: [n_tokens] requested formats (NULL =
-   desc.default_precision for all, a zero format its side of it); sink positions are FP16 whatever they ask. Pages that became sealable
-   (see the sealing rule above; only positions written before this call count) are sealed on the
-   way. *out_first_position (may be NULL) receives the first new position. n_tokens 0 does
-   nothing. Returns NULL_POINTER, INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq),
-   UNKNOWN_FORMAT, or OUT_OF_MEMORY (arena, page table or descriptors full), leaving the cache
-   exactly as before. */
+   desc.default_precision for all, a zero format its side of it); sink positions are FP16
+   whatever they ask. Pages that became sealable (see the sealing rule above; only positions
+   written before this call count) are sealed on the way. *out_first_position (may be NULL)
+   receives the first new position. n_tokens 0 does nothing. Returns NULL_POINTER,
+   INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq), UNKNOWN_FORMAT, BAD_SHAPE (BOOSTED
+   asked while desc.n_boost is 0), or OUT_OF_MEMORY (arena, page table or descriptors full),
+   leaving the cache exactly as before. */
 KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                           const kvmix_cache_precision *precisions,
                                           int32_t *out_first_position);
@@ -571,8 +590,8 @@ KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t
    BAD_VALUE). precisions as kvmix_cache_reserve. Rows go to the sequence's FP16 buffer page;
    pages that are full and older than the window are sealed (quantized) on the way. Returns
    NULL_POINTER, INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq, a reserved position
-   not written on every layer yet), UNKNOWN_FORMAT, BAD_VALUE, or OUT_OF_MEMORY (arena, page
-   table or descriptors full), leaving the cache exactly as before. */
+   not written on every layer yet), UNKNOWN_FORMAT, BAD_SHAPE, BAD_VALUE, or OUT_OF_MEMORY
+   (arena, page table or descriptors full), leaving the cache exactly as before. */
 KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                          const float *keys, const float *values,
                                          const kvmix_cache_precision *precisions);
@@ -610,7 +629,8 @@ KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const i
    added to the dequantized rows (upgrade). A page whose new blocks are no larger is rewritten
    in its own bytes (demotion never needs free arena); a larger one moves to a new allocation.
    Returns NOT_FOUND (no page holds the position), INVALID_ARGUMENT (page not sealed yet, bad
-   rows mode), UNKNOWN_FORMAT, BAD_VALUE, OUT_OF_MEMORY; the cache is unchanged on error. */
+   rows mode), UNKNOWN_FORMAT, BAD_SHAPE, BAD_VALUE, OUT_OF_MEMORY; the cache is unchanged on
+   error. */
 KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_t position,
                                          kvmix_cache_precision precision, const float *keys,
                                          const float *values, kvmix_cache_rows rows);
@@ -786,16 +806,19 @@ typedef struct kvmix_policy {
                               8 .. 512 that divides head_dim, or KVMIX_GROUP_HEAD_DIM */
     int32_t value_group_size; /* of INT8/INT4/INT2 value blocks, as group_size; 0 = group_size */
     int32_t n_boost;          /* BOOSTED only: channels kept at 4 bits, a multiple of 4 in 0 .. 252;
-                              0 = head_dim * boost_fraction */
+                              0 = given by boost_fraction instead; both 0 = none, which only a
+                              policy without BOOSTED may have */
     double boost_fraction;    /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
                               both are set they must agree for the model's head_dim */
-    int32_t page_tokens;      /* tokens per page, a multiple of 8 in 8 .. 1024 */
-    int32_t sink_tokens;      /* first positions kept FP16 for good, 0 .. page_tokens */
-    int32_t window_tokens;    /* most recent positions kept FP16, 0 .. 2^26 */
+    int32_t page_tokens;      /* tokens per page, a multiple of 8 in 8 .. 1024 (no default: 0 is
+                              refused) */
+    int32_t sink_tokens;      /* first positions kept FP16 for good, 0 .. page_tokens; 0 = none */
+    int32_t window_tokens;    /* most recent positions kept FP16, 0 .. 2^26; 0 = none */
     int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
-    int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page */
+    int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page;
+                                   0 = KEEP_FP16 */
     int32_t request_boundary;   /* a kvmix_policy_boundary: what the loop does when a request
-                                   (a user turn) begins */
+                                   (a user turn) begins; 0 = FINISH */
     const struct kvmix_tag_precision *tag_precision; /* NULL: every token is stored in
                                    key_format / value_format; else each token's formats by its
                                    template tag (kvmix_policy_token_precision); caller memory
@@ -2525,6 +2548,14 @@ static kvmix_cache_precision kvmix__precision_or_default(const kvmix_cache *c,
     return p;
 }
 
+/* Whether a resolved precision can be stored: BOOSTED needs boosted channels. */
+static int kvmix__boost_ok(const kvmix_cache_desc *d, kvmix_cache_precision p) {
+    return d->n_boost > 0 ||
+           (p.key_format != KVMIX_FORMAT_BOOSTED && p.value_format != KVMIX_FORMAT_BOOSTED);
+}
+
+#define KVMIX__NO_BOOST "BOOSTED asked for, but desc.n_boost is 0 (no boosted channels)"
+
 /* Whether a requested precision names formats: known ones, or 0 for the default. */
 static int kvmix__precision_known(kvmix_cache_precision p) {
     return (p.key_format == 0 || kvmix__format_known(p.key_format)) &&
@@ -2995,6 +3026,8 @@ static kvmix__why kvmix__desc_formats_ok(const kvmix_cache_desc *d) {
         !kvmix__format_known(d->default_precision.value_format))
         return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "default_precision",
                               "holds a value that is not a kvmix_format");
+    if (!kvmix__boost_ok(d, d->default_precision))
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "n_boost", KVMIX__NO_BOOST);
     return kvmix__why_ok();
 }
 
@@ -3015,14 +3048,13 @@ static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena", "must be 0 or 1");
     if (!kvmix__int_in(d.max_jobs, 0, 1 << 24, 1))
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "max_jobs", "must be in 0 .. 2^24");
-    if (d.page_tokens == 0) d.page_tokens = 64;
-    if (d.max_seqs == 0) d.max_seqs = 64;
+    if (d.page_tokens == 0) d.page_tokens = 32;
+    if (d.max_seqs == 0) d.max_seqs = 1;
     if (d.max_tokens_per_seq == 0) d.max_tokens_per_seq = 4096;
     if (d.max_pages_per_seq == 0 && d.page_tokens > 0 && d.max_tokens_per_seq > 0)
         d.max_pages_per_seq = (d.max_tokens_per_seq + d.page_tokens - 1) / d.page_tokens + 8;
     if (d.group_size == 0) d.group_size = KVMIX_GROUP_SIZE_DEFAULT;
     if (d.value_group_size == 0) d.value_group_size = d.group_size;
-    if (d.n_boost == 0) d.n_boost = 16;
     if (d.partial == KVMIX_CACHE_PARTIAL_DEFAULT) d.partial = KVMIX_CACHE_PARTIAL_KEEP_FP16;
     if (d.default_precision.key_format == 0) d.default_precision.key_format = KVMIX_FORMAT_INT4;
     if (d.default_precision.value_format == 0) d.default_precision.value_format = KVMIX_FORMAT_INT4;
@@ -3798,11 +3830,13 @@ static kvmix__why kvmix__extend_ok(const kvmix_cache *c, int32_t seq, int32_t n_
     if (n_tokens > c->desc.max_tokens_per_seq - c->seqs[seq].n_tokens)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens",
                               "the sequence would pass desc.max_tokens_per_seq");
-    if (precisions)
-        for (t = 0; t < n_tokens; t++)
-            if (!kvmix__precision_known(precisions[t]))
-                return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precisions",
-                                      "a value that is not a kvmix_format");
+    for (t = 0; precisions && t < n_tokens; t++) {
+        if (!kvmix__precision_known(precisions[t]))
+            return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precisions",
+                                  "a value that is not a kvmix_format");
+        if (!kvmix__boost_ok(&c->desc, kvmix__precision_or_default(c, precisions[t])))
+            return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "precisions", KVMIX__NO_BOOST);
+    }
     return kvmix__why_ok();
 }
 
@@ -4246,6 +4280,8 @@ static kvmix__why kvmix__retier_ok(const kvmix_cache *cache, int32_t seq, int32_
     if (!kvmix__precision_known(precision))
         return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precision",
                               "a value that is not a kvmix_format");
+    if (!kvmix__boost_ok(&cache->desc, kvmix__precision_or_default(cache, precision)))
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "precision", KVMIX__NO_BOOST);
     if (!(e = kvmix__entry_at(cache, seq, position)))
         return kvmix__why_not(KVMIX_ERR_NOT_FOUND, "position", "evicted: no page holds it");
     p = &cache->pages[e->page];
@@ -5099,7 +5135,7 @@ KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache
     desc->window_values_only = p.window_values_only;
     desc->group_size = p.group_size;
     desc->value_group_size = p.value_group_size;
-    desc->n_boost = p.n_boost; /* 0 (no boosted format) takes the desc's default */
+    desc->n_boost = p.n_boost; /* 0: the policy stores no BOOSTED block */
     desc->partial = (kvmix_cache_partial)p.partial_page;
     desc->default_precision.key_format = (uint8_t)p.key_format;
     desc->default_precision.value_format = (uint8_t)p.value_format;

@@ -901,6 +901,7 @@ static void ct_small_desc(kvmix_cache_desc *d) {
     d->page_tokens = 16;
     d->max_seqs = CT_MAX_SEQS;
     d->max_tokens_per_seq = 96;
+    d->n_boost = 16; /* for the BOOSTED keys some tests ask for */
     d->arena_bytes = 1 << 20;
 }
 
@@ -1586,6 +1587,73 @@ static void test_release_and_check(void) {
     ct_close(&m);
 }
 
+/* The cache's last-error message starts with "argument:". */
+static int ct_says(const kvmix_cache *cache, const char *argument) {
+    const char *why = kvmix_cache_last_error(cache);
+    size_t n = strlen(argument);
+    return CHECK_MSG(strncmp(why, argument, n) == 0 && why[n] == ':',
+                     "the message \"%s\" does not name %s", why, argument);
+}
+
+/* A desc of zeros (but the required fields) is the built-in "int4" policy for one sequence; a
+   zero count of things kept means none (n_boost 0: BOOSTED refused, not 16 channels); a short
+   sequence holds one whole FP16 page until the page fills. */
+static void test_desc_defaults(void) {
+    kvmix_cache_desc zero, int4;
+    kvmix_cache_desc_error why = {NULL, NULL};
+    kvmix_cache cache;
+    kvmix_cache_seq_stats st;
+    kvmix_cache_precision boosted = {KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2};
+    float rows[2 * 2 * 64];
+    int32_t s = -1, pos = -1, i;
+    memset(&zero, 0, sizeof zero);
+    zero.n_layers = 2;
+    zero.n_kv_heads = 2;
+    zero.head_dim = 64;
+    zero.arena_bytes = 1 << 20;
+    int4 = zero;
+    CHECK_RESULT(kvmix_policy_apply(kvmix_policy_find("int4"), &int4, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&zero, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&int4, NULL), KVMIX_SUCCESS);
+    CHECK_MEM_EQ(&zero, &int4, sizeof zero);
+    CHECK_EQ_INT(zero.page_tokens, 32);
+    CHECK_EQ_INT(zero.max_seqs, 1);
+    CHECK_EQ_INT(zero.max_tokens_per_seq, 4096);
+    CHECK_EQ_INT(zero.max_pages_per_seq, 4096 / 32 + 8);
+    CHECK_EQ_INT(zero.n_sink + zero.n_window + zero.n_boost, 0);
+    CHECK_EQ_INT(zero.group_size, 32);
+    CHECK_EQ_INT(zero.value_group_size, 32);
+    CHECK_EQ_UINT(zero.granule_bytes, 256);
+    CHECK(zero.default_precision.key_format == KVMIX_FORMAT_INT4 &&
+          zero.default_precision.value_format == KVMIX_FORMAT_INT4);
+    /* no boosted channels: BOOSTED is refused wherever it is asked for */
+    int4 = zero;
+    int4.default_precision = boosted;
+    CHECK_RESULT(kvmix_cache_desc_resolve(&int4, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK(why.field != NULL && strcmp(why.field, "n_boost") == 0);
+    for (i = 0; i < 2 * 2 * 64; i++) rows[i] = (float)(i % 9) / 8.0f;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &zero, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &pos), KVMIX_ERR_OUT_OF_MEMORY); /* one sequence */
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, 1, &boosted, &pos), KVMIX_ERR_BAD_SHAPE);
+    ct_says(&cache, "precisions");
+    CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, boosted), KVMIX_ERR_BAD_SHAPE);
+    /* a sequence shorter than a page: all FP16, a whole page of bytes; full, it is INT4 */
+    for (i = 0; i < 10; i++)
+        CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, zero.default_precision),
+                     KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_stats_get(&cache, s, &st), KVMIX_SUCCESS);
+    CHECK_EQ_INT(st.n_fp16_rows, 10);
+    CHECK_EQ_UINT(st.referenced_bytes, 2 * 2 * 2 * 32 * 64 * 2); /* L * H * (K, V) * P * D * 2 */
+    for (; i < 33; i++)
+        CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, zero.default_precision),
+                     KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_stats_get(&cache, s, &st), KVMIX_SUCCESS);
+    CHECK_EQ_INT(st.n_fp16_rows, 1); /* 32 sealed to INT4, the 33rd in a new buffer page */
+    CHECK(st.format_bytes[KVMIX_FORMAT_INT4] > 0);
+    kvmix_cache_deinit(&cache);
+}
+
 /* Row value of token t, layer l, channel i (FP16-exact, varied per channel). */
 static float ct_row_value(int32_t t, int32_t l, int32_t i) {
     return (float)((t * 7 + l * 3 + i * 5) % 33 - 16) / 16.0f;
@@ -1679,14 +1747,6 @@ static void test_zero_precision_is_default(void) {
     free(ref_v);
 }
 
-/* The cache's last-error message starts with "argument:". */
-static int ct_says(const kvmix_cache *cache, const char *argument) {
-    const char *why = kvmix_cache_last_error(cache);
-    size_t n = strlen(argument);
-    return CHECK_MSG(strncmp(why, argument, n) == 0 && why[n] == ':',
-                     "the message \"%s\" does not name %s", why, argument);
-}
-
 /* Refused calls say which argument and why; a successful call clears the message, a const call
    leaves it; desc errors before a cache exists name the field. */
 static void test_error_messages(void) {
@@ -1759,6 +1819,7 @@ void unit_cache(void) {
     test_bad_inputs();
     test_error_messages();
     test_zero_precision_is_default();
+    test_desc_defaults();
     test_allocator_init();
     test_decode_reaches_2bit();
     test_values_only_window();

@@ -77,13 +77,13 @@ static kvmix_cache_desc scenario_desc(int which) {
     d.max_tokens_per_seq = 160;
     d.arena_bytes = (size_t)1 << 21;
     d.max_jobs = 400;
+    d.n_boost = 8; /* the scenario asks for BOOSTED keys */
     switch (which) {
     case 0: d.n_window = 16; break;
     case 1:
         d.n_sink = 4;
         d.n_window = 32;
         d.window_values_only = 1;
-        d.n_boost = 8;
         break;
     case 2:
         d.n_sink = 8;
