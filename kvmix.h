@@ -669,10 +669,19 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
                                        int32_t max_spans, int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view);
 
-/* Workspace bytes of kvmix_cache_ref_decode for these sequences. */
+/* Workspace bytes of kvmix_cache_ref_decode for these sequences as they are now; it grows with
+   them (kvmix_cache_ref_decode_workspace_max bounds it). */
 KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
                                                        const int32_t *seqs, int32_t n_seqs,
                                                        size_t *out_bytes);
+
+/* The most workspace kvmix_cache_ref_decode can need for n_seqs (0 .. max_seqs) sequences of a
+   cache of this desc, whatever they hold: a sequence's view has at most max_pages_per_seq spans
+   and page_tokens dead flags per span. It is at least kvmix_cache_ref_decode_workspace of any
+   n_seqs sequences of such a cache, so a loop allocates it once. Returns NULL_POINTER,
+   kvmix_cache_desc_resolve's errors or INVALID_ARGUMENT (n_seqs, more than size_t bytes). */
+KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_desc *desc,
+                                                           int32_t n_seqs, size_t *out_bytes);
 
 /* CPU reference decode step of layer `layer` over cached sequences: builds the view in
    `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
@@ -4545,8 +4554,11 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
 static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 
 /* Workspace of a view of n_seqs sequences with these counts: spans, seq_first_span, dead flags,
-   each part 8-byte aligned. */
-static size_t kvmix__decode_workspace_bytes(int32_t n_seqs, int32_t n_spans, int32_t n_dead) {
+   each part 8-byte aligned; 0 when that is more than size_t counts. */
+static size_t kvmix__decode_workspace_bytes(int64_t n_seqs, int64_t n_spans, int64_t n_dead) {
+    double bytes = (double)n_spans * (double)sizeof(kvmix_view_span) +
+                   (double)(n_seqs + 1) * (double)sizeof(int32_t) + (double)n_dead + 16.0;
+    if (bytes >= (double)(size_t)-1) return 0;
     return kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span)) +
            kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t)) + (size_t)n_dead;
 }
@@ -4555,11 +4567,32 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
                                                        const int32_t *seqs, int32_t n_seqs,
                                                        size_t *out_bytes) {
     int32_t n_spans, n_dead;
+    size_t bytes;
     kvmix_result r;
     if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead)) != KVMIX_SUCCESS)
         return r;
-    *out_bytes = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead);
+    if ((bytes = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead)) == 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = bytes;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_desc *desc,
+                                                           int32_t n_seqs, size_t *out_bytes) {
+    kvmix_cache_desc d;
+    int64_t n_spans;
+    size_t bytes;
+    kvmix_result r;
+    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    d = *desc;
+    if ((r = kvmix__desc_resolve(&d).result) != KVMIX_SUCCESS) return r;
+    if (n_seqs < 0 || n_seqs > d.max_seqs) return KVMIX_ERR_INVALID_ARGUMENT;
+    /* a span per page-table entry, and at most a dead flag per row of each */
+    n_spans = (int64_t)n_seqs * d.max_pages_per_seq;
+    if ((bytes = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_spans * d.page_tokens)) == 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = bytes;
     return KVMIX_SUCCESS;
 }
 
@@ -4591,7 +4624,7 @@ static kvmix__why kvmix__ref_decode(const kvmix_cache *cache, const int32_t *seq
                                     float *out, float *lse, void *workspace,
                                     size_t workspace_bytes) {
     int32_t n_spans, n_dead;
-    size_t spans_bytes, first_bytes;
+    size_t need, spans_bytes, first_bytes;
     uint8_t *w = (uint8_t *)workspace;
     kvmix_view view;
     kvmix__why why;
@@ -4606,7 +4639,8 @@ static kvmix__why kvmix__ref_decode(const kvmix_cache *cache, const int32_t *seq
     if (why.result != KVMIX_SUCCESS) return why;
     if (kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead) != KVMIX_SUCCESS)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seqs", "a view of 2^31 spans or more");
-    if (workspace_bytes < kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead))
+    need = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead);
+    if (need == 0 || workspace_bytes < need) /* 0: more than any buffer */
         return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "workspace_bytes",
                               "less than kvmix_cache_ref_decode_workspace");
     spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));

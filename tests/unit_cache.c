@@ -356,7 +356,7 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     int32_t seqs[CT_MAX_SEQS], n = 0, s, i, h, t;
     int32_t nq = 2 * c->desc.n_kv_heads, d = c->desc.head_dim;
     float *q, *out, *lse, *keys, *values;
-    size_t ws_bytes = 0;
+    size_t ws_bytes = 0, max_bytes = 0;
     void *ws;
     for (s = 0; s < CT_MAX_SEQS; s++)
         if (m->seqs[s].in_use) seqs[n++] = s;
@@ -368,6 +368,9 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     values = (float *)test_alloc((size_t)c->desc.n_kv_heads * d * sizeof(float));
     for (i = 0; i < n * nq * d; i++) q[i] = (float)(2.0 * test_rng_unit(&m->rng) - 1.0);
     CHECK_RESULT(kvmix_cache_ref_decode_workspace(c, seqs, n, &ws_bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ref_decode_workspace_max(&c->desc, n, &max_bytes), KVMIX_SUCCESS);
+    CHECK_MSG(ws_bytes <= max_bytes, "decode workspace %zu above its bound %zu", ws_bytes,
+              max_bytes);
     ws = test_alloc(ws_bytes + 8);
     CHECK_RESULT(
         kvmix_cache_ref_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes),
