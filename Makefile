@@ -2,8 +2,9 @@
 #   make demo        build and run examples/quickstart
 #   make eval        build build/kvmix-eval (the reference-model runner and quality harness) and
 #                    build/kvmix-calibrate (captures to a per-tag bit allocation)
-#   make test        header compile checks, host tests under ASan+UBSan, fuzz smoke runs,
-#                    model tests (when $(SHARED)/models exists), nvcc build of the kernel pack
+#   make test        header compile checks (gcc and clang, every -O level), host tests under
+#                    ASan+UBSan, fuzz smoke runs, model tests (when $(SHARED)/models exists),
+#                    nvcc build of the kernel pack
 #   make test-cuda   GPU tests (needs an sm_90 GPU)
 #   make bench       CPU benchmarks
 #   make fuzz        libFuzzer targets (clang)
@@ -99,7 +100,21 @@ $(BUILD)/check_static: tests/compile_check.c kvmix.h | $(BUILD)
 	$(CC) -std=c99 $(WARN) -DKVMIX_STATIC $< -o $@ $(LDLIBS)
 
 HEADER_CHECKS := $(BUILD)/check_c99 $(BUILD)/check_c11 $(BUILD)/check_cpp $(BUILD)/check_static
-header-checks: $(HEADER_CHECKS)
+
+# ... and build warning-free at every optimization level with gcc and clang: flow warnings such
+# as maybe-uninitialized appear only once the optimizer inlines (compile_check.c calls the cache).
+# Objects only: the programs above run. Named build/warn_<compiler>_<language>_<level>.o.
+WARN_LEVELS := O0 O1 O2 O3 Os
+WARN_COMPILERS := gcc clang
+WARN_LANGS := c99 c11 cpp
+WARN_CHECKS := $(foreach c,$(WARN_COMPILERS),$(foreach l,$(WARN_LANGS),$(foreach o,$(WARN_LEVELS),\
+	$(BUILD)/warn_$(c)_$(l)_$(o).o)))
+warn_cc = $(if $(filter gcc,$(1)),$(if $(filter cpp,$(2)),g++,gcc),$(if $(filter cpp,$(2)),clang++,clang))
+warn_std = $(if $(filter cpp,$(1)),-std=c++11 -x c++,-std=$(1))
+$(BUILD)/warn_%.o: tests/compile_check.c kvmix.h | $(BUILD)
+	$(call warn_cc,$(word 1,$(subst _, ,$*)),$(word 2,$(subst _, ,$*))) \
+		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -$(word 3,$(subst _, ,$*)) -c $< -o $@
+header-checks: $(HEADER_CHECKS) $(WARN_CHECKS)
 
 $(BUILD)/unit_tests: $(UNIT_SRC) tests/harness.h tests/device_arena_scenario.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. $(UNIT_SRC) -o $@ $(LDLIBS)
@@ -187,7 +202,7 @@ $(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 	$(CC) -std=c99 $(WARN) -fsyntax-only -x c kvmix_cuda.h
 endif
 
-test: $(HEADER_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
+test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
 	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build
 	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)

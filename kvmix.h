@@ -60,17 +60,23 @@
 typedef enum kvmix_result {
     KVMIX_SUCCESS = 0,
     KVMIX_ERR_NULL_POINTER = -1,     /* a required pointer argument is NULL */
-    KVMIX_ERR_INVALID_ARGUMENT = -2, /* a count, index or option is out of range */
+    KVMIX_ERR_INVALID_ARGUMENT = -2, /* a count, index or option is out of range, or the call is
+                                        not allowed in the object's state */
     KVMIX_ERR_BAD_SHAPE = -3,        /* head_dim, group size or boost count not supported */
     KVMIX_ERR_UNKNOWN_FORMAT = -4,   /* a kvmix_format value that does not exist */
     KVMIX_ERR_BUFFER_TOO_SMALL = -5, /* a caller buffer is smaller than the size query says */
     KVMIX_ERR_BAD_VALUE = -6,        /* an input is NaN, infinite or beyond the FP16 range */
-    KVMIX_ERR_OUT_OF_MEMORY = -7,    /* an allocator or arena has no room left */
+    KVMIX_ERR_OUT_OF_MEMORY = -7,    /* no room left: an allocator, a cache's arena, tables or job
+                                        queue, or a bit budget that cannot hold the cheapest choice */
     KVMIX_ERR_UNSUPPORTED = -8,      /* valid, but not supported by this backend or build */
-    KVMIX_ERR_CORRUPT_DATA = -9,     /* packed bytes that no quantize call could have written */
-    KVMIX_ERR_VERSION = -10,         /* a serialized document of an unknown version */
-    KVMIX_ERR_PARSE = -11,           /* malformed JSON or payload */
-    KVMIX_ERR_NOT_FOUND = -12,       /* a named item does not exist */
+    KVMIX_ERR_CORRUPT_DATA = -9,     /* packed bytes, or cache bookkeeping, that no call could have
+                                        written */
+    KVMIX_ERR_VERSION = -10,         /* serialized input (a payload) of a version this build does
+                                        not read */
+    KVMIX_ERR_MALFORMED = -11,       /* serialized input that does not follow its documented byte
+                                        layout (a payload's header or tier table) */
+    KVMIX_ERR_NOT_FOUND = -12,       /* what was asked for does not exist (a name, an evicted
+                                        position, a page) */
     KVMIX_ERR_CUDA = -13             /* the CUDA runtime reported an error */
 } kvmix_result;
 
@@ -273,6 +279,10 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
 /* maps, prefix sharing by reference count, eviction, re-tiering, views for attention. The design */
 /* (page layout, buffer and window, sharing, fragmentation) is written out in the >>cache room.   */
 /*                                                                                               */
+/* A call that names a place takes it in the order sequence(s), layer, position: write(cache,     */
+/* seq, layer, position, ...), read(cache, seq, layer, position, ...), view(cache, seqs, n_seqs,  */
+/* layer, ...).                                                                                  */
+/*                                                                                               */
 /* Thread safety: one writer per cache. Functions that take a non-const kvmix_cache* must not run */
 /* concurrently with any other call on the same cache; const ones may run together on any        */
 /* threads. Distinct caches are independent.                                                     */
@@ -290,35 +300,56 @@ typedef enum kvmix_cache_rows {
     KVMIX_CACHE_ROWS_RESIDUAL = 1  /* retier rows are added to the page's dequantized rows */
 } kvmix_cache_rows;
 
-/* The formats a token asks for (from any policy); each a kvmix_format. */
+/* The formats a token asks for (from any policy); each a kvmix_format, or 0 for that side of the
+   cache's desc.default_precision: wherever a cache call takes a precision, {0, 0} means the
+   default precision, {0, KVMIX_FORMAT_INT8} default keys and INT8 values. */
 typedef struct kvmix_cache_precision {
     uint8_t key_format;
     uint8_t value_format;
 } kvmix_cache_precision;
 
-/* Zero fields take defaults; kvmix_cache_desc_resolve and the inits write the resolved values
-   back. Required: n_layers, n_kv_heads, head_dim, arena_bytes. */
+/* What a cache holds. Zero fields take defaults, and kvmix_cache_desc_resolve and the inits write
+   the resolved values back. A zero count of things kept (n_sink, n_window, n_boost) means none;
+   a zero size or capacity means the value its comment gives. Required: n_layers, n_kv_heads,
+   head_dim, arena_bytes. The defaults store like the built-in "int4" policy (pages of 32
+   tokens, INT4 keys and values in groups of 32 channels, no sinks, no window) for one sequence
+   of up to 4096 positions; kvmix_policy_apply writes another policy in.
+
+   What a sequence holds: new rows land in an FP16 buffer page of page_tokens rows, allocated
+   whole, and a page is quantized only once it is full (and older than the window). So a
+   sequence shorter than a page is all FP16 at a page's bytes (a 10-token sequence with pages
+   of 32 holds 32 FP16 rows: 51 bits per stored element), and a longer one keeps its last
+   partial page (and the window) FP16; kvmix_cache_seq_stats_get counts all of it. */
 typedef struct kvmix_cache_desc {
     int32_t n_layers;            /* 1 .. 4096 */
     int32_t n_kv_heads;          /* 1 .. 4096 */
     int32_t head_dim;            /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
-    int32_t page_tokens;         /* 0 = 64; a multiple of 8 in 8 .. 1024 */
-    int32_t max_seqs;            /* 0 = 64; live sequences at once, 1 .. 2^20 */
-    int32_t max_tokens_per_seq;  /* 0 = 4096; positions per sequence, 1 .. 2^26 */
+    int32_t page_tokens;         /* 0 = 32, the built-in policies' page; a multiple of 8 in
+                                    8 .. 1024: tokens per page, over which per-channel keys
+                                    take their statistics, and the FP16 buffer's size */
+    int32_t max_seqs;            /* 0 = 1; live sequences at once, 1 .. 2^20 (each costs its
+                                    slot map and page table in metadata, reserved up front) */
+    int32_t max_tokens_per_seq;  /* 0 = 4096; positions per sequence, 1 .. 2^26 (4 bytes of
+                                    slot map each, per sequence) */
     int32_t max_pages_per_seq;   /* 0 = ceil(max_tokens_per_seq / page_tokens) + 8 */
-    int32_t n_sink;              /* first positions kept FP16 forever, 0 .. page_tokens */
-    int32_t n_window;            /* most recent positions kept FP16, 0 .. max_tokens_per_seq */
+    int32_t n_sink;              /* first positions kept FP16 forever, 0 .. page_tokens; 0 = none */
+    int32_t n_window;            /* most recent positions kept FP16, 0 .. max_tokens_per_seq;
+                                    0 = none (the buffer page still fills in FP16) */
     int32_t window_values_only;  /* 0: the window keeps keys and values FP16; 1: values only,
                                     keys are sealed once their page is full (Kitty's layout) */
     int32_t group_size;          /* 0 = 32; of the per-token integer formats (keys, and values
                                     unless value_group_size is set) */
     int32_t value_group_size;    /* 0 = group_size; of the per-token integer value blocks */
-    int32_t n_boost;             /* 0 = 16; boosted channels of BOOSTED blocks */
-    kvmix_cache_partial partial; /* what kvmix_cache_seq_finish does to a partial page */
+    int32_t n_boost;             /* boosted channels of BOOSTED blocks, a multiple of 4 up to
+                                    head_dim and 252; 0 = none, and then a BOOSTED precision is
+                                    refused (BAD_SHAPE) */
+    kvmix_cache_partial partial; /* what kvmix_cache_seq_finish does to a partial page;
+                                    0 = KEEP_FP16 */
     kvmix_cache_precision
-        default_precision; /* for NULL precisions; {0, 0} = INT4 keys, INT4 values */
+        default_precision; /* for NULL precisions and zero formats; {0, 0} = INT4 keys,
+                              INT4 values */
     size_t arena_bytes;    /* bytes of the page arena (required; a multiple of granule_bytes
-                                   is used, the rest ignored) */
+                              is used, the rest ignored); kvmix_cache_arena_bytes_for sizes it */
     size_t granule_bytes;  /* 0 = 256; allocation unit of the arena, a power of two 64 .. 2^20 */
     int32_t device_arena;  /* 0: the arena is host memory that the calls write; 1: it is device
                               memory the host never touches: calls that move row bytes queue
@@ -363,45 +394,55 @@ typedef struct kvmix_cache_seq {
     int32_t n_written; /* positions 0 .. n_written - 1 have rows on every layer */
 } kvmix_cache_seq;
 
-/* A cache. Transparent so that tests and tools can read it; change it only through the
-   functions below. Everything it points at lives in the metadata memory and the arena. */
-typedef struct kvmix_cache {
-    kvmix_cache_desc desc; /* resolved */
-    uint8_t *arena;        /* desc.arena_bytes; views use it as base */
-    void *memory;          /* the metadata memory (kvmix_cache_memory_bytes) */
+#define KVMIX_CACHE_ERROR_BYTES 128 /* a cache's last-error message, its NUL included */
+
+/* The cache's own state: its memory, the granule allocator, the plan of one call, a device
+   arena's queue. Private: nothing in it is promised from one version to the next; tests read it,
+   callers never write it. */
+typedef struct kvmix__cache_private {
+    void *memory; /* the metadata memory (kvmix_cache_memory_bytes) */
     size_t memory_bytes;
     kvmix_allocator allocator; /* of kvmix_cache_init_allocator; owns_memory says whether used */
     int32_t owns_memory;
-    int32_t max_pages;    /* page descriptors, the sentinel included */
     int32_t n_free_pages; /* descriptors on the free stack */
     int32_t journal_capacity;
     int64_t n_granules; /* arena granules */
     int64_t n_free_granules;
-    int64_t first_free_hint;    /* no free granule below it */
-    kvmix_cache_seq *seqs;      /* [max_seqs] */
-    kvmix_cache_entry *entries; /* [max_seqs][max_pages_per_seq] */
-    uint32_t *slots;            /* [max_seqs][max_tokens_per_seq]: page * page_tokens + row */
-    int32_t *written;           /* [max_seqs][n_layers]: positions 0 .. written - 1 of the
-                                     layer have rows (kvmix_cache_write) */
-    kvmix_cache_page *pages;    /* [max_pages] */
-    uint32_t *free_pages;       /* [max_pages] stack of free descriptors */
-    uint64_t *bitmap;           /* [ceil(n_granules / 64)] one bit per used granule */
-    float *scratch;             /* [page_tokens * head_dim] */
-    void *sim;                  /* planning state of one call */
-    void *journal;              /* allocator operations of one call's plan */
-    /* device arena only (private): queued jobs, arena released when they are taken */
-    void *jobs; /* [desc.max_jobs] */
-    int32_t n_jobs;
+    int64_t first_free_hint; /* no free granule below it */
+    uint32_t *free_pages;    /* [max_pages] stack of free descriptors */
+    uint64_t *bitmap;        /* [ceil(n_granules / 64)] one bit per used granule */
+    float *scratch;          /* [page_tokens * head_dim] */
+    void *sim;               /* planning state of one call */
+    void *journal;           /* allocator operations of one call's plan */
+    /* device arena only: queued jobs, arena released when they are taken */
+    void *jobs;              /* [desc.max_jobs] */
     int32_t n_retired_runs;  /* granule runs of sealed buffers, held until the take */
     void *retired_runs;      /* [desc.max_jobs] */
     uint32_t *retired_pages; /* [max_pages] released descriptors, held until the take */
     int32_t n_retired_pages;
     uint32_t segment;              /* jobs of one segment run in any order; segments in order */
     uint32_t *page_segment;        /* [max_pages][2] the segments that last wrote, read each page */
-    size_t full_block_bytes[2][8]; /* private: [is_value][format] of a block of page_tokens rows */
-    /* private: for the last sizes asked, no free run that long starts below fit_from */
+    size_t full_block_bytes[2][8]; /* [is_value][format] of a block of page_tokens rows */
+    /* for the last sizes asked, no free run that long starts below fit_from */
     int64_t fit_size[8], fit_from[8];
     int32_t fit_next;
+    char error[KVMIX_CACHE_ERROR_BYTES]; /* kvmix_cache_last_error */
+} kvmix__cache_private;
+
+/* A cache. Transparent so that tests and tools can read its tables; change it only through the
+   functions below. Everything it points at lives in the metadata memory and the arena. */
+typedef struct kvmix_cache {
+    kvmix_cache_desc desc;      /* resolved */
+    uint8_t *arena;             /* desc.arena_bytes; views use it as base */
+    int32_t max_pages;          /* page descriptors, the sentinel included */
+    int32_t n_jobs;             /* device arena: jobs queued (kvmix_cache_jobs_take) */
+    kvmix_cache_seq *seqs;      /* [max_seqs] */
+    kvmix_cache_entry *entries; /* [max_seqs][max_pages_per_seq] */
+    uint32_t *slots;            /* [max_seqs][max_tokens_per_seq]: page * page_tokens + row */
+    int32_t *written;           /* [max_seqs][n_layers]: positions 0 .. written - 1 of the
+                                     layer have rows (kvmix_cache_write) */
+    kvmix_cache_page *pages;    /* [max_pages] */
+    kvmix__cache_private priv;  /* the implementation's own state: not for callers */
 } kvmix_cache;
 
 /* Accounting of a whole cache. Bytes per format count key blocks under the key format and value
@@ -441,12 +482,22 @@ typedef struct kvmix_cache_seq_stats {
     size_t format_bytes[8];  /* of the referenced pages, as in kvmix_cache_stats */
 } kvmix_cache_seq_stats;
 
-/* Checks a desc and writes it back with defaults resolved. Returns KVMIX_ERR_NULL_POINTER,
-   INVALID_ARGUMENT (a count or option out of range, sizes that overflow), BAD_SHAPE (head_dim,
-   group_size, n_boost) or UNKNOWN_FORMAT (default_precision). */
-KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc);
+/* What kvmix_cache_desc_resolve found wrong: the field as kvmix_cache_desc spells it ("n_sink")
+   and why, both static strings (as kvmix_policy_error for policies). */
+typedef struct kvmix_cache_desc_error {
+    const char *field;
+    const char *reason;
+} kvmix_cache_desc_error;
 
-/* Bytes of metadata memory a cache of this desc needs (the arena is separate: desc.arena_bytes). */
+/* Checks a desc and writes it back with defaults resolved; on failure *desc is unchanged and
+   *out_error (may be NULL) names the field and says why. Returns KVMIX_ERR_NULL_POINTER,
+   INVALID_ARGUMENT (a count or option out of range, sizes that overflow), BAD_SHAPE (head_dim,
+   group_size, n_boost) or UNKNOWN_FORMAT (default_precision). Pure, thread-safe. */
+KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc,
+                                               kvmix_cache_desc_error *out_error);
+
+/* Bytes of metadata memory a cache of this desc needs (the arena is separate: desc.arena_bytes).
+   Returns NULL_POINTER or kvmix_cache_desc_resolve's errors (which says why). */
 KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes);
 
 /* Initializes a cache into caller memory: `memory` (8-byte aligned, memory_bytes at least the
@@ -465,6 +516,16 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
 /* Releases what kvmix_cache_init_allocator allocated (nothing for kvmix_cache_init) and zeroes
    the struct. NULL is ignored. */
 KVMIXDEF void kvmix_cache_deinit(kvmix_cache *cache);
+
+/* Why the last call on this cache that records failed, as "argument: why" (for example
+   "first_position: its positions are not reserved yet (kvmix_cache_reserve first)", or
+   "desc.n_sink: must be in 0 .. page_tokens" from an init); "" when that call succeeded. Every
+   function that takes a non-const kvmix_cache records, the inits included (a failed init writes
+   only the message into *cache); apart from the message a failed call changes nothing. Functions
+   that take a const cache do not record, so that they may run concurrently: their failures
+   leave the message as it was. The message lives in the cache until its next recording call;
+   the library never prints it. Never NULL (a static message for a NULL cache). */
+KVMIXDEF const char *kvmix_cache_last_error(const kvmix_cache *cache);
 
 /* Creates an empty sequence; *out_seq receives its id in [0, max_seqs).
    Returns OUT_OF_MEMORY when max_seqs sequences are live. */
@@ -498,12 +559,13 @@ KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq);
 /* Appends n_tokens positions (n_tokens, n_tokens + 1, ...) to a sequence without rows: slot map,
    page table and FP16 buffer rows (allocated, copy on write of a shared buffer page done), to be
    filled by kvmix_cache_write on every layer. precisions: [n_tokens] requested formats (NULL =
-   desc.default_precision); sink positions are FP16 whatever they ask. Pages that became sealable
-   (see the sealing rule above; only positions written before this call count) are sealed on the
-   way. *out_first_position (may be NULL) receives the first new position. n_tokens 0 does
-   nothing. Returns NULL_POINTER, INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq),
-   UNKNOWN_FORMAT, or OUT_OF_MEMORY (arena, page table or descriptors full), leaving the cache
-   exactly as before. */
+   desc.default_precision for all, a zero format its side of it); sink positions are FP16
+   whatever they ask. Pages that became sealable (see the sealing rule above; only positions
+   written before this call count) are sealed on the way. *out_first_position (may be NULL)
+   receives the first new position. n_tokens 0 does nothing. Returns NULL_POINTER,
+   INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq), UNKNOWN_FORMAT, BAD_SHAPE (BOOSTED
+   asked while desc.n_boost is 0), or OUT_OF_MEMORY (arena, page table or descriptors full),
+   leaving the cache exactly as before. */
 KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                           const kvmix_cache_precision *precisions,
                                           int32_t *out_first_position);
@@ -529,13 +591,14 @@ KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t
    BAD_VALUE). precisions as kvmix_cache_reserve. Rows go to the sequence's FP16 buffer page;
    pages that are full and older than the window are sealed (quantized) on the way. Returns
    NULL_POINTER, INVALID_ARGUMENT (seq, n_tokens beyond max_tokens_per_seq, a reserved position
-   not written on every layer yet), UNKNOWN_FORMAT, BAD_VALUE, or OUT_OF_MEMORY (arena, page
-   table or descriptors full), leaving the cache exactly as before. */
+   not written on every layer yet), UNKNOWN_FORMAT, BAD_SHAPE, BAD_VALUE, or OUT_OF_MEMORY
+   (arena, page table or descriptors full), leaving the cache exactly as before. */
 KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                          const float *keys, const float *values,
                                          const kvmix_cache_precision *precisions);
 
-/* One decode step: kvmix_cache_ingest of one token. keys, values: [n_layers][n_kv_heads][head_dim]. */
+/* One decode step: kvmix_cache_ingest of one token. keys, values: [n_layers][n_kv_heads][head_dim].
+   precision as one of kvmix_cache_reserve's: {0, 0} stores it in desc.default_precision. */
 KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
                                          const float *values, kvmix_cache_precision precision);
 
@@ -559,14 +622,16 @@ KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq);
 KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
                                         int32_t n_positions);
 
-/* Rewrites the sealed page that holds `position` of `seq` in `precision`, keeping its page id and
-   every slot map (all sequences sharing the page see the new formats). keys, values: NULL, or
+/* Rewrites the sealed page that holds `position` of `seq` in `precision` (a zero format: that
+   side of desc.default_precision), keeping its page id and every slot map (all sequences
+   sharing the page see the new formats). keys, values: NULL, or
    [n_layers][n_rows][n_kv_heads][head_dim] for the page's n_rows (kvmix_cache_page): NULL
    requantizes from the dequantized rows (demotion); rows given are the originals or residuals
    added to the dequantized rows (upgrade). A page whose new blocks are no larger is rewritten
    in its own bytes (demotion never needs free arena); a larger one moves to a new allocation.
    Returns NOT_FOUND (no page holds the position), INVALID_ARGUMENT (page not sealed yet, bad
-   rows mode), UNKNOWN_FORMAT, BAD_VALUE, OUT_OF_MEMORY; the cache is unchanged on error. */
+   rows mode), UNKNOWN_FORMAT, BAD_SHAPE, BAD_VALUE, OUT_OF_MEMORY; the cache is unchanged on
+   error. */
 KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_t position,
                                          kvmix_cache_precision precision, const float *keys,
                                          const float *values, kvmix_cache_rows rows);
@@ -579,8 +644,8 @@ KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, 
    may be NULL), and the storage formats when out_precision is not NULL.
    Returns NOT_FOUND for an evicted position and INVALID_ARGUMENT for one not written on that
    layer yet (nothing written to the outputs). */
-KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t position,
-                                       int32_t layer, float *keys, float *values,
+KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t layer,
+                                       int32_t position, float *keys, float *values,
                                        kvmix_cache_precision *out_precision);
 
 /* Sizes of a view of these sequences: enough for every layer (exact when every reserved
@@ -600,21 +665,33 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
    layers have the same positions written, layer l's spans are layer 0's with both offsets
    moved by l * n_kv_heads * (key_head_bytes + value_head_bytes), so a GPU loop may build one
    view per step and move it to each layer on the device. */
-KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, const int32_t *seqs,
-                                       int32_t n_seqs, kvmix_view_span *spans, int32_t max_spans,
-                                       int32_t *seq_first_span, uint8_t *dead,
+KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *seqs,
+                                       int32_t n_seqs, int32_t layer, kvmix_view_span *spans,
+                                       int32_t max_spans, int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view);
 
-/* Workspace bytes of kvmix_cache_ref_decode for these sequences. */
+/* Workspace bytes of kvmix_cache_ref_decode for these sequences as they are now; it grows with
+   them (kvmix_cache_ref_decode_workspace_max bounds it). */
 KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
                                                        const int32_t *seqs, int32_t n_seqs,
                                                        size_t *out_bytes);
 
+/* The most workspace kvmix_cache_ref_decode can need for n_seqs (0 .. max_seqs) sequences of a
+   cache of this desc, whatever they hold: a sequence's view has at most max_pages_per_seq spans
+   and page_tokens dead flags per span. It is at least kvmix_cache_ref_decode_workspace of any
+   n_seqs sequences of such a cache, so a loop allocates it once. Returns NULL_POINTER,
+   kvmix_cache_desc_resolve's errors or INVALID_ARGUMENT (n_seqs, more than size_t bytes). */
+KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_desc *desc,
+                                                           int32_t n_seqs, size_t *out_bytes);
+
 /* CPU reference decode step of layer `layer` over cached sequences: builds the view in
    `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
-   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim). */
-KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t layer,
-                                             const int32_t *seqs, int32_t n_seqs, int32_t n_q_heads,
+   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim).
+   It changes nothing in the cache but records why it failed (kvmix_cache_last_error), so it
+   takes a non-const cache and must not overlap other calls on it; to decode on many threads at
+   once, build views (kvmix_cache_view) and run kvmix_ref_view_decode on them. */
+KVMIXDEF kvmix_result kvmix_cache_ref_decode(kvmix_cache *cache, const int32_t *seqs,
+                                             int32_t n_seqs, int32_t layer, int32_t n_q_heads,
                                              float scale, const float *q, float *out, float *lse,
                                              void *workspace, size_t workspace_bytes);
 
@@ -739,16 +816,19 @@ typedef struct kvmix_policy {
                               8 .. 512 that divides head_dim, or KVMIX_GROUP_HEAD_DIM */
     int32_t value_group_size; /* of INT8/INT4/INT2 value blocks, as group_size; 0 = group_size */
     int32_t n_boost;          /* BOOSTED only: channels kept at 4 bits, a multiple of 4 in 0 .. 252;
-                              0 = head_dim * boost_fraction */
+                              0 = given by boost_fraction instead; both 0 = none, which only a
+                              policy without BOOSTED may have */
     double boost_fraction;    /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
                               both are set they must agree for the model's head_dim */
-    int32_t page_tokens;      /* tokens per page, a multiple of 8 in 8 .. 1024 */
-    int32_t sink_tokens;      /* first positions kept FP16 for good, 0 .. page_tokens */
-    int32_t window_tokens;    /* most recent positions kept FP16, 0 .. 2^26 */
+    int32_t page_tokens;      /* tokens per page, a multiple of 8 in 8 .. 1024 (no default: 0 is
+                              refused) */
+    int32_t sink_tokens;      /* first positions kept FP16 for good, 0 .. page_tokens; 0 = none */
+    int32_t window_tokens;    /* most recent positions kept FP16, 0 .. 2^26; 0 = none */
     int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
-    int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page */
+    int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page;
+                                   0 = KEEP_FP16 */
     int32_t request_boundary;   /* a kvmix_policy_boundary: what the loop does when a request
-                                   (a user turn) begins */
+                                   (a user turn) begins; 0 = FINISH */
     const struct kvmix_tag_precision *tag_precision; /* NULL: every token is stored in
                                    key_format / value_format; else each token's formats by its
                                    template tag (kvmix_policy_token_precision); caller memory
@@ -859,7 +939,7 @@ KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const u
 
 /* Reads and checks a payload's header and tier table from the first src_bytes bytes (at least
    the head; the body need not be there yet). *out_tiers (may be NULL) points into src.
-   Returns NULL_POINTER, PARSE (not a payload, truncated head, reserved bytes set, tier table
+   Returns NULL_POINTER, MALFORMED (not a payload, truncated head, reserved bytes set, tier table
    that disagrees with the header's counts), VERSION (a version this build does not read),
    INVALID_ARGUMENT / BAD_SHAPE (fields out of range). Never reads past src_bytes. */
 KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
@@ -1204,7 +1284,8 @@ KVMIXDEF kvmix_result kvmix_tag_role_from_name(const char *name, kvmix_tag_role 
 #define KVMIX_TAG_N_MODALITIES 2
 
 typedef struct kvmix_tag_precision {
-    /* [kvmix_tag_bucket][kvmix_tag_role][kvmix_tag_modality]: each a pair of kvmix_formats */
+    /* [kvmix_tag_bucket][kvmix_tag_role][kvmix_tag_modality]: each a pair of kvmix_formats; a
+       zero format is that side of the policy's key_format / value_format */
     kvmix_cache_precision formats[KVMIX_TAG_N_BUCKETS][KVMIX_TAG_N_ROLES][KVMIX_TAG_N_MODALITIES];
 } kvmix_tag_precision;
 
@@ -1213,13 +1294,13 @@ typedef struct kvmix_tag_precision {
 KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
                                                kvmix_cache_precision precision);
 
-/* Checks that every entry holds known formats. Returns NULL_POINTER or UNKNOWN_FORMAT. Pure. */
+/* Checks that every entry holds known formats or 0. Returns NULL_POINTER or UNKNOWN_FORMAT. Pure. */
 KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table);
 
 /* The formats a policy stores a token of tag `tag` in while the stream is at `current_turn`:
    the policy's key_format / value_format when it has no tag_precision, else
-   tag_precision->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality].
-   Returns NULL_POINTER, INVALID_ARGUMENT (a role or modality out of range), or the policy's
+   tag_precision->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality]
+   with a zero format replaced by the policy's, so never 0. Returns NULL_POINTER, INVALID_ARGUMENT (a role or modality out of range), or the policy's
    check errors (kvmix_policy_check); *out is written only on success. Pure, thread-safe. */
 KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
                                                    int32_t current_turn,
@@ -1723,16 +1804,16 @@ KVMIXDEF const char *kvmix_result_string(kvmix_result result) {
     switch (result) {
     case KVMIX_SUCCESS: return "success";
     case KVMIX_ERR_NULL_POINTER: return "a required pointer argument is NULL";
-    case KVMIX_ERR_INVALID_ARGUMENT: return "an argument is out of range";
+    case KVMIX_ERR_INVALID_ARGUMENT: return "an argument is out of range or not allowed now";
     case KVMIX_ERR_BAD_SHAPE: return "head_dim, group size or boost count not supported";
     case KVMIX_ERR_UNKNOWN_FORMAT: return "unknown format";
     case KVMIX_ERR_BUFFER_TOO_SMALL: return "buffer too small";
     case KVMIX_ERR_BAD_VALUE: return "input is NaN, infinite or beyond the FP16 range";
-    case KVMIX_ERR_OUT_OF_MEMORY: return "out of memory";
+    case KVMIX_ERR_OUT_OF_MEMORY: return "no room left (allocator, arena, table or budget)";
     case KVMIX_ERR_UNSUPPORTED: return "not supported by this backend or build";
-    case KVMIX_ERR_CORRUPT_DATA: return "packed data is corrupt";
-    case KVMIX_ERR_VERSION: return "unsupported format version";
-    case KVMIX_ERR_PARSE: return "malformed document";
+    case KVMIX_ERR_CORRUPT_DATA: return "packed bytes or bookkeeping are corrupt";
+    case KVMIX_ERR_VERSION: return "serialized input of a version this build does not read";
+    case KVMIX_ERR_MALFORMED: return "serialized input does not follow its byte layout";
     case KVMIX_ERR_NOT_FOUND: return "not found";
     case KVMIX_ERR_CUDA: return "CUDA runtime error";
     }
@@ -2573,6 +2654,56 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
 #define KVMIX__CACHE_MAX_LAYERS 4096
 #define KVMIX__CACHE_MAX_HEADS  4096
 
+/* ---- why a call failed ----------------------------------------------------------------------- */
+
+/* A check's verdict: the result and, when it failed, the argument and why (static strings). */
+typedef struct kvmix__why {
+    kvmix_result result;
+    const char *argument;
+    const char *reason;
+} kvmix__why;
+
+static kvmix__why kvmix__why_not(kvmix_result result, const char *argument, const char *reason) {
+    kvmix__why w;
+    w.result = result;
+    w.argument = argument;
+    w.reason = reason;
+    return w;
+}
+
+static kvmix__why kvmix__why_ok(void) { return kvmix__why_not(KVMIX_SUCCESS, NULL, NULL); }
+
+/* Appends text to the cache's message at *at, truncating it to the buffer. */
+static void kvmix__error_append(kvmix_cache *c, size_t *at, const char *text) {
+    while (*text && *at + 1 < KVMIX_CACHE_ERROR_BYTES) c->priv.error[(*at)++] = *text++;
+    c->priv.error[*at] = 0;
+}
+
+/* The verdict of a call that records: its message becomes "<prefix><argument>: <reason>", or ""
+   when it succeeded. Returns the verdict's result. */
+static kvmix_result kvmix__record_as(kvmix_cache *c, const char *prefix, kvmix__why w) {
+    size_t at = 0;
+    c->priv.error[0] = 0;
+    if (w.result == KVMIX_SUCCESS) return KVMIX_SUCCESS;
+    kvmix__error_append(c, &at, prefix);
+    kvmix__error_append(c, &at, w.argument);
+    kvmix__error_append(c, &at, ": ");
+    kvmix__error_append(c, &at, w.reason);
+    return w.result;
+}
+
+static kvmix_result kvmix__record(kvmix_cache *c, kvmix__why w) {
+    return kvmix__record_as(c, "", w);
+}
+
+KVMIXDEF const char *kvmix_cache_last_error(const kvmix_cache *cache) {
+    return cache ? cache->priv.error : "cache: NULL";
+}
+
+static int kvmix__int_in(int32_t v, int32_t lo, int32_t hi, int32_t multiple) {
+    return v >= lo && v <= hi && v % multiple == 0;
+}
+
 /* One unsealed page of the sequence a plan works on, oldest first. */
 typedef struct kvmix__sim_page {
     int32_t entry; /* index in the sequence's page table */
@@ -2614,7 +2745,17 @@ typedef struct kvmix__plan {
     int32_t n_jobs;    /* device arena: jobs queued */
     kvmix__sim_page *pages;
     kvmix__arena_op *ops;
+    kvmix__why failure; /* what ran out, when something did */
 } kvmix__plan;
+
+/* The plan cannot go on: `argument` ran out of room. */
+static kvmix_result kvmix__plan_fail(kvmix__plan *plan, const char *argument, const char *reason) {
+    plan->failure = kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, argument, reason);
+    return KVMIX_ERR_OUT_OF_MEMORY;
+}
+
+#define KVMIX__HELD_DESCRIPTORS "released pages hold them until kvmix_cache_jobs_take"
+#define KVMIX__NO_RUN           "no free run of granules for "
 
 /* A queued job of a device arena, with what decides its batch. */
 typedef struct kvmix__job {
@@ -2654,6 +2795,28 @@ static int kvmix__format_rank(int32_t format) {
     return 0;
 }
 
+/* A requested precision with each zero format replaced by the desc's default for that side. */
+static kvmix_cache_precision kvmix__precision_or_default(const kvmix_cache *c,
+                                                         kvmix_cache_precision p) {
+    if (p.key_format == 0) p.key_format = c->desc.default_precision.key_format;
+    if (p.value_format == 0) p.value_format = c->desc.default_precision.value_format;
+    return p;
+}
+
+/* Whether a resolved precision can be stored: BOOSTED needs boosted channels. */
+static int kvmix__boost_ok(const kvmix_cache_desc *d, kvmix_cache_precision p) {
+    return d->n_boost > 0 ||
+           (p.key_format != KVMIX_FORMAT_BOOSTED && p.value_format != KVMIX_FORMAT_BOOSTED);
+}
+
+#define KVMIX__NO_BOOST "BOOSTED asked for, but desc.n_boost is 0 (no boosted channels)"
+
+/* Whether a requested precision names formats: known ones, or 0 for the default. */
+static int kvmix__precision_known(kvmix_cache_precision p) {
+    return (p.key_format == 0 || kvmix__format_known(p.key_format)) &&
+           (p.value_format == 0 || kvmix__format_known(p.value_format));
+}
+
 static uint8_t kvmix__higher_format(uint8_t a, uint8_t b) {
     return kvmix__format_rank(a) >= kvmix__format_rank(b) ? a : b;
 }
@@ -2687,8 +2850,8 @@ static size_t kvmix__cache_block_bytes(const kvmix_cache *c, int is_value, int32
     size_t bytes;
     int full =
         format == KVMIX_FORMAT_FP16 ? capacity == c->desc.page_tokens : rows == c->desc.page_tokens;
-    if (full && format > 0 && format < 8 && c->full_block_bytes[is_value][format] != 0)
-        return c->full_block_bytes[is_value][format]; /* views ask this for every page */
+    if (full && format > 0 && format < 8 && c->priv.full_block_bytes[is_value][format] != 0)
+        return c->priv.full_block_bytes[is_value][format]; /* views ask this for every page */
     if (format == KVMIX_FORMAT_FP16) {
         bytes = (size_t)capacity * (size_t)c->desc.head_dim * 2;
     } else {
@@ -2785,9 +2948,10 @@ static int kvmix__ctz64(uint64_t x) {
 /* The first run of n free granules at or after the hint (first fit), or -1. Walks the bitmap a
    word at a time: used and free stretches are skipped whole. */
 static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n, int64_t from) {
-    const uint64_t *bm = c->bitmap;
-    int64_t total = c->n_granules, i = from > c->first_free_hint ? from : c->first_free_hint;
-    if (n <= 0 || n > c->n_free_granules) return -1;
+    const uint64_t *bm = c->priv.bitmap;
+    int64_t total = c->priv.n_granules,
+            i = from > c->priv.first_free_hint ? from : c->priv.first_free_hint;
+    if (n <= 0 || n > c->priv.n_free_granules) return -1;
     while (i + n <= total) {
         int64_t j, end = i + n;
         uint64_t used = bm[i >> 6] >> (i & 63);
@@ -2816,7 +2980,7 @@ static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n, int64_t from) 
 
 static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int64_t n, int taken) {
     if (!plan || !plan->dry) return 1;
-    if (plan->n_ops >= c->journal_capacity) {
+    if (plan->n_ops >= c->priv.journal_capacity) {
         plan->overflow = 1;
         return 0;
     }
@@ -2833,7 +2997,7 @@ static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int6
 static int32_t kvmix__fit_slot(const kvmix_cache *c, int64_t n) {
     int32_t k;
     for (k = 0; k < 8; k++)
-        if (c->fit_size[k] == n) return k;
+        if (c->priv.fit_size[k] == n) return k;
     return -1;
 }
 
@@ -2841,32 +3005,32 @@ static int32_t kvmix__fit_slot(const kvmix_cache *c, int64_t n) {
 static void kvmix__fit_found(kvmix_cache *c, int64_t n, int64_t from) {
     int32_t k = kvmix__fit_slot(c, n);
     if (k < 0) {
-        k = c->fit_next;
-        c->fit_next = (k + 1) % 8;
-        c->fit_size[k] = n;
+        k = c->priv.fit_next;
+        c->priv.fit_next = (k + 1) % 8;
+        c->priv.fit_size[k] = n;
     }
-    c->fit_from[k] = from;
+    c->priv.fit_from[k] = from;
 }
 
 /* Granules from `start` became free: a run that long may now start at or before the free run
    that holds them. */
 static void kvmix__fit_freed(kvmix_cache *c, int64_t start) {
     int32_t k;
-    while (start > 0 && !kvmix__granule_used(c->bitmap, start - 1))
-        start -= (start & 63) == 0 && c->bitmap[(start - 1) >> 6] == 0 ? 64 : 1;
+    while (start > 0 && !kvmix__granule_used(c->priv.bitmap, start - 1))
+        start -= (start & 63) == 0 && c->priv.bitmap[(start - 1) >> 6] == 0 ? 64 : 1;
     for (k = 0; k < 8; k++)
-        if (c->fit_from[k] > start) c->fit_from[k] = start;
+        if (c->priv.fit_from[k] > start) c->priv.fit_from[k] = start;
 }
 
 /* Takes n granules; returns the first or -1 (nothing changed). */
 static int64_t kvmix__arena_take(kvmix_cache *c, kvmix__plan *plan, int64_t n) {
     int32_t k = kvmix__fit_slot(c, n);
-    int64_t start = kvmix__arena_find(c, n, k < 0 ? 0 : c->fit_from[k]);
+    int64_t start = kvmix__arena_find(c, n, k < 0 ? 0 : c->priv.fit_from[k]);
     if (start < 0 || !kvmix__journal(c, plan, start, n, 1)) return -1;
     kvmix__fit_found(c, n, start);
-    kvmix__granules_mark(c->bitmap, start, n, 1);
-    c->n_free_granules -= n;
-    if (start == c->first_free_hint) c->first_free_hint = start + n;
+    kvmix__granules_mark(c->priv.bitmap, start, n, 1);
+    c->priv.n_free_granules -= n;
+    if (start == c->priv.first_free_hint) c->priv.first_free_hint = start + n;
     return start;
 }
 
@@ -2875,17 +3039,17 @@ static void kvmix__arena_give(kvmix_cache *c, kvmix__plan *plan, int64_t start, 
     if (n <= 0) return;
     if (c->desc.device_arena) {
         if (!plan || !plan->dry) {
-            kvmix__run *runs = (kvmix__run *)c->retired_runs;
-            KVMIX_ASSERT(c->n_retired_runs < c->desc.max_jobs);
-            runs[c->n_retired_runs].start = start;
-            runs[c->n_retired_runs++].n = n;
+            kvmix__run *runs = (kvmix__run *)c->priv.retired_runs;
+            KVMIX_ASSERT(c->priv.n_retired_runs < c->desc.max_jobs);
+            runs[c->priv.n_retired_runs].start = start;
+            runs[c->priv.n_retired_runs++].n = n;
         }
         return;
     }
     if (!kvmix__journal(c, plan, start, n, 0)) return;
-    kvmix__granules_mark(c->bitmap, start, n, 0);
-    c->n_free_granules += n;
-    if (start < c->first_free_hint) c->first_free_hint = start;
+    kvmix__granules_mark(c->priv.bitmap, start, n, 0);
+    c->priv.n_free_granules += n;
+    if (start < c->priv.first_free_hint) c->priv.first_free_hint = start;
     kvmix__fit_freed(c, start);
 }
 
@@ -2893,17 +3057,17 @@ static void kvmix__arena_give(kvmix_cache *c, kvmix__plan *plan, int64_t start, 
 static void kvmix__plan_undo(kvmix_cache *c, kvmix__plan *plan, int64_t hint) {
     while (plan->n_ops > 0) {
         const kvmix__arena_op *op = &plan->ops[--plan->n_ops];
-        kvmix__granules_mark(c->bitmap, op->start, op->n, op->taken ? 0 : 1);
-        c->n_free_granules += op->taken ? op->n : -op->n;
+        kvmix__granules_mark(c->priv.bitmap, op->start, op->n, op->taken ? 0 : 1);
+        c->priv.n_free_granules += op->taken ? op->n : -op->n;
     }
-    c->first_free_hint = hint;
+    c->priv.first_free_hint = hint;
 }
 
 /* ---- page descriptors -------------------------------------------------------------------- */
 
 static uint32_t kvmix__page_pop(kvmix_cache *c) {
-    KVMIX_ASSERT(c->n_free_pages > 0);
-    return c->free_pages[--c->n_free_pages];
+    KVMIX_ASSERT(c->priv.n_free_pages > 0);
+    return c->priv.free_pages[--c->priv.n_free_pages];
 }
 
 /* Drops one reference; the last one returns the page's granules and its descriptor. */
@@ -2913,17 +3077,17 @@ static void kvmix__page_release(kvmix_cache *c, uint32_t id) {
     if (--p->refcount > 0) {
         /* the sequences left may now write rows the released one wrote in this segment: their
            writes wait for it, as after a read */
-        if (c->desc.device_arena) c->page_segment[2 * id + 1] = c->segment;
+        if (c->desc.device_arena) c->priv.page_segment[2 * id + 1] = c->priv.segment;
         return;
     }
     if (c->desc.device_arena) { /* bytes and descriptor held until the jobs are taken */
-        c->retired_pages[c->n_retired_pages++] = id;
+        c->priv.retired_pages[c->priv.n_retired_pages++] = id;
         return;
     }
     kvmix__arena_give(c, NULL, (int64_t)(p->offset / c->desc.granule_bytes),
                       (int64_t)p->n_granules);
     memset(p, 0, sizeof *p);
-    c->free_pages[c->n_free_pages++] = id;
+    c->priv.free_pages[c->priv.n_free_pages++] = id;
 }
 
 static uint8_t *kvmix__page_block(const kvmix_cache *c, const kvmix_cache_page *p,
@@ -2936,22 +3100,22 @@ static uint8_t *kvmix__page_block(const kvmix_cache *c, const kvmix_cache_page *
    write what it reads, or (rewrite) write what it writes; after them, mark_pages records the
    pages they touch. */
 static void kvmix__fence(kvmix_cache *c, uint32_t read, uint32_t write, int rewrite) {
-    const uint32_t *seg = c->page_segment;
-    if ((read != 0 && seg[2 * read] == c->segment) ||
+    const uint32_t *seg = c->priv.page_segment;
+    if ((read != 0 && seg[2 * read] == c->priv.segment) ||
         (write != 0 &&
-         (seg[2 * write + 1] == c->segment || (rewrite && seg[2 * write] == c->segment))))
-        c->segment++;
+         (seg[2 * write + 1] == c->priv.segment || (rewrite && seg[2 * write] == c->priv.segment))))
+        c->priv.segment++;
 }
 
 static void kvmix__mark_pages(kvmix_cache *c, uint32_t read, uint32_t write) {
-    if (read != 0) c->page_segment[2 * read + 1] = c->segment;
-    if (write != 0) c->page_segment[2 * write] = c->segment;
+    if (read != 0) c->priv.page_segment[2 * read + 1] = c->priv.segment;
+    if (write != 0) c->priv.page_segment[2 * write] = c->priv.segment;
 }
 
 static void kvmix__queue(kvmix_cache *c, kvmix__job job) {
-    kvmix__job *q = (kvmix__job *)c->jobs;
+    kvmix__job *q = (kvmix__job *)c->priv.jobs;
     KVMIX_ASSERT(c->n_jobs < c->desc.max_jobs);
-    job.segment = c->segment;
+    job.segment = c->priv.segment;
     job.taken = 0;
     q[c->n_jobs++] = job;
 }
@@ -3066,69 +3230,119 @@ static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regio
     return 1;
 }
 
-static int kvmix__format_value_known(uint8_t format) { return kvmix__format_known(format); }
+/* The counts and capacities, each within its documented range; zeros already defaulted. */
+static kvmix__why kvmix__desc_counts_ok(const kvmix_cache_desc *d) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__int_in(d->page_tokens, 8, 1024, 8))
+        return kvmix__why_not(bad, "page_tokens", "must be a multiple of 8 in 8 .. 1024");
+    if (!kvmix__int_in(d->max_seqs, 1, 1 << 20, 1))
+        return kvmix__why_not(bad, "max_seqs", "must be in 1 .. 2^20");
+    if (!kvmix__int_in(d->max_tokens_per_seq, 1, 1 << 26, 1))
+        return kvmix__why_not(bad, "max_tokens_per_seq", "must be in 1 .. 2^26");
+    if (!kvmix__int_in(d->max_pages_per_seq, 1, 1 << 24, 1))
+        return kvmix__why_not(bad, "max_pages_per_seq", "must be in 1 .. 2^24");
+    if (!kvmix__int_in(d->n_sink, 0, d->page_tokens, 1))
+        return kvmix__why_not(bad, "n_sink", "must be in 0 .. page_tokens");
+    if (!kvmix__int_in(d->n_window, 0, d->max_tokens_per_seq, 1))
+        return kvmix__why_not(bad, "n_window", "must be in 0 .. max_tokens_per_seq");
+    if (!kvmix__int_in(d->window_values_only, 0, 1, 1))
+        return kvmix__why_not(bad, "window_values_only", "must be 0 or 1");
+    if (d->partial != KVMIX_CACHE_PARTIAL_KEEP_FP16 && d->partial != KVMIX_CACHE_PARTIAL_QUANTIZE)
+        return kvmix__why_not(bad, "partial", "must be a kvmix_cache_partial");
+    if (d->granule_bytes < 64 || d->granule_bytes > ((size_t)1 << 20) ||
+        (d->granule_bytes & (d->granule_bytes - 1)) != 0)
+        return kvmix__why_not(bad, "granule_bytes", "must be a power of two in 64 .. 2^20");
+    if (d->arena_bytes < d->granule_bytes)
+        return kvmix__why_not(bad, "arena_bytes", "must be at least granule_bytes");
+    return kvmix__why_ok();
+}
 
-KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc) {
-    kvmix_cache_desc d;
-    kvmix__cache_regions regions;
+/* Channel groups, boosted channels and the default formats against head_dim. */
+static kvmix__why kvmix__desc_formats_ok(const kvmix_cache_desc *d) {
     kvmix_layout probe;
+    memset(&probe, 0, sizeof probe);
+    probe.format = KVMIX_FORMAT_INT4;
+    probe.head_dim = d->head_dim;
+    probe.group_size = d->group_size;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "group_size",
+                              "must be a multiple of 8 that divides head_dim");
+    probe.group_size = d->value_group_size;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "value_group_size",
+                              "must be a multiple of 8 that divides head_dim");
+    probe.format = KVMIX_FORMAT_BOOSTED;
+    probe.group_size = 0;
+    probe.n_boost = d->n_boost;
+    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "n_boost",
+                              "must be a multiple of 4, at most head_dim and 252");
+    if (!kvmix__format_known(d->default_precision.key_format) ||
+        !kvmix__format_known(d->default_precision.value_format))
+        return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "default_precision",
+                              "holds a value that is not a kvmix_format");
+    if (!kvmix__boost_ok(d, d->default_precision))
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "n_boost", KVMIX__NO_BOOST);
+    return kvmix__why_ok();
+}
+
+/* Checks a desc and writes it back with defaults resolved (unchanged on failure). */
+static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
+    kvmix_cache_desc d = *desc;
+    kvmix__cache_regions regions;
     double fp16_page_bytes;
-    if (!desc) return KVMIX_ERR_NULL_POINTER;
-    d = *desc;
-    if (d.n_layers <= 0 || d.n_layers > KVMIX__CACHE_MAX_LAYERS || d.n_kv_heads <= 0 ||
-        d.n_kv_heads > KVMIX__CACHE_MAX_HEADS)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.head_dim <= 0 || d.head_dim % 32 != 0 || d.head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
-    if (d.page_tokens == 0) d.page_tokens = 64;
-    if (d.max_seqs == 0) d.max_seqs = 64;
+    kvmix__why w;
+    if (!kvmix__int_in(d.n_layers, 1, KVMIX__CACHE_MAX_LAYERS, 1))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_layers", "must be in 1 .. 4096");
+    if (!kvmix__int_in(d.n_kv_heads, 1, KVMIX__CACHE_MAX_HEADS, 1))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads", "must be in 1 .. 4096");
+    if (!kvmix__int_in(d.head_dim, 32, KVMIX_MAX_HEAD_DIM, 32))
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "head_dim",
+                              "must be a multiple of 32 up to KVMIX_MAX_HEAD_DIM");
+    if (!kvmix__int_in(d.device_arena, 0, 1, 1))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena", "must be 0 or 1");
+    if (!kvmix__int_in(d.max_jobs, 0, 1 << 24, 1))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "max_jobs", "must be in 0 .. 2^24");
+    if (d.page_tokens == 0) d.page_tokens = 32;
+    if (d.max_seqs == 0) d.max_seqs = 1;
     if (d.max_tokens_per_seq == 0) d.max_tokens_per_seq = 4096;
+    if (d.max_pages_per_seq == 0 && d.page_tokens > 0 && d.max_tokens_per_seq > 0)
+        d.max_pages_per_seq = (d.max_tokens_per_seq + d.page_tokens - 1) / d.page_tokens + 8;
     if (d.group_size == 0) d.group_size = KVMIX_GROUP_SIZE_DEFAULT;
     if (d.value_group_size == 0) d.value_group_size = d.group_size;
-    if (d.n_boost == 0) d.n_boost = 16;
     if (d.partial == KVMIX_CACHE_PARTIAL_DEFAULT) d.partial = KVMIX_CACHE_PARTIAL_KEEP_FP16;
     if (d.default_precision.key_format == 0) d.default_precision.key_format = KVMIX_FORMAT_INT4;
     if (d.default_precision.value_format == 0) d.default_precision.value_format = KVMIX_FORMAT_INT4;
     if (d.granule_bytes == 0) d.granule_bytes = 256;
-    if (d.device_arena < 0 || d.device_arena > 1 || d.max_jobs < 0 || d.max_jobs > (1 << 24))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.max_jobs == 0 && d.device_arena) {
+    if (d.max_jobs == 0 && d.device_arena && d.max_seqs > 0) {
         int64_t jobs = 4 * (int64_t)d.n_layers * d.n_kv_heads * d.max_seqs;
         d.max_jobs = (int32_t)(jobs < (1 << 24) ? jobs : (1 << 24));
     }
-    if (d.page_tokens < 8 || d.page_tokens > 1024 || d.page_tokens % 8 != 0 || d.max_seqs < 0 ||
-        d.max_seqs > (1 << 20) || d.max_tokens_per_seq < 0 || d.max_tokens_per_seq > (1 << 26))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.max_pages_per_seq == 0)
-        d.max_pages_per_seq = (d.max_tokens_per_seq + d.page_tokens - 1) / d.page_tokens + 8;
-    if (d.max_pages_per_seq < 0 || d.max_pages_per_seq > (1 << 24) || d.n_sink < 0 ||
-        d.n_sink > d.page_tokens || d.n_window < 0 || d.n_window > d.max_tokens_per_seq ||
-        d.window_values_only < 0 || d.window_values_only > 1 ||
-        (d.partial != KVMIX_CACHE_PARTIAL_KEEP_FP16 && d.partial != KVMIX_CACHE_PARTIAL_QUANTIZE))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d.granule_bytes < 64 || d.granule_bytes > ((size_t)1 << 20) ||
-        (d.granule_bytes & (d.granule_bytes - 1)) != 0 || d.arena_bytes < d.granule_bytes)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    memset(&probe, 0, sizeof probe);
-    probe.format = KVMIX_FORMAT_INT4;
-    probe.head_dim = d.head_dim;
-    probe.group_size = d.group_size;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
-    probe.group_size = d.value_group_size;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
-    probe.format = KVMIX_FORMAT_BOOSTED;
-    probe.group_size = 0;
-    probe.n_boost = d.n_boost;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS) return KVMIX_ERR_BAD_SHAPE;
-    if (!kvmix__format_value_known(d.default_precision.key_format) ||
-        !kvmix__format_value_known(d.default_precision.value_format))
-        return KVMIX_ERR_UNKNOWN_FORMAT;
+    if ((w = kvmix__desc_counts_ok(&d)).result != KVMIX_SUCCESS) return w;
+    if ((w = kvmix__desc_formats_ok(&d)).result != KVMIX_SUCCESS) return w;
     /* the largest page (an FP16 buffer) must be addressable in granules */
     fp16_page_bytes = 4.0 * d.n_layers * d.n_kv_heads * d.page_tokens * (double)d.head_dim;
-    if (fp16_page_bytes / (double)d.granule_bytes > 2147483647.0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!kvmix__cache_regions_of(&d, &regions)) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (fp16_page_bytes / (double)d.granule_bytes > 2147483647.0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "granule_bytes",
+                              "too small: an FP16 page needs more than 2^31 granules");
+    if (!kvmix__cache_regions_of(&d, &regions))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "max_seqs",
+                              "with max_tokens_per_seq and max_pages_per_seq, more metadata "
+                              "than memory can address");
     *desc = d;
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc,
+                                               kvmix_cache_desc_error *out_error) {
+    kvmix__why w;
+    if (!desc) return KVMIX_ERR_NULL_POINTER;
+    w = kvmix__desc_resolve(desc);
+    if (w.result != KVMIX_SUCCESS && out_error) {
+        out_error->field = w.argument;
+        out_error->reason = w.reason;
+    }
+    return w.result;
 }
 
 KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes) {
@@ -3137,65 +3351,94 @@ KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, siz
     kvmix_result r;
     if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
     d = *desc;
-    if ((r = kvmix_cache_desc_resolve(&d)) != KVMIX_SUCCESS) return r;
-    if (!kvmix__cache_regions_of(&d, &regions)) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((r = kvmix__desc_resolve(&d).result) != KVMIX_SUCCESS) return r;
+    kvmix__cache_regions_of(&d, &regions);
     *out_bytes = regions.total;
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *desc, void *memory,
-                                       size_t memory_bytes, void *arena) {
-    kvmix_cache_desc d;
-    kvmix__cache_regions g;
-    kvmix_result r;
-    uint8_t *m = (uint8_t *)memory;
+/* kvmix_cache_init's work once the desc is resolved. */
+static void kvmix__cache_setup(kvmix_cache *cache, const kvmix_cache_desc *d, uint8_t *m,
+                               const kvmix__cache_regions *g, void *arena) {
     int32_t i;
-    if (!cache || !desc || !memory || !arena) return KVMIX_ERR_NULL_POINTER;
-    d = *desc;
-    if ((r = kvmix_cache_desc_resolve(&d)) != KVMIX_SUCCESS) return r;
-    if (((uintptr_t)memory & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    kvmix__cache_regions_of(&d, &g);
-    if (memory_bytes < g.total) return KVMIX_ERR_BUFFER_TOO_SMALL;
-    memset(memory, 0, g.total);
+    memset(m, 0, g->total);
     memset(cache, 0, sizeof *cache);
-    cache->desc = d;
+    cache->desc = *d;
     cache->arena = (uint8_t *)arena;
-    cache->memory = memory;
-    cache->memory_bytes = g.total;
-    cache->max_pages = g.max_pages;
-    cache->journal_capacity = g.journal_capacity;
-    cache->n_granules = g.n_granules;
-    cache->n_free_granules = g.n_granules;
-    cache->seqs = (kvmix_cache_seq *)(void *)(m + g.seqs);
-    cache->entries = (kvmix_cache_entry *)(void *)(m + g.entries);
-    cache->slots = (uint32_t *)(void *)(m + g.slots);
-    cache->written = (int32_t *)(void *)(m + g.written);
-    cache->pages = (kvmix_cache_page *)(void *)(m + g.pages);
-    cache->free_pages = (uint32_t *)(void *)(m + g.free_pages);
-    cache->bitmap = (uint64_t *)(void *)(m + g.bitmap);
-    cache->scratch = (float *)(void *)(m + g.scratch);
-    cache->sim = (void *)(m + g.sim);
-    cache->journal = (void *)(m + g.journal);
-    cache->jobs = (void *)(m + g.jobs);
-    cache->retired_runs = (void *)(m + g.retired_runs);
-    cache->retired_pages = (uint32_t *)(void *)(m + g.retired_pages);
-    cache->page_segment = (uint32_t *)(void *)(m + g.page_segment);
-    cache->segment = 1;
+    cache->priv.memory = m;
+    cache->priv.memory_bytes = g->total;
+    cache->max_pages = g->max_pages;
+    cache->priv.journal_capacity = g->journal_capacity;
+    cache->priv.n_granules = g->n_granules;
+    cache->priv.n_free_granules = g->n_granules;
+    cache->seqs = (kvmix_cache_seq *)(void *)(m + g->seqs);
+    cache->entries = (kvmix_cache_entry *)(void *)(m + g->entries);
+    cache->slots = (uint32_t *)(void *)(m + g->slots);
+    cache->written = (int32_t *)(void *)(m + g->written);
+    cache->pages = (kvmix_cache_page *)(void *)(m + g->pages);
+    cache->priv.free_pages = (uint32_t *)(void *)(m + g->free_pages);
+    cache->priv.bitmap = (uint64_t *)(void *)(m + g->bitmap);
+    cache->priv.scratch = (float *)(void *)(m + g->scratch);
+    cache->priv.sim = (void *)(m + g->sim);
+    cache->priv.journal = (void *)(m + g->journal);
+    cache->priv.jobs = (void *)(m + g->jobs);
+    cache->priv.retired_runs = (void *)(m + g->retired_runs);
+    cache->priv.retired_pages = (uint32_t *)(void *)(m + g->retired_pages);
+    cache->priv.page_segment = (uint32_t *)(void *)(m + g->page_segment);
+    cache->priv.segment = 1;
     for (i = KVMIX_FORMAT_FP16; i <= KVMIX_FORMAT_BOOSTED; i++) {
-        cache->full_block_bytes[0][i] =
-            kvmix__cache_block_bytes(cache, 0, i, d.page_tokens, d.page_tokens);
-        cache->full_block_bytes[1][i] =
-            kvmix__cache_block_bytes(cache, 1, i, d.page_tokens, d.page_tokens);
+        cache->priv.full_block_bytes[0][i] =
+            kvmix__cache_block_bytes(cache, 0, i, d->page_tokens, d->page_tokens);
+        cache->priv.full_block_bytes[1][i] =
+            kvmix__cache_block_bytes(cache, 1, i, d->page_tokens, d->page_tokens);
     }
     /* the sentinel: pinned, no bytes */
     cache->pages[0].refcount = 1;
     cache->pages[0].sealed = 1;
     cache->pages[0].key_format = KVMIX_FORMAT_FP16;
     cache->pages[0].value_format = KVMIX_FORMAT_FP16;
-    for (i = 0; i < g.max_pages - 1; i++) cache->free_pages[i] = (uint32_t)(g.max_pages - 1 - i);
-    cache->n_free_pages = g.max_pages - 1;
+    for (i = 0; i < g->max_pages - 1; i++)
+        cache->priv.free_pages[i] = (uint32_t)(g->max_pages - 1 - i);
+    cache->priv.n_free_pages = g->max_pages - 1;
+}
+
+/* Records a refused desc as "desc.<field>: <reason>". */
+static kvmix_result kvmix__record_desc(kvmix_cache *cache, kvmix__why w) {
+    return kvmix__record_as(cache, "desc.", w);
+}
+
+KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *desc, void *memory,
+                                       size_t memory_bytes, void *arena) {
+    kvmix_cache_desc d;
+    kvmix__cache_regions g;
+    kvmix__why w;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (!desc || !memory || !arena)
+        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                                                   !desc     ? "desc"
+                                                   : !memory ? "memory"
+                                                             : "arena",
+                                                   "NULL"));
+    d = *desc;
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__record_desc(cache, w);
+    if (((uintptr_t)memory & 7u) != 0)
+        return kvmix__record(
+            cache, kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "memory", "not 8-byte aligned"));
+    kvmix__cache_regions_of(&d, &g);
+    if (memory_bytes < g.total)
+        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "memory_bytes",
+                                                   "less than kvmix_cache_memory_bytes"));
+    kvmix__cache_setup(cache, &d, (uint8_t *)memory, &g, arena);
     *desc = d;
     return KVMIX_SUCCESS;
+}
+
+/* Returns memory taken from the allocator (NULL functions: KVMIX_FREE). */
+static void kvmix__allocator_free(const kvmix_allocator *a, void *ptr) {
+    if (a->free_fn)
+        a->free_fn(ptr, a->user);
+    else
+        KVMIX_FREE(ptr);
 }
 
 KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache_desc *desc,
@@ -3205,61 +3448,62 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
     size_t bytes;
     void *memory, *arena;
     kvmix_result r;
-    if (!cache || !desc) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (!desc) return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_NULL_POINTER, "desc", "NULL"));
     d = *desc;
-    if (d.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* the caller's device memory */
-    if ((r = kvmix_cache_memory_bytes(&d, &bytes)) != KVMIX_SUCCESS) return r;
-    kvmix_cache_desc_resolve(&d);
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__record_desc(cache, w);
+    if (d.device_arena)
+        return kvmix__record_desc(
+            cache, kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena",
+                                  "a device arena is the caller's: kvmix_cache_init takes it"));
+    kvmix_cache_memory_bytes(&d, &bytes);
     memset(&a, 0, sizeof a);
     if (allocator && allocator->alloc_fn && allocator->free_fn) a = *allocator;
     memory = a.alloc_fn ? a.alloc_fn(bytes, a.user) : KVMIX_MALLOC(bytes);
-    if (!memory) return KVMIX_ERR_OUT_OF_MEMORY;
     arena = a.alloc_fn ? a.alloc_fn(d.arena_bytes, a.user) : KVMIX_MALLOC(d.arena_bytes);
-    if (!arena) {
-        if (a.free_fn)
-            a.free_fn(memory, a.user);
-        else
-            KVMIX_FREE(memory);
-        return KVMIX_ERR_OUT_OF_MEMORY;
+    if (!memory || !arena) {
+        if (memory) kvmix__allocator_free(&a, memory);
+        if (arena) kvmix__allocator_free(&a, arena);
+        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "allocator",
+                                                   !memory ? "no metadata memory" : "no arena"));
     }
     r = kvmix_cache_init(cache, &d, memory, bytes, arena);
     if (r != KVMIX_SUCCESS) {
-        if (a.free_fn) {
-            a.free_fn(arena, a.user);
-            a.free_fn(memory, a.user);
-        } else {
-            KVMIX_FREE(arena);
-            KVMIX_FREE(memory);
-        }
+        kvmix__allocator_free(&a, arena);
+        kvmix__allocator_free(&a, memory);
         return r;
     }
-    cache->allocator = a;
-    cache->owns_memory = 1;
+    cache->priv.allocator = a;
+    cache->priv.owns_memory = 1;
     *desc = d;
     return KVMIX_SUCCESS;
 }
 
 KVMIXDEF void kvmix_cache_deinit(kvmix_cache *cache) {
     if (!cache) return;
-    if (cache->owns_memory) {
-        if (cache->allocator.free_fn) {
-            cache->allocator.free_fn(cache->arena, cache->allocator.user);
-            cache->allocator.free_fn(cache->memory, cache->allocator.user);
-        } else {
-            KVMIX_FREE(cache->arena);
-            KVMIX_FREE(cache->memory);
-        }
+    if (cache->priv.owns_memory) {
+        kvmix__allocator_free(&cache->priv.allocator, cache->arena);
+        kvmix__allocator_free(&cache->priv.allocator, cache->priv.memory);
     }
     memset(cache, 0, sizeof *cache);
 }
 
 /* ---- sequences ----------------------------------------------------------------------------- */
 
-static kvmix_result kvmix__cache_seq_ok(const kvmix_cache *c, int32_t seq) {
-    if (!c->seqs) return KVMIX_ERR_INVALID_ARGUMENT; /* not initialized */
+static kvmix__why kvmix__cache_ok(const kvmix_cache *c) {
+    if (!c->seqs)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "not initialized (kvmix_cache_init)");
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__cache_seq_ok(const kvmix_cache *c, int32_t seq) {
+    if (!c->seqs) return kvmix__cache_ok(c);
     if (seq < 0 || seq >= c->desc.max_seqs || !c->seqs[seq].in_use)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    return KVMIX_SUCCESS;
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seq",
+                              "not a live sequence (kvmix_cache_seq_create)");
+    return kvmix__why_ok();
 }
 
 static int32_t kvmix__free_seq_id(const kvmix_cache *c) {
@@ -3269,15 +3513,23 @@ static int32_t kvmix__free_seq_id(const kvmix_cache *c) {
     return -1;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_seq) {
+static kvmix__why kvmix__seq_create(kvmix_cache *cache, int32_t *out_seq) {
+    kvmix__why w;
     int32_t s;
-    if (!cache || !out_seq) return KVMIX_ERR_NULL_POINTER;
-    if (!cache->seqs) return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((s = kvmix__free_seq_id(cache)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (!out_seq) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "out_seq", "NULL");
+    if ((w = kvmix__cache_ok(cache)).result != KVMIX_SUCCESS) return w;
+    if ((s = kvmix__free_seq_id(cache)) < 0)
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "desc.max_seqs",
+                              "that many sequences are live (kvmix_cache_seq_free one)");
     memset(&cache->seqs[s], 0, sizeof cache->seqs[s]);
     cache->seqs[s].in_use = 1;
     *out_seq = s;
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_seq) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_create(cache, out_seq));
 }
 
 /* Whether entry j still has a row the sequence uses. */
@@ -3308,20 +3560,27 @@ static void kvmix__drop_dead_entries(kvmix_cache *c, int32_t seq) {
     s->n_entries = kept;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
-                                           int32_t *out_seq) {
+static kvmix__why kvmix__seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
+                                  int32_t *out_seq) {
     const kvmix_cache_seq *ps;
     const kvmix_cache_entry *pe;
     kvmix_cache_seq *cs;
     kvmix_cache_entry *ce;
     uint32_t *slots;
-    kvmix_result r;
+    kvmix__why w;
     int32_t child, i, pos;
-    if (!cache || !out_seq) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, parent)) != KVMIX_SUCCESS) return r;
+    if (!out_seq) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "out_seq", "NULL");
+    if ((w = kvmix__cache_seq_ok(cache, parent)).result != KVMIX_SUCCESS) {
+        w.argument = "parent";
+        return w;
+    }
     ps = &cache->seqs[parent];
-    if (n_prefix < 0 || n_prefix > ps->n_written) return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((child = kvmix__free_seq_id(cache)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (n_prefix < 0 || n_prefix > ps->n_written)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_prefix",
+                              "must be in 0 .. the parent's positions written on every layer");
+    if ((child = kvmix__free_seq_id(cache)) < 0)
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "desc.max_seqs",
+                              "that many sequences are live (kvmix_cache_seq_free one)");
     cs = &cache->seqs[child];
     pe = kvmix__seq_entries(cache, parent);
     ce = kvmix__seq_entries(cache, child);
@@ -3341,16 +3600,21 @@ KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, i
         if (slots[pos] != KVMIX_CACHE_DEAD_SLOT) cs->n_live++;
     kvmix__drop_dead_entries(cache, child);
     *out_seq = child;
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
-KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq) {
+KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
+                                           int32_t *out_seq) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_fork(cache, parent, n_prefix, out_seq));
+}
+
+static kvmix__why kvmix__seq_free(kvmix_cache *cache, int32_t seq) {
     kvmix_cache_seq *s;
     kvmix_cache_entry *e;
-    kvmix_result r;
+    kvmix__why w;
     int32_t i;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
     s = &cache->seqs[seq];
     e = kvmix__seq_entries(cache, seq);
     for (i = 0; i < s->n_entries; i++) {
@@ -3359,23 +3623,30 @@ KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq) {
     }
     kvmix__seq_set_written(cache, seq, 0);
     memset(s, 0, sizeof *s);
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
-KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
-                                        int32_t n_positions) {
+KVMIXDEF kvmix_result kvmix_cache_seq_free(kvmix_cache *cache, int32_t seq) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_free(cache, seq));
+}
+
+static kvmix__why kvmix__evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
+                               int32_t n_positions) {
     kvmix_cache_seq *s;
     uint32_t *slots;
-    kvmix_result r;
+    kvmix__why w;
     int32_t i;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    if (n_positions < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_positions == 0) return KVMIX_SUCCESS;
-    if (!positions) return KVMIX_ERR_NULL_POINTER;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    if (n_positions < 0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_positions", "negative");
+    if (n_positions == 0) return kvmix__why_ok();
+    if (!positions) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "positions", "NULL");
     s = &cache->seqs[seq];
     for (i = 0; i < n_positions; i++)
-        if (positions[i] < 0 || positions[i] >= s->n_written) return KVMIX_ERR_INVALID_ARGUMENT;
+        if (positions[i] < 0 || positions[i] >= s->n_written)
+            return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "positions",
+                                  "one is not in 0 .. the positions written on every layer");
     slots = kvmix__seq_slots(cache, seq);
     for (i = 0; i < n_positions; i++)
         if (slots[positions[i]] != KVMIX_CACHE_DEAD_SLOT) {
@@ -3383,7 +3654,13 @@ KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const i
             s->n_live--;
         }
     kvmix__drop_dead_entries(cache, seq);
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
+                                        int32_t n_positions) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__evict(cache, seq, positions, n_positions));
 }
 
 /* ---- writes: plan, then commit ------------------------------------------------------------- */
@@ -3394,8 +3671,8 @@ static void kvmix__plan_begin(kvmix_cache *c, int32_t seq, kvmix__plan *plan, in
     int32_t i = s->n_entries, j;
     memset(plan, 0, sizeof *plan);
     plan->dry = dry;
-    plan->pages = (kvmix__sim_page *)c->sim;
-    plan->ops = (kvmix__arena_op *)c->journal;
+    plan->pages = (kvmix__sim_page *)c->priv.sim;
+    plan->ops = (kvmix__arena_op *)c->priv.journal;
     plan->len = s->n_tokens;
     plan->written = s->n_written;
     plan->n_entries = s->n_entries;
@@ -3425,8 +3702,10 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
                                      kvmix__sim_page *sp) {
     kvmix__geom g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, sp->capacity);
     int64_t n = kvmix__granules_of(c, g.total_bytes), start;
-    if (plan->dry && plan->new_pages + 1 > c->n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
-    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages)
+        return kvmix__plan_fail(plan, "page descriptors", KVMIX__HELD_DESCRIPTORS);
+    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+        return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "the copy of a shared page");
     if (plan->dry && c->desc.device_arena)
         plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
@@ -3477,11 +3756,14 @@ static kvmix_result kvmix__plan_new_page(kvmix_cache *c, int32_t seq, kvmix__pla
         capacity = c->desc.n_sink - plan->len;
         sink = 1;
     }
-    if (plan->n_entries >= c->desc.max_pages_per_seq) return KVMIX_ERR_OUT_OF_MEMORY;
-    if (plan->dry && plan->new_pages + 1 > c->n_free_pages) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (plan->n_entries >= c->desc.max_pages_per_seq)
+        return kvmix__plan_fail(plan, "desc.max_pages_per_seq", "the page table is full");
+    if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages)
+        return kvmix__plan_fail(plan, "page descriptors", KVMIX__HELD_DESCRIPTORS);
     g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, capacity);
     n = kvmix__granules_of(c, g.total_bytes);
-    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+        return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "a new page");
     sp = &plan->pages[plan->n++];
     memset(sp, 0, sizeof *sp);
     sp->entry = plan->n_entries;
@@ -3567,8 +3849,8 @@ static void kvmix__seal_block(kvmix_cache *c, int is_value, uint8_t source_forma
         return;
     }
     KVMIX_ASSERT(source_format == KVMIX_FORMAT_FP16);
-    for (i = 0; i < n; i++) c->scratch[i] = kvmix__h2f(kvmix__load_u16(src + 2 * i));
-    kvmix__cache_quantize(c, is_value, format, rows, c->scratch, dst);
+    for (i = 0; i < n; i++) c->priv.scratch[i] = kvmix__h2f(kvmix__load_u16(src + 2 * i));
+    kvmix__cache_quantize(c, is_value, format, rows, c->priv.scratch, dst);
 }
 
 /* The job of kvmix__seal_block for a device arena: a byte copy or a quantization from FP16. */
@@ -3605,7 +3887,8 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     }
     g = kvmix__page_geom(c, key_format, value_format, rows, rows);
     n = kvmix__granules_of(c, g.total_bytes);
-    if ((start = kvmix__arena_take(c, plan, n)) < 0) return KVMIX_ERR_OUT_OF_MEMORY;
+    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+        return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "sealing a page");
     if (plan->dry && c->desc.device_arena)
         plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
@@ -3716,7 +3999,8 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
             tail = &plan->pages[plan->n - 1];
         }
         kvmix__plan_reserve(c, seq, plan, tail,
-                            precisions ? precisions[t] : c->desc.default_precision);
+                            precisions ? kvmix__precision_or_default(c, precisions[t])
+                                       : c->desc.default_precision);
         if (keys) {
             if (!plan->dry) {
                 const kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[tail->entry];
@@ -3747,39 +4031,41 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
 }
 
 /* Plans the call (undoing its arena operations), then runs it for real. */
-static kvmix_result kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_tokens,
-                                        const float *keys, const float *values,
-                                        const kvmix_cache_precision *precisions, int finish) {
+static kvmix__why kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_tokens,
+                                      const float *keys, const float *values,
+                                      const kvmix_cache_precision *precisions, int finish) {
     kvmix__plan plan;
-    int64_t hint = c->first_free_hint, fit_size[8], fit_from[8];
-    int32_t fit_next = c->fit_next;
+    int64_t hint = c->priv.first_free_hint, fit_size[8], fit_from[8];
+    int32_t fit_next = c->priv.fit_next;
     kvmix_result r;
     /* the plan state and the scratch block are zero between calls, so that a failed call
        leaves every byte of the metadata memory as it was; the fit hints, which the plan's
        undone allocations would leave too high, come back as they were */
-    memcpy(fit_size, c->fit_size, sizeof fit_size);
-    memcpy(fit_from, c->fit_from, sizeof fit_from);
+    memcpy(fit_size, c->priv.fit_size, sizeof fit_size);
+    memcpy(fit_from, c->priv.fit_from, sizeof fit_from);
     kvmix__plan_begin(c, seq, &plan, 1);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
+    if (plan.overflow)
+        kvmix__plan_fail(&plan, "n_tokens", "more arena operations than a plan holds");
     kvmix__plan_undo(c, &plan, hint);
-    memcpy(c->fit_size, fit_size, sizeof fit_size);
-    memcpy(c->fit_from, fit_from, sizeof fit_from);
-    c->fit_next = fit_next;
+    memcpy(c->priv.fit_size, fit_size, sizeof fit_size);
+    memcpy(c->priv.fit_from, fit_from, sizeof fit_from);
+    c->priv.fit_next = fit_next;
     memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
     memset(plan.ops, 0, (size_t)plan.max_ops * sizeof *plan.ops);
     /* a device arena's queue holds the jobs and, one per seal, the granules released */
     if (r == KVMIX_SUCCESS && plan.n_jobs > c->desc.max_jobs - c->n_jobs)
-        r = KVMIX_ERR_OUT_OF_MEMORY;
-    if (r != KVMIX_SUCCESS) return r;
+        r = kvmix__plan_fail(&plan, "desc.max_jobs", "the job queue is full (take the jobs)");
+    if (r != KVMIX_SUCCESS) return plan.failure;
     kvmix__plan_begin(c, seq, &plan, 0);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
     KVMIX_ASSERT(r == KVMIX_SUCCESS);
     memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
     if (plan.n_sealed > 0)
-        memset(c->scratch, 0,
+        memset(c->priv.scratch, 0,
                (size_t)c->desc.page_tokens * (size_t)c->desc.head_dim * sizeof(float));
     if (keys) kvmix__seq_set_written(c, seq, c->seqs[seq].n_tokens);
-    return r;
+    return kvmix__why_ok();
 }
 
 static int kvmix__rows_representable(const float *x, size_t n) {
@@ -3790,50 +4076,70 @@ static int kvmix__rows_representable(const float *x, size_t n) {
 }
 
 /* The checks shared by reserve and ingest: the sequence, the count, the formats. */
-static kvmix_result kvmix__extend_ok(const kvmix_cache *c, int32_t seq, int32_t n_tokens,
-                                     const kvmix_cache_precision *precisions) {
-    kvmix_result r;
+static kvmix__why kvmix__extend_ok(const kvmix_cache *c, int32_t seq, int32_t n_tokens,
+                                   const kvmix_cache_precision *precisions) {
+    kvmix__why w;
     int32_t t;
-    if ((r = kvmix__cache_seq_ok(c, seq)) != KVMIX_SUCCESS) return r;
-    if (n_tokens < 0 || n_tokens > c->desc.max_tokens_per_seq - c->seqs[seq].n_tokens)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (precisions)
-        for (t = 0; t < n_tokens; t++)
-            if (!kvmix__format_known(precisions[t].key_format) ||
-                !kvmix__format_known(precisions[t].value_format))
-                return KVMIX_ERR_UNKNOWN_FORMAT;
-    return KVMIX_SUCCESS;
+    if ((w = kvmix__cache_seq_ok(c, seq)).result != KVMIX_SUCCESS) return w;
+    if (n_tokens < 0) return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens", "negative");
+    if (n_tokens > c->desc.max_tokens_per_seq - c->seqs[seq].n_tokens)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens",
+                              "the sequence would pass desc.max_tokens_per_seq");
+    for (t = 0; precisions && t < n_tokens; t++) {
+        if (!kvmix__precision_known(precisions[t]))
+            return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precisions",
+                                  "a value that is not a kvmix_format");
+        if (!kvmix__boost_ok(&c->desc, kvmix__precision_or_default(c, precisions[t])))
+            return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "precisions", KVMIX__NO_BOOST);
+    }
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__reserve(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                 const kvmix_cache_precision *precisions,
+                                 int32_t *out_first_position) {
+    kvmix__why w;
+    int32_t first;
+    if ((w = kvmix__extend_ok(cache, seq, n_tokens, precisions)).result != KVMIX_SUCCESS) return w;
+    first = cache->seqs[seq].n_tokens;
+    if (n_tokens > 0 &&
+        (w = kvmix__plan_and_run(cache, seq, n_tokens, NULL, NULL, precisions, 0)).result !=
+            KVMIX_SUCCESS)
+        return w;
+    if (out_first_position) *out_first_position = first;
+    return kvmix__why_ok();
 }
 
 KVMIXDEF kvmix_result kvmix_cache_reserve(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                           const kvmix_cache_precision *precisions,
                                           int32_t *out_first_position) {
-    kvmix_result r;
-    int32_t first;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__extend_ok(cache, seq, n_tokens, precisions)) != KVMIX_SUCCESS) return r;
-    first = cache->seqs[seq].n_tokens;
-    if (n_tokens > 0 &&
-        (r = kvmix__plan_and_run(cache, seq, n_tokens, NULL, NULL, precisions, 0)) != KVMIX_SUCCESS)
-        return r;
-    if (out_first_position) *out_first_position = first;
-    return KVMIX_SUCCESS;
+    return kvmix__record(cache,
+                         kvmix__reserve(cache, seq, n_tokens, precisions, out_first_position));
 }
 
 /* The checks of a write of layer rows: the place (kvmix_cache_write's rules) and, for positions
    written before, that no one else sees them. */
-static kvmix_result kvmix__write_ok(const kvmix_cache *c, int32_t seq, int32_t layer,
-                                    int32_t first_position, int32_t n_tokens) {
+static kvmix__why kvmix__write_ok(const kvmix_cache *c, int32_t seq, int32_t layer,
+                                  int32_t first_position, int32_t n_tokens) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
     const uint32_t *slots;
     const int32_t *written;
     uint32_t page_tokens = (uint32_t)c->desc.page_tokens;
     int32_t t, end;
-    kvmix_result r;
-    if ((r = kvmix__cache_seq_ok(c, seq)) != KVMIX_SUCCESS) return r;
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(c, seq)).result != KVMIX_SUCCESS) return w;
     written = kvmix__seq_written(c, seq);
-    if (layer < 0 || layer >= c->desc.n_layers || n_tokens < 0 || first_position < 0 ||
-        first_position > written[layer] || n_tokens > c->seqs[seq].n_tokens - first_position)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (layer < 0 || layer >= c->desc.n_layers)
+        return kvmix__why_not(bad, "layer", "must be in 0 .. desc.n_layers - 1");
+    if (n_tokens < 0) return kvmix__why_not(bad, "n_tokens", "negative");
+    if (first_position < 0) return kvmix__why_not(bad, "first_position", "negative");
+    if (n_tokens > c->seqs[seq].n_tokens - first_position)
+        return kvmix__why_not(bad, "first_position",
+                              "its positions are not reserved yet (kvmix_cache_reserve first)");
+    if (first_position > written[layer])
+        return kvmix__why_not(bad, "first_position",
+                              "past the layer's written rows: rows go in order, without gaps");
     slots = kvmix__seq_slots(c, seq);
     /* a row written before is rewritten only where no one else sees it; rows not written yet are
        in unsealed pages, live, and used by this sequence only (seals wait for n_written, eviction
@@ -3843,9 +4149,10 @@ static kvmix_result kvmix__write_ok(const kvmix_cache *c, int32_t seq, int32_t l
         const kvmix_cache_page *p = &c->pages[slots[t] / page_tokens];
         if (slots[t] == KVMIX_CACHE_DEAD_SLOT || p->sealed || p->key_format != KVMIX_FORMAT_FP16 ||
             p->refcount > 1)
-            return KVMIX_ERR_INVALID_ARGUMENT;
+            return kvmix__why_not(bad, "first_position",
+                                  "rewrites a row that is sealed, shared or evicted");
     }
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
 /* Positions up to `end` of the layer have rows: the layer's count and n_written follow. */
@@ -3863,24 +4170,35 @@ static void kvmix__note_written(kvmix_cache *c, int32_t seq, int32_t layer, int3
     s->n_written = least;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
-                                        int32_t first_position, int32_t n_tokens, const float *keys,
-                                        const float *values) {
+/* Which of two row arrays holds a value that is not FP16-representable, or NULL. */
+static const char *kvmix__rows_unrepresentable(const float *keys, const float *values, size_t n) {
+    if (!kvmix__rows_representable(keys, n)) return "keys";
+    if (!kvmix__rows_representable(values, n)) return "values";
+    return NULL;
+}
+
+#define KVMIX__NOT_FP16 "a value is NaN, infinite or beyond the FP16 range"
+
+static kvmix__why kvmix__write(kvmix_cache *cache, int32_t seq, int32_t layer,
+                               int32_t first_position, int32_t n_tokens, const float *keys,
+                               const float *values) {
     const uint32_t *slots;
-    kvmix_result r;
+    const char *bad_rows;
     uint32_t page_tokens;
     int32_t t;
     size_t hd;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* kvmix_cache_write_rows */
-    if ((r = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)) != KVMIX_SUCCESS)
-        return r;
-    if (n_tokens == 0) return KVMIX_SUCCESS;
-    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is device memory (kvmix_cache_write_rows)");
+    if ((w = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)).result != KVMIX_SUCCESS)
+        return w;
+    if (n_tokens == 0) return kvmix__why_ok();
+    if (!keys || !values)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER, !keys ? "keys" : "values", "NULL");
     hd = (size_t)cache->desc.n_kv_heads * (size_t)cache->desc.head_dim;
-    if (!kvmix__rows_representable(keys, (size_t)n_tokens * hd) ||
-        !kvmix__rows_representable(values, (size_t)n_tokens * hd))
-        return KVMIX_ERR_BAD_VALUE;
+    if ((bad_rows = kvmix__rows_unrepresentable(keys, values, (size_t)n_tokens * hd)) != NULL)
+        return kvmix__why_not(KVMIX_ERR_BAD_VALUE, bad_rows, KVMIX__NOT_FP16);
     slots = kvmix__seq_slots(cache, seq);
     page_tokens = (uint32_t)cache->desc.page_tokens;
     for (t = 0; t < n_tokens; t++) {
@@ -3891,7 +4209,15 @@ KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t
                           values + hd * (size_t)t);
     }
     kvmix__note_written(cache, seq, layer, first_position + n_tokens);
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_write(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                        int32_t first_position, int32_t n_tokens, const float *keys,
+                                        const float *values) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache,
+                         kvmix__write(cache, seq, layer, first_position, n_tokens, keys, values));
 }
 
 /* Positions first .. of a sequence whose rows are consecutive rows of one page: their count. */
@@ -3905,24 +4231,26 @@ static int32_t kvmix__page_run(const kvmix_cache *c, int32_t seq, int32_t first,
     return k;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, int32_t layer,
-                                             int32_t first_position, int32_t n_tokens,
-                                             int64_t source_row) {
+static kvmix__why kvmix__write_rows(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                    int32_t first_position, int32_t n_tokens, int64_t source_row) {
     const uint32_t *slots;
     const int32_t *written;
     uint32_t page_tokens;
     int32_t t, k, runs = 0, n_heads, d;
-    kvmix_result r;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if (!cache->desc.device_arena || source_row < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((r = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)) != KVMIX_SUCCESS)
-        return r;
+    kvmix__why w;
+    if (!cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is host memory (kvmix_cache_write)");
+    if (source_row < 0) return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "source_row", "negative");
+    if ((w = kvmix__write_ok(cache, seq, layer, first_position, n_tokens)).result != KVMIX_SUCCESS)
+        return w;
     n_heads = cache->desc.n_kv_heads;
     d = cache->desc.head_dim;
     for (t = 0; t < n_tokens; t += kvmix__page_run(cache, seq, first_position + t, n_tokens - t))
         runs++;
     if ((int64_t)runs * 2 * n_heads > (int64_t)cache->desc.max_jobs - cache->n_jobs)
-        return KVMIX_ERR_OUT_OF_MEMORY;
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "desc.max_jobs",
+                              "the job queue is full (take the jobs)");
     slots = kvmix__seq_slots(cache, seq);
     written = kvmix__seq_written(cache, seq);
     page_tokens = (uint32_t)cache->desc.page_tokens;
@@ -3946,7 +4274,15 @@ KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, in
         kvmix__mark_pages(cache, 0, id);
     }
     kvmix__note_written(cache, seq, layer, first_position + n_tokens);
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_write_rows(kvmix_cache *cache, int32_t seq, int32_t layer,
+                                             int32_t first_position, int32_t n_tokens,
+                                             int64_t source_row) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(
+        cache, kvmix__write_rows(cache, seq, layer, first_position, n_tokens, source_row));
 }
 
 /* The batch a job belongs to within its segment. */
@@ -3961,7 +4297,7 @@ static int kvmix__same_batch(const kvmix__job *a, const kvmix__job *b) {
    when jobs is not NULL. Returns the number of batches. */
 static int32_t kvmix__group_jobs(kvmix_cache *c, kvmix_quantize_job *jobs,
                                  kvmix_cache_batch *batches) {
-    kvmix__job *q = (kvmix__job *)c->jobs;
+    kvmix__job *q = (kvmix__job *)c->priv.jobs;
     int32_t i, k, m, seg_end, n_batches = 0, n_out = 0;
     for (i = 0; i < c->n_jobs; i = seg_end) {
         for (seg_end = i; seg_end < c->n_jobs && q[seg_end].segment == q[i].segment; seg_end++) {
@@ -3997,43 +4333,53 @@ static int32_t kvmix__group_jobs(kvmix_cache *c, kvmix_quantize_job *jobs,
 
 /* The take: what the queue held is released. */
 static void kvmix__release_held(kvmix_cache *c) {
-    const kvmix__run *runs = (const kvmix__run *)c->retired_runs;
+    const kvmix__run *runs = (const kvmix__run *)c->priv.retired_runs;
     int32_t i;
-    for (i = 0; i < c->n_retired_runs; i++) {
-        kvmix__granules_mark(c->bitmap, runs[i].start, runs[i].n, 0);
-        c->n_free_granules += runs[i].n;
-        if (runs[i].start < c->first_free_hint) c->first_free_hint = runs[i].start;
+    for (i = 0; i < c->priv.n_retired_runs; i++) {
+        kvmix__granules_mark(c->priv.bitmap, runs[i].start, runs[i].n, 0);
+        c->priv.n_free_granules += runs[i].n;
+        if (runs[i].start < c->priv.first_free_hint) c->priv.first_free_hint = runs[i].start;
         kvmix__fit_freed(c, runs[i].start);
     }
-    for (i = 0; i < c->n_retired_pages; i++) {
-        uint32_t id = c->retired_pages[i];
+    for (i = 0; i < c->priv.n_retired_pages; i++) {
+        uint32_t id = c->priv.retired_pages[i];
         kvmix_cache_page *p = &c->pages[id];
         int64_t start = (int64_t)(p->offset / c->desc.granule_bytes);
-        kvmix__granules_mark(c->bitmap, start, (int64_t)p->n_granules, 0);
-        c->n_free_granules += (int64_t)p->n_granules;
-        if (start < c->first_free_hint) c->first_free_hint = start;
+        kvmix__granules_mark(c->priv.bitmap, start, (int64_t)p->n_granules, 0);
+        c->priv.n_free_granules += (int64_t)p->n_granules;
+        if (start < c->priv.first_free_hint) c->priv.first_free_hint = start;
         kvmix__fit_freed(c, start);
         memset(p, 0, sizeof *p);
-        c->free_pages[c->n_free_pages++] = id;
+        c->priv.free_pages[c->priv.n_free_pages++] = id;
     }
-    memset(c->retired_runs, 0, (size_t)c->n_retired_runs * sizeof(kvmix__run));
-    c->n_retired_runs = 0;
-    c->n_retired_pages = 0;
+    memset(c->priv.retired_runs, 0, (size_t)c->priv.n_retired_runs * sizeof(kvmix__run));
+    c->priv.n_retired_runs = 0;
+    c->priv.n_retired_pages = 0;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs,
-                                            int32_t max_jobs, kvmix_cache_batch *batches,
-                                            int32_t max_batches, int32_t *out_n_jobs,
-                                            int32_t *out_n_batches) {
+static kvmix__why kvmix__jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs, int32_t max_jobs,
+                                   kvmix_cache_batch *batches, int32_t max_batches,
+                                   int32_t *out_n_jobs, int32_t *out_n_batches) {
     kvmix__job *q;
     int32_t i, n_batches;
-    if (!cache || !out_n_jobs || !out_n_batches) return KVMIX_ERR_NULL_POINTER;
-    if (!cache->seqs || !cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (cache->n_jobs > 0 && (!jobs || !batches)) return KVMIX_ERR_NULL_POINTER;
-    q = (kvmix__job *)cache->jobs;
+    kvmix__why w;
+    if (!out_n_jobs || !out_n_batches)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER, !out_n_jobs ? "out_n_jobs" : "out_n_batches",
+                              "NULL");
+    if ((w = kvmix__cache_ok(cache)).result != KVMIX_SUCCESS) return w;
+    if (!cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is host memory: it queues no jobs");
+    if (cache->n_jobs > 0 && (!jobs || !batches))
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER, !jobs ? "jobs" : "batches", "NULL");
+    q = (kvmix__job *)cache->priv.jobs;
     n_batches = kvmix__group_jobs(cache, NULL, NULL);
     for (i = 0; i < cache->n_jobs; i++) q[i].taken = 0;
-    if (max_jobs < cache->n_jobs || max_batches < n_batches) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if (max_jobs < cache->n_jobs)
+        return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "max_jobs", "less than cache->n_jobs");
+    if (max_batches < n_batches)
+        return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "max_batches",
+                              "less than the batches of the queue (at most cache->n_jobs)");
     kvmix__group_jobs(cache, jobs, batches);
     memset(q, 0, (size_t)cache->n_jobs * sizeof *q);
     *out_n_jobs = cache->n_jobs;
@@ -4041,29 +4387,50 @@ KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_j
     cache->n_jobs = 0;
     kvmix__release_held(cache);
     /* every page's segment stamp is now older than the current segment */
-    if (++cache->segment == 0) {
-        memset(cache->page_segment, 0, 2 * (size_t)cache->max_pages * sizeof(uint32_t));
-        cache->segment = 1;
+    if (++cache->priv.segment == 0) {
+        memset(cache->priv.page_segment, 0, 2 * (size_t)cache->max_pages * sizeof(uint32_t));
+        cache->priv.segment = 1;
     }
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_job *jobs,
+                                            int32_t max_jobs, kvmix_cache_batch *batches,
+                                            int32_t max_batches, int32_t *out_n_jobs,
+                                            int32_t *out_n_batches) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__jobs_take(cache, jobs, max_jobs, batches, max_batches,
+                                                 out_n_jobs, out_n_batches));
+}
+
+static kvmix__why kvmix__ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
+                                const float *keys, const float *values,
+                                const kvmix_cache_precision *precisions) {
+    const char *bad_rows;
+    kvmix__why w;
+    size_t n;
+    if (cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is device memory: rows pass the host here");
+    if ((w = kvmix__extend_ok(cache, seq, n_tokens, precisions)).result != KVMIX_SUCCESS) return w;
+    if (n_tokens == 0) return kvmix__why_ok();
+    if (!keys || !values)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER, !keys ? "keys" : "values", "NULL");
+    if (cache->seqs[seq].n_written != cache->seqs[seq].n_tokens)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seq",
+                              "has reserved positions not written on every layer yet");
+    n = (size_t)cache->desc.n_layers * (size_t)n_tokens * (size_t)cache->desc.n_kv_heads *
+        (size_t)cache->desc.head_dim;
+    if ((bad_rows = kvmix__rows_unrepresentable(keys, values, n)) != NULL)
+        return kvmix__why_not(KVMIX_ERR_BAD_VALUE, bad_rows, KVMIX__NOT_FP16);
+    return kvmix__plan_and_run(cache, seq, n_tokens, keys, values, precisions, 0);
 }
 
 KVMIXDEF kvmix_result kvmix_cache_ingest(kvmix_cache *cache, int32_t seq, int32_t n_tokens,
                                          const float *keys, const float *values,
                                          const kvmix_cache_precision *precisions) {
-    kvmix_result r;
-    size_t n;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* rows pass the host */
-    if ((r = kvmix__extend_ok(cache, seq, n_tokens, precisions)) != KVMIX_SUCCESS) return r;
-    if (n_tokens == 0) return KVMIX_SUCCESS;
-    if (!keys || !values) return KVMIX_ERR_NULL_POINTER;
-    if (cache->seqs[seq].n_written != cache->seqs[seq].n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
-    n = (size_t)cache->desc.n_layers * (size_t)n_tokens * (size_t)cache->desc.n_kv_heads *
-        (size_t)cache->desc.head_dim;
-    if (!kvmix__rows_representable(keys, n) || !kvmix__rows_representable(values, n))
-        return KVMIX_ERR_BAD_VALUE;
-    return kvmix__plan_and_run(cache, seq, n_tokens, keys, values, precisions, 0);
+    return kvmix__record(cache, kvmix__ingest(cache, seq, n_tokens, keys, values, precisions));
 }
 
 KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const float *keys,
@@ -4071,23 +4438,26 @@ KVMIXDEF kvmix_result kvmix_cache_append(kvmix_cache *cache, int32_t seq, const 
     return kvmix_cache_ingest(cache, seq, 1, keys, values, &precision);
 }
 
+/* Seals what is ready (finish 0) or ends a request (finish 1). */
+static kvmix__why kvmix__seal(kvmix_cache *cache, int32_t seq, int finish) {
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    return kvmix__plan_and_run(cache, seq, 0, NULL, NULL, NULL, finish);
+}
+
 KVMIXDEF kvmix_result kvmix_cache_seal_ready(kvmix_cache *cache, int32_t seq) {
-    kvmix_result r;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    return kvmix__plan_and_run(cache, seq, 0, NULL, NULL, NULL, 0);
+    return kvmix__record(cache, kvmix__seal(cache, seq, 0));
 }
 
 KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq) {
-    kvmix_result r;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    return kvmix__plan_and_run(cache, seq, 0, NULL, NULL, NULL, 1);
+    return kvmix__record(cache, kvmix__seal(cache, seq, 1));
 }
 
 /* ---- re-tiering ----------------------------------------------------------------------------- */
 
-/* The new contents of one block into c->scratch [n_rows][head_dim]: the dequantized rows, the
+/* The new contents of one block into c->priv.scratch [n_rows][head_dim]: the dequantized rows, the
    given originals, or dequantized + residual. rows_in: [n_layers][n_rows][n_kv_heads][head_dim]. */
 static void kvmix__retier_source(const kvmix_cache *c, const kvmix_cache_page *p,
                                  const kvmix__geom *g, int32_t layer, int is_value, int32_t head,
@@ -4095,11 +4465,11 @@ static void kvmix__retier_source(const kvmix_cache *c, const kvmix_cache_page *p
     int32_t n = p->n_rows, d = c->desc.head_dim, t, i;
     size_t heads = (size_t)c->desc.n_kv_heads;
     if (!rows_in || mode == KVMIX_CACHE_ROWS_RESIDUAL)
-        kvmix__page_block_read(c, p, g, layer, is_value, head, c->scratch);
+        kvmix__page_block_read(c, p, g, layer, is_value, head, c->priv.scratch);
     if (!rows_in) return;
     for (t = 0; t < n; t++) {
         const float *x = rows_in + (((size_t)layer * n + t) * heads + (size_t)head) * d;
-        float *y = c->scratch + (size_t)t * d;
+        float *y = c->priv.scratch + (size_t)t * d;
         for (i = 0; i < d; i++) y[i] = mode == KVMIX_CACHE_ROWS_ORIGINAL ? x[i] : y[i] + x[i];
     }
 }
@@ -4144,37 +4514,64 @@ static const kvmix_cache_entry *kvmix__entry_at(const kvmix_cache *c, int32_t se
     return NULL;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_t position,
-                                         kvmix_cache_precision precision, const float *keys,
-                                         const float *values, kvmix_cache_rows rows) {
+/* The checks of a retier, its rows' values included; *out_page: the page to rewrite. */
+static kvmix__why kvmix__retier_ok(const kvmix_cache *cache, int32_t seq, int32_t position,
+                                   kvmix_cache_precision precision, const float *keys,
+                                   const float *values, kvmix_cache_rows rows, uint32_t *out_page) {
     const kvmix_cache_entry *e;
-    kvmix_cache_page *p;
-    kvmix__geom og, ng;
-    kvmix_result r;
-    int64_t old_start, old_n, new_n, start;
-    int32_t layer, kv, h, d;
-    int in_place;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
-    if (cache->desc.device_arena) return KVMIX_ERR_UNSUPPORTED; /* rows pass the host */
-    if (position < 0 || position >= cache->seqs[seq].n_tokens ||
-        (rows != KVMIX_CACHE_ROWS_ORIGINAL && rows != KVMIX_CACHE_ROWS_RESIDUAL))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!kvmix__format_known(precision.key_format) || !kvmix__format_known(precision.value_format))
-        return KVMIX_ERR_UNKNOWN_FORMAT;
-    if (!(e = kvmix__entry_at(cache, seq, position))) return KVMIX_ERR_NOT_FOUND;
+    const kvmix_cache_page *p;
+    kvmix__geom og;
+    int32_t layer, kv, h;
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    if (cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_UNSUPPORTED, "cache",
+                              "its arena is device memory: rows pass the host here");
+    if (position < 0 || position >= cache->seqs[seq].n_tokens)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "position",
+                              "must be in 0 .. the sequence's positions - 1");
+    if (rows != KVMIX_CACHE_ROWS_ORIGINAL && rows != KVMIX_CACHE_ROWS_RESIDUAL)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "rows", "must be a kvmix_cache_rows");
+    if (!kvmix__precision_known(precision))
+        return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "precision",
+                              "a value that is not a kvmix_format");
+    if (!kvmix__boost_ok(&cache->desc, kvmix__precision_or_default(cache, precision)))
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "precision", KVMIX__NO_BOOST);
+    if (!(e = kvmix__entry_at(cache, seq, position)))
+        return kvmix__why_not(KVMIX_ERR_NOT_FOUND, "position", "evicted: no page holds it");
     p = &cache->pages[e->page];
-    if (!p->sealed) return KVMIX_ERR_INVALID_ARGUMENT;
-    d = cache->desc.head_dim;
+    if (!p->sealed)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "position",
+                              "its page is an FP16 buffer, not sealed yet");
     og = kvmix__geom_of(cache, p);
-    ng =
-        kvmix__page_geom(cache, precision.key_format, precision.value_format, p->n_rows, p->n_rows);
     /* validate every block's new contents before writing any (no byte of the cache changes) */
     for (layer = 0; layer < cache->desc.n_layers; layer++)
         for (kv = 0; kv < 2; kv++)
             for (h = 0; h < cache->desc.n_kv_heads; h++)
                 if (!kvmix__retier_valid(cache, p, &og, layer, kv, h, kv ? values : keys, rows))
-                    return KVMIX_ERR_BAD_VALUE;
+                    return kvmix__why_not(KVMIX_ERR_BAD_VALUE, kv ? "values" : "keys",
+                                          "a new row value is NaN, infinite or beyond FP16");
+    *out_page = e->page;
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__retier(kvmix_cache *cache, int32_t seq, int32_t position,
+                                kvmix_cache_precision precision, const float *keys,
+                                const float *values, kvmix_cache_rows rows) {
+    kvmix_cache_page *p;
+    kvmix__geom og, ng;
+    int64_t old_start, old_n, new_n, start;
+    int32_t layer, kv, h, d;
+    uint32_t page = 0;
+    int in_place;
+    kvmix__why w = kvmix__retier_ok(cache, seq, position, precision, keys, values, rows, &page);
+    if (w.result != KVMIX_SUCCESS) return w;
+    precision = kvmix__precision_or_default(cache, precision);
+    p = &cache->pages[page];
+    d = cache->desc.head_dim;
+    og = kvmix__geom_of(cache, p);
+    ng =
+        kvmix__page_geom(cache, precision.key_format, precision.value_format, p->n_rows, p->n_rows);
     old_start = (int64_t)(p->offset / cache->desc.granule_bytes);
     old_n = (int64_t)p->n_granules;
     new_n = kvmix__granules_of(cache, ng.total_bytes);
@@ -4183,7 +4580,8 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     in_place = ng.key_bytes <= og.key_bytes && ng.value_bytes <= og.value_bytes;
     start = old_start;
     if (!in_place && (start = kvmix__arena_take(cache, NULL, new_n)) < 0)
-        return KVMIX_ERR_OUT_OF_MEMORY;
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
+                              "no free run of granules for the larger page");
     for (layer = 0; layer < cache->desc.n_layers; layer++)
         for (kv = 0; kv < 2; kv++)
             for (h = 0; h < cache->desc.n_kv_heads; h++) {
@@ -4191,7 +4589,7 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
                                kvmix__block_offset(cache, &ng, layer, kv, h);
                 kvmix__retier_source(cache, p, &og, layer, kv, h, kv ? values : keys, rows);
                 kvmix__cache_quantize(cache, kv, kv ? precision.value_format : precision.key_format,
-                                      p->n_rows, cache->scratch, dst);
+                                      p->n_rows, cache->priv.scratch, dst);
             }
     if (in_place)
         kvmix__arena_give(cache, NULL, old_start + new_n, old_n - new_n);
@@ -4204,9 +4602,16 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     p->want_key = precision.key_format;
     p->want_value = precision.value_format;
     p->capacity = p->n_rows;
-    memset(cache->scratch, 0,
+    memset(cache->priv.scratch, 0,
            (size_t)p->n_rows * (size_t)d * sizeof(float)); /* zero between calls */
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_t position,
+                                         kvmix_cache_precision precision, const float *keys,
+                                         const float *values, kvmix_cache_rows rows) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__retier(cache, seq, position, precision, keys, values, rows));
 }
 
 /* ---- reading -------------------------------------------------------------------------------- */
@@ -4215,14 +4620,14 @@ KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, 
                                          uint32_t *out_slot) {
     kvmix_result r;
     if (!cache || !out_slot) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
     if (position < 0 || position >= cache->seqs[seq].n_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
     *out_slot = kvmix__seq_slots(cache, seq)[position];
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t position,
-                                       int32_t layer, float *keys, float *values,
+KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, int32_t layer,
+                                       int32_t position, float *keys, float *values,
                                        kvmix_cache_precision *out_precision) {
     const kvmix_cache_page *p;
     kvmix__geom g;
@@ -4231,7 +4636,7 @@ KVMIXDEF kvmix_result kvmix_cache_read(const kvmix_cache *cache, int32_t seq, in
     int32_t row, h, kv;
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     if (cache->desc.device_arena) return KVMIX_ERR_INVALID_ARGUMENT; /* rows on the device */
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
     if (position < 0 || position >= cache->seqs[seq].n_tokens || layer < 0 ||
         layer >= cache->desc.n_layers || position >= kvmix__seq_written(cache, seq)[layer])
         return KVMIX_ERR_INVALID_ARGUMENT; /* beyond the sequence, or its row not written yet */
@@ -4289,15 +4694,18 @@ static int kvmix__span_all_live(const kvmix_cache *c, int32_t seq, const kvmix_c
     return 1;
 }
 
-static kvmix_result kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs) {
+static kvmix__why kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs) {
     int32_t i;
-    if (n_seqs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_seqs > 0 && !seqs) return KVMIX_ERR_NULL_POINTER;
+    if (n_seqs < 0) return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_seqs", "negative");
+    if (n_seqs > 0 && !seqs) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "seqs", "NULL");
     for (i = 0; i < n_seqs; i++) {
-        kvmix_result r = kvmix__cache_seq_ok(c, seqs[i]);
-        if (r != KVMIX_SUCCESS) return r;
+        kvmix__why w = kvmix__cache_seq_ok(c, seqs[i]);
+        if (w.result != KVMIX_SUCCESS) {
+            if (c->seqs) w.argument = "seqs";
+            return w;
+        }
     }
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
 /* Spans and dead flags of a view of a layer (-1: enough for every layer). */
@@ -4322,7 +4730,7 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
     int64_t n_spans, n_dead;
     kvmix_result r;
     if (!cache || !out_n_spans || !out_n_dead_flags) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs).result) != KVMIX_SUCCESS) return r;
     kvmix__view_count(cache, -1, seqs, n_seqs, &n_spans, &n_dead);
     if (n_spans > 0x7fffffff || n_dead > 0x7fffffff) return KVMIX_ERR_INVALID_ARGUMENT;
     *out_n_spans = (int32_t)n_spans;
@@ -4330,15 +4738,15 @@ KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const in
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, const int32_t *seqs,
-                                       int32_t n_seqs, kvmix_view_span *spans, int32_t max_spans,
-                                       int32_t *seq_first_span, uint8_t *dead,
+KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *seqs,
+                                       int32_t n_seqs, int32_t layer, kvmix_view_span *spans,
+                                       int32_t max_spans, int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view) {
     int64_t n_spans, n_dead;
     int32_t i, j, row, k = 0, f = 0;
     kvmix_result r;
     if (!cache || !seq_first_span || !out_view) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs).result) != KVMIX_SUCCESS) return r;
     if (layer < 0 || layer >= cache->desc.n_layers || max_spans < 0 || max_dead_flags < 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
     kvmix__view_count(cache, layer, seqs, n_seqs, &n_spans, &n_dead);
@@ -4382,7 +4790,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, 
     out_view->n_spans = k;
     out_view->n_dead_flags = f;
     out_view->base = cache->arena;
-    out_view->base_bytes = (size_t)cache->n_granules * cache->desc.granule_bytes;
+    out_view->base_bytes = (size_t)cache->priv.n_granules * cache->desc.granule_bytes;
     out_view->spans = spans;
     out_view->seq_first_span = seq_first_span;
     out_view->dead = dead;
@@ -4391,42 +4799,114 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, int32_t layer, 
 
 static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 
+/* Workspace of a view of n_seqs sequences with these counts: spans, seq_first_span, dead flags,
+   each part 8-byte aligned; 0 when that is more than size_t counts. */
+static size_t kvmix__decode_workspace_bytes(int64_t n_seqs, int64_t n_spans, int64_t n_dead) {
+    double bytes = (double)n_spans * (double)sizeof(kvmix_view_span) +
+                   (double)(n_seqs + 1) * (double)sizeof(int32_t) + (double)n_dead + 16.0;
+    if (bytes >= (double)(size_t)-1) return 0;
+    return kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span)) +
+           kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t)) + (size_t)n_dead;
+}
+
 KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
                                                        const int32_t *seqs, int32_t n_seqs,
                                                        size_t *out_bytes) {
     int32_t n_spans, n_dead;
+    size_t bytes;
     kvmix_result r;
     if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead)) != KVMIX_SUCCESS)
         return r;
-    *out_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span)) +
-                 kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t)) + (size_t)n_dead;
+    if ((bytes = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead)) == 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = bytes;
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_ref_decode(const kvmix_cache *cache, int32_t layer,
-                                             const int32_t *seqs, int32_t n_seqs, int32_t n_q_heads,
-                                             float scale, const float *q, float *out, float *lse,
-                                             void *workspace, size_t workspace_bytes) {
+KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_desc *desc,
+                                                           int32_t n_seqs, size_t *out_bytes) {
+    kvmix_cache_desc d;
+    int64_t n_spans;
+    size_t bytes;
+    kvmix_result r;
+    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    d = *desc;
+    if ((r = kvmix__desc_resolve(&d).result) != KVMIX_SUCCESS) return r;
+    if (n_seqs < 0 || n_seqs > d.max_seqs) return KVMIX_ERR_INVALID_ARGUMENT;
+    /* a span per page-table entry, and at most a dead flag per row of each */
+    n_spans = (int64_t)n_seqs * d.max_pages_per_seq;
+    if ((bytes = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_spans * d.page_tokens)) == 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = bytes;
+    return KVMIX_SUCCESS;
+}
+
+/* The checks of a reference decode that kvmix_ref_view_decode would make without saying why. */
+static kvmix__why kvmix__ref_decode_ok(const kvmix_cache *cache, const int32_t *seqs,
+                                       int32_t n_seqs, int32_t layer, int32_t n_q_heads,
+                                       float scale, void *workspace) {
+    kvmix__why w;
+    if (cache->desc.device_arena)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
+                              "its arena is device memory (kvmix_cuda_decode reads a view)");
+    if (((uintptr_t)workspace & 7u) != 0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "workspace", "not 8-byte aligned");
+    if ((w = kvmix__view_seqs_ok(cache, seqs, n_seqs)).result != KVMIX_SUCCESS) return w;
+    if (layer < 0 || layer >= cache->desc.n_layers)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "layer",
+                              "must be in 0 .. desc.n_layers - 1");
+    if (n_q_heads <= 0 || n_q_heads % cache->desc.n_kv_heads != 0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_q_heads",
+                              "must be a positive multiple of desc.n_kv_heads");
+    if (!(scale >= 0.0f) || isinf(scale))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "scale",
+                              "must be finite and >= 0 (0 = 1 / sqrt(head_dim))");
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__ref_decode(const kvmix_cache *cache, const int32_t *seqs, int32_t n_seqs,
+                                    int32_t layer, int32_t n_q_heads, float scale, const float *q,
+                                    float *out, float *lse, void *workspace,
+                                    size_t workspace_bytes) {
     int32_t n_spans, n_dead;
     size_t need, spans_bytes, first_bytes;
     uint8_t *w = (uint8_t *)workspace;
     kvmix_view view;
-    kvmix_result r;
-    if (!cache || !q || !out || !lse || !workspace) return KVMIX_ERR_NULL_POINTER;
-    if (((uintptr_t)workspace & 7u) != 0 || cache->desc.device_arena)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((r = kvmix_cache_ref_decode_workspace(cache, seqs, n_seqs, &need)) != KVMIX_SUCCESS)
-        return r;
-    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
-    kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead);
+    kvmix__why why;
+    if (!q || !out || !lse || !workspace)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                              !q     ? "q"
+                              : !out ? "out"
+                              : !lse ? "lse"
+                                     : "workspace",
+                              "NULL");
+    why = kvmix__ref_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, workspace);
+    if (why.result != KVMIX_SUCCESS) return why;
+    if (kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seqs", "a view of 2^31 spans or more");
+    need = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead);
+    if (need == 0 || workspace_bytes < need) /* 0: more than any buffer */
+        return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "workspace_bytes",
+                              "less than kvmix_cache_ref_decode_workspace");
     spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
     first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
-    r = kvmix_cache_view(cache, layer, seqs, n_seqs, (kvmix_view_span *)(void *)w, n_spans,
-                         (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes,
-                         n_dead, &view);
-    if (r != KVMIX_SUCCESS) return r;
-    return kvmix_ref_view_decode(&view, n_q_heads, scale, q, out, lse);
+    kvmix_cache_view(cache, seqs, n_seqs, layer, (kvmix_view_span *)(void *)w, n_spans,
+                     (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes, n_dead,
+                     &view);
+    if (kvmix_ref_view_decode(&view, n_q_heads, scale, q, out, lse) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_CORRUPT_DATA, "arena",
+                              "a packed block no seal wrote (kvmix_cache_check)");
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_ref_decode(kvmix_cache *cache, const int32_t *seqs,
+                                             int32_t n_seqs, int32_t layer, int32_t n_q_heads,
+                                             float scale, const float *q, float *out, float *lse,
+                                             void *workspace, size_t workspace_bytes) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__ref_decode(cache, seqs, n_seqs, layer, n_q_heads, scale, q,
+                                                  out, lse, workspace, workspace_bytes));
 }
 
 /* ---- accounting ----------------------------------------------------------------------------- */
@@ -4452,12 +4932,12 @@ KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cach
     if (!cache || !out) return KVMIX_ERR_NULL_POINTER;
     if (!cache->seqs) return KVMIX_ERR_INVALID_ARGUMENT;
     memset(&st, 0, sizeof st);
-    st.arena_bytes = (size_t)cache->n_granules * cache->desc.granule_bytes;
-    st.arena_free_bytes = (size_t)cache->n_free_granules * cache->desc.granule_bytes;
+    st.arena_bytes = (size_t)cache->priv.n_granules * cache->desc.granule_bytes;
+    st.arena_free_bytes = (size_t)cache->priv.n_free_granules * cache->desc.granule_bytes;
     st.arena_used_bytes = st.arena_bytes - st.arena_free_bytes;
-    st.metadata_bytes = cache->memory_bytes;
-    for (i = 0; i < cache->n_granules; i++) {
-        run = kvmix__granule_used(cache->bitmap, i) ? 0 : run + 1;
+    st.metadata_bytes = cache->priv.memory_bytes;
+    for (i = 0; i < cache->priv.n_granules; i++) {
+        run = kvmix__granule_used(cache->priv.bitmap, i) ? 0 : run + 1;
         if (run > best) best = run;
     }
     st.largest_free_bytes = (size_t)best * cache->desc.granule_bytes;
@@ -4494,7 +4974,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
     int32_t j, row;
     double elements;
     if (!cache || !out) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__cache_seq_ok(cache, seq)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
     memset(&st, 0, sizeof st);
     e = kvmix__seq_entries(cache, seq);
     slots = kvmix__seq_slots(cache, seq);
@@ -4630,8 +5110,8 @@ KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int3
 /* Whether a released descriptor of a device arena waits for the take. */
 static int kvmix__page_held(const kvmix_cache *c, uint32_t id) {
     int32_t i;
-    for (i = 0; i < c->n_retired_pages; i++)
-        if (c->retired_pages[i] == id) return 1;
+    for (i = 0; i < c->priv.n_retired_pages; i++)
+        if (c->priv.retired_pages[i] == id) return 1;
     return 0;
 }
 
@@ -4666,28 +5146,29 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
             p->n_rows < 0 || p->n_rows > p->capacity || p->capacity > d->page_tokens)
             return KVMIX_ERR_CORRUPT_DATA;
         start = (int64_t)(p->offset / d->granule_bytes);
-        if (start + (int64_t)p->n_granules > cache->n_granules) return KVMIX_ERR_CORRUPT_DATA;
+        if (start + (int64_t)p->n_granules > cache->priv.n_granules) return KVMIX_ERR_CORRUPT_DATA;
         for (g = start; g < start + (int64_t)p->n_granules; g++)
-            if (!kvmix__granule_used(cache->bitmap, g)) return KVMIX_ERR_CORRUPT_DATA;
+            if (!kvmix__granule_used(cache->priv.bitmap, g)) return KVMIX_ERR_CORRUPT_DATA;
         used += p->n_granules;
     }
-    for (j = 0; j < cache->n_retired_runs; j++)
-        used += ((const kvmix__run *)cache->retired_runs)[j].n;
-    for (i = 0; i < cache->n_granules; i++) bits += kvmix__granule_used(cache->bitmap, i);
-    for (i = 0; i < cache->first_free_hint && i < cache->n_granules; i++)
-        if (!kvmix__granule_used(cache->bitmap, i)) return KVMIX_ERR_CORRUPT_DATA;
+    for (j = 0; j < cache->priv.n_retired_runs; j++)
+        used += ((const kvmix__run *)cache->priv.retired_runs)[j].n;
+    for (i = 0; i < cache->priv.n_granules; i++) bits += kvmix__granule_used(cache->priv.bitmap, i);
+    for (i = 0; i < cache->priv.first_free_hint && i < cache->priv.n_granules; i++)
+        if (!kvmix__granule_used(cache->priv.bitmap, i)) return KVMIX_ERR_CORRUPT_DATA;
     /* disjoint extents: each page's granules are set and their sum is the set bits */
-    if (bits != used || cache->n_granules - cache->n_free_granules != used)
+    if (bits != used || cache->priv.n_granules - cache->priv.n_free_granules != used)
         return KVMIX_ERR_CORRUPT_DATA;
     /* the free stack holds exactly the free descriptors, once each */
-    if (cache->n_free_pages + n_live_pages + cache->n_retired_pages != cache->max_pages - 1)
+    if (cache->priv.n_free_pages + n_live_pages + cache->priv.n_retired_pages !=
+        cache->max_pages - 1)
         return KVMIX_ERR_CORRUPT_DATA;
-    for (j = 0; j < cache->n_free_pages; j++) {
-        uint32_t id = cache->free_pages[j];
+    for (j = 0; j < cache->priv.n_free_pages; j++) {
+        uint32_t id = cache->priv.free_pages[j];
         if (id == 0 || id >= (uint32_t)cache->max_pages || cache->pages[id].refcount != 0)
             return KVMIX_ERR_CORRUPT_DATA;
         for (k = 0; k < j; k++)
-            if (cache->free_pages[k] == id) return KVMIX_ERR_CORRUPT_DATA;
+            if (cache->priv.free_pages[k] == id) return KVMIX_ERR_CORRUPT_DATA;
     }
     /* sequences: ordered entries, slot maps that point into their own entries */
     for (s = 0; s < d->max_seqs; s++) {
@@ -4804,10 +5285,6 @@ static kvmix_result kvmix__policy_fail(kvmix_policy_error *out_error, kvmix_resu
         out_error->reason = reason;
     }
     return result;
-}
-
-static int kvmix__int_in(int32_t v, int32_t lo, int32_t hi, int32_t multiple) {
-    return v >= lo && v <= hi && v % multiple == 0;
 }
 
 static int kvmix__text_ok(const char *text, size_t bytes, int allow_empty) {
@@ -4938,7 +5415,7 @@ KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache
     desc->window_values_only = p.window_values_only;
     desc->group_size = p.group_size;
     desc->value_group_size = p.value_group_size;
-    desc->n_boost = p.n_boost; /* 0 (no boosted format) takes the desc's default */
+    desc->n_boost = p.n_boost; /* 0: the policy stores no BOOSTED block */
     desc->partial = (kvmix_cache_partial)p.partial_page;
     desc->default_precision.key_format = (uint8_t)p.key_format;
     desc->default_precision.value_format = (uint8_t)p.value_format;
@@ -5128,9 +5605,10 @@ KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
     size_t i;
     kvmix_result r;
     if (!src || !out_info) return KVMIX_ERR_NULL_POINTER;
-    if (src_bytes < KVMIX_PAYLOAD_HEADER_BYTES || memcmp(p, "KVMP", 4) != 0) return KVMIX_ERR_PARSE;
+    if (src_bytes < KVMIX_PAYLOAD_HEADER_BYTES || memcmp(p, "KVMP", 4) != 0)
+        return KVMIX_ERR_MALFORMED;
     if (kvmix__load_u16(p + 4) != KVMIX_PAYLOAD_VERSION) return KVMIX_ERR_VERSION;
-    if (kvmix__load_u32(p + 68) != 0) return KVMIX_ERR_PARSE;
+    if (kvmix__load_u32(p + 68) != 0) return KVMIX_ERR_MALFORMED;
     memset(&d, 0, sizeof d);
     d.kind = (kvmix_payload_kind)kvmix__load_u16(p + 6);
     pos = kvmix__load_u64(p + 32);
@@ -5147,23 +5625,23 @@ KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
     memset(&info, 0, sizeof info);
     info.desc = d;
     if ((r = kvmix__payload_check_desc(&info.desc)) != KVMIX_SUCCESS) return r;
-    if ((int64_t)counts[0] + counts[1] + counts[2] > d.n_tokens) return KVMIX_ERR_PARSE;
+    if ((int64_t)counts[0] + counts[1] + counts[2] > d.n_tokens) return KVMIX_ERR_MALFORMED;
     info.n_fp16 = counts[0];
     info.n_int8 = counts[1];
     info.n_int4 = counts[2];
     if ((r = kvmix__payload_sizes(&info)) != KVMIX_SUCCESS) return r;
     if (src_bytes < info.head_bytes || kvmix__load_u64(p + 72) != (uint64_t)info.total_bytes)
-        return KVMIX_ERR_PARSE;
+        return KVMIX_ERR_MALFORMED;
     counts[0] = counts[1] = counts[2] = 0;
     for (t = 0; t < d.n_tokens; t++) {
         uint8_t tier = p[KVMIX_PAYLOAD_HEADER_BYTES + t];
-        if (!kvmix__tier_allowed(d.kind, tier)) return KVMIX_ERR_PARSE;
+        if (!kvmix__tier_allowed(d.kind, tier)) return KVMIX_ERR_MALFORMED;
         if (kvmix__tier_index(tier) >= 0) counts[kvmix__tier_index(tier)]++;
     }
     if (counts[0] != info.n_fp16 || counts[1] != info.n_int8 || counts[2] != info.n_int4)
-        return KVMIX_ERR_PARSE;
+        return KVMIX_ERR_MALFORMED;
     for (i = KVMIX_PAYLOAD_HEADER_BYTES + (size_t)d.n_tokens; i < info.head_bytes; i++)
-        if (p[i] != 0) return KVMIX_ERR_PARSE;
+        if (p[i] != 0) return KVMIX_ERR_MALFORMED;
     *out_info = info;
     if (out_tiers) *out_tiers = p + KVMIX_PAYLOAD_HEADER_BYTES;
     return KVMIX_SUCCESS;
@@ -6158,8 +6636,7 @@ KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
                                                kvmix_cache_precision precision) {
     int b, r, m;
     if (!table) return KVMIX_ERR_NULL_POINTER;
-    if (!kvmix__format_known(precision.key_format) || !kvmix__format_known(precision.value_format))
-        return KVMIX_ERR_UNKNOWN_FORMAT;
+    if (!kvmix__precision_known(precision)) return KVMIX_ERR_UNKNOWN_FORMAT;
     for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++)
         for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
             for (m = 0; m < KVMIX_TAG_N_MODALITIES; m++) table->formats[b][r][m] = precision;
@@ -6172,8 +6649,7 @@ KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table
     for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++)
         for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
             for (m = 0; m < KVMIX_TAG_N_MODALITIES; m++)
-                if (!kvmix__format_known(table->formats[b][r][m].key_format) ||
-                    !kvmix__format_known(table->formats[b][r][m].value_format))
+                if (!kvmix__precision_known(table->formats[b][r][m]))
                     return KVMIX_ERR_UNKNOWN_FORMAT;
     return KVMIX_SUCCESS;
 }
@@ -6193,6 +6669,8 @@ KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, k
     }
     *out = policy->tag_precision
                ->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality];
+    if (out->key_format == 0) out->key_format = (uint8_t)policy->key_format;
+    if (out->value_format == 0) out->value_format = (uint8_t)policy->value_format;
     return KVMIX_SUCCESS;
 }
 

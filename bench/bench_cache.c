@@ -223,7 +223,7 @@ static int bench_device_step(int32_t n_seqs, int32_t context, int32_t steps) {
             if (layer == 0) {
                 mark = bench_now_ns();
                 kvmix_cache_view_counts(&cache, seqs, n_seqs, &n_spans, &n_dead);
-                if (kvmix_cache_view(&cache, 0, seqs, n_seqs, spans, n_spans, first, dead, n_dead,
+                if (kvmix_cache_view(&cache, seqs, n_seqs, 0, spans, n_spans, first, dead, n_dead,
                                      &view) != KVMIX_SUCCESS)
                     return 1;
                 view_ns += bench_now_ns() - mark;

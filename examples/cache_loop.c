@@ -29,47 +29,36 @@ static void fill(float *x, size_t n) {
     for (i = 0; i < n; i++) x[i] = noise();
 }
 
-#define TRY(call)                                                                                  \
+/* A refused call prints the result and the cache's reason, then the program stops. */
+#define TRY(cache, call)                                                                           \
     do {                                                                                           \
         kvmix_result r_ = (call);                                                                  \
         if (r_ != KVMIX_SUCCESS) {                                                                 \
-            fprintf(stderr, "cache_loop: %s failed: %s\n", #call, kvmix_result_string(r_));        \
+            fprintf(stderr, "cache_loop: %s failed: %s (%s)\n", #call, kvmix_result_string(r_),    \
+                    kvmix_cache_last_error(cache));                                                \
             return 1;                                                                              \
         }                                                                                          \
     } while (0)
 
-/* Workspace of the reference decode, grown as the sequence's view grows. */
+/* Workspace of the reference decode: allocated once, at its bound for one sequence. */
 typedef struct workspace {
     void *memory;
     size_t bytes;
 } workspace;
 
-static kvmix_result workspace_fit(workspace *w, const kvmix_cache *cache, int32_t seq) {
-    size_t need = 0;
-    void *grown;
-    kvmix_result r = kvmix_cache_ref_decode_workspace(cache, &seq, 1, &need);
-    if (r != KVMIX_SUCCESS || need <= w->bytes) return r;
-    grown = realloc(w->memory, need * 2);
-    if (!grown) return KVMIX_ERR_OUT_OF_MEMORY;
-    w->memory = grown;
-    w->bytes = need * 2;
-    return KVMIX_SUCCESS;
-}
-
 /* One decode step of one sequence: a new position, then per layer its rows and its attention. */
-static int decode_step(kvmix_cache *cache, int32_t seq, workspace *w) {
+static int decode_step(kvmix_cache *cache, int32_t seq, const workspace *w) {
     float keys[ROW_FLOATS], values[ROW_FLOATS], q[N_Q_HEADS * HEAD_DIM], out[N_Q_HEADS * HEAD_DIM];
     float lse[N_Q_HEADS];
     int32_t position, layer;
-    TRY(kvmix_cache_reserve(cache, seq, 1, NULL, &position));
-    TRY(workspace_fit(w, cache, seq));
+    TRY(cache, kvmix_cache_reserve(cache, seq, 1, NULL, &position));
     for (layer = 0; layer < N_LAYERS; layer++) {
         fill(keys, ROW_FLOATS); /* a model would compute these from the layer's input */
         fill(values, ROW_FLOATS);
         fill(q, N_Q_HEADS * HEAD_DIM);
-        TRY(kvmix_cache_write(cache, seq, layer, position, 1, keys, values));
-        TRY(kvmix_cache_ref_decode(cache, layer, &seq, 1, N_Q_HEADS, 0.0f, q, out, lse, w->memory,
-                                   w->bytes));
+        TRY(cache, kvmix_cache_write(cache, seq, layer, position, 1, keys, values));
+        TRY(cache, kvmix_cache_ref_decode(cache, &seq, 1, layer, N_Q_HEADS, 0.0f, q, out, lse,
+                                          w->memory, w->bytes));
     }
     return 0;
 }
@@ -103,37 +92,39 @@ int main(void) {
     desc.default_precision.key_format = KVMIX_FORMAT_INT2_CHANNEL;
     desc.default_precision.value_format = KVMIX_FORMAT_INT2;
     desc.arena_bytes = (size_t)8 << 20;
-    TRY(kvmix_cache_init_allocator(&cache, &desc, NULL));
+    TRY(&cache, kvmix_cache_init_allocator(&cache, &desc, NULL));
     printf("cache: %d layers, %d kv heads, head_dim %d, pages of %d, %d sinks, window %d, "
            "arena %zu bytes\n",
            desc.n_layers, desc.n_kv_heads, desc.head_dim, desc.page_tokens, desc.n_sink,
            desc.n_window, desc.arena_bytes);
+    TRY(&cache, kvmix_cache_ref_decode_workspace_max(&desc, 1, &w.bytes));
+    if (!(w.memory = malloc(w.bytes))) return 1;
 
     /* prefill the shared prompt once ([layer][token][head][dim] rows), then fork two sessions */
     fill(prompt_k, sizeof prompt_k / sizeof prompt_k[0]);
     fill(prompt_v, sizeof prompt_v / sizeof prompt_v[0]);
-    TRY(kvmix_cache_seq_create(&cache, &prompt));
-    TRY(kvmix_cache_ingest(&cache, prompt, PROMPT, prompt_k, prompt_v, NULL));
-    TRY(kvmix_cache_seq_fork(&cache, prompt, PROMPT, &session[0]));
-    TRY(kvmix_cache_seq_fork(&cache, prompt, PROMPT, &session[1]));
-    TRY(kvmix_cache_seq_free(&cache, prompt)); /* its pages live on in the sessions */
+    TRY(&cache, kvmix_cache_seq_create(&cache, &prompt));
+    TRY(&cache, kvmix_cache_ingest(&cache, prompt, PROMPT, prompt_k, prompt_v, NULL));
+    TRY(&cache, kvmix_cache_seq_fork(&cache, prompt, PROMPT, &session[0]));
+    TRY(&cache, kvmix_cache_seq_fork(&cache, prompt, PROMPT, &session[1]));
+    TRY(&cache, kvmix_cache_seq_free(&cache, prompt)); /* its pages live on in the sessions */
 
     for (step = 0; step < STEPS; step++) {
         for (i = 0; i < 2; i++)
             if (decode_step(&cache, session[i], &w)) return 1;
         if (step == STEPS / 2) { /* session 1 drops the older half of the prompt */
             for (i = 0; i < PROMPT / 2; i++) old[i] = i + 8;
-            TRY(kvmix_cache_evict(&cache, session[1], old, PROMPT / 2));
+            TRY(&cache, kvmix_cache_evict(&cache, session[1], old, PROMPT / 2));
         }
     }
     print_stats(&cache, session[0], "session0");
     print_stats(&cache, session[1], "session1");
-    TRY(kvmix_cache_stats_get(&cache, &stats));
+    TRY(&cache, kvmix_cache_stats_get(&cache, &stats));
     printf("arena    %zu of %zu bytes used, %d pages (%d shared, %d FP16 buffers), %.3f bits/elem "
            "with metadata\n",
            stats.arena_used_bytes, stats.arena_bytes, stats.n_pages, stats.n_shared_pages,
            stats.n_buffer_pages, stats.bits_per_element);
-    TRY(kvmix_cache_check(&cache));
+    TRY(&cache, kvmix_cache_check(&cache));
     free(w.memory);
     kvmix_cache_deinit(&cache);
     return 0;

@@ -547,7 +547,7 @@ llama_result upload_view(gpu_llama *g, int32_t n, char *err, size_t err_bytes) {
               "sizing the view");
     llama_result r = grow_view_staging(g, n_spans, n_dead, err, err_bytes);
     if (r != LLAMA_OK) return r;
-    TRY_KVMIX(kvmix_cache_view(&g->cache, 0, g->step_kv_seqs, n, v->spans, v->span_capacity,
+    TRY_KVMIX(kvmix_cache_view(&g->cache, g->step_kv_seqs, n, 0, v->spans, v->span_capacity,
                                v->first, v->dead, v->dead_capacity, &v->view),
               "building the view");
     if (v->view.n_spans > 0)

@@ -162,7 +162,7 @@ static kvmix_result check_config(hf_tokenizer *t, const char *config_path, char 
     cJSON *root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
     free(text);
     if (root == NULL)
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "tokenizer: %s is not JSON",
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED, "tokenizer: %s is not JSON",
                              config_path);
     const cJSON *dec = cJSON_GetObjectItemCaseSensitive(root, "added_tokens_decoder");
     kvmix_result r = KVMIX_SUCCESS;
@@ -171,14 +171,14 @@ static kvmix_result check_config(hf_tokenizer *t, const char *config_path, char 
         char *stop = NULL;
         long id = strtol(x->string, &stop, 10);
         if (!cJSON_IsString(content) || stop == x->string || *stop != 0) {
-            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                               "tokenizer: %s: added_tokens_decoder entry \"%.32s\" is malformed",
                               config_path, x->string);
             break;
         }
         int32_t have = hf_tokenizer_special(t, content->valuestring);
         if (have != id) {
-            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                               "tokenizer: %s says %.64s is %ld, tokenizer.json says %d",
                               config_path, content->valuestring, id, (int)have);
             break;
@@ -215,7 +215,7 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
     if (t->root == NULL || !cJSON_IsString(type) || strcmp(type->valuestring, "BPE") != 0 ||
         !cJSON_IsObject(vocab) || !cJSON_IsArray(merges) || !cJSON_IsArray(adds)) {
         hf_tokenizer_free(t);
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                              "tokenizer: %s is not a BPE tokenizer.json (model.type, model.vocab, "
                              "model.merges, added_tokens)",
                              tokenizer_path);
@@ -265,7 +265,7 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
             b = x->child->next->valuestring;
         }
         if (a == NULL || b == NULL || *a == 0 || *b == 0) {
-            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                               "tokenizer: model.merges[%d] is malformed", (int)rank);
             break;
         }
@@ -276,7 +276,7 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(x, "content");
         if (!cJSON_IsNumber(id) || id->valueint < 0 || !cJSON_IsString(content) ||
             content->valuestring[0] == 0) {
-            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            r = tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                               "tokenizer: an added_tokens entry is "
                               "malformed");
             break;

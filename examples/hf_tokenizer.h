@@ -25,7 +25,7 @@ typedef struct hf_tokenizer hf_tokenizer;
 
 /* Loads tokenizer.json (a path ending in ".gz" is read through `gzip -dc`) and, when config_path
  * is not NULL, tokenizer_config.json's "added_tokens_decoder" (which must agree with the ids of
- * tokenizer.json). Returns KVMIX_ERR_NOT_FOUND (cannot read), KVMIX_ERR_PARSE (not a byte-level
+ * tokenizer.json). Returns KVMIX_ERR_NOT_FOUND (cannot read), KVMIX_ERR_MALFORMED (not a byte-level
  * BPE tokenizer.json), KVMIX_ERR_OUT_OF_MEMORY; err (may be NULL) receives a message. */
 kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_path,
                                hf_tokenizer **out, char *err, size_t err_bytes);

@@ -435,7 +435,7 @@ static llama_result kv_kvmix_attend(void *state, int32_t layer, int32_t kv_head,
         return LLAMA_ERR_ARGUMENT;
     head_view *hv = &kv->heads[kv_head];
     kvmix_view view;
-    if (kvmix_cache_view(&kv->cache, layer, &kv->seq, 1, hv->spans, kv->max_spans, hv->first,
+    if (kvmix_cache_view(&kv->cache, &kv->seq, 1, layer, hv->spans, kv->max_spans, hv->first,
                          hv->dead, kv->max_dead, &view) != KVMIX_SUCCESS)
         return LLAMA_ERR_ARGUMENT;
     view_select_head(&view, hv->spans, kv_head);

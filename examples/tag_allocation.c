@@ -38,7 +38,7 @@ static kvmix_result take_tag(const cJSON *tag, int index, kvmix_tag_precision *t
     v[4] = field_index(tag, fields[4], 7, format_name);
     for (int f = 0; f < 5; f++)
         if (v[f] < 0 || (f >= 3 && v[f] == 0))
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "allocation: tags[%d].%s is missing or unknown", index, fields[f]);
     table->formats[v[0]][v[1]][v[2]].key_format = (uint8_t)v[3];
     table->formats[v[0]][v[1]][v[2]].value_format = (uint8_t)v[4];
@@ -62,7 +62,7 @@ kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,
     kvmix_result r = KVMIX_SUCCESS;
     if (!cJSON_IsObject(root) || !cJSON_IsNumber(version) || !cJSON_IsString(kind) ||
         strcmp(kind->valuestring, "kvmix-allocation") != 0 || !cJSON_IsArray(tags))
-        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                           "allocation: needs {\"version\", \"kind\": \"kvmix-allocation\", "
                           "\"tags\": [...]}");
     else if (version->valuedouble != 1.0)

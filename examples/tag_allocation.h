@@ -13,7 +13,7 @@
 #include "kvmix.h"
 
 /* Parses a document of json_bytes (need not be NUL-terminated) into *out (written only on
- * success). Returns KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER, KVMIX_ERR_PARSE (malformed JSON, a
+ * success). Returns KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER, KVMIX_ERR_MALFORMED (malformed JSON, a
  * missing or unknown name; the message says which tag and field), KVMIX_ERR_VERSION, or
  * KVMIX_ERR_UNKNOWN_FORMAT (fallback). err (may be NULL) receives a message on error. */
 kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,

@@ -56,21 +56,21 @@ static kvmix_result take_seq(const cJSON *item, const char *field, kvmix_tag_seq
     int32_t n = 0;
     memset(out, 0, sizeof *out);
     if (!cJSON_IsArray(item))
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                              "spec field \"%s\": must be an array of ids", field);
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
         if (!cJSON_IsNumber(x) || x->valuedouble != (double)(int64_t)x->valuedouble ||
             x->valuedouble < 0 || x->valuedouble > 2147483647.0)
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "spec field \"%s\": ids must be integers in 0 .. 2147483647",
                                  field);
         if (n == KVMIX_TAG_MAX_IDS)
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "spec field \"%s\": more than %d ids", field, KVMIX_TAG_MAX_IDS);
         out->ids[n++] = (int32_t)x->valuedouble;
     }
     if (n == 0)
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                              "spec field \"%s\": an empty id sequence", field);
     out->n_ids = n;
     return KVMIX_SUCCESS;
@@ -82,11 +82,11 @@ static kvmix_result take_marker(const cJSON *item, const char *field, kvmix_tag_
     int n = 0;
     memset(out, 0, sizeof *out);
     if (!cJSON_IsArray(item))
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                              "spec field \"%s\": must be an array of id arrays", field);
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
         if (n == KVMIX_TAG_MAX_ALTS)
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "spec field \"%s\": more than %d sequences", field,
                                  KVMIX_TAG_MAX_ALTS);
         kvmix_result r = take_seq(x, field, &out->alts[n++], err, err_bytes);
@@ -98,12 +98,13 @@ static kvmix_result take_marker(const cJSON *item, const char *field, kvmix_tag_
 static kvmix_result take_text(const cJSON *item, const char *field, char *out, size_t out_bytes,
                               size_t min_bytes, char *err, size_t err_bytes) {
     if (!cJSON_IsString(item) || item->valuestring == NULL)
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be a string",
-                             field);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                             "spec field \"%s\": must be a string", field);
     size_t n = strlen(item->valuestring);
     if (n < min_bytes || n >= out_bytes)
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": %zu to %zu bytes",
-                             field, min_bytes, out_bytes - 1);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                             "spec field \"%s\": %zu to %zu bytes", field, min_bytes,
+                             out_bytes - 1);
     memcpy(out, item->valuestring, n + 1);
     return KVMIX_SUCCESS;
 }
@@ -114,18 +115,18 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
     int32_t n = 0;
     char where[64];
     if (!cJSON_IsArray(item))
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": must be an array",
-                             field);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                             "spec field \"%s\": must be an array", field);
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
         bool seen[3] = {false, false, false};
         kvmix_tag_name *e = &out[n];
         if (n == KVMIX_TAG_MAX_NAMES)
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "spec field \"%s\": more than %d entries", field,
                                  KVMIX_TAG_MAX_NAMES);
         snprintf(where, sizeof where, "%s[%d]", field, (int)n);
         if (!cJSON_IsObject(x))
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "spec field \"%s\": must be an object", where);
         memset(e, 0, sizeof *e);
         for (const cJSON *f = x->child; f != NULL; f = f->next) {
@@ -134,11 +135,11 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
             char sub[96];
             while (k < 3 && strcmp(f->string, KEYS[k]) != 0) k++;
             if (k == 3)
-                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                      "spec field \"%s.%.32s\": unknown", where, f->string);
             snprintf(sub, sizeof sub, "%s.%s", where, KEYS[k]);
             if (seen[k])
-                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                      "spec field \"%s\": given twice", sub);
             seen[k] = true;
             kvmix_result r = KVMIX_SUCCESS;
@@ -152,7 +153,7 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
                     kvmix_tag_role_from_name(f->valuestring, &role) != KVMIX_SUCCESS ||
                     role == KVMIX_ROLE_SCAFFOLD)
                     return tag_spec_fail(
-                        err, err_bytes, KVMIX_ERR_PARSE,
+                        err, err_bytes, KVMIX_ERR_MALFORMED,
                         "spec field \"%s\": one of \"instruction\", \"user\", "
                         "\"assistant\", \"reasoning\", \"tool_call\", \"observation\"",
                         sub);
@@ -162,7 +163,7 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
         }
         for (int k = 0; k < 3; k++)
             if (!seen[k])
-                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                      "spec field \"%s.%s\": required", where,
                                      k == 0   ? "name"
                                      : k == 1 ? "role"
@@ -193,19 +194,19 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
             else if (strcmp(key, "channels") == 0)
                 f = F_CHANNELS;
             else
-                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                      "spec field \"%.64s\": unknown", key);
         }
         if (seen[f])
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"%s\": given twice",
-                                 key);
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                                 "spec field \"%s\": given twice", key);
         seen[f] = true;
         kvmix_result r = KVMIX_SUCCESS;
         if (f < N_MARKERS) {
             r = take_marker(item, key, marker_at(&d->spec, f), err, err_bytes);
         } else if (f == F_VERSION) {
             if (!cJSON_IsNumber(item) || item->valuedouble != (double)(int)item->valuedouble)
-                return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+                return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                      "spec field \"version\": must be an integer");
             if ((int)item->valuedouble != TAG_SPEC_VERSION)
                 return tag_spec_fail(
@@ -224,12 +225,13 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
         if (r != KVMIX_SUCCESS) return r;
     }
     if (!seen[F_VERSION])
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"version\": required");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                             "spec field \"version\": required");
     if (!seen[F_NAME])
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec field \"name\": required");
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED, "spec field \"name\": required");
     for (int f = 0; f < N_REQUIRED_MARKERS; f++)
         if (!seen[f] || marker_at(&d->spec, f)->alts[0].n_ids == 0)
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "spec field \"%s\": required, with at least one sequence",
                                  MARKERS[f].name);
     return KVMIX_SUCCESS;
@@ -243,8 +245,8 @@ kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *o
     cJSON *root = cJSON_ParseWithLengthOpts(json, json_bytes, &end, 0);
     if (root == NULL) {
         size_t at = end != NULL && end >= json ? (size_t)(end - json) : 0;
-        return tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: malformed JSON near byte %zu",
-                             at);
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                             "spec: malformed JSON near byte %zu", at);
     }
     tag_spec_doc *d = (tag_spec_doc *)calloc(1, sizeof *d);
     kvmix_result r = KVMIX_SUCCESS;
@@ -254,9 +256,9 @@ kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *o
     if (d == NULL)
         r = tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: out of memory");
     else if (end == NULL || (size_t)(end - json) != json_bytes)
-        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE, "spec: bytes after the JSON object");
+        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED, "spec: bytes after the JSON object");
     else if (!cJSON_IsObject(root))
-        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_PARSE,
+        r = tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                           "spec: the document must be a JSON object");
     else
         r = take_fields(root, d, err, err_bytes);

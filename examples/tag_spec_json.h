@@ -43,7 +43,7 @@ typedef struct tag_spec_doc {
 } tag_spec_doc;
 
 /* Parses a document of json_bytes (need not be NUL-terminated) into *out (written only on
- * success). Returns KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER, KVMIX_ERR_PARSE (malformed JSON, a
+ * success). Returns KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER, KVMIX_ERR_MALFORMED (malformed JSON, a
  * field of the wrong type or range, unknown or repeated fields; the message names the field),
  * KVMIX_ERR_VERSION or KVMIX_ERR_INVALID_ARGUMENT (kvmix_tag_spec_check refused the spec). err
  * (may be NULL) receives a NUL-terminated message on error. */

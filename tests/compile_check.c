@@ -1,8 +1,51 @@
-/* Compiles the header as the Makefile's language and mode (C99, C11, C++, KVMIX_STATIC): included
-   twice, implementation and all, and a few calls so KVMIX_STATIC functions are referenced. */
+/* Compiles the header as the Makefile's language, mode and optimization level (C99, C11, C++,
+   KVMIX_STATIC; -O0 .. -O3, -Os): included twice, implementation and all, and a few calls so
+   KVMIX_STATIC functions are referenced. The cache calls run a short decode loop so that the
+   optimizer inlines them into a caller, where gcc's flow warnings (maybe-uninitialized) look. */
 #define KVMIX_IMPLEMENTATION
 #include "../kvmix.h"
 #include "../kvmix.h"
+
+enum { CHECK_LAYERS = 2, CHECK_HEADS = 2, CHECK_DIM = 32, CHECK_STEPS = 40 };
+#define CHECK_ROW (CHECK_HEADS * CHECK_DIM)
+
+/* A few decode steps: reserve, write and decode every layer; 0 when every call succeeds. */
+static int check_cache_loop(void) {
+    kvmix_cache cache;
+    kvmix_cache_desc desc;
+    kvmix_cache_stats stats;
+    float k[CHECK_ROW], v[CHECK_ROW], q[CHECK_ROW], out[CHECK_ROW], lse[CHECK_HEADS];
+    double workspace[512];
+    size_t need = 0;
+    int32_t seq = -1, pos = 0, step, layer, i, failed = 0;
+    memset(&desc, 0, sizeof desc);
+    desc.n_layers = CHECK_LAYERS;
+    desc.n_kv_heads = CHECK_HEADS;
+    desc.head_dim = CHECK_DIM;
+    desc.max_tokens_per_seq = CHECK_STEPS;
+    desc.arena_bytes = (size_t)1 << 20;
+    if (kvmix_cache_init_allocator(&cache, &desc, NULL) != KVMIX_SUCCESS) return 1;
+    failed |= kvmix_cache_seq_create(&cache, &seq) != KVMIX_SUCCESS;
+    failed |= kvmix_cache_ref_decode_workspace(&cache, &seq, 1, &need) != KVMIX_SUCCESS;
+    for (step = 0; step < CHECK_STEPS && !failed; step++) {
+        failed |= kvmix_cache_reserve(&cache, seq, 1, NULL, &pos) != KVMIX_SUCCESS;
+        for (layer = 0; layer < CHECK_LAYERS && !failed; layer++) {
+            for (i = 0; i < CHECK_ROW; i++) {
+                k[i] = (float)((i + step) % 7) * 0.25f;
+                v[i] = (float)((i * 3 + layer) % 5) * 0.5f;
+                q[i] = (float)(i % 3);
+            }
+            failed |= kvmix_cache_write(&cache, seq, layer, pos, 1, k, v) != KVMIX_SUCCESS;
+            failed |= kvmix_cache_ref_decode(&cache, &seq, 1, layer, CHECK_HEADS, 0.0f, q, out, lse,
+                                             workspace, sizeof workspace) != KVMIX_SUCCESS;
+        }
+    }
+    failed |= kvmix_cache_read(&cache, seq, 0, 0, k, v, NULL) != KVMIX_SUCCESS;
+    failed |= kvmix_cache_stats_get(&cache, &stats) != KVMIX_SUCCESS;
+    failed |= kvmix_cache_check(&cache) != KVMIX_SUCCESS;
+    kvmix_cache_deinit(&cache);
+    return failed;
+}
 
 int main(void) {
     kvmix_layout layout;
@@ -14,5 +57,6 @@ int main(void) {
     layout.n_boost = 16;
     if (kvmix_layout_bytes(&layout, &bytes) != KVMIX_SUCCESS || bytes == 0) return 1;
     if (kvmix_fp32_to_fp16(1.0f) != 0x3c00 || kvmix_fp32_to_bf16(1.0f) != 0x3f80) return 1;
+    if (check_cache_loop()) return 1;
     return kvmix_result_string(KVMIX_SUCCESS)[0] == 's' ? 0 : 1;
 }

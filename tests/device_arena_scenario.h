@@ -171,8 +171,8 @@ static void da_compare_block(da_state *s, const char *side, const uint8_t *host,
     while (i < bytes && host[i] == device[i]) i++;
     if (i < bytes && s->failures++ == 0 && s->why)
         snprintf(s->why, s->why_bytes,
-                 "%s block bytes differ: format %d, %d tokens, byte %zu of %zu: %02x vs %02x",
-                 side, format, (int)n_tokens, i, bytes, host[i], device[i]);
+                 "%s block bytes differ: format %d, %d tokens, byte %zu of %zu: %02x vs %02x", side,
+                 format, (int)n_tokens, i, bytes, host[i], device[i]);
 }
 
 /* Every view of every live sequence, host against device. */
@@ -200,9 +200,9 @@ static void da_compare(da_state *s) {
         ddead = (uint8_t *)calloc((size_t)n_dead + 1, 1);
         for (layer = 0; hs && ds && first_layer && hdead && ddead && layer < d->n_layers; layer++) {
             kvmix_view hv, dv;
-            if (kvmix_cache_view(&s->host, layer, &seq, 1, hs, n_spans, hfirst, hdead, n_dead,
+            if (kvmix_cache_view(&s->host, &seq, 1, layer, hs, n_spans, hfirst, hdead, n_dead,
                                  &hv) != KVMIX_SUCCESS ||
-                kvmix_cache_view(&s->device, layer, &seq, 1, ds, n_spans, dfirst, ddead, n_dead,
+                kvmix_cache_view(&s->device, &seq, 1, layer, ds, n_spans, dfirst, ddead, n_dead,
                                  &dv) != KVMIX_SUCCESS) {
                 da_fail(s, "view", seq, layer);
                 break;

@@ -1476,8 +1476,9 @@ static void test_device_arena(bool quick) {
         d.n_layers = 2, d.n_kv_heads = 2, d.head_dim = which == 3 ? 128 : 64;
         d.page_tokens = 16, d.max_seqs = 5, d.max_tokens_per_seq = 160;
         d.arena_bytes = (size_t)1 << 21, d.max_jobs = 400;
+        d.n_boost = 8; /* the scenario asks for BOOSTED keys */
         if (which == 0) d.n_window = 16;
-        if (which == 1) d.n_sink = 4, d.n_window = 32, d.window_values_only = 1, d.n_boost = 8;
+        if (which == 1) d.n_sink = 4, d.n_window = 32, d.window_values_only = 1;
         if (which == 2) {
             d.n_sink = 8, d.partial = KVMIX_CACHE_PARTIAL_QUANTIZE;
             d.group_size = 16, d.value_group_size = 64;

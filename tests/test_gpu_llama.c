@@ -96,7 +96,7 @@ static bool same_spans(const kvmix_cache *a, int32_t seq_a, const kvmix_cache *b
         spans[i] = malloc((size_t)n_spans * sizeof *spans[i]);
         dead[i] = malloc((size_t)n_dead + 1);
         ok = spans[i] && dead[i] &&
-             kvmix_cache_view(caches[i], 0, &seqs[i], 1, spans[i], n_spans, first[i], dead[i],
+             kvmix_cache_view(caches[i], &seqs[i], 1, 0, spans[i], n_spans, first[i], dead[i],
                               n_dead, &views[i]) == KVMIX_SUCCESS;
     }
     ok = ok && views[0].n_spans == views[1].n_spans;

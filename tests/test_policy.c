@@ -227,24 +227,28 @@ enum { L = 2, NQ = 4, NKV = 2, D = 64, T = 150, G = NQ / NKV };
  * decode of the cache's view of that layer. Returns the worst |out - ref| / max |ref|. */
 static double attend_vs_reference(llama_kv_cache *cache, int32_t layer, int32_t n_q, int32_t n_kv,
                                   int32_t head_dim, uint32_t *rng) {
-    int32_t seq, group = n_q / n_kv;
+    int32_t seq, group = n_q / n_kv, n_spans = 0, n_dead = 0, first[2];
     const kvmix_cache *c = kvmix_kv_inner(cache, &seq);
-    size_t n = (size_t)n_q * (size_t)head_dim, ws_bytes = 0;
+    size_t n = (size_t)n_q * (size_t)head_dim;
     float *q = malloc(n * sizeof(float)), *out = malloc(n * sizeof(float));
     float *ref = malloc(n * sizeof(float)), *lse = malloc((size_t)n_q * sizeof(float));
     double worst = INFINITY;
     float scale = 1.0f / sqrtf((float)head_dim);
     if (c != NULL && q != NULL && out != NULL && ref != NULL && lse != NULL &&
-        kvmix_cache_ref_decode_workspace(c, &seq, 1, &ws_bytes) == KVMIX_SUCCESS) {
-        void *ws = malloc(ws_bytes + 8);
+        kvmix_cache_view_counts(c, &seq, 1, &n_spans, &n_dead) == KVMIX_SUCCESS) {
+        kvmix_view_span *spans = malloc(((size_t)n_spans + 1) * sizeof *spans);
+        uint8_t *dead = malloc((size_t)n_dead + 1);
+        kvmix_view view;
         for (size_t i = 0; i < n; i++) q[i] = 2.0f * uniform(rng);
-        bool ok = ws != NULL;
+        bool ok = spans != NULL && dead != NULL;
         for (int32_t kv = 0; ok && kv < n_kv; kv++) {
             size_t at = (size_t)kv * (size_t)group * (size_t)head_dim;
             ok = cache->attend(cache->state, layer, kv, q + at, group, scale, out + at) == LLAMA_OK;
         }
-        ok = ok && kvmix_cache_ref_decode(c, layer, &seq, 1, n_q, scale, q, ref, lse, ws,
-                                          ws_bytes + 8) == KVMIX_SUCCESS;
+        ok = ok &&
+             kvmix_cache_view(c, &seq, 1, layer, spans, n_spans, first, dead, n_dead, &view) ==
+                 KVMIX_SUCCESS &&
+             kvmix_ref_view_decode(&view, n_q, scale, q, ref, lse) == KVMIX_SUCCESS;
         if (ok) {
             double max_ref = 1e-30, max_diff = 0.0;
             for (size_t i = 0; i < n; i++) {
@@ -254,7 +258,8 @@ static double attend_vs_reference(llama_kv_cache *cache, int32_t layer, int32_t 
             }
             worst = max_diff / max_ref;
         }
-        free(ws);
+        free(spans);
+        free(dead);
     }
     free(q);
     free(out);
@@ -315,10 +320,10 @@ static void check_evicted_attention(llama_kv_cache *cache, const char *name, int
     static float keys[L][NKV][T * D], values[L][NKV][T * D], row_k[NKV * D], row_v[NKV * D];
     int32_t n_live = 0;
     for (int32_t pos = 0; pos < n; pos++) {
-        kvmix_result r = kvmix_cache_read(c, seq, pos, 0, NULL, NULL, NULL);
+        kvmix_result r = kvmix_cache_read(c, seq, 0, pos, NULL, NULL, NULL);
         if (r == KVMIX_ERR_NOT_FOUND) continue; /* evicted */
         for (int32_t layer = 0; layer < L; layer++) {
-            if (!CHECK(kvmix_cache_read(c, seq, pos, layer, row_k, row_v, NULL) == KVMIX_SUCCESS))
+            if (!CHECK(kvmix_cache_read(c, seq, layer, pos, row_k, row_v, NULL) == KVMIX_SUCCESS))
                 return;
             for (int32_t h = 0; h < NKV; h++) {
                 memcpy(&keys[layer][h][(size_t)n_live * D], &row_k[h * D], D * sizeof(float));
@@ -700,8 +705,8 @@ static void test_allocation_reader(void) {
         "\"value_format\": \"int8\"}]}",
         "{\"version\": 1, \"kind\": \"kvmix-allocation\", \"tags\": [",
     };
-    const kvmix_result want[] = {KVMIX_ERR_VERSION, KVMIX_ERR_PARSE, KVMIX_ERR_PARSE,
-                                 KVMIX_ERR_PARSE, KVMIX_ERR_PARSE};
+    const kvmix_result want[] = {KVMIX_ERR_VERSION, KVMIX_ERR_MALFORMED, KVMIX_ERR_MALFORMED,
+                                 KVMIX_ERR_MALFORMED, KVMIX_ERR_MALFORMED};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvmix_tag_precision before = t;
         CHECK(tag_allocation_parse(bad[i], strlen(bad[i]), int4, &t, err, sizeof err) == want[i]);
@@ -740,7 +745,7 @@ static void stored_formats(llama_runner *runner, const llama_model *m, const tex
         kvmix_tag tag;
         kvmix_cache_precision stored;
         kvmix_tagger_feed(&tagger, &s->ids[0][pos], 1, &tag);
-        if (kvmix_cache_read(kc, seq, (int32_t)pos, 0, NULL, NULL, &stored) != KVMIX_SUCCESS)
+        if (kvmix_cache_read(kc, seq, 0, (int32_t)pos, NULL, NULL, &stored) != KVMIX_SUCCESS)
             continue;
         *n_int2 += stored.key_format == KVMIX_FORMAT_INT2_CHANNEL;
         *n_user_low += tag.role == KVMIX_ROLE_USER && stored.key_format != KVMIX_FORMAT_INT8 &&

@@ -134,10 +134,23 @@ static void ct_snapshot(ct_model *m) {
     memcpy(m->snap_arena, m->arena, m->arena_bytes);
 }
 
+/* Every byte as at the snapshot but the last-error message, which every call that records
+   rewrites. */
 static int ct_unchanged(ct_model *m) {
-    return CHECK_MEM_EQ(m->snap_struct, &m->cache, sizeof m->cache) &&
+    kvmix_cache before;
+    memcpy(&before, m->snap_struct, sizeof before);
+    memcpy(before.priv.error, m->cache.priv.error, sizeof before.priv.error);
+    return CHECK_MEM_EQ(&before, &m->cache, sizeof m->cache) &&
            CHECK_MEM_EQ(m->snap_memory, m->memory, m->memory_bytes) &&
            CHECK_MEM_EQ(m->snap_arena, m->arena, m->arena_bytes);
+}
+
+/* A refused call: nothing changed, and the cache says why. */
+static void ct_refused(ct_model *m) {
+    const char *why = kvmix_cache_last_error(&m->cache);
+    CHECK_MSG(why[0] != '\0' && strchr(why, ':') != NULL,
+              "a refused call names no argument: \"%s\"", why);
+    ct_unchanged(m);
 }
 
 /* A new token of random FP16-exact values in [-1, 1]; returns its pool index. */
@@ -223,7 +236,7 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
         CHECK_RESULT(kvmix_cache_locate(c, s, pos, &slot), KVMIX_SUCCESS);
         if (!q->alive[pos]) {
             CHECK_EQ_UINT(slot, KVMIX_CACHE_DEAD_SLOT);
-            CHECK_RESULT(kvmix_cache_read(c, s, pos, 0, keys, values, &f), KVMIX_ERR_NOT_FOUND);
+            CHECK_RESULT(kvmix_cache_read(c, s, 0, pos, keys, values, &f), KVMIX_ERR_NOT_FOUND);
             continue;
         }
         n_alive++;
@@ -231,14 +244,14 @@ static void ct_verify_seq(ct_model *m, int32_t s) {
         for (layer = 0; layer < c->desc.n_layers; layer++) {
             double bk, bv, worst_k = 0.0, worst_v = 0.0;
             if (pos >= q->written[layer]) {
-                CHECK_RESULT(kvmix_cache_read(c, s, pos, layer, keys, values, &f),
+                CHECK_RESULT(kvmix_cache_read(c, s, layer, pos, keys, values, &f),
                              KVMIX_ERR_INVALID_ARGUMENT);
                 /* seals, of keys too, wait for the rows */
                 CHECK(!c->pages[ct_page_of(m, slot)].sealed &&
                       c->pages[ct_page_of(m, slot)].key_format == KVMIX_FORMAT_FP16);
                 continue;
             }
-            if (!CHECK_RESULT(kvmix_cache_read(c, s, pos, layer, keys, values, &f), KVMIX_SUCCESS))
+            if (!CHECK_RESULT(kvmix_cache_read(c, s, layer, pos, keys, values, &f), KVMIX_SUCCESS))
                 break;
             bk = ct_bound(f.key_format) + q->debt_k[pos];
             bv = ct_bound(f.value_format) + q->debt_v[pos];
@@ -314,7 +327,7 @@ static void ct_verify(ct_model *m) {
         spans = (kvmix_view_span *)test_alloc((size_t)(n_spans + 1) * sizeof *spans);
         dead = (uint8_t *)test_alloc((size_t)n_dead + 1);
         for (layer = 0; layer < c->desc.n_layers; layer++) {
-            CHECK_RESULT(kvmix_cache_view(c, layer, seqs, n_live_seqs, spans, n_spans, first, dead,
+            CHECK_RESULT(kvmix_cache_view(c, seqs, n_live_seqs, layer, spans, n_spans, first, dead,
                                           n_dead, &view),
                          KVMIX_SUCCESS);
             CHECK_RESULT(kvmix_view_check(&view), KVMIX_SUCCESS);
@@ -343,7 +356,7 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     int32_t seqs[CT_MAX_SEQS], n = 0, s, i, h, t;
     int32_t nq = 2 * c->desc.n_kv_heads, d = c->desc.head_dim;
     float *q, *out, *lse, *keys, *values;
-    size_t ws_bytes = 0;
+    size_t ws_bytes = 0, max_bytes = 0;
     void *ws;
     for (s = 0; s < CT_MAX_SEQS; s++)
         if (m->seqs[s].in_use) seqs[n++] = s;
@@ -355,9 +368,13 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     values = (float *)test_alloc((size_t)c->desc.n_kv_heads * d * sizeof(float));
     for (i = 0; i < n * nq * d; i++) q[i] = (float)(2.0 * test_rng_unit(&m->rng) - 1.0);
     CHECK_RESULT(kvmix_cache_ref_decode_workspace(c, seqs, n, &ws_bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ref_decode_workspace_max(&c->desc, n, &max_bytes), KVMIX_SUCCESS);
+    CHECK_MSG(ws_bytes <= max_bytes, "decode workspace %zu above its bound %zu", ws_bytes,
+              max_bytes);
     ws = test_alloc(ws_bytes + 8);
-    CHECK_RESULT(kvmix_cache_ref_decode(c, layer, seqs, n, nq, 0.0f, q, out, lse, ws, ws_bytes),
-                 KVMIX_SUCCESS);
+    CHECK_RESULT(
+        kvmix_cache_ref_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes),
+        KVMIX_SUCCESS);
     for (i = 0; i < n; i++) {
         const ct_seq *cs = &m->seqs[seqs[i]];
         for (h = 0; h < nq; h++) {
@@ -368,7 +385,7 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
             for (t = 0; t < cs->written[layer]; t++) { /* pass 1: max logit */
                 double dot = 0.0;
                 if (!cs->alive[t]) continue;
-                kvmix_cache_read(c, seqs[i], t, layer, keys, values, NULL);
+                kvmix_cache_read(c, seqs[i], layer, t, keys, values, NULL);
                 for (c2 = 0; c2 < d; c2++) dot += (double)qh[c2] * keys[kvh * d + c2];
                 if (dot * scale > mx) mx = dot * scale;
                 n_live++;
@@ -376,7 +393,7 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
             for (t = 0; t < cs->written[layer]; t++) {
                 double dot = 0.0, w;
                 if (!cs->alive[t]) continue;
-                kvmix_cache_read(c, seqs[i], t, layer, keys, values, NULL);
+                kvmix_cache_read(c, seqs[i], layer, t, keys, values, NULL);
                 for (c2 = 0; c2 < d; c2++) dot += (double)qh[c2] * keys[kvh * d + c2];
                 w = exp(dot * scale - mx);
                 sum += w;
@@ -414,7 +431,7 @@ static int32_t ct_pick_seq(ct_model *m) {
         ct_snapshot(m);                                                                            \
         result = (expr);                                                                           \
         if (result != KVMIX_SUCCESS) {                                                             \
-            ct_unchanged(m);                                                                       \
+            ct_refused(m);                                                                         \
             CHECK_MSG(result == KVMIX_ERR_OUT_OF_MEMORY, "%s: %s", #expr,                          \
                       kvmix_result_string(result));                                                \
             (m)->n_oom++;                                                                          \
@@ -466,7 +483,7 @@ static void ct_op_ingest(ct_model *m, int32_t s, int32_t n) {
         else
             CHECK_RESULT(kvmix_cache_ingest(&m->cache, s, n, keys, values, prec),
                          KVMIX_ERR_INVALID_ARGUMENT);
-        ct_unchanged(m);
+        ct_refused(m);
         r = KVMIX_ERR_INVALID_ARGUMENT;
     } else if (n == 1 && test_rng_range(&m->rng, 0, 1)) {
         CT_CALL(m, kvmix_cache_append(&m->cache, s, keys, values, prec[0]), r);
@@ -500,7 +517,7 @@ static void ct_op_evict(ct_model *m, int32_t s) {
         positions[1] = test_rng_range(&m->rng, n_written, q->len - 1);
         ct_snapshot(m);
         CHECK_RESULT(kvmix_cache_evict(&m->cache, s, positions, 2), KVMIX_ERR_INVALID_ARGUMENT);
-        ct_unchanged(m);
+        ct_refused(m);
         return;
     }
     if (n_written == 0) return;
@@ -522,7 +539,7 @@ static void ct_op_fork(ct_model *m, int32_t s) {
         CHECK_RESULT(kvmix_cache_seq_fork(&m->cache, s,
                                           test_rng_range(&m->rng, n_written + 1, q->len), &child),
                      KVMIX_ERR_INVALID_ARGUMENT);
-        ct_unchanged(m);
+        ct_refused(m);
         return;
     }
     ct_fork_at(m, s, n_prefix);
@@ -662,7 +679,7 @@ static void ct_op_write(ct_model *m, int32_t s) {
     ct_snapshot(m);
     r = ct_write_layer(m, s, layer, first, n);
     CHECK_RESULT(r, valid ? KVMIX_SUCCESS : KVMIX_ERR_INVALID_ARGUMENT);
-    if (r != KVMIX_SUCCESS) ct_unchanged(m);
+    if (r != KVMIX_SUCCESS) ct_refused(m);
 }
 
 /* A decode step as an inference loop runs it: reserve, then per layer write the rows and check
@@ -676,7 +693,7 @@ static void ct_op_append_layers(ct_model *m, int32_t s, int32_t n) {
     last = q->len - 1;
     for (layer = 0; layer < c->desc.n_layers; layer++) {
         int32_t from = q->written[layer], split;
-        CHECK_RESULT(kvmix_cache_read(c, s, last, layer, keys, values, NULL),
+        CHECK_RESULT(kvmix_cache_read(c, s, layer, last, keys, values, NULL),
                      KVMIX_ERR_INVALID_ARGUMENT);
         split = test_rng_range(&m->rng, from, q->len);
         if (split > from)
@@ -684,13 +701,13 @@ static void ct_op_append_layers(ct_model *m, int32_t s, int32_t n) {
         if (q->len > split)
             CHECK_RESULT(ct_write_layer(m, s, layer, split, q->len - split), KVMIX_SUCCESS);
         /* the new rows are FP16 buffer rows: read back exactly */
-        if (CHECK_RESULT(kvmix_cache_read(c, s, last, layer, keys, values, NULL), KVMIX_SUCCESS))
+        if (CHECK_RESULT(kvmix_cache_read(c, s, layer, last, keys, values, NULL), KVMIX_SUCCESS))
             for (i = 0; i < hd; i++) {
                 CHECK_EQ_FLOAT_BITS(keys[i], ct_key(m, q->tok[last], layer, 0)[i]);
                 CHECK_EQ_FLOAT_BITS(values[i], ct_value(m, q->tok[last], layer, 0)[i]);
             }
         if (layer + 1 < c->desc.n_layers && q->written[layer + 1] <= last)
-            CHECK_RESULT(kvmix_cache_read(c, s, last, layer + 1, keys, values, NULL),
+            CHECK_RESULT(kvmix_cache_read(c, s, layer + 1, last, keys, values, NULL),
                          KVMIX_ERR_INVALID_ARGUMENT);
         ct_verify(m); /* views of every layer: this one holds the new rows, later ones do not */
         ct_verify_decode(m, layer);
@@ -728,7 +745,7 @@ static void ct_op_retier(ct_model *m, int32_t s, int up) {
         CHECK_RESULT(
             kvmix_cache_retier(&m->cache, s, pos, p16, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL),
             KVMIX_ERR_INVALID_ARGUMENT);
-        ct_unchanged(m);
+        ct_refused(m);
         return;
     }
     old.key_format = c->pages[page].key_format;
@@ -754,7 +771,7 @@ static void ct_op_retier(ct_model *m, int32_t s, int up) {
                 if ((int32_t)ct_page_of(m, sl) != page) continue;
                 row = (int32_t)(sl % (uint32_t)c->desc.page_tokens);
                 for (layer = 0; layer < c->desc.n_layers; layer++) {
-                    kvmix_cache_read(c, s2, p2, layer, keys, values, NULL);
+                    kvmix_cache_read(c, s2, layer, p2, keys, values, NULL);
                     for (h = 0; h < c->desc.n_kv_heads; h++)
                         for (i = 0; i < d; i++) {
                             size_t at =
@@ -868,8 +885,8 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
         if (m.seqs[s].in_use) ct_op_free(&m, s);
     ct_verify(&m);
     /* no leak: every granule and descriptor is back, the sentinel is still there */
-    CHECK_EQ_INT(m.cache.n_free_granules, m.cache.n_granules);
-    CHECK_EQ_INT(m.cache.n_free_pages, m.cache.max_pages - 1);
+    CHECK_EQ_INT(m.cache.priv.n_free_granules, m.cache.priv.n_granules);
+    CHECK_EQ_INT(m.cache.priv.n_free_pages, m.cache.max_pages - 1);
     CHECK_EQ_INT(m.cache.pages[0].refcount, 1);
     CHECK_MSG(m.n_oom > 0 || n_ops < 200, "config %d reached arena exhaustion (%lld times)",
               (int)config, (long long)m.n_oom);
@@ -887,6 +904,7 @@ static void ct_small_desc(kvmix_cache_desc *d) {
     d->page_tokens = 16;
     d->max_seqs = CT_MAX_SEQS;
     d->max_tokens_per_seq = 96;
+    d->n_boost = 16; /* for the BOOSTED keys some tests ask for */
     d->arena_bytes = 1 << 20;
 }
 
@@ -920,7 +938,7 @@ static void ct_fill(ct_model *m, int32_t s, int32_t n, uint8_t kf, uint8_t vf) {
 static kvmix_cache_precision ct_format_at(ct_model *m, int32_t s, int32_t pos) {
     kvmix_cache_precision f;
     f.key_format = f.value_format = 0;
-    kvmix_cache_read(&m->cache, s, pos, 0, NULL, NULL, &f);
+    kvmix_cache_read(&m->cache, s, 0, pos, NULL, NULL, &f);
     return f;
 }
 
@@ -1136,7 +1154,7 @@ static void test_demote_full_arena(void) {
     }
     CHECK_EQ_INT(ct_format_at(&m, s, 3).key_format, KVMIX_FORMAT_INT2_CHANNEL);
     ct_verify(&m);
-    CHECK(m.cache.n_free_granules > 0);
+    CHECK(m.cache.priv.n_free_granules > 0);
     ct_close(&m);
 }
 
@@ -1153,7 +1171,7 @@ static void ct_decode_one(ct_model *m, int32_t s, int32_t layer, const float *q,
     void *ws;
     CHECK_RESULT(kvmix_cache_ref_decode_workspace(&m->cache, &s, 1, &ws_bytes), KVMIX_SUCCESS);
     ws = test_alloc(ws_bytes + 8);
-    CHECK_RESULT(kvmix_cache_ref_decode(&m->cache, layer, &s, 1, m->desc.n_kv_heads, 0.0f, q, out,
+    CHECK_RESULT(kvmix_cache_ref_decode(&m->cache, &s, 1, layer, m->desc.n_kv_heads, 0.0f, q, out,
                                         lse, ws, ws_bytes),
                  KVMIX_SUCCESS);
     free(ws);
@@ -1262,7 +1280,7 @@ static void test_reserve_write_bad_inputs(void) {
     m.seqs[s].alive[evicted] = 0;
     p4.key_format = p4.value_format = KVMIX_FORMAT_INT4;
     wrong.key_format = KVMIX_FORMAT_INT4;
-    wrong.value_format = 0;
+    wrong.value_format = 7; /* not a kvmix_format (0 is the default) */
     ct_snapshot(&m);
     CHECK_RESULT(kvmix_cache_reserve(NULL, s, 1, NULL, &first), KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_cache_reserve(&m.cache, -1, 1, NULL, &first), KVMIX_ERR_INVALID_ARGUMENT);
@@ -1304,9 +1322,9 @@ static void test_reserve_write_bad_inputs(void) {
     bad[2 * hd - 1] = 70000.0f;
     CHECK_RESULT(kvmix_cache_write(&m.cache, s, 0, 20, 2, bad, rows), KVMIX_ERR_BAD_VALUE);
     /* calls that need every layer written; reads of rows not written */
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 20, 0, rows, rows, NULL),
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 0, 20, rows, rows, NULL),
                  KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL),
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 1, 21, rows, rows, NULL),
                  KVMIX_ERR_INVALID_ARGUMENT);
     pos = 20;
     CHECK_RESULT(kvmix_cache_evict(&m.cache, s, &pos, 1), KVMIX_ERR_INVALID_ARGUMENT);
@@ -1317,8 +1335,8 @@ static void test_reserve_write_bad_inputs(void) {
     ct_unchanged(&m);
     /* layer 0 written: its rows read, layer 1's still refused, still no fork past them */
     CHECK_RESULT(ct_write_layer(&m, s, 0, 20, 2), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 0, rows, rows, NULL), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 21, 1, rows, rows, NULL),
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 0, 21, rows, rows, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 1, 21, rows, rows, NULL),
                  KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_seq_fork(&m.cache, s, 21, &child), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(ct_write_layer(&m, s, 1, 20, 2), KVMIX_SUCCESS);
@@ -1363,44 +1381,44 @@ static void test_bad_inputs(void) {
     int i;
     ct_small_desc(&d);
     /* descs */
-    CHECK_RESULT(kvmix_cache_desc_resolve(NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_cache_desc_resolve(NULL, NULL), KVMIX_ERR_NULL_POINTER);
     bad = d;
     bad.n_layers = 0;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.head_dim = 48;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_BAD_SHAPE);
     bad = d;
     bad.page_tokens = 12;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.n_sink = 17;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.group_size = 24;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_BAD_SHAPE);
     bad = d;
     bad.n_boost = 6;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_BAD_SHAPE);
     bad = d;
     bad.granule_bytes = 100;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.arena_bytes = 0;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.partial = (kvmix_cache_partial)7;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.default_precision.key_format = 9;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_UNKNOWN_FORMAT);
     bad = d;
     bad.max_seqs = 1 << 20;
     bad.max_tokens_per_seq = 1 << 26;
     CHECK_RESULT(kvmix_cache_memory_bytes(&bad, &bytes),
                  sizeof(size_t) >= 8 ? KVMIX_ERR_INVALID_ARGUMENT : KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
-    CHECK_RESULT(kvmix_cache_desc_resolve(&bad), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_SUCCESS);
     CHECK_EQ_INT(bad.max_pages_per_seq, 96 / 16 + 8);
     CHECK_EQ_INT(bad.default_precision.key_format, KVMIX_FORMAT_INT4);
     CHECK_EQ_UINT(bad.granule_bytes, 256);
@@ -1421,7 +1439,7 @@ static void test_bad_inputs(void) {
     for (i = 0; i < 2 * 2 * 64; i++) rows[i] = nan_rows[i] = 0.25f;
     nan_rows[77] = NAN;
     p.key_format = p.value_format = KVMIX_FORMAT_INT4;
-    wrong.key_format = 0;
+    wrong.key_format = 9; /* not a kvmix_format (0 is the default) */
     wrong.value_format = KVMIX_FORMAT_INT4;
     ct_snapshot(&m);
     CHECK_RESULT(kvmix_cache_append(NULL, s, rows, rows, p), KVMIX_ERR_NULL_POINTER);
@@ -1460,21 +1478,21 @@ static void test_bad_inputs(void) {
         free(big);
     }
     CHECK_RESULT(kvmix_cache_locate(&m.cache, s, 20, &slot), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 0, 2, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_read(&m.cache, s, 2, 0, rows, rows, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_view_counts(&m.cache, &s, 1, &n_spans, &n_dead), KVMIX_SUCCESS);
     CHECK_EQ_INT(n_spans, 2);
-    CHECK_RESULT(kvmix_cache_view(&m.cache, 0, &s, 1, spans, 1, first, dead, 64, &view),
+    CHECK_RESULT(kvmix_cache_view(&m.cache, &s, 1, 0, spans, 1, first, dead, 64, &view),
                  KVMIX_ERR_BUFFER_TOO_SMALL);
-    CHECK_RESULT(kvmix_cache_view(&m.cache, 2, &s, 1, spans, 4, first, dead, 64, &view),
+    CHECK_RESULT(kvmix_cache_view(&m.cache, &s, 1, 2, spans, 4, first, dead, 64, &view),
                  KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_view(&m.cache, 0, &out, 1, spans, 4, first, dead, 64, &view),
+    CHECK_RESULT(kvmix_cache_view(&m.cache, &out, 1, 0, spans, 4, first, dead, 64, &view),
                  KVMIX_ERR_INVALID_ARGUMENT);
     {
         uint64_t ws[64];
         float q[4 * 64], o[4 * 64], l[4];
-        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, 0, &s, 1, 4, 0.0f, q, o, l, ws, 8),
+        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 4, 0.0f, q, o, l, ws, 8),
                      KVMIX_ERR_BUFFER_TOO_SMALL);
-        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, 0, &s, 1, 3, 0.0f, q, o, l, ws, sizeof ws),
+        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 3, 0.0f, q, o, l, ws, sizeof ws),
                      KVMIX_ERR_INVALID_ARGUMENT);
     }
     ct_unchanged(&m);
@@ -1547,11 +1565,11 @@ static void test_release_and_check(void) {
     CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &s), KVMIX_SUCCESS);
     m.seqs[s].in_use = 1;
     ct_fill(&m, s, 40, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4);
-    free_before = m.cache.n_free_granules;
+    free_before = m.cache.priv.n_free_granules;
     for (i = 0; i < 16; i++) positions[i] = 16 + i; /* the whole second page */
     CHECK_RESULT(kvmix_cache_evict(&m.cache, s, positions, 16), KVMIX_SUCCESS);
     for (i = 0; i < 16; i++) m.seqs[s].alive[16 + i] = 0;
-    CHECK(m.cache.n_free_granules > free_before); /* returned to the arena */
+    CHECK(m.cache.priv.n_free_granules > free_before); /* returned to the arena */
     CHECK_EQ_INT(m.cache.seqs[s].n_entries, 2);
     p.key_format = p.value_format = KVMIX_FORMAT_INT2;
     ct_snapshot(&m);
@@ -1562,9 +1580,9 @@ static void test_release_and_check(void) {
     m.cache.pages[1].refcount++;
     CHECK_RESULT(kvmix_cache_check(&m.cache), KVMIX_ERR_CORRUPT_DATA);
     m.cache.pages[1].refcount--;
-    m.cache.bitmap[0] ^= 1u;
+    m.cache.priv.bitmap[0] ^= 1u;
     CHECK_RESULT(kvmix_cache_check(&m.cache), KVMIX_ERR_CORRUPT_DATA);
-    m.cache.bitmap[0] ^= 1u;
+    m.cache.priv.bitmap[0] ^= 1u;
     m.cache.slots[5] = KVMIX_CACHE_DEAD_SLOT + 1u;
     CHECK_RESULT(kvmix_cache_check(&m.cache), KVMIX_ERR_CORRUPT_DATA);
     m.cache.slots[5] = (uint32_t)m.cache.desc.page_tokens * m.cache.entries[0].page + 5u;
@@ -1572,9 +1590,239 @@ static void test_release_and_check(void) {
     ct_close(&m);
 }
 
+/* The cache's last-error message starts with "argument:". */
+static int ct_says(const kvmix_cache *cache, const char *argument) {
+    const char *why = kvmix_cache_last_error(cache);
+    size_t n = strlen(argument);
+    return CHECK_MSG(strncmp(why, argument, n) == 0 && why[n] == ':',
+                     "the message \"%s\" does not name %s", why, argument);
+}
+
+/* A desc of zeros (but the required fields) is the built-in "int4" policy for one sequence; a
+   zero count of things kept means none (n_boost 0: BOOSTED refused, not 16 channels); a short
+   sequence holds one whole FP16 page until the page fills. */
+static void test_desc_defaults(void) {
+    kvmix_cache_desc zero, int4;
+    kvmix_cache_desc_error why = {NULL, NULL};
+    kvmix_cache cache;
+    kvmix_cache_seq_stats st;
+    kvmix_cache_precision boosted = {KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2};
+    float rows[2 * 2 * 64];
+    int32_t s = -1, pos = -1, i;
+    memset(&zero, 0, sizeof zero);
+    zero.n_layers = 2;
+    zero.n_kv_heads = 2;
+    zero.head_dim = 64;
+    zero.arena_bytes = 1 << 20;
+    int4 = zero;
+    CHECK_RESULT(kvmix_policy_apply(kvmix_policy_find("int4"), &int4, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&zero, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_desc_resolve(&int4, NULL), KVMIX_SUCCESS);
+    CHECK_MEM_EQ(&zero, &int4, sizeof zero);
+    CHECK_EQ_INT(zero.page_tokens, 32);
+    CHECK_EQ_INT(zero.max_seqs, 1);
+    CHECK_EQ_INT(zero.max_tokens_per_seq, 4096);
+    CHECK_EQ_INT(zero.max_pages_per_seq, 4096 / 32 + 8);
+    CHECK_EQ_INT(zero.n_sink + zero.n_window + zero.n_boost, 0);
+    CHECK_EQ_INT(zero.group_size, 32);
+    CHECK_EQ_INT(zero.value_group_size, 32);
+    CHECK_EQ_UINT(zero.granule_bytes, 256);
+    CHECK(zero.default_precision.key_format == KVMIX_FORMAT_INT4 &&
+          zero.default_precision.value_format == KVMIX_FORMAT_INT4);
+    /* no boosted channels: BOOSTED is refused wherever it is asked for */
+    int4 = zero;
+    int4.default_precision = boosted;
+    CHECK_RESULT(kvmix_cache_desc_resolve(&int4, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK(why.field != NULL && strcmp(why.field, "n_boost") == 0);
+    for (i = 0; i < 2 * 2 * 64; i++) rows[i] = (float)(i % 9) / 8.0f;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &zero, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &pos), KVMIX_ERR_OUT_OF_MEMORY); /* one sequence */
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, 1, &boosted, &pos), KVMIX_ERR_BAD_SHAPE);
+    ct_says(&cache, "precisions");
+    CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, boosted), KVMIX_ERR_BAD_SHAPE);
+    /* a sequence shorter than a page: all FP16, a whole page of bytes; full, it is INT4 */
+    for (i = 0; i < 10; i++)
+        CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, zero.default_precision),
+                     KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_stats_get(&cache, s, &st), KVMIX_SUCCESS);
+    CHECK_EQ_INT(st.n_fp16_rows, 10);
+    CHECK_EQ_UINT(st.referenced_bytes, 2 * 2 * 2 * 32 * 64 * 2); /* L * H * (K, V) * P * D * 2 */
+    for (; i < 33; i++)
+        CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, zero.default_precision),
+                     KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_stats_get(&cache, s, &st), KVMIX_SUCCESS);
+    CHECK_EQ_INT(st.n_fp16_rows, 1); /* 32 sealed to INT4, the 33rd in a new buffer page */
+    CHECK(st.format_bytes[KVMIX_FORMAT_INT4] > 0);
+    kvmix_cache_deinit(&cache);
+}
+
+/* Row value of token t, layer l, channel i (FP16-exact, varied per channel). */
+static float ct_row_value(int32_t t, int32_t l, int32_t i) {
+    return (float)((t * 7 + l * 3 + i * 5) % 33 - 16) / 16.0f;
+}
+
+/* A precision of {0, 0}, or a zero on one side, is the desc's default precision (that side)
+   wherever a cache call takes one: reserve, ingest, append, retier store exactly what NULL
+   precisions store. */
+static void test_zero_precision_is_default(void) {
+    enum { N = 32 };
+    kvmix_cache cache;
+    kvmix_cache_desc d;
+    kvmix_cache_precision zero = {0, 0}, zero_keys = {0, KVMIX_FORMAT_INT4}, got, want;
+    kvmix_cache_precision zeros[N];
+    int32_t hd, per_token, seq[4], t, l, i, first;
+    float *prompt_k, *prompt_v, *one_k, *one_v, *row_k, *row_v, *ref_k, *ref_v;
+    ct_small_desc(&d);
+    d.default_precision.key_format = KVMIX_FORMAT_INT2_CHANNEL;
+    d.default_precision.value_format = KVMIX_FORMAT_INT8;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    hd = d.n_kv_heads * d.head_dim;
+    per_token = d.n_layers * hd;
+    prompt_k = (float *)test_alloc((size_t)N * per_token * sizeof(float));
+    prompt_v = (float *)test_alloc((size_t)N * per_token * sizeof(float));
+    one_k = (float *)test_alloc((size_t)per_token * sizeof(float));
+    one_v = (float *)test_alloc((size_t)per_token * sizeof(float));
+    row_k = (float *)test_alloc((size_t)hd * sizeof(float));
+    row_v = (float *)test_alloc((size_t)hd * sizeof(float));
+    ref_k = (float *)test_alloc((size_t)hd * sizeof(float));
+    ref_v = (float *)test_alloc((size_t)hd * sizeof(float));
+    for (l = 0; l < d.n_layers; l++)
+        for (t = 0; t < N; t++)
+            for (i = 0; i < hd; i++) {
+                prompt_k[((size_t)l * N + t) * hd + i] = ct_row_value(t, l, i);
+                prompt_v[((size_t)l * N + t) * hd + i] = -ct_row_value(t, l, i + 1);
+            }
+    for (t = 0; t < N; t++) zeros[t] = zero;
+    for (i = 0; i < 4; i++) CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq[i]), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ingest(&cache, seq[0], N, prompt_k, prompt_v, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ingest(&cache, seq[1], N, prompt_k, prompt_v, zeros), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, seq[2], N, zeros, &first), KVMIX_SUCCESS);
+    for (l = 0; l < d.n_layers; l++)
+        CHECK_RESULT(kvmix_cache_write(&cache, seq[2], l, 0, N, prompt_k + (size_t)l * N * hd,
+                                       prompt_v + (size_t)l * N * hd),
+                     KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seal_ready(&cache, seq[2]), KVMIX_SUCCESS);
+    for (t = 0; t < N; t++) {
+        for (l = 0; l < d.n_layers; l++) {
+            memcpy(one_k + (size_t)l * hd, prompt_k + ((size_t)l * N + t) * hd,
+                   (size_t)hd * sizeof(float));
+            memcpy(one_v + (size_t)l * hd, prompt_v + ((size_t)l * N + t) * hd,
+                   (size_t)hd * sizeof(float));
+        }
+        CHECK_RESULT(kvmix_cache_append(&cache, seq[3], one_k, one_v, zero), KVMIX_SUCCESS);
+    }
+    /* every position of every sequence: the default formats, the same rows as NULL gave */
+    for (t = 0; t < N; t++)
+        for (l = 0; l < d.n_layers; l++) {
+            CHECK_RESULT(kvmix_cache_read(&cache, seq[0], l, t, ref_k, ref_v, &want),
+                         KVMIX_SUCCESS);
+            CHECK(want.key_format == KVMIX_FORMAT_INT2_CHANNEL &&
+                  want.value_format == KVMIX_FORMAT_INT8);
+            for (i = 1; i < 4; i++) {
+                CHECK_RESULT(kvmix_cache_read(&cache, seq[i], l, t, row_k, row_v, &got),
+                             KVMIX_SUCCESS);
+                CHECK(got.key_format == want.key_format && got.value_format == want.value_format);
+                CHECK_MEM_EQ(row_k, ref_k, (size_t)hd * sizeof(float));
+                CHECK_MEM_EQ(row_v, ref_v, (size_t)hd * sizeof(float));
+            }
+        }
+    /* a zero on one side: that side's default, the other as asked; retier {0, 0}: the default */
+    CHECK_RESULT(kvmix_cache_seq_free(&cache, seq[1]), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq[1]), KVMIX_SUCCESS);
+    for (t = 0; t < N; t++) zeros[t] = zero_keys;
+    CHECK_RESULT(kvmix_cache_ingest(&cache, seq[1], N, prompt_k, prompt_v, zeros), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq[1], 0, 3, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT4);
+    CHECK_RESULT(kvmix_cache_retier(&cache, seq[1], 3, zero, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL),
+                 KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq[1], 0, 3, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT8);
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
+    free(prompt_k);
+    free(prompt_v);
+    free(one_k);
+    free(one_v);
+    free(row_k);
+    free(row_v);
+    free(ref_k);
+    free(ref_v);
+}
+
+/* Refused calls say which argument and why; a successful call clears the message, a const call
+   leaves it; desc errors before a cache exists name the field. */
+static void test_error_messages(void) {
+    kvmix_cache cache;
+    kvmix_cache_desc d, bad;
+    kvmix_cache_desc_error why = {NULL, NULL};
+    float rows[2 * 64], q[3 * 64], out[3 * 64], lse[3];
+    uint64_t ws[256];
+    uint32_t slot;
+    int32_t s = -1, pos = -1, layer, i;
+    for (i = 0; i < 2 * 64; i++) rows[i] = 0.5f - (float)i / 128.0f;
+    for (i = 0; i < 3 * 64; i++) q[i] = (float)(i % 5) - 2.0f;
+    ct_small_desc(&d);
+    d.n_kv_heads = 1;
+    /* too many sinks: refused by the desc's check and by the init, both naming n_sink */
+    bad = d;
+    bad.n_sink = bad.page_tokens + 1;
+    CHECK_RESULT(kvmix_cache_desc_resolve(&bad, &why), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(why.field != NULL && strcmp(why.field, "n_sink") == 0);
+    CHECK(why.reason != NULL && why.reason[0] != '\0');
+    CHECK_EQ_INT(bad.n_sink, d.page_tokens + 1); /* unchanged */
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "desc.n_sink");
+    d.n_kv_heads = 2;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_EQ_INT(kvmix_cache_last_error(&cache)[0], '\0');
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
+    /* a write before its positions are reserved */
+    CHECK_RESULT(kvmix_cache_write(&cache, s, 0, 0, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "first_position");
+    /* a const call that fails leaves the message as it was */
+    CHECK_RESULT(kvmix_cache_locate(&cache, s, 7, &slot), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "first_position");
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, 1, NULL, &pos), KVMIX_SUCCESS);
+    CHECK_EQ_INT(kvmix_cache_last_error(&cache)[0], '\0');
+    for (layer = 0; layer < d.n_layers; layer++)
+        CHECK_RESULT(kvmix_cache_write(&cache, s, layer, pos, 1, rows, rows), KVMIX_SUCCESS);
+    /* 3 query heads for 2 kv heads */
+    CHECK_RESULT(kvmix_cache_ref_decode(&cache, &s, 1, 0, 3, 0.0f, q, out, lse, ws, sizeof ws),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "n_q_heads");
+    CHECK_RESULT(kvmix_cache_ref_decode(&cache, &s, 1, 0, 2, 0.0f, q, out, lse, ws, sizeof ws),
+                 KVMIX_SUCCESS);
+    CHECK_EQ_INT(kvmix_cache_last_error(&cache)[0], '\0');
+    /* a few more, each naming its argument */
+    CHECK_RESULT(kvmix_cache_write(&cache, s, 2, pos, 1, rows, rows), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "layer");
+    CHECK_RESULT(kvmix_cache_reserve(&cache, 5, 1, NULL, &pos), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "seq");
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, d.max_tokens_per_seq, NULL, &pos),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "n_tokens");
+    rows[3] = NAN;
+    CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, cache.desc.default_precision),
+                 KVMIX_ERR_BAD_VALUE);
+    ct_says(&cache, "keys");
+    CHECK_RESULT(kvmix_cache_seq_fork(&cache, s, 2, &pos), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_says(&cache, "n_prefix");
+    for (i = 1; i < CT_MAX_SEQS; i++)
+        CHECK_RESULT(kvmix_cache_seq_create(&cache, &pos), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &pos), KVMIX_ERR_OUT_OF_MEMORY);
+    ct_says(&cache, "desc.max_seqs");
+    CHECK(strlen(kvmix_cache_last_error(&cache)) < KVMIX_CACHE_ERROR_BYTES);
+    CHECK(kvmix_cache_last_error(NULL) != NULL);
+    kvmix_cache_deinit(&cache);
+}
+
 void unit_cache(void) {
     int32_t config;
     test_bad_inputs();
+    test_error_messages();
+    test_zero_precision_is_default();
+    test_desc_defaults();
     test_allocator_init();
     test_decode_reaches_2bit();
     test_values_only_window();

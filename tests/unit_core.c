@@ -20,7 +20,7 @@ static void test_result_strings(void) {
                                        KVMIX_ERR_UNSUPPORTED,
                                        KVMIX_ERR_CORRUPT_DATA,
                                        KVMIX_ERR_VERSION,
-                                       KVMIX_ERR_PARSE,
+                                       KVMIX_ERR_MALFORMED,
                                        KVMIX_ERR_NOT_FOUND,
                                        KVMIX_ERR_CUDA};
     static const int unknown[] = {1, 2, 14, 100, -14, -15, -100, -1000000};

@@ -77,13 +77,13 @@ static kvmix_cache_desc scenario_desc(int which) {
     d.max_tokens_per_seq = 160;
     d.arena_bytes = (size_t)1 << 21;
     d.max_jobs = 400;
+    d.n_boost = 8; /* the scenario asks for BOOSTED keys */
     switch (which) {
     case 0: d.n_window = 16; break;
     case 1:
         d.n_sink = 4;
         d.n_window = 32;
         d.window_values_only = 1;
-        d.n_boost = 8;
         break;
     case 2:
         d.n_sink = 8;
@@ -166,7 +166,7 @@ static void test_write_after_release(void) {
                  KVMIX_SUCCESS);
     CHECK_RESULT(run_reversed(batches, n_batches, jobs, rows, rows, arena, NULL), KVMIX_SUCCESS);
     for (layer = 0; layer < 2; layer++) {
-        CHECK_RESULT(kvmix_cache_view(&cache, layer, &child, 1, spans, 4, first, dead, 32, &view),
+        CHECK_RESULT(kvmix_cache_view(&cache, &child, 1, layer, spans, 4, first, dead, 32, &view),
                      KVMIX_SUCCESS);
         CHECK_EQ_INT(view.n_spans, 1);
         CHECK_EQ_INT(spans[0].key_format, KVMIX_FORMAT_FP16);

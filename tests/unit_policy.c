@@ -217,9 +217,9 @@ static void test_apply(void) {
         CHECK_RESULT(kvmix_cache_append(&cache, seq, k, v, desc.default_precision), KVMIX_SUCCESS);
     }
     CHECK_RESULT(kvmix_cache_seq_finish(&cache, seq), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_read(&cache, seq, 2, 1, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq, 1, 2, NULL, NULL, &got), KVMIX_SUCCESS);
     CHECK(got.key_format == KVMIX_FORMAT_FP16 && got.value_format == KVMIX_FORMAT_FP16);
-    CHECK_RESULT(kvmix_cache_read(&cache, seq, 10, 1, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq, 1, 10, NULL, NULL, &got), KVMIX_SUCCESS);
     CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT4);
     kvmix_cache_deinit(&cache);
     test_context(NULL);
@@ -230,6 +230,7 @@ static void test_tag_precision(void) {
     kvmix_policy p = *kvmix_policy_find("kivi2");
     kvmix_tag_precision table;
     kvmix_cache_precision got, int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4}, bad = {9, 1};
+    kvmix_cache_precision zero_keys = {0, KVMIX_FORMAT_INT8};
     kvmix_tag tag;
     kvmix_policy_error why;
     test_context("tag precision");
@@ -257,6 +258,11 @@ static void test_tag_precision(void) {
     tag.modality = KVMIX_MODALITY_IMAGE; /* another tag of the same turn keeps the fill */
     CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_SUCCESS);
     CHECK(got.key_format == KVMIX_FORMAT_INT4);
+    /* a zero format is the policy's, on its side */
+    table.formats[KVMIX_BUCKET_CURRENT][KVMIX_ROLE_OBSERVATION][KVMIX_MODALITY_IMAGE] = zero_keys;
+    CHECK_RESULT(kvmix_tag_precision_check(&table), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT8);
     /* bad tags and tables: an error, nothing written */
     got.key_format = got.value_format = 77;
     tag.role = KVMIX_TAG_N_ROLES;

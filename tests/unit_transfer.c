@@ -355,7 +355,7 @@ static void test_bad_heads(void) {
         copy[off] = (uint8_t)(val);                                                                \
         check_head_refused(copy, bytes, want, what);                                               \
     } while (0)
-    MUTATE(0, 'X', KVMIX_ERR_PARSE, "magic");
+    MUTATE(0, 'X', KVMIX_ERR_MALFORMED, "magic");
     MUTATE(4, 2, KVMIX_ERR_VERSION, "version 2");
     MUTATE(6, 3, KVMIX_ERR_INVALID_ARGUMENT, "kind 3");
     MUTATE(8, 33, KVMIX_ERR_BAD_SHAPE, "head_dim not a multiple of 32");
@@ -363,21 +363,21 @@ static void test_bad_heads(void) {
     MUTATE(16, 0, KVMIX_ERR_INVALID_ARGUMENT, "group_size 0");
     MUTATE(16, 7, KVMIX_ERR_BAD_SHAPE, "group_size 7");
     MUTATE(24, 0, KVMIX_ERR_INVALID_ARGUMENT, "n_layers 0");
-    MUTATE(28, pc.desc.n_tokens + 16, KVMIX_ERR_PARSE, "n_tokens past the table");
+    MUTATE(28, pc.desc.n_tokens + 16, KVMIX_ERR_MALFORMED, "n_tokens past the table");
     MUTATE(39, 0x80, KVMIX_ERR_INVALID_ARGUMENT, "negative first_position");
     MUTATE(48, 1, KVMIX_ERR_INVALID_ARGUMENT, "ROWS with a base id");
-    MUTATE(56, p[56] + 1, KVMIX_ERR_PARSE, "FP16 count off by one");
-    MUTATE(68, 1, KVMIX_ERR_PARSE, "reserved field set");
-    MUTATE(72, p[72] ^ 16, KVMIX_ERR_PARSE, "total_bytes off");
-    MUTATE(80, KVMIX_FORMAT_INT2, KVMIX_ERR_PARSE, "INT2 tier");
-    MUTATE(80, KVMIX_PAYLOAD_NO_ROW, KVMIX_ERR_PARSE, "NO_ROW in a ROWS payload");
-    MUTATE(80, pc.tiers[1], pc.tiers[0] == pc.tiers[1] ? KVMIX_SUCCESS : KVMIX_ERR_PARSE,
+    MUTATE(56, p[56] + 1, KVMIX_ERR_MALFORMED, "FP16 count off by one");
+    MUTATE(68, 1, KVMIX_ERR_MALFORMED, "reserved field set");
+    MUTATE(72, p[72] ^ 16, KVMIX_ERR_MALFORMED, "total_bytes off");
+    MUTATE(80, KVMIX_FORMAT_INT2, KVMIX_ERR_MALFORMED, "INT2 tier");
+    MUTATE(80, KVMIX_PAYLOAD_NO_ROW, KVMIX_ERR_MALFORMED, "NO_ROW in a ROWS payload");
+    MUTATE(80, pc.tiers[1], pc.tiers[0] == pc.tiers[1] ? KVMIX_SUCCESS : KVMIX_ERR_MALFORMED,
            "tier table disagreeing with the counts");
     if (pc.desc.n_tokens % 16 != 0)
-        MUTATE(80 + pc.desc.n_tokens, 1, KVMIX_ERR_PARSE, "nonzero table padding");
+        MUTATE(80 + pc.desc.n_tokens, 1, KVMIX_ERR_MALFORMED, "nonzero table padding");
 #undef MUTATE
-    check_head_refused(p, 79, KVMIX_ERR_PARSE, "truncated header");
-    check_head_refused(p, 80 + (size_t)pc.desc.n_tokens - 1, KVMIX_ERR_PARSE,
+    check_head_refused(p, 79, KVMIX_ERR_MALFORMED, "truncated header");
+    check_head_refused(p, 80 + (size_t)pc.desc.n_tokens - 1, KVMIX_ERR_MALFORMED,
                        "truncated tier table");
     test_context(NULL);
     CHECK_RESULT(kvmix_payload_read_head(NULL, bytes, NULL, NULL), KVMIX_ERR_NULL_POINTER);
@@ -414,7 +414,7 @@ static void test_bad_bodies(void) {
         p[off] = (uint8_t)(saved ^ 0xfc);
         test_poison(out, layer_bytes, 4);
         r = kvmix_payload_unpack(p, bytes, layer + pc.desc.n_layers - 1, out, NULL);
-        CHECK_MSG(r == KVMIX_SUCCESS || r == KVMIX_ERR_CORRUPT_DATA || r == KVMIX_ERR_PARSE,
+        CHECK_MSG(r == KVMIX_SUCCESS || r == KVMIX_ERR_CORRUPT_DATA || r == KVMIX_ERR_MALFORMED,
                   "flip at %zu: %s", off, kvmix_result_string(r));
         if (r != KVMIX_SUCCESS) CHECK(test_is_poisoned(out, layer_bytes, 4));
         p[off] = saved;
@@ -529,7 +529,7 @@ static void test_into_cache(void) {
         CHECK_RESULT(kvmix_cache_write(&cache, seq, layer, first, pc.desc.n_tokens, k, v),
                      KVMIX_SUCCESS);
         for (t = 0; t < pc.desc.n_tokens; t++) {
-            CHECK_RESULT(kvmix_cache_read(&cache, seq, first + t, layer, rk, rv, NULL),
+            CHECK_RESULT(kvmix_cache_read(&cache, seq, layer, first + t, rk, rv, NULL),
                          KVMIX_SUCCESS);
             for (h = 0; h < pc.desc.n_kv_heads; h++)
                 for (c = 0; c < pc.desc.head_dim; c++) {
