@@ -3445,7 +3445,7 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
                                                  const kvmix_allocator *allocator) {
     kvmix_allocator a;
     kvmix_cache_desc d;
-    size_t bytes;
+    size_t bytes = 0;
     void *memory, *arena;
     kvmix_result r;
     kvmix__why w;
