@@ -13,8 +13,10 @@
      KVMIX_ASSERT(cond)                     internal invariants only (default: assert)
 
    Conventions: every function that can fail returns a kvmix_result and writes its outputs only on
-   success, so a failed call leaves everything as it was. Sizes in bytes are size_t; counts are
-   int32_t. There is no mutable global state: calls on distinct objects may run on any threads.
+   success, so a failed call leaves everything as it was (a cache only notes why:
+   kvmix_cache_last_error). Sizes in bytes are size_t; counts are int32_t. In descs, zero means
+   the default: none for a count of things kept, the documented value for a size or capacity.
+   There is no mutable global state: calls on distinct objects may run on any threads.
 
    Rooms of the implementation (search for the marker):
      // >>core      results, allocator, fp16/bf16
@@ -3390,7 +3392,7 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
                                                  const kvmix_allocator *allocator) {
     kvmix_allocator a;
     kvmix_cache_desc d;
-    size_t bytes;
+    kvmix__cache_regions g;
     void *memory, *arena;
     kvmix_result r;
     kvmix__why w;
@@ -3402,10 +3404,10 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
         return kvmix__record_desc(
             cache, kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena",
                                   "a device arena is the caller's: kvmix_cache_init takes it"));
-    kvmix_cache_memory_bytes(&d, &bytes);
+    kvmix__cache_regions_of(&d, &g); /* resolved: it fits */
     memset(&a, 0, sizeof a);
     if (allocator && allocator->alloc_fn && allocator->free_fn) a = *allocator;
-    memory = a.alloc_fn ? a.alloc_fn(bytes, a.user) : KVMIX_MALLOC(bytes);
+    memory = a.alloc_fn ? a.alloc_fn(g.total, a.user) : KVMIX_MALLOC(g.total);
     arena = a.alloc_fn ? a.alloc_fn(d.arena_bytes, a.user) : KVMIX_MALLOC(d.arena_bytes);
     if (!memory || !arena) {
         if (memory) kvmix__allocator_free(&a, memory);
@@ -3413,7 +3415,7 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
         return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "allocator",
                                                    !memory ? "no metadata memory" : "no arena"));
     }
-    r = kvmix_cache_init(cache, &d, memory, bytes, arena);
+    r = kvmix_cache_init(cache, &d, memory, g.total, arena);
     if (r != KVMIX_SUCCESS) {
         kvmix__allocator_free(&a, arena);
         kvmix__allocator_free(&a, memory);
