@@ -13,8 +13,10 @@
      KVMIX_ASSERT(cond)                     internal invariants only (default: assert)
 
    Conventions: every function that can fail returns a kvmix_result and writes its outputs only on
-   success, so a failed call leaves everything as it was. Sizes in bytes are size_t; counts are
-   int32_t. There is no mutable global state: calls on distinct objects may run on any threads.
+   success, so a failed call leaves everything as it was (a cache only notes why:
+   kvmix_cache_last_error). Sizes in bytes are size_t; counts are int32_t. In descs, zero means
+   the default: none for a count of things kept, the documented value for a size or capacity.
+   There is no mutable global state: calls on distinct objects may run on any threads.
 
    Rooms of the implementation (search for the marker):
      // >>core      results, allocator, fp16/bf16
@@ -396,6 +398,21 @@ typedef struct kvmix_cache_seq {
 
 #define KVMIX_CACHE_ERROR_BYTES 128 /* a cache's last-error message, its NUL included */
 
+/* Where the arena's searches for free granules start, for the last sizes asked (private). */
+typedef struct kvmix__fit_hints {
+    int64_t size[8]; /* granules */
+    int64_t at[8];   /* low end: no free run of size[k] starts below at[k]; high end: none ends
+                        above it */
+    int32_t next;    /* the slot a new size takes */
+} kvmix__fit_hints;
+
+typedef struct kvmix__arena_hints {
+    int64_t first_free;    /* no free granule below it */
+    int64_t last_free_end; /* no free granule at or above it */
+    kvmix__fit_hints low;  /* first fit from the low end: pages that stay */
+    kvmix__fit_hints high; /* last fit from the high end: pages that are freed again */
+} kvmix__arena_hints;
+
 /* The cache's own state: its memory, the granule allocator, the plan of one call, a device
    arena's queue. Private: nothing in it is promised from one version to the next; tests read it,
    callers never write it. */
@@ -408,12 +425,12 @@ typedef struct kvmix__cache_private {
     int32_t journal_capacity;
     int64_t n_granules; /* arena granules */
     int64_t n_free_granules;
-    int64_t first_free_hint; /* no free granule below it */
-    uint32_t *free_pages;    /* [max_pages] stack of free descriptors */
-    uint64_t *bitmap;        /* [ceil(n_granules / 64)] one bit per used granule */
-    float *scratch;          /* [page_tokens * head_dim] */
-    void *sim;               /* planning state of one call */
-    void *journal;           /* allocator operations of one call's plan */
+    kvmix__arena_hints hints;
+    uint32_t *free_pages; /* [max_pages] stack of free descriptors */
+    uint64_t *bitmap;     /* [ceil(n_granules / 64)] one bit per used granule */
+    float *scratch;       /* [page_tokens * head_dim] */
+    void *sim;            /* planning state of one call */
+    void *journal;        /* allocator operations of one call's plan */
     /* device arena only: queued jobs, arena released when they are taken */
     void *jobs;              /* [desc.max_jobs] */
     int32_t n_retired_runs;  /* granule runs of sealed buffers, held until the take */
@@ -423,9 +440,6 @@ typedef struct kvmix__cache_private {
     uint32_t segment;              /* jobs of one segment run in any order; segments in order */
     uint32_t *page_segment;        /* [max_pages][2] the segments that last wrote, read each page */
     size_t full_block_bytes[2][8]; /* [is_value][format] of a block of page_tokens rows */
-    /* for the last sizes asked, no free run that long starts below fit_from */
-    int64_t fit_size[8], fit_from[8];
-    int32_t fit_next;
     char error[KVMIX_CACHE_ERROR_BYTES]; /* kvmix_cache_last_error */
 } kvmix__cache_private;
 
@@ -499,6 +513,25 @@ KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc,
 /* Bytes of metadata memory a cache of this desc needs (the arena is separate: desc.arena_bytes).
    Returns NULL_POINTER or kvmix_cache_desc_resolve's errors (which says why). */
 KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes);
+
+/* Arena bytes (for desc.arena_bytes, which is not read) that hold n_seqs sequences of
+   n_tokens_per_seq positions each, stored in desc.default_precision, from the first reserve to
+   the last write. It is every sequence at the most it holds while it grows (the sink page,
+   sealed pages, the FP16 buffer pages of the window and the one being filled, key-sealed pages
+   of a values-only window, each rounded up to granules), plus once the peak of a page boundary:
+   the reserve that starts a page takes the next FP16 buffer page, then seals an older one and
+   holds its FP16 and its sealed bytes until the seal is done, so an arena of the steady-state
+   bytes fails there. It is exact (one granule less can fail) for rows written by reserve and
+   write, ingest or append, with the sequences taking turns (as a batched decode does) or
+   filling one after another; at random interleavings too, except with a values-only window,
+   whose key-sealed pages can leave gaps between buffer pages (allow a buffer page per sequence
+   more). More precise per-token formats, forks (a copy on write takes a buffer page), partial
+   pages sealed at a request boundary and re-tiering need more. A device arena holds what its
+   jobs free until kvmix_cache_jobs_take: take them after every reserve. Returns NULL_POINTER,
+   kvmix_cache_desc_resolve's errors or INVALID_ARGUMENT (n_seqs beyond max_seqs,
+   n_tokens_per_seq beyond max_tokens_per_seq, more bytes than size_t counts). */
+KVMIXDEF kvmix_result kvmix_cache_arena_bytes_for(const kvmix_cache_desc *desc, int32_t n_seqs,
+                                                  int32_t n_tokens_per_seq, size_t *out_bytes);
 
 /* Initializes a cache into caller memory: `memory` (8-byte aligned, memory_bytes at least the
    size query) for all bookkeeping and `arena` (desc->arena_bytes) for pages. Both stay owned by
@@ -2549,14 +2582,19 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
    The paged mixed-precision cache.
 
    Arena and pages. All K/V bytes live in one arena of caller memory, cut into granules
-   (desc.granule_bytes, 256 by default) and handed out first-fit from a bitmap with one bit per
-   granule. A page is any run of granules, whatever its format, so capacity is the sum of all
-   free bytes: a workload whose INT2/INT4/FP16 mix differs from what was expected keeps running
-   while bytes remain. Fragmentation: freeing clears bits, so neighbouring free runs coalesce by
-   construction; an allocation can still fail while enough bytes are free in smaller runs
-   (external fragmentation; kvmix_cache_stats reports the largest free run). Internal waste is
-   under one granule per page. Allocation is deterministic (the same state and requests give the
-   same offsets), which makes plans repeatable (below).
+   (desc.granule_bytes, 256 by default) and handed out from a bitmap with one bit per granule.
+   A page is any run of granules, whatever its format, so capacity is the sum of all free bytes:
+   a workload whose INT2/INT4/FP16 mix differs from what was expected keeps running while bytes
+   remain. Pages that stay while a sequence grows (sealed pages, sink pages) are taken first fit
+   from the low end; pages it frees again (FP16 buffer pages, their copies on write, key-sealed
+   pages of a values-only window) last fit from the high end. Mixed in one pool, a sealed page
+   would land in the hole a freed buffer left and leave a gap no page fits; kept apart, the
+   buffers' holes are refilled by buffers and the sealed pages pack, so an arena needs what its
+   pages hold at their peak (kvmix_cache_arena_bytes_for) and no more. Fragmentation otherwise:
+   freeing clears bits, so neighbouring free runs coalesce by construction; an allocation can
+   still fail while enough bytes are free in smaller runs (kvmix_cache_stats reports the largest
+   free run). Internal waste is under one granule per page. Allocation is deterministic (the
+   same state and requests give the same offsets), which makes plans repeatable (below).
 
    A page holds page_tokens (P) consecutive positions of one sequence for every layer and kv
    head (sink pages hold the first n_sink positions). Its bytes, layer after layer, are
@@ -2933,7 +2971,6 @@ static void kvmix__granules_mark(uint64_t *bitmap, int64_t start, int64_t n, int
     }
 }
 
-/* First fit: the lowest run of n free granules, or -1. */
 /* Trailing zero bits of a nonzero word. */
 static int kvmix__ctz64(uint64_t x) {
 #if defined(__GNUC__) || defined(__clang__)
@@ -2945,12 +2982,23 @@ static int kvmix__ctz64(uint64_t x) {
 #endif
 }
 
+/* Leading zero bits of a nonzero word. */
+static int kvmix__clz64(uint64_t x) {
+#if defined(__GNUC__) || defined(__clang__)
+    return __builtin_clzll(x);
+#else
+    int n = 0;
+    while (!(x >> 63)) x <<= 1, n++;
+    return n;
+#endif
+}
+
 /* The first run of n free granules at or after the hint (first fit), or -1. Walks the bitmap a
    word at a time: used and free stretches are skipped whole. */
 static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n, int64_t from) {
     const uint64_t *bm = c->priv.bitmap;
     int64_t total = c->priv.n_granules,
-            i = from > c->priv.first_free_hint ? from : c->priv.first_free_hint;
+            i = from > c->priv.hints.first_free ? from : c->priv.hints.first_free;
     if (n <= 0 || n > c->priv.n_free_granules) return -1;
     while (i + n <= total) {
         int64_t j, end = i + n;
@@ -2978,6 +3026,41 @@ static int64_t kvmix__arena_find(const kvmix_cache *c, int64_t n, int64_t from) 
     return -1;
 }
 
+/* The granules at and below i - 1, granule i - 1 as the top bit (bits under word i - 1's first
+   granule read as free). */
+static uint64_t kvmix__bits_below(const uint64_t *bitmap, int64_t i) {
+    return bitmap[(i - 1) >> 6] << (63 - ((i - 1) & 63));
+}
+
+/* The last run of n free granules that ends at or before the hint (last fit: the mirror of
+   kvmix__arena_find), or -1. */
+static int64_t kvmix__arena_find_last(const kvmix_cache *c, int64_t n, int64_t below) {
+    const uint64_t *bm = c->priv.bitmap;
+    int64_t i = below < c->priv.hints.last_free_end ? below : c->priv.hints.last_free_end;
+    if (n <= 0 || n > c->priv.n_free_granules) return -1;
+    while (i - n >= 0) {
+        int64_t j, start = i - n;
+        uint64_t used = kvmix__bits_below(bm, i);
+        if (used >> 63) { /* skip the used bits from i - 1 down */
+            i -= ~used == 0 ? 64 : kvmix__clz64(~used);
+            continue;
+        }
+        j = i;
+        while (j > start) { /* the free run down from i - 1 */
+            uint64_t w = kvmix__bits_below(bm, j);
+            if (w == 0) {
+                j = (j - 1) & ~(int64_t)63;
+                continue;
+            }
+            j -= kvmix__clz64(w);
+            break;
+        }
+        if (j <= start) return start;
+        i = j;
+    }
+    return -1;
+}
+
 static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int64_t n, int taken) {
     if (!plan || !plan->dry) return 1;
     if (plan->n_ops >= c->priv.journal_capacity) {
@@ -2992,46 +3075,74 @@ static int kvmix__journal(kvmix_cache *c, kvmix__plan *plan, int64_t start, int6
     return 1;
 }
 
-/* The slot of size n's fit hint, or -1. A search for n starts at the hint: first fit scans
-   past the small holes below it only once. */
-static int32_t kvmix__fit_slot(const kvmix_cache *c, int64_t n) {
+/* The slot of size n's fit hint, or -1. A search for n starts at the hint: it scans past the
+   small holes on its way only once. */
+static int32_t kvmix__fit_slot(const kvmix__fit_hints *h, int64_t n) {
     int32_t k;
     for (k = 0; k < 8; k++)
-        if (c->priv.fit_size[k] == n) return k;
+        if (h->size[k] == n) return k;
     return -1;
 }
 
-/* Records that no free run of n granules starts below `from` (a successful search's result). */
-static void kvmix__fit_found(kvmix_cache *c, int64_t n, int64_t from) {
-    int32_t k = kvmix__fit_slot(c, n);
+/* Records where the next search for n may start (a successful search's result). */
+static void kvmix__fit_found(kvmix__fit_hints *h, int64_t n, int64_t at) {
+    int32_t k = kvmix__fit_slot(h, n);
     if (k < 0) {
-        k = c->priv.fit_next;
-        c->priv.fit_next = (k + 1) % 8;
-        c->priv.fit_size[k] = n;
+        k = h->next;
+        h->next = (k + 1) % 8;
+        h->size[k] = n;
     }
-    c->priv.fit_from[k] = from;
+    h->at[k] = at;
 }
 
-/* Granules from `start` became free: a run that long may now start at or before the free run
-   that holds them. */
-static void kvmix__fit_freed(kvmix_cache *c, int64_t start) {
+/* Granules [start, end) became free: a run of any size may now start at or above the free run
+   that holds them, or end at or below its end. */
+static void kvmix__fit_freed(kvmix_cache *c, int64_t start, int64_t end) {
+    const uint64_t *bm = c->priv.bitmap;
+    kvmix__arena_hints *h = &c->priv.hints;
     int32_t k;
-    while (start > 0 && !kvmix__granule_used(c->priv.bitmap, start - 1))
-        start -= (start & 63) == 0 && c->priv.bitmap[(start - 1) >> 6] == 0 ? 64 : 1;
-    for (k = 0; k < 8; k++)
-        if (c->priv.fit_from[k] > start) c->priv.fit_from[k] = start;
+    while (start > 0 && !kvmix__granule_used(bm, start - 1))
+        start -= (start & 63) == 0 && bm[(start - 1) >> 6] == 0 ? 64 : 1;
+    while (end < c->priv.n_granules && !kvmix__granule_used(bm, end))
+        end += (end & 63) == 0 && bm[end >> 6] == 0 ? 64 : 1;
+    if (end > c->priv.n_granules) end = c->priv.n_granules;
+    for (k = 0; k < 8; k++) {
+        if (h->low.at[k] > start) h->low.at[k] = start;
+        if (h->high.at[k] < end) h->high.at[k] = end;
+    }
+    if (start < h->first_free) h->first_free = start;
+    if (end > h->last_free_end) h->last_free_end = end;
 }
 
-/* Takes n granules; returns the first or -1 (nothing changed). */
-static int64_t kvmix__arena_take(kvmix_cache *c, kvmix__plan *plan, int64_t n) {
-    int32_t k = kvmix__fit_slot(c, n);
-    int64_t start = kvmix__arena_find(c, n, k < 0 ? 0 : c->priv.fit_from[k]);
+/* Which end of the arena a page comes from. Pages that stay while a sequence grows (sealed pages,
+   sinks) are taken first fit from the low end; pages it frees again (FP16 buffer pages, their
+   copies on write, the key-sealed pages of a values-only window) last fit from the high end.
+   So the two kinds never interleave: a freed buffer leaves a hole that the next buffer fills,
+   and sealed pages pack together; what an arena must hold is then what its pages hold
+   (kvmix_cache_arena_bytes_for), without gaps between sizes that fit nothing. */
+enum { KVMIX__LASTING = 0, KVMIX__PASSING = 1 };
+
+/* Takes n granules from the end that `passing` says; returns the first or -1 (nothing
+   changed). */
+static int64_t kvmix__arena_take(kvmix_cache *c, kvmix__plan *plan, int64_t n, int passing) {
+    kvmix__arena_hints *h = &c->priv.hints;
+    kvmix__fit_hints *fit = passing ? &h->high : &h->low;
+    int32_t k = kvmix__fit_slot(fit, n);
+    int64_t start = passing ? kvmix__arena_find_last(c, n, k < 0 ? c->priv.n_granules : fit->at[k])
+                            : kvmix__arena_find(c, n, k < 0 ? 0 : fit->at[k]);
     if (start < 0 || !kvmix__journal(c, plan, start, n, 1)) return -1;
-    kvmix__fit_found(c, n, start);
+    kvmix__fit_found(fit, n, passing ? start + n : start);
     kvmix__granules_mark(c->priv.bitmap, start, n, 1);
     c->priv.n_free_granules -= n;
-    if (start == c->priv.first_free_hint) c->priv.first_free_hint = start + n;
+    if (start == h->first_free) h->first_free = start + n;
+    if (start + n == h->last_free_end) h->last_free_end = start;
     return start;
+}
+
+static void kvmix__granules_free(kvmix_cache *c, int64_t start, int64_t n) {
+    kvmix__granules_mark(c->priv.bitmap, start, n, 0);
+    c->priv.n_free_granules += n;
+    kvmix__fit_freed(c, start, start + n);
 }
 
 /* Frees n granules; a device arena holds them (as used) until the jobs are taken. */
@@ -3047,20 +3158,18 @@ static void kvmix__arena_give(kvmix_cache *c, kvmix__plan *plan, int64_t start, 
         return;
     }
     if (!kvmix__journal(c, plan, start, n, 0)) return;
-    kvmix__granules_mark(c->priv.bitmap, start, n, 0);
-    c->priv.n_free_granules += n;
-    if (start < c->priv.first_free_hint) c->priv.first_free_hint = start;
-    kvmix__fit_freed(c, start);
+    kvmix__granules_free(c, start, n);
 }
 
-/* Undoes a plan's journaled arena operations, newest first, and restores the hint. */
-static void kvmix__plan_undo(kvmix_cache *c, kvmix__plan *plan, int64_t hint) {
+/* Undoes a plan's journaled arena operations, newest first, and restores the search hints,
+   which the undone allocations would leave too far in. */
+static void kvmix__plan_undo(kvmix_cache *c, kvmix__plan *plan, const kvmix__arena_hints *hints) {
     while (plan->n_ops > 0) {
         const kvmix__arena_op *op = &plan->ops[--plan->n_ops];
         kvmix__granules_mark(c->priv.bitmap, op->start, op->n, op->taken ? 0 : 1);
         c->priv.n_free_granules += op->taken ? op->n : -op->n;
     }
-    c->priv.first_free_hint = hint;
+    c->priv.hints = *hints;
 }
 
 /* ---- page descriptors -------------------------------------------------------------------- */
@@ -3357,6 +3466,89 @@ KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, siz
     return KVMIX_SUCCESS;
 }
 
+/* The most granules one sequence holds while it grows to n positions stored in
+   desc.default_precision: after any call (*settled) and within one (*peak: a page boundary
+   takes the next buffer page, then the seal holds the page it quantizes and the new sealed page
+   at once). Rows come `lag` calls after their reserve (1: reserve, then write; 0: ingest or
+   append), which moves the seals: a page is sealed once full, written and out of the window,
+   and with a values-only window its keys once full and written. It follows the plan's events
+   a page at a time: new page, seal, key seal, each every page_tokens positions. */
+static void kvmix__seq_granules(const kvmix_cache *c, int32_t n, int32_t lag, int64_t *settled,
+                                int64_t *peak) {
+    const kvmix_cache_desc *d = &c->desc;
+    uint8_t kf = d->default_precision.key_format, vf = d->default_precision.value_format;
+    int64_t P = d->page_tokens, regular = (int64_t)n - d->n_sink; /* positions after the sinks */
+    int64_t window = d->n_window > lag ? d->n_window : lag;       /* seal: full + this - 1 */
+    int by_flag = kf == KVMIX_FORMAT_FP16 && vf == KVMIX_FORMAT_FP16;
+    int keyed = d->window_values_only && kf != KVMIX_FORMAT_FP16 && d->n_window > lag;
+    int64_t buffer = kvmix__granules_of(
+        c,
+        kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, d->page_tokens).total_bytes);
+    int64_t sealed = kvmix__granules_of(
+        c, kvmix__page_geom(c, kf, vf, d->page_tokens, d->page_tokens).total_bytes);
+    int64_t key_sealed = kvmix__granules_of(
+        c, kvmix__page_geom(c, kf, KVMIX_FORMAT_FP16, d->page_tokens, d->page_tokens).total_bytes);
+    int64_t cur = 0, next_new = 0, next_seal = P + window - 1, next_key = P + lag - 1, r;
+    *settled = *peak = 0;
+    if (n > 0 && d->n_sink > 0) /* the sink page: FP16 for good, sealed by flag */
+        cur = *settled = *peak = kvmix__granules_of(
+            c, kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, d->n_sink).total_bytes);
+    for (;;) {
+        int64_t top;
+        r = next_new < next_seal ? next_new : next_seal;
+        if (keyed && next_key < r) r = next_key;
+        if (r >= regular) break;
+        if (r == next_new) {
+            cur += buffer;
+            next_new += P;
+        }
+        top = cur;
+        if (r == next_seal) {
+            if (!by_flag) {
+                top = cur + sealed;
+                cur += sealed - (keyed ? key_sealed : buffer);
+            }
+            next_seal += P;
+        }
+        if (keyed && r == next_key) {
+            if (cur + key_sealed > top) top = cur + key_sealed;
+            cur += key_sealed - buffer;
+            next_key += P;
+        }
+        if (cur > *settled) *settled = cur;
+        if (top > *peak) *peak = top;
+    }
+}
+
+KVMIXDEF kvmix_result kvmix_cache_arena_bytes_for(const kvmix_cache_desc *desc, int32_t n_seqs,
+                                                  int32_t n_tokens_per_seq, size_t *out_bytes) {
+    kvmix_cache c;
+    int64_t settled = 0, peak = 0, lag_settled, lag_peak;
+    double granules;
+    int32_t lag;
+    kvmix_result r;
+    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    memset(&c, 0, sizeof c);
+    c.desc = *desc;
+    c.desc.arena_bytes = (size_t)1 << 20; /* not read: any size that resolves */
+    if ((r = kvmix__desc_resolve(&c.desc).result) != KVMIX_SUCCESS) return r;
+    if (n_seqs < 0 || n_seqs > c.desc.max_seqs || n_tokens_per_seq < 0 ||
+        n_tokens_per_seq > c.desc.max_tokens_per_seq)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    for (lag = 0; lag <= 1; lag++) {
+        kvmix__seq_granules(&c, n_tokens_per_seq, lag, &lag_settled, &lag_peak);
+        if (lag_settled > settled) settled = lag_settled;
+        if (lag_peak > peak) peak = lag_peak;
+    }
+    /* every sequence at its most, one of them inside a page boundary */
+    granules = n_seqs > 0 ? (double)(n_seqs - 1) * (double)settled + (double)peak : 0.0;
+    if (granules < 1.0) granules = 1.0; /* a valid desc.arena_bytes */
+    if (granules * (double)c.desc.granule_bytes >= (double)(size_t)-1)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = (size_t)granules * c.desc.granule_bytes;
+    return KVMIX_SUCCESS;
+}
+
 /* kvmix_cache_init's work once the desc is resolved. */
 static void kvmix__cache_setup(kvmix_cache *cache, const kvmix_cache_desc *d, uint8_t *m,
                                const kvmix__cache_regions *g, void *arena) {
@@ -3371,6 +3563,7 @@ static void kvmix__cache_setup(kvmix_cache *cache, const kvmix_cache_desc *d, ui
     cache->priv.journal_capacity = g->journal_capacity;
     cache->priv.n_granules = g->n_granules;
     cache->priv.n_free_granules = g->n_granules;
+    cache->priv.hints.last_free_end = g->n_granules;
     cache->seqs = (kvmix_cache_seq *)(void *)(m + g->seqs);
     cache->entries = (kvmix_cache_entry *)(void *)(m + g->entries);
     cache->slots = (uint32_t *)(void *)(m + g->slots);
@@ -3445,7 +3638,7 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
                                                  const kvmix_allocator *allocator) {
     kvmix_allocator a;
     kvmix_cache_desc d;
-    size_t bytes = 0;
+    kvmix__cache_regions g;
     void *memory, *arena;
     kvmix_result r;
     kvmix__why w;
@@ -3457,10 +3650,10 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
         return kvmix__record_desc(
             cache, kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena",
                                   "a device arena is the caller's: kvmix_cache_init takes it"));
-    kvmix_cache_memory_bytes(&d, &bytes);
+    kvmix__cache_regions_of(&d, &g); /* resolved: it fits */
     memset(&a, 0, sizeof a);
     if (allocator && allocator->alloc_fn && allocator->free_fn) a = *allocator;
-    memory = a.alloc_fn ? a.alloc_fn(bytes, a.user) : KVMIX_MALLOC(bytes);
+    memory = a.alloc_fn ? a.alloc_fn(g.total, a.user) : KVMIX_MALLOC(g.total);
     arena = a.alloc_fn ? a.alloc_fn(d.arena_bytes, a.user) : KVMIX_MALLOC(d.arena_bytes);
     if (!memory || !arena) {
         if (memory) kvmix__allocator_free(&a, memory);
@@ -3468,7 +3661,7 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
         return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "allocator",
                                                    !memory ? "no metadata memory" : "no arena"));
     }
-    r = kvmix_cache_init(cache, &d, memory, bytes, arena);
+    r = kvmix_cache_init(cache, &d, memory, g.total, arena);
     if (r != KVMIX_SUCCESS) {
         kvmix__allocator_free(&a, arena);
         kvmix__allocator_free(&a, memory);
@@ -3704,7 +3897,7 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
     int64_t n = kvmix__granules_of(c, g.total_bytes), start;
     if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages)
         return kvmix__plan_fail(plan, "page descriptors", KVMIX__HELD_DESCRIPTORS);
-    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+    if ((start = kvmix__arena_take(c, plan, n, KVMIX__PASSING)) < 0)
         return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "the copy of a shared page");
     if (plan->dry && c->desc.device_arena)
         plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
@@ -3762,7 +3955,7 @@ static kvmix_result kvmix__plan_new_page(kvmix_cache *c, int32_t seq, kvmix__pla
         return kvmix__plan_fail(plan, "page descriptors", KVMIX__HELD_DESCRIPTORS);
     g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, capacity);
     n = kvmix__granules_of(c, g.total_bytes);
-    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+    if ((start = kvmix__arena_take(c, plan, n, sink ? KVMIX__LASTING : KVMIX__PASSING)) < 0)
         return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "a new page");
     sp = &plan->pages[plan->n++];
     memset(sp, 0, sizeof *sp);
@@ -3887,7 +4080,7 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     }
     g = kvmix__page_geom(c, key_format, value_format, rows, rows);
     n = kvmix__granules_of(c, g.total_bytes);
-    if ((start = kvmix__arena_take(c, plan, n)) < 0)
+    if ((start = kvmix__arena_take(c, plan, n, keys_only ? KVMIX__PASSING : KVMIX__LASTING)) < 0)
         return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "sealing a page");
     if (plan->dry && c->desc.device_arena)
         plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
@@ -4035,22 +4228,15 @@ static kvmix__why kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_tok
                                       const float *keys, const float *values,
                                       const kvmix_cache_precision *precisions, int finish) {
     kvmix__plan plan;
-    int64_t hint = c->priv.first_free_hint, fit_size[8], fit_from[8];
-    int32_t fit_next = c->priv.fit_next;
+    kvmix__arena_hints hints = c->priv.hints;
     kvmix_result r;
     /* the plan state and the scratch block are zero between calls, so that a failed call
-       leaves every byte of the metadata memory as it was; the fit hints, which the plan's
-       undone allocations would leave too high, come back as they were */
-    memcpy(fit_size, c->priv.fit_size, sizeof fit_size);
-    memcpy(fit_from, c->priv.fit_from, sizeof fit_from);
+       leaves every byte of the metadata memory as it was */
     kvmix__plan_begin(c, seq, &plan, 1);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
     if (plan.overflow)
         kvmix__plan_fail(&plan, "n_tokens", "more arena operations than a plan holds");
-    kvmix__plan_undo(c, &plan, hint);
-    memcpy(c->priv.fit_size, fit_size, sizeof fit_size);
-    memcpy(c->priv.fit_from, fit_from, sizeof fit_from);
-    c->priv.fit_next = fit_next;
+    kvmix__plan_undo(c, &plan, &hints);
     memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
     memset(plan.ops, 0, (size_t)plan.max_ops * sizeof *plan.ops);
     /* a device arena's queue holds the jobs and, one per seal, the granules released */
@@ -4335,20 +4521,12 @@ static int32_t kvmix__group_jobs(kvmix_cache *c, kvmix_quantize_job *jobs,
 static void kvmix__release_held(kvmix_cache *c) {
     const kvmix__run *runs = (const kvmix__run *)c->priv.retired_runs;
     int32_t i;
-    for (i = 0; i < c->priv.n_retired_runs; i++) {
-        kvmix__granules_mark(c->priv.bitmap, runs[i].start, runs[i].n, 0);
-        c->priv.n_free_granules += runs[i].n;
-        if (runs[i].start < c->priv.first_free_hint) c->priv.first_free_hint = runs[i].start;
-        kvmix__fit_freed(c, runs[i].start);
-    }
+    for (i = 0; i < c->priv.n_retired_runs; i++) kvmix__granules_free(c, runs[i].start, runs[i].n);
     for (i = 0; i < c->priv.n_retired_pages; i++) {
         uint32_t id = c->priv.retired_pages[i];
         kvmix_cache_page *p = &c->pages[id];
-        int64_t start = (int64_t)(p->offset / c->desc.granule_bytes);
-        kvmix__granules_mark(c->priv.bitmap, start, (int64_t)p->n_granules, 0);
-        c->priv.n_free_granules += (int64_t)p->n_granules;
-        if (start < c->priv.first_free_hint) c->priv.first_free_hint = start;
-        kvmix__fit_freed(c, start);
+        kvmix__granules_free(c, (int64_t)(p->offset / c->desc.granule_bytes),
+                             (int64_t)p->n_granules);
         memset(p, 0, sizeof *p);
         c->priv.free_pages[c->priv.n_free_pages++] = id;
     }
@@ -4579,7 +4757,7 @@ static kvmix__why kvmix__retier(kvmix_cache *cache, int32_t seq, int32_t positio
        no later than its old ones, and it is read completely before it is written */
     in_place = ng.key_bytes <= og.key_bytes && ng.value_bytes <= og.value_bytes;
     start = old_start;
-    if (!in_place && (start = kvmix__arena_take(cache, NULL, new_n)) < 0)
+    if (!in_place && (start = kvmix__arena_take(cache, NULL, new_n, KVMIX__LASTING)) < 0)
         return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
                               "no free run of granules for the larger page");
     for (layer = 0; layer < cache->desc.n_layers; layer++)
@@ -5154,8 +5332,10 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
     for (j = 0; j < cache->priv.n_retired_runs; j++)
         used += ((const kvmix__run *)cache->priv.retired_runs)[j].n;
     for (i = 0; i < cache->priv.n_granules; i++) bits += kvmix__granule_used(cache->priv.bitmap, i);
-    for (i = 0; i < cache->priv.first_free_hint && i < cache->priv.n_granules; i++)
-        if (!kvmix__granule_used(cache->priv.bitmap, i)) return KVMIX_ERR_CORRUPT_DATA;
+    for (i = 0; i < cache->priv.n_granules; i++)
+        if (!kvmix__granule_used(cache->priv.bitmap, i) &&
+            (i < cache->priv.hints.first_free || i >= cache->priv.hints.last_free_end))
+            return KVMIX_ERR_CORRUPT_DATA; /* a search would miss it */
     /* disjoint extents: each page's granules are set and their sum is the set bits */
     if (bits != used || cache->priv.n_granules - cache->priv.n_free_granules != used)
         return KVMIX_ERR_CORRUPT_DATA;

@@ -73,7 +73,7 @@ static void print_stats(const kvmix_cache *cache, int32_t seq, const char *name)
 }
 
 int main(void) {
-    kvmix_cache cache;
+    kvmix_cache cache = {0}; /* zero: its message reads "" before the init */
     kvmix_cache_desc desc = {0};
     kvmix_cache_stats stats;
     static float prompt_k[N_LAYERS * PROMPT * ROW_FLOATS], prompt_v[N_LAYERS * PROMPT * ROW_FLOATS];
@@ -91,7 +91,9 @@ int main(void) {
     desc.max_tokens_per_seq = 2048;
     desc.default_precision.key_format = KVMIX_FORMAT_INT2_CHANNEL;
     desc.default_precision.value_format = KVMIX_FORMAT_INT2;
-    desc.arena_bytes = (size_t)8 << 20;
+    /* the arena: as if the prompt and both sessions each held all their tokens (the sessions
+       share the prompt's pages, which leaves room for their copies on write) */
+    TRY(&cache, kvmix_cache_arena_bytes_for(&desc, 3, PROMPT + STEPS, &desc.arena_bytes));
     TRY(&cache, kvmix_cache_init_allocator(&cache, &desc, NULL));
     printf("cache: %d layers, %d kv heads, head_dim %d, pages of %d, %d sinks, window %d, "
            "arena %zu bytes\n",

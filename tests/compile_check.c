@@ -16,17 +16,19 @@ static int check_cache_loop(void) {
     kvmix_cache_stats stats;
     float k[CHECK_ROW], v[CHECK_ROW], q[CHECK_ROW], out[CHECK_ROW], lse[CHECK_HEADS];
     double workspace[512];
-    size_t need = 0;
+    size_t need = 0, bound = 0;
     int32_t seq = -1, pos = 0, step, layer, i, failed = 0;
     memset(&desc, 0, sizeof desc);
     desc.n_layers = CHECK_LAYERS;
     desc.n_kv_heads = CHECK_HEADS;
     desc.head_dim = CHECK_DIM;
     desc.max_tokens_per_seq = CHECK_STEPS;
-    desc.arena_bytes = (size_t)1 << 20;
-    if (kvmix_cache_init_allocator(&cache, &desc, NULL) != KVMIX_SUCCESS) return 1;
+    if (kvmix_cache_arena_bytes_for(&desc, 1, CHECK_STEPS, &desc.arena_bytes) != KVMIX_SUCCESS ||
+        kvmix_cache_init_allocator(&cache, &desc, NULL) != KVMIX_SUCCESS)
+        return 1;
     failed |= kvmix_cache_seq_create(&cache, &seq) != KVMIX_SUCCESS;
-    failed |= kvmix_cache_ref_decode_workspace(&cache, &seq, 1, &need) != KVMIX_SUCCESS;
+    failed |= kvmix_cache_ref_decode_workspace_max(&desc, 1, &bound) != KVMIX_SUCCESS ||
+              bound > sizeof workspace;
     for (step = 0; step < CHECK_STEPS && !failed; step++) {
         failed |= kvmix_cache_reserve(&cache, seq, 1, NULL, &pos) != KVMIX_SUCCESS;
         for (layer = 0; layer < CHECK_LAYERS && !failed; layer++) {
@@ -43,6 +45,9 @@ static int check_cache_loop(void) {
     failed |= kvmix_cache_read(&cache, seq, 0, 0, k, v, NULL) != KVMIX_SUCCESS;
     failed |= kvmix_cache_stats_get(&cache, &stats) != KVMIX_SUCCESS;
     failed |= kvmix_cache_check(&cache) != KVMIX_SUCCESS;
+    failed |=
+        kvmix_cache_ref_decode_workspace(&cache, &seq, 1, &need) != KVMIX_SUCCESS || need > bound;
+    failed |= kvmix_cache_last_error(&cache)[0] != '\0';
     kvmix_cache_deinit(&cache);
     return failed;
 }

@@ -1657,6 +1657,104 @@ static void test_desc_defaults(void) {
     kvmix_cache_deinit(&cache);
 }
 
+/* How sequences take their tokens in a sizing workload. */
+typedef enum ct_order { CT_TURNS, CT_ONE_AFTER_ANOTHER, CT_RANDOM } ct_order;
+
+/* n_seqs sequences of n tokens each, one token per call (reserve + write of every layer, or
+   append), in the given order, on an arena of arena_bytes; 1 when every call succeeds, and then
+   *out_used (may be NULL) receives the arena bytes the sequences hold at the end. */
+static int ct_sized_run(kvmix_cache_desc d, size_t arena_bytes, int32_t n_seqs, int32_t n,
+                        ct_order order, int append, test_rng *rng, size_t *out_used) {
+    kvmix_cache cache;
+    kvmix_cache_stats stats;
+    kvmix_cache_precision zero = {0, 0};
+    static float rows[2 * 2 * 64 * 2];
+    int32_t seqs[4], done[4] = {0, 0, 0, 0}, total, layer, pos, i, s = 0;
+    int ok = 1;
+    for (i = 0; i < 2 * 2 * 64 * 2; i++) rows[i] = (float)(i % 11) / 16.0f - 0.25f;
+    d.arena_bytes = arena_bytes;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS)) return 0;
+    for (i = 0; i < n_seqs; i++)
+        CHECK_RESULT(kvmix_cache_seq_create(&cache, &seqs[i]), KVMIX_SUCCESS);
+    for (total = 0; ok && total < n_seqs * n; total++) {
+        if (order == CT_TURNS) s = total % n_seqs;
+        if (order == CT_ONE_AFTER_ANOTHER) s = total / n;
+        while (order == CT_RANDOM && done[s = test_rng_range(rng, 0, n_seqs - 1)] == n) {
+        }
+        done[s]++;
+        if (append) {
+            ok = kvmix_cache_append(&cache, seqs[s], rows, rows, zero) == KVMIX_SUCCESS;
+            continue;
+        }
+        ok = kvmix_cache_reserve(&cache, seqs[s], 1, NULL, &pos) == KVMIX_SUCCESS;
+        for (layer = 0; ok && layer < d.n_layers; layer++)
+            CHECK_RESULT(kvmix_cache_write(&cache, seqs[s], layer, pos, 1, rows, rows),
+                         KVMIX_SUCCESS);
+    }
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_stats_get(&cache, &stats), KVMIX_SUCCESS);
+    if (out_used) *out_used = stats.arena_used_bytes;
+    kvmix_cache_deinit(&cache);
+    return ok;
+}
+
+/* kvmix_cache_arena_bytes_for: an arena of its size holds the sequences to their last token
+   under the zero desc and every built-in policy, in turns or one after another, by reserve and
+   write or by append (at random too, but with a values-only window); one granule less fails
+   some of those workloads, and an arena of what a sequence holds at its end fails at the peak
+   of a page boundary. */
+static void test_arena_bytes_for(void) {
+    static const int32_t lengths[] = {1, 31, 32, 33, 100, 161, 300};
+    test_rng rng;
+    int32_t policy, li, n_seqs, order, append;
+    size_t bytes = 0, steady = 0;
+    kvmix_cache_desc int4;
+    test_rng_init(&rng, "arena bytes for");
+    memset(&int4, 0, sizeof int4);
+    int4.n_layers = 2;
+    int4.n_kv_heads = 2;
+    int4.head_dim = 64; /* the defaults: int4, pages of 32 */
+    CHECK_RESULT(kvmix_cache_arena_bytes_for(&int4, 1, 65, &bytes), KVMIX_SUCCESS);
+    CHECK(ct_sized_run(int4, bytes, 1, 65, CT_TURNS, 0, &rng, &steady));
+    CHECK(steady < bytes); /* two sealed pages and a buffer, held before the last seal with two */
+    CHECK(!ct_sized_run(int4, steady, 1, 65, CT_TURNS, 0, &rng, NULL));
+    for (policy = -1; policy < kvmix_policy_count(); policy++) {
+        kvmix_cache_desc d;
+        memset(&d, 0, sizeof d);
+        d.n_layers = 2;
+        d.n_kv_heads = 2;
+        d.head_dim = 64;
+        d.max_seqs = 4;
+        d.max_tokens_per_seq = 512;
+        d.granule_bytes = 256;
+        if (policy >= 0)
+            CHECK_RESULT(kvmix_policy_apply(kvmix_policy_at(policy), &d, NULL), KVMIX_SUCCESS);
+        test_context("arena_bytes_for, policy %s",
+                     policy < 0 ? "none" : kvmix_policy_at(policy)->name);
+        for (n_seqs = 1; n_seqs <= 3; n_seqs += 2)
+            for (li = 0; li < (int32_t)(sizeof lengths / sizeof lengths[0]); li++) {
+                int32_t n = lengths[li], tight = 0;
+                if (!CHECK_RESULT(kvmix_cache_arena_bytes_for(&d, n_seqs, n, &bytes),
+                                  KVMIX_SUCCESS))
+                    continue;
+                for (order = CT_TURNS; order <= CT_RANDOM; order++)
+                    for (append = 0; append <= 1; append++) {
+                        if (order == CT_RANDOM && d.window_values_only) continue;
+                        CHECK_MSG(
+                            ct_sized_run(d, bytes, n_seqs, n, (ct_order)order, append, &rng, NULL),
+                            "%d sequences of %d tokens (order %d, append %d) do not fit "
+                            "in %zu bytes",
+                            (int)n_seqs, (int)n, (int)order, (int)append, bytes);
+                        tight |= !ct_sized_run(d, bytes - d.granule_bytes, n_seqs, n,
+                                               (ct_order)order, append, &rng, NULL);
+                    }
+                CHECK_MSG(tight, "%d sequences of %d tokens fit one granule less than %zu bytes",
+                          (int)n_seqs, (int)n, bytes);
+            }
+    }
+    test_context(NULL);
+}
+
 /* Row value of token t, layer l, channel i (FP16-exact, varied per channel). */
 static float ct_row_value(int32_t t, int32_t l, int32_t i) {
     return (float)((t * 7 + l * 3 + i * 5) % 33 - 16) / 16.0f;
@@ -1823,6 +1921,7 @@ void unit_cache(void) {
     test_error_messages();
     test_zero_precision_is_default();
     test_desc_defaults();
+    test_arena_bytes_for();
     test_allocator_init();
     test_decode_reaches_2bit();
     test_values_only_window();
