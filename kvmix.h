@@ -18,7 +18,9 @@
    the default: none for a count of things kept, the documented value for a size or capacity.
    There is no mutable global state: calls on distinct objects may run on any threads.
 
-   Rooms of the implementation (search for the marker):
+   Rooms (search for the marker):
+     // >>rules     the formats' pure rules, shared with kvmix_cuda.cu (in the declarations: no
+                    KVMIX_IMPLEMENTATION needed; __host__ __device__ under nvcc)
      // >>core      results, allocator, fp16/bf16
      // >>formats   packed byte formats and their CPU reference (the spec of every GPU kernel)
      // >>ref       reference decode attention and the partial-result merge
@@ -1339,6 +1341,7 @@ KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, k
                                                    int32_t current_turn,
                                                    kvmix_cache_precision *out);
 
+// >>rules
 /* ------------------------------------------------------------------------------------------- */
 /* Format rules, shared by the host and the device. The pure arithmetic of the byte formats      */
 /* (geometry, scale and minimum, codes), the checks of layouts and view blocks, and the payload  */
