@@ -354,6 +354,8 @@ kvmix_result cache_desc(const gpu_llama *g, kvmix_cache_desc *d) {
     d->max_tokens_per_seq = g->max_tokens;
     kvmix_result r = kvmix_policy_apply(&g->policy, d, NULL);
     if (r != KVMIX_SUCCESS) return r;
+    /* BOOSTED keys that a tag allocation asks of a policy without them: as kvmix_kv.c */
+    if (d->n_boost == 0) d->n_boost = d->head_dim / 8;
     size_t page_bytes =
         (size_t)d->n_layers * d->n_kv_heads * 2 * (size_t)d->page_tokens * (size_t)d->head_dim * 2;
     size_t granule = 256, pages = (size_t)(g->max_tokens / d->page_tokens) + 4;

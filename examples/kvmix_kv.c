@@ -512,6 +512,9 @@ static kvmix_result init_cache(kv_kvmix *kv, const kvmix_policy *p, const llama_
     desc.max_tokens_per_seq = (int32_t)kv->capacity;
     kvmix_result r = kvmix_policy_apply(p, &desc, NULL);
     if (r != KVMIX_SUCCESS) return r;
+    /* BOOSTED keys that a tag allocation asks of a policy without them get kvmix-calibrate's
+     * boost, head_dim / 8 channels (a desc's n_boost of 0 refuses BOOSTED) */
+    if (desc.n_boost == 0) desc.n_boost = desc.head_dim / 8;
     size_t page_bytes = (size_t)config->n_layers * (size_t)config->n_kv_heads * 2 *
                         (size_t)desc.page_tokens * (size_t)config->head_dim * 2;
     size_t granule = 256, n_pages = (size_t)(kv->capacity / desc.page_tokens) + 4;
