@@ -143,7 +143,8 @@ KVMIXDEF const char *kvmix_format_name(kvmix_format format);
 /* The shape of one block. Zero fields take defaults: group_size 0 means 32 (per-token formats).
    Constraints: head_dim a positive multiple of 32, at most KVMIX_MAX_HEAD_DIM; n_tokens >= 0;
    group_size (per-token integer formats) a multiple of 8 that divides head_dim;
-   n_boost (BOOSTED only, else 0) a multiple of 4, at most head_dim and at most KVMIX_MAX_BOOST. */
+   n_boost (BOOSTED only, else 0) a multiple of 4, at most head_dim and at most KVMIX_MAX_BOOST;
+   0 means none boosted (every channel at 2 bits, with the index), as everywhere else. */
 typedef struct kvmix_layout {
     kvmix_format format;
     int32_t n_tokens;
@@ -245,7 +246,7 @@ typedef struct kvmix_view {
     int32_t head_dim;
     int32_t group_size;       /* of every per-token integer key block; 0 = 32 */
     int32_t value_group_size; /* of every per-token integer value block; 0 = group_size */
-    int32_t n_boost;          /* of every BOOSTED block */
+    int32_t n_boost;          /* of every BOOSTED block (0: none boosted) */
     int32_t n_spans;
     int32_t n_dead_flags;
     const uint8_t *base; /* blocks lie in [base, base + base_bytes) */
