@@ -30,6 +30,7 @@
      // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
      // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
      // >>tags      template specs and the streaming tagger: per token a turn, a modality, a role
+     // >>intent    intent-aware eviction: the session store
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -1341,6 +1342,85 @@ KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table
 KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
                                                    int32_t current_turn,
                                                    kvmix_cache_precision *out);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Session store: per-session memories (the intent policy's QueryMemory) in caller memory,     */
+/* found by a session key and replaced least recently used first. Implementation: // >>intent. */
+
+typedef enum kvmix_session_key_kind {
+    KVMIX_SESSION_KEY_ID = 1,   /* the caller's explicit session id */
+    KVMIX_SESSION_KEY_SPAN = 2, /* the ids of a designated session span (the first user message) */
+    KVMIX_SESSION_KEY_PREFIX = 3, /* the request's first input ids */
+    KVMIX_SESSION_KEY_LOCAL = 4   /* this request alone: matches no other, is never stored */
+} kvmix_session_key_kind;
+
+/* A resolved key. Two keys are the same session when kind, id and ids[0 .. n_ids) are equal;
+   hash (of all three) only finds candidates. ids point into the caller's array until
+   kvmix_session_store_acquire copies them. */
+typedef struct kvmix_session_key {
+    int32_t kind;  /* a kvmix_session_key_kind */
+    int32_t n_ids; /* SPAN, PREFIX: the ids that make the key; 0 otherwise */
+    const int32_t *ids;
+    uint64_t id; /* ID: the session id; LOCAL: the request's serial; 0 otherwise */
+    uint64_t hash;
+} kvmix_session_key;
+
+/* A request's key, the first that applies: the explicit *session_id when session_id is not NULL;
+   else the session span's ids when n_span_ids > 0; else the first n_prefix input ids when
+   n_prefix > 0 and the request has that many; else a LOCAL key of request_serial. A span or
+   prefix keeps at most max_key_ids ids (its first): that is the key. Returns NULL_POINTER,
+   INVALID_ARGUMENT (a negative count, max_key_ids < 1). Pure. */
+KVMIXDEF kvmix_result kvmix_session_key_resolve(const uint64_t *session_id, const int32_t *span_ids,
+                                                int32_t n_span_ids, const int32_t *input_ids,
+                                                int32_t n_input_ids, int32_t n_prefix,
+                                                int32_t max_key_ids, uint64_t request_serial,
+                                                kvmix_session_key *out_key);
+
+typedef struct kvmix_session_store_desc {
+    int32_t capacity;      /* sessions held at once, 1 .. 2^20 */
+    int32_t memory_floats; /* floats of one session's memory, 1 .. 2^28 */
+    int32_t max_key_ids;   /* ids a stored key may have, 0 = 256, at most 2^16 */
+} kvmix_session_store_desc;
+
+/* One held session (read-only for callers). */
+typedef struct kvmix_session_entry {
+    uint64_t hash, id, last_use; /* last_use: the store's clock at its last acquire; 0 = free */
+    int32_t kind, n_ids;
+    int32_t next; /* the next entry of its hash bucket, -1 at the end */
+    int32_t reserved;
+} kvmix_session_entry;
+
+/* A store: transparent for tests and tools; change it only through the calls below. */
+typedef struct kvmix_session_store {
+    kvmix_session_store_desc desc; /* resolved */
+    int32_t n_used;
+    int32_t n_buckets; /* a power of two >= capacity */
+    uint64_t clock;
+    kvmix_session_entry *entries; /* [capacity] */
+    int32_t *buckets;             /* [n_buckets] first entry, -1 when empty */
+    int32_t *key_ids;             /* [capacity][max_key_ids] */
+    float *memories;              /* [capacity][memory_floats] */
+} kvmix_session_store;
+
+/* Bytes of caller memory a store of this desc needs. Returns NULL_POINTER, INVALID_ARGUMENT. */
+KVMIXDEF kvmix_result kvmix_session_store_memory_bytes(const kvmix_session_store_desc *desc,
+                                                       size_t *out_bytes);
+
+/* Initializes an empty store in `memory` (16-byte aligned, of kvmix_session_store_memory_bytes;
+   the store keeps pointers into it). Returns NULL_POINTER, INVALID_ARGUMENT (desc, alignment),
+   BUFFER_TOO_SMALL. */
+KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
+                                               const kvmix_session_store_desc *desc, void *memory,
+                                               size_t memory_bytes);
+
+/* The memory of `key`'s session: its own when the store holds the session (*out_found 1), else
+   a free entry's or the least recently used one's (an O(capacity) search), zeroed and now the
+   key's (*out_found 0). Either way the session becomes the most recently used. A LOCAL key is
+   never stored: *out_memory NULL, *out_found 0. Returns NULL_POINTER, INVALID_ARGUMENT (an
+   unknown kind, n_ids out of 0 .. max_key_ids, ids NULL with n_ids > 0). Not thread-safe. */
+KVMIXDEF kvmix_result kvmix_session_store_acquire(kvmix_session_store *store,
+                                                  const kvmix_session_key *key, float **out_memory,
+                                                  int32_t *out_found);
 
 // >>rules
 /* ------------------------------------------------------------------------------------------- */
@@ -6855,6 +6935,192 @@ KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, k
                ->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality];
     if (out->key_format == 0) out->key_format = (uint8_t)policy->key_format;
     if (out->value_format == 0) out->value_format = (uint8_t)policy->value_format;
+    return KVMIX_SUCCESS;
+}
+
+// >>intent
+
+/* FNV-1a over 64-bit words. */
+static uint64_t kvmix__fnv_word(uint64_t h, uint64_t word) {
+    int i;
+    for (i = 0; i < 8; i++) {
+        h ^= (word >> (8 * i)) & 0xffu;
+        h *= 1099511628211u;
+    }
+    return h;
+}
+
+static uint64_t kvmix__session_hash(int32_t kind, uint64_t id, const int32_t *ids, int32_t n_ids) {
+    uint64_t h = kvmix__fnv_word(14695981039346656037u, (uint64_t)kind);
+    int32_t i;
+    h = kvmix__fnv_word(h, id);
+    for (i = 0; i < n_ids; i++) h = kvmix__fnv_word(h, (uint32_t)ids[i]);
+    return kvmix__fnv_word(h, (uint64_t)n_ids);
+}
+
+KVMIXDEF kvmix_result kvmix_session_key_resolve(const uint64_t *session_id, const int32_t *span_ids,
+                                                int32_t n_span_ids, const int32_t *input_ids,
+                                                int32_t n_input_ids, int32_t n_prefix,
+                                                int32_t max_key_ids, uint64_t request_serial,
+                                                kvmix_session_key *out_key) {
+    kvmix_session_key k;
+    if (!out_key) return KVMIX_ERR_NULL_POINTER;
+    if (n_span_ids < 0 || n_input_ids < 0 || n_prefix < 0 || max_key_ids < 1)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((n_span_ids > 0 && !span_ids) || (n_input_ids > 0 && !input_ids))
+        return KVMIX_ERR_NULL_POINTER;
+    memset(&k, 0, sizeof k);
+    if (session_id) {
+        k.kind = KVMIX_SESSION_KEY_ID;
+        k.id = *session_id;
+    } else if (n_span_ids > 0) {
+        k.kind = KVMIX_SESSION_KEY_SPAN;
+        k.ids = span_ids;
+        k.n_ids = n_span_ids < max_key_ids ? n_span_ids : max_key_ids;
+    } else if (n_prefix > 0 && n_input_ids >= n_prefix) {
+        k.kind = KVMIX_SESSION_KEY_PREFIX;
+        k.ids = input_ids;
+        k.n_ids = n_prefix < max_key_ids ? n_prefix : max_key_ids;
+    } else {
+        k.kind = KVMIX_SESSION_KEY_LOCAL;
+        k.id = request_serial;
+    }
+    k.hash = kvmix__session_hash(k.kind, k.id, k.ids, k.n_ids);
+    *out_key = k;
+    return KVMIX_SUCCESS;
+}
+
+/* The desc with defaults, or INVALID_ARGUMENT. */
+static kvmix_result kvmix__session_desc_resolve(const kvmix_session_store_desc *in,
+                                                kvmix_session_store_desc *out) {
+    *out = *in;
+    if (out->max_key_ids == 0) out->max_key_ids = 256;
+    if (out->capacity < 1 || out->capacity > (1 << 20) || out->memory_floats < 1 ||
+        out->memory_floats > (1 << 28) || out->max_key_ids < 1 || out->max_key_ids > (1 << 16))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    return KVMIX_SUCCESS;
+}
+
+static int32_t kvmix__session_buckets(int32_t capacity) {
+    int32_t n = 1;
+    while (n < capacity) n *= 2;
+    return n;
+}
+
+/* Region sizes of a resolved desc, each a multiple of 16 bytes: entries, buckets, key ids,
+   memories. */
+static void kvmix__session_regions(const kvmix_session_store_desc *d, size_t sizes[4]) {
+    size_t cap = (size_t)d->capacity;
+    sizes[0] = (cap * sizeof(kvmix_session_entry) + 15u) & ~(size_t)15u;
+    sizes[1] = ((size_t)kvmix__session_buckets(d->capacity) * 4u + 15u) & ~(size_t)15u;
+    sizes[2] = (cap * (size_t)d->max_key_ids * 4u + 15u) & ~(size_t)15u;
+    sizes[3] = (cap * (size_t)d->memory_floats * 4u + 15u) & ~(size_t)15u;
+}
+
+KVMIXDEF kvmix_result kvmix_session_store_memory_bytes(const kvmix_session_store_desc *desc,
+                                                       size_t *out_bytes) {
+    kvmix_session_store_desc d;
+    size_t sizes[4];
+    kvmix_result r;
+    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__session_desc_resolve(desc, &d)) != KVMIX_SUCCESS) return r;
+    kvmix__session_regions(&d, sizes);
+    *out_bytes = sizes[0] + sizes[1] + sizes[2] + sizes[3];
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
+                                               const kvmix_session_store_desc *desc, void *memory,
+                                               size_t memory_bytes) {
+    kvmix_session_store s;
+    size_t sizes[4];
+    uint8_t *m = (uint8_t *)memory;
+    int32_t i;
+    kvmix_result r;
+    if (!store || !desc || !memory) return KVMIX_ERR_NULL_POINTER;
+    memset(&s, 0, sizeof s);
+    if ((r = kvmix__session_desc_resolve(desc, &s.desc)) != KVMIX_SUCCESS) return r;
+    if (((uintptr_t)memory & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    kvmix__session_regions(&s.desc, sizes);
+    if (memory_bytes < sizes[0] + sizes[1] + sizes[2] + sizes[3]) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    s.n_buckets = kvmix__session_buckets(s.desc.capacity);
+    s.entries = (kvmix_session_entry *)(void *)m;
+    s.buckets = (int32_t *)(void *)(m + sizes[0]);
+    s.key_ids = (int32_t *)(void *)(m + sizes[0] + sizes[1]);
+    s.memories = (float *)(void *)(m + sizes[0] + sizes[1] + sizes[2]);
+    memset(s.entries, 0, sizes[0]);
+    for (i = 0; i < s.n_buckets; i++) s.buckets[i] = -1;
+    for (i = 0; i < s.desc.capacity; i++) s.entries[i].next = -1;
+    *store = s;
+    return KVMIX_SUCCESS;
+}
+
+static int32_t *kvmix__session_ids(const kvmix_session_store *s, int32_t e) {
+    return s->key_ids + (size_t)e * (size_t)s->desc.max_key_ids;
+}
+
+/* The entry holding `key`, or -1: hash candidates, then kind, id and ids compared. */
+static int32_t kvmix__session_find(const kvmix_session_store *s, const kvmix_session_key *key) {
+    int32_t e = s->buckets[key->hash & (uint64_t)(s->n_buckets - 1)];
+    for (; e >= 0; e = s->entries[e].next) {
+        const kvmix_session_entry *x = &s->entries[e];
+        if (x->hash == key->hash && x->kind == key->kind && x->id == key->id &&
+            x->n_ids == key->n_ids &&
+            (key->n_ids == 0 ||
+             memcmp(kvmix__session_ids(s, e), key->ids, (size_t)key->n_ids * 4u) == 0))
+            return e;
+    }
+    return -1;
+}
+
+/* A free entry, else the least recently used one, taken out of its bucket. */
+static int32_t kvmix__session_take(kvmix_session_store *s) {
+    int32_t e, best = 0, *link;
+    for (e = 0; e < s->desc.capacity; e++) {
+        if (s->entries[e].last_use == 0) return e;
+        if (s->entries[e].last_use < s->entries[best].last_use) best = e;
+    }
+    link = &s->buckets[s->entries[best].hash & (uint64_t)(s->n_buckets - 1)];
+    while (*link != best) link = &s->entries[*link].next;
+    *link = s->entries[best].next;
+    s->n_used--;
+    return best;
+}
+
+KVMIXDEF kvmix_result kvmix_session_store_acquire(kvmix_session_store *store,
+                                                  const kvmix_session_key *key, float **out_memory,
+                                                  int32_t *out_found) {
+    int32_t e;
+    int32_t *bucket;
+    kvmix_session_entry *x;
+    if (!store || !key || !out_memory || !out_found) return KVMIX_ERR_NULL_POINTER;
+    if (key->kind < KVMIX_SESSION_KEY_ID || key->kind > KVMIX_SESSION_KEY_LOCAL || key->n_ids < 0 ||
+        key->n_ids > store->desc.max_key_ids || (key->n_ids > 0 && !key->ids))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (key->kind == KVMIX_SESSION_KEY_LOCAL) {
+        *out_memory = NULL;
+        *out_found = 0;
+        return KVMIX_SUCCESS;
+    }
+    e = kvmix__session_find(store, key);
+    *out_found = e >= 0;
+    if (e < 0) {
+        e = kvmix__session_take(store);
+        x = &store->entries[e];
+        x->hash = key->hash;
+        x->id = key->id;
+        x->kind = key->kind;
+        x->n_ids = key->n_ids;
+        if (key->n_ids > 0) memcpy(kvmix__session_ids(store, e), key->ids, (size_t)key->n_ids * 4u);
+        memset(store->memories + (size_t)e * (size_t)store->desc.memory_floats, 0,
+               (size_t)store->desc.memory_floats * sizeof(float));
+        bucket = &store->buckets[key->hash & (uint64_t)(store->n_buckets - 1)];
+        x->next = *bucket;
+        *bucket = e;
+        store->n_used++;
+    }
+    store->entries[e].last_use = ++store->clock;
+    *out_memory = store->memories + (size_t)e * (size_t)store->desc.memory_floats;
     return KVMIX_SUCCESS;
 }
 

@@ -28,6 +28,7 @@ void unit_transfer(void);
 void unit_policy(void);
 void unit_alloc(void);
 void unit_tags(void);
+void unit_intent(void);
 
 /* ---- checks ------------------------------------------------------------------------------- */
 #if defined(__GNUC__) || defined(__clang__)
