@@ -30,7 +30,7 @@
      // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
      // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
      // >>tags      template specs and the streaming tagger: per token a turn, a modality, a role
-     // >>intent    intent-aware eviction: the session store
+     // >>intent    intent-aware eviction: the session store, QueryMemory
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -1421,6 +1421,18 @@ KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
 KVMIXDEF kvmix_result kvmix_session_store_acquire(kvmix_session_store *store,
                                                   const kvmix_session_key *key, float **out_memory,
                                                   int32_t *out_found);
+
+/* QueryMemory: per layer, one unit-norm row per query head (kv heads expanded under grouped-query
+   attention) of what a session's requests asked for. At each request the mean of the post-RoPE
+   query rows over its actionable span is blended in:
+       m = decay * m + (1 - decay) * mean / |mean|,   then m / |m|      (each row on its own)
+   A zero row (a new session's) takes the normalized mean; a zero mean leaves the row as it was.
+   memory and the result: [n_layers][n_q_heads][head_dim]; queries: [n_tokens][n_layers]
+   [n_q_heads][head_dim]. Sums in double. Returns NULL_POINTER, INVALID_ARGUMENT (counts, decay
+   outside [0, 1)), BAD_VALUE (a query that is not finite; nothing written). */
+KVMIXDEF kvmix_result kvmix_query_memory_update(float *memory, int32_t n_layers, int32_t n_q_heads,
+                                                int32_t head_dim, const float *queries,
+                                                int32_t n_tokens, float decay);
 
 // >>rules
 /* ------------------------------------------------------------------------------------------- */
@@ -7121,6 +7133,48 @@ KVMIXDEF kvmix_result kvmix_session_store_acquire(kvmix_session_store *store,
     }
     store->entries[e].last_use = ++store->clock;
     *out_memory = store->memories + (size_t)e * (size_t)store->desc.memory_floats;
+    return KVMIX_SUCCESS;
+}
+
+/* Scales row x of n floats to unit norm in place; 0 when its norm is 0 (left as it is). */
+static int kvmix__unit_row(double *x, int32_t n) {
+    double norm = 0.0;
+    int32_t i;
+    for (i = 0; i < n; i++) norm += x[i] * x[i];
+    if (norm == 0.0) return 0;
+    norm = sqrt(norm);
+    for (i = 0; i < n; i++) x[i] /= norm;
+    return 1;
+}
+
+KVMIXDEF kvmix_result kvmix_query_memory_update(float *memory, int32_t n_layers, int32_t n_q_heads,
+                                                int32_t head_dim, const float *queries,
+                                                int32_t n_tokens, float decay) {
+    double mean[KVMIX_MAX_HEAD_DIM], row[KVMIX_MAX_HEAD_DIM];
+    size_t rows, r, stride, i;
+    int32_t t, c;
+    if (!memory || (!queries && n_tokens > 0)) return KVMIX_ERR_NULL_POINTER;
+    if (n_layers < 1 || n_q_heads < 1 || head_dim < 1 || head_dim > KVMIX_MAX_HEAD_DIM ||
+        n_tokens < 0 || !(decay >= 0.0f && decay < 1.0f))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    rows = (size_t)n_layers * (size_t)n_q_heads;
+    stride = rows * (size_t)head_dim;
+    for (i = 0; i < stride * (size_t)n_tokens; i++)
+        if (!(queries[i] - queries[i] == 0.0f)) return KVMIX_ERR_BAD_VALUE;
+    for (r = 0; r < rows; r++) {
+        float *m = memory + r * (size_t)head_dim;
+        double kept = 0.0;
+        for (c = 0; c < head_dim; c++) mean[c] = 0.0;
+        for (t = 0; t < n_tokens; t++)
+            for (c = 0; c < head_dim; c++)
+                mean[c] += queries[(size_t)t * stride + r * (size_t)head_dim + (size_t)c];
+        if (!kvmix__unit_row(mean, head_dim)) continue; /* nothing asked: the row stays */
+        for (c = 0; c < head_dim; c++) kept += (double)m[c] * (double)m[c];
+        for (c = 0; c < head_dim; c++)
+            row[c] = kept == 0.0 ? mean[c] : (double)decay * m[c] + (1.0 - (double)decay) * mean[c];
+        if (!kvmix__unit_row(row, head_dim)) continue; /* opposite and equal: keep the old row */
+        for (c = 0; c < head_dim; c++) m[c] = (float)row[c];
+    }
     return KVMIX_SUCCESS;
 }
 

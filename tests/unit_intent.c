@@ -1,9 +1,12 @@
 /* unit_intent: the session store of the intent policy. A request's key resolves in order
    (explicit id, session span, input prefix, request-local); the store finds a session by its
    key's ids, not its hash alone (forced collisions stay apart), keeps a memory per session across
-   requests, replaces the least recently used when full and never stores a local key. */
+   requests, replaces the least recently used when full and never stores a local key.
+   QueryMemory: rows become the normalized mean of the queries, then blend with the decay, unit
+   norm each; no query leaves a row; bad input changes nothing. */
 #include "harness.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -184,10 +187,59 @@ static void test_local_and_bad(void) {
     free(f.memory);
 }
 
+static double row_norm(const float *x, int n) {
+    double s = 0.0;
+    int i;
+    for (i = 0; i < n; i++) s += (double)x[i] * x[i];
+    return sqrt(s);
+}
+
+/* 2 layers x 2 heads x 4 dims; queries of 3 tokens. */
+static void test_query_memory(void) {
+    float memory[16], q[3 * 16], before[16], want[4];
+    int t, i, r;
+    double n;
+    memset(memory, 0, sizeof memory);
+    for (t = 0; t < 3; t++)
+        for (i = 0; i < 16; i++) q[t * 16 + i] = (float)((i % 5) + t) - 2.0f;
+    CHECK_RESULT(kvmix_query_memory_update(memory, 2, 2, 4, q, 3, 0.75f), KVMIX_SUCCESS);
+    for (r = 0; r < 4; r++) { /* a new row: the normalized mean */
+        double mean[4], norm = 0.0;
+        for (i = 0; i < 4; i++) {
+            mean[i] = (q[r * 4 + i] + q[16 + r * 4 + i] + q[32 + r * 4 + i]) / 3.0;
+            norm += mean[i] * mean[i];
+        }
+        for (i = 0; i < 4; i++) CHECK_NEAR(memory[r * 4 + i], mean[i] / sqrt(norm), 1e-6);
+        CHECK_NEAR(row_norm(memory + r * 4, 4), 1.0, 1e-6);
+    }
+    /* one more request asking along the first axis: the decayed blend, renormalized */
+    memcpy(before, memory, sizeof before);
+    memset(q, 0, sizeof q);
+    for (r = 0; r < 4; r++) q[r * 4] = 3.0f;
+    CHECK_RESULT(kvmix_query_memory_update(memory, 2, 2, 4, q, 1, 0.75f), KVMIX_SUCCESS);
+    for (r = 0; r < 4; r++) {
+        for (i = 0; i < 4; i++) want[i] = 0.75f * before[r * 4 + i] + (i == 0 ? 0.25f : 0.0f);
+        n = row_norm(want, 4);
+        for (i = 0; i < 4; i++) CHECK_NEAR(memory[r * 4 + i], want[i] / n, 1e-6);
+    }
+    memcpy(before, memory, sizeof before);
+    CHECK_RESULT(kvmix_query_memory_update(memory, 2, 2, 4, NULL, 0, 0.5f), KVMIX_SUCCESS);
+    CHECK(memcmp(before, memory, sizeof before) == 0); /* nothing asked */
+    q[5] = NAN;
+    CHECK_RESULT(kvmix_query_memory_update(memory, 2, 2, 4, q, 1, 0.5f), KVMIX_ERR_BAD_VALUE);
+    CHECK_RESULT(kvmix_query_memory_update(memory, 2, 2, 4, q, 1, 1.0f),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_query_memory_update(memory, 0, 2, 4, q, 1, 0.5f),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_query_memory_update(NULL, 2, 2, 4, q, 1, 0.5f), KVMIX_ERR_NULL_POINTER);
+    CHECK(memcmp(before, memory, sizeof before) == 0);
+}
+
 void unit_intent(void) {
     test_key_resolution();
     test_memory_kept();
     test_lru();
     test_collisions();
     test_local_and_bad();
+    test_query_memory();
 }
