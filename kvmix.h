@@ -279,6 +279,18 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
                                            const float *memory, float *scores,
                                            int32_t capacity_tokens);
 
+/* Intent scores of sequence `seq` of a host view (one layer), for eviction: for each query head
+   h, the softmax over the sequence's live tokens of scale * dot(memory[h], key_t) (key_t of kv
+   head h / (n_q_heads / n_kv_heads), read in its stored format; scale 0 = 1/sqrt(head_dim)),
+   summed over the heads: scores[t] in [0, n_q_heads], dead tokens -INFINITY. A caller sums
+   the layers. memory: [n_q_heads][head_dim]; scores: [capacity_tokens]; tokens past
+   capacity_tokens are left out, of the softmax too (pass the sequence's length). Validates as
+   kvmix_ref_view_score; nothing is written on failure. */
+KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_t seq,
+                                                  int32_t n_q_heads, float scale,
+                                                  const float *memory, float *scores,
+                                                  int32_t capacity_tokens);
+
 /* ------------------------------------------------------------------------------------------- */
 /* Paged mixed-precision cache. One model shape (layers, kv heads, head_dim), one byte arena of    */
 /* caller memory from which pages of every format are carved, sequences with page tables and slot */
@@ -2669,6 +2681,83 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
                               ? -INFINITY
                               : kvmix__score_token(&span, &kl, &ks, t, view->n_kv_heads,
                                                    n_q_heads / view->n_kv_heads, memory);
+    }
+    return KVMIX_SUCCESS;
+}
+
+/* scale * dot(q, key_t of kv head h) for token t of a checked span; key decoded into key[]. */
+static float kvmix__head_logit(const kvmix_span *span, const kvmix_layout *kl,
+                               const kvmix__sections *ks, int32_t t, int32_t h, const float *q,
+                               float scale, float *key) {
+    float sum = 0.0f;
+    int32_t c;
+    kvmix__decode_row(kl, ks, kvmix__head_block(span->keys, span->key_head_bytes, ks, h), t, key);
+    for (c = 0; c < kl->head_dim; c++) sum += q[c] * key[c];
+    return sum * scale;
+}
+
+/* One query head's pass over the first `capacity` tokens of a sequence: with add 0, its softmax
+   max and sum (*m, *l, online); with add 1, p_t = exp(logit - m) / l added to scores[t]. */
+static void kvmix__intent_pass(const kvmix__span_list *list, int32_t kv_head, const float *q,
+                               float scale, int32_t capacity, int add, float *m, float *l,
+                               float *scores) {
+    float key[KVMIX_MAX_HEAD_DIM];
+    int32_t i, t, pos = 0;
+    for (i = 0; i < list->count && pos < capacity; i++) {
+        kvmix_span span = kvmix__span_at(list, i);
+        kvmix_layout kl = span.key_layout;
+        kvmix__sections ks;
+        kvmix_layout_resolve(&kl);
+        ks = kvmix__layout_sections(&kl);
+        for (t = 0; t < kl.n_tokens && pos < capacity; t++, pos++) {
+            float x;
+            if (span.dead && span.dead[t]) continue;
+            x = kvmix__head_logit(&span, &kl, &ks, t, kv_head, q, scale, key);
+            if (add) {
+                scores[pos] += expf(x - *m) / *l;
+            } else if (x > *m) {
+                *l = *l * expf(*m - x) + 1.0f;
+                *m = x;
+            } else {
+                *l += expf(x - *m);
+            }
+        }
+    }
+}
+
+KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_t seq,
+                                                  int32_t n_q_heads, float scale,
+                                                  const float *memory, float *scores,
+                                                  int32_t capacity_tokens) {
+    kvmix_attention_desc desc;
+    kvmix__span_list list;
+    kvmix_result r;
+    int32_t h, i, t, pos = 0, group;
+    if (!memory || !scores) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_view_check(view)) != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || !(scale >= 0.0f) ||
+        scale == INFINITY)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    desc.n_q_heads = n_q_heads;
+    desc.n_kv_heads = view->n_kv_heads;
+    desc.head_dim = view->head_dim;
+    desc.scale = scale;
+    if ((r = kvmix__check_desc(&desc)) != KVMIX_SUCCESS) return r;
+    list = kvmix__view_sequence(view, seq);
+    if ((r = kvmix__check_span_list(&desc, &list)) != KVMIX_SUCCESS) return r;
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
+    group = n_q_heads / view->n_kv_heads;
+    for (i = 0; i < list.count && pos < capacity_tokens; i++) { /* live 0, dead -inf */
+        kvmix_span span = kvmix__span_at(&list, i);
+        for (t = 0; t < span.key_layout.n_tokens && pos < capacity_tokens; t++, pos++)
+            scores[pos] = span.dead && span.dead[t] ? -INFINITY : 0.0f;
+    }
+    for (h = 0; h < n_q_heads; h++) {
+        const float *q = memory + (size_t)h * (size_t)view->head_dim;
+        float m = -INFINITY, l = 0.0f;
+        kvmix__intent_pass(&list, h / group, q, scale, capacity_tokens, 0, &m, &l, scores);
+        if (l > 0.0f)
+            kvmix__intent_pass(&list, h / group, q, scale, capacity_tokens, 1, &m, &l, scores);
     }
     return KVMIX_SUCCESS;
 }

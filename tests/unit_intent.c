@@ -3,7 +3,9 @@
    key's ids, not its hash alone (forced collisions stay apart), keeps a memory per session across
    requests, replaces the least recently used when full and never stores a local key.
    QueryMemory: rows become the normalized mean of the queries, then blend with the decay, unit
-   norm each; no query leaves a row; bad input changes nothing. */
+   norm each; no query leaves a row; bad input changes nothing. Intent scores: per query head a
+   softmax over the live tokens of a cache view, summed over heads, against the same sums in
+   double over the stored keys. */
 #include "harness.h"
 
 #include <math.h>
@@ -235,6 +237,67 @@ static void test_query_memory(void) {
     CHECK(memcmp(before, memory, sizeof before) == 0);
 }
 
+/* A cache of one layer, 2 kv heads of 32, FP16 rows (exact for these keys), 40 positions of
+   which 3 and 17 are evicted; 4 query heads. */
+static void test_intent_scores(void) {
+    enum { N = 40, KV = 2, QH = 4, D = 32 };
+    kvmix_cache cache;
+    kvmix_cache_desc d;
+    kvmix_view view;
+    kvmix_view_span spans[8];
+    uint8_t dead[64];
+    int32_t first[2], seq, n_spans, n_dead, evicted[2] = {3, 17}, t, h, c;
+    static float keys[N * KV * D], memory[QH * D];
+    float scores[N + 4], *values = keys;
+    double total = 0.0;
+    memset(&d, 0, sizeof d);
+    d.n_layers = 1, d.n_kv_heads = KV, d.head_dim = D, d.page_tokens = 16;
+    d.max_tokens_per_seq = 64, d.arena_bytes = 1 << 20;
+    d.default_precision.key_format = KVMIX_FORMAT_FP16;
+    d.default_precision.value_format = KVMIX_FORMAT_FP16;
+    for (t = 0; t < N * KV * D; t++) keys[t] = (float)((t * 7) % 13 - 6) / 8.0f;
+    for (t = 0; t < QH * D; t++) memory[t] = (float)((t * 5) % 11 - 5) / 16.0f;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, seq, N, NULL, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_write(&cache, seq, 0, 0, N, keys, values), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_evict(&cache, seq, evicted, 2), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_view_counts(&cache, &seq, 1, &n_spans, &n_dead), KVMIX_SUCCESS);
+    CHECK(n_spans <= 8 && n_dead <= 64);
+    CHECK_RESULT(kvmix_cache_view(&cache, &seq, 1, 0, spans, 8, first, dead, 64, &view),
+                 KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, 3, 0.0f, memory, scores, N),
+                 KVMIX_ERR_INVALID_ARGUMENT); /* 3 q heads for 2 kv heads */
+    scores[N] = 7.0f;
+    CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, QH, 0.0f, memory, scores, N), KVMIX_SUCCESS);
+    CHECK(scores[N] == 7.0f); /* nothing past capacity */
+    for (t = 0; t < N; t++) {
+        double want = 0.0;
+        if (t == 3 || t == 17) {
+            CHECK(scores[t] == -INFINITY);
+            continue;
+        }
+        for (h = 0; h < QH; h++) { /* softmax of head h at t, in double */
+            double logit[N], m = -1e300, l = 0.0;
+            int32_t u;
+            for (u = 0; u < N; u++) {
+                double x = 0.0;
+                for (c = 0; c < D; c++)
+                    x += (double)memory[h * D + c] * keys[(u * KV + h / 2) * D + c];
+                logit[u] = x / sqrt((double)D);
+                if (u != 3 && u != 17 && logit[u] > m) m = logit[u];
+            }
+            for (u = 0; u < N; u++)
+                if (u != 3 && u != 17) l += exp(logit[u] - m);
+            want += exp(logit[t] - m) / l;
+        }
+        CHECK_NEAR(scores[t], want, 1e-5);
+        total += scores[t];
+    }
+    CHECK_NEAR(total, QH, 1e-4); /* each head's mass is one */
+    kvmix_cache_deinit(&cache);
+}
+
 void unit_intent(void) {
     test_key_resolution();
     test_memory_kept();
@@ -242,4 +305,5 @@ void unit_intent(void) {
     test_collisions();
     test_local_and_bad();
     test_query_memory();
+    test_intent_scores();
 }
