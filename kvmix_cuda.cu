@@ -430,6 +430,102 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
     });
 }
 
+/* Intent scoring, step 1 (after the logits were set to -inf): blocks of 32 tokens, one warp per
+   (token, query head): logits[h][t] = scale * dot(memory[h], key_t[h / g]); dead tokens stay
+   -inf, a bad span's tokens get NaN. */
+static __global__ void __launch_bounds__(256)
+    kvmix__intent_logits_kernel(kvmix__view_params p, float scale) {
+    __shared__ kvmix__walk_smem sm;
+    const int64_t lo = (int64_t)blockIdx.x * kvmix__view_tile_tokens;
+    const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
+    const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / p.n_kv_heads;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int first = p.seq_first_span[p.seq], last = p.seq_first_span[p.seq + 1];
+    if (!kvmix__view_range_ok(first, last, p.n_spans)) {
+        for (int64_t e = threadIdx.x; e < (hi - lo) * p.n_q_heads; e += blockDim.x)
+            p.scores[(e / (hi - lo)) * p.capacity + lo + e % (hi - lo)] =
+                __int_as_float(0x7fffffff);
+        return;
+    }
+    kvmix__for_spans(p.spans, first, last, lo, hi, sm, [&](int si, int64_t start) {
+        const kvmix_view_span sp = p.spans[si];
+        int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
+        kvmix__sections s;
+        bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
+                                  n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
+                  kvmix__view_dead_ok(sp.dead_index, sp.n_tokens, p.n_dead_flags);
+        for (int64_t task = warp; task < (t1 - t0) * p.n_q_heads; task += n_warps) {
+            const int64_t pos = t0 + task / p.n_q_heads, t = pos - start;
+            const int h = (int)(task % p.n_q_heads);
+            if (ok && sp.dead_index >= 0 && p.dead[sp.dead_index + t]) continue; /* -inf */
+            float acc = 0.0f;
+            if (ok)
+                for (int c = lane; c < d; c += 32)
+                    acc += p.memory[(size_t)h * d + c] *
+                           kvmix__decode_value(sp.key_format,
+                                               p.base + sp.key_offset +
+                                                   (uint64_t)(h / g) * sp.key_head_bytes,
+                                               s, t, c, p.group_size);
+            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+            if (lane == 0)
+                p.scores[(size_t)h * p.capacity + pos] =
+                    ok ? acc * scale : __int_as_float(0x7fffffff);
+        }
+    });
+}
+
+/* Step 0: every logit -inf (tokens the walk does not reach, past the sequence, stay so). */
+static __global__ void kvmix__fill_kernel(float *x, int64_t n, float v) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = v;
+}
+
+/* Step 2: one block per query head: the max and the sum of exp of its logits (NaN propagates). */
+static __global__ void __launch_bounds__(256)
+    kvmix__intent_norm_kernel(const float *logits, int capacity, float *ml) {
+    __shared__ float red[8];
+    const float *x = logits + (size_t)blockIdx.x * capacity;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float m = -INFINITY, l = 0.0f;
+    for (int t = threadIdx.x; t < capacity; t += blockDim.x) m = fmaxf(m, x[t]);
+    bool nan = false;
+    for (int t = threadIdx.x; t < capacity; t += blockDim.x) nan |= x[t] != x[t];
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
+    __syncthreads();
+    if (m != -INFINITY)
+        for (int t = threadIdx.x; t < capacity; t += blockDim.x) l += expf(x[t] - m);
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) red[warp] = l;
+    nan = __syncthreads_or(nan);
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) l += red[w];
+        ml[2 * blockIdx.x] = m;
+        ml[2 * blockIdx.x + 1] = nan ? __int_as_float(0x7fffffff) : l;
+    }
+}
+
+/* Step 3: scores[t] = sum over heads of exp(logit - m) / l; -inf where every head's is -inf
+   (dead, or past the sequence). */
+static __global__ void kvmix__intent_sum_kernel(const float *logits, const float *ml, int n_heads,
+                                                int capacity, float *scores) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= capacity) return;
+    float sum = 0.0f;
+    bool live = false;
+    for (int h = 0; h < n_heads; h++) {
+        const float x = logits[(size_t)h * capacity + t], m = ml[2 * h], l = ml[2 * h + 1];
+        if (x == -INFINITY) continue;
+        live = true;
+        sum += expf(x - m) / l;
+    }
+    scores[t] = live ? sum : -INFINITY;
+}
+
 /* ---- decode attention -------------------------------------------------------------------- */
 
 struct kvmix__decode_params {
@@ -2250,6 +2346,48 @@ extern "C" kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t se
     unsigned blocks =
         (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
     kvmix__view_score_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p);
+    return kvmix__launch_status();
+}
+
+/* Intent workspace: logits [n_q_heads][capacity_tokens], then (max, sum) per head. */
+extern "C" kvmix_result kvmix_cuda_view_intent_workspace_bytes(int32_t n_q_heads,
+                                                               int32_t capacity_tokens,
+                                                               size_t *out_bytes) {
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if (n_q_heads <= 0 || capacity_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = (((size_t)n_q_heads * ((size_t)capacity_tokens + 2) * 4) + 255) & ~(size_t)255;
+    return KVMIX_SUCCESS;
+}
+
+extern "C" kvmix_result kvmix_cuda_view_intent_score(const kvmix_view *view, int32_t seq,
+                                                     int32_t n_q_heads, float scale,
+                                                     const float *memory, float *scores,
+                                                     int32_t capacity_tokens, void *workspace,
+                                                     size_t workspace_bytes, kvmix_stream stream) {
+    kvmix_result r = kvmix__check_device_view(view);
+    if (r != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || n_q_heads <= 0 ||
+        n_q_heads % view->n_kv_heads != 0 || !(scale >= 0.0f) || isinf(scale))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (capacity_tokens == 0) return KVMIX_SUCCESS;
+    if (!memory || !scores || !workspace) return KVMIX_ERR_NULL_POINTER;
+    size_t need;
+    kvmix_cuda_view_intent_workspace_bytes(n_q_heads, capacity_tokens, &need);
+    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    cudaStream_t st = (cudaStream_t)stream;
+    float *logits = (float *)workspace, *ml = logits + (size_t)n_q_heads * capacity_tokens;
+    kvmix__view_params p = kvmix__view_params_of(view, seq);
+    p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory = memory, p.scores = logits;
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
+    const int64_t n_logits = (int64_t)n_q_heads * capacity_tokens;
+    const unsigned fill_blocks = (unsigned)(n_logits / 256 + 1 < 4096 ? n_logits / 256 + 1 : 4096);
+    kvmix__fill_kernel<<<fill_blocks, 256, 0, st>>>(logits, n_logits, -INFINITY);
+    unsigned blocks =
+        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
+    kvmix__intent_logits_kernel<<<blocks, 256, 0, st>>>(p, scale);
+    kvmix__intent_norm_kernel<<<(unsigned)n_q_heads, 256, 0, st>>>(logits, capacity_tokens, ml);
+    kvmix__intent_sum_kernel<<<(unsigned)((capacity_tokens + 255) / 256), 256, 0, st>>>(
+        logits, ml, n_q_heads, capacity_tokens, scores);
     return kvmix__launch_status();
 }
 

@@ -166,6 +166,20 @@ kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq, int32_t 
                                    const float *memory, float *scores, int32_t capacity_tokens,
                                    kvmix_stream stream);
 
+/* Intent scores (kvmix_ref_view_intent_score on the GPU): for each query head h, the softmax
+   over the sequence's live tokens (those before capacity_tokens) of scale * dot(memory[h], key_t
+   of kv head h / g), summed over heads into scores[t]; dead tokens and entries past the
+   sequence's length get -INFINITY; a bad span makes every score NaN. scale 0 = 1/sqrt(head_dim).
+   memory [n_q_heads][head_dim], scores [capacity_tokens], workspace of
+   kvmix_cuda_view_intent_workspace_bytes: device memory. Four launches on `stream`.
+   Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, BUFFER_TOO_SMALL, CUDA. */
+kvmix_result kvmix_cuda_view_intent_workspace_bytes(int32_t n_q_heads, int32_t capacity_tokens,
+                                                    size_t *out_bytes);
+kvmix_result kvmix_cuda_view_intent_score(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
+                                          float scale, const float *memory, float *scores,
+                                          int32_t capacity_tokens, void *workspace,
+                                          size_t workspace_bytes, kvmix_stream stream);
+
 /* ------------------------------------------------------------------------------------------- */
 /* Transfer payload body (kvmix.h's >>transfer room). The head (header and tier table,           */
 /* info->head_bytes) is host work: the sender writes it with kvmix_payload_write_head and copies  */

@@ -668,6 +668,47 @@ static void test_decode(bool quick) {
 
 /* ---- dequantize and score ---------------------------------------------------------------- */
 
+/* kvmix_cuda_view_intent_score against kvmix_ref_view_intent_score on one sequence of a view:
+   the same scores for its tokens (dead ones -inf), -inf past its length up to cap. */
+static void check_intent_scores(const test_view &v, int seq, int n_q, const float *d_mem,
+                                const std::vector<float> &mem, int cap) {
+    char name[200];
+    const int64_t n = v.seq_tokens[seq];
+    size_t ws_bytes = 0;
+    void *d_ws;
+    float *d_out;
+    std::vector<float> got(cap), ref(n > 0 ? n : 1);
+    check(kvmix_cuda_view_intent_workspace_bytes(n_q, cap, &ws_bytes) == KVMIX_SUCCESS,
+          "intent workspace");
+    CUDA_OK(cudaMalloc(&d_ws, ws_bytes));
+    CUDA_OK(cudaMalloc(&d_out, (size_t)cap * 4));
+    kvmix_result r =
+        kvmix_cuda_view_intent_score(&v.dev, seq, n_q, 0.0f, d_mem, d_out, cap, d_ws, ws_bytes, 0);
+    check(kvmix_cuda_view_intent_score(&v.dev, seq, n_q, 0.0f, d_mem, d_out, cap, d_ws,
+                                       ws_bytes - 256, 0) == KVMIX_ERR_BUFFER_TOO_SMALL,
+          "intent score: small workspace refused");
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(got.data(), d_out, (size_t)cap * 4, cudaMemcpyDeviceToHost));
+    kvmix_result rr =
+        kvmix_ref_view_intent_score(&v.host, seq, n_q, 0.0f, mem.data(), ref.data(), (int32_t)n);
+    double worst = 0.0;
+    bool same_dead = true;
+    for (int64_t t = 0; t < n; t++) {
+        if (ref[t] == -INFINITY || got[t] == -INFINITY) {
+            same_dead &= ref[t] == got[t];
+            continue;
+        }
+        worst = fmax(worst, fabs((double)got[t] - ref[t]));
+    }
+    for (int t = (int)n; t < cap; t++) same_dead &= got[t] == -INFINITY;
+    snprintf(name, sizeof name,
+             "intent score D %d seq %d: largest difference %.2e (bound 1e-4), dead and past -inf",
+             v.d, seq, worst);
+    check(r == KVMIX_SUCCESS && rr == KVMIX_SUCCESS && same_dead && worst <= 1e-4, name);
+    cudaFree(d_ws);
+    cudaFree(d_out);
+}
+
 static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_dtype dtype,
                                        bool quick) {
     char name[200];
@@ -759,6 +800,7 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
         double e = nmse(got_scores, ref_scores, &fin);
         snprintf(name, sizeof name, "view score D %d seq %d: nmse %.2e, dead -inf", d, seq, e);
         check(r2 == KVMIX_SUCCESS && fin && dead_ok && e <= 1e-6, name);
+        check_intent_scores(v, seq, n_q, d_mem, mem, cap);
         cudaFree(d_k);
         cudaFree(d_v);
         cudaFree(d_mem);
