@@ -96,11 +96,12 @@ __device__ inline void kvmix__quantize_group(const uint16_t *x, int dtype, int g
     }
     kvmix__qp qp = kvmix__choose_qp(lo, hi, levels, kvmix__scale_grid(bits));
     for (int b = 0; b < group / per_byte; b++) {
-        uint32_t byte = 0;
+        uint8_t byte = 0;
         for (int k = 0; k < per_byte; k++)
-            byte |= kvmix__quantize_code(kvmix__load_elem(x + b * per_byte + k, dtype), qp, levels)
-                    << (k * bits);
-        codes[b] = (uint8_t)byte;
+            kvmix__put_code(
+                &byte, k, bits,
+                kvmix__quantize_code(kvmix__load_elem(x + b * per_byte + k, dtype), qp, levels));
+        codes[b] = byte;
     }
     kvmix__store_qparams(meta, qp.p);
 }
@@ -297,27 +298,27 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
     const int row_bytes = (int)s.row_bytes; /* 2-bit codes */
     for (int64_t e = threadIdx.x; e < (int64_t)n * row_bytes; e += blockDim.x) {
         int t = (int)(e / row_bytes), b = (int)(e % row_bytes);
-        uint32_t byte = 0;
+        uint8_t byte = 0;
         for (int k = 0; k < 4; k++) {
             int c = b * 4 + k;
             uint32_t q = kvmix__quantize_code(kvmix__h2f(src[t * p.src_row_stride + c]), sm.qp[c],
                                               sm.boosted[c] ? 15 : 3);
-            byte |= (q & 3u) << (2 * k);
+            kvmix__put_code(&byte, k, 2, q & 3u); /* the low bits; boosted high bits below */
         }
-        blk[(uint64_t)t * row_bytes + b] = (uint8_t)byte;
+        blk[(uint64_t)t * row_bytes + b] = byte;
     }
     if (boosted) {
         const int high_bytes = (int)s.high_row_bytes;
         for (int64_t e = threadIdx.x; e < (int64_t)n * high_bytes; e += blockDim.x) {
             int t = (int)(e / high_bytes), b = (int)(e % high_bytes);
-            uint32_t byte = 0;
+            uint8_t byte = 0;
             for (int k = 0; k < 4; k++) {
                 int c = sm.slot_channel[b * 4 + k];
                 uint32_t q =
                     kvmix__quantize_code(kvmix__h2f(src[t * p.src_row_stride + c]), sm.qp[c], 15);
-                byte |= (q >> 2) << (2 * k);
+                kvmix__put_code(&byte, k, 2, q >> 2);
             }
-            blk[kvmix__high_row_at(&s, t) + b] = (uint8_t)byte;
+            blk[kvmix__high_row_at(&s, t) + b] = byte;
         }
     }
 }
@@ -2085,15 +2086,14 @@ static __global__ void __launch_bounds__(256) kvmix__payload_pack_kernel(kvmix__
             }
             if (!on) continue;
             const kvmix__qp qp = kvmix__choose_qp(lo, hi, levels, kvmix__scale_grid(bits));
-            uint64_t q = 0;
+            uint8_t packed[8] = {0, 0, 0, 0, 0, 0, 0, 0}; /* 8 codes of 8 or 4 bits */
             for (int j = 0; j < 8; j++)
-                q |= (uint64_t)kvmix__quantize_code(x[j], qp, levels) << (bits * j);
+                kvmix__put_code(packed, j, bits, kvmix__quantize_code(x[j], qp, levels));
             const uint64_t row = (uint64_t)(c.r0 + r);
             if (bits == 8)
-                *(uint2 *)(blk + row * row_bytes + k * 8) =
-                    make_uint2((uint32_t)q, (uint32_t)(q >> 32));
+                memcpy(blk + row * row_bytes + k * 8, packed, 8);
             else
-                *(uint32_t *)(blk + row * row_bytes + k * 4) = (uint32_t)q;
+                memcpy(blk + row * row_bytes + k * 4, packed, 4);
             if (k % lanes == 0)
                 *(uint32_t *)(blk + kvmix__token_meta_at(&sec, (int64_t)row, groups, k / lanes)) =
                     (uint32_t)qp.p.scale_h | ((uint32_t)qp.p.min_h << 16);
