@@ -387,6 +387,14 @@ static __global__ void __launch_bounds__(256) kvmix__view_dequantize_kernel(kvmi
     });
 }
 
+/* Whether the key blocks and dead flags of view span sp can be read (its key sections in *s). */
+__device__ inline bool kvmix__span_keys_ok(const kvmix__view_params &p, const kvmix_view_span &sp,
+                                           kvmix__sections *s) {
+    return kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
+                           p.n_kv_heads, p.head_dim, p.group_size, p.n_boost, p.base_bytes, s) &&
+           kvmix__view_dead_ok(sp.dead_index, sp.n_tokens, p.n_dead_flags);
+}
+
 /* Blocks of 32 tokens, one warp per token: scores[t] = sum_h dot(memory[h], key_t[h / g]). */
 static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__view_params p) {
     __shared__ kvmix__walk_smem sm;
@@ -405,9 +413,7 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
         const kvmix_view_span sp = p.spans[si];
         int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
         kvmix__sections s;
-        bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
-                                  n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
-                  kvmix__view_dead_ok(sp.dead_index, sp.n_tokens, p.n_dead_flags);
+        bool ok = kvmix__span_keys_ok(p, sp, &s);
         for (int64_t pos = t0 + warp; pos < t1; pos += n_warps) {
             int64_t t = pos - start;
             float acc = 0.0f;
@@ -439,7 +445,7 @@ static __global__ void __launch_bounds__(256)
     __shared__ kvmix__walk_smem sm;
     const int64_t lo = (int64_t)blockIdx.x * kvmix__view_tile_tokens;
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
-    const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / p.n_kv_heads;
+    const int d = p.head_dim, g = p.n_q_heads / p.n_kv_heads;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const int first = p.seq_first_span[p.seq], last = p.seq_first_span[p.seq + 1];
     if (!kvmix__view_range_ok(first, last, p.n_spans)) {
@@ -452,9 +458,7 @@ static __global__ void __launch_bounds__(256)
         const kvmix_view_span sp = p.spans[si];
         int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
         kvmix__sections s;
-        bool ok = kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
-                                  n_kv, d, p.group_size, p.n_boost, p.base_bytes, &s) &&
-                  kvmix__view_dead_ok(sp.dead_index, sp.n_tokens, p.n_dead_flags);
+        bool ok = kvmix__span_keys_ok(p, sp, &s);
         for (int64_t task = warp; task < (t1 - t0) * p.n_q_heads; task += n_warps) {
             const int64_t pos = t0 + task / p.n_q_heads, t = pos - start;
             const int h = (int)(task % p.n_q_heads);

@@ -957,12 +957,6 @@ extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
         if (g->in_use[s])
             return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
                               "gpu_llama_tag: sequences are running");
-    kvmix_policy p = g->policy;
-    kvmix_policy_error why;
-    p.tag_precision = table;
-    if (kvmix_policy_check(&p, &why) != KVMIX_SUCCESS)
-        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: %s: %s", why.field,
-                          why.reason);
     if (kvmix_tag_spec_check(spec) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: bad spec");
     if (!g->taggers) {
@@ -971,10 +965,10 @@ extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
         if (!g->taggers || !g->by_tag)
             return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     }
+    llama_result r = kvmix_kv_policy_tagged(&g->policy, table, &g->tag_table, &g->tag_policy,
+                                            "gpu_llama_tag", err, err_bytes);
+    if (r != LLAMA_OK) return r;
     g->tag_spec = *spec;
-    g->tag_table = *table;
-    g->tag_policy = p;
-    g->tag_policy.tag_precision = &g->tag_table;
     g->tagged = true;
     return LLAMA_OK;
 }

@@ -585,6 +585,21 @@ llama_result kvmix_kv_create(const kvmix_policy *policy, const llama_config *con
     return LLAMA_OK;
 }
 
+llama_result kvmix_kv_policy_tagged(const kvmix_policy *policy, const kvmix_tag_precision *table,
+                                    kvmix_tag_precision *table_copy, kvmix_policy *out_policy,
+                                    const char *who, char *err, size_t err_bytes) {
+    kvmix_policy_error why;
+    kvmix_policy p = *policy;
+    p.tag_precision = table;
+    if (kvmix_policy_check(&p, &why) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "%s: %s: %s", who, why.field,
+                          why.reason);
+    *table_copy = *table;
+    p.tag_precision = table_copy;
+    *out_policy = p;
+    return LLAMA_OK;
+}
+
 llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
                           const kvmix_tag_precision *table, char *err, size_t err_bytes) {
     if (cache == NULL || spec == NULL || table == NULL)
@@ -593,18 +608,12 @@ llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
                           "kv tags: the fp32 cache keeps every token in fp32");
     kv_kvmix *kv = cache->state;
-    kvmix_policy_error why;
-    kvmix_policy p = kv->policy;
     kvmix_tagger tagger;
-    p.tag_precision = table;
-    if (kvmix_policy_check(&p, &why) != KVMIX_SUCCESS)
-        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv tags: %s: %s", why.field,
-                          why.reason);
     if (kvmix_tagger_init(&tagger, spec) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv tags: the spec does not check");
-    kv->table = *table;
-    kv->policy = p;
-    kv->policy.tag_precision = &kv->table;
+    llama_result r = kvmix_kv_policy_tagged(&kv->policy, table, &kv->table, &kv->policy, "kv tags",
+                                            err, err_bytes);
+    if (r != LLAMA_OK) return r;
     kv->tagger = tagger;
     kv->tagged = true;
     kv->next_pos = -1;

@@ -71,6 +71,14 @@ llama_result kvmix_kv_create(const kvmix_policy *policy, const llama_config *con
 llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
                           const kvmix_tag_precision *table, char *err, size_t err_bytes);
 
+/* `policy` storing by tag, for a runner that tags (kvmix_kv_tag, gpu_llama_tag): checks it with
+   `table`, then copies table into *table_copy (the runner's, kept as long as the policy) and
+   writes *out_policy pointing at the copy. LLAMA_ERR_ARGUMENT naming the refused field, with
+   `who` first (nothing written then). */
+llama_result kvmix_kv_policy_tagged(const kvmix_policy *policy, const kvmix_tag_precision *table,
+                                    kvmix_tag_precision *table_copy, kvmix_policy *out_policy,
+                                    const char *who, char *err, size_t err_bytes);
+
 /* For tests: the kvmix cache and sequence behind a kvmix-backed llama_kv_cache (NULL / -1 for
  * the fp32 one). */
 const kvmix_cache *kvmix_kv_inner(const llama_kv_cache *cache, int32_t *out_seq);
