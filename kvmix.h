@@ -30,7 +30,7 @@
      // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
      // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
      // >>tags      template specs and the streaming tagger: per token a turn, a modality, a role
-     // >>intent    intent-aware eviction: the session store, QueryMemory
+     // >>intent    intent-aware eviction: the session store, QueryMemory, budgeted selection
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -1445,6 +1445,73 @@ KVMIXDEF kvmix_result kvmix_session_store_acquire(kvmix_session_store *store,
 KVMIXDEF kvmix_result kvmix_query_memory_update(float *memory, int32_t n_layers, int32_t n_q_heads,
                                                 int32_t head_dim, const float *queries,
                                                 int32_t n_tokens, float decay);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Budgeted eviction: once a request's prompt ran, the positions of a sequence beyond a budget    */
+/* are evicted (kvmix_cache_evict) lowest score first, never one of the forced set (the protected */
+/* prefix and the request's actionable span). The scorers differ only in the scores they give;   */
+/* the runner computes them (intent scores from the view, attention mass), these calls shape and */
+/* select. Implementation: // >>intent.                                                          */
+
+typedef enum kvmix_evict_scorer {
+    KVMIX_EVICT_INTENT = 1,    /* the session's QueryMemory: kvmix_ref_view_intent_score summed
+                                  over layers */
+    KVMIX_EVICT_QUERY = 2,     /* the same over the request's own actionable queries alone (no
+                                  memory: the ablation arm) */
+    KVMIX_EVICT_STREAMING = 3, /* StreamingLLM: the prefix (sinks) and the most recent positions */
+    KVMIX_EVICT_H2O = 4,       /* H2O: attention mass accumulated over every query so far, the
+                                  recent_tokens most recent kept as a floor */
+    KVMIX_EVICT_SNAPKV = 5     /* SnapKV: attention mass of the prompt's last observe_tokens
+                                  queries, max-pooled over pool_tokens neighbours */
+} kvmix_evict_scorer;
+
+typedef struct kvmix_evict_policy {
+    int32_t scorer;         /* a kvmix_evict_scorer */
+    int32_t budget_tokens;  /* live positions a sequence keeps at most; 0 = budget_fraction */
+    double budget_fraction; /* else of the positions it has, in (0, 1] */
+    double decay;           /* INTENT: QueryMemory decay, [0, 1) (kvmix_query_memory_update) */
+    int32_t prefix_tokens;  /* first positions always kept (the protected system prefix); 0 =
+                               none */
+    int32_t recent_tokens;  /* H2O: most recent positions always kept; 0 = none */
+    int32_t observe_tokens; /* SNAPKV: queries observed at the prompt's end; 0 = 32 */
+    int32_t pool_tokens;    /* SNAPKV: max-pool width, odd; 0 = 7 */
+} kvmix_evict_policy;
+
+/* Checks a policy and writes it back with defaults resolved (on failure *policy is unchanged and
+   *out_error, may be NULL, names the field). Returns NULL_POINTER, INVALID_ARGUMENT. Pure. */
+KVMIXDEF kvmix_result kvmix_evict_policy_resolve(kvmix_evict_policy *policy,
+                                                 kvmix_policy_error *out_error);
+
+/* The live positions a sequence of n_positions positions keeps: budget_tokens, or
+   ceil(budget_fraction * n_positions), at least 1. Returns NULL_POINTER, INVALID_ARGUMENT
+   (a policy that does not resolve, n_positions < 0). */
+KVMIXDEF kvmix_result kvmix_evict_budget(const kvmix_evict_policy *policy, int32_t n_positions,
+                                         int32_t *out_keep);
+
+/* The forced set of a request: forced[t] = 1 for the first prefix_tokens positions and for the
+   actionable span [actionable_first, actionable_end), 0 elsewhere; forced: [n_positions].
+   Returns NULL_POINTER, INVALID_ARGUMENT (counts, a span outside 0 .. n_positions). */
+KVMIXDEF kvmix_result kvmix_evict_forced(const kvmix_evict_policy *policy, int32_t n_positions,
+                                         int32_t actionable_first, int32_t actionable_end,
+                                         uint8_t *forced);
+
+/* Turns the runner's raw scores into the scorer's, in place: STREAMING scores[t] = t; H2O: the
+   last recent_tokens positions +INFINITY; SNAPKV: each the maximum of the raw scores within
+   pool_tokens / 2 positions either side; INTENT and QUERY unchanged. -INFINITY (evicted) stays.
+   scratch: [n_positions] floats (SNAPKV only; may be NULL otherwise). Returns NULL_POINTER,
+   INVALID_ARGUMENT, BAD_VALUE (a NaN or +INFINITY raw score; nothing written). */
+KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy, float *scores,
+                                               int32_t n_positions, float *scratch);
+
+/* Chooses what to evict: of the positions t < n_positions with live[t] (NULL = all live), the
+   forced ones stay, and the others, highest score first (the later position first on ties),
+   fill what is left of keep; out_positions [n_positions] receives the rest in increasing order,
+   *out_n_evict of them (none when the live positions fit in keep; every unforced one when the
+   forced ones alone exceed it). Returns NULL_POINTER, INVALID_ARGUMENT (counts, keep < 0),
+   BAD_VALUE (a NaN score of a live position; nothing written). Pure. */
+KVMIXDEF kvmix_result kvmix_evict_select(const float *scores, const uint8_t *live,
+                                         const uint8_t *forced, int32_t n_positions, int32_t keep,
+                                         int32_t *out_positions, int32_t *out_n_evict);
 
 // >>rules
 /* ------------------------------------------------------------------------------------------- */
@@ -7264,6 +7331,159 @@ KVMIXDEF kvmix_result kvmix_query_memory_update(float *memory, int32_t n_layers,
         if (!kvmix__unit_row(row, head_dim)) continue; /* opposite and equal: keep the old row */
         for (c = 0; c < head_dim; c++) m[c] = (float)row[c];
     }
+    return KVMIX_SUCCESS;
+}
+
+/* ---- budgeted eviction --------------------------------------------------------------------- */
+
+static int kvmix__evict_fail(kvmix_policy_error *out_error, const char *field, const char *reason) {
+    if (out_error) {
+        out_error->field = field;
+        out_error->reason = reason;
+    }
+    return 0;
+}
+
+static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_policy_error *out_error) {
+    if (p->scorer < KVMIX_EVICT_INTENT || p->scorer > KVMIX_EVICT_SNAPKV)
+        return kvmix__evict_fail(out_error, "scorer", "not a kvmix_evict_scorer");
+    if (p->budget_tokens < 0)
+        return kvmix__evict_fail(out_error, "budget_tokens", "negative");
+    if (p->budget_tokens == 0 && !(p->budget_fraction > 0.0 && p->budget_fraction <= 1.0))
+        return kvmix__evict_fail(out_error, "budget_fraction",
+                                 "not in (0, 1] while budget_tokens is 0");
+    if (!(p->decay >= 0.0 && p->decay < 1.0))
+        return kvmix__evict_fail(out_error, "decay", "not in [0, 1)");
+    if (p->prefix_tokens < 0) return kvmix__evict_fail(out_error, "prefix_tokens", "negative");
+    if (p->recent_tokens < 0) return kvmix__evict_fail(out_error, "recent_tokens", "negative");
+    if (p->observe_tokens < 0) return kvmix__evict_fail(out_error, "observe_tokens", "negative");
+    if (p->pool_tokens < 0 || (p->pool_tokens > 0 && p->pool_tokens % 2 == 0))
+        return kvmix__evict_fail(out_error, "pool_tokens", "not odd");
+    return 1;
+}
+
+KVMIXDEF kvmix_result kvmix_evict_policy_resolve(kvmix_evict_policy *policy,
+                                                 kvmix_policy_error *out_error) {
+    if (!policy) return KVMIX_ERR_NULL_POINTER;
+    if (!kvmix__evict_policy_ok(policy, out_error)) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (policy->observe_tokens == 0) policy->observe_tokens = 32;
+    if (policy->pool_tokens == 0) policy->pool_tokens = 7;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_evict_budget(const kvmix_evict_policy *policy, int32_t n_positions,
+                                         int32_t *out_keep) {
+    double keep;
+    if (!policy || !out_keep) return KVMIX_ERR_NULL_POINTER;
+    if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    keep = policy->budget_tokens > 0 ? (double)policy->budget_tokens
+                                     : ceil(policy->budget_fraction * (double)n_positions);
+    *out_keep = keep < 1.0 ? 1 : (int32_t)keep;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_evict_forced(const kvmix_evict_policy *policy, int32_t n_positions,
+                                         int32_t actionable_first, int32_t actionable_end,
+                                         uint8_t *forced) {
+    int32_t t;
+    if (!policy || (!forced && n_positions > 0)) return KVMIX_ERR_NULL_POINTER;
+    if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0 || actionable_first < 0 ||
+        actionable_end < actionable_first || actionable_end > n_positions)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    for (t = 0; t < n_positions; t++)
+        forced[t] = (uint8_t)(t < policy->prefix_tokens ||
+                              (t >= actionable_first && t < actionable_end));
+    return KVMIX_SUCCESS;
+}
+
+/* SnapKV's pooling: each score the maximum within `radius` positions either side. */
+static void kvmix__max_pool(float *scores, int32_t n, int32_t radius, float *scratch) {
+    int32_t t, u;
+    memcpy(scratch, scores, (size_t)n * sizeof *scores);
+    for (t = 0; t < n; t++) {
+        float best = scratch[t];
+        if (best == -INFINITY) continue; /* evicted stays evicted */
+        for (u = t - radius < 0 ? 0 : t - radius; u <= t + radius && u < n; u++)
+            if (scratch[u] > best) best = scratch[u];
+        scores[t] = best;
+    }
+}
+
+KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy, float *scores,
+                                               int32_t n_positions, float *scratch) {
+    int32_t t;
+    if (!policy || (!scores && n_positions > 0)) return KVMIX_ERR_NULL_POINTER;
+    if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (policy->scorer == KVMIX_EVICT_SNAPKV && !scratch && n_positions > 0)
+        return KVMIX_ERR_NULL_POINTER;
+    for (t = 0; t < n_positions; t++)
+        if (scores[t] != scores[t] || scores[t] == INFINITY) return KVMIX_ERR_BAD_VALUE;
+    for (t = 0; t < n_positions; t++) {
+        if (scores[t] == -INFINITY) continue;
+        if (policy->scorer == KVMIX_EVICT_STREAMING)
+            scores[t] = (float)t;
+        else if (policy->scorer == KVMIX_EVICT_H2O && t >= n_positions - policy->recent_tokens)
+            scores[t] = INFINITY;
+    }
+    if (policy->scorer == KVMIX_EVICT_SNAPKV)
+        kvmix__max_pool(scores, n_positions, (policy->pool_tokens ? policy->pool_tokens : 7) / 2,
+                        scratch);
+    return KVMIX_SUCCESS;
+}
+
+/* Whether position a ranks below b for keeping: a lower score, or the earlier on ties; with no
+   scores, the earlier position. */
+static int kvmix__ranks_below(const float *scores, int32_t a, int32_t b) {
+    if (!scores) return a < b;
+    return scores[a] < scores[b] || (scores[a] == scores[b] && a < b);
+}
+
+/* Heap sort of positions by rank, lowest first (no allocation, O(n log n)). */
+static void kvmix__sift(const float *scores, int32_t *heap, int32_t root, int32_t n) {
+    for (;;) {
+        int32_t top = root, l = 2 * root + 1, r = l + 1, tmp;
+        if (l < n && kvmix__ranks_below(scores, heap[top], heap[l])) top = l;
+        if (r < n && kvmix__ranks_below(scores, heap[top], heap[r])) top = r;
+        if (top == root) return;
+        tmp = heap[root], heap[root] = heap[top], heap[top] = tmp;
+        root = top;
+    }
+}
+
+static void kvmix__sort_by_rank(const float *scores, int32_t *pos, int32_t n) {
+    int32_t i, tmp;
+    for (i = n / 2 - 1; i >= 0; i--) kvmix__sift(scores, pos, i, n);
+    for (i = n - 1; i > 0; i--) {
+        tmp = pos[0], pos[0] = pos[i], pos[i] = tmp;
+        kvmix__sift(scores, pos, 0, i);
+    }
+}
+
+KVMIXDEF kvmix_result kvmix_evict_select(const float *scores, const uint8_t *live,
+                                         const uint8_t *forced, int32_t n_positions, int32_t keep,
+                                         int32_t *out_positions, int32_t *out_n_evict) {
+    int32_t t, n_live = 0, n_forced = 0, n_candidates = 0, room;
+    if (!out_n_evict || ((!scores || !out_positions) && n_positions > 0))
+        return KVMIX_ERR_NULL_POINTER;
+    if (n_positions < 0 || keep < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    for (t = 0; t < n_positions; t++)
+        if ((!live || live[t]) && scores[t] != scores[t]) return KVMIX_ERR_BAD_VALUE;
+    for (t = 0; t < n_positions; t++) {
+        if (live && !live[t]) continue;
+        n_live++;
+        if (forced && forced[t])
+            n_forced++;
+        else
+            out_positions[n_candidates++] = t;
+    }
+    *out_n_evict = 0;
+    if (n_live <= keep) return KVMIX_SUCCESS;
+    room = keep > n_forced ? keep - n_forced : 0;
+    kvmix__sort_by_rank(scores, out_positions, n_candidates);
+    *out_n_evict = n_candidates - room;
+    kvmix__sort_by_rank(NULL, out_positions, *out_n_evict);
     return KVMIX_SUCCESS;
 }
 

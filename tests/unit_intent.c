@@ -298,6 +298,168 @@ static void test_intent_scores(void) {
     kvmix_cache_deinit(&cache);
 }
 
+static kvmix_evict_policy evict_policy(int32_t scorer, double fraction) {
+    kvmix_evict_policy p;
+    memset(&p, 0, sizeof p);
+    p.scorer = scorer;
+    p.budget_fraction = fraction;
+    p.prefix_tokens = 2;
+    return p;
+}
+
+/* Budget and forced set: the fraction rounds up, tokens win over it; prefix and span forced. */
+static void test_evict_budget_and_forced(void) {
+    kvmix_evict_policy p = evict_policy(KVMIX_EVICT_INTENT, 0.25);
+    kvmix_policy_error why;
+    uint8_t forced[10];
+    int32_t keep = -1, t;
+    CHECK_RESULT(kvmix_evict_policy_resolve(&p, &why), KVMIX_SUCCESS);
+    CHECK_EQ_INT(p.observe_tokens, 32);
+    CHECK_EQ_INT(p.pool_tokens, 7);
+    CHECK_RESULT(kvmix_evict_budget(&p, 10, &keep), KVMIX_SUCCESS);
+    CHECK_EQ_INT(keep, 3); /* ceil(2.5) */
+    CHECK_RESULT(kvmix_evict_budget(&p, 0, &keep), KVMIX_SUCCESS);
+    CHECK_EQ_INT(keep, 1);
+    p.budget_tokens = 6;
+    CHECK_RESULT(kvmix_evict_budget(&p, 10, &keep), KVMIX_SUCCESS);
+    CHECK_EQ_INT(keep, 6);
+    CHECK_RESULT(kvmix_evict_forced(&p, 10, 6, 8, forced), KVMIX_SUCCESS);
+    for (t = 0; t < 10; t++) CHECK_EQ_INT(forced[t], t < 2 || t == 6 || t == 7);
+    CHECK_RESULT(kvmix_evict_forced(&p, 10, 8, 11, forced), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_evict_forced(&p, 10, 8, 7, forced), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_evict_budget(&p, -1, &keep), KVMIX_ERR_INVALID_ARGUMENT);
+}
+
+/* Bad policies are refused with the field named, and resolve writes nothing then. */
+static void test_evict_bad_policy(void) {
+    static const struct {
+        int32_t scorer, budget_tokens, pool;
+        double fraction, decay;
+        const char *field;
+    } bad[] = {{0, 0, 0, 0.5, 0.0, "scorer"},
+               {6, 0, 0, 0.5, 0.0, "scorer"},
+               {1, -1, 0, 0.5, 0.0, "budget_tokens"},
+               {1, 0, 0, 0.0, 0.0, "budget_fraction"},
+               {1, 0, 0, 1.5, 0.0, "budget_fraction"},
+               {1, 0, 0, 0.5, 1.0, "decay"},
+               {1, 0, 0, 0.5, -0.1, "decay"},
+               {5, 0, 4, 0.5, 0.0, "pool_tokens"}};
+    size_t i;
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvmix_evict_policy p = evict_policy(bad[i].scorer, bad[i].fraction), before;
+        kvmix_policy_error why = {NULL, NULL};
+        int32_t keep = 77;
+        p.budget_tokens = bad[i].budget_tokens;
+        p.pool_tokens = bad[i].pool;
+        p.decay = bad[i].decay;
+        before = p;
+        CHECK_RESULT(kvmix_evict_policy_resolve(&p, &why), KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK(why.field && strcmp(why.field, bad[i].field) == 0);
+        CHECK(memcmp(&p, &before, sizeof p) == 0);
+        CHECK_RESULT(kvmix_evict_budget(&p, 10, &keep), KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_EQ_INT(keep, 77);
+    }
+    CHECK_RESULT(kvmix_evict_policy_resolve(NULL, NULL), KVMIX_ERR_NULL_POINTER);
+}
+
+/* Selection: forced kept whatever their score, the top unforced fill the rest, ties keep the
+   later position, dead positions neither count nor come back, output in increasing order. */
+static void test_evict_select(void) {
+    enum { N = 12 };
+    float scores[N] = {0, 0, 5, 1, 7, 3, 3, 9, 2, 0, -1, 4};
+    uint8_t live[N], forced[N];
+    int32_t out[N], n = -1, t, kept = 0;
+    memset(live, 1, sizeof live);
+    memset(forced, 0, sizeof forced);
+    forced[0] = forced[1] = forced[10] = 1; /* low scores, forced anyway */
+    live[7] = 0;                            /* the best score, already gone */
+    CHECK_RESULT(kvmix_evict_select(scores, live, forced, N, 7, out, &n), KVMIX_SUCCESS);
+    /* live 11, forced 3: room 4 of 8 candidates {2:5, 3:1, 4:7, 5:3, 6:3, 8:2, 9:0, 11:4};
+       keep 4:7, 2:5, 11:4, 6:3 (the later of the tie at 3) */
+    CHECK_EQ_INT(n, 4);
+    CHECK_EQ_INT(out[0], 3);
+    CHECK_EQ_INT(out[1], 5);
+    CHECK_EQ_INT(out[2], 8);
+    CHECK_EQ_INT(out[3], 9);
+    for (t = 0; t < n; t++) CHECK(!forced[out[t]] && live[out[t]]);
+    for (t = 0; t < N; t++) kept += live[t];
+    CHECK_EQ_INT(kept - n, 7);
+    CHECK_RESULT(kvmix_evict_select(scores, live, forced, N, 11, out, &n), KVMIX_SUCCESS);
+    CHECK_EQ_INT(n, 0); /* fits */
+    CHECK_RESULT(kvmix_evict_select(scores, live, forced, N, 1, out, &n), KVMIX_SUCCESS);
+    CHECK_EQ_INT(n, 8); /* the forced alone exceed it: every unforced goes */
+    scores[5] = NAN;
+    n = 99;
+    CHECK_RESULT(kvmix_evict_select(scores, live, forced, N, 7, out, &n), KVMIX_ERR_BAD_VALUE);
+    CHECK_EQ_INT(n, 99);
+    scores[5] = 3;
+    scores[7] = NAN; /* a dead position's score is not read */
+    CHECK_RESULT(kvmix_evict_select(scores, live, forced, N, 7, out, &n), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_evict_select(scores, live, forced, N, -1, out, &n),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_evict_select(NULL, live, forced, N, 1, out, &n), KVMIX_ERR_NULL_POINTER);
+}
+
+/* A large random selection agrees with a count of what ranks above each kept position. */
+static void test_evict_select_random(void) {
+    enum { N = 3000 };
+    static float scores[N];
+    static uint8_t forced[N];
+    static int32_t out[N];
+    static uint8_t evicted[N];
+    int32_t n = 0, t, keep = 900, worst_kept = -1;
+    srand(7);
+    for (t = 0; t < N; t++) {
+        scores[t] = (float)(rand() % 500);
+        forced[t] = rand() % 10 == 0;
+    }
+    CHECK_RESULT(kvmix_evict_select(scores, NULL, forced, N, keep, out, &n), KVMIX_SUCCESS);
+    memset(evicted, 0, sizeof evicted);
+    for (t = 0; t < n; t++) {
+        CHECK(!forced[out[t]]);
+        if (t > 0) CHECK(out[t] > out[t - 1]);
+        evicted[out[t]] = 1;
+    }
+    CHECK_EQ_INT(N - n, keep);
+    for (t = 0; t < N; t++) /* the lowest-ranked kept candidate */
+        if (!evicted[t] && !forced[t] &&
+            (worst_kept < 0 || scores[t] < scores[worst_kept] ||
+             (scores[t] == scores[worst_kept] && t < worst_kept)))
+            worst_kept = t;
+    for (t = 0; t < n; t++) /* every evicted ranks below it */
+        CHECK(scores[out[t]] < scores[worst_kept] ||
+              (scores[out[t]] == scores[worst_kept] && out[t] < worst_kept));
+}
+
+/* Scorer shapes: recency, H2O's recent floor, SnapKV's max-pool; evicted stay -inf. */
+static void test_evict_shape(void) {
+    kvmix_evict_policy p = evict_policy(KVMIX_EVICT_STREAMING, 0.5);
+    float s[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2}, scratch[8];
+    int32_t t;
+    CHECK_RESULT(kvmix_evict_shape_scores(&p, s, 8, NULL), KVMIX_SUCCESS);
+    for (t = 0; t < 8; t++) CHECK(t == 2 ? s[t] == -INFINITY : s[t] == (float)t);
+    {
+        float h[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
+        p.scorer = KVMIX_EVICT_H2O;
+        p.recent_tokens = 3;
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, h, 8, NULL), KVMIX_SUCCESS);
+        CHECK(h[0] == 4 && h[4] == 0 && h[5] == INFINITY && h[7] == INFINITY);
+    }
+    {
+        float k[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
+        float want[8] = {4, 4, -INFINITY, 0, 9, 9, 9, 2};
+        p.scorer = KVMIX_EVICT_SNAPKV;
+        p.pool_tokens = 3;
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, NULL), KVMIX_ERR_NULL_POINTER);
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, scratch), KVMIX_SUCCESS);
+        for (t = 0; t < 8; t++) CHECK(k[t] == want[t]);
+        k[0] = NAN;
+        k[1] = 5;
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, scratch), KVMIX_ERR_BAD_VALUE);
+        CHECK(k[1] == 5);
+    }
+}
+
 void unit_intent(void) {
     test_key_resolution();
     test_memory_kept();
@@ -306,4 +468,9 @@ void unit_intent(void) {
     test_local_and_bad();
     test_query_memory();
     test_intent_scores();
+    test_evict_budget_and_forced();
+    test_evict_bad_policy();
+    test_evict_select();
+    test_evict_select_random();
+    test_evict_shape();
 }
