@@ -7347,8 +7347,7 @@ static int kvmix__evict_fail(kvmix_policy_error *out_error, const char *field, c
 static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_policy_error *out_error) {
     if (p->scorer < KVMIX_EVICT_INTENT || p->scorer > KVMIX_EVICT_SNAPKV)
         return kvmix__evict_fail(out_error, "scorer", "not a kvmix_evict_scorer");
-    if (p->budget_tokens < 0)
-        return kvmix__evict_fail(out_error, "budget_tokens", "negative");
+    if (p->budget_tokens < 0) return kvmix__evict_fail(out_error, "budget_tokens", "negative");
     if (p->budget_tokens == 0 && !(p->budget_fraction > 0.0 && p->budget_fraction <= 1.0))
         return kvmix__evict_fail(out_error, "budget_fraction",
                                  "not in (0, 1] while budget_tokens is 0");
@@ -7375,8 +7374,7 @@ KVMIXDEF kvmix_result kvmix_evict_budget(const kvmix_evict_policy *policy, int32
                                          int32_t *out_keep) {
     double keep;
     if (!policy || !out_keep) return KVMIX_ERR_NULL_POINTER;
-    if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     keep = policy->budget_tokens > 0 ? (double)policy->budget_tokens
                                      : ceil(policy->budget_fraction * (double)n_positions);
     *out_keep = keep < 1.0 ? 1 : (int32_t)keep;
@@ -7392,8 +7390,8 @@ KVMIXDEF kvmix_result kvmix_evict_forced(const kvmix_evict_policy *policy, int32
         actionable_end < actionable_first || actionable_end > n_positions)
         return KVMIX_ERR_INVALID_ARGUMENT;
     for (t = 0; t < n_positions; t++)
-        forced[t] = (uint8_t)(t < policy->prefix_tokens ||
-                              (t >= actionable_first && t < actionable_end));
+        forced[t] =
+            (uint8_t)(t < policy->prefix_tokens || (t >= actionable_first && t < actionable_end));
     return KVMIX_SUCCESS;
 }
 
@@ -7414,8 +7412,7 @@ KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy,
                                                int32_t n_positions, float *scratch) {
     int32_t t;
     if (!policy || (!scores && n_positions > 0)) return KVMIX_ERR_NULL_POINTER;
-    if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     if (policy->scorer == KVMIX_EVICT_SNAPKV && !scratch && n_positions > 0)
         return KVMIX_ERR_NULL_POINTER;
     for (t = 0; t < n_positions; t++)

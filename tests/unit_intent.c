@@ -336,14 +336,10 @@ static void test_evict_bad_policy(void) {
         int32_t scorer, budget_tokens, pool;
         double fraction, decay;
         const char *field;
-    } bad[] = {{0, 0, 0, 0.5, 0.0, "scorer"},
-               {6, 0, 0, 0.5, 0.0, "scorer"},
-               {1, -1, 0, 0.5, 0.0, "budget_tokens"},
-               {1, 0, 0, 0.0, 0.0, "budget_fraction"},
-               {1, 0, 0, 1.5, 0.0, "budget_fraction"},
-               {1, 0, 0, 0.5, 1.0, "decay"},
-               {1, 0, 0, 0.5, -0.1, "decay"},
-               {5, 0, 4, 0.5, 0.0, "pool_tokens"}};
+    } bad[] = {{0, 0, 0, 0.5, 0.0, "scorer"},          {6, 0, 0, 0.5, 0.0, "scorer"},
+               {1, -1, 0, 0.5, 0.0, "budget_tokens"},  {1, 0, 0, 0.0, 0.0, "budget_fraction"},
+               {1, 0, 0, 1.5, 0.0, "budget_fraction"}, {1, 0, 0, 0.5, 1.0, "decay"},
+               {1, 0, 0, 0.5, -0.1, "decay"},          {5, 0, 4, 0.5, 0.0, "pool_tokens"}};
     size_t i;
     for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvmix_evict_policy p = evict_policy(bad[i].scorer, bad[i].fraction), before;
