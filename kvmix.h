@@ -719,6 +719,15 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
                                        int32_t max_spans, int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view);
 
+/* The position of each token that kvmix_cache_view lists for sequence `seq` on layer `layer`, in
+   the view's order (the index a view's per-token output, such as kvmix_ref_view_intent_score's
+   scores, has): positions [capacity], *out_n of them; -1 for a row the sequence does not use (a
+   shared page's rows past its fork point). Evicted positions still listed keep their position.
+   Returns NULL_POINTER, INVALID_ARGUMENT (seq, layer) or BUFFER_TOO_SMALL (nothing written). */
+KVMIXDEF kvmix_result kvmix_cache_view_positions(const kvmix_cache *cache, int32_t seq,
+                                                 int32_t layer, int32_t *positions,
+                                                 int32_t capacity, int32_t *out_n);
+
 /* Workspace bytes of kvmix_cache_ref_decode for these sequences as they are now; it grows with
    them (kvmix_cache_ref_decode_workspace_max bounds it). */
 KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
@@ -5224,6 +5233,32 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
     out_view->spans = spans;
     out_view->seq_first_span = seq_first_span;
     out_view->dead = dead;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_view_positions(const kvmix_cache *cache, int32_t seq,
+                                                 int32_t layer, int32_t *positions,
+                                                 int32_t capacity, int32_t *out_n) {
+    const kvmix_cache_entry *e;
+    int64_t total = 0;
+    int32_t j, row, k = 0;
+    if (!cache || !out_n) return KVMIX_ERR_NULL_POINTER;
+    if (kvmix__cache_seq_ok(cache, seq).result != KVMIX_SUCCESS || layer < 0 ||
+        layer >= cache->desc.n_layers || capacity < 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    e = kvmix__seq_entries(cache, seq);
+    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
+        int32_t n = kvmix__span_tokens(cache, seq, layer, &cache->pages[e[j].page], &e[j]);
+        if (n > 0) total += n;
+    }
+    if (total > capacity) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if (total > 0 && !positions) return KVMIX_ERR_NULL_POINTER;
+    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
+        int32_t n = kvmix__span_tokens(cache, seq, layer, &cache->pages[e[j].page], &e[j]);
+        for (row = 0; row < n; row++)
+            positions[k++] = row < e[j].n_rows ? e[j].first_pos + row : -1;
+    }
+    *out_n = k;
     return KVMIX_SUCCESS;
 }
 

@@ -456,6 +456,50 @@ static void test_evict_shape(void) {
     }
 }
 
+/* View positions: the view's token order mapped back to positions; a released page's positions
+   leave the view, evicted rows of a kept page stay listed, a fork's rows of a sealed shared page
+   past its fork point are -1; too small a buffer writes nothing. */
+static void test_view_positions(void) {
+    enum { N = 40, KV = 1, D = 32 };
+    kvmix_cache cache;
+    kvmix_cache_desc d;
+    static float rows[N * KV * D];
+    int32_t seq, child, t, n = -1, gone[17], pos[64], layer;
+    memset(&d, 0, sizeof d);
+    d.n_layers = 2, d.n_kv_heads = KV, d.head_dim = D, d.page_tokens = 16;
+    d.max_tokens_per_seq = 64, d.arena_bytes = 1 << 20, d.max_seqs = 2;
+    d.default_precision.key_format = KVMIX_FORMAT_INT8;
+    d.default_precision.value_format = KVMIX_FORMAT_INT8;
+    for (t = 0; t < N * KV * D; t++) rows[t] = (float)(t % 9) / 8.0f;
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, seq, N, NULL, NULL), KVMIX_SUCCESS);
+    for (layer = 0; layer < 2; layer++)
+        CHECK_RESULT(kvmix_cache_write(&cache, seq, layer, 0, N, rows, rows), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seal_ready(&cache, seq), KVMIX_SUCCESS);
+    for (t = 0; t < 16; t++) gone[t] = 16 + t; /* the whole second page */
+    gone[16] = 5;
+    CHECK_RESULT(kvmix_cache_evict(&cache, seq, gone, 17), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_view_positions(&cache, seq, 0, pos, 23, &n),
+                 KVMIX_ERR_BUFFER_TOO_SMALL);
+    CHECK_EQ_INT(n, -1);
+    for (layer = 0; layer < 2; layer++) {
+        CHECK_RESULT(kvmix_cache_view_positions(&cache, seq, layer, pos, 64, &n), KVMIX_SUCCESS);
+        CHECK_EQ_INT(n, 24);
+        for (t = 0; t < 16; t++) CHECK_EQ_INT(pos[t], t); /* 5 is evicted, still listed */
+        for (t = 16; t < 24; t++) CHECK_EQ_INT(pos[t], 16 + t);
+    }
+    CHECK_RESULT(kvmix_cache_seq_fork(&cache, seq, 10, &child), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_view_positions(&cache, child, 0, pos, 64, &n), KVMIX_SUCCESS);
+    CHECK_EQ_INT(n, 16);
+    for (t = 0; t < 16; t++) CHECK_EQ_INT(pos[t], t < 10 ? t : -1);
+    CHECK_RESULT(kvmix_cache_view_positions(&cache, seq, 2, pos, 64, &n),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_view_positions(&cache, 5, 0, pos, 64, &n), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_view_positions(&cache, seq, 0, NULL, 64, &n), KVMIX_ERR_NULL_POINTER);
+    kvmix_cache_deinit(&cache);
+}
+
 void unit_intent(void) {
     test_key_resolution();
     test_memory_kept();
@@ -469,4 +513,5 @@ void unit_intent(void) {
     test_evict_select();
     test_evict_select_random();
     test_evict_shape();
+    test_view_positions();
 }
