@@ -172,15 +172,16 @@ $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_
 	$(NVCC) $(NVCCFLAGS) -I. -Iexamples -c $< -o $@
 
 $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(BUILD)/gpu_llama.o \
-		$(BUILD)/kvmix_cuda.o | $(BUILD)
+		$(BUILD)/kvmix_cuda.o examples/evict_driver.c examples/evict_driver.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_EVAL_CUDA -I. -Iexamples -c examples/kvmix_eval.c -o $(BUILD)/eval_cuda_main.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_driver.c -o $(BUILD)/eval_cuda_evict.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/llama.c -o $(BUILD)/eval_cuda_llama.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/kvmix_kv.c -o $(BUILD)/eval_cuda_kv.o
 	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION -c \
 		examples/tag_spec_json.c -o $(BUILD)/eval_cuda_spec.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/tag_allocation.c -o $(BUILD)/eval_cuda_alloc.o
 	$(NVCC) $(BUILD)/eval_cuda_main.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
-		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/gpu_llama.o \
+		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/eval_cuda_evict.o $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
 $(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda | $(BUILD)

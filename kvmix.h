@@ -864,6 +864,32 @@ typedef enum kvmix_policy_boundary {
     KVMIX_POLICY_BOUNDARY_CONTINUE = 1 /* nothing: a continuing session keeps its FP16 window */
 } kvmix_policy_boundary;
 
+/* Budgeted eviction (a loop's, after each request's prompt: kvmix_evict_select and the calls
+   next to it, // >>intent): which scorer ranks the history, and how much of it stays. */
+typedef enum kvmix_evict_scorer {
+    KVMIX_EVICT_INTENT = 1,    /* the session's QueryMemory: kvmix_ref_view_intent_score summed
+                                  over layers */
+    KVMIX_EVICT_QUERY = 2,     /* the same over the request's own actionable queries alone (no
+                                  memory: the ablation arm) */
+    KVMIX_EVICT_STREAMING = 3, /* StreamingLLM: the prefix (sinks) and the most recent positions */
+    KVMIX_EVICT_H2O = 4,       /* H2O: attention mass accumulated over every query so far, the
+                                  recent_tokens most recent kept as a floor */
+    KVMIX_EVICT_SNAPKV = 5     /* SnapKV: attention mass of the prompt's last observe_tokens
+                                  queries, max-pooled over pool_tokens neighbours */
+} kvmix_evict_scorer;
+
+typedef struct kvmix_evict_policy {
+    int32_t scorer;         /* a kvmix_evict_scorer */
+    int32_t budget_tokens;  /* live positions a sequence keeps at most; 0 = budget_fraction */
+    double budget_fraction; /* else of the positions it has, in (0, 1] */
+    double decay;           /* INTENT: QueryMemory decay, [0, 1) (kvmix_query_memory_update) */
+    int32_t prefix_tokens;  /* first positions always kept (the protected system prefix); 0 =
+                               none */
+    int32_t recent_tokens;  /* H2O: most recent positions always kept; 0 = none */
+    int32_t observe_tokens; /* SNAPKV: queries observed at the prompt's end; 0 = 32 */
+    int32_t pool_tokens;    /* SNAPKV: max-pool width, odd; 0 = 7 */
+} kvmix_evict_policy;
+
 typedef struct kvmix_policy {
     char name[KVMIX_POLICY_NAME_BYTES]; /* non-empty, NUL-terminated */
     char description[KVMIX_POLICY_DESCRIPTION_BYTES];
@@ -891,6 +917,8 @@ typedef struct kvmix_policy {
                                    key_format / value_format; else each token's formats by its
                                    template tag (kvmix_policy_token_precision); caller memory
                                    that must outlive the policy's use */
+    kvmix_evict_policy evict; /* scorer 0: none; else what the loop evicts once each request's
+                                 prompt ran (the cache itself evicts nothing on its own) */
 } kvmix_policy;
 
 /* What a policy check found wrong: the field as policy documents spell it ("group_size") and
@@ -1462,29 +1490,8 @@ KVMIXDEF kvmix_result kvmix_query_memory_update(float *memory, int32_t n_layers,
 /* the runner computes them (intent scores from the view, attention mass), these calls shape and */
 /* select. Implementation: // >>intent.                                                          */
 
-typedef enum kvmix_evict_scorer {
-    KVMIX_EVICT_INTENT = 1,    /* the session's QueryMemory: kvmix_ref_view_intent_score summed
-                                  over layers */
-    KVMIX_EVICT_QUERY = 2,     /* the same over the request's own actionable queries alone (no
-                                  memory: the ablation arm) */
-    KVMIX_EVICT_STREAMING = 3, /* StreamingLLM: the prefix (sinks) and the most recent positions */
-    KVMIX_EVICT_H2O = 4,       /* H2O: attention mass accumulated over every query so far, the
-                                  recent_tokens most recent kept as a floor */
-    KVMIX_EVICT_SNAPKV = 5     /* SnapKV: attention mass of the prompt's last observe_tokens
-                                  queries, max-pooled over pool_tokens neighbours */
-} kvmix_evict_scorer;
-
-typedef struct kvmix_evict_policy {
-    int32_t scorer;         /* a kvmix_evict_scorer */
-    int32_t budget_tokens;  /* live positions a sequence keeps at most; 0 = budget_fraction */
-    double budget_fraction; /* else of the positions it has, in (0, 1] */
-    double decay;           /* INTENT: QueryMemory decay, [0, 1) (kvmix_query_memory_update) */
-    int32_t prefix_tokens;  /* first positions always kept (the protected system prefix); 0 =
-                               none */
-    int32_t recent_tokens;  /* H2O: most recent positions always kept; 0 = none */
-    int32_t observe_tokens; /* SNAPKV: queries observed at the prompt's end; 0 = 32 */
-    int32_t pool_tokens;    /* SNAPKV: max-pool width, odd; 0 = 7 */
-} kvmix_evict_policy;
+/* "intent", "query", "streaming", "h2o", "snapkv"; NULL for another value. */
+KVMIXDEF const char *kvmix_evict_scorer_name(int32_t scorer);
 
 /* Checks a policy and writes it back with defaults resolved (on failure *policy is unchanged and
    *out_error, may be NULL, names the field). Returns NULL_POINTER, INVALID_ARGUMENT. Pure. */
@@ -5685,49 +5692,53 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
 
 #define KVMIX__KEEP KVMIX_CACHE_PARTIAL_KEEP_FP16
 
+#define KVMIX__NO_EVICT                                                                            \
+    { 0, 0, 0.0, 0.0, 0, 0, 0, 0 }
 static const kvmix_policy kvmix__builtin_policies[] = {
     {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
-     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL},
+     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
     {"int8", "INT8 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT8,
-     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL},
+     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
     {"int4", "INT4 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT4,
-     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL},
+     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
     {"kivi2",
      "KIVI-2: INT2 per-channel keys over pages of 32 tokens, INT2 per-token values (groups of "
      "32), the 128 most recent tokens FP16 (the residual)",
      KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP, 0,
-     NULL},
+     NULL, KVMIX__NO_EVICT},
     {"kivi2-sink",
      "kivi2 (INT2 per-channel keys over pages of 32 tokens, INT2 per-token values, the 128 most "
      "recent tokens FP16) plus the first 32 tokens kept FP16 (attention sinks)",
      KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP, 0,
-     NULL},
+     NULL, KVMIX__NO_EVICT},
     {"kitty-12",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/8 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP, 0,
-     NULL},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP, 0, NULL,
+     KVMIX__NO_EVICT},
     {"kitty-25",
      "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/4 channels of "
      "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
      "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP, 0, NULL},
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP, 0, NULL,
+     KVMIX__NO_EVICT},
     {"kitty-paper-12",
      "Kitty as its paper lays it out: BOOSTED keys (head_dim/8 channels at 4 bits) over pages of "
      "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
      "128 most recent tokens FP16 (keys wait in the page being filled)",
      KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.125, 128, 32, 128, 1,
-     KVMIX__KEEP, 0, NULL},
+     KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
     {"kitty-paper-25",
      "Kitty as its paper lays it out: BOOSTED keys (head_dim/4 channels at 4 bits) over pages of "
      "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
      "128 most recent tokens FP16 (keys wait in the page being filled)",
      KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.25, 128, 32, 128, 1,
-     KVMIX__KEEP, 0, NULL},
+     KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
 };
 
 #undef KVMIX__KEEP
+#undef KVMIX__NO_EVICT
 
 KVMIXDEF int32_t kvmix_policy_count(void) {
     return (int32_t)(sizeof kvmix__builtin_policies / sizeof kvmix__builtin_policies[0]);
@@ -5793,6 +5804,21 @@ static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_poli
     return KVMIX_SUCCESS;
 }
 
+static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_policy_error *out_error);
+
+/* No eviction (scorer 0, every other field 0 too), or a checked one. */
+static kvmix_result kvmix__policy_check_evict(const kvmix_evict_policy *ev,
+                                              kvmix_policy_error *out_error) {
+    kvmix_evict_policy none;
+    memset(&none, 0, sizeof none);
+    if (ev->scorer == 0 && memcmp(ev, &none, sizeof none) != 0)
+        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "evict",
+                                  "has settings but no scorer");
+    if (ev->scorer != 0 && !kvmix__evict_policy_ok(ev, out_error))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    return KVMIX_SUCCESS;
+}
+
 KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *p, kvmix_policy_error *out_error) {
     int boosted;
     kvmix_result r;
@@ -5818,7 +5844,7 @@ KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *p, kvmix_policy_err
         return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT,
                                   p->n_boost != 0 ? "n_boost" : "boost_fraction",
                                   "only for the boosted format");
-    return KVMIX_SUCCESS;
+    return kvmix__policy_check_evict(&p->evict, out_error);
 }
 
 /* n_boost and boost_fraction of a checked boosted policy made to agree for head_dim. */
@@ -5853,6 +5879,7 @@ KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t h
         return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim",
                                   "kvmix needs head_dim a multiple of 32 up to 512");
     if (p.value_group_size == 0) p.value_group_size = p.group_size;
+    if (p.evict.scorer != 0) kvmix_evict_policy_resolve(&p.evict, NULL);
     if (p.group_size == KVMIX_GROUP_HEAD_DIM) p.group_size = head_dim;
     if (p.value_group_size == KVMIX_GROUP_HEAD_DIM) p.value_group_size = head_dim;
     if (head_dim % p.group_size != 0)
@@ -7394,6 +7421,11 @@ static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_policy_erro
     if (p->pool_tokens < 0 || (p->pool_tokens > 0 && p->pool_tokens % 2 == 0))
         return kvmix__evict_fail(out_error, "pool_tokens", "not odd");
     return 1;
+}
+
+KVMIXDEF const char *kvmix_evict_scorer_name(int32_t scorer) {
+    static const char *const names[] = {"intent", "query", "streaming", "h2o", "snapkv"};
+    return scorer >= KVMIX_EVICT_INTENT && scorer <= KVMIX_EVICT_SNAPKV ? names[scorer - 1] : NULL;
 }
 
 KVMIXDEF kvmix_result kvmix_evict_policy_resolve(kvmix_evict_policy *policy,

@@ -44,6 +44,25 @@ struct view_staging {
     int32_t span_capacity, dead_capacity;
 };
 
+/* What sequences record for eviction (gpu_llama_observe), allocated on first use. Attention is
+   summed on the device per view token (a sequence's view only grows between evictions) and
+   folded to positions on the host before anything changes the view. */
+struct observation {
+    int32_t view_capacity; /* view tokens a sequence may list: max_tokens + page_tokens */
+    int32_t *flags;        /* host [max_seqs] */
+    int32_t *n_queries;    /* host [max_seqs] */
+    uint8_t *pending;      /* host [max_seqs]: d_mass holds attention not folded yet */
+    float *d_qsum;         /* [max_seqs][n_layers][n_q][D] */
+    float *d_mass;         /* [max_seqs][view_capacity] by view token */
+    float *h_mass;         /* host [max_seqs][max_tokens] by position */
+    float *d_scores;       /* [n_layers][view_capacity] */
+    float *h_scores;       /* pinned [n_layers][view_capacity] */
+    int32_t *positions;    /* host [view_capacity] */
+    float *d_memory;       /* [n_layers][n_q][D] */
+    void *work;            /* kvmix_cuda_view_intent_score's */
+    size_t work_bytes;
+};
+
 } // namespace
 
 struct gpu_llama {
@@ -89,7 +108,9 @@ struct gpu_llama {
     int32_t n_sms;
     /* activations [max_seqs][...] */
     float *x, *xn, *qkv, *att, *ffn, *logits, *h_logits;
-    int32_t *h_step, *d_step; /* [3 max_seqs]: a step's tokens, positions, sequences */
+    int32_t *h_step, *d_step; /* [4 max_seqs]: a step's tokens, positions, sequences, what each
+                                 records (gpu_llama_observe) */
+    observation obs;
 };
 
 namespace {
@@ -161,6 +182,23 @@ __global__ void swiglu_kernel(float *gate_up, int32_t ffn) {
         float g = row[i];
         row[i] = g / (1.0f + expf(-g)) * row[ffn + i];
     }
+}
+
+/* Adds the step's query rows of the sequences that record them to their sums: grid (n, n_q). */
+__global__ void sum_queries_kernel(const float *qkv, const int32_t *step, int32_t n, int32_t layer,
+                                   int32_t n_layers, int32_t n_q, int32_t row_floats,
+                                   int32_t head_dim, float *qsum) {
+    int32_t i = blockIdx.x, h = blockIdx.y, seq = step[2 * n + i];
+    if (!(step[3 * n + i] & GPU_LLAMA_OBSERVE_QUERIES)) return;
+    const float *q = qkv + (size_t)i * row_floats + (size_t)h * head_dim;
+    float *sum = qsum + (((size_t)seq * n_layers + layer) * n_q + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) sum[d] += q[d];
+}
+
+/* acc += scores where a score is finite (dead and past-the-end tokens are -INFINITY). */
+__global__ void add_finite_kernel(const float *scores, int32_t n, float *acc) {
+    int32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n && isfinite(scores[i])) acc[i] += scores[i];
 }
 
 /* Layer l's spans from layer 0's: a page lays its layers out one after another (kvmix.h,
@@ -474,8 +512,8 @@ llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
     TRY_CUDA(device_alloc(&g->ffn, n * 2 * c->ffn), "activations");
     TRY_CUDA(device_alloc(&g->logits, n * c->vocab), "activations");
     TRY_CUDA(pinned_alloc(&g->h_logits, n * c->vocab), "pinned staging");
-    TRY_CUDA(device_alloc(&g->d_step, 3 * n), "tokens");
-    TRY_CUDA(pinned_alloc(&g->h_step, 3 * n), "pinned staging");
+    TRY_CUDA(device_alloc(&g->d_step, 4 * n), "tokens");
+    TRY_CUDA(pinned_alloc(&g->h_step, 4 * n), "pinned staging");
     double *inv = (double *)malloc((size_t)c->head_dim / 2 * sizeof(double));
     if (!inv) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     for (int32_t i = 0; i < c->head_dim / 2; i++)
@@ -587,6 +625,33 @@ llama_result layer_view(gpu_llama *g, int32_t l, kvmix_view *out, char *err, siz
     return LLAMA_OK;
 }
 
+/* What the step's sequences record on layer l (gpu_llama_observe), from the layer's view and the
+   step's fp32 queries. */
+llama_result record_layer(gpu_llama *g, int32_t l, const kvmix_view *view, const int32_t *seqs,
+                          int32_t n, char *err, size_t err_bytes) {
+    observation *o = &g->obs;
+    const llama_config *c = &g->c;
+    int32_t row_floats = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim, cap = o->view_capacity;
+    bool queries = false;
+    for (int32_t i = 0; o->flags && i < n; i++) {
+        int32_t s = seqs[i], f = o->flags[s];
+        if ((f & GPU_LLAMA_OBSERVE_QUERIES) && l == 0) o->n_queries[s]++;
+        queries = queries || (f & GPU_LLAMA_OBSERVE_QUERIES);
+        if (!(f & GPU_LLAMA_OBSERVE_ATTENTION)) continue;
+        TRY_KVMIX(kvmix_cuda_view_intent_score(view, i, c->n_heads, 0.0f,
+                                               g->qkv + (size_t)i * row_floats, o->d_scores, cap,
+                                               o->work, o->work_bytes, g->stream),
+                  "attention of a recorded step");
+        add_finite_kernel<<<(cap + THREADS - 1) / THREADS, THREADS, 0, g->stream>>>(
+            o->d_scores, cap, o->d_mass + (size_t)s * cap);
+        o->pending[s] = 1;
+    }
+    if (queries)
+        sum_queries_kernel<<<dim3(n, c->n_heads), 128, 0, g->stream>>>(
+            g->qkv, g->d_step, n, l, c->n_layers, c->n_heads, row_floats, c->head_dim, o->d_qsum);
+    return LLAMA_OK;
+}
+
 /* Attention of layer l through the cache: new rows written, jobs run, kvmix_cuda_decode over the
    layer's view of the step's sequences. */
 llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t n, char *err,
@@ -625,7 +690,7 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
     from_half_kernel<<<(unsigned)((halves + THREADS - 1) / THREADS), THREADS, 0, g->stream>>>(
         (const __half *)g->o16, halves, g->att);
     if (g->profiling) cudaEventRecord(g->events[2 * l + 1], g->stream);
-    return LLAMA_OK;
+    return record_layer(g, l, &view, seqs, n, err, err_bytes);
 }
 
 void attend_fp32(gpu_llama *g, int32_t l, int32_t n) {
@@ -690,6 +755,102 @@ llama_result check_step(const gpu_llama *g, const int32_t *seqs, const int32_t *
                 return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "sequence %d twice in a step",
                                   seqs[i]);
     }
+    return LLAMA_OK;
+}
+
+/* ---- recording for eviction ---------------------------------------------------------------- */
+
+llama_result observation_create(gpu_llama *g, char *err, size_t err_bytes) {
+    observation *o = &g->obs;
+    const llama_config *c = &g->c;
+    size_t seqs = (size_t)g->max_seqs, q_floats = (size_t)c->n_layers * c->n_heads * c->head_dim;
+    if (o->flags) return LLAMA_OK;
+    o->view_capacity = g->max_tokens + g->cache.desc.page_tokens;
+    size_t cap = (size_t)o->view_capacity;
+    o->flags = (int32_t *)calloc(seqs, sizeof(int32_t));
+    o->n_queries = (int32_t *)calloc(seqs, sizeof(int32_t));
+    o->pending = (uint8_t *)calloc(seqs, 1);
+    o->h_mass = (float *)calloc(seqs * (size_t)g->max_tokens, sizeof(float));
+    o->positions = (int32_t *)malloc(cap * sizeof(int32_t));
+    if (!o->flags || !o->n_queries || !o->pending || !o->h_mass || !o->positions)
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    TRY_CUDA(device_alloc(&o->d_qsum, seqs * q_floats), "recorded queries");
+    TRY_CUDA(device_alloc(&o->d_mass, seqs * cap), "recorded attention");
+    TRY_CUDA(device_alloc(&o->d_scores, (size_t)c->n_layers * cap), "scores");
+    TRY_CUDA(pinned_alloc(&o->h_scores, (size_t)c->n_layers * cap), "scores");
+    TRY_CUDA(device_alloc(&o->d_memory, q_floats), "query memory");
+    TRY_CUDA(cudaMemsetAsync(o->d_qsum, 0, seqs * q_floats * sizeof(float), g->stream), "zeroing");
+    TRY_CUDA(cudaMemsetAsync(o->d_mass, 0, seqs * cap * sizeof(float), g->stream), "zeroing");
+    TRY_KVMIX(kvmix_cuda_view_intent_workspace_bytes(c->n_heads, o->view_capacity, &o->work_bytes),
+              "intent workspace");
+    TRY_CUDA(cudaMalloc(&o->work, o->work_bytes), "intent workspace");
+    return LLAMA_OK;
+}
+
+void observation_free(observation *o) {
+    free(o->flags), free(o->n_queries), free(o->pending), free(o->h_mass), free(o->positions);
+    cudaFree(o->d_qsum), cudaFree(o->d_mass), cudaFree(o->d_scores), cudaFree(o->d_memory);
+    cudaFree(o->work), cudaFreeHost(o->h_scores);
+}
+
+/* A new sequence records nothing and has nothing recorded. */
+llama_result observation_reset(gpu_llama *g, int32_t seq, char *err, size_t err_bytes) {
+    observation *o = &g->obs;
+    const llama_config *c = &g->c;
+    size_t q_floats = (size_t)c->n_layers * c->n_heads * c->head_dim, cap = o->view_capacity;
+    if (!o->flags) return LLAMA_OK;
+    o->flags[seq] = o->n_queries[seq] = 0;
+    o->pending[seq] = 0;
+    memset(o->h_mass + (size_t)seq * g->max_tokens, 0, (size_t)g->max_tokens * sizeof(float));
+    TRY_CUDA(cudaMemsetAsync(o->d_qsum + seq * q_floats, 0, q_floats * sizeof(float), g->stream),
+             "zeroing");
+    TRY_CUDA(cudaMemsetAsync(o->d_mass + seq * cap, 0, cap * sizeof(float), g->stream), "zeroing");
+    return LLAMA_OK;
+}
+
+/* Per-token values of a sequence's layer-0 view, downloaded from `device`, to positions:
+   out[pos] += value (or = when assign), positions the view does not list untouched. */
+llama_result view_to_positions(gpu_llama *g, int32_t seq, const float *device, float *out,
+                               bool assign, char *err, size_t err_bytes) {
+    observation *o = &g->obs;
+    int32_t n = 0;
+    TRY_KVMIX(kvmix_cache_view_positions(&g->cache, g->kv_seq[seq], 0, o->positions,
+                                         o->view_capacity, &n),
+              "view positions");
+    TRY_CUDA(cudaMemcpyAsync(o->h_scores, device, (size_t)n * sizeof(float), cudaMemcpyDeviceToHost,
+                             g->stream),
+             "downloading scores");
+    TRY_CUDA(cudaStreamSynchronize(g->stream), "downloading scores");
+    for (int32_t k = 0; k < n; k++) {
+        int32_t pos = o->positions[k];
+        if (pos < 0) continue;
+        out[pos] = assign ? o->h_scores[k] : out[pos] + o->h_scores[k];
+    }
+    return LLAMA_OK;
+}
+
+/* Recorded attention, still by view token on the device, added to the host's by position. */
+llama_result fold_attention(gpu_llama *g, int32_t seq, char *err, size_t err_bytes) {
+    observation *o = &g->obs;
+    size_t cap = (size_t)o->view_capacity;
+    if (!o->flags || !o->pending[seq]) return LLAMA_OK;
+    llama_result r =
+        view_to_positions(g, seq, o->d_mass + seq * cap, o->h_mass + (size_t)seq * g->max_tokens,
+                          false, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    TRY_CUDA(cudaMemsetAsync(o->d_mass + seq * cap, 0, cap * sizeof(float), g->stream), "zeroing");
+    o->pending[seq] = 0;
+    return LLAMA_OK;
+}
+
+llama_result running_kvmix(const gpu_llama *g, int32_t seq, const char *who, char *err,
+                           size_t err_bytes) {
+    if (!g || seq < 0 || seq >= g->max_seqs || !g->in_use[seq])
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "%s: sequence %d is not running", who,
+                          seq);
+    if (g->fp32)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "%s: the fp32 cache keeps every token", who);
     return LLAMA_OK;
 }
 
@@ -779,6 +940,7 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     for (int32_t l = 0; g->stages && l <= g->c.n_layers; l++) free_stage(&g->stages[l]);
     free(g->stages);
     free_view_staging(&g->view);
+    observation_free(&g->obs);
     for (int32_t i = 0; g->events && i < 2 * g->c.n_layers; i++)
         if (g->events[i]) cudaEventDestroy(g->events[i]);
     free(g->events);
@@ -805,6 +967,10 @@ extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char
                           g->max_seqs);
     if (!g->fp32) TRY_KVMIX(kvmix_cache_seq_create(&g->cache, &g->kv_seq[s]), "new sequence");
     if (g->tagged) kvmix_tagger_init(&g->taggers[s], &g->tag_spec); /* a new stream */
+    if (!g->fp32) {
+        llama_result r = observation_reset(g, s, err, err_bytes);
+        if (r != LLAMA_OK) return r;
+    }
     g->in_use[s] = 1;
     g->next_pos[s] = 0;
     *out_seq = s;
@@ -841,8 +1007,9 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
         g->h_step[i] = tokens[i];
         g->h_step[n + i] = g->next_pos[seqs[i]];
         g->h_step[2 * n + i] = seqs[i];
+        g->h_step[3 * n + i] = g->obs.flags ? g->obs.flags[seqs[i]] : 0;
     }
-    TRY_CUDA(cudaMemcpyAsync(g->d_step, g->h_step, 3 * (size_t)n * sizeof(int32_t),
+    TRY_CUDA(cudaMemcpyAsync(g->d_step, g->h_step, 4 * (size_t)n * sizeof(int32_t),
                              cudaMemcpyHostToDevice, g->stream),
              "uploading tokens");
     const int32_t *d_pos = g->d_step + n;
@@ -1007,3 +1174,85 @@ extern "C" void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_st
 }
 
 extern "C" const char *gpu_llama_device_name(const gpu_llama *g) { return g->device_name; }
+
+extern "C" llama_result gpu_llama_observe(gpu_llama *g, int32_t seq, int32_t flags, char *err,
+                                          size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_observe", err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    if (flags & ~(GPU_LLAMA_OBSERVE_QUERIES | GPU_LLAMA_OBSERVE_ATTENTION))
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_observe: flags %d", flags);
+    if ((r = observation_create(g, err, err_bytes)) != LLAMA_OK) return r;
+    g->obs.flags[seq] = flags;
+    return LLAMA_OK;
+}
+
+extern "C" llama_result gpu_llama_observed_take(gpu_llama *g, int32_t seq, float *query_sum,
+                                                int32_t *out_n_queries, float *attention, char *err,
+                                                size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_observed_take", err, err_bytes);
+    if (r == LLAMA_OK) r = observation_create(g, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    observation *o = &g->obs;
+    const llama_config *c = &g->c;
+    size_t q_floats = (size_t)c->n_layers * c->n_heads * c->head_dim;
+    if (query_sum) {
+        TRY_CUDA(cudaMemcpyAsync(query_sum, o->d_qsum + seq * q_floats, q_floats * sizeof(float),
+                                 cudaMemcpyDeviceToHost, g->stream),
+                 "downloading queries");
+        TRY_CUDA(
+            cudaMemsetAsync(o->d_qsum + seq * q_floats, 0, q_floats * sizeof(float), g->stream),
+            "zeroing");
+        TRY_CUDA(cudaStreamSynchronize(g->stream), "downloading queries");
+        if (out_n_queries) *out_n_queries = o->n_queries[seq];
+        o->n_queries[seq] = 0;
+    }
+    if (attention) {
+        if ((r = fold_attention(g, seq, err, err_bytes)) != LLAMA_OK) return r;
+        float *mass = o->h_mass + (size_t)seq * g->max_tokens;
+        memcpy(attention, mass, (size_t)g->next_pos[seq] * sizeof(float));
+        memset(mass, 0, (size_t)g->max_tokens * sizeof(float));
+    }
+    return LLAMA_OK;
+}
+
+extern "C" llama_result gpu_llama_intent_scores(gpu_llama *g, int32_t seq, const float *memory,
+                                                float *scores, char *err, size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_intent_scores", err, err_bytes);
+    if (r == LLAMA_OK && (!memory || !scores))
+        r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_intent_scores: NULL");
+    if (r == LLAMA_OK) r = observation_create(g, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    observation *o = &g->obs;
+    const llama_config *c = &g->c;
+    size_t row = (size_t)c->n_heads * c->head_dim, cap = o->view_capacity;
+    int32_t n_pos = g->next_pos[seq];
+    TRY_CUDA(cudaMemcpyAsync(o->d_memory, memory, row * c->n_layers * sizeof(float),
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading the memory");
+    g->step_kv_seqs[0] = g->kv_seq[seq]; /* a view of this sequence alone; steps build their own */
+    if ((r = upload_view(g, 1, err, err_bytes)) != LLAMA_OK) return r;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        kvmix_view view;
+        if ((r = layer_view(g, l, &view, err, err_bytes)) != LLAMA_OK) return r;
+        TRY_KVMIX(kvmix_cuda_view_intent_score(&view, 0, c->n_heads, 0.0f, o->d_memory + l * row,
+                                               o->d_scores + l * cap, (int32_t)cap, o->work,
+                                               o->work_bytes, g->stream),
+                  "intent scores");
+    }
+    for (int32_t t = 0; t < n_pos; t++) scores[t] = -INFINITY; /* released pages list nothing */
+    for (int32_t l = 0; l < c->n_layers && r == LLAMA_OK; l++)
+        r = view_to_positions(g, seq, o->d_scores + l * cap, scores, l == 0, err, err_bytes);
+    return r;
+}
+
+extern "C" llama_result gpu_llama_evict(gpu_llama *g, int32_t seq, const int32_t *positions,
+                                        int32_t n_positions, char *err, size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_evict", err, err_bytes);
+    if (r == LLAMA_OK) r = fold_attention(g, seq, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    kvmix_result k = kvmix_cache_evict(&g->cache, g->kv_seq[seq], positions, n_positions);
+    if (k != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_evict: %s",
+                          kvmix_cache_last_error(&g->cache));
+    return LLAMA_OK;
+}

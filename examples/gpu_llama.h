@@ -68,6 +68,38 @@ llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_tokens,
 llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
                            const kvmix_tag_precision *table, char *err, size_t err_bytes);
 
+/* Recording for eviction policies (kvmix.h, "Budgeted eviction"). What the next steps of a
+ * sequence record, until changed: GPU_LLAMA_OBSERVE_QUERIES sums its post-RoPE query rows (every
+ * layer and q head), GPU_LLAMA_OBSERVE_ATTENTION adds the attention its queries give each cached
+ * position (per q head a softmax over the live positions, summed over heads and layers, read
+ * from the keys as stored: kvmix_cuda_view_intent_score); 0 records nothing. A new sequence
+ * records nothing and has nothing recorded. LLAMA_ERR_ARGUMENT: a sequence not running, unknown
+ * flags, the fp32 cache. */
+enum { GPU_LLAMA_OBSERVE_QUERIES = 1, GPU_LLAMA_OBSERVE_ATTENTION = 2 };
+llama_result gpu_llama_observe(gpu_llama *g, int32_t seq, int32_t flags, char *err,
+                               size_t err_bytes);
+
+/* Takes what was recorded and clears it: query_sum [n_layers][n_q_heads][head_dim] (NULL: left
+ * recorded) receives the summed queries and *out_n_queries (may be NULL) how many steps; attention
+ * [positions the sequence has] (NULL: left recorded) receives the attention per position, 0 for
+ * positions that got none. */
+llama_result gpu_llama_observed_take(gpu_llama *g, int32_t seq, float *query_sum,
+                                     int32_t *out_n_queries, float *attention, char *err,
+                                     size_t err_bytes);
+
+/* Intent scores of a sequence's positions (kvmix.h, KVMIX_EVICT_INTENT): for each layer the
+ * softmax per q head of memory . key over its live positions (kvmix_cuda_view_intent_score),
+ * summed over heads and layers; memory [n_layers][n_q_heads][head_dim] (host); scores
+ * [positions the sequence has]: -INFINITY for evicted positions. */
+llama_result gpu_llama_intent_scores(gpu_llama *g, int32_t seq, const float *memory, float *scores,
+                                     char *err, size_t err_bytes);
+
+/* Evicts positions of a sequence (kvmix_cache_evict: later steps never attend them); recorded
+ * attention is folded to positions first. LLAMA_ERR_ARGUMENT: positions the cache refuses
+ * (nothing evicted), the fp32 cache. */
+llama_result gpu_llama_evict(gpu_llama *g, int32_t seq, const int32_t *positions,
+                             int32_t n_positions, char *err, size_t err_bytes);
+
 /* Time spent since gpu_llama_profile_start: steps and tokens run, wall seconds inside
  * gpu_llama_step, host seconds of the cache's bookkeeping in them (reserve, row writes, taking
  * jobs, the view), and GPU seconds of attention (rows to FP16, jobs, decode, output), measured

@@ -39,10 +39,19 @@
  * kvmix_cuda_decode. The JSON is the same, with "device" naming the GPU; --capture is CPU only.
  * Progress (texts done, tokens per second, time left) goes to stderr when it is a terminal.
  *
- * --tag-spec S.json --allocation A.json (together) store each token by its
- * template tag: the spec (tag_spec_json.h) tags the ids as they run, the allocation
- * (kvmix-calibrate's, tag_allocation.h) gives each tag its formats in the current turn, tags it
- * does not list keep the policy's; a page seals in the highest precision its tokens ask for.
+ * --tag-spec S.json --allocation A.json store each token by its template tag: the spec
+ * (tag_spec_json.h) tags the ids as they run, the allocation (kvmix-calibrate's,
+ * tag_allocation.h) gives each tag its formats in the current turn, tags it does not list keep
+ * the policy's; a page seals in the highest precision its tokens ask for.
+ *
+ * A policy with "evict" (README.md, "Policies"; --device cuda, with --tag-spec, whose tags find
+ * each user turn's message) evicts once per request, each user turn being a request of the
+ * text's session, when its prompt has run (evict_driver.h). The JSON then adds "eviction":
+ * evictions, evicted tokens, the mean over texts of the most live tokens a text had, bytes the
+ * evictions freed. Every GPU run adds "kv_bytes_read_per_token" (the cache bytes a sequence holds
+ * when each of its tokens runs, averaged: what decode reads) and "recall": answer tokens,
+ * accuracy and agreement of the turns whose user message starts with "Earlier" (the traces'
+ * questions about an earlier tool result).
  */
 #define _POSIX_C_SOURCE 200809L /* opendir */
 #include "kvmix_kv.h"
@@ -50,6 +59,7 @@
 #include "tag_allocation.h"
 #include "tag_spec_json.h"
 
+#include "evict_driver.h" /* its stats type; its functions are the GPU build's */
 #ifdef KVMIX_EVAL_CUDA
 #include "gpu_llama.h"
 #endif
@@ -78,8 +88,8 @@ typedef struct options {
     const char *read_capture_path; /* NULL: evaluate */
     bool cuda;                     /* --device cuda */
     int64_t batch;                 /* texts at once on the GPU */
-    const char *tag_spec_path;     /* with allocation_path: store tokens by their tags */
-    const char *allocation_path;
+    const char *tag_spec_path;     /* the template's tags: for --allocation, for eviction */
+    const char *allocation_path;   /* store tokens by their tags (needs tag_spec_path) */
 } options;
 
 static void usage(FILE *f) {
@@ -87,7 +97,7 @@ static void usage(FILE *f) {
         f,
         "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]\n"
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
-        "                  [--device cpu|cuda] [--batch N] [--tag-spec S --allocation A]\n"
+        "                  [--device cpu|cuda] [--batch N] [--tag-spec S [--allocation A]]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -170,8 +180,8 @@ static bool parse_options(int argc, char **argv, options *o) {
         return false;
     }
 #endif
-    if ((o->tag_spec_path == NULL) != (o->allocation_path == NULL)) {
-        fprintf(stderr, "kvmix-eval: --tag-spec and --allocation go together\n");
+    if (o->allocation_path != NULL && o->tag_spec_path == NULL) {
+        fprintf(stderr, "kvmix-eval: --allocation needs --tag-spec\n");
         return false;
     }
     if (o->cuda && o->capture_dir != NULL) {
@@ -290,6 +300,11 @@ typedef struct totals {
     size_t kv_bytes_max; /* the most bytes the cache held, at the end of any text */
     double avg_bits_sum; /* avg_bits weighted by the tokens held at the end of each text */
     int64_t held_tokens;
+    bool gpu;          /* the fields below are the GPU runner's */
+    double bytes_read; /* cache bytes held when each scored token ran, summed */
+    llama_score recall;
+    bool evicting;
+    evict_stats eviction;
 } totals;
 
 typedef struct eval {
@@ -435,13 +450,31 @@ typedef struct gpu_text {
     int64_t n;
     llama_score score;
     llama_kv_stats stats;
+    evict_request *requests; /* the user turns' messages */
+    int32_t n_requests;
+    uint8_t *recall;          /* [n]: the position is in a turn asking about an earlier result */
+    llama_score recall_score; /* answers in those turns */
+    double bytes_read;        /* cache bytes held when each scored token ran, summed */
 } gpu_text;
 
 /* The sequences of a pass that are running: text, sequence, position. */
 typedef struct gpu_batch {
     int32_t n, *text, *seq, *pos, *tokens;
     float *logits;
+    evict_seq *ev; /* when evicting: each running sequence's eviction state */
 } gpu_batch;
+
+/* Removes running sequence i (the last takes its place; eviction states swap, keeping their
+   buffers). */
+static void gpu_batch_remove(gpu_batch *b, int32_t i) {
+    b->n--;
+    b->text[i] = b->text[b->n], b->seq[i] = b->seq[b->n], b->pos[i] = b->pos[b->n];
+    if (b->ev) {
+        evict_seq tmp = b->ev[i];
+        b->ev[i] = b->ev[b->n];
+        b->ev[b->n] = tmp;
+    }
+}
 
 /* Scores the position every running text is at (the reference pass records its top-1). */
 static void gpu_score_step(const eval *e, gpu_text *texts, const gpu_batch *b, bool reference) {
@@ -459,12 +492,17 @@ static void gpu_score_step(const eval *e, gpu_text *texts, const gpu_batch *b, b
             t->score.n_answer_correct += top == next;
             t->score.n_answer_agree += top == t->ref_argmax[p];
         }
+        if (t->mask[p + 1] && t->recall[p + 1]) {
+            t->recall_score.n_answer++;
+            t->recall_score.n_answer_correct += top == next;
+            t->recall_score.n_answer_agree += top == t->ref_argmax[p];
+        }
     }
 }
 
 /* Runs every text through g, up to b's capacity at once, sequences joining as others end. */
 static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_texts,
-                             int32_t capacity, gpu_batch *b, bool reference) {
+                             int32_t capacity, gpu_batch *b, bool reference, evict_driver *ev) {
     const llama_tokenizer *tok = &e->model->tokenizer;
     int64_t next = 0, done = 0, scored = 0;
     progress prog;
@@ -480,6 +518,9 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             if ((r = gpu_llama_seq_start(g, &b->seq[b->n], e->err, sizeof e->err)) != LLAMA_OK)
                 return r;
             b->text[b->n] = (int32_t)next;
+            if (ev)
+                evict_seq_start(ev, &b->ev[b->n], texts[next].ids, texts[next].requests,
+                                texts[next].n_requests);
             b->pos[b->n++] = 0;
         }
         if (b->n == 0) break;
@@ -487,6 +528,9 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             const gpu_text *t = &texts[b->text[i]];
             if (llama_is_message_start(tok, t->ids, t->n, b->pos[i], "user"))
                 r = gpu_llama_begin_request(g, b->seq[i], e->err, sizeof e->err);
+            if (r == LLAMA_OK && ev)
+                r = evict_before_step(ev, &b->ev[i], g, b->seq[i], b->pos[i], e->err,
+                                      sizeof e->err);
             b->tokens[i] = t->ids[b->pos[i]];
         }
         if (r == LLAMA_OK)
@@ -496,15 +540,18 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
         scored += b->n;
         for (int32_t i = 0; i < b->n;) {
             gpu_text *t = &texts[b->text[i]];
+            llama_kv_stats held;
+            gpu_llama_seq_stats(g, b->seq[i], &held);
+            if (!reference) t->bytes_read += (double)held.bytes;
             if (++b->pos[i] + 1 < t->n) {
                 i++;
                 continue;
             }
-            gpu_llama_seq_stats(g, b->seq[i], &t->stats);
+            t->stats = held;
+            if (ev) evict_seq_end(ev, &b->ev[i], g, b->seq[i]);
             gpu_llama_seq_end(g, b->seq[i]);
             done++;
-            b->n--;
-            b->text[i] = b->text[b->n], b->seq[i] = b->seq[b->n], b->pos[i] = b->pos[b->n];
+            gpu_batch_remove(b, i);
         }
         progress_show(&prog, done, scored);
     }
@@ -516,11 +563,32 @@ static void gpu_texts_free(gpu_text *texts, int64_t n) {
         free(texts[i].ids);
         free(texts[i].mask);
         free(texts[i].ref_argmax);
+        free(texts[i].requests);
+        free(texts[i].recall);
     }
     free(texts);
 }
 
-/* Tokens, masks and buffers of every text. */
+/* recall[p]: position p lies in a user turn whose message starts with "Earlier" (up to the next
+   user message). */
+static void mark_recall_turns(const llama_tokenizer *tok, const int32_t *ids, int64_t n,
+                              uint8_t *recall) {
+    int32_t word[16];
+    int64_t n_word = 0;
+    bool on = false;
+    llama_tokenize(tok, "Earlier", 7, word, &n_word);
+    for (int64_t p = 0; p < n; p++) {
+        if (llama_is_message_start(tok, ids, n, p, "user")) {
+            int64_t body = p + 1; /* past <|im_start|>, then the role and its newline */
+            while (body < n && ids[body] != '\n') body++;
+            body++;
+            on = body + n_word <= n && memcmp(ids + body, word, (size_t)n_word * sizeof *ids) == 0;
+        }
+        recall[p] = on;
+    }
+}
+
+/* Tokens, masks and buffers of every text; with a tag spec, its requests. */
 static gpu_text *gpu_texts_make(eval *e, const texts *list) {
     gpu_text *texts = calloc((size_t)(list->n > 0 ? list->n : 1), sizeof *texts);
     for (int64_t i = 0; texts != NULL && i < list->n; i++) {
@@ -535,23 +603,66 @@ static gpu_text *gpu_texts_make(eval *e, const texts *list) {
         }
         memcpy(t->ids, e->ids, (size_t)t->n * sizeof *t->ids);
         llama_mark_answer_tokens(&e->model->tokenizer, t->ids, t->n, t->mask);
+        t->recall = malloc((size_t)(t->n > 0 ? t->n : 1));
+        t->requests = malloc((size_t)(t->n > 0 ? t->n : 1) * sizeof *t->requests);
+        if (!t->recall || !t->requests ||
+            (e->tag_doc && evict_plan(&e->tag_doc->spec, t->ids, t->n, t->requests, (int32_t)t->n,
+                                      &t->n_requests, e->err, sizeof e->err) != LLAMA_OK)) {
+            gpu_texts_free(texts, list->n);
+            return NULL;
+        }
+        mark_recall_turns(&e->model->tokenizer, t->ids, t->n, t->recall);
     }
     return texts;
 }
 
-/* A pass of `policy` on a fresh gpu_llama. */
+/* Eviction states of a pass's running sequences (attention buffers for H2O), or NULL. */
+static evict_seq *evict_seqs_make(const kvmix_policy *policy, int32_t capacity,
+                                  int32_t max_tokens) {
+    evict_seq *seqs = calloc((size_t)capacity, sizeof *seqs);
+    for (int32_t i = 0; seqs && policy->evict.scorer == KVMIX_EVICT_H2O && i < capacity; i++)
+        if (!(seqs[i].mass = malloc((size_t)max_tokens * sizeof(float)))) {
+            for (int32_t j = 0; j < i; j++) free(seqs[j].mass);
+            free(seqs);
+            return NULL;
+        }
+    return seqs;
+}
+
+static void evict_seqs_free(evict_seq *seqs, int32_t capacity) {
+    for (int32_t i = 0; seqs && i < capacity; i++) free(seqs[i].mass);
+    free(seqs);
+}
+
+/* A pass of `policy` on a fresh gpu_llama (evicting when the policy says so and this is not the
+   reference pass). */
 static llama_result gpu_run_policy(eval *e, const kvmix_policy *policy, gpu_text *texts,
                                    int64_t n_texts, int32_t capacity, gpu_batch *b, bool reference,
-                                   char *device, size_t device_bytes) {
+                                   char *device, size_t device_bytes, evict_stats *eviction) {
+    int32_t max_tokens = e->model->config.context + 1;
     gpu_llama *g = NULL;
-    llama_result r = gpu_llama_create(e->model, policy, capacity, e->model->config.context + 1, 0,
-                                      &g, e->err, sizeof e->err);
+    evict_driver *ev = NULL;
+    bool evicting = !reference && policy->evict.scorer != 0;
+    llama_result r =
+        gpu_llama_create(e->model, policy, capacity, max_tokens, 0, &g, e->err, sizeof e->err);
     if (r == LLAMA_OK && !reference && e->tagged)
         r = gpu_llama_tag(g, &e->tag_doc->spec, &e->tag_table, e->err, sizeof e->err);
+    if (r == LLAMA_OK && evicting)
+        r = evict_driver_create(&policy->evict, &e->model->config, capacity, max_tokens, &ev,
+                                e->err, sizeof e->err);
+    b->ev = NULL;
+    if (r == LLAMA_OK && evicting && !(b->ev = evict_seqs_make(policy, capacity, max_tokens))) {
+        snprintf(e->err, sizeof e->err, "cannot allocate eviction buffers");
+        r = LLAMA_ERR_MEMORY;
+    }
     if (r == LLAMA_OK) {
         snprintf(device, device_bytes, "%s", gpu_llama_device_name(g));
-        r = gpu_pass(e, g, texts, n_texts, capacity, b, reference);
+        r = gpu_pass(e, g, texts, n_texts, capacity, b, reference, ev);
     }
+    if (ev) evict_driver_stats(ev, eviction);
+    evict_seqs_free(b->ev, capacity);
+    b->ev = NULL;
+    evict_driver_free(ev);
     gpu_llama_free(g);
     return r;
 }
@@ -577,10 +688,12 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
     }
     if (r == LLAMA_OK && e->separate_reference)
         r = gpu_run_policy(e, kvmix_kv_policy_builtin("fp32"), texts, list->n, capacity, &b, true,
-                           device, device_bytes);
+                           device, device_bytes, &t->eviction);
     if (r == LLAMA_OK)
-        r = gpu_run_policy(e, &e->policy, texts, list->n, capacity, &b, false, device,
-                           device_bytes);
+        r = gpu_run_policy(e, &e->policy, texts, list->n, capacity, &b, false, device, device_bytes,
+                           &t->eviction);
+    t->gpu = true;
+    t->evicting = e->policy.evict.scorer != 0;
     for (int64_t i = 0; r == LLAMA_OK && i < list->n; i++) {
         const gpu_text *x = &texts[i];
         if (x->n < 2) continue;
@@ -593,6 +706,10 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
         t->avg_bits_sum += x->stats.avg_bits * (double)x->stats.n_tokens;
         t->held_tokens += x->stats.n_tokens;
         t->n_texts++;
+        t->bytes_read += x->bytes_read;
+        t->recall.n_answer += x->recall_score.n_answer;
+        t->recall.n_answer_correct += x->recall_score.n_answer_correct;
+        t->recall.n_answer_agree += x->recall_score.n_answer_agree;
     }
     gpu_texts_free(texts, list->n);
     free(b.text);
@@ -615,13 +732,34 @@ static void add_number_or_null(cJSON *obj, const char *key, double value) {
         cJSON_AddNullToObject(obj, key);
 }
 
+/* The GPU runner's figures: bytes read per token, the recall turns, what eviction did. */
+static void add_gpu_figures(cJSON *obj, const totals *t) {
+    add_number_or_null(obj, "kv_bytes_read_per_token",
+                       t->score.n_scored > 0 ? t->bytes_read / (double)t->score.n_scored : NAN);
+    cJSON *recall = cJSON_AddObjectToObject(obj, "recall");
+    cJSON_AddNumberToObject(recall, "n_answer_tokens", (double)t->recall.n_answer);
+    add_number_or_null(recall, "answer_accuracy",
+                       ratio_or_nan(t->recall.n_answer_correct, t->recall.n_answer));
+    add_number_or_null(recall, "answer_agreement",
+                       ratio_or_nan(t->recall.n_answer_agree, t->recall.n_answer));
+    if (!t->evicting) return;
+    const evict_stats *s = &t->eviction;
+    cJSON *ev = cJSON_AddObjectToObject(obj, "eviction");
+    cJSON_AddNumberToObject(ev, "n_evictions", (double)s->n_evictions);
+    cJSON_AddNumberToObject(ev, "evicted_tokens", (double)s->evicted_tokens);
+    add_number_or_null(ev, "live_tokens_peak_mean",
+                       s->n_seqs > 0 ? (double)s->live_peak_sum / (double)s->n_seqs : NAN);
+    cJSON_AddNumberToObject(ev, "bytes_freed", s->bytes_freed);
+}
+
 static bool print_report(const options *o, const llama_model *m, const kvmix_policy *p,
                          const totals *t, double seconds, const char *device) {
     cJSON *obj = cJSON_CreateObject();
     cJSON_AddStringToObject(obj, "device", device);
     if (o->tag_spec_path != NULL) {
         cJSON_AddStringToObject(obj, "tag_spec", o->tag_spec_path);
-        cJSON_AddStringToObject(obj, "allocation", o->allocation_path);
+        if (o->allocation_path != NULL)
+            cJSON_AddStringToObject(obj, "allocation", o->allocation_path);
     }
     cJSON_AddStringToObject(obj, "model", o->model_path);
     cJSON_AddStringToObject(obj, "model_name", m->config.name);
@@ -655,6 +793,7 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
     cJSON_AddNumberToObject(obj, "kv_bytes", (double)t->kv_bytes_max);
     add_number_or_null(obj, "avg_bits",
                        t->held_tokens > 0 ? t->avg_bits_sum / (double)t->held_tokens : NAN);
+    if (t->gpu) add_gpu_figures(obj, t);
     cJSON_AddNumberToObject(obj, "threads", o->n_threads);
     cJSON_AddNumberToObject(obj, "seconds", seconds);
     cJSON_AddNumberToObject(obj, "tokens_per_second",
@@ -749,13 +888,14 @@ static llama_result tag_cache(eval *e, const options *o) {
                                       (uint8_t)e->policy.value_format};
     char why[ERR_BYTES - 64];
     if (tag_spec_load(o->tag_spec_path, &doc, why, sizeof why) != KVMIX_SUCCESS ||
-        tag_allocation_load(o->allocation_path, fallback, &table, why, sizeof why) !=
-            KVMIX_SUCCESS) {
+        (o->allocation_path != NULL && tag_allocation_load(o->allocation_path, fallback, &table,
+                                                           why, sizeof why) != KVMIX_SUCCESS)) {
         snprintf(e->err, sizeof e->err, "%s", why);
         return LLAMA_ERR_FORMAT;
     }
-    e->tagged = true;
     e->tag_doc = &doc;
+    if (o->allocation_path == NULL) return LLAMA_OK; /* the tags serve eviction only */
+    e->tagged = true;
     e->tag_table = table;
     /* the GPU runner applies them to its own cache (gpu_run_policy) */
     return o->cuda ? LLAMA_OK : kvmix_kv_tag(&e->cache, &doc.spec, &table, e->err, sizeof e->err);
@@ -789,6 +929,13 @@ static int run(const options *o) {
     if (!load_texts(o, &list, e.err)) r = LLAMA_ERR_FORMAT;
     if (r == LLAMA_OK) r = eval_init(&e, o, &p, &model);
     if (r == LLAMA_OK && o->tag_spec_path != NULL) r = tag_cache(&e, o);
+    if (r == LLAMA_OK && e.policy.evict.scorer != 0 && (!o->cuda || e.tag_doc == NULL)) {
+        snprintf(e.err, sizeof e.err,
+                 "policy %s evicts: that runs on --device cuda with --tag-spec (its tags find "
+                 "the requests)",
+                 e.policy.name);
+        r = LLAMA_ERR_ARGUMENT;
+    }
     char device[256] = "cpu";
 #ifdef KVMIX_EVAL_CUDA
     if (r == LLAMA_OK && o->cuda) r = run_texts_gpu(&e, &list, &t, device, sizeof device);

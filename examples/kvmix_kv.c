@@ -26,7 +26,8 @@ static const kvmix_policy FP32_POLICY = {
     0,
     KVMIX_CACHE_PARTIAL_KEEP_FP16,
     KVMIX_POLICY_BOUNDARY_FINISH,
-    NULL};
+    NULL,
+    {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
 
 int32_t kvmix_kv_policy_count(void) { return 1 + kvmix_policy_count(); }
 
@@ -62,7 +63,8 @@ static const char *const FIELDS[] = {"version",
                                      "window_tokens",
                                      "window_values_only",
                                      "partial_page",
-                                     "request_boundary"};
+                                     "request_boundary",
+                                     "evict"};
 enum { N_FIELDS = sizeof FIELDS / sizeof FIELDS[0] };
 
 /* An integer field in [lo, hi]; false with a message otherwise. */
@@ -170,6 +172,82 @@ static bool only_space(const char *p, const char *end) {
     return true;
 }
 
+/* The members of an "evict" object, in the order kvmix_kv_policy_json writes them. */
+static const char *const EVICT_FIELDS[] = {"scorer",         "budget_tokens", "budget_fraction",
+                                           "decay",          "prefix_tokens", "recent_tokens",
+                                           "observe_tokens", "pool_tokens"};
+enum { N_EVICT_FIELDS = sizeof EVICT_FIELDS / sizeof EVICT_FIELDS[0] };
+
+/* A number field of "evict" in [lo, hi] (hi_open: below hi). */
+static bool take_share(const cJSON *item, const char *field, double lo, double hi, bool lo_open,
+                       bool hi_open, double *out, char *err, size_t err_bytes) {
+    double v = cJSON_IsNumber(item) ? item->valuedouble : NAN;
+    if (!(v >= lo && v <= hi) || (lo_open && v == lo) || (hi_open && v == hi)) {
+        llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+                   "policy field \"evict.%s\": must be in %s%g, %g%s", field, lo_open ? "(" : "[",
+                   lo, hi, hi_open ? ")" : "]");
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+static bool take_scorer(const cJSON *item, int32_t *out, char *err, size_t err_bytes) {
+    for (int32_t s = KVMIX_EVICT_INTENT; s <= KVMIX_EVICT_SNAPKV; s++)
+        if (cJSON_IsString(item) && item->valuestring != NULL &&
+            strcmp(item->valuestring, kvmix_evict_scorer_name(s)) == 0) {
+            *out = s;
+            return true;
+        }
+    llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
+               "policy field \"evict.scorer\": must be one of \"intent\", \"query\", "
+               "\"streaming\", \"h2o\", \"snapkv\"");
+    return false;
+}
+
+/* "evict": budgeted eviction (kvmix_evict_policy); its checks across fields come with the
+ * policy's (kvmix_policy_check). */
+static bool take_evict(const cJSON *obj, kvmix_evict_policy *ev, char *err, size_t err_bytes) {
+    bool seen[N_EVICT_FIELDS] = {false};
+    if (!cJSON_IsObject(obj)) {
+        llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"evict\": must be an object");
+        return false;
+    }
+    for (const cJSON *item = obj->child; item != NULL; item = item->next) {
+        int32_t f = 0;
+        while (f < N_EVICT_FIELDS &&
+               (item->string == NULL || strcmp(item->string, EVICT_FIELDS[f]) != 0))
+            f++;
+        if (f == N_EVICT_FIELDS || seen[f]) {
+            llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"evict.%.64s\": %s",
+                       item->string != NULL ? item->string : "",
+                       f == N_EVICT_FIELDS ? "unknown" : "given twice");
+            return false;
+        }
+        seen[f] = true;
+        int32_t *counts[] = {NULL,
+                             &ev->budget_tokens,
+                             NULL,
+                             NULL,
+                             &ev->prefix_tokens,
+                             &ev->recent_tokens,
+                             &ev->observe_tokens,
+                             &ev->pool_tokens};
+        bool ok = f == 0   ? take_scorer(item, &ev->scorer, err, err_bytes)
+                  : f == 2 ? take_share(item, EVICT_FIELDS[f], 0.0, 1.0, true, false,
+                                        &ev->budget_fraction, err, err_bytes)
+                  : f == 3 ? take_share(item, EVICT_FIELDS[f], 0.0, 1.0, false, true, &ev->decay,
+                                        err, err_bytes)
+                           : take_int(item, EVICT_FIELDS[f], 0, 1 << 26, counts[f], err, err_bytes);
+        if (!ok) return false;
+    }
+    if (!seen[0]) {
+        llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"evict.scorer\": required");
+        return false;
+    }
+    return true;
+}
+
 /* Reads every member of the document into p; false with a message on the first bad one. */
 static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *err,
                         size_t err_bytes) {
@@ -246,7 +324,7 @@ static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *er
                 llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
                            "policy field \"partial_page\": must be \"keep_fp16\" or \"quantize\"");
             break;
-        default:
+        case 14:
             ok = cJSON_IsString(item) && item->valuestring != NULL &&
                  (strcmp(item->valuestring, "finish") == 0 ||
                   strcmp(item->valuestring, "continue") == 0);
@@ -258,6 +336,7 @@ static bool take_fields(const cJSON *root, kvmix_policy *p, bool *seen, char *er
                 llama_fail(err, err_bytes, LLAMA_ERR_FORMAT,
                            "policy field \"request_boundary\": must be \"finish\" or \"continue\"");
             break;
+        default: ok = take_evict(item, &p->evict, err, err_bytes); break;
         }
         if (!ok) return false;
     }
@@ -276,8 +355,22 @@ llama_result kvmix_kv_policy_parse(const char *json, size_t json_bytes, kvmix_po
                           at);
     }
     llama_result r = LLAMA_OK;
-    kvmix_policy p = {
-        "custom", "", -1, -1, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX_CACHE_PARTIAL_KEEP_FP16, 0, NULL};
+    kvmix_policy p = {"custom",
+                      "",
+                      -1,
+                      -1,
+                      32,
+                      0,
+                      0,
+                      0.0,
+                      32,
+                      0,
+                      0,
+                      0,
+                      KVMIX_CACHE_PARTIAL_KEEP_FP16,
+                      0,
+                      NULL,
+                      {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
     bool seen[N_FIELDS + 1] = {false};
     if (end < json || end > json + json_bytes || !only_space(end, json + json_bytes))
         r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: bytes after the JSON object");
@@ -345,6 +438,21 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
     cJSON_AddStringToObject(obj, "request_boundary",
                             p->request_boundary == KVMIX_POLICY_BOUNDARY_CONTINUE ? "continue"
                                                                                   : "finish");
+    if (p->evict.scorer != 0) {
+        const kvmix_evict_policy *ev = &p->evict;
+        cJSON *e = cJSON_AddObjectToObject(obj, "evict");
+        double values[] = {0.0,
+                           ev->budget_tokens,
+                           ev->budget_fraction,
+                           ev->decay,
+                           ev->prefix_tokens,
+                           ev->recent_tokens,
+                           ev->observe_tokens,
+                           ev->pool_tokens};
+        cJSON_AddStringToObject(e, "scorer", kvmix_evict_scorer_name(ev->scorer));
+        for (int32_t f = 1; f < N_EVICT_FIELDS; f++)
+            cJSON_AddNumberToObject(e, EVICT_FIELDS[f], values[f]);
+    }
     char *text = cJSON_PrintUnformatted(obj);
     cJSON_Delete(obj);
     return text;
@@ -358,7 +466,8 @@ bool kvmix_kv_policy_equal(const kvmix_policy *a, const kvmix_policy *b) {
            a->page_tokens == b->page_tokens && a->sink_tokens == b->sink_tokens &&
            a->window_tokens == b->window_tokens && a->window_values_only == b->window_values_only &&
            a->partial_page == b->partial_page && a->request_boundary == b->request_boundary &&
-           a->tag_precision == b->tag_precision;
+           a->tag_precision == b->tag_precision &&
+           memcmp(&a->evict, &b->evict, sizeof a->evict) == 0;
 }
 
 // >>kvcache

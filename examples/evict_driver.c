@@ -1,0 +1,221 @@
+/* evict_driver.c - budgeted eviction run over gpu_llama (evict_driver.h). */
+#include "evict_driver.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { MAX_KEY_IDS = 256 };
+
+struct evict_driver {
+    kvmix_evict_policy policy; /* resolved */
+    llama_config c;
+    int32_t max_tokens;
+    kvmix_session_store store; /* INTENT: a QueryMemory per session */
+    void *store_memory;
+    uint64_t serial;          /* requests so far: local keys */
+    float *query_sum, *fresh; /* [n_layers][n_heads][head_dim] */
+    float *scores, *scratch;  /* [max_tokens] */
+    uint8_t *live, *forced;   /* [max_tokens] */
+    int32_t *evict;           /* [max_tokens] */
+    evict_stats stats;
+};
+
+llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t n_ids,
+                        evict_request *out, int32_t max_requests, int32_t *out_n, char *err,
+                        size_t err_bytes) {
+    kvmix_tagger tagger;
+    int32_t n = 0, turn = -1;
+    *out_n = 0;
+    if (kvmix_tagger_init(&tagger, spec) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: a bad tag spec");
+    for (int64_t t = 0; t < n_ids; t++) {
+        kvmix_tag tag;
+        if (kvmix_tagger_feed(&tagger, &ids[t], 1, &tag) != KVMIX_SUCCESS)
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: the tagger failed");
+        if (tag.role != KVMIX_ROLE_USER) continue;
+        if (tag.turn != turn) { /* a new user message */
+            if (n == max_requests) break;
+            turn = tag.turn;
+            out[n].first = (int32_t)t;
+            n++;
+        }
+        out[n - 1].end = (int32_t)t + 1;
+    }
+    if (n > 0 && out[n - 1].end >= n_ids) n--; /* its prompt never ends */
+    *out_n = n;
+    return LLAMA_OK;
+}
+
+llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_config *config,
+                                 int32_t max_seqs, int32_t max_tokens, evict_driver **out,
+                                 char *err, size_t err_bytes) {
+    kvmix_policy_error why = {"", ""};
+    evict_driver *d = (evict_driver *)calloc(1, sizeof *d);
+    size_t q_floats = (size_t)config->n_layers * config->n_heads * config->head_dim;
+    size_t t = (size_t)max_tokens, store_bytes = 0;
+    *out = NULL;
+    if (!d) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    d->policy = *policy;
+    if (kvmix_evict_policy_resolve(&d->policy, &why) != KVMIX_SUCCESS) {
+        free(d);
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction policy: %s: %s", why.field,
+                          why.reason);
+    }
+    d->c = *config;
+    d->max_tokens = max_tokens;
+    kvmix_session_store_desc sd = {max_seqs, (int32_t)q_floats, MAX_KEY_IDS};
+    if (kvmix_session_store_memory_bytes(&sd, &store_bytes) == KVMIX_SUCCESS)
+        d->store_memory = aligned_alloc(16, (store_bytes + 15) / 16 * 16);
+    d->query_sum = (float *)malloc(q_floats * sizeof(float));
+    d->fresh = (float *)malloc(q_floats * sizeof(float));
+    d->scores = (float *)malloc(t * sizeof(float));
+    d->scratch = (float *)malloc(t * sizeof(float));
+    d->live = (uint8_t *)malloc(t);
+    d->forced = (uint8_t *)malloc(t);
+    d->evict = (int32_t *)malloc(t * sizeof(int32_t));
+    if (!d->store_memory || !d->query_sum || !d->fresh || !d->scores || !d->scratch || !d->live ||
+        !d->forced || !d->evict ||
+        kvmix_session_store_init(&d->store, &sd, d->store_memory, store_bytes) != KVMIX_SUCCESS) {
+        evict_driver_free(d);
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    }
+    *out = d;
+    return LLAMA_OK;
+}
+
+void evict_driver_free(evict_driver *d) {
+    if (!d) return;
+    free(d->store_memory), free(d->query_sum), free(d->fresh), free(d->scores);
+    free(d->scratch), free(d->live), free(d->forced), free(d->evict);
+    free(d);
+}
+
+void evict_seq_start(evict_driver *d, evict_seq *s, const int32_t *ids,
+                     const evict_request *requests, int32_t n_requests) {
+    float *mass = s->mass;
+    (void)d;
+    memset(s, 0, sizeof *s);
+    s->ids = ids, s->requests = requests, s->n_requests = n_requests;
+    s->mass = mass;
+    if (mass) memset(mass, 0, (size_t)d->max_tokens * sizeof *mass);
+}
+
+/* What the step at pos records for the scorer. */
+static int32_t record_flags(const evict_driver *d, const evict_seq *s, int32_t pos) {
+    const evict_request *r = s->next < s->n_requests ? &s->requests[s->next] : NULL;
+    switch (d->policy.scorer) {
+    case KVMIX_EVICT_INTENT:
+    case KVMIX_EVICT_QUERY:
+        return r && pos >= r->first && pos < r->end ? GPU_LLAMA_OBSERVE_QUERIES : 0;
+    case KVMIX_EVICT_H2O: return GPU_LLAMA_OBSERVE_ATTENTION;
+    case KVMIX_EVICT_SNAPKV:
+        return r && pos >= r->end - d->policy.observe_tokens && pos < r->end
+                   ? GPU_LLAMA_OBSERVE_ATTENTION
+                   : 0;
+    default: return 0;
+    }
+}
+
+/* The memory the request scores with: the session's QueryMemory with this request's mean query
+   blended in (INTENT), or that mean alone (QUERY). */
+static llama_result request_memory(evict_driver *d, const evict_seq *s, gpu_llama *g, int32_t seq,
+                                   float **out, char *err, size_t err_bytes) {
+    const llama_config *c = &d->c;
+    const evict_request *first = &s->requests[0];
+    int32_t n_queries = 0, found = 0;
+    float *memory = d->fresh;
+    double decay = d->policy.scorer == KVMIX_EVICT_INTENT ? d->policy.decay : 0.0;
+    llama_result r =
+        gpu_llama_observed_take(g, seq, d->query_sum, &n_queries, NULL, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    memset(d->fresh, 0, (size_t)c->n_layers * c->n_heads * c->head_dim * sizeof(float));
+    if (d->policy.scorer == KVMIX_EVICT_INTENT) {
+        kvmix_session_key key;
+        if (kvmix_session_key_resolve(NULL, s->ids + first->first, first->end - first->first,
+                                      s->ids, first->end, 0, MAX_KEY_IDS, d->serial++,
+                                      &key) != KVMIX_SUCCESS ||
+            kvmix_session_store_acquire(&d->store, &key, &memory, &found) != KVMIX_SUCCESS)
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: session store");
+        if (!memory) memory = d->fresh; /* a local key: this request alone */
+    }
+    if (kvmix_query_memory_update(memory, c->n_layers, c->n_heads, c->head_dim, d->query_sum,
+                                  n_queries > 0, (float)decay) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: queries not finite");
+    *out = memory;
+    return LLAMA_OK;
+}
+
+/* The scorer's raw scores of positions [0, n) into d->scores. */
+static llama_result raw_scores(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq, int32_t n,
+                               char *err, size_t err_bytes) {
+    float *memory = NULL;
+    llama_result r = LLAMA_OK;
+    switch (d->policy.scorer) {
+    case KVMIX_EVICT_INTENT:
+    case KVMIX_EVICT_QUERY:
+        r = request_memory(d, s, g, seq, &memory, err, err_bytes);
+        return r == LLAMA_OK ? gpu_llama_intent_scores(g, seq, memory, d->scores, err, err_bytes)
+                             : r;
+    case KVMIX_EVICT_H2O:
+        r = gpu_llama_observed_take(g, seq, NULL, NULL, d->scores, err, err_bytes);
+        for (int32_t t = 0; r == LLAMA_OK && t < n; t++) d->scores[t] = s->mass[t] += d->scores[t];
+        return r;
+    case KVMIX_EVICT_SNAPKV:
+        return gpu_llama_observed_take(g, seq, NULL, NULL, d->scores, err, err_bytes);
+    default: memset(d->scores, 0, (size_t)n * sizeof(float)); return LLAMA_OK;
+    }
+}
+
+/* The eviction of request r: positions [0, r->end) exist, the prompt has run. */
+static llama_result evict_request_run(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq,
+                                      const evict_request *r, char *err, size_t err_bytes) {
+    int32_t kv_seq = -1, n = r->end, keep = 0, n_live = 0, n_evict = 0;
+    const kvmix_cache *cache = gpu_llama_inner(g, seq, &kv_seq);
+    llama_kv_stats before, after;
+    llama_result lr = raw_scores(d, s, g, seq, n, err, err_bytes);
+    if (lr != LLAMA_OK) return lr;
+    for (int32_t t = 0; t < n; t++) {
+        uint32_t slot = KVMIX_CACHE_DEAD_SLOT;
+        kvmix_cache_locate(cache, kv_seq, t, &slot);
+        d->live[t] = slot != KVMIX_CACHE_DEAD_SLOT;
+        n_live += d->live[t];
+        if (!d->live[t]) d->scores[t] = -INFINITY;
+    }
+    if (n_live > s->live_peak) s->live_peak = n_live;
+    if (kvmix_evict_shape_scores(&d->policy, d->scores, n, d->scratch) != KVMIX_SUCCESS ||
+        kvmix_evict_budget(&d->policy, n, &keep) != KVMIX_SUCCESS ||
+        kvmix_evict_forced(&d->policy, n, r->first, r->end, d->forced) != KVMIX_SUCCESS ||
+        kvmix_evict_select(d->scores, d->live, d->forced, n, keep, d->evict, &n_evict) !=
+            KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "eviction: scores that are not numbers");
+    if (n_evict == 0) return LLAMA_OK;
+    gpu_llama_seq_stats(g, seq, &before);
+    if ((lr = gpu_llama_evict(g, seq, d->evict, n_evict, err, err_bytes)) != LLAMA_OK) return lr;
+    gpu_llama_seq_stats(g, seq, &after);
+    d->stats.n_evictions++;
+    d->stats.evicted_tokens += n_evict;
+    d->stats.bytes_freed += (double)before.bytes - (double)after.bytes;
+    return LLAMA_OK;
+}
+
+llama_result evict_before_step(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq,
+                               int32_t pos, char *err, size_t err_bytes) {
+    if (s->next < s->n_requests && pos == s->requests[s->next].end) {
+        llama_result r = evict_request_run(d, s, g, seq, &s->requests[s->next], err, err_bytes);
+        if (r != LLAMA_OK) return r;
+        s->next++;
+    }
+    return gpu_llama_observe(g, seq, record_flags(d, s, pos), err, err_bytes);
+}
+
+void evict_seq_end(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq) {
+    llama_kv_stats st;
+    gpu_llama_seq_stats(g, seq, &st);
+    if (st.n_tokens > s->live_peak) s->live_peak = (int32_t)st.n_tokens;
+    d->stats.live_peak_sum += s->live_peak;
+    d->stats.n_seqs++;
+}
+
+void evict_driver_stats(const evict_driver *d, evict_stats *out) { *out = d->stats; }

@@ -1,0 +1,82 @@
+/* evict_driver.h - budgeted eviction (kvmix.h, "Budgeted eviction") run by a GPU loop over
+ * gpu_llama: which positions of a token stream are requests' prompts, what each step records, and
+ * the eviction once a request's prompt ran.
+ *
+ * A request is a user turn; its actionable span is the user message, as the template tagger
+ * (kvmix_tagger) finds it: the turn's tokens tagged KVMIX_ROLE_USER, [first, end). The eviction
+ * of a request runs before position `end` runs, when the whole prompt has run (its queries and
+ * attention are recorded): the scorer gives every position a score, the protected prefix and the
+ * actionable span are forced, and the lowest-scoring others beyond the budget are evicted.
+ * Scorers: INTENT blends the span's mean query into the session's QueryMemory (a
+ * kvmix_session_store keyed by the first request's span) and scores with it; QUERY scores with the
+ * span's mean query alone; STREAMING by recency; H2O by the attention every query gave so far,
+ * the most recent kept; SNAPKV by the attention of the prompt's last observe_tokens queries,
+ * max-pooled.
+ *
+ * Errors: llama_result with a one-line message in (err, err_bytes); nothing prints or exits.
+ */
+#ifndef EVICT_DRIVER_H
+#define EVICT_DRIVER_H
+
+#include "gpu_llama.h"
+#include "kvmix.h"
+#include "llama.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct evict_request {
+    int32_t first, end; /* the user message: positions [first, end) */
+} evict_request;
+
+/* The requests of a token stream, in order: *out_n of at most max_requests. A turn whose user
+ * message is cut off by the stream's end has none. LLAMA_ERR_ARGUMENT: a spec that does not
+ * check. */
+llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t n_ids,
+                        evict_request *out, int32_t max_requests, int32_t *out_n, char *err,
+                        size_t err_bytes);
+
+/* What one run's evictions did, summed over its sequences. */
+typedef struct evict_stats {
+    int64_t n_evictions;    /* requests whose history exceeded the budget */
+    int64_t evicted_tokens; /* positions evicted */
+    int64_t live_peak_sum;  /* per sequence the most live positions it had, summed */
+    int64_t n_seqs;         /* sequences that ended */
+    double bytes_freed;     /* cache bytes the sequences held less right after their evictions */
+} evict_stats;
+
+/* Per sequence: where it is in its requests, its recorded attention (H2O) by position. */
+typedef struct evict_seq {
+    const int32_t *ids;
+    const evict_request *requests;
+    int32_t n_requests, next; /* the next request to evict at */
+    int32_t live_peak;
+    float *mass; /* H2O: [max_tokens] attention so far */
+} evict_seq;
+
+typedef struct evict_driver evict_driver;
+
+/* A driver for `policy` (resolved here) on a model of this config, up to max_seqs sequences at
+ * once of up to max_tokens positions. LLAMA_ERR_ARGUMENT: a policy that does not resolve. */
+llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_config *config,
+                                 int32_t max_seqs, int32_t max_tokens, evict_driver **out,
+                                 char *err, size_t err_bytes);
+void evict_driver_free(evict_driver *d);
+
+/* A sequence starts over these ids and requests (kept by reference). */
+void evict_seq_start(evict_driver *d, evict_seq *s, const int32_t *ids,
+                     const evict_request *requests, int32_t n_requests);
+/* Before the sequence's token at position pos runs on g's sequence `seq`: the eviction when a
+ * request's prompt has just run, then what the step records. */
+llama_result evict_before_step(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq,
+                               int32_t pos, char *err, size_t err_bytes);
+/* The sequence ends (its peak goes into the stats). */
+void evict_seq_end(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq);
+void evict_driver_stats(const evict_driver *d, evict_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EVICT_DRIVER_H */
