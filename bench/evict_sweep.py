@@ -1,0 +1,97 @@
+"""Budgeted eviction on the GPU runner: one kvmix-eval-cuda run per arm, a JSON object per line.
+
+Usage: python3 bench/evict_sweep.py --eval build/kvmix-eval-cuda --model M.safetensors
+           --data D.jsonl --spec examples/specs/kvm-byte.json --offset 75 --limit 75
+           --arms ARMS --out results.jsonl [--allocation A.json] [--batch 75]
+
+An arm is precision/scorer/budget[/decay]: precision a built-in policy name (fp16, kitty-25,
+...) whose settings the run takes (`kvmix-eval --list-policies`), scorer one of none, intent,
+query, streaming, h2o, snapkv, budget the fraction of history kept, decay the QueryMemory decay
+(intent only). "tri" as the precision runs the built-in fp16 policy with --allocation (the
+tri-axial per-tag formats). Arms are comma-separated; "none" arms ignore the budget. Every arm
+shares the forced set (the first 4 positions and the request's user message) and the scorer
+settings below, so that arms differ in the scorer alone. Each run's JSON (kvmix-eval's, with the
+arm added) is appended to --out as it ends; arms already in --out are skipped, so an interrupted
+sweep resumes.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+PREFIX_TOKENS = 4  # the protected prefix: the attention sinks
+RECENT_TOKENS = 64  # H2O's recent-window floor
+OBSERVE_TOKENS = 32  # SnapKV's observation window
+POOL_TOKENS = 7  # SnapKV's pooling width
+
+
+def builtin_policies(eval_bin):
+    out = subprocess.run([eval_bin, "--list-policies"], check=True, capture_output=True, text=True)
+    return {p["name"]: p for p in map(json.loads, out.stdout.splitlines())}
+
+
+def policy_document(base, scorer, budget, decay):
+    doc = dict(base)
+    doc["name"] = base["name"] if scorer == "none" else f"{base['name']}+{scorer}-{budget:g}"
+    if scorer != "none":
+        doc["evict"] = {"scorer": scorer, "budget_fraction": budget, "decay": decay,
+                        "prefix_tokens": PREFIX_TOKENS, "recent_tokens": RECENT_TOKENS,
+                        "observe_tokens": OBSERVE_TOKENS, "pool_tokens": POOL_TOKENS}
+    return doc
+
+
+def parse_arm(text):
+    parts = text.split("/")
+    precision, scorer = parts[0], parts[1]
+    budget = float(parts[2]) if len(parts) > 2 else 1.0
+    decay = float(parts[3]) if len(parts) > 3 else 0.0
+    return precision, scorer, budget, decay
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for flag in ("--eval", "--model", "--data", "--spec", "--arms", "--out"):
+        ap.add_argument(flag, required=True)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=75)
+    ap.add_argument("--batch", type=int, default=75)
+    ap.add_argument("--allocation")
+    a = ap.parse_args()
+    policies = builtin_policies(a.eval)
+    done = set()
+    if os.path.exists(a.out):
+        with open(a.out) as f:
+            done = {json.loads(line)["arm"] for line in f if line.strip()}
+    for arm in a.arms.split(","):
+        if arm in done:
+            continue
+        precision, scorer, budget, decay = parse_arm(arm)
+        base = policies["fp16" if precision == "tri" else precision]
+        doc = policy_document(base, scorer, budget, decay)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(doc, f)
+        cmd = [a.eval, "--model", a.model, "--data", a.data, "--kind", "trace", "--offset",
+               str(a.offset), "--limit", str(a.limit), "--batch", str(a.batch), "--policy",
+               f.name, "--tag-spec", a.spec]
+        if precision == "tri":
+            cmd += ["--allocation", a.allocation]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        os.unlink(f.name)
+        if run.returncode != 0:
+            print(f"{arm}: failed: {run.stderr.strip()}", file=sys.stderr)
+            continue
+        result = json.loads(run.stdout)
+        result["arm"] = arm
+        with open(a.out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        ev = result.get("eviction", {})
+        print(f"{arm}: bits/token {result['bits_per_token']:.4f} "
+              f"agreement {result['answer_agreement']:.4f} "
+              f"recall agreement {result['recall']['answer_agreement']:.4f} "
+              f"evicted {ev.get('evicted_tokens', 0)} {result['seconds']:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
