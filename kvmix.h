@@ -395,13 +395,15 @@ typedef struct kvmix_cache_page {
 } kvmix_cache_page;
 
 /* One entry of a sequence's page table: rows [0, n_rows) of `page` hold positions first_pos ..
-   first_pos + n_rows - 1 of the sequence (those the slot map still points at). page 0 = an entry
-   whose positions were all evicted and whose page was released. */
+   first_pos + n_rows - 1 of the sequence (those the slot map still points at). A page that
+   kvmix_cache_compact wrote (n_positions > 0) covers positions first_pos .. first_pos +
+   n_positions - 1 instead, its n_rows rows holding those of them that were live then, in
+   increasing order (the slot map says which row is whose). */
 typedef struct kvmix_cache_entry {
     uint32_t page;
     int32_t first_pos;
     int32_t n_rows;
-    int32_t reserved;
+    int32_t n_positions; /* 0: n_rows (row = position - first_pos); > 0: a compacted page */
 } kvmix_cache_entry;
 
 typedef struct kvmix_cache_seq {
@@ -3217,6 +3219,35 @@ static uint32_t kvmix__slot(const kvmix_cache *c, uint32_t page, int32_t row) {
     return page * (uint32_t)c->desc.page_tokens + (uint32_t)row;
 }
 
+/* One past the last position an entry covers. */
+static int32_t kvmix__entry_end(const kvmix_cache_entry *e) {
+    return e->first_pos + (e->n_positions > 0 ? e->n_positions : e->n_rows);
+}
+
+/* How many of rows [0, n) of an entry's page the sequence still uses, and which (live[row],
+   when live is not NULL). A compacted page's rows are found through the slot map over the
+   positions it covers (slots below the page's first wrap around and fail the test). */
+static int32_t kvmix__entry_rows_live(const kvmix_cache *c, const uint32_t *slots,
+                                      const kvmix_cache_entry *e, int32_t n, uint8_t *live) {
+    int32_t row, pos, count = 0;
+    uint32_t first = kvmix__slot(c, e->page, 0);
+    if (e->n_positions == 0) {
+        for (row = 0; row < n; row++) {
+            int used = row < e->n_rows && slots[e->first_pos + row] == first + (uint32_t)row;
+            if (live) live[row] = (uint8_t)used;
+            count += used;
+        }
+        return count;
+    }
+    if (live) memset(live, 0, (size_t)n);
+    for (pos = e->first_pos; pos < kvmix__entry_end(e); pos++)
+        if (slots[pos] - first < (uint32_t)n) {
+            if (live) live[slots[pos] - first] = 1;
+            count++;
+        }
+    return count;
+}
+
 /* ---- the granule bitmap -------------------------------------------------------------------- */
 
 static int kvmix__granule_used(const uint64_t *bitmap, int64_t i) {
@@ -3995,11 +4026,8 @@ KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_se
 
 /* Whether entry j still has a row the sequence uses. */
 static int kvmix__entry_live(const kvmix_cache *c, int32_t seq, const kvmix_cache_entry *e) {
-    const uint32_t *slots = kvmix__seq_slots(c, seq);
-    int32_t r;
-    for (r = 0; r < e->n_rows; r++)
-        if (slots[e->first_pos + r] == kvmix__slot(c, e->page, r)) return 1;
-    return 0;
+    return kvmix__entry_rows_live(c, kvmix__seq_slots(c, seq), e, c->pages[e->page].n_rows,
+                                  NULL) > 0;
 }
 
 /* Releases the pages of entries with no row in use, except a buffer page still being filled;
@@ -4051,7 +4079,10 @@ static kvmix__why kvmix__seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_
     kvmix__seq_set_written(cache, child, n_prefix); /* also cs->n_written */
     for (i = 0; i < ps->n_entries && pe[i].first_pos < n_prefix; i++) {
         ce[i] = pe[i];
-        if (ce[i].n_rows > n_prefix - ce[i].first_pos) ce[i].n_rows = n_prefix - ce[i].first_pos;
+        if (ce[i].n_positions > n_prefix - ce[i].first_pos)
+            ce[i].n_positions = n_prefix - ce[i].first_pos; /* a compacted page's rows stay */
+        else if (ce[i].n_positions == 0 && ce[i].n_rows > n_prefix - ce[i].first_pos)
+            ce[i].n_rows = n_prefix - ce[i].first_pos;
         cache->pages[ce[i].page].refcount++;
         cs->n_entries++;
     }
@@ -4952,7 +4983,7 @@ static const kvmix_cache_entry *kvmix__entry_at(const kvmix_cache *c, int32_t se
         int32_t mid = lo + (hi - lo) / 2;
         if (position < e[mid].first_pos)
             hi = mid - 1;
-        else if (position >= e[mid].first_pos + e[mid].n_rows)
+        else if (position >= kvmix__entry_end(&e[mid]))
             lo = mid + 1;
         else
             return &e[mid];
@@ -5123,21 +5154,13 @@ static int32_t kvmix__span_tokens(const kvmix_cache *c, int32_t seq, int32_t lay
     return n;
 }
 
-static int kvmix__row_live(const kvmix_cache *c, const uint32_t *slots, const kvmix_cache_entry *e,
-                           int32_t row) {
-    return row < e->n_rows && slots[e->first_pos + row] == kvmix__slot(c, e->page, row);
-}
-
 /* Whether the n rows of entry e are all the sequence's: without a row check when the sequence
    has evicted nothing and the span ends inside the entry (views cost O(pages) then). */
 static int kvmix__span_all_live(const kvmix_cache *c, int32_t seq, const kvmix_cache_entry *e,
                                 int32_t n) {
-    const uint32_t *slots = kvmix__seq_slots(c, seq);
-    int32_t row;
-    if (n <= e->n_rows && c->seqs[seq].n_live == c->seqs[seq].n_tokens) return 1;
-    for (row = 0; row < n; row++)
-        if (!kvmix__row_live(c, slots, e, row)) return 0;
-    return 1;
+    if (n <= e->n_rows && e->n_positions == 0 && c->seqs[seq].n_live == c->seqs[seq].n_tokens)
+        return 1;
+    return kvmix__entry_rows_live(c, kvmix__seq_slots(c, seq), e, n, NULL) == n;
 }
 
 static kvmix__why kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs, int32_t n_seqs) {
@@ -5219,8 +5242,8 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
             vs->dead_index = -1;
             if (!kvmix__span_all_live(cache, seqs[i], &e[j], n)) {
                 vs->dead_index = f;
-                for (row = 0; row < n; row++)
-                    dead[f++] = (uint8_t)!kvmix__row_live(cache, slots, &e[j], row);
+                kvmix__entry_rows_live(cache, slots, &e[j], n, dead + f);
+                for (row = 0; row < n; row++, f++) dead[f] = (uint8_t)!dead[f];
             }
             k++;
         }
@@ -5247,6 +5270,7 @@ KVMIXDEF kvmix_result kvmix_cache_view_positions(const kvmix_cache *cache, int32
                                                  int32_t layer, int32_t *positions,
                                                  int32_t capacity, int32_t *out_n) {
     const kvmix_cache_entry *e;
+    const uint32_t *slots;
     int64_t total = 0;
     int32_t j, row, k = 0;
     if (!cache || !out_n) return KVMIX_ERR_NULL_POINTER;
@@ -5260,10 +5284,16 @@ KVMIXDEF kvmix_result kvmix_cache_view_positions(const kvmix_cache *cache, int32
     }
     if (total > capacity) return KVMIX_ERR_BUFFER_TOO_SMALL;
     if (total > 0 && !positions) return KVMIX_ERR_NULL_POINTER;
+    slots = kvmix__seq_slots(cache, seq);
     for (j = 0; j < cache->seqs[seq].n_entries; j++) {
-        int32_t n = kvmix__span_tokens(cache, seq, layer, &cache->pages[e[j].page], &e[j]);
+        int32_t n = kvmix__span_tokens(cache, seq, layer, &cache->pages[e[j].page], &e[j]), pos;
+        uint32_t first = kvmix__slot(cache, e[j].page, 0);
         for (row = 0; row < n; row++)
-            positions[k++] = row < e[j].n_rows ? e[j].first_pos + row : -1;
+            positions[k + row] =
+                e[j].n_positions == 0 && row < e[j].n_rows ? e[j].first_pos + row : -1;
+        for (pos = e[j].first_pos; e[j].n_positions > 0 && pos < kvmix__entry_end(&e[j]); pos++)
+            if (slots[pos] - first < (uint32_t)n) positions[k + (int32_t)(slots[pos] - first)] = pos;
+        k += n;
     }
     *out_n = k;
     return KVMIX_SUCCESS;
@@ -5443,7 +5473,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
     const kvmix_cache_entry *e;
     const uint32_t *slots;
     kvmix_result r;
-    int32_t j, row;
+    int32_t j, live;
     double elements;
     if (!cache || !out) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
@@ -5464,14 +5494,11 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
         st.referenced_bytes += bytes;
         st.attributed_bytes += (double)bytes / (double)p->refcount;
         kvmix__page_format_bytes(cache, p, st.format_bytes);
-        for (row = 0; row < e[j].n_rows; row++) {
-            int32_t live = kvmix__row_live(cache, slots, &e[j], row);
-            int32_t fp16_key = p->key_format == KVMIX_FORMAT_FP16;
-            int32_t fp16_value = p->value_format == KVMIX_FORMAT_FP16;
-            st.n_fp16_rows += live && fp16_key && fp16_value;
-            st.n_fp16_key_rows += live && fp16_key;
-            st.n_fp16_value_rows += live && fp16_value;
-        }
+        live = kvmix__entry_rows_live(cache, slots, &e[j], p->n_rows, NULL);
+        if (p->key_format == KVMIX_FORMAT_FP16) st.n_fp16_key_rows += live;
+        if (p->value_format == KVMIX_FORMAT_FP16) st.n_fp16_value_rows += live;
+        if (p->key_format == KVMIX_FORMAT_FP16 && p->value_format == KVMIX_FORMAT_FP16)
+            st.n_fp16_rows += live;
     }
     elements = kvmix__elements(cache, st.n_live_tokens);
     if (elements > 0) st.bits_per_element = st.attributed_bytes * 8.0 / elements;
@@ -5668,11 +5695,12 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
         for (j = 0; j < q->n_entries; j++) {
             const kvmix_cache_page *p = &cache->pages[e[j].page];
             if (e[j].page == 0 || e[j].page >= (uint32_t)cache->max_pages || p->refcount <= 0 ||
-                e[j].first_pos < end || e[j].n_rows <= 0 ||
-                e[j].first_pos + e[j].n_rows > q->n_tokens || e[j].n_rows > p->n_rows ||
-                (p->sealed && e[j].first_pos + e[j].n_rows > q->n_written))
+                e[j].first_pos < end || e[j].n_rows <= 0 || e[j].n_positions < 0 ||
+                kvmix__entry_end(&e[j]) > q->n_tokens || e[j].n_rows > p->n_rows ||
+                (p->sealed && kvmix__entry_end(&e[j]) > q->n_written) ||
+                (e[j].n_positions > 0 && !p->sealed))
                 return KVMIX_ERR_CORRUPT_DATA; /* sealed pages hold written rows only */
-            end = e[j].first_pos + e[j].n_rows;
+            end = kvmix__entry_end(&e[j]);
         }
         for (pos = 0; pos < q->n_tokens; pos++) {
             const kvmix_cache_entry *hit;
@@ -5680,7 +5708,11 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
             if (slot == KVMIX_CACHE_DEAD_SLOT) continue;
             live++;
             hit = kvmix__entry_at(cache, s, pos);
-            if (!hit || slot != kvmix__slot(cache, hit->page, pos - hit->first_pos))
+            if (!hit ||
+                (hit->n_positions == 0 &&
+                 slot != kvmix__slot(cache, hit->page, pos - hit->first_pos)) ||
+                (hit->n_positions > 0 &&
+                 slot - kvmix__slot(cache, hit->page, 0) >= (uint32_t)hit->n_rows))
                 return KVMIX_ERR_CORRUPT_DATA;
         }
         if (live != q->n_live) return KVMIX_ERR_CORRUPT_DATA;
