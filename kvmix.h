@@ -673,6 +673,23 @@ KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq);
 KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
                                         int32_t n_positions);
 
+/* Gives back what scattered evictions hold: the sequence's sealed pages that no one else
+   references (shared pages never move; nor do the sinks' page and FP16 buffers) and whose live
+   rows are at most max_live_fraction (0, 1] of their rows are compacted. Runs of consecutive such
+   pages of the same formats have their survivors' rows moved, in position order, into a new page
+   of those formats that holds just them (up to page_tokens), when that takes fewer granules, and
+   are released. Positions, and so their rotary phase, stay: views, reads and eviction see the
+   same positions (kvmix_cache_entry says how a compacted page covers them). FP16 and per-token
+   rows move byte for byte; per-channel key blocks (INT2_CHANNEL, BOOSTED) are dequantized, rounded
+   to FP16 and quantized again over their new rows (new channel scales). A device arena queues
+   COPY jobs and, for per-channel blocks, the gather into transient FP16 rows (DEQUANTIZE) and the
+   packing (QUANTIZE). A run with no room (arena, page descriptors, the job queue) stays as it is:
+   nothing needs compaction to be correct, and a device arena's caller may take the jobs and call
+   again. *out_bytes_freed (may be NULL): arena bytes released (on a device arena once the jobs
+   are taken). Returns NULL_POINTER, INVALID_ARGUMENT (seq, max_live_fraction). */
+KVMIXDEF kvmix_result kvmix_cache_compact(kvmix_cache *cache, int32_t seq, double max_live_fraction,
+                                          size_t *out_bytes_freed);
+
 /* Rewrites the sealed page that holds `position` of `seq` in `precision` (a zero format: that
    side of desc.default_precision), keeping its page id and every slot map (all sequences
    sharing the page see the new formats). keys, values: NULL, or
@@ -767,6 +784,7 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
      - kvmix_cache_write_rows queues the copy of FP16 rows from the caller's device arrays;
      - reserve and finish queue the seals of full pages (and of a partial page at finish) and the
        copy on write of a shared buffer page;
+     - compact queues the gather of survivors' rows (DEQUANTIZE) and their packing (QUANTIZE);
      - kvmix_cache_write, ingest, append, read, ref_decode and retier, which pass rows through
        host memory, return INVALID_ARGUMENT (retier: UNSUPPORTED).
    Arena bytes a call releases (a sealed buffer, a freed page) stay allocated until the jobs are
@@ -777,8 +795,9 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
 
 /* What a batch of jobs does. */
 typedef enum kvmix_cache_batch_kind {
-    KVMIX_CACHE_BATCH_QUANTIZE = 0, /* FP16 source rows into blocks of `layout` */
-    KVMIX_CACHE_BATCH_COPY = 1      /* bytes: a job copies n_rows bytes from src_offset */
+    KVMIX_CACHE_BATCH_QUANTIZE = 0,  /* FP16 source rows into blocks of `layout` */
+    KVMIX_CACHE_BATCH_COPY = 1,      /* bytes: a job copies n_rows bytes from src_offset */
+    KVMIX_CACHE_BATCH_DEQUANTIZE = 2 /* rows of blocks of `layout` into FP16 rows of the arena */
 } kvmix_cache_batch_kind;
 
 /* Where the source offsets of a batch count from. */
@@ -791,7 +810,9 @@ typedef enum kvmix_cache_source {
 /* One job, 24 bytes, the layout kvmix_cuda_quantize reads from device memory. QUANTIZE: source
    row r is at src_offset + r * src_row_stride FP16 elements of the source, and goes to row
    first_row + r of the block at dst_offset bytes of the arena. COPY: n_rows bytes from byte
-   src_offset of the arena to byte dst_offset. */
+   src_offset of the arena to byte dst_offset. DEQUANTIZE: rows first_row .. first_row + n_rows
+   - 1 of the block at src_offset bytes of the arena, dequantized and rounded to FP16, go to
+   head_dim-element rows one after another from dst_offset bytes of the arena. */
 typedef struct kvmix_quantize_job {
     uint64_t src_offset;
     uint64_t dst_offset;
@@ -834,8 +855,8 @@ KVMIXDEF kvmix_result kvmix_cache_jobs_take(kvmix_cache *cache, kvmix_quantize_j
    key_rows and value_rows (FP16 bit patterns, may be NULL when no batch reads them), exactly as
    kvmix_cuda_cache_run does on the device. Batches are checked before any runs (a bad kind,
    range, layout or missing source: INVALID_ARGUMENT or NULL_POINTER, nothing written). A
-   QUANTIZE job whose rows are not finite FP16, or whose rows do not fit its block, writes
-   nothing; *out_bad_jobs (may be NULL) counts them. */
+   QUANTIZE job whose rows are not finite FP16, or a QUANTIZE or DEQUANTIZE job whose rows do not
+   fit its block, writes nothing; *out_bad_jobs (may be NULL) counts them. */
 KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
                                           const kvmix_quantize_job *jobs, const uint16_t *key_rows,
                                           const uint16_t *value_rows, uint8_t *arena,
@@ -3556,6 +3577,15 @@ static kvmix__job kvmix__quantize_job(int source, int is_value, int32_t format, 
     return j;
 }
 
+static kvmix__job kvmix__dequantize_job(int is_value, int32_t format, int32_t block_rows,
+                                        uint64_t src, uint64_t dst, int32_t first_row,
+                                        int32_t n_rows) {
+    kvmix__job j = kvmix__quantize_job(KVMIX_CACHE_SOURCE_ARENA, is_value, format, block_rows, src,
+                                       dst, first_row, n_rows);
+    j.kind = KVMIX_CACHE_BATCH_DEQUANTIZE;
+    return j;
+}
+
 /* Quantizes src [rows][head_dim] into a block of `format` at dst (no checks: finite input). */
 static void kvmix__cache_quantize(const kvmix_cache *c, int is_value, int32_t format, int32_t rows,
                                   const float *src, uint8_t *dst) {
@@ -4026,8 +4056,8 @@ KVMIXDEF kvmix_result kvmix_cache_seq_create(kvmix_cache *cache, int32_t *out_se
 
 /* Whether entry j still has a row the sequence uses. */
 static int kvmix__entry_live(const kvmix_cache *c, int32_t seq, const kvmix_cache_entry *e) {
-    return kvmix__entry_rows_live(c, kvmix__seq_slots(c, seq), e, c->pages[e->page].n_rows,
-                                  NULL) > 0;
+    return kvmix__entry_rows_live(c, kvmix__seq_slots(c, seq), e, c->pages[e->page].n_rows, NULL) >
+           0;
 }
 
 /* Releases the pages of entries with no row in use, except a buffer page still being filled;
@@ -4795,7 +4825,7 @@ static int32_t kvmix__group_jobs(kvmix_cache *c, kvmix_quantize_job *jobs,
                 b->kind = q[k].kind;
                 b->source = q[k].source;
                 b->first_job = n_out;
-                if (q[k].kind == KVMIX_CACHE_BATCH_QUANTIZE) {
+                if (q[k].kind != KVMIX_CACHE_BATCH_COPY) {
                     b->layout = kvmix__cache_layout(c, q[k].is_value, q[k].format, q[k].block_rows);
                     kvmix_layout_resolve(&b->layout);
                     b->src_row_stride = q[k].source == KVMIX_CACHE_SOURCE_ARENA
@@ -5091,6 +5121,308 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     return kvmix__record(cache, kvmix__retier(cache, seq, position, precision, keys, values, rows));
 }
 
+/* ---- compaction ----------------------------------------------------------------------------- */
+
+enum { KVMIX__MAX_PAGE_TOKENS = 1024 }; /* desc.page_tokens' bound: a page's row flags fit */
+
+/* Entries [first, end) of a sequence whose survivors, `rows` of them, move to one new page. */
+typedef struct kvmix__compact_run {
+    int32_t first, end, rows;
+    int64_t old_granules;
+} kvmix__compact_run;
+
+/* Live rows of entry e when compaction may move its page (sealed, the sequence's alone, not the
+   sinks', with dead rows, at most max_live of them live), else -1. */
+static int32_t kvmix__compact_live(const kvmix_cache *c, int32_t seq, const kvmix_cache_entry *e,
+                                   double max_live) {
+    const kvmix_cache_page *p = &c->pages[e->page];
+    int32_t live;
+    if (!p->sealed || p->refcount != 1 || p->sink) return -1;
+    live = kvmix__entry_rows_live(c, kvmix__seq_slots(c, seq), e, p->n_rows, NULL);
+    return live > 0 && live < p->n_rows && live <= max_live * p->n_rows ? live : -1;
+}
+
+/* The next run from entry *at on: consecutive movable pages of the same formats whose survivors
+   fit a page; rows 0 when none is left. */
+static kvmix__compact_run kvmix__compact_next(const kvmix_cache *c, int32_t seq, int32_t *at,
+                                              double max_live) {
+    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    kvmix__compact_run run = {0, 0, 0, 0};
+    int32_t n = c->seqs[seq].n_entries, live;
+    for (; *at < n; (*at)++) {
+        const kvmix_cache_page *p = &c->pages[e[*at].page];
+        live = kvmix__compact_live(c, seq, &e[*at], max_live);
+        if (run.rows > 0 && (live < 0 || run.rows + live > c->desc.page_tokens ||
+                             p->key_format != c->pages[e[run.first].page].key_format ||
+                             p->value_format != c->pages[e[run.first].page].value_format))
+            break;
+        if (live < 0) continue;
+        if (run.rows == 0) run.first = *at;
+        run.rows += live;
+        run.old_granules += (int64_t)p->n_granules;
+        run.end = *at + 1;
+    }
+    return run;
+}
+
+/* Whether a block format keeps its rows apart (FP16, per-token integers): rows then move byte
+   for byte; per-channel blocks are gathered and quantized again over their new rows. */
+static int kvmix__rows_movable(int32_t format) {
+    return format == KVMIX_FORMAT_FP16 || kvmix__is_per_token_int(format);
+}
+
+/* The byte ranges that move rows [row, row + n) of block `from` (rows_from rows) to rows [k,
+   k + n) of block `to` (rows_to rows), for a movable format: codes, then (per-token integers)
+   their (scale, min) pairs. Offsets are from each block's start; returns how many ranges. */
+static int kvmix__row_ranges(const kvmix_cache *c, int is_value, int32_t format, int32_t rows_from,
+                             int32_t rows_to, int32_t row, int32_t k, int32_t n, uint64_t from[2],
+                             uint64_t to[2], uint64_t bytes[2]) {
+    kvmix_layout lf = kvmix__cache_layout(c, is_value, format, rows_from);
+    kvmix_layout lt = kvmix__cache_layout(c, is_value, format, rows_to);
+    kvmix__sections sf = kvmix__layout_sections(&lf), st = kvmix__layout_sections(&lt);
+    int32_t groups;
+    from[0] = kvmix__row_at(&sf, row), to[0] = kvmix__row_at(&st, k);
+    bytes[0] = (uint64_t)n * sf.row_bytes;
+    if (format == KVMIX_FORMAT_FP16) return 1;
+    groups = lf.head_dim / lf.group_size;
+    from[1] = kvmix__token_meta_at(&sf, row, groups, 0),
+    to[1] = kvmix__token_meta_at(&st, k, groups, 0);
+    bytes[1] = (uint64_t)n * (uint64_t)groups * 4u;
+    return 2;
+}
+
+/* Calls visit(c, ctx, entry, row, k, n) for each run of consecutive live rows of the run's pages,
+   k counting the rows before it: the order the survivors take in the new page. */
+typedef void (*kvmix__live_run_fn)(kvmix_cache *c, void *ctx, const kvmix_cache_entry *e,
+                                   int32_t row, int32_t k, int32_t n);
+static void kvmix__live_runs(kvmix_cache *c, int32_t seq, const kvmix__compact_run *run,
+                             kvmix__live_run_fn visit, void *ctx) {
+    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    uint8_t live[KVMIX__MAX_PAGE_TOKENS];
+    int32_t j, row, end, k = 0;
+    for (j = run->first; j < run->end; j++) {
+        int32_t n = c->pages[e[j].page].n_rows;
+        kvmix__entry_rows_live(c, kvmix__seq_slots(c, seq), &e[j], n, live);
+        for (row = 0; row < n; row = end) {
+            for (end = row; end < n && live[end] == live[row]; end++) {
+            }
+            if (!live[row]) continue;
+            visit(c, ctx, &e[j], row, k, end - row);
+            k += end - row;
+        }
+    }
+}
+
+/* What one block of the new page takes from the run: (layer, kv, head), the new page, where
+   gathered FP16 rows go (device) and how many jobs a device arena needs. */
+typedef struct kvmix__block_move {
+    const kvmix_cache_page *np;
+    int32_t layer, kv, head;
+    uint64_t staging; /* device: FP16 rows of this block, for a per-channel format */
+    int64_t n_runs;
+} kvmix__block_move;
+
+static int32_t kvmix__block_format(const kvmix_cache_page *p, int kv) {
+    return kv ? p->value_format : p->key_format;
+}
+
+static uint64_t kvmix__block_at(const kvmix_cache *c, const kvmix_cache_page *p, int32_t layer,
+                                int kv, int32_t head) {
+    kvmix__geom g = kvmix__geom_of(c, p);
+    return p->offset + kvmix__block_offset(c, &g, layer, kv, head);
+}
+
+/* Host arena: moves (FP16, per-token) or decodes into the scratch rows (per-channel, each value
+   rounded to FP16 as a device arena's gather is) one run of live rows. */
+static void kvmix__host_move(kvmix_cache *c, void *ctx, const kvmix_cache_entry *e, int32_t row,
+                             int32_t k, int32_t n) {
+    const kvmix__block_move *m = (const kvmix__block_move *)ctx;
+    const kvmix_cache_page *p = &c->pages[e->page];
+    int32_t format = kvmix__block_format(p, m->kv), r, i, d = c->desc.head_dim;
+    const uint8_t *from = c->arena + kvmix__block_at(c, p, m->layer, m->kv, m->head);
+    if (kvmix__rows_movable(format)) {
+        uint64_t f[2], t[2], bytes[2];
+        uint8_t *to = c->arena + kvmix__block_at(c, m->np, m->layer, m->kv, m->head);
+        int ranges =
+            kvmix__row_ranges(c, m->kv, format, p->n_rows, m->np->n_rows, row, k, n, f, t, bytes);
+        for (i = 0; i < ranges; i++) memcpy(to + t[i], from + f[i], (size_t)bytes[i]);
+        return;
+    }
+    {
+        kvmix_layout l = kvmix__cache_layout(c, m->kv, format, p->n_rows);
+        kvmix__sections s = kvmix__layout_sections(&l);
+        for (r = 0; r < n; r++) {
+            float *out = c->priv.scratch + (size_t)(k + r) * (size_t)d;
+            kvmix__decode_row(&l, &s, from, row + r, out);
+            for (i = 0; i < d; i++) out[i] = kvmix__h2f(kvmix__f2h(out[i]));
+        }
+    }
+}
+
+/* Device arena: queues the copies (FP16, per-token) or the gather into FP16 staging rows
+   (per-channel) of one run of live rows. */
+static void kvmix__device_move(kvmix_cache *c, void *ctx, const kvmix_cache_entry *e, int32_t row,
+                               int32_t k, int32_t n) {
+    const kvmix__block_move *m = (const kvmix__block_move *)ctx;
+    const kvmix_cache_page *p = &c->pages[e->page];
+    int32_t format = kvmix__block_format(p, m->kv), i;
+    uint64_t from = kvmix__block_at(c, p, m->layer, m->kv, m->head);
+    kvmix__fence(c, e->page, (uint32_t)(m->np - c->pages), 0);
+    if (kvmix__rows_movable(format)) {
+        uint64_t f[2], t[2], bytes[2];
+        uint64_t to = kvmix__block_at(c, m->np, m->layer, m->kv, m->head);
+        int ranges =
+            kvmix__row_ranges(c, m->kv, format, p->n_rows, m->np->n_rows, row, k, n, f, t, bytes);
+        for (i = 0; i < ranges; i++)
+            kvmix__queue(c, kvmix__copy_job(from + f[i], to + t[i], bytes[i]));
+    } else {
+        kvmix__queue(c, kvmix__dequantize_job(
+                            m->kv, format, p->n_rows, from,
+                            m->staging + (uint64_t)k * (uint64_t)c->desc.head_dim * 2u, row, n));
+    }
+    kvmix__mark_pages(c, e->page, (uint32_t)(m->np - c->pages));
+}
+
+static void kvmix__count_move(kvmix_cache *c, void *ctx, const kvmix_cache_entry *e, int32_t row,
+                              int32_t k, int32_t n) {
+    (void)c, (void)e, (void)row, (void)k, (void)n;
+    ((kvmix__block_move *)ctx)->n_runs++;
+}
+
+/* Jobs a device arena queues for the run: two per run of live rows per block (copies of codes
+   and pairs, or a gather), one packing per per-channel block. */
+static int64_t kvmix__compact_jobs(kvmix_cache *c, int32_t seq, const kvmix__compact_run *run) {
+    kvmix__block_move m;
+    memset(&m, 0, sizeof m);
+    kvmix__live_runs(c, seq, run, kvmix__count_move, &m);
+    return (2 * m.n_runs + 1) * 2 * (int64_t)c->desc.n_layers * (int64_t)c->desc.n_kv_heads;
+}
+
+/* Fills (host) or queues the filling of (device) every block of page id from the run's
+   survivors; staging: device bytes of an FP16 page of the run's rows, for per-channel blocks,
+   which a device arena packs once every gather is queued. */
+static void kvmix__compact_fill(kvmix_cache *c, int32_t seq, const kvmix__compact_run *run,
+                                uint32_t id, uint64_t staging) {
+    const kvmix_cache_page *np = &c->pages[id];
+    kvmix__geom sg =
+        kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, np->n_rows, np->n_rows);
+    int device = c->desc.device_arena, pass;
+    kvmix__block_move m;
+    memset(&m, 0, sizeof m);
+    m.np = np;
+    for (pass = 0; pass < 1 + device; pass++) {
+        if (pass == 1) kvmix__fence(c, id, id, 1); /* the packing reads what the gather wrote */
+        for (m.layer = 0; m.layer < c->desc.n_layers; m.layer++)
+            for (m.kv = 0; m.kv < 2; m.kv++)
+                for (m.head = 0; m.head < c->desc.n_kv_heads; m.head++) {
+                    int32_t format = kvmix__block_format(np, m.kv);
+                    uint8_t *to = c->arena + kvmix__block_at(c, np, m.layer, m.kv, m.head);
+                    m.staging = staging + kvmix__block_offset(c, &sg, m.layer, m.kv, m.head);
+                    if (pass == 0)
+                        kvmix__live_runs(c, seq, run,
+                                         device ? kvmix__device_move : kvmix__host_move, &m);
+                    if (kvmix__rows_movable(format)) continue;
+                    if (device && pass == 1) {
+                        kvmix__queue_seal(c, m.kv, KVMIX_FORMAT_FP16, (uint8_t)format, np->n_rows,
+                                          m.staging, (uint64_t)(to - c->arena));
+                    } else if (!device) {
+                        kvmix__cache_quantize(c, m.kv, format, np->n_rows, c->priv.scratch, to);
+                        memset(c->priv.scratch, 0, /* zero between calls */
+                               (size_t)np->n_rows * (size_t)c->desc.head_dim * sizeof(float));
+                    }
+                }
+        if (pass == 1) kvmix__mark_pages(c, id, id);
+    }
+}
+
+/* Points the run's live positions at their rows of page id, releases the old pages and makes the
+   run's entries one. */
+static void kvmix__compact_commit(kvmix_cache *c, int32_t seq, const kvmix__compact_run *run,
+                                  uint32_t id) {
+    kvmix_cache_seq *s = &c->seqs[seq];
+    kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    uint32_t *slots = kvmix__seq_slots(c, seq);
+    int32_t first = e[run->first].first_pos, end = kvmix__entry_end(&e[run->end - 1]), pos, j;
+    int32_t k = 0, gone = run->end - run->first - 1;
+    for (pos = first; pos < end; pos++)
+        if (slots[pos] != KVMIX_CACHE_DEAD_SLOT) slots[pos] = kvmix__slot(c, id, k++);
+    for (j = run->first; j < run->end; j++) kvmix__page_release(c, e[j].page);
+    e[run->first].page = id;
+    e[run->first].first_pos = first;
+    e[run->first].n_rows = run->rows;
+    e[run->first].n_positions = end - first;
+    memmove(&e[run->first + 1], &e[run->end], (size_t)(s->n_entries - run->end) * sizeof *e);
+    s->n_entries -= gone;
+    memset(&e[s->n_entries], 0, (size_t)gone * sizeof *e);
+}
+
+/* Compacts one run into a new page; returns the granules it frees, 0 (nothing changed) when it
+   would free none or the arena, the descriptors or the job queue have no room. */
+static int64_t kvmix__compact_run_once(kvmix_cache *c, int32_t seq, const kvmix__compact_run *run) {
+    const kvmix_cache_page *src = &c->pages[kvmix__seq_entries(c, seq)[run->first].page];
+    kvmix__geom ng = kvmix__page_geom(c, src->key_format, src->value_format, run->rows, run->rows);
+    kvmix__geom sg =
+        kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, run->rows, run->rows);
+    int64_t n = kvmix__granules_of(c, ng.total_bytes), sn = kvmix__granules_of(c, sg.total_bytes);
+    int64_t start, staging = -1;
+    int device = c->desc.device_arena;
+    int gather = device &&
+                 (!kvmix__rows_movable(src->key_format) || !kvmix__rows_movable(src->value_format));
+    kvmix_cache_page *np;
+    uint32_t id;
+    if (n >= run->old_granules || c->priv.n_free_pages < 1) return 0;
+    if (device && (c->n_jobs + kvmix__compact_jobs(c, seq, run) > c->desc.max_jobs ||
+                   c->priv.n_retired_runs >= c->desc.max_jobs))
+        return 0;
+    if ((start = kvmix__arena_take(c, NULL, n, KVMIX__LASTING)) < 0) return 0;
+    if (gather && (staging = kvmix__arena_take(c, NULL, sn, KVMIX__PASSING)) < 0) {
+        kvmix__granules_free(c, start, n);
+        return 0;
+    }
+    id = kvmix__page_pop(c);
+    np = &c->pages[id];
+    memset(np, 0, sizeof *np);
+    np->offset = (uint64_t)start * c->desc.granule_bytes;
+    np->n_granules = (uint32_t)n;
+    np->refcount = 1;
+    np->n_rows = np->capacity = run->rows;
+    np->key_format = np->want_key = src->key_format;
+    np->value_format = np->want_value = src->value_format;
+    np->sealed = 1;
+    kvmix__compact_fill(c, seq, run, id,
+                        staging < 0 ? 0 : (uint64_t)staging * c->desc.granule_bytes);
+    if (staging >= 0) kvmix__arena_give(c, NULL, staging, sn); /* held until the take */
+    kvmix__compact_commit(c, seq, run, id);
+    return run->old_granules - n;
+}
+
+static kvmix__why kvmix__compact(kvmix_cache *cache, int32_t seq, double max_live_fraction,
+                                 size_t *out_bytes_freed) {
+    kvmix__why w;
+    int32_t at = 0;
+    size_t freed = 0;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    if (!(max_live_fraction > 0.0 && max_live_fraction <= 1.0))
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "max_live_fraction", "not in (0, 1]");
+    for (;;) {
+        kvmix__compact_run run = kvmix__compact_next(cache, seq, &at, max_live_fraction);
+        int64_t granules;
+        if (run.rows == 0) break;
+        if ((granules = kvmix__compact_run_once(cache, seq, &run)) > 0) {
+            freed += (size_t)granules * cache->desc.granule_bytes;
+            at = run.first + 1; /* the run is one entry now */
+        }
+    }
+    if (out_bytes_freed) *out_bytes_freed = freed;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_compact(kvmix_cache *cache, int32_t seq, double max_live_fraction,
+                                          size_t *out_bytes_freed) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__compact(cache, seq, max_live_fraction, out_bytes_freed));
+}
+
 /* ---- reading -------------------------------------------------------------------------------- */
 
 KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, int32_t position,
@@ -5292,7 +5624,8 @@ KVMIXDEF kvmix_result kvmix_cache_view_positions(const kvmix_cache *cache, int32
             positions[k + row] =
                 e[j].n_positions == 0 && row < e[j].n_rows ? e[j].first_pos + row : -1;
         for (pos = e[j].first_pos; e[j].n_positions > 0 && pos < kvmix__entry_end(&e[j]); pos++)
-            if (slots[pos] - first < (uint32_t)n) positions[k + (int32_t)(slots[pos] - first)] = pos;
+            if (slots[pos] - first < (uint32_t)n)
+                positions[k + (int32_t)(slots[pos] - first)] = pos;
         k += n;
     }
     *out_n = k;
@@ -5544,6 +5877,22 @@ static int kvmix__run_quantize_job(const kvmix_layout *l, const uint16_t *src, i
     return 1;
 }
 
+/* One DEQUANTIZE job: block rows to FP16 rows, or 0 when its rows are not in the block. */
+static int kvmix__run_dequantize_job(const kvmix_layout *l, const kvmix_quantize_job *j,
+                                     uint8_t *arena, float *row) {
+    kvmix__sections s = kvmix__layout_sections(l);
+    uint8_t *out = arena + j->dst_offset;
+    int32_t r, c;
+    if (j->first_row < 0 || j->n_rows < 1 || j->n_rows > l->n_tokens - j->first_row) return 0;
+    for (r = 0; r < j->n_rows; r++) {
+        kvmix__decode_row(l, &s, arena + j->src_offset, j->first_row + r, row);
+        for (c = 0; c < l->head_dim; c++)
+            kvmix__store_u16(out + ((size_t)r * (size_t)l->head_dim + (size_t)c) * 2,
+                             kvmix__f2h(row[c]));
+    }
+    return 1;
+}
+
 /* The FP16 rows a QUANTIZE batch reads: key rows, value rows or the arena. */
 static const uint16_t *kvmix__batch_source(const kvmix_cache_batch *b, const uint16_t *key_rows,
                                            const uint16_t *value_rows, const uint8_t *arena) {
@@ -5561,12 +5910,16 @@ static kvmix_result kvmix__batches_ok(const kvmix_cache_batch *batches, int32_t 
     for (b = 0; b < n_batches; b++) {
         const kvmix_cache_batch *batch = &batches[b];
         kvmix_layout l = batch->layout;
+        int quantize = batch->kind == KVMIX_CACHE_BATCH_QUANTIZE;
         if (batch->n_jobs < 0 || batch->first_job < 0 ||
-            (batch->kind != KVMIX_CACHE_BATCH_COPY && batch->kind != KVMIX_CACHE_BATCH_QUANTIZE))
+            (batch->kind != KVMIX_CACHE_BATCH_COPY && !quantize &&
+             batch->kind != KVMIX_CACHE_BATCH_DEQUANTIZE))
             return KVMIX_ERR_INVALID_ARGUMENT;
         if (batch->kind == KVMIX_CACHE_BATCH_COPY) continue;
-        if (!kvmix__batch_source(batch, key_rows, value_rows, arena)) return KVMIX_ERR_NULL_POINTER;
-        if (kvmix_layout_resolve(&l) != KVMIX_SUCCESS || batch->src_row_stride < l.head_dim)
+        if (quantize && !kvmix__batch_source(batch, key_rows, value_rows, arena))
+            return KVMIX_ERR_NULL_POINTER;
+        if (kvmix_layout_resolve(&l) != KVMIX_SUCCESS ||
+            (quantize && batch->src_row_stride < l.head_dim))
             return KVMIX_ERR_INVALID_ARGUMENT;
         if ((size_t)l.n_tokens * (size_t)l.head_dim > *max_floats)
             *max_floats = (size_t)l.n_tokens * (size_t)l.head_dim;
@@ -5597,6 +5950,8 @@ KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int3
             const kvmix_quantize_job *j = &jobs[batch->first_job + i];
             if (batch->kind == KVMIX_CACHE_BATCH_COPY)
                 memmove(arena + j->dst_offset, arena + j->src_offset, (size_t)j->n_rows);
+            else if (batch->kind == KVMIX_CACHE_BATCH_DEQUANTIZE)
+                bad += !kvmix__run_dequantize_job(&l, j, arena, rows);
             else
                 bad += !kvmix__run_quantize_job(&l, src, batch->src_row_stride, j, arena, rows);
         }

@@ -2206,6 +2206,36 @@ static __global__ void __launch_bounds__(256)
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) to[i] = from[i];
 }
 
+/* One block per DEQUANTIZE job: rows first_row .. + n_rows of the block at src_offset of the
+   arena (format, n_tokens rows, sections s) to FP16 rows from dst_offset; a job whose rows are
+   not in the block writes nothing and raises KVMIX_CUDA_QUANTIZE_BAD_VALUE. */
+struct kvmix__dequantize_params {
+    int format, n_tokens, head_dim, group_size;
+    kvmix__sections sec;
+    uint8_t *arena;
+    const kvmix_quantize_job *jobs;
+    int32_t *error_flags;
+};
+
+static __global__ void __launch_bounds__(256)
+    kvmix__dequantize_job_kernel(kvmix__dequantize_params p) {
+    const kvmix_quantize_job job = p.jobs[blockIdx.x];
+    if (job.first_row < 0 || job.n_rows < 1 || job.n_rows > p.n_tokens - job.first_row) {
+        if (threadIdx.x == 0 && p.error_flags)
+            atomicOr(p.error_flags, KVMIX_CUDA_QUANTIZE_BAD_VALUE);
+        return;
+    }
+    const uint8_t *block = p.arena + job.src_offset;
+    uint16_t *out = (uint16_t *)(p.arena + job.dst_offset);
+    const int64_t n = (int64_t)job.n_rows * p.head_dim;
+    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+        const int64_t r = e / p.head_dim;
+        const int c = (int)(e % p.head_dim);
+        float v = kvmix__decode_value(p.format, block, p.sec, job.first_row + r, c, p.group_size);
+        out[e] = kvmix__f2h(v);
+    }
+}
+
 } // namespace
 
 // >>launch
@@ -2252,6 +2282,23 @@ extern "C" kvmix_result kvmix_cuda_copy_blocks(const void *src, void *dst,
     return kvmix__launch_status();
 }
 
+/* The DEQUANTIZE jobs of one batch (layout of their source blocks). */
+static kvmix_result kvmix__dequantize_jobs(const kvmix_layout *layout, void *arena,
+                                           const kvmix_quantize_job *jobs, int32_t n_jobs,
+                                           int32_t *error_flags, kvmix_stream stream) {
+    kvmix_layout l = *layout;
+    kvmix_result r = kvmix__resolve(&l);
+    if (r != KVMIX_SUCCESS) return r;
+    if (n_jobs == 0) return KVMIX_SUCCESS;
+    kvmix__dequantize_params p;
+    p.format = l.format, p.n_tokens = l.n_tokens, p.head_dim = l.head_dim;
+    p.group_size = l.group_size;
+    p.sec = kvmix__block_sections(l.format, l.n_tokens, l.head_dim, l.group_size, l.n_boost);
+    p.arena = (uint8_t *)arena, p.jobs = jobs, p.error_flags = error_flags;
+    kvmix__dequantize_job_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(p);
+    return kvmix__launch_status();
+}
+
 extern "C" kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
                                              const kvmix_quantize_job *jobs, const void *key_rows,
                                              const void *value_rows, void *arena,
@@ -2260,12 +2307,13 @@ extern "C" kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, i
     if (n_batches > 0 && (!batches || !jobs || !arena)) return KVMIX_ERR_NULL_POINTER;
     for (int32_t b = 0; b < n_batches; b++) { /* every batch checked before any is enqueued */
         const kvmix_cache_batch *batch = &batches[b];
-        bool copy = batch->kind == KVMIX_CACHE_BATCH_COPY;
+        bool quantize = batch->kind == KVMIX_CACHE_BATCH_QUANTIZE;
         if (batch->first_job < 0 || batch->n_jobs < 0 ||
-            (!copy && batch->kind != KVMIX_CACHE_BATCH_QUANTIZE))
+            (!quantize && batch->kind != KVMIX_CACHE_BATCH_COPY &&
+             batch->kind != KVMIX_CACHE_BATCH_DEQUANTIZE))
             return KVMIX_ERR_INVALID_ARGUMENT;
-        if (!copy && ((batch->source == KVMIX_CACHE_SOURCE_KEYS && !key_rows) ||
-                      (batch->source == KVMIX_CACHE_SOURCE_VALUES && !value_rows)))
+        if (quantize && ((batch->source == KVMIX_CACHE_SOURCE_KEYS && !key_rows) ||
+                         (batch->source == KVMIX_CACHE_SOURCE_VALUES && !value_rows)))
             return KVMIX_ERR_NULL_POINTER;
     }
     for (int32_t b = 0; b < n_batches; b++) {
@@ -2274,6 +2322,9 @@ extern "C" kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, i
         kvmix_result r;
         if (batch->kind == KVMIX_CACHE_BATCH_COPY) {
             r = kvmix_cuda_copy_blocks(arena, arena, first, batch->n_jobs, stream);
+        } else if (batch->kind == KVMIX_CACHE_BATCH_DEQUANTIZE) {
+            r = kvmix__dequantize_jobs(&batch->layout, arena, first, batch->n_jobs, error_flags,
+                                       stream);
         } else {
             const void *src = batch->source == KVMIX_CACHE_SOURCE_KEYS     ? key_rows
                               : batch->source == KVMIX_CACHE_SOURCE_VALUES ? value_rows

@@ -74,8 +74,9 @@ kvmix_result kvmix_cuda_copy_blocks(const void *src, void *dst, const kvmix_quan
 /* Runs the batches of one kvmix_cache_jobs_take in order on `stream`, as kvmix_ref_cache_run does
    on the host: jobs is the take's job array copied to device memory, key_rows and value_rows the
    device FP16 rows that kvmix_cache_write_rows named (may be NULL when no batch reads them),
-   arena the cache's device arena. A QUANTIZE job whose rows are not finite FP16 writes nothing
-   and ORs KVMIX_CUDA_QUANTIZE_BAD_VALUE into *error_flags (device int32, may be NULL). Every
+   arena the cache's device arena. A QUANTIZE job whose rows are not finite FP16, or a DEQUANTIZE
+   job whose rows are not in its block, writes nothing and ORs KVMIX_CUDA_QUANTIZE_BAD_VALUE into
+   *error_flags (device int32, may be NULL). Every
    batch is checked before any is enqueued (INVALID_ARGUMENT: a bad kind or job range;
    NULL_POINTER: rows a batch reads); then returns the first launcher error (layouts; later
    batches are not enqueued). */

@@ -38,6 +38,7 @@ typedef struct da_state {
     uint8_t *device_copy;
     float *keys, *values; /* one write's rows as floats (FP16 values) */
     int64_t jobs_run, batches_run, takes;
+    int64_t compacted; /* bytes compaction freed, host cache */
     int failures;
     char *why;
     size_t why_bytes;
@@ -250,6 +251,26 @@ static void da_compare(da_state *s) {
     }
 }
 
+/* Compaction of a sequence on both caches: the device cache may stop where its job queue is
+   full, so it takes its jobs and calls again until it frees nothing more; in all, both free the
+   same bytes. */
+static void da_compact(da_state *s, int32_t seq) {
+    static const double fractions[] = {0.25, 0.5, 1.0};
+    double fraction = fractions[da_rand(s, 3)];
+    size_t host_freed = 0, device_freed = 0, freed = 0;
+    int i;
+    kvmix_result rh = kvmix_cache_compact(&s->host, seq, fraction, &host_freed), rd;
+    for (i = 0; i < 8; i++) {
+        rd = kvmix_cache_compact(&s->device, seq, fraction, &freed);
+        da_same(s, rh, rd, "compact");
+        device_freed += freed;
+        if (freed == 0 || !da_take(s)) break;
+    }
+    if (host_freed != device_freed)
+        da_fail(s, "compacted bytes", (long long)host_freed, (long long)device_freed);
+    s->compacted += (int64_t)host_freed;
+}
+
 /* One random operation on both caches. */
 static void da_step(da_state *s) {
     const kvmix_cache_desc *d = &s->host.desc;
@@ -284,6 +305,7 @@ static void da_step(da_state *s) {
         rh = kvmix_cache_evict(&s->host, seq, positions, n > 0 ? 8 : 0);
         rd = kvmix_cache_evict(&s->device, seq, positions, n > 0 ? 8 : 0);
         da_same(s, rh, rd, "evict");
+        if (da_rand(s, 2) == 0) da_compact(s, seq);
     } else if (op < 90) {
         rh = kvmix_cache_seq_free(&s->host, seq);
         rd = kvmix_cache_seq_free(&s->device, seq);
@@ -297,9 +319,11 @@ static void da_step(da_state *s) {
 }
 
 /* Runs `steps` random operations on caches of `desc` (device_arena set here); returns the number
-   of mismatches, the first described in why. *out_jobs: jobs run in all. */
+   of mismatches, the first described in why. *out_jobs: jobs run in all; *out_compacted: bytes
+   compaction freed (both may be NULL). */
 static int da_scenario(const kvmix_cache_desc *desc, uint64_t seed, int steps,
-                       const da_executor *ex, char *why, size_t why_bytes, int64_t *out_jobs) {
+                       const da_executor *ex, char *why, size_t why_bytes, int64_t *out_jobs,
+                       int64_t *out_compacted) {
     da_state s;
     kvmix_cache_desc hd = *desc, dd = *desc;
     size_t memory_bytes = 0, per;
@@ -340,6 +364,7 @@ static int da_scenario(const kvmix_cache_desc *desc, uint64_t seed, int steps,
         da_fail(&s, "out of memory", 0, 0);
     }
     if (out_jobs) *out_jobs = s.jobs_run;
+    if (out_compacted) *out_compacted = s.compacted;
     free(s.key_rows);
     free(s.value_rows);
     free(s.keys);

@@ -500,6 +500,211 @@ static void test_view_positions(void) {
     kvmix_cache_deinit(&cache);
 }
 
+/* ---- compaction ---- */
+
+enum { CL = 2, CKV = 2, CD = 64, CN = 200, CP = 16 };
+
+static void compaction_cache(kvmix_cache *cache, kvmix_format key, kvmix_format value,
+                             int32_t seqs) {
+    kvmix_cache_desc d;
+    memset(&d, 0, sizeof d);
+    d.n_layers = CL, d.n_kv_heads = CKV, d.head_dim = CD, d.page_tokens = CP;
+    d.max_tokens_per_seq = 256, d.arena_bytes = 1 << 22, d.max_seqs = seqs, d.n_boost = 8;
+    d.default_precision.key_format = (uint8_t)key;
+    d.default_precision.value_format = (uint8_t)value;
+    CHECK_RESULT(kvmix_cache_init_allocator(cache, &d, NULL), KVMIX_SUCCESS);
+}
+
+/* Every position's rows on every layer: [CN][CL][CKV * CD] keys then values; NAN when evicted. */
+static void read_all(kvmix_cache *cache, int32_t seq, float *keys, float *values) {
+    int32_t t, l, i;
+    for (t = 0; t < CN; t++)
+        for (l = 0; l < CL; l++) {
+            float *k = keys + ((size_t)t * CL + (size_t)l) * CKV * CD;
+            float *v = values + ((size_t)t * CL + (size_t)l) * CKV * CD;
+            kvmix_result r = kvmix_cache_read(cache, seq, l, t, k, v, NULL);
+            if (r == KVMIX_ERR_NOT_FOUND)
+                for (i = 0; i < CKV * CD; i++) k[i] = v[i] = NAN;
+            else
+                CHECK_RESULT(r, KVMIX_SUCCESS);
+        }
+}
+
+/* Attention over the live rows read back, layer 0, in double: q and out [CKV * 2][CD], two q
+   heads per kv head that ask the same query. */
+static void attention_of_rows(const float *keys, const float *values, const float *q, double *out) {
+    int32_t h, t, c;
+    for (h = 0; h < CKV; h++) {
+        double m = -1e300, l = 0.0, acc[CD] = {0};
+        for (t = 0; t < CN; t++) {
+            const float *k = keys + (size_t)t * CL * CKV * CD + (size_t)h * CD;
+            double x = 0.0;
+            if (k[0] != k[0]) continue;
+            for (c = 0; c < CD; c++) x += (double)q[2 * h * CD + c] * k[c];
+            if (x / 8.0 > m) m = x / 8.0;
+        }
+        for (t = 0; t < CN; t++) {
+            const float *k = keys + (size_t)t * CL * CKV * CD + (size_t)h * CD;
+            const float *v = values + (size_t)t * CL * CKV * CD + (size_t)h * CD;
+            double x = 0.0, w;
+            if (k[0] != k[0]) continue;
+            for (c = 0; c < CD; c++) x += (double)q[2 * h * CD + c] * k[c];
+            w = exp(x / 8.0 - m);
+            l += w;
+            for (c = 0; c < CD; c++) acc[c] += w * v[c];
+        }
+        for (c = 0; c < CD; c++)
+            out[(size_t)(2 * h) * CD + c] = out[(size_t)(2 * h + 1) * CD + c] = acc[c] / l;
+    }
+}
+
+/* Compaction of scattered evictions: memory comes back, positions and values stay (FP16 and
+   per-token exactly up to FP16 rounding, per-channel keys within their quantization error),
+   evicted positions stay gone and are never attended, later evictions and appends work. */
+static void test_compaction_formats(void) {
+    static const kvmix_format keys[] = {KVMIX_FORMAT_FP16,         KVMIX_FORMAT_INT8,
+                                        KVMIX_FORMAT_INT4,         KVMIX_FORMAT_INT2,
+                                        KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
+    static const kvmix_format values[] = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4,
+                                          KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT4};
+    static float rows[CN * CL * CKV * CD * 2], before[2][CN * CL * CKV * CD],
+        after[2][CN * CL * CKV * CD], q[2 * CKV * CD], out[2 * CKV * CD], lse[2 * CKV];
+    static double want[2 * CKV * CD];
+    static uint8_t workspace[1 << 16];
+    test_rng rng;
+    size_t f, i;
+    test_rng_init(&rng, "compaction");
+    for (i = 0; i < sizeof rows / sizeof rows[0]; i++)
+        rows[i] = (float)(test_rng_normal(&rng) * 0.5);
+    for (i = 0; i < 2 * CKV * CD; i++) q[i] = (float)(test_rng_normal(&rng) * 0.3);
+    for (i = CD; i < 2 * CD; i++) q[i] = q[i - CD]; /* two q heads per kv head, the same query */
+    for (i = 3 * CD; i < 4 * CD; i++) q[i] = q[i - CD];
+    for (f = 0; f < sizeof keys / sizeof keys[0]; f++) {
+        kvmix_cache cache;
+        kvmix_cache_stats st0, st1;
+        int32_t seq, gone[CN], n_gone = 0, t, c, extra;
+        size_t freed = 0;
+        double worst = 0.0,
+               tol = keys[f] == KVMIX_FORMAT_INT2_CHANNEL || keys[f] == KVMIX_FORMAT_BOOSTED ? 1.0
+                                                                                             : 0.0;
+        test_context("keys %s values %s", kvmix_format_name(keys[f]), kvmix_format_name(values[f]));
+        compaction_cache(&cache, keys[f], values[f], 1);
+        CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_ingest(&cache, seq, CN, rows, rows + CN * CL * CKV * CD, NULL),
+                     KVMIX_SUCCESS);
+        for (t = 0; t < 176; t++) /* 3 of 4 positions of the sealed pages go */
+            if (test_rng_range(&rng, 0, 3) != 0) gone[n_gone++] = t;
+        CHECK_RESULT(kvmix_cache_evict(&cache, seq, gone, n_gone), KVMIX_SUCCESS);
+        read_all(&cache, seq, before[0], before[1]);
+        CHECK_RESULT(kvmix_cache_stats_get(&cache, &st0), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_compact(&cache, seq, 0.5, &freed), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_stats_get(&cache, &st1), KVMIX_SUCCESS);
+        CHECK(freed > 0);
+        CHECK_EQ_UINT(st0.arena_used_bytes - st1.arena_used_bytes, freed);
+        CHECK(st1.n_pages < st0.n_pages);
+        CHECK_EQ_INT(st1.n_live_tokens, st0.n_live_tokens);
+        read_all(&cache, seq, after[0], after[1]);
+        for (i = 0; i < 2 * (size_t)CN * CL * CKV * CD; i++) {
+            float a = before[i % 2][i / 2], b = after[i % 2][i / 2];
+            CHECK((a != a) == (b != b)); /* evicted stay evicted, the rest readable */
+            if (a == a && fabs((double)a - b) > worst) worst = fabs((double)a - b);
+        }
+        /* FP16 and per-token rows move byte for byte; per-channel keys get new channel scales */
+        if (tol == 0.0)
+            CHECK_MSG(worst == 0.0, "largest change %g", worst);
+        else
+            CHECK_MSG(worst <= tol, "largest change %g", worst);
+        attention_of_rows(after[0], after[1], q, want);
+        CHECK_RESULT(kvmix_cache_ref_decode(&cache, &seq, 1, 0, 2 * CKV, 0.0f, q, out, lse,
+                                            workspace, sizeof workspace),
+                     KVMIX_SUCCESS);
+        for (c = 0; c < 2 * CKV * CD; c++) CHECK_NEAR(out[c], want[c], 1e-4);
+        /* a survivor of a compacted page can be evicted after, and its row leaves the view */
+        for (extra = 0; extra < CN && before[0][(size_t)extra * CL * CKV * CD] !=
+                                          before[0][(size_t)extra * CL * CKV * CD];
+             extra++) {
+        }
+        CHECK_RESULT(kvmix_cache_evict(&cache, seq, &extra, 1), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_read(&cache, seq, 0, extra, out, NULL, NULL), KVMIX_ERR_NOT_FOUND);
+        CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+        read_all(&cache, seq, before[0], before[1]);
+        for (i = 0; i < (size_t)CL * CKV * CD; i++)
+            after[0][(size_t)extra * CL * CKV * CD + i] = NAN;
+        for (i = 0; i < (size_t)CN * CL * CKV * CD; i++)
+            CHECK((before[0][i] != before[0][i]) == (after[0][i] != after[0][i]));
+        attention_of_rows(before[0], before[1], q, want);
+        CHECK_RESULT(kvmix_cache_ref_decode(&cache, &seq, 1, 0, 2 * CKV, 0.0f, q, out, lse,
+                                            workspace, sizeof workspace),
+                     KVMIX_SUCCESS);
+        for (c = 0; c < 2 * CKV * CD; c++) CHECK_NEAR(out[c], want[c], 1e-4);
+        /* the sequence grows on, and compacting again finds what is left */
+        CHECK_RESULT(kvmix_cache_ingest(&cache, seq, 40, rows, rows + CN * CL * CKV * CD, NULL),
+                     KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_compact(&cache, seq, 1.0, &freed), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+        kvmix_cache_deinit(&cache);
+    }
+    test_context(NULL);
+}
+
+/* Shared pages never move and are never freed while referenced: a fork evicts and compacts on
+   its own, the parent reads as before; bad arguments change nothing. */
+static void test_compaction_shared(void) {
+    static float rows[CN * CL * CKV * CD * 2], before[2][CN * CL * CKV * CD],
+        after[2][CN * CL * CKV * CD];
+    kvmix_cache cache;
+    kvmix_cache_stats st0, st1;
+    int32_t parent, child, gone[CN], n_gone = 0, t, j, shared_before = 0, shared_after = 0;
+    size_t freed = 7, i;
+    test_rng rng;
+    test_rng_init(&rng, "compaction shared");
+    for (i = 0; i < sizeof rows / sizeof rows[0]; i++)
+        rows[i] = (float)(test_rng_normal(&rng) * 0.5);
+    compaction_cache(&cache, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4, 2);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &parent), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ingest(&cache, parent, CN, rows, rows + CN * CL * CKV * CD, NULL),
+                 KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_fork(&cache, parent, 96, &child), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ingest(&cache, child, 100, rows, rows + CN * CL * CKV * CD, NULL),
+                 KVMIX_SUCCESS);
+    for (t = 0; t < 176; t++)
+        if (t % 4 != 0) gone[n_gone++] = t;
+    CHECK_RESULT(kvmix_cache_evict(&cache, child, gone, n_gone), KVMIX_SUCCESS);
+    read_all(&cache, parent, before[0], before[1]);
+    for (j = 0; j < cache.seqs[child].n_entries; j++)
+        shared_before +=
+            cache
+                .pages[cache.entries[(size_t)child * cache.desc.max_pages_per_seq + (size_t)j].page]
+                .refcount > 1;
+    CHECK_RESULT(kvmix_cache_stats_get(&cache, &st0), KVMIX_SUCCESS);
+    /* bad arguments: nothing moves */
+    CHECK_RESULT(kvmix_cache_compact(&cache, child, 0.0, &freed), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_compact(&cache, child, 1.5, &freed), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_compact(&cache, child, NAN, &freed), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_compact(&cache, 9, 0.5, &freed), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_compact(NULL, child, 0.5, &freed), KVMIX_ERR_NULL_POINTER);
+    CHECK_EQ_UINT(freed, 7);
+    CHECK_RESULT(kvmix_cache_stats_get(&cache, &st1), KVMIX_SUCCESS);
+    CHECK_EQ_UINT(st1.arena_used_bytes, st0.arena_used_bytes);
+    CHECK_RESULT(kvmix_cache_compact(&cache, child, 0.5, &freed), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS); /* reference counts hold */
+    for (j = 0; j < cache.seqs[child].n_entries; j++)
+        shared_after +=
+            cache
+                .pages[cache.entries[(size_t)child * cache.desc.max_pages_per_seq + (size_t)j].page]
+                .refcount > 1;
+    CHECK_EQ_INT(shared_after, shared_before); /* the 6 pages of the first 96 positions */
+    CHECK_EQ_INT(shared_before, 6);
+    CHECK(freed > 0); /* the child's own pages 96 .. 176 */
+    read_all(&cache, parent, after[0], after[1]);
+    CHECK_MEM_EQ(before[0], after[0], sizeof before[0]);
+    CHECK_MEM_EQ(before[1], after[1], sizeof before[1]);
+    CHECK_RESULT(kvmix_cache_seq_free(&cache, parent), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
+}
+
 void unit_intent(void) {
     test_key_resolution();
     test_memory_kept();
@@ -514,4 +719,6 @@ void unit_intent(void) {
     test_evict_select_random();
     test_evict_shape();
     test_view_positions();
+    test_compaction_formats();
+    test_compaction_shared();
 }
