@@ -1254,5 +1254,15 @@ extern "C" llama_result gpu_llama_evict(gpu_llama *g, int32_t seq, const int32_t
     if (k != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_evict: %s",
                           kvmix_cache_last_error(&g->cache));
+    /* the pages left mostly dead give their memory back; a full job queue runs and the
+       compaction goes on */
+    for (size_t freed = 1; freed > 0;) {
+        if (g->cache.n_jobs > 0 && (r = flush_jobs(g, g->k16, g->v16, err, err_bytes)) != LLAMA_OK)
+            return r;
+        TRY_KVMIX(
+            kvmix_cache_compact(&g->cache, g->kv_seq[seq], KVMIX_KV_COMPACT_LIVE_FRACTION, &freed),
+            "compacting");
+        if (g->cache.n_jobs == 0) break;
+    }
     return LLAMA_OK;
 }

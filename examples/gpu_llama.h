@@ -94,9 +94,11 @@ llama_result gpu_llama_observed_take(gpu_llama *g, int32_t seq, float *query_sum
 llama_result gpu_llama_intent_scores(gpu_llama *g, int32_t seq, const float *memory, float *scores,
                                      char *err, size_t err_bytes);
 
-/* Evicts positions of a sequence (kvmix_cache_evict: later steps never attend them); recorded
- * attention is folded to positions first. LLAMA_ERR_ARGUMENT: positions the cache refuses
- * (nothing evicted), the fp32 cache. */
+/* Evicts positions of a sequence (kvmix_cache_evict: later steps never attend them), then
+ * compacts its pages left at most KVMIX_KV_COMPACT_LIVE_FRACTION live (kvmix_cache_compact:
+ * their memory comes back), as kvmix_kv_evict does;
+ * recorded attention is folded to positions first. LLAMA_ERR_ARGUMENT: positions the cache
+ * refuses (nothing evicted), the fp32 cache. */
 llama_result gpu_llama_evict(gpu_llama *g, int32_t seq, const int32_t *positions,
                              int32_t n_positions, char *err, size_t err_bytes);
 

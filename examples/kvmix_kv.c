@@ -743,7 +743,8 @@ const kvmix_cache *kvmix_kv_inner(const llama_kv_cache *cache, int32_t *out_seq)
 llama_result kvmix_kv_evict(llama_kv_cache *cache, const int32_t *positions, int32_t n_positions) {
     if (cache == NULL || cache->store != kv_kvmix_store) return LLAMA_ERR_ARGUMENT;
     kv_kvmix *kv = cache->state;
-    return kvmix_cache_evict(&kv->cache, kv->seq, positions, n_positions) == KVMIX_SUCCESS
-               ? LLAMA_OK
-               : LLAMA_ERR_ARGUMENT;
+    if (kvmix_cache_evict(&kv->cache, kv->seq, positions, n_positions) != KVMIX_SUCCESS)
+        return LLAMA_ERR_ARGUMENT;
+    kvmix_cache_compact(&kv->cache, kv->seq, KVMIX_KV_COMPACT_LIVE_FRACTION, NULL);
+    return LLAMA_OK;
 }

@@ -84,8 +84,10 @@ llama_result kvmix_kv_policy_tagged(const kvmix_policy *policy, const kvmix_tag_
 const kvmix_cache *kvmix_kv_inner(const llama_kv_cache *cache, int32_t *out_seq);
 
 /* Evicts positions of a kvmix-backed cache's sequence (kvmix_cache_evict): later attention
- * skips them. LLAMA_ERR_ARGUMENT for the fp32 cache or positions the cache refuses (nothing is
- * evicted then). */
+ * skips them; then compacts the pages left at most KVMIX_KV_COMPACT_LIVE_FRACTION live
+ * (kvmix_cache_compact), as gpu_llama_evict does. LLAMA_ERR_ARGUMENT for the fp32 cache or
+ * positions the cache refuses (nothing is evicted then). */
+#define KVMIX_KV_COMPACT_LIVE_FRACTION 0.5
 llama_result kvmix_kv_evict(llama_kv_cache *cache, const int32_t *positions, int32_t n_positions);
 
 #endif /* KVMIX_KV_H */

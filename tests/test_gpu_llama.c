@@ -1,6 +1,7 @@
 /* test_gpu_llama: the GPU runner (gpu_llama.h) against the CPU runner on kvm-small. Three texts of
  * eval-dev run together, the third joining later and the first leaving early (continuous
- * batching), one with a request boundary; at every position the GPU's logits are compared with
+ * batching), one with a request boundary and, for kvmix policies, an eviction of scattered
+ * positions with compaction on both sides; at every position the GPU's logits are compared with
  * llama_forward's over the same policy's CPU cache: the fp32 reference (the runners differ only in
  * the order of float sums) and kvmix policies (the GPU also reads FP16 queries), one of them
  * storing tokens by their template tags on both sides.
@@ -16,13 +17,24 @@
 #include <math.h>
 #include <string.h>
 
-enum { N_TEXTS = 3, STEPS = 300, JOIN_AT = 60, LEAVE_AT = 250 };
+enum { N_TEXTS = 3, STEPS = 300, JOIN_AT = 60, LEAVE_AT = 250, EVICT_AT = 150 };
 
 typedef struct cpu_side {
     llama_runner runner;
     llama_kv_cache cache[N_TEXTS];
     float *logits;
 } cpu_side;
+
+/* Evicts the same scattered positions on both sides (each then compacts its pages left mostly
+   dead): the logits after it compare attention over the same survivors. */
+static void evict_both(gpu_llama *g, int32_t seq, llama_kv_cache *cpu) {
+    int32_t positions[EVICT_AT], n = 0;
+    char err[256];
+    for (int32_t p = 8; p < EVICT_AT - 16; p++)
+        if (p % 4 != 0) positions[n++] = p;
+    CHECK_MSG(gpu_llama_evict(g, seq, positions, n, err, sizeof err) == LLAMA_OK, err);
+    CHECK(kvmix_kv_evict(cpu, positions, n) == LLAMA_OK);
+}
 
 /* The first STEPS + 1 ids of the first N_TEXTS traces. */
 static bool load_ids(const llama_model *m, const char *data_path, int32_t ids[N_TEXTS][STEPS + 1]) {
@@ -163,6 +175,8 @@ static gap compare_policy(const llama_model *m, const char *policy_name,
                 cpu.cache[t].begin_request(cpu.cache[t].state, pos[t]);
                 CHECK(gpu_llama_begin_request(g, seq[t], err, sizeof err) == LLAMA_OK);
             }
+            if (t == 1 && pos[t] == EVICT_AT && gpu_llama_inner(g, seq[t], NULL))
+                evict_both(g, seq[t], &cpu.cache[t]);
             step_seqs[n] = seq[t];
             tokens[n] = ids[t][pos[t]];
             who[n++] = t;
