@@ -373,7 +373,9 @@ typedef struct kvmix_cache_desc {
                               memory the host never touches: calls that move row bytes queue
                               jobs instead (see "Device arena" below) */
     int32_t max_jobs;      /* device arena: queued jobs between two kvmix_cache_jobs_take;
-                              0 = 4 * n_layers * n_kv_heads * max_seqs (at most 2^24) */
+                              0 = 4 * n_layers * n_kv_heads * max_seqs, or what one compaction
+                              run may queue, (2 * page_tokens + 1) * 2 * n_layers * n_kv_heads,
+                              when more (at most 2^24) */
 } kvmix_cache_desc;
 
 /* A page descriptor (read-only for callers). Page 0 is the sentinel: it owns no bytes and is
@@ -685,7 +687,8 @@ KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const i
    COPY jobs and, for per-channel blocks, the gather into transient FP16 rows (DEQUANTIZE) and the
    packing (QUANTIZE). A run with no room (arena, page descriptors, the job queue) stays as it is:
    nothing needs compaction to be correct, and a device arena's caller may take the jobs and call
-   again. *out_bytes_freed (may be NULL): arena bytes released (on a device arena once the jobs
+   again (a run needs up to (2 * page_tokens + 1) * 2 * n_layers * n_kv_heads jobs: a desc.max_jobs
+   below that leaves runs a host arena would compact). *out_bytes_freed (may be NULL): arena bytes released (on a device arena once the jobs
    are taken). Returns NULL_POINTER, INVALID_ARGUMENT (seq, max_live_fraction). */
 KVMIXDEF kvmix_result kvmix_cache_compact(kvmix_cache *cache, int32_t seq, double max_live_fraction,
                                           size_t *out_bytes_freed);
@@ -3669,6 +3672,12 @@ static int kvmix__cache_regions_of(const kvmix_cache_desc *d, kvmix__cache_regio
 }
 
 /* The counts and capacities, each within its documented range; zeros already defaulted. */
+/* The most jobs one compaction run queues: a page of survivors that are all apart, two copies
+   (or a gather) each per block, and one packing per block. */
+static int64_t kvmix__compact_max_jobs(const kvmix_cache_desc *d) {
+    return (2 * (int64_t)d->page_tokens + 1) * 2 * (int64_t)d->n_layers * (int64_t)d->n_kv_heads;
+}
+
 static kvmix__why kvmix__desc_counts_ok(const kvmix_cache_desc *d) {
     const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
     if (!kvmix__int_in(d->page_tokens, 8, 1024, 8))
@@ -3753,7 +3762,8 @@ static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
     if (d.default_precision.value_format == 0) d.default_precision.value_format = KVMIX_FORMAT_INT4;
     if (d.granule_bytes == 0) d.granule_bytes = 256;
     if (d.max_jobs == 0 && d.device_arena && d.max_seqs > 0) {
-        int64_t jobs = 4 * (int64_t)d.n_layers * d.n_kv_heads * d.max_seqs;
+        int64_t per_block = (int64_t)d.n_layers * d.n_kv_heads, jobs = 4 * per_block * d.max_seqs;
+        if (jobs < kvmix__compact_max_jobs(&d)) jobs = kvmix__compact_max_jobs(&d);
         d.max_jobs = (int32_t)(jobs < (1 << 24) ? jobs : (1 << 24));
     }
     if ((w = kvmix__desc_counts_ok(&d)).result != KVMIX_SUCCESS) return w;

@@ -400,7 +400,10 @@ kvmix_result cache_desc(const gpu_llama *g, kvmix_cache_desc *d) {
     d->arena_bytes = (size_t)g->max_seqs * pages * ((page_bytes + granule - 1) / granule * granule);
     d->granule_bytes = granule;
     d->device_arena = 1;
-    int64_t jobs = 8 * (int64_t)d->n_layers * d->n_kv_heads * g->max_seqs + 64;
+    /* a step's writes and seals, and room for one compaction run (kvmix_cache_compact) */
+    int64_t jobs = (8 * (int64_t)g->max_seqs + 4 * (int64_t)d->page_tokens + 2) *
+                       (int64_t)d->n_layers * d->n_kv_heads +
+                   64;
     d->max_jobs = (int32_t)(jobs < (1 << 24) ? jobs : (1 << 24));
     return KVMIX_SUCCESS;
 }
