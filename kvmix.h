@@ -679,8 +679,9 @@ KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const i
    references (shared pages never move; nor do the sinks' page and FP16 buffers) and whose live
    rows are at most max_live_fraction (0, 1] of their rows are compacted. Runs of consecutive such
    pages of the same formats have their survivors' rows moved, in position order, into a new page
-   of those formats that holds just them (up to page_tokens), when that takes fewer granules, and
-   are released. Positions, and so their rotary phase, stay: views, reads and eviction see the
+   of those formats that holds just them (rows rounded up to a multiple of 8 that repeat the last
+   survivor and no position uses; up to page_tokens), when that takes fewer granules, and are
+   released. Positions, and so their rotary phase, stay: views, reads and eviction see the
    same positions (kvmix_cache_entry says how a compacted page covers them). FP16 and per-token
    rows move byte for byte; per-channel key blocks (INT2_CHANNEL, BOOSTED) are dequantized, rounded
    to FP16 and quantized again over their new rows (new channel scales). A device arena queues
@@ -5135,9 +5136,12 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
 
 enum { KVMIX__MAX_PAGE_TOKENS = 1024 }; /* desc.page_tokens' bound: a page's row flags fit */
 
-/* Entries [first, end) of a sequence whose survivors, `rows` of them, move to one new page. */
+/* Entries [first, end) of a sequence whose survivors, `rows` of them, move to one new page of
+   `page_rows` rows: rows rounded up to a multiple of 8 (blocks keep the alignment of page_tokens
+   rows that the decode kernel reads them with), the rows past the survivors repeating the last
+   one, unused (dead in views). */
 typedef struct kvmix__compact_run {
-    int32_t first, end, rows;
+    int32_t first, end, rows, page_rows;
     int64_t old_granules;
 } kvmix__compact_run;
 
@@ -5157,7 +5161,7 @@ static int32_t kvmix__compact_live(const kvmix_cache *c, int32_t seq, const kvmi
 static kvmix__compact_run kvmix__compact_next(const kvmix_cache *c, int32_t seq, int32_t *at,
                                               double max_live) {
     const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
-    kvmix__compact_run run = {0, 0, 0, 0};
+    kvmix__compact_run run = {0, 0, 0, 0, 0};
     int32_t n = c->seqs[seq].n_entries, live;
     for (; *at < n; (*at)++) {
         const kvmix_cache_page *p = &c->pages[e[*at].page];
@@ -5172,6 +5176,7 @@ static kvmix__compact_run kvmix__compact_next(const kvmix_cache *c, int32_t seq,
         run.old_granules += (int64_t)p->n_granules;
         run.end = *at + 1;
     }
+    run.page_rows = (run.rows + 7) / 8 * 8;
     return run;
 }
 
@@ -5202,14 +5207,15 @@ static int kvmix__row_ranges(const kvmix_cache *c, int is_value, int32_t format,
 }
 
 /* Calls visit(c, ctx, entry, row, k, n) for each run of consecutive live rows of the run's pages,
-   k counting the rows before it: the order the survivors take in the new page. */
+   k counting the rows before it: the order the survivors take in the new page; then once per
+   padding row with the last survivor. */
 typedef void (*kvmix__live_run_fn)(kvmix_cache *c, void *ctx, const kvmix_cache_entry *e,
                                    int32_t row, int32_t k, int32_t n);
 static void kvmix__live_runs(kvmix_cache *c, int32_t seq, const kvmix__compact_run *run,
                              kvmix__live_run_fn visit, void *ctx) {
-    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq), *last = NULL;
     uint8_t live[KVMIX__MAX_PAGE_TOKENS];
-    int32_t j, row, end, k = 0;
+    int32_t j, row, end, k = 0, last_row = 0;
     for (j = run->first; j < run->end; j++) {
         int32_t n = c->pages[e[j].page].n_rows;
         kvmix__entry_rows_live(c, kvmix__seq_slots(c, seq), &e[j], n, live);
@@ -5219,8 +5225,10 @@ static void kvmix__live_runs(kvmix_cache *c, int32_t seq, const kvmix__compact_r
             if (!live[row]) continue;
             visit(c, ctx, &e[j], row, k, end - row);
             k += end - row;
+            last = &e[j], last_row = end - 1;
         }
     }
+    for (; last && k < run->page_rows; k++) visit(c, ctx, last, last_row, k, 1);
 }
 
 /* What one block of the new page takes from the run: (layer, kv, head), the new page, where
@@ -5359,7 +5367,7 @@ static void kvmix__compact_commit(kvmix_cache *c, int32_t seq, const kvmix__comp
     for (j = run->first; j < run->end; j++) kvmix__page_release(c, e[j].page);
     e[run->first].page = id;
     e[run->first].first_pos = first;
-    e[run->first].n_rows = run->rows;
+    e[run->first].n_rows = run->page_rows;
     e[run->first].n_positions = end - first;
     memmove(&e[run->first + 1], &e[run->end], (size_t)(s->n_entries - run->end) * sizeof *e);
     s->n_entries -= gone;
@@ -5370,9 +5378,10 @@ static void kvmix__compact_commit(kvmix_cache *c, int32_t seq, const kvmix__comp
    would free none or the arena, the descriptors or the job queue have no room. */
 static int64_t kvmix__compact_run_once(kvmix_cache *c, int32_t seq, const kvmix__compact_run *run) {
     const kvmix_cache_page *src = &c->pages[kvmix__seq_entries(c, seq)[run->first].page];
-    kvmix__geom ng = kvmix__page_geom(c, src->key_format, src->value_format, run->rows, run->rows);
+    kvmix__geom ng =
+        kvmix__page_geom(c, src->key_format, src->value_format, run->page_rows, run->page_rows);
     kvmix__geom sg =
-        kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, run->rows, run->rows);
+        kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, run->page_rows, run->page_rows);
     int64_t n = kvmix__granules_of(c, ng.total_bytes), sn = kvmix__granules_of(c, sg.total_bytes);
     int64_t start, staging = -1;
     int device = c->desc.device_arena;
@@ -5395,7 +5404,7 @@ static int64_t kvmix__compact_run_once(kvmix_cache *c, int32_t seq, const kvmix_
     np->offset = (uint64_t)start * c->desc.granule_bytes;
     np->n_granules = (uint32_t)n;
     np->refcount = 1;
-    np->n_rows = np->capacity = run->rows;
+    np->n_rows = np->capacity = run->page_rows;
     np->key_format = np->want_key = src->key_format;
     np->value_format = np->want_value = src->value_format;
     np->sealed = 1;

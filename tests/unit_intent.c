@@ -582,7 +582,7 @@ static void test_compaction_formats(void) {
     for (f = 0; f < sizeof keys / sizeof keys[0]; f++) {
         kvmix_cache cache;
         kvmix_cache_stats st0, st1;
-        int32_t seq, gone[CN], n_gone = 0, t, c, extra;
+        int32_t seq, gone[CN], n_gone = 0, t, c, extra, compacted = 0;
         size_t freed = 0;
         double worst = 0.0,
                tol = keys[f] == KVMIX_FORMAT_INT2_CHANNEL || keys[f] == KVMIX_FORMAT_BOOSTED ? 1.0
@@ -604,6 +604,12 @@ static void test_compaction_formats(void) {
         CHECK_EQ_UINT(st0.arena_used_bytes - st1.arena_used_bytes, freed);
         CHECK(st1.n_pages < st0.n_pages);
         CHECK_EQ_INT(st1.n_live_tokens, st0.n_live_tokens);
+        for (t = 0; t < cache.seqs[seq].n_entries; t++) { /* compacted pages: rows of 8 */
+            const kvmix_cache_entry *e = &cache.entries[t];
+            CHECK(e->n_positions == 0 || cache.pages[e->page].n_rows % 8 == 0);
+            compacted += e->n_positions > 0;
+        }
+        CHECK(compacted > 0);
         read_all(&cache, seq, after[0], after[1]);
         for (i = 0; i < 2 * (size_t)CN * CL * CKV * CD; i++) {
             float a = before[i % 2][i / 2], b = after[i % 2][i / 2];
