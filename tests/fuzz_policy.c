@@ -55,7 +55,11 @@ static const char *const WORDS[] = {"\"version\"",
                                     "\"page_tokens\": 8,",
                                     "\"sink_tokens\"",
                                     "4294967296",
-                                    "true"};
+                                    "true",
+                                    "\"evict\": {\"scorer\": \"h2o\"}",
+                                    "\"budget_fraction\"",
+                                    "\"pool_tokens\": 4",
+                                    "\"decay\": 1"};
 
 static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
     switch (kind) {
@@ -90,6 +94,19 @@ int main(int argc, char **argv) {
     for (int32_t i = 0; i < kvmix_kv_policy_count() && n_seeds < MAX_SEEDS; i++) {
         char *text = kvmix_kv_policy_json(kvmix_kv_policy_at(i));
         if (text == NULL || strlen(text) > FUZZ_MAX_INPUT) return 1;
+        seeds[n_seeds].size = strlen(text);
+        memcpy(seeds[n_seeds++].bytes, text, strlen(text));
+        free(text);
+    }
+    for (int32_t scorer = KVMIX_EVICT_INTENT; scorer <= KVMIX_EVICT_SNAPKV; scorer++) {
+        kvmix_policy p = *kvmix_kv_policy_builtin("kitty-25"); /* with each scorer */
+        p.evict.scorer = scorer;
+        p.evict.budget_fraction = 0.5;
+        p.evict.decay = 0.25;
+        p.evict.prefix_tokens = 4;
+        p.evict.recent_tokens = 64;
+        char *text = kvmix_kv_policy_json(&p);
+        if (text == NULL || strlen(text) > FUZZ_MAX_INPUT || n_seeds == MAX_SEEDS) return 1;
         seeds[n_seeds].size = strlen(text);
         memcpy(seeds[n_seeds++].bytes, text, strlen(text));
         free(text);
