@@ -462,7 +462,8 @@ static void test_cache_matches_reference(void) {
                            0,
                            KVMIX_CACHE_PARTIAL_QUANTIZE,
                            KVMIX_POLICY_BOUNDARY_FINISH,
-                           NULL};
+                           NULL,
+                           {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
     run_against_reference(&custom);
     kvmix_policy boosted = {"custom-b",
                             "",
@@ -478,7 +479,8 @@ static void test_cache_matches_reference(void) {
                             1,
                             KVMIX_CACHE_PARTIAL_QUANTIZE,
                             KVMIX_POLICY_BOUNDARY_FINISH,
-                            NULL};
+                            NULL,
+                            {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
     run_against_reference(&boosted);
     /* keys and values in groups of their own: INT4 keys by 16 channels, INT2 values by head */
     kvmix_policy groups = {"custom-c",
@@ -495,7 +497,8 @@ static void test_cache_matches_reference(void) {
                            1,
                            KVMIX_CACHE_PARTIAL_QUANTIZE,
                            KVMIX_POLICY_BOUNDARY_FINISH,
-                           NULL};
+                           NULL,
+                           {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
     run_against_reference(&groups);
 }
 
