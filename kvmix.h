@@ -31,6 +31,7 @@
      // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
      // >>tags      template specs and the streaming tagger: per token a turn, a modality, a role
      // >>intent    intent-aware eviction: the session store, QueryMemory, budgeted selection
+     // >>tiers     transfer tiers: per-token FP16 / INT8 / INT4 under a byte budget, INT4 probe
 */
 #ifndef KVMIX_H
 #define KVMIX_H
@@ -1555,6 +1556,74 @@ KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy,
 KVMIXDEF kvmix_result kvmix_evict_select(const float *scores, const uint8_t *live,
                                          const uint8_t *forced, int32_t n_positions, int32_t keep,
                                          int32_t *out_positions, int32_t *out_n_evict);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Transfer tiers: which tier (FP16, INT8, INT4) each token of a prefilled sequence travels at   */
+/* under a byte budget, for kvmix_payload_pack. Costs are real bytes with metadata, relative to  */
+/* FP16 (at group 32, INT8 0.5625 and INT4 0.3125). Implementation: // >>tiers.                  */
+
+/* Bytes of one token's row at INT8 and INT4 (per-token groups of group_size, their (scale, min)
+   pairs included) over its FP16 row: out_cost[0] FP16 = 1, [1] INT8, [2] INT4. Returns
+   NULL_POINTER, BAD_SHAPE (head_dim, group_size as kvmix_payload_describe takes them). */
+KVMIXDEF kvmix_result kvmix_tier_costs(int32_t head_dim, int32_t group_size, double out_cost[3]);
+
+/* Importance of each token: importance[j] = stat[j] * exp(-lambda * (n_tokens - 1 - j)), stat an
+   attention statistic of the prefill (accumulated attention mass) or, without one, the norms of
+   kvmix_tier_norms. Returns NULL_POINTER, INVALID_ARGUMENT (n_tokens < 0, lambda negative or not
+   finite), BAD_VALUE (a stat that is negative or not finite; nothing written). */
+KVMIXDEF kvmix_result kvmix_tier_importance(const float *stat, int32_t n_tokens, double lambda,
+                                            float *importance);
+
+/* The key/value-norm fallback statistic: norms[j] = sqrt(sum of squares of token j's keys and
+   values over n_rows_per_token floats each), keys, values: [n_tokens][n_rows_per_token] (a
+   token's rows of every layer and kv head, laid out one after another). Returns NULL_POINTER,
+   INVALID_ARGUMENT, BAD_VALUE (a value not finite). */
+KVMIXDEF kvmix_result kvmix_tier_norms(const float *keys, const float *values, int32_t n_tokens,
+                                       int64_t n_rows_per_token, float *norms);
+
+typedef struct kvmix_tier_desc {
+    int32_t n_tokens;   /* >= 0 */
+    int32_t head_dim;   /* for the tiers' real costs */
+    int32_t group_size; /* of the INT8/INT4 rows; 0 = KVMIX_GROUP_SIZE_DEFAULT */
+    int32_t n_sink;     /* first positions pinned to FP16 (kept first), 0 .. n_tokens */
+    double budget;      /* b: bytes allowed over the all-FP16 bytes, (0, 1] */
+    int32_t allow_int4; /* 0: the model's INT4 probe failed, FP16 and INT8 only */
+    int32_t reserved;   /* 0 */
+} kvmix_tier_desc;
+
+/* What kvmix_tier_choose picked. */
+typedef struct kvmix_tier_plan {
+    int32_t n_fp16, n_int8, n_int4;
+    int32_t n_dropped; /* the last resort: tokens not sent (KVMIX_PAYLOAD_NO_ROW) */
+    double cost; /* bytes over the all-FP16 bytes, at most the budget unless sinks exceed it */
+} kvmix_tier_plan;
+
+/* Tiers under the budget: sinks FP16 first; then only the two adjacent tiers whose costs bracket
+   what is left are used (FP16 + INT8 when it is at least all-INT8, else INT8 + INT4), as many of
+   the higher as fit, the most important tokens taking it (the later on ties), so FP16 never
+   meets INT4 outside the sinks. When even the cheapest allowed tier for every token does not
+   fit, the least important tokens are not sent: their tier is KVMIX_PAYLOAD_NO_ROW, which a ROWS
+   payload does not carry: send the runs between them as payloads of their own and evict them on
+   the receiver (a last resort; sinks always stay). tiers: [n_tokens] kvmix_format values for
+   kvmix_payload_pack. Sorts a work array of n_tokens indices (KVMIX_MALLOC). Returns
+   NULL_POINTER, INVALID_ARGUMENT (counts, budget, reserved, allow_int4 not 0 or 1), BAD_SHAPE
+   (head_dim, group_size), BAD_VALUE (an importance that is NaN), OUT_OF_MEMORY; nothing is
+   written on error. Thread-safe. */
+KVMIXDEF kvmix_result kvmix_tier_choose(const kvmix_tier_desc *desc, const float *importance,
+                                        uint8_t *tiers, kvmix_tier_plan *out_plan);
+
+/* The INT4 tolerance probe: runs trial(ctx, index, budget, &passed) for index 0 .. n_trials - 1
+   at an aggressive budget and sets *out_allow_int4 when at least n_pass of them passed (the
+   paper: 3 trials at b = 0.3, 2 to pass). A trial transfers a sequence tiered with INT4 allowed
+   and judges the answer; it returns KVMIX_SUCCESS or an error, which stops the probe and is
+   returned (*out_allow_int4 untouched). *out_n_passed (may be NULL): trials that passed.
+   Returns NULL_POINTER, INVALID_ARGUMENT (n_trials < 1, n_pass outside 1 .. n_trials, budget
+   outside (0, 1]). */
+typedef kvmix_result (*kvmix_tier_trial_fn)(void *ctx, int32_t index, double budget,
+                                            int32_t *out_passed);
+KVMIXDEF kvmix_result kvmix_tier_probe(kvmix_tier_trial_fn trial, void *ctx, int32_t n_trials,
+                                       int32_t n_pass, double budget, int32_t *out_allow_int4,
+                                       int32_t *out_n_passed);
 
 // >>rules
 /* ------------------------------------------------------------------------------------------- */
@@ -7954,6 +8023,135 @@ KVMIXDEF kvmix_result kvmix_evict_select(const float *scores, const uint8_t *liv
     kvmix__sort_by_rank(scores, out_positions, n_candidates);
     *out_n_evict = n_candidates - room;
     kvmix__sort_by_rank(NULL, out_positions, *out_n_evict);
+    return KVMIX_SUCCESS;
+}
+
+// >>tiers
+
+/* Bytes of one token's row (keys or values of one head) at `format`, codes and pairs. */
+static double kvmix__tier_row_bytes(int32_t format, int32_t head_dim, int32_t group_size) {
+    kvmix__sections s = kvmix__block_sections(format, 1, head_dim, group_size, 0);
+    if (format == KVMIX_FORMAT_FP16) return (double)s.row_bytes;
+    return (double)s.row_bytes + 4.0 * (double)(head_dim / group_size);
+}
+
+KVMIXDEF kvmix_result kvmix_tier_costs(int32_t head_dim, int32_t group_size, double out_cost[3]) {
+    double fp16;
+    if (!out_cost) return KVMIX_ERR_NULL_POINTER;
+    if (group_size == 0) group_size = KVMIX_GROUP_SIZE_DEFAULT;
+    if (kvmix__layout_check(KVMIX_FORMAT_INT4, 1, head_dim, &group_size, 0) != KVMIX_SUCCESS)
+        return KVMIX_ERR_BAD_SHAPE;
+    fp16 = kvmix__tier_row_bytes(KVMIX_FORMAT_FP16, head_dim, group_size);
+    out_cost[0] = 1.0;
+    out_cost[1] = kvmix__tier_row_bytes(KVMIX_FORMAT_INT8, head_dim, group_size) / fp16;
+    out_cost[2] = kvmix__tier_row_bytes(KVMIX_FORMAT_INT4, head_dim, group_size) / fp16;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_tier_importance(const float *stat, int32_t n_tokens, double lambda,
+                                            float *importance) {
+    int32_t j;
+    if ((!stat || !importance) && n_tokens > 0) return KVMIX_ERR_NULL_POINTER;
+    if (n_tokens < 0 || !(lambda >= 0.0 && lambda < INFINITY)) return KVMIX_ERR_INVALID_ARGUMENT;
+    for (j = 0; j < n_tokens; j++)
+        if (!(stat[j] >= 0.0f && stat[j] < INFINITY)) return KVMIX_ERR_BAD_VALUE;
+    for (j = 0; j < n_tokens; j++)
+        importance[j] = (float)((double)stat[j] * exp(-lambda * (double)(n_tokens - 1 - j)));
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_tier_norms(const float *keys, const float *values, int32_t n_tokens,
+                                       int64_t n_rows_per_token, float *norms) {
+    int64_t i, n;
+    int32_t j;
+    if ((!keys || !values || !norms) && n_tokens > 0) return KVMIX_ERR_NULL_POINTER;
+    if (n_tokens < 0 || n_rows_per_token < 1) return KVMIX_ERR_INVALID_ARGUMENT;
+    n = (int64_t)n_tokens * n_rows_per_token;
+    for (i = 0; i < n; i++)
+        if (!(keys[i] - keys[i] == 0.0f && values[i] - values[i] == 0.0f))
+            return KVMIX_ERR_BAD_VALUE;
+    for (j = 0; j < n_tokens; j++) {
+        double sum = 0.0;
+        for (i = (int64_t)j * n_rows_per_token; i < (int64_t)(j + 1) * n_rows_per_token; i++)
+            sum += (double)keys[i] * keys[i] + (double)values[i] * values[i];
+        norms[j] = (float)sqrt(sum);
+    }
+    return KVMIX_SUCCESS;
+}
+
+/* How many of m tokens take the higher of two tiers (costs hi > lo) within `room`: the most that
+   fit, 0 .. m. */
+static int32_t kvmix__tier_upgrades(int32_t m, double room, double hi, double lo) {
+    double k = floor((room - (double)m * lo) / (hi - lo) + 1e-9);
+    return k <= 0.0 ? 0 : k >= (double)m ? m : (int32_t)k;
+}
+
+KVMIXDEF kvmix_result kvmix_tier_choose(const kvmix_tier_desc *desc, const float *importance,
+                                        uint8_t *tiers, kvmix_tier_plan *out_plan) {
+    double cost[3], room;
+    int32_t n, m, j, n_hi, n_lo, *order = NULL;
+    uint8_t hi, lo;
+    kvmix_tier_plan plan;
+    kvmix_result r;
+    if (!desc || !out_plan || ((!importance || !tiers) && desc->n_tokens > 0))
+        return KVMIX_ERR_NULL_POINTER;
+    n = desc->n_tokens;
+    if (n < 0 || desc->n_sink < 0 || desc->n_sink > n ||
+        !(desc->budget > 0.0 && desc->budget <= 1.0) || desc->reserved != 0 ||
+        (desc->allow_int4 != 0 && desc->allow_int4 != 1))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((r = kvmix_tier_costs(desc->head_dim, desc->group_size, cost)) != KVMIX_SUCCESS) return r;
+    for (j = desc->n_sink; j < n; j++)
+        if (importance[j] != importance[j]) return KVMIX_ERR_BAD_VALUE;
+    memset(&plan, 0, sizeof plan);
+    m = n - desc->n_sink;
+    room = desc->budget * (double)n - (double)desc->n_sink;
+    if (room >= (double)m * cost[1]) { /* FP16 + INT8 */
+        hi = KVMIX_FORMAT_FP16, lo = KVMIX_FORMAT_INT8;
+        n_hi = kvmix__tier_upgrades(m, room, 1.0, cost[1]);
+        n_lo = m - n_hi;
+    } else if (desc->allow_int4 && room >= (double)m * cost[2]) { /* INT8 + INT4 */
+        hi = KVMIX_FORMAT_INT8, lo = KVMIX_FORMAT_INT4;
+        n_hi = kvmix__tier_upgrades(m, room, cost[1], cost[2]);
+        n_lo = m - n_hi;
+    } else { /* the last resort: the cheapest allowed tier for as many as fit */
+        hi = KVMIX_FORMAT_FP16, lo = desc->allow_int4 ? KVMIX_FORMAT_INT4 : KVMIX_FORMAT_INT8;
+        n_hi = 0;
+        n_lo = kvmix__tier_upgrades(m, room, lo == KVMIX_FORMAT_INT4 ? cost[2] : cost[1], 0.0);
+    }
+    if (m > 0 && !(order = (int32_t *)KVMIX_MALLOC((size_t)m * sizeof *order)))
+        return KVMIX_ERR_OUT_OF_MEMORY;
+    for (j = 0; j < m; j++) order[j] = desc->n_sink + j;
+    kvmix__sort_by_rank(importance, order, m); /* least important first */
+    for (j = 0; j < desc->n_sink; j++) tiers[j] = KVMIX_FORMAT_FP16;
+    for (j = 0; j < m; j++)
+        tiers[order[j]] = j >= m - n_hi ? hi : j >= m - n_hi - n_lo ? lo : KVMIX_PAYLOAD_NO_ROW;
+    KVMIX_FREE(order);
+    plan.n_dropped = m - n_hi - n_lo;
+    plan.n_fp16 = desc->n_sink + (hi == KVMIX_FORMAT_FP16 ? n_hi : 0);
+    plan.n_int8 = hi == KVMIX_FORMAT_INT8 ? n_hi : lo == KVMIX_FORMAT_INT8 ? n_lo : 0;
+    plan.n_int4 = lo == KVMIX_FORMAT_INT4 ? n_lo : 0;
+    plan.cost =
+        n > 0 ? ((double)plan.n_fp16 + plan.n_int8 * cost[1] + plan.n_int4 * cost[2]) / n : 0.0;
+    *out_plan = plan;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_tier_probe(kvmix_tier_trial_fn trial, void *ctx, int32_t n_trials,
+                                       int32_t n_pass, double budget, int32_t *out_allow_int4,
+                                       int32_t *out_n_passed) {
+    int32_t i, passed = 0;
+    if (!trial || !out_allow_int4) return KVMIX_ERR_NULL_POINTER;
+    if (n_trials < 1 || n_pass < 1 || n_pass > n_trials || !(budget > 0.0 && budget <= 1.0))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    for (i = 0; i < n_trials; i++) {
+        int32_t ok = 0;
+        kvmix_result r = trial(ctx, i, budget, &ok);
+        if (r != KVMIX_SUCCESS) return r;
+        passed += ok != 0;
+    }
+    *out_allow_int4 = passed >= n_pass;
+    if (out_n_passed) *out_n_passed = passed;
     return KVMIX_SUCCESS;
 }
 

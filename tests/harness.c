@@ -25,7 +25,7 @@ static const test_unit test_units[] = {
     {"unit_view", unit_view},           {"unit_transfer", unit_transfer},
     {"unit_policy", unit_policy},       {"unit_alloc", unit_alloc},
     {"unit_tags", unit_tags},           {"unit_device_arena", unit_device_arena},
-    {"unit_intent", unit_intent},
+    {"unit_intent", unit_intent},       {"unit_tiers", unit_tiers},
 };
 
 #define TEST_N_UNITS              (sizeof test_units / sizeof test_units[0])

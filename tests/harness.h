@@ -29,6 +29,7 @@ void unit_policy(void);
 void unit_alloc(void);
 void unit_tags(void);
 void unit_intent(void);
+void unit_tiers(void);
 
 /* ---- checks ------------------------------------------------------------------------------- */
 #if defined(__GNUC__) || defined(__clang__)
