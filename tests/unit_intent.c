@@ -269,6 +269,20 @@ static void test_intent_scores(void) {
     CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, 3, 0.0f, memory, scores, N),
                  KVMIX_ERR_INVALID_ARGUMENT); /* 3 q heads for 2 kv heads */
     scores[N] = 7.0f;
+    scores[0] = 5.0f; /* bad arguments: errors, nothing written */
+    CHECK_RESULT(kvmix_ref_view_intent_score(&view, 1, QH, 0.0f, memory, scores, N),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, QH, -1.0f, memory, scores, N),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, QH, NAN, memory, scores, N),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, QH, 0.0f, memory, scores, -1),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, QH, 0.0f, NULL, scores, N),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_ref_view_intent_score(NULL, 0, QH, 0.0f, memory, scores, N),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK(scores[0] == 5.0f);
     CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, QH, 0.0f, memory, scores, N), KVMIX_SUCCESS);
     CHECK(scores[N] == 7.0f); /* nothing past capacity */
     for (t = 0; t < N; t++) {
@@ -515,14 +529,17 @@ static void compaction_cache(kvmix_cache *cache, kvmix_format key, kvmix_format 
     CHECK_RESULT(kvmix_cache_init_allocator(cache, &d, NULL), KVMIX_SUCCESS);
 }
 
-/* Every position's rows on every layer: [CN][CL][CKV * CD] keys then values; NAN when evicted. */
+/* Every position's rows on every layer: [CN][CL][CKV * CD] keys then values; NAN when evicted or
+   not reserved yet. */
 static void read_all(kvmix_cache *cache, int32_t seq, float *keys, float *values) {
     int32_t t, l, i;
     for (t = 0; t < CN; t++)
         for (l = 0; l < CL; l++) {
             float *k = keys + ((size_t)t * CL + (size_t)l) * CKV * CD;
             float *v = values + ((size_t)t * CL + (size_t)l) * CKV * CD;
-            kvmix_result r = kvmix_cache_read(cache, seq, l, t, k, v, NULL);
+            kvmix_result r = t < cache->seqs[seq].n_tokens
+                                 ? kvmix_cache_read(cache, seq, l, t, k, v, NULL)
+                                 : KVMIX_ERR_NOT_FOUND; /* not there yet */
             if (r == KVMIX_ERR_NOT_FOUND)
                 for (i = 0; i < CKV * CD; i++) k[i] = v[i] = NAN;
             else
@@ -654,6 +671,58 @@ static void test_compaction_formats(void) {
     test_context(NULL);
 }
 
+/* Rounds of random evictions, each followed by compaction at a random fraction and more tokens:
+   the cache stays consistent, every live position reads back what it held, evicted ones stay
+   gone, and decode equals attention over the rows read back. */
+static void test_compaction_rounds(void) {
+    static float rows[CN * CL * CKV * CD * 2], before[2][CN * CL * CKV * CD],
+        after[2][CN * CL * CKV * CD], q[2 * CKV * CD], out[2 * CKV * CD], lse[2 * CKV];
+    static double want[2 * CKV * CD];
+    static uint8_t workspace[1 << 16];
+    static const double fractions[] = {0.25, 0.5, 0.75, 1.0};
+    kvmix_cache cache;
+    int32_t seq, round, t, c, n_tokens = 0, gone[CN], n_gone;
+    size_t i, freed, freed_all = 0;
+    test_rng rng;
+    test_rng_init(&rng, "compaction rounds");
+    for (i = 0; i < sizeof rows / sizeof rows[0]; i++)
+        rows[i] = (float)(test_rng_normal(&rng) * 0.5);
+    for (i = 0; i < 2 * CKV * CD; i++) /* two q heads per kv head ask the same query */
+        q[i] = (i / CD) % 2 ? q[i - CD] : (float)(test_rng_normal(&rng) * 0.3);
+    compaction_cache(&cache, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT8, 1);
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
+    for (round = 0; round < 5; round++) {
+        int32_t add = 40;
+        CHECK_RESULT(kvmix_cache_ingest(&cache, seq, add, rows + (size_t)n_tokens * CL * CKV * CD,
+                                        rows + CN * CL * CKV * CD, NULL),
+                     KVMIX_SUCCESS);
+        n_tokens += add;
+        n_gone = 0;
+        for (t = 0; t < n_tokens - 16; t++)
+            if (test_rng_range(&rng, 0, 2) == 0) gone[n_gone++] = t;
+        CHECK_RESULT(kvmix_cache_evict(&cache, seq, gone, n_gone), KVMIX_SUCCESS);
+        read_all(&cache, seq, before[0], before[1]);
+        CHECK_RESULT(
+            kvmix_cache_compact(&cache, seq, fractions[test_rng_range(&rng, 0, 3)], &freed),
+            KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+        freed_all += freed;
+        read_all(&cache, seq, after[0], after[1]);
+        for (i = 0; i < (size_t)CN * CL * CKV * CD; i++) {
+            CHECK((before[0][i] != before[0][i]) == (after[0][i] != after[0][i]));
+            if (before[0][i] == before[0][i])
+                CHECK(before[0][i] == after[0][i] && before[1][i] == after[1][i]);
+        }
+        attention_of_rows(after[0], after[1], q, want);
+        CHECK_RESULT(kvmix_cache_ref_decode(&cache, &seq, 1, 0, 2 * CKV, 0.0f, q, out, lse,
+                                            workspace, sizeof workspace),
+                     KVMIX_SUCCESS);
+        for (c = 0; c < 2 * CKV * CD; c++) CHECK_NEAR(out[c], want[c], 1e-4);
+    }
+    CHECK(freed_all > 0);
+    kvmix_cache_deinit(&cache);
+}
+
 /* Shared pages never move and are never freed while referenced: a fork evicts and compacts on
    its own, the parent reads as before; bad arguments change nothing. */
 static void test_compaction_shared(void) {
@@ -727,4 +796,5 @@ void unit_intent(void) {
     test_view_positions();
     test_compaction_formats();
     test_compaction_shared();
+    test_compaction_rounds();
 }
