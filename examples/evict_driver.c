@@ -93,8 +93,7 @@ void evict_driver_free(evict_driver *d) {
 
 void evict_seq_start(evict_driver *d, evict_seq *s, const int32_t *ids,
                      const evict_request *requests, int32_t n_requests) {
-    float *mass = s->mass;
-    (void)d;
+    float *mass = s->mass; /* the caller's buffer stays with the state */
     memset(s, 0, sizeof *s);
     s->ids = ids, s->requests = requests, s->n_requests = n_requests;
     s->mass = mass;
