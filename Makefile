@@ -37,7 +37,7 @@ NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
-FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation
+FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation probe
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate
 
@@ -151,6 +151,10 @@ $(BUILD)/fuzz_allocation_run: tests/fuzz_allocation.c tests/fuzz_seed_driver.h $
 		examples/tag_allocation.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_allocation.c \
 		$(EVAL_TAG_SRC) -o $@ $(TAG_LDLIBS)
+$(BUILD)/fuzz_probe_run: tests/fuzz_probe.c tests/fuzz_seed_driver.h examples/tier_probe.c \
+		examples/tier_probe.h examples/tag_spec_json.c | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_probe.c \
+		examples/tier_probe.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_tagspec_run: tests/fuzz_tagspec.c tests/fuzz_seed_driver.h $(TAG_SRC) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_tagspec.c \
 		examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
@@ -248,6 +252,8 @@ $(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 $(BUILD)/fuzz_allocation: tests/fuzz_allocation.c $(EVAL_TAG_SRC) examples/tag_allocation.h \
 		| $(BUILD)
 	$(LIBFUZZER) tests/fuzz_allocation.c $(EVAL_TAG_SRC) -o $@ $(TAG_LDLIBS)
+$(BUILD)/fuzz_probe: tests/fuzz_probe.c examples/tier_probe.c examples/tag_spec_json.c | $(BUILD)
+	$(LIBFUZZER) tests/fuzz_probe.c examples/tier_probe.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_tagspec: tests/fuzz_tagspec.c $(TAG_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_tagspec.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_policy: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
