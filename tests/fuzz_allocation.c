@@ -39,7 +39,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
 enum { MAX_SEEDS = 8 };
 
-static const char JSON_BYTES[] = "0123456789-+.eE\"{}[],:\\ntfu \x00\xff";
 static const char *const WORDS[] = {"\"bucket\"",
                                     "\"role\"",
                                     "\"modality\"",
@@ -58,16 +57,11 @@ static const char *const WORDS[] = {"\"bucket\"",
 
 static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
     if (kind == 0) {
-        b->bytes[at] = (uint8_t)JSON_BYTES[next_random(rng) % (sizeof JSON_BYTES - 1)];
+        b->bytes[at] = fuzz_json_byte(next_random(rng));
     } else if (kind == 1) {
         b->size = at;
     } else {
-        const char *w = WORDS[next_random(rng) % (sizeof WORDS / sizeof WORDS[0])];
-        size_t n = strlen(w);
-        if (b->size + n > FUZZ_MAX_INPUT) return;
-        memmove(b->bytes + at + n, b->bytes + at, b->size - at);
-        memcpy(b->bytes + at, w, n);
-        b->size += n;
+        fuzz_insert_word(b, at, WORDS, sizeof WORDS / sizeof WORDS[0], rng);
     }
 }
 

@@ -39,8 +39,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
 enum { MAX_SEEDS = 24 };
 
-/* Bytes and words that steer a JSON policy parser into its interesting branches. */
-static const char JSON_BYTES[] = "0123456789-+.eE\"{}[],:\\ntfu \x00\xff";
+/* Words that steer a JSON policy parser into its interesting branches. */
 static const char *const WORDS[] = {"\"version\"",
                                     "\"key_format\"",
                                     "\"n_boost\"",
@@ -63,26 +62,10 @@ static const char *const WORDS[] = {"\"version\"",
 
 static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
     switch (kind) {
-    case 0: b->bytes[at] = (uint8_t)JSON_BYTES[next_random(rng) % (sizeof JSON_BYTES - 1)]; break;
-    case 1: /* delete a run */
-    {
-        size_t n = 1 + (size_t)(next_random(rng) % 8);
-        if (at + n > b->size) n = b->size - at;
-        memmove(b->bytes + at, b->bytes + at + n, b->size - at - n);
-        b->size -= n;
-        break;
-    }
+    case 0: b->bytes[at] = fuzz_json_byte(next_random(rng)); break;
+    case 1: fuzz_delete_run(b, at, rng); break;
     case 2: b->size = at; break;
-    default: /* insert a word */
-    {
-        const char *w = WORDS[next_random(rng) % (sizeof WORDS / sizeof WORDS[0])];
-        size_t n = strlen(w);
-        if (b->size + n > FUZZ_MAX_INPUT) break;
-        memmove(b->bytes + at + n, b->bytes + at, b->size - at);
-        memcpy(b->bytes + at, w, n);
-        b->size += n;
-        break;
-    }
+    default: fuzz_insert_word(b, at, WORDS, sizeof WORDS / sizeof WORDS[0], rng); break;
     }
 }
 

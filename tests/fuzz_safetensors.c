@@ -89,9 +89,6 @@ static void seed_config(buffer *b) {
     memcpy(b->bytes, SEED_CONFIG, b->size);
 }
 
-/* Bytes that steer a JSON parser into its interesting branches. */
-static const char JSON_BYTES[] = "0123456789-+.eE\"{}[],:\\ntfu \x00\xff";
-
 /* A safetensors header edited as text, its length field then fixed so the JSON is what changes. */
 static bool mutate_header_text(buffer *b, uint64_t *rng) {
     if (b->size < 8) return false;
@@ -99,7 +96,7 @@ static bool mutate_header_text(buffer *b, uint64_t *rng) {
     for (int i = 7; i >= 0; i--) n = n << 8 | b->bytes[i];
     if (n == 0 || n > b->size - 8 || b->size + 1 > FUZZ_MAX_INPUT) return false;
     size_t at = 8 + (size_t)(next_random(rng) % n);
-    char c = JSON_BYTES[next_random(rng) % (sizeof JSON_BYTES - 1)];
+    char c = (char)fuzz_json_byte(next_random(rng));
     switch (next_random(rng) % 3) {
     case 0: b->bytes[at] = (uint8_t)c; break;
     case 1: /* insert */
@@ -132,8 +129,7 @@ static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
         }
         break;
     default:
-        if (!mutate_header_text(b, rng))
-            b->bytes[at] = (uint8_t)JSON_BYTES[at % (sizeof JSON_BYTES - 1)];
+        if (!mutate_header_text(b, rng)) b->bytes[at] = fuzz_json_byte(at);
         break;
     }
 }

@@ -51,6 +51,36 @@ static void fuzz_mutate(buffer *b, uint64_t *rng, uint64_t n_kinds, fuzz_edit *e
     }
 }
 
+/* The edits the JSON readers' targets share (static inline: a target that uses none of them
+   compiles without warnings). */
+
+/* A byte that steers a JSON reader into its branches (digits, signs, exponents, quotes,
+   brackets, separators, escapes, the letters of true/false/null, a space, NUL, 0xFF): the
+   i-th of them, modulo their count. */
+static inline uint8_t fuzz_json_byte(uint64_t i) {
+    static const char bytes[] = "0123456789-+.eE\"{}[],:\\ntfu \x00\xff";
+    return (uint8_t)bytes[i % (sizeof bytes - 1)];
+}
+
+/* Deletes a run of 1 to 8 bytes from byte at. */
+static inline void fuzz_delete_run(buffer *b, size_t at, uint64_t *rng) {
+    size_t n = 1 + (size_t)(next_random(rng) % 8);
+    if (at + n > b->size) n = b->size - at;
+    memmove(b->bytes + at, b->bytes + at + n, b->size - at - n);
+    b->size -= n;
+}
+
+/* Inserts a random one of words[0 .. n_words) at byte at, when it fits. */
+static inline void fuzz_insert_word(buffer *b, size_t at, const char *const *words, size_t n_words,
+                                    uint64_t *rng) {
+    const char *w = words[next_random(rng) % n_words];
+    size_t n = strlen(w);
+    if (b->size + n > FUZZ_MAX_INPUT) return;
+    memmove(b->bytes + at + n, b->bytes + at, b->size - at);
+    memcpy(b->bytes + at, w, n);
+    b->size += n;
+}
+
 static bool read_input(const char *path, buffer *b) {
     FILE *f = fopen(path, "rb");
     if (f == NULL) return false;
