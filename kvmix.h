@@ -900,8 +900,7 @@ typedef enum kvmix_evict_scorer {
     KVMIX_EVICT_QUERY = 2,     /* the same over the request's own actionable queries alone (no
                                   memory: the ablation arm) */
     KVMIX_EVICT_STREAMING = 3, /* StreamingLLM: the prefix (sinks) and the most recent positions */
-    KVMIX_EVICT_H2O = 4,       /* H2O: attention mass accumulated over every query so far, the
-                                  recent_tokens most recent kept as a floor */
+    KVMIX_EVICT_H2O = 4,       /* H2O: attention mass accumulated over every query so far */
     KVMIX_EVICT_SNAPKV = 5     /* SnapKV: attention mass of the prompt's last observe_tokens
                                   queries, max-pooled over pool_tokens neighbours */
 } kvmix_evict_scorer;
@@ -913,7 +912,8 @@ typedef struct kvmix_evict_policy {
     double decay;           /* INTENT: QueryMemory decay, [0, 1) (kvmix_query_memory_update) */
     int32_t prefix_tokens;  /* first positions always kept (the protected system prefix); 0 =
                                none */
-    int32_t recent_tokens;  /* H2O: most recent positions always kept; 0 = none */
+    int32_t recent_tokens;  /* most recent positions always kept, a floor under every scorer but
+                               STREAMING (whose score is recency); 0 = none */
     int32_t observe_tokens; /* SNAPKV: queries observed at the prompt's end; 0 = 32 */
     int32_t pool_tokens;    /* SNAPKV: max-pool width, odd; 0 = 7 */
 } kvmix_evict_policy;
@@ -1539,9 +1539,10 @@ KVMIXDEF kvmix_result kvmix_evict_forced(const kvmix_evict_policy *policy, int32
                                          int32_t actionable_first, int32_t actionable_end,
                                          uint8_t *forced);
 
-/* Turns the runner's raw scores into the scorer's, in place: STREAMING scores[t] = t; H2O: the
-   last recent_tokens positions +INFINITY; SNAPKV: each the maximum of the raw scores within
-   pool_tokens / 2 positions either side; INTENT and QUERY unchanged. -INFINITY (evicted) stays.
+/* Turns the runner's raw scores into the scorer's, in place: STREAMING scores[t] = t; SNAPKV:
+   each the maximum of the raw scores within pool_tokens / 2 positions either side; INTENT, QUERY
+   and H2O unchanged; then, but for STREAMING, the last recent_tokens positions +INFINITY (the
+   recent floor). -INFINITY (evicted) stays.
    scratch: [n_positions] floats (SNAPKV only; may be NULL otherwise). Returns NULL_POINTER,
    INVALID_ARGUMENT, BAD_VALUE (a NaN or +INFINITY raw score; nothing written). */
 KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy, float *scores,
@@ -7959,16 +7960,16 @@ KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy,
         return KVMIX_ERR_NULL_POINTER;
     for (t = 0; t < n_positions; t++)
         if (scores[t] != scores[t] || scores[t] == INFINITY) return KVMIX_ERR_BAD_VALUE;
+    if (policy->scorer == KVMIX_EVICT_SNAPKV)
+        kvmix__max_pool(scores, n_positions, (policy->pool_tokens ? policy->pool_tokens : 7) / 2,
+                        scratch);
     for (t = 0; t < n_positions; t++) {
         if (scores[t] == -INFINITY) continue;
         if (policy->scorer == KVMIX_EVICT_STREAMING)
             scores[t] = (float)t;
-        else if (policy->scorer == KVMIX_EVICT_H2O && t >= n_positions - policy->recent_tokens)
+        else if (t >= n_positions - policy->recent_tokens)
             scores[t] = INFINITY;
     }
-    if (policy->scorer == KVMIX_EVICT_SNAPKV)
-        kvmix__max_pool(scores, n_positions, (policy->pool_tokens ? policy->pool_tokens : 7) / 2,
-                        scratch);
     return KVMIX_SUCCESS;
 }
 

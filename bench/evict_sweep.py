@@ -4,10 +4,11 @@ Usage: python3 bench/evict_sweep.py --eval build/kvmix-eval-cuda --model M.safet
            --data D.jsonl --spec examples/specs/kvm-byte.json --offset 75 --limit 75
            --arms ARMS --out results.jsonl [--allocation A.json] [--batch 75]
 
-An arm is precision/scorer/budget[/decay]: precision a built-in policy name (fp16, kitty-25,
+An arm is precision/scorer/budget[/decay[/recent]]: precision a built-in policy name (fp16, kitty-25,
 ...) whose settings the run takes (`kvmix-eval --list-policies`), scorer one of none, intent,
 query, streaming, h2o, snapkv, budget the fraction of history kept, decay the QueryMemory decay
-(intent only). "tri" as the precision runs the built-in fp16 policy with --allocation (the
+(intent only), recent the recent floor (most recent positions always kept; default 64, the
+floor H2O has always had; streaming ignores it). "tri" as the precision runs the built-in fp16 policy with --allocation (the
 tri-axial per-tag formats). Arms are comma-separated; "none" arms ignore the budget. Every arm
 shares the forced set (the first 4 positions and the request's user message) and the scorer
 settings below, so that arms differ in the scorer alone. Each run's JSON (kvmix-eval's, with the
@@ -22,7 +23,7 @@ import sys
 import tempfile
 
 PREFIX_TOKENS = 4  # the protected prefix: the attention sinks
-RECENT_TOKENS = 64  # H2O's recent-window floor
+RECENT_TOKENS = 64  # the recent floor of an arm that names none
 OBSERVE_TOKENS = 32  # SnapKV's observation window
 POOL_TOKENS = 7  # SnapKV's pooling width
 
@@ -32,12 +33,12 @@ def builtin_policies(eval_bin):
     return {p["name"]: p for p in map(json.loads, out.stdout.splitlines())}
 
 
-def policy_document(base, scorer, budget, decay):
+def policy_document(base, scorer, budget, decay, recent):
     doc = dict(base)
     doc["name"] = base["name"] if scorer == "none" else f"{base['name']}+{scorer}-{budget:g}"
     if scorer != "none":
         doc["evict"] = {"scorer": scorer, "budget_fraction": budget, "decay": decay,
-                        "prefix_tokens": PREFIX_TOKENS, "recent_tokens": RECENT_TOKENS,
+                        "prefix_tokens": PREFIX_TOKENS, "recent_tokens": recent,
                         "observe_tokens": OBSERVE_TOKENS, "pool_tokens": POOL_TOKENS}
     return doc
 
@@ -47,7 +48,8 @@ def parse_arm(text):
     precision, scorer = parts[0], parts[1]
     budget = float(parts[2]) if len(parts) > 2 else 1.0
     decay = float(parts[3]) if len(parts) > 3 else 0.0
-    return precision, scorer, budget, decay
+    recent = int(parts[4]) if len(parts) > 4 else RECENT_TOKENS
+    return precision, scorer, budget, decay, recent
 
 
 def main():
@@ -67,9 +69,9 @@ def main():
     for arm in a.arms.split(","):
         if arm in done:
             continue
-        precision, scorer, budget, decay = parse_arm(arm)
+        precision, scorer, budget, decay, recent = parse_arm(arm)
         base = policies["fp16" if precision == "tri" else precision]
-        doc = policy_document(base, scorer, budget, decay)
+        doc = policy_document(base, scorer, budget, decay, recent)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(doc, f)
         cmd = [a.eval, "--model", a.model, "--data", a.data, "--kind", "trace", "--offset",

@@ -441,25 +441,40 @@ static void test_evict_select_random(void) {
               (scores[out[t]] == scores[worst_kept] && out[t] < worst_kept));
 }
 
-/* Scorer shapes: recency, H2O's recent floor, SnapKV's max-pool; evicted stay -inf. */
+/* Scorer shapes: recency (no floor), the recent floor under the other scorers, SnapKV's
+   max-pool before the floor; evicted stay -inf. */
 static void test_evict_shape(void) {
     kvmix_evict_policy p = evict_policy(KVMIX_EVICT_STREAMING, 0.5);
     float s[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2}, scratch[8];
-    int32_t t;
+    int32_t t, scorer;
+    p.recent_tokens = 3;
     CHECK_RESULT(kvmix_evict_shape_scores(&p, s, 8, NULL), KVMIX_SUCCESS);
     for (t = 0; t < 8; t++) CHECK(t == 2 ? s[t] == -INFINITY : s[t] == (float)t);
+    for (scorer = KVMIX_EVICT_INTENT; scorer <= KVMIX_EVICT_H2O; scorer++) {
+        float h[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
+        if (scorer == KVMIX_EVICT_STREAMING) continue;
+        p.scorer = scorer;
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, h, 8, NULL), KVMIX_SUCCESS);
+        CHECK(h[0] == 4 && h[2] == -INFINITY && h[4] == 0);
+        for (t = 5; t < 8; t++) CHECK(h[t] == INFINITY);
+    }
+    p.recent_tokens = 0;
     {
         float h[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
         p.scorer = KVMIX_EVICT_H2O;
-        p.recent_tokens = 3;
         CHECK_RESULT(kvmix_evict_shape_scores(&p, h, 8, NULL), KVMIX_SUCCESS);
-        CHECK(h[0] == 4 && h[4] == 0 && h[5] == INFINITY && h[7] == INFINITY);
+        CHECK(h[5] == 9 && h[7] == 2);
     }
     {
         float k[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
         float want[8] = {4, 4, -INFINITY, 0, 9, 9, 9, 2};
+        float floored[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
         p.scorer = KVMIX_EVICT_SNAPKV;
         p.pool_tokens = 3;
+        p.recent_tokens = 2; /* pooled first: the floor's +inf spreads nowhere */
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, floored, 8, scratch), KVMIX_SUCCESS);
+        CHECK(floored[4] == 9 && floored[5] == 9 && floored[6] == INFINITY);
+        p.recent_tokens = 0;
         CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, NULL), KVMIX_ERR_NULL_POINTER);
         CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, scratch), KVMIX_SUCCESS);
         for (t = 0; t < 8; t++) CHECK(k[t] == want[t]);
