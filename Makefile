@@ -61,6 +61,7 @@ $(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 
 # ---- reference-model runner and quality harness ----------------------------------------------
 EVAL_TAG_SRC := examples/tag_spec_json.c examples/tag_allocation.c
+TRANSFER_SRC := examples/transfer_plan.c
 $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) \
 		examples/tag_allocation.h examples/tag_spec_json.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_eval.c \
@@ -116,8 +117,10 @@ $(BUILD)/warn_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -$(word 3,$(subst _, ,$*)) -c $< -o $@
 header-checks: $(HEADER_CHECKS) $(WARN_CHECKS)
 
-$(BUILD)/unit_tests: $(UNIT_SRC) tests/harness.h tests/device_arena_scenario.h kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. $(UNIT_SRC) -o $@ $(LDLIBS)
+$(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) tests/harness.h tests/device_arena_scenario.h \
+		examples/transfer_plan.h kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples $(UNIT_SRC) $(TRANSFER_SRC) \
+		-o $@ $(LDLIBS)
 
 # The cache example runs as a test too, under the sanitizers.
 $(BUILD)/example_cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
@@ -176,16 +179,20 @@ $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_
 	$(NVCC) $(NVCCFLAGS) -I. -Iexamples -c $< -o $@
 
 $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(BUILD)/gpu_llama.o \
-		$(BUILD)/kvmix_cuda.o examples/evict_driver.c examples/evict_driver.h | $(BUILD)
+		$(BUILD)/kvmix_cuda.o examples/evict_driver.c examples/evict_driver.h $(TRANSFER_SRC) \
+		examples/transfer_driver.c examples/transfer_driver.h examples/transfer_plan.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_EVAL_CUDA -I. -Iexamples -c examples/kvmix_eval.c -o $(BUILD)/eval_cuda_main.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_driver.c -o $(BUILD)/eval_cuda_evict.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/transfer_driver.c -o $(BUILD)/eval_cuda_transfer.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/transfer_plan.c -o $(BUILD)/eval_cuda_plan.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/llama.c -o $(BUILD)/eval_cuda_llama.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/kvmix_kv.c -o $(BUILD)/eval_cuda_kv.o
 	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION -c \
 		examples/tag_spec_json.c -o $(BUILD)/eval_cuda_spec.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/tag_allocation.c -o $(BUILD)/eval_cuda_alloc.o
 	$(NVCC) $(BUILD)/eval_cuda_main.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
-		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/eval_cuda_evict.o $(BUILD)/gpu_llama.o \
+		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/eval_cuda_evict.o \
+		$(BUILD)/eval_cuda_transfer.o $(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
 $(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda | $(BUILD)

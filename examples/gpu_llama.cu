@@ -12,6 +12,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <vector>
+
 extern "C" {
 #include "gpu_llama.h"
 #include "kvmix_cuda.h"
@@ -1113,6 +1115,131 @@ extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_toke
     llama_result f = call_with_room(g, g->fill_k, g->fill_v, "filling a sequence", err, err_bytes,
                                     [&] { return kvmix_cache_seal_ready(&g->cache, kv); });
     return f == LLAMA_OK ? flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes) : f;
+}
+
+/* Per token of a one-sequence view (host staging copy): 1 where the token is dead (evicted,
+   or a compacted page's padding row that repeats a live position). */
+static std::vector<uint8_t> view_dead_tokens(const view_staging *v, int32_t n) {
+    std::vector<uint8_t> dead((size_t)n, 0);
+    for (int32_t i = 0, t = 0; i < v->view.n_spans; t += v->spans[i++].n_tokens)
+        for (int32_t j = 0; v->spans[i].dead_index >= 0 && j < v->spans[i].n_tokens; j++)
+            if (t + j < n) dead[(size_t)(t + j)] = v->dead[v->spans[i].dead_index + j];
+    return dead;
+}
+
+extern "C" llama_result gpu_llama_rows_read(gpu_llama *g, int32_t seq, float *keys, float *values,
+                                            char *err, size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_rows_read", err, err_bytes);
+    if (r == LLAMA_OK && (!keys || !values))
+        r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_rows_read: NULL rows");
+    if (r == LLAMA_OK) r = observation_create(g, err, err_bytes); /* the positions buffer */
+    if (r == LLAMA_OK && g->cache.n_jobs > 0) r = flush_jobs(g, g->k16, g->v16, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    const llama_config *c = &g->c;
+    size_t row = (size_t)c->n_kv_heads * c->head_dim, n_pos = (size_t)g->next_pos[seq];
+    int32_t n = 0;
+    g->step_kv_seqs[0] = g->kv_seq[seq]; /* a view of this sequence alone */
+    if ((r = upload_view(g, 1, err, err_bytes)) != LLAMA_OK) return r;
+    TRY_KVMIX(kvmix_cache_view_positions(&g->cache, g->kv_seq[seq], 0, g->obs.positions,
+                                         g->obs.view_capacity, &n),
+              "view positions");
+    memset(keys, 0, (size_t)c->n_layers * n_pos * row * sizeof(float));
+    memset(values, 0, (size_t)c->n_layers * n_pos * row * sizeof(float));
+    std::vector<uint16_t> hk((size_t)n * row), hv((size_t)n * row);
+    std::vector<uint8_t> dead = view_dead_tokens(&g->view, n);
+    uint16_t *dk = NULL, *dv = NULL;
+    cudaError_t ce = device_alloc(&dk, (size_t)n * row);
+    if (ce == cudaSuccess) ce = device_alloc(&dv, (size_t)n * row);
+    for (int32_t l = 0; l < c->n_layers && ce == cudaSuccess && r == LLAMA_OK; l++) {
+        kvmix_view view;
+        if ((r = layer_view(g, l, &view, err, err_bytes)) != LLAMA_OK) break;
+        kvmix_result k =
+            kvmix_cuda_view_dequantize(&view, 0, KVMIX_CUDA_FP16, dk, dv, n, g->stream);
+        if (k != KVMIX_SUCCESS) {
+            r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "reading rows: %s",
+                           kvmix_result_string(k));
+            break;
+        }
+        ce = cudaMemcpyAsync(hk.data(), dk, hk.size() * 2, cudaMemcpyDeviceToHost, g->stream);
+        if (ce == cudaSuccess)
+            ce = cudaMemcpyAsync(hv.data(), dv, hv.size() * 2, cudaMemcpyDeviceToHost, g->stream);
+        if (ce == cudaSuccess) ce = cudaStreamSynchronize(g->stream);
+        for (int32_t t = 0; ce == cudaSuccess && t < n; t++) {
+            int32_t pos = g->obs.positions[t];
+            float *kr = keys + ((size_t)l * n_pos + (size_t)pos) * row;
+            float *vr = values + ((size_t)l * n_pos + (size_t)pos) * row;
+            if (pos < 0 || (size_t)pos >= n_pos || dead[t]) continue;
+            for (size_t i = 0; i < row; i++) {
+                kr[i] = kvmix_fp16_to_fp32(hk[(size_t)t * row + i]);
+                vr[i] = kvmix_fp16_to_fp32(hv[(size_t)t * row + i]);
+            }
+        }
+    }
+    cudaFree(dk), cudaFree(dv);
+    if (ce != cudaSuccess)
+        r = llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "reading rows: %s",
+                       cudaGetErrorString(ce));
+    return r;
+}
+
+/* Rows as FP16 for the cache's copy jobs; false when one is not a finite FP16. */
+static bool rows_to_fp16(const float *rows, size_t n, uint16_t *out) {
+    for (size_t i = 0; i < n; i++) {
+        if (!(fabsf(rows[i]) <= 65504.0f)) return false;
+        out[i] = kvmix_fp32_to_fp16(rows[i]);
+    }
+    return true;
+}
+
+extern "C" llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t n_tokens,
+                                              const float *keys, const float *values, char *err,
+                                              size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_rows_ingest", err, err_bytes);
+    if (r == LLAMA_OK && (!keys || !values || n_tokens < 0 || g->next_pos[seq] != 0))
+        r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                       "gpu_llama_rows_ingest: NULL rows, a negative count or a sequence with "
+                       "positions");
+    if (r == LLAMA_OK && n_tokens > g->max_tokens)
+        r = llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY, "sequence %d is full", seq);
+    if (r != LLAMA_OK) return r;
+    const llama_config *c = &g->c;
+    size_t row = (size_t)c->n_kv_heads * c->head_dim, layer = (size_t)n_tokens * row;
+    std::vector<uint16_t> hk(c->n_layers * layer), hv(c->n_layers * layer);
+    if (!rows_to_fp16(keys, hk.size(), hk.data()) || !rows_to_fp16(values, hv.size(), hv.data()))
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "gpu_llama_rows_ingest: a row is not a finite FP16");
+    uint16_t *dk = NULL, *dv = NULL;
+    cudaError_t ce = device_alloc(&dk, hk.size());
+    if (ce == cudaSuccess) ce = device_alloc(&dv, hv.size());
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(dk, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice, g->stream);
+    if (ce == cudaSuccess)
+        ce = cudaMemcpyAsync(dv, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice, g->stream);
+    if (ce != cudaSuccess) {
+        cudaFree(dk), cudaFree(dv);
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "ingesting rows: %s",
+                          cudaGetErrorString(ce));
+    }
+    /* layer l's rows are source rows l * n_tokens ..; chunks keep the job queue small */
+    int32_t kv = g->kv_seq[seq];
+    for (int32_t done = 0; r == LLAMA_OK && done < n_tokens;) {
+        int32_t n = n_tokens - done < FILL_ROWS ? n_tokens - done : FILL_ROWS;
+        r = call_with_room(g, dk, dv, "ingesting rows", err, err_bytes,
+                           [&] { return kvmix_cache_reserve(&g->cache, kv, n, NULL, NULL); });
+        for (int32_t l = 0; r == LLAMA_OK && l < c->n_layers; l++)
+            r = call_with_room(g, dk, dv, "ingesting rows", err, err_bytes, [&] {
+                return kvmix_cache_write_rows(&g->cache, kv, l, done, n,
+                                              (int64_t)l * n_tokens + done);
+            });
+        if (r == LLAMA_OK) r = flush_jobs(g, dk, dv, err, err_bytes);
+        if (r == LLAMA_OK) g->next_pos[seq] += n, done += n;
+    }
+    if (r == LLAMA_OK)
+        r = call_with_room(g, dk, dv, "ingesting rows", err, err_bytes,
+                           [&] { return kvmix_cache_seal_ready(&g->cache, kv); });
+    if (r == LLAMA_OK) r = flush_jobs(g, dk, dv, err, err_bytes);
+    cudaFree(dk), cudaFree(dv); /* after the jobs that read them: flush_jobs synchronized */
+    return r;
 }
 
 extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,

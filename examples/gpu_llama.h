@@ -102,6 +102,21 @@ llama_result gpu_llama_intent_scores(gpu_llama *g, int32_t seq, const float *mem
 llama_result gpu_llama_evict(gpu_llama *g, int32_t seq, const int32_t *positions,
                              int32_t n_positions, char *err, size_t err_bytes);
 
+/* The rows a sequence holds, as its cache stores them (dequantized): keys, values (host) are
+ * [n_layers][n_positions][n_kv_heads][head_dim] floats, n_positions the positions the sequence
+ * has run; positions without a row (evicted) are zeros. For a transfer's sender.
+ * LLAMA_ERR_ARGUMENT: not a running kvmix sequence. */
+llama_result gpu_llama_rows_read(gpu_llama *g, int32_t seq, float *keys, float *values, char *err,
+                                 size_t err_bytes);
+
+/* Appends n_tokens positions with the given rows (host, [n_layers][n_tokens][n_kv_heads]
+ * [head_dim] floats, rounded to FP16 as a step's rows are) to a sequence that has none yet,
+ * through the cache's write and seal path: a transfer's receiver, whose next step runs at
+ * position n_tokens. LLAMA_ERR_ARGUMENT: a sequence with positions, rows that are not finite
+ * FP16; LLAMA_ERR_CAPACITY: the arena is full. */
+llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t n_tokens, const float *keys,
+                                   const float *values, char *err, size_t err_bytes);
+
 /* Time spent since gpu_llama_profile_start: steps and tokens run, wall seconds inside
  * gpu_llama_step, host seconds of the cache's bookkeeping in them (reserve, row writes, taking
  * jobs, the view), and GPU seconds of attention (rows to FP16, jobs, decode, output), measured

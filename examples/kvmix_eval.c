@@ -3,6 +3,7 @@
  *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]
  *              [--limit N] [--policy P] [--threads N] [--capture DIR]
  *              [--device cpu|cuda] [--batch N] [--tag-spec S.json --allocation A.json]
+ *              [--transfer MODE:B[:LAMBDA]]
  *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
@@ -52,6 +53,16 @@
  * when each of its tokens runs, averaged: what decode reads) and "recall": answer tokens,
  * accuracy and agreement of the turns whose user message starts with "Earlier" (the traces'
  * questions about an earlier tool result).
+ *
+ * --transfer MODE:B[:LAMBDA] (--device cuda) hands each text over once, as a prefill worker
+ * hands its cache to a decode worker (transfer_driver.h): at the end of the first user message
+ * that ends at or after half the text (with --tag-spec; else at half), the sequence's rows go
+ * through transfer payloads at budget B with the tiers of MODE (transfer_plan.h: tiered, with
+ * the attention the text's prefill gave each position and recency decay LAMBDA; norms; int8;
+ * int4; random; sinks; ends; the first SINK_POSITIONS (4) positions are the sinks) into a fresh
+ * sequence of the policy's cache, which goes on. The JSON adds "transfer": the tiers' counts,
+ * payload bytes against all-FP16 payloads of the same rows (the realized budget), and
+ * bits_per_token, answer accuracy and agreement over the positions after the hand-over.
  */
 #define _POSIX_C_SOURCE 200809L /* opendir */
 #include "kvmix_kv.h"
@@ -59,7 +70,8 @@
 #include "tag_allocation.h"
 #include "tag_spec_json.h"
 
-#include "evict_driver.h" /* its stats type; its functions are the GPU build's */
+#include "evict_driver.h"    /* its stats type; its functions are the GPU build's */
+#include "transfer_driver.h" /* likewise */
 #ifdef KVMIX_EVAL_CUDA
 #include "gpu_llama.h"
 #endif
@@ -90,7 +102,10 @@ typedef struct options {
     int64_t batch;                 /* texts at once on the GPU */
     const char *tag_spec_path;     /* the template's tags: for --allocation, for eviction */
     const char *allocation_path;   /* store tokens by their tags (needs tag_spec_path) */
+    const char *transfer;          /* MODE:B[:LAMBDA]: a hand-over per text (GPU) */
 } options;
+
+enum { SINK_POSITIONS = 4 }; /* a transfer's sinks: the first positions, as eviction's prefix */
 
 static void usage(FILE *f) {
     fprintf(
@@ -98,6 +113,7 @@ static void usage(FILE *f) {
         "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]\n"
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
         "                  [--device cpu|cuda] [--batch N] [--tag-spec S [--allocation A]]\n"
+        "                  [--transfer MODE:B[:LAMBDA]]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -122,7 +138,8 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
                  {"--capture", &o->capture_dir},
                  {"--read-capture", &o->read_capture_path},
                  {"--tag-spec", &o->tag_spec_path},
-                 {"--allocation", &o->allocation_path}};
+                 {"--allocation", &o->allocation_path},
+                 {"--transfer", &o->transfer}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
             *flags[i].dest = value;
@@ -138,8 +155,8 @@ static bool parse_options(int argc, char **argv, options *o) {
 #else
     const bool cuda_default = false;
 #endif
-    *o = (options){NULL,  NULL, NULL,         0,   0,    "fp32", 2, NULL,
-                   false, NULL, cuda_default, 256, NULL, NULL};
+    *o = (options){NULL,  NULL, NULL,         0,   0,    "fp32", 2,   NULL,
+                   false, NULL, cuda_default, 256, NULL, NULL,   NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -182,6 +199,10 @@ static bool parse_options(int argc, char **argv, options *o) {
 #endif
     if (o->allocation_path != NULL && o->tag_spec_path == NULL) {
         fprintf(stderr, "kvmix-eval: --allocation needs --tag-spec\n");
+        return false;
+    }
+    if (o->transfer != NULL && (!o->cuda || o->allocation_path != NULL)) {
+        fprintf(stderr, "kvmix-eval: --transfer runs on --device cuda, without --allocation\n");
         return false;
     }
     if (o->cuda && o->capture_dir != NULL) {
@@ -305,6 +326,9 @@ typedef struct totals {
     llama_score recall;
     bool evicting;
     evict_stats eviction;
+    bool transferring;
+    transfer_stats transfer;
+    llama_score after; /* the positions after the hand-over */
 } totals;
 
 typedef struct eval {
@@ -321,6 +345,9 @@ typedef struct eval {
     bool tagged; /* --tag-spec and --allocation: the policy's cache stores tokens by tag */
     const tag_spec_doc *tag_doc;
     kvmix_tag_precision tag_table;
+    bool transferring; /* --transfer */
+    transfer_setup transfer;
+    transfer_stats transfer_stats;
     char err[ERR_BYTES];
 } eval;
 
@@ -455,6 +482,8 @@ typedef struct gpu_text {
     uint8_t *recall;          /* [n]: the position is in a turn asking about an earlier result */
     llama_score recall_score; /* answers in those turns */
     double bytes_read;        /* cache bytes held when each scored token ran, summed */
+    int64_t transfer_at;      /* --transfer: the position whose step runs on the receiver first */
+    llama_score after;        /* scores of the positions from transfer_at on */
 } gpu_text;
 
 /* The sequences of a pass that are running: text, sequence, position. */
@@ -476,6 +505,12 @@ static void gpu_batch_remove(gpu_batch *b, int32_t i) {
     }
 }
 
+static void add_answer(llama_score *s, int32_t top, int32_t next, int32_t ref_top) {
+    s->n_answer++;
+    s->n_answer_correct += top == next;
+    s->n_answer_agree += top == ref_top;
+}
+
 /* Scores the position every running text is at (the reference pass records its top-1). */
 static void gpu_score_step(const eval *e, gpu_text *texts, const gpu_batch *b, bool reference) {
     int32_t vocab = e->model->config.vocab;
@@ -485,19 +520,25 @@ static void gpu_score_step(const eval *e, gpu_text *texts, const gpu_batch *b, b
         int32_t p = b->pos[i], next = t->ids[p + 1], top = llama_argmax(row, vocab);
         if (reference || !e->separate_reference) t->ref_argmax[p] = top;
         if (reference) continue;
-        t->score.bits += llama_bits_of(row, vocab, next);
+        double bits = llama_bits_of(row, vocab, next);
+        t->score.bits += bits;
         t->score.n_scored++;
-        if (t->mask[p + 1]) {
-            t->score.n_answer++;
-            t->score.n_answer_correct += top == next;
-            t->score.n_answer_agree += top == t->ref_argmax[p];
-        }
-        if (t->mask[p + 1] && t->recall[p + 1]) {
-            t->recall_score.n_answer++;
-            t->recall_score.n_answer_correct += top == next;
-            t->recall_score.n_answer_agree += top == t->ref_argmax[p];
-        }
+        if (t->mask[p + 1]) add_answer(&t->score, top, next, t->ref_argmax[p]);
+        if (t->mask[p + 1] && t->recall[p + 1])
+            add_answer(&t->recall_score, top, next, t->ref_argmax[p]);
+        if (!e->transferring || p < t->transfer_at) continue;
+        t->after.bits += bits;
+        t->after.n_scored++;
+        if (t->mask[p + 1]) add_answer(&t->after, top, next, t->ref_argmax[p]);
     }
+}
+
+/* --transfer: running sequence i is handed over (its random tiers drawn per text). */
+static llama_result hand_over(eval *e, gpu_llama *g, gpu_batch *b, int32_t i) {
+    transfer_setup setup = e->transfer;
+    setup.seed = (uint64_t)b->text[i];
+    return transfer_sequence(g, &e->model->config, &setup, b->pos[i], &b->seq[i],
+                             &e->transfer_stats, e->err, sizeof e->err);
 }
 
 /* Runs every text through g, up to b's capacity at once, sequences joining as others end. */
@@ -521,6 +562,10 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             if (ev)
                 evict_seq_start(ev, &b->ev[b->n], texts[next].ids, texts[next].requests,
                                 texts[next].n_requests);
+            if (!reference && e->transferring && e->transfer.mode == TRANSFER_TIERED &&
+                (r = gpu_llama_observe(g, b->seq[b->n], GPU_LLAMA_OBSERVE_ATTENTION, e->err,
+                                       sizeof e->err)) != LLAMA_OK)
+                return r;
             b->pos[b->n++] = 0;
         }
         if (b->n == 0) break;
@@ -531,6 +576,8 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             if (r == LLAMA_OK && ev)
                 r = evict_before_step(ev, &b->ev[i], g, b->seq[i], b->pos[i], e->err,
                                       sizeof e->err);
+            if (r == LLAMA_OK && !reference && e->transferring && b->pos[i] == t->transfer_at)
+                r = hand_over(e, g, b, i);
             b->tokens[i] = t->ids[b->pos[i]];
         }
         if (r == LLAMA_OK)
@@ -612,6 +659,7 @@ static gpu_text *gpu_texts_make(eval *e, const texts *list) {
             return NULL;
         }
         mark_recall_turns(&e->model->tokenizer, t->ids, t->n, t->recall);
+        t->transfer_at = transfer_point(t->requests, t->n_requests, t->n - 1);
     }
     return texts;
 }
@@ -710,7 +758,14 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
         t->recall.n_answer += x->recall_score.n_answer;
         t->recall.n_answer_correct += x->recall_score.n_answer_correct;
         t->recall.n_answer_agree += x->recall_score.n_answer_agree;
+        t->after.bits += x->after.bits;
+        t->after.n_scored += x->after.n_scored;
+        t->after.n_answer += x->after.n_answer;
+        t->after.n_answer_correct += x->after.n_answer_correct;
+        t->after.n_answer_agree += x->after.n_answer_agree;
     }
+    t->transferring = e->transferring;
+    t->transfer = e->transfer_stats;
     gpu_texts_free(texts, list->n);
     free(b.text);
     free(b.seq);
@@ -732,6 +787,31 @@ static void add_number_or_null(cJSON *obj, const char *key, double value) {
         cJSON_AddNullToObject(obj, key);
 }
 
+static void add_score(cJSON *obj, const llama_score *s) {
+    cJSON_AddNumberToObject(obj, "n_tokens", (double)s->n_scored);
+    add_number_or_null(obj, "bits_per_token",
+                       s->n_scored > 0 ? s->bits / (double)s->n_scored : NAN);
+    cJSON_AddNumberToObject(obj, "n_answer_tokens", (double)s->n_answer);
+    add_number_or_null(obj, "answer_accuracy", ratio_or_nan(s->n_answer_correct, s->n_answer));
+    add_number_or_null(obj, "answer_agreement", ratio_or_nan(s->n_answer_agree, s->n_answer));
+}
+
+/* What the hand-overs sent and how the texts went on after them. */
+static void add_transfer_figures(cJSON *obj, const totals *t) {
+    const transfer_stats *s = &t->transfer;
+    cJSON *x = cJSON_AddObjectToObject(obj, "transfer");
+    cJSON_AddNumberToObject(x, "n_transfers", (double)s->n_transfers);
+    cJSON_AddNumberToObject(x, "n_tokens_sent", (double)s->n_tokens);
+    cJSON_AddNumberToObject(x, "n_fp16", (double)s->n_fp16);
+    cJSON_AddNumberToObject(x, "n_int8", (double)s->n_int8);
+    cJSON_AddNumberToObject(x, "n_int4", (double)s->n_int4);
+    cJSON_AddNumberToObject(x, "n_dropped", (double)s->n_dropped);
+    cJSON_AddNumberToObject(x, "payload_bytes", s->bytes);
+    cJSON_AddNumberToObject(x, "fp16_payload_bytes", s->fp16_bytes);
+    add_number_or_null(x, "realized_budget", s->fp16_bytes > 0 ? s->bytes / s->fp16_bytes : NAN);
+    add_score(cJSON_AddObjectToObject(x, "after"), &t->after);
+}
+
 /* The GPU runner's figures: bytes read per token, the recall turns, what eviction did. */
 static void add_gpu_figures(cJSON *obj, const totals *t) {
     add_number_or_null(obj, "kv_bytes_read_per_token",
@@ -742,6 +822,7 @@ static void add_gpu_figures(cJSON *obj, const totals *t) {
                        ratio_or_nan(t->recall.n_answer_correct, t->recall.n_answer));
     add_number_or_null(recall, "answer_agreement",
                        ratio_or_nan(t->recall.n_answer_agree, t->recall.n_answer));
+    if (t->transferring) add_transfer_figures(obj, t);
     if (!t->evicting) return;
     const evict_stats *s = &t->eviction;
     cJSON *ev = cJSON_AddObjectToObject(obj, "eviction");
@@ -910,6 +991,20 @@ static void eval_free(eval *e) {
     free(e->ref_argmax);
 }
 
+/* --transfer: the setup, checked against the policy. */
+static llama_result transfer_init(eval *e, const options *o) {
+    if (transfer_parse(o->transfer, &e->transfer, e->err, sizeof e->err) != KVMIX_SUCCESS)
+        return LLAMA_ERR_ARGUMENT;
+    if (e->policy.evict.scorer != 0 || strcmp(e->policy.name, "fp32") == 0) {
+        snprintf(e->err, sizeof e->err, "--transfer needs a kvmix policy that does not evict");
+        return LLAMA_ERR_ARGUMENT;
+    }
+    e->transfer.n_sink = SINK_POSITIONS;
+    e->transfer.allow_int4 = 1;
+    e->transferring = true;
+    return LLAMA_OK;
+}
+
 static int run(const options *o) {
     llama_model model;
     eval e = {0};
@@ -929,6 +1024,7 @@ static int run(const options *o) {
     if (!load_texts(o, &list, e.err)) r = LLAMA_ERR_FORMAT;
     if (r == LLAMA_OK) r = eval_init(&e, o, &p, &model);
     if (r == LLAMA_OK && o->tag_spec_path != NULL) r = tag_cache(&e, o);
+    if (r == LLAMA_OK && o->transfer != NULL) r = transfer_init(&e, o);
     if (r == LLAMA_OK && e.policy.evict.scorer != 0 && (!o->cuda || e.tag_doc == NULL)) {
         snprintf(e.err, sizeof e.err,
                  "policy %s evicts: that runs on --device cuda with --tag-spec (its tags find "

@@ -20,12 +20,19 @@ typedef struct test_unit {
 } test_unit;
 
 static const test_unit test_units[] = {
-    {"unit_core", unit_core},           {"unit_formats", unit_formats},
-    {"unit_attention", unit_attention}, {"unit_cache", unit_cache},
-    {"unit_view", unit_view},           {"unit_transfer", unit_transfer},
-    {"unit_policy", unit_policy},       {"unit_alloc", unit_alloc},
-    {"unit_tags", unit_tags},           {"unit_device_arena", unit_device_arena},
-    {"unit_intent", unit_intent},       {"unit_tiers", unit_tiers},
+    {"unit_core", unit_core},
+    {"unit_formats", unit_formats},
+    {"unit_attention", unit_attention},
+    {"unit_cache", unit_cache},
+    {"unit_view", unit_view},
+    {"unit_transfer", unit_transfer},
+    {"unit_policy", unit_policy},
+    {"unit_alloc", unit_alloc},
+    {"unit_tags", unit_tags},
+    {"unit_device_arena", unit_device_arena},
+    {"unit_intent", unit_intent},
+    {"unit_tiers", unit_tiers},
+    {"unit_transfer_plan", unit_transfer_plan},
 };
 
 #define TEST_N_UNITS              (sizeof test_units / sizeof test_units[0])

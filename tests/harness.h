@@ -30,6 +30,7 @@ void unit_alloc(void);
 void unit_tags(void);
 void unit_intent(void);
 void unit_tiers(void);
+void unit_transfer_plan(void);
 
 /* ---- checks ------------------------------------------------------------------------------- */
 #if defined(__GNUC__) || defined(__clang__)
