@@ -41,9 +41,10 @@ FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation 
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate
 
-.PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build
+.PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
+	pd-transfer
 
-all: cuda-build $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
+all: cuda-build pd-transfer $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
 
 $(BUILD):
@@ -166,6 +167,26 @@ $(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h $(LLAMA_S
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
 		examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
+# The prefill-to-decode example over UCX (libucx-dev), where pkg-config finds it; its model test
+# runs the sanitized build on loopback.
+UCX_LIBS := $(shell pkg-config --libs ucx 2>/dev/null)
+PD_SRC := examples/pd_transfer.c $(LLAMA_SRC) $(KV_SRC) $(TRANSFER_SRC) examples/transfer_plan.h
+PD_BUILD = -I. -Iexamples examples/pd_transfer.c examples/llama.c examples/kvmix_kv.c \
+	$(TRANSFER_SRC) -o $@ $(UCX_LIBS) $(EVAL_LDLIBS)
+ifeq ($(strip $(UCX_LIBS)),)
+pd-transfer:
+	@echo "UCX not found (libucx-dev): examples/pd_transfer not built"
+else
+pd-transfer: $(BUILD)/pd_transfer $(BUILD)/model_test_pd_transfer
+$(BUILD)/pd_transfer: $(PD_SRC) | $(BUILD)
+	$(CC) $(CFLAGS) $(PD_BUILD)
+$(BUILD)/pd_transfer-san: $(PD_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) $(PD_BUILD)
+$(BUILD)/model_test_pd_transfer: tests/test_pd_transfer.c tests/model_check.h \
+		$(BUILD)/pd_transfer-san | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_pd_transfer.c -o $@
+endif
+
 ifeq ($(strip $(NVCC)),)
 cuda-build:
 	@echo "nvcc not found: CUDA kernel pack and GPU runner not built (host parts are complete without it)"
@@ -215,7 +236,7 @@ $(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 endif
 
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
-	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build
+	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer
 	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
 

@@ -748,3 +748,36 @@ llama_result kvmix_kv_evict(llama_kv_cache *cache, const int32_t *positions, int
     kvmix_cache_compact(&kv->cache, kv->seq, KVMIX_KV_COMPACT_LIVE_FRACTION, NULL);
     return LLAMA_OK;
 }
+
+llama_result kvmix_kv_ingest(llama_kv_cache *cache, int32_t layer, int64_t first_position,
+                             int64_t n_tokens, const float *keys, const float *values) {
+    if (cache == NULL || cache->store != kv_kvmix_store || !keys || !values)
+        return LLAMA_ERR_ARGUMENT;
+    kv_kvmix *kv = cache->state;
+    if (layer < 0 || layer >= kv->n_layers || n_tokens < 1 ||
+        first_position != written_on(kv, layer) ||
+        (layer > 0 && first_position + n_tokens > written_on(kv, layer - 1)))
+        return LLAMA_ERR_ARGUMENT;
+    if (first_position + n_tokens > kv->capacity) return LLAMA_ERR_CAPACITY;
+    if (layer == 0 && kv->cache.seqs[kv->seq].n_tokens == first_position) {
+        kvmix_result r = kvmix_cache_reserve(&kv->cache, kv->seq, (int32_t)n_tokens, NULL, NULL);
+        if (r == KVMIX_ERR_OUT_OF_MEMORY) return LLAMA_ERR_CAPACITY;
+        if (r != KVMIX_SUCCESS) return LLAMA_ERR_ARGUMENT;
+    }
+    if (kvmix_cache_write(&kv->cache, kv->seq, layer, (int32_t)first_position, (int32_t)n_tokens,
+                          keys, values) != KVMIX_SUCCESS)
+        return LLAMA_ERR_ARGUMENT;
+    return LLAMA_OK;
+}
+
+llama_result kvmix_kv_upgrade(llama_kv_cache *cache, int64_t position, const float *keys,
+                              const float *values) {
+    if (cache == NULL || cache->store != kv_kvmix_store || position < 0 || position > INT32_MAX)
+        return LLAMA_ERR_ARGUMENT;
+    kv_kvmix *kv = cache->state;
+    kvmix_cache_precision keep = {0, 0};
+    return kvmix_cache_retier(&kv->cache, kv->seq, (int32_t)position, keep, keys, values,
+                              KVMIX_CACHE_ROWS_RESIDUAL) == KVMIX_SUCCESS
+               ? LLAMA_OK
+               : LLAMA_ERR_ARGUMENT;
+}

@@ -90,4 +90,21 @@ const kvmix_cache *kvmix_kv_inner(const llama_kv_cache *cache, int32_t *out_seq)
 #define KVMIX_KV_COMPACT_LIVE_FRACTION 0.5
 llama_result kvmix_kv_evict(llama_kv_cache *cache, const int32_t *positions, int32_t n_positions);
 
+/* A transfer's receiver: writes layer `layer`'s rows of positions first_position ..
+ * first_position + n_tokens - 1 ([n_tokens][n_kv_heads][head_dim] floats, rounded as store()
+ * rounds them) to a kvmix-backed cache, layer 0 reserving the positions. As store(), layers come
+ * in order: first_position is the positions the layer has, and a layer above 0 writes no
+ * position its layer below lacks. LLAMA_ERR_ARGUMENT otherwise (nothing written),
+ * LLAMA_ERR_CAPACITY when the cache is full. */
+llama_result kvmix_kv_ingest(llama_kv_cache *cache, int32_t layer, int64_t first_position,
+                             int64_t n_tokens, const float *keys, const float *values);
+
+/* A cold-tier upgrade on the receiver: adds residual rows to the sealed page that holds
+ * `position` (kvmix_cache_retier with KVMIX_CACHE_ROWS_RESIDUAL, in the policy's formats).
+ * keys, values: [n_layers][page_tokens][n_kv_heads][head_dim], rows from the page's first
+ * position (zeros leave a row as it is). LLAMA_ERR_ARGUMENT for the fp32 cache or a page the
+ * cache refuses (not sealed yet, bad rows; the cache is unchanged then). */
+llama_result kvmix_kv_upgrade(llama_kv_cache *cache, int64_t position, const float *keys,
+                              const float *values);
+
 #endif /* KVMIX_KV_H */
