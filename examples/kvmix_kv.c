@@ -781,3 +781,19 @@ llama_result kvmix_kv_upgrade(llama_kv_cache *cache, int64_t position, const flo
                ? LLAMA_OK
                : LLAMA_ERR_ARGUMENT;
 }
+
+llama_result kvmix_kv_rows_read(const llama_kv_cache *cache, int64_t n_positions, float *keys,
+                                float *values) {
+    if (cache == NULL || cache->store != kv_kvmix_store || !keys || !values || n_positions < 0)
+        return LLAMA_ERR_ARGUMENT;
+    const kv_kvmix *kv = cache->state;
+    size_t row = (size_t)kv->n_kv_heads * (size_t)kv->cache.desc.head_dim;
+    for (int32_t l = 0; l < kv->n_layers; l++)
+        for (int64_t p = 0; p < n_positions; p++) {
+            size_t at = ((size_t)l * (size_t)n_positions + (size_t)p) * row;
+            if (p > INT32_MAX || kvmix_cache_read(&kv->cache, kv->seq, l, (int32_t)p, keys + at,
+                                                  values + at, NULL) != KVMIX_SUCCESS)
+                return LLAMA_ERR_ARGUMENT;
+        }
+    return LLAMA_OK;
+}

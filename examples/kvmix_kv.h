@@ -90,6 +90,12 @@ const kvmix_cache *kvmix_kv_inner(const llama_kv_cache *cache, int32_t *out_seq)
 #define KVMIX_KV_COMPACT_LIVE_FRACTION 0.5
 llama_result kvmix_kv_evict(llama_kv_cache *cache, const int32_t *positions, int32_t n_positions);
 
+/* A transfer's sender: the rows of positions 0 .. n_positions - 1 as the cache holds them
+ * (dequantized), keys, values: [n_layers][n_positions][n_kv_heads][head_dim] floats.
+ * LLAMA_ERR_ARGUMENT for the fp32 cache or a position without a row (evicted, not written). */
+llama_result kvmix_kv_rows_read(const llama_kv_cache *cache, int64_t n_positions, float *keys,
+                                float *values);
+
 /* A transfer's receiver: writes layer `layer`'s rows of positions first_position ..
  * first_position + n_tokens - 1 ([n_tokens][n_kv_heads][head_dim] floats, rounded as store()
  * rounds them) to a kvmix-backed cache, layer 0 reserving the positions. As store(), layers come

@@ -402,22 +402,6 @@ static bool send_residuals(worker *w, ucx_link *k, int64_t n, const float *keys,
     return ok;
 }
 
-/* Every row the prefill's cache holds: [n_layers][n][n_kv_heads][head_dim]. */
-static bool read_rows(worker *w, int64_t n, float *keys, float *values) {
-    const llama_config *c = &w->model->config;
-    int32_t seq = -1;
-    const kvmix_cache *cache = kvmix_kv_inner(&w->cache, &seq);
-    size_t row = layer_floats(c, 1);
-    for (int32_t l = 0; cache && l < c->n_layers; l++)
-        for (int64_t p = 0; p < n; p++) {
-            size_t at = ((size_t)l * (size_t)n + (size_t)p) * row;
-            if (kvmix_cache_read(cache, seq, l, (int32_t)p, keys + at, values + at, NULL) !=
-                KVMIX_SUCCESS)
-                return false;
-        }
-    return cache != NULL;
-}
-
 /* This example sends every token: a budget below all-INT4 would drop some. */
 static bool plan_sends_all(const kvmix_tier_plan *plan) {
     if (plan->n_dropped > 0)
@@ -452,7 +436,7 @@ static int run_prefill(const options *o, const llama_model *m, const int32_t *id
                        (int32_t)n,
                        ok ? llama_argmax(w.logits, c->vocab) : 0,
                        (int32_t)o->generate};
-    ok = ok && read_rows(&w, n, keys, values) &&
+    ok = ok && kvmix_kv_rows_read(&w.cache, n, keys, values) == LLAMA_OK &&
          transfer_choose(&setup, NULL, keys, values, c->n_layers, (int32_t)n, c->n_kv_heads,
                          c->head_dim, tiers, &plan, w.err, sizeof w.err) == KVMIX_SUCCESS &&
          plan_sends_all(&plan) && link_send(&k, TAG_REQUEST, &req, sizeof req);
