@@ -39,12 +39,13 @@ UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
 FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation probe
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
-MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate
+MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate \
+	$(BUILD)/model_test_probe
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
 	pd-transfer
 
-all: cuda-build pd-transfer $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
+all: cuda-build pd-transfer $(BUILD)/kvmix-probe $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
 
 $(BUILD):
@@ -166,6 +167,16 @@ $(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h $(LLAMA_S
 		| $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
 		examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
+
+# The INT4 tolerance probe of a model (needle trials through the CPU runner), its verdict as JSON.
+$(BUILD)/kvmix-probe: examples/kvmix_probe.c examples/tier_probe.c examples/tier_probe.h \
+		examples/tag_spec_json.c $(LLAMA_SRC) $(KV_SRC) $(TRANSFER_SRC) | $(BUILD)
+	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_probe.c \
+		examples/tier_probe.c examples/tag_spec_json.c examples/llama.c examples/kvmix_kv.c \
+		$(TRANSFER_SRC) -o $@ $(EVAL_LDLIBS)
+
+$(BUILD)/model_test_probe: tests/test_probe.c tests/model_check.h $(BUILD)/kvmix-probe | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_probe.c -o $@
 
 # The prefill-to-decode example over UCX (libucx-dev), where pkg-config finds it; its model test
 # runs the sanitized build on loopback.
