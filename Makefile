@@ -64,10 +64,10 @@ $(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 # ---- reference-model runner and quality harness ----------------------------------------------
 EVAL_TAG_SRC := examples/tag_spec_json.c examples/tag_allocation.c
 TRANSFER_SRC := examples/transfer_plan.c
-$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) \
+$(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(TRANSFER_SRC) \
 		examples/tag_allocation.h examples/tag_spec_json.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_eval.c \
-		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) -o $@ $(EVAL_LDLIBS)
+		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) $(TRANSFER_SRC) -o $@ $(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
 

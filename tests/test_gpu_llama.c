@@ -4,7 +4,8 @@
  * positions with compaction on both sides; at every position the GPU's logits are compared with
  * llama_forward's over the same policy's CPU cache: the fp32 reference (the runners differ only in
  * the order of float sums) and kvmix policies (the GPU also reads FP16 queries), one of them
- * storing tokens by their template tags on both sides.
+ * storing tokens by their template tags on both sides; then a hand-over of a sequence's rows to a
+ * fresh one (check_hand_over).
  * Usage: test_gpu_llama [SHARED_DIR] (default ../shared). Needs a CUDA device. */
 #define _POSIX_C_SOURCE 200809L /* popen, in model_check.h */
 #include "gpu_llama.h"
@@ -216,6 +217,59 @@ static gap compare_policy(const llama_model *m, const char *policy_name,
 }
 
 /* Bad inputs get errors, not crashes. */
+/* A hand-over on the GPU (gpu_llama_rows_read, gpu_llama_rows_ingest), fp16 cache: text 0 runs
+   on sequence A throughout; on sequence B to HAND_AT, where its rows are read, ingested by a fresh
+   sequence C (whose rows read back equal them bit for bit) and C goes on. C's logits then match
+   A's (the same rows; pages cut where the ingest cut them, so sums may run in another order).
+   Bad arguments are refused and change nothing. */
+enum { HAND_AT = 140 };
+static void check_hand_over(const llama_model *m, int32_t ids[N_TEXTS][STEPS + 1]) {
+    const llama_config *c = &m->config;
+    const int32_t vocab = c->vocab;
+    size_t floats = (size_t)c->n_layers * HAND_AT * (size_t)(c->n_kv_heads * c->head_dim);
+    float *k = malloc(floats * sizeof *k), *v = malloc(floats * sizeof *v);
+    float *k2 = malloc(floats * sizeof *k2), *v2 = malloc(floats * sizeof *v2);
+    float *logits = malloc(2 * (size_t)vocab * sizeof *logits);
+    gpu_llama *g = NULL;
+    char err[256];
+    int32_t seq[3], tokens[2], fresh = -1;
+    gap worst = {0.0, 0.0, 0};
+    if (!CHECK(k && v && k2 && v2 && logits) ||
+        !CHECK_MSG(gpu_llama_create(m, kvmix_kv_policy_builtin("fp16"), 4, STEPS + 1, 0, &g, err,
+                                    sizeof err) == LLAMA_OK,
+                   err))
+        goto done;
+    for (int i = 0; i < 2; i++) CHECK(gpu_llama_seq_start(g, &seq[i], err, sizeof err) == LLAMA_OK);
+    for (int32_t p = 0; p < HAND_AT; p++) {
+        tokens[0] = tokens[1] = ids[0][p];
+        CHECK(gpu_llama_step(g, seq, tokens, 2, logits, err, sizeof err) == LLAMA_OK);
+    }
+    CHECK(gpu_llama_rows_read(g, seq[1], k, v, err, sizeof err) == LLAMA_OK);
+    CHECK(gpu_llama_seq_start(g, &seq[2], err, sizeof err) == LLAMA_OK);
+    /* refused: a sequence with positions, a row that is not finite FP16, a sequence not running */
+    CHECK(gpu_llama_rows_ingest(g, seq[1], HAND_AT, k, v, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+    float keep = k[7];
+    k[7] = 1e6f;
+    CHECK(gpu_llama_rows_ingest(g, seq[2], HAND_AT, k, v, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+    k[7] = keep;
+    CHECK(gpu_llama_rows_read(g, 3, k2, v2, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+    CHECK(gpu_llama_rows_ingest(g, seq[2], HAND_AT, k, v, err, sizeof err) == LLAMA_OK);
+    CHECK(gpu_llama_rows_read(g, seq[2], k2, v2, err, sizeof err) == LLAMA_OK);
+    CHECK(memcmp(k, k2, floats * sizeof *k) == 0 && memcmp(v, v2, floats * sizeof *v) == 0);
+    gpu_llama_seq_end(g, seq[1]);
+    fresh = seq[2];
+    int32_t pair[2] = {seq[0], fresh};
+    for (int32_t p = HAND_AT; p < STEPS; p++) {
+        tokens[0] = tokens[1] = ids[0][p];
+        if (!CHECK(gpu_llama_step(g, pair, tokens, 2, logits, err, sizeof err) == LLAMA_OK)) break;
+        add_gap(&worst, logits, logits + vocab, vocab);
+    }
+    CHECK_MSG(worst.max < 1e-3, "the handed-over sequence's logits match the untransferred one's");
+done:
+    gpu_llama_free(g);
+    free(k), free(v), free(k2), free(v2), free(logits);
+}
+
 static void check_bad_inputs(const llama_model *m) {
     char err[256];
     gpu_llama *g = NULL;
@@ -276,6 +330,7 @@ int main(int argc, char **argv) {
             CHECK(g.max < 2.0 && g.sum / (double)g.n < 0.05);
         }
     }
+    check_hand_over(&m, ids);
     check_bad_inputs(&m);
     llama_model_free(&m);
     printf("%d passed, %d failed\n", n_passed, n_failed);
