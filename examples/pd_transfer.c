@@ -488,16 +488,25 @@ static cache_mark mark_of(const llama_kv_cache *cache) {
 }
 
 /* Checks and ingests layer l's payload; the status it earns (0: ingested). */
-static int32_t ingest_layer(worker *w, const request_msg *req, int32_t l, const void *payload,
-                            size_t bytes, float *k, float *v) {
+/* Whether a payload's head is the one expected next: 0, a read_head error or NOT_THIS_REQUEST
+   (its rows would not fit the buffers sized for the request). */
+static int32_t check_head(const request_msg *req, kvmix_payload_kind kind, int32_t l,
+                          const void *payload, size_t bytes) {
     kvmix_payload_info info;
     kvmix_result r = kvmix_payload_read_head(payload, bytes, &info, NULL);
     if (r != KVMIX_SUCCESS) return r;
     const kvmix_payload_desc *d = &info.desc;
-    if (d->kind != KVMIX_PAYLOAD_ROWS || d->first_layer != l || d->n_layers != 1 ||
+    if (d->kind != kind || d->first_layer != l || d->n_layers != 1 ||
         d->n_tokens != req->n_prompt || d->first_position != 0 ||
         d->n_kv_heads != req->n_kv_heads || d->head_dim != req->head_dim)
         return NOT_THIS_REQUEST;
+    return 0;
+}
+
+static int32_t ingest_layer(worker *w, const request_msg *req, int32_t l, const void *payload,
+                            size_t bytes, float *k, float *v) {
+    int32_t r = check_head(req, KVMIX_PAYLOAD_ROWS, l, payload, bytes);
+    if (r != 0) return r;
     if ((r = kvmix_payload_unpack(payload, bytes, l, k, v)) != KVMIX_SUCCESS) return r;
     return kvmix_kv_ingest(&w->cache, l, 0, req->n_prompt, k, v) == LLAMA_OK ? 0
                                                                              : KVMIX_ERR_BAD_VALUE;
@@ -584,12 +593,12 @@ static bool take_residuals(worker *w, void *ctx, int64_t step) {
     while (u->layers_in < u->req->n_layers && (payload = link_poll(k, TAG_RESIDUAL, &bytes))) {
         int32_t l = u->layers_in++;
         size_t at = (size_t)l * layer_floats(&w->model->config, u->req->n_prompt);
-        kvmix_result r = kvmix_payload_unpack(payload, bytes, l, u->rk + at, u->rv + at);
+        int32_t r = check_head(u->req, KVMIX_PAYLOAD_RESIDUAL, l, payload, bytes);
+        if (r == 0) r = kvmix_payload_unpack(payload, bytes, l, u->rk + at, u->rv + at);
         free(payload);
         u->bytes += bytes;
-        if (r != KVMIX_SUCCESS) {
-            fprintf(stderr, "decode: residual of layer %d refused: %s\n", l,
-                    kvmix_result_string(r));
+        if (r != 0) {
+            fprintf(stderr, "decode: residual of layer %d refused: %s\n", l, status_text(r));
             return false;
         }
     }
