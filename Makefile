@@ -34,6 +34,8 @@ TAG_TOOLS := $(BUILD)/kvmix-tag $(BUILD)/kvmix-tagspec
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 NVCCFLAGS := -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xcompiler -Wall,-Wextra,-Werror
+CUDA_ARCHS := 80 86 89 100 120
+CUDA_ARCH_CHECKS := $(foreach a,$(CUDA_ARCHS),$(BUILD)/kvmix_cuda_sm$(a).o)
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
@@ -203,7 +205,13 @@ cuda-build:
 	@echo "nvcc not found: CUDA kernel pack and GPU runner not built (host parts are complete without it)"
 else
 cuda-build: $(BUILD)/kvmix_cuda.o $(BUILD)/kvmix-eval-cuda $(BUILD)/test_gpu_llama $(BUILD)/test_cuda \
-	$(BUILD)/bench_serve
+	$(BUILD)/bench_serve $(CUDA_ARCH_CHECKS)
+
+# The pack compiles with -Werror for every architecture it serves: Ampere and Ada run the portable
+# decode path, Hopper the bulk-copy one, Blackwell the portable one (kvmix_cuda.cu, KVMIX__BULK).
+$(BUILD)/kvmix_cuda_sm%.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
+	$(NVCC) -std=c++17 -O3 -gencode=arch=compute_$*,code=sm_$* -Xcompiler -Wall,-Wextra,-Werror \
+		-c kvmix_cuda.cu -o $@
 
 # the GPU runner: kvmix-eval built with gpu_llama (cuBLAS from the toolkit)
 $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_kv.h \
@@ -251,11 +259,15 @@ test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache
 	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
 
+# The GPU tests carry compute_80 PTX beside the sm_90 code: CUDA_FORCE_PTX_JIT=1 makes a Hopper
+# device compile and run the portable path (test-cuda runs both).
 $(BUILD)/test_cuda: tests/test_cuda.cu tests/device_arena_scenario.h kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
-	$(NVCC) $(NVCCFLAGS) -I. tests/test_cuda.cu kvmix_cuda.cu -o $@
+	$(NVCC) $(NVCCFLAGS) -gencode=arch=compute_80,code=compute_80 -I. tests/test_cuda.cu \
+		kvmix_cuda.cu -o $@
 
 test-cuda: $(BUILD)/test_cuda
 	./$(BUILD)/test_cuda
+	CUDA_FORCE_PTX_JIT=1 ./$(BUILD)/test_cuda
 
 # ---- benchmarks -----------------------------------------------------------------------------
 $(BUILD)/bench_formats: bench/bench_formats.c bench/bench_common.h kvmix.h | $(BUILD)

@@ -790,20 +790,41 @@ __device__ __forceinline__ void kvmix__cp_commit() {
 template <int N> __device__ __forceinline__ void kvmix__cp_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
-/* Stage buffers are filled by bulk copies (the copy engine, one instruction per region) that
-   complete on an mbarrier per buffer; partial words at a block's end go through cp.async. */
+/* Stage buffers. The Hopper path (KVMIX__BULK: built for sm_90 or sm_90a) fills them with bulk
+   copies (the copy engine, one instruction per region) that complete on an mbarrier per buffer;
+   partial words at a block's end go through cp.async. The portable path (every other target:
+   Ampere, Ada, Blackwell; and a Hopper device running compute_80 PTX) copies every word with
+   cp.async, and the cp.async group wait before a buffer is read is all its completion needs:
+   the mbarrier calls below are empty there. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define KVMIX__BULK 1
+#else
+#define KVMIX__BULK 0
+#endif
 __device__ __forceinline__ void kvmix__bar_init(uint32_t bar) {
+#if KVMIX__BULK
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#else
+    (void)bar;
+#endif
 }
+#if KVMIX__BULK
 __device__ __forceinline__ void kvmix__bar_expect(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes)
                  : "memory");
 }
+#endif
 __device__ __forceinline__ void kvmix__bar_arrive(uint32_t bar) {
+#if KVMIX__BULK
     asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}" ::"r"(bar)
                  : "memory");
+#else
+    (void)bar;
+#endif
 }
 __device__ __forceinline__ void kvmix__bar_wait(uint32_t bar, uint32_t parity) {
+#if KVMIX__BULK
     uint32_t done;
     do {
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
@@ -812,7 +833,11 @@ __device__ __forceinline__ void kvmix__bar_wait(uint32_t bar, uint32_t parity) {
                      : "r"(bar), "r"(parity)
                      : "memory");
     } while (!done);
+#else
+    (void)bar, (void)parity;
+#endif
 }
+#if KVMIX__BULK
 __device__ __forceinline__ void kvmix__bulk_copy(uint32_t dst, const void *src, uint32_t bytes,
                                                  uint32_t bar) {
     asm volatile(
@@ -821,9 +846,25 @@ __device__ __forceinline__ void kvmix__bulk_copy(uint32_t dst, const void *src, 
         "l"(src), "r"(bytes), "r"(bar)
         : "memory");
 }
+#endif
 /* Orders the warp's earlier shared-memory reads of a stage before the copy engine rewrites it. */
 __device__ __forceinline__ void kvmix__fence_proxy_async() {
+#if KVMIX__BULK
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+/* Programmatic dependent launch (sm_90): the decode grid lets the merge launch early, and the
+   merge waits for the decode grid's results. Without it (the portable path) the merge is an
+   ordinary launch after the decode grid, and both are empty. */
+__device__ __forceinline__ void kvmix__launch_dependents() {
+#if KVMIX__BULK
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void kvmix__wait_primary() {
+#if KVMIX__BULK
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 /* A stage buffer and its mbarrier (shared addresses). */
@@ -837,11 +878,16 @@ struct kvmix__tc_dst {
    format pair and stays in the instruction cache. */
 static __device__ __noinline__ void kvmix__tc_copy(uint32_t dst, uint32_t bar, const uint8_t *g,
                                                    int words, uint32_t avail, int lane) {
+#if KVMIX__BULK
     const int whole = min(words, (int)(avail >> 4));
     if (whole > 0 && lane == 0) {
         kvmix__bar_expect(bar, 16u * (uint32_t)whole);
         kvmix__bulk_copy(dst, g, 16u * (uint32_t)whole, bar);
     }
+#else
+    const int whole = 0;
+    (void)bar;
+#endif
     for (int i = whole + lane; i < words; i += 32) {
         const uint32_t rel = 16u * (uint32_t)i;
         const int n = avail > rel ? (int)min(16u, avail - rel) : 0;
@@ -1634,7 +1680,6 @@ static __global__ void __launch_bounds__(kvmix__tc_threads, kvmix__tc_cfg<D>::mi
     if (lane == 0) { /* the warp's stage mbarriers, visible to the copy engine after the fence */
         kvmix__bar_init((uint32_t)__cvta_generic_to_shared(&sm.bar[warp][0]));
         kvmix__bar_init((uint32_t)__cvta_generic_to_shared(&sm.bar[warp][1]));
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
     for (int e = threadIdx.x; e < 4 * 16; e += blockDim.x) {
@@ -1751,7 +1796,7 @@ static __global__ void __launch_bounds__(kvmix__tc_threads, kvmix__tc_cfg<D>::mi
     }
     /* the merge launch (programmatic dependent launch) may start once every block is here; it
        waits for this grid's completion before it reads the partial results */
-    asm volatile("griddepcontrol.launch_dependents;");
+    kvmix__launch_dependents();
 
     /* the warp's sum of p per head, then merge the block's warps */
 #pragma unroll
@@ -1817,7 +1862,7 @@ static __global__ void __launch_bounds__(kvmix__merge_threads)
     const int sh = blockIdx.x, seq = sh / p.n_q_heads, h = sh % p.n_q_heads, c = threadIdx.x;
     const int lane = c & 31, warp = c >> 5, nw = (int)blockDim.x >> 5, nt = (int)blockDim.x;
     const size_t first = (size_t)seq * p.n_splits * p.n_q_heads + h;
-    asm volatile("griddepcontrol.wait;" ::: "memory"); /* the decode grid's partials are written */
+    kvmix__wait_primary(); /* the decode grid's partials are written */
     /* the first 32 splits' partials are loaded with the lse, not after them */
     const size_t step = (size_t)p.n_q_heads * p.head_dim;
     const float *po0 = p.part_out + first * p.head_dim + c;
@@ -2491,6 +2536,19 @@ static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix_
     return cudaSuccess;
 }
 
+/* Whether the merge kernel the device runs is the Hopper build (compiled from compute_90, with
+   griddepcontrol), not the portable one (any other target, or compute_80 PTX that a Hopper
+   device runs when the driver is told to compile PTX). Asked once: the build does not change. */
+static bool kvmix__merge_is_dependent() {
+    static int known = -1;
+    if (known < 0) {
+        cudaFuncAttributes fa;
+        known = cudaFuncGetAttributes(&fa, kvmix__decode_merge_kernel) == cudaSuccess &&
+                fa.ptxVersion == 90;
+    }
+    return known == 1;
+}
+
 extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
                                           const kvmix_cuda_decode_desc *desc, const void *q,
                                           void *out, float *lse, void *workspace,
@@ -2549,8 +2607,9 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     m.part_out = p.part_out, m.part_lse = p.part_lse, m.n_splits = desc->n_splits;
     m.n_q_heads = desc->n_q_heads, m.head_dim = d, m.dtype = desc->dtype;
     m.out = (uint16_t *)out, m.lse = lse;
-    /* launched as a programmatic dependent of the decode grid: its launch overlaps that grid's
-       last blocks instead of following its completion */
+    /* on the Hopper path, launched as a programmatic dependent of the decode grid: its launch
+       overlaps that grid's last blocks instead of following its completion; the portable path's
+       merge (no griddepcontrol) is an ordinary launch after it */
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)(view->n_seqs * desc->n_q_heads));
     cfg.blockDim = dim3((unsigned)d);
@@ -2558,7 +2617,7 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr, cfg.numAttrs = 1;
+    cfg.attrs = &attr, cfg.numAttrs = kvmix__merge_is_dependent() ? 1 : 0;
     const cudaError_t e = cudaLaunchKernelEx(&cfg, kvmix__decode_merge_kernel, m);
     r = kvmix__launch_status(); /* also clears a failed launch's error */
     return e == cudaSuccess ? r : KVMIX_ERR_CUDA;
