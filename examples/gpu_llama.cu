@@ -1079,6 +1079,37 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
     return LLAMA_OK;
 }
 
+/* Appends n_tokens positions to a sequence through the cache's write path, in chunks of FILL_ROWS
+   (reserve, the rows' copy jobs of every layer, the jobs run), then packs its full pages as a
+   decode step would. Layer l's rows of the chunk at `done` are source rows
+   l * layer_rows + (advance ? done : 0) of keys and values (device FP16). precisions: [n_tokens]
+   or NULL (the policy's). */
+static llama_result append_rows(gpu_llama *g, int32_t seq, int32_t n_tokens,
+                                const kvmix_cache_precision *precisions, const void *keys,
+                                const void *values, int64_t layer_rows, bool advance,
+                                const char *what, char *err, size_t err_bytes) {
+    int32_t kv = g->kv_seq[seq];
+    llama_result r = LLAMA_OK;
+    for (int32_t done = 0; r == LLAMA_OK && done < n_tokens;) {
+        int32_t n = n_tokens - done < FILL_ROWS ? n_tokens - done : FILL_ROWS;
+        int32_t pos = g->next_pos[seq];
+        const kvmix_cache_precision *p = precisions ? precisions + done : NULL;
+        r = call_with_room(g, keys, values, what, err, err_bytes,
+                           [&] { return kvmix_cache_reserve(&g->cache, kv, n, p, NULL); });
+        for (int32_t l = 0; r == LLAMA_OK && l < g->c.n_layers; l++)
+            r = call_with_room(g, keys, values, what, err, err_bytes, [&] {
+                return kvmix_cache_write_rows(&g->cache, kv, l, pos, n,
+                                              l * layer_rows + (advance ? done : 0));
+            });
+        if (r == LLAMA_OK) r = flush_jobs(g, keys, values, err, err_bytes);
+        if (r == LLAMA_OK) g->next_pos[seq] += n, done += n;
+    }
+    if (r == LLAMA_OK)
+        r = call_with_room(g, keys, values, what, err, err_bytes,
+                           [&] { return kvmix_cache_seal_ready(&g->cache, kv); });
+    return r == LLAMA_OK ? flush_jobs(g, keys, values, err, err_bytes) : r;
+}
+
 extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_tokens,
                                        const kvmix_cache_precision *precisions, char *err,
                                        size_t err_bytes) {
@@ -1095,26 +1126,9 @@ extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_toke
         fill_rows_kernel<<<64, THREADS, 0, g->stream>>>((__half *)g->fill_k, halves, 1u);
         fill_rows_kernel<<<64, THREADS, 0, g->stream>>>((__half *)g->fill_v, halves, 2u);
     }
-    int32_t kv = g->kv_seq[seq];
-    for (int32_t done = 0; done < n_tokens;) {
-        int32_t n = n_tokens - done < FILL_ROWS ? n_tokens - done : FILL_ROWS;
-        int32_t pos = g->next_pos[seq];
-        const kvmix_cache_precision *p = precisions ? precisions + done : NULL;
-        llama_result f =
-            call_with_room(g, g->fill_k, g->fill_v, "filling a sequence", err, err_bytes,
-                           [&] { return kvmix_cache_reserve(&g->cache, kv, n, p, NULL); });
-        for (int32_t l = 0; f == LLAMA_OK && l < g->c.n_layers; l++)
-            f = call_with_room(g, g->fill_k, g->fill_v, "filling a sequence", err, err_bytes,
-                               [&] { return kvmix_cache_write_rows(&g->cache, kv, l, pos, n, 0); });
-        if (f == LLAMA_OK) f = flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes);
-        if (f != LLAMA_OK) return f;
-        g->next_pos[seq] += n;
-        done += n;
-    }
-    /* the last chunk's full pages are packed now, as a decode step would */
-    llama_result f = call_with_room(g, g->fill_k, g->fill_v, "filling a sequence", err, err_bytes,
-                                    [&] { return kvmix_cache_seal_ready(&g->cache, kv); });
-    return f == LLAMA_OK ? flush_jobs(g, g->fill_k, g->fill_v, err, err_bytes) : f;
+    /* every chunk reads the same synthetic rows */
+    return append_rows(g, seq, n_tokens, precisions, g->fill_k, g->fill_v, 0, false,
+                       "filling a sequence", err, err_bytes);
 }
 
 /* Per token of a one-sequence view (host staging copy): 1 where the token is dead (evicted,
@@ -1220,24 +1234,9 @@ extern "C" llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t
         return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "ingesting rows: %s",
                           cudaGetErrorString(ce));
     }
-    /* layer l's rows are source rows l * n_tokens ..; chunks keep the job queue small */
-    int32_t kv = g->kv_seq[seq];
-    for (int32_t done = 0; r == LLAMA_OK && done < n_tokens;) {
-        int32_t n = n_tokens - done < FILL_ROWS ? n_tokens - done : FILL_ROWS;
-        r = call_with_room(g, dk, dv, "ingesting rows", err, err_bytes,
-                           [&] { return kvmix_cache_reserve(&g->cache, kv, n, NULL, NULL); });
-        for (int32_t l = 0; r == LLAMA_OK && l < c->n_layers; l++)
-            r = call_with_room(g, dk, dv, "ingesting rows", err, err_bytes, [&] {
-                return kvmix_cache_write_rows(&g->cache, kv, l, done, n,
-                                              (int64_t)l * n_tokens + done);
-            });
-        if (r == LLAMA_OK) r = flush_jobs(g, dk, dv, err, err_bytes);
-        if (r == LLAMA_OK) g->next_pos[seq] += n, done += n;
-    }
-    if (r == LLAMA_OK)
-        r = call_with_room(g, dk, dv, "ingesting rows", err, err_bytes,
-                           [&] { return kvmix_cache_seal_ready(&g->cache, kv); });
-    if (r == LLAMA_OK) r = flush_jobs(g, dk, dv, err, err_bytes);
+    /* layer l's rows are source rows l * n_tokens .. */
+    r = append_rows(g, seq, n_tokens, NULL, dk, dv, n_tokens, true, "ingesting rows", err,
+                    err_bytes);
     cudaFree(dk), cudaFree(dv); /* after the jobs that read them: flush_jobs synchronized */
     return r;
 }
