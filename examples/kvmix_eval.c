@@ -620,17 +620,10 @@ static void gpu_texts_free(gpu_text *texts, int64_t n) {
    user message). */
 static void mark_recall_turns(const llama_tokenizer *tok, const int32_t *ids, int64_t n,
                               uint8_t *recall) {
-    int32_t word[16];
-    int64_t n_word = 0;
     bool on = false;
-    llama_tokenize(tok, "Earlier", 7, word, &n_word);
     for (int64_t p = 0; p < n; p++) {
-        if (llama_is_message_start(tok, ids, n, p, "user")) {
-            int64_t body = p + 1; /* past <|im_start|>, then the role and its newline */
-            while (body < n && ids[body] != '\n') body++;
-            body++;
-            on = body + n_word <= n && memcmp(ids + body, word, (size_t)n_word * sizeof *ids) == 0;
-        }
+        if (llama_is_message_start(tok, ids, n, p, "user"))
+            on = llama_message_opens_with(tok, ids, n, p, "user", "Earlier");
         recall[p] = on;
     }
 }

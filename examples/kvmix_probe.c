@@ -59,9 +59,8 @@ typedef struct probe {
 static int64_t answer_start(const probe *p, const trace *t, int64_t user) {
     const llama_tokenizer *tok = &p->model->tokenizer;
     for (int64_t i = user + 1; i < t->n; i++) {
-        if (!llama_is_message_start(tok, t->ids, t->n, i, "assistant")) continue;
-        while (i < t->n && t->ids[i] != '\n') i++;
-        return i + 1 < t->n ? i + 1 : -1;
+        int64_t text = llama_message_text(tok, t->ids, t->n, i, "assistant");
+        if (text >= 0) return text < t->n ? text : -1;
     }
     return -1;
 }
@@ -70,15 +69,10 @@ static int64_t answer_start(const probe *p, const trace *t, int64_t user) {
 static int64_t recall_questions(const probe *p, const trace *t, int64_t *out) {
     const llama_tokenizer *tok = &p->model->tokenizer;
     int64_t n = 0;
-    for (int64_t i = 0; i < t->n; i++) {
-        if (!llama_is_message_start(tok, t->ids, t->n, i, "user")) continue;
-        int64_t body = i + 1;
-        while (body < t->n && t->ids[body] != '\n') body++;
-        body++;
-        bool earlier = body + 7 <= t->n;
-        for (int64_t k = 0; earlier && k < 7; k++) earlier = t->ids[body + k] == "Earlier"[k];
-        if (earlier && answer_start(p, t, i) > 0) out[n++] = i;
-    }
+    for (int64_t i = 0; i < t->n; i++)
+        if (llama_message_opens_with(tok, t->ids, t->n, i, "user", "Earlier") &&
+            answer_start(p, t, i) > 0)
+            out[n++] = i;
     return n;
 }
 

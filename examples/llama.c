@@ -1486,6 +1486,20 @@ bool llama_is_message_start(const llama_tokenizer *tok, const int32_t *ids, int6
     return ids[i + 1 + (int64_t)role_bytes] == '\n';
 }
 
+int64_t llama_message_text(const llama_tokenizer *tok, const int32_t *ids, int64_t n, int64_t i,
+                           const char *role) {
+    return llama_is_message_start(tok, ids, n, i, role) ? i + 2 + (int64_t)strlen(role) : -1;
+}
+
+bool llama_message_opens_with(const llama_tokenizer *tok, const int32_t *ids, int64_t n, int64_t i,
+                              const char *role, const char *prefix) {
+    int64_t text = llama_message_text(tok, ids, n, i, role), len = (int64_t)strlen(prefix);
+    if (text < 0 || text + len > n) return false;
+    for (int64_t j = 0; j < len; j++)
+        if (ids[text + j] != (uint8_t)prefix[j]) return false;
+    return true;
+}
+
 void llama_mark_answer_tokens(const llama_tokenizer *tok, const int32_t *ids, int64_t n,
                               uint8_t *mask) {
     const int32_t im_end = llama_special_id(tok, "<|im_end|>");

@@ -291,6 +291,16 @@ void llama_mark_answer_tokens(const llama_tokenizer *tok, const int32_t *ids, in
 bool llama_is_message_start(const llama_tokenizer *tok, const int32_t *ids, int64_t n, int64_t i,
                             const char *role);
 
+/* Where the text of a message of `role` that starts at i begins: past <|im_start|>, the role and
+ * its "\n" (i + 2 + strlen(role)); -1 when ids[i] starts no such message. */
+int64_t llama_message_text(const llama_tokenizer *tok, const int32_t *ids, int64_t n, int64_t i,
+                           const char *role);
+
+/* True when a message of `role` starts at i and its text opens with `prefix` (plain bytes, no
+ * special-token text), e.g. the traces' recall questions: role "user", prefix "Earlier". */
+bool llama_message_opens_with(const llama_tokenizer *tok, const int32_t *ids, int64_t n, int64_t i,
+                              const char *role, const char *prefix);
+
 typedef struct llama_score {
     double bits;              /* summed cross-entropy (bits) of every scored next token */
     int64_t n_scored;         /* positions scored: n - 1 */
