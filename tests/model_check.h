@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 
 static int n_passed, n_failed;
 
@@ -63,6 +64,12 @@ static inline int run_command(const char *cmd, char **out) {
     else
         free(buf);
     return status;
+}
+
+/* run_command's status as the program's exit status (-1 when it did not exit normally). */
+static inline int run_command_exit(const char *cmd, char **out) {
+    int status = run_command(cmd, out);
+    return status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 #endif /* KVMIX_TESTS_MODEL_CHECK_H */

@@ -61,8 +61,7 @@ static bool write_bytes(const char *path, const void *bytes, size_t n) {
 static int run(const char *cmd, char **out) {
     char full[4096];
     snprintf(full, sizeof full, "%s 2>&1", cmd);
-    int status = run_command(full, out);
-    return status != -1 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return run_command_exit(full, out);
 }
 
 static cJSON *load_json(const char *path) {

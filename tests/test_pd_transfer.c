@@ -14,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #ifndef BUILD_DIR
 #define BUILD_DIR "build"
@@ -30,8 +29,7 @@ static int run(const char *shared, const char *args, char **out) {
              QUIET TOOL " --model %s/models/kvm-small.safetensors --data %s/data/eval-dev.jsonl "
                         "--text 3 --prompt-tokens 400 --generate 48 %s 2>&1",
              shared, shared, args);
-    int status = run_command(cmd, out);
-    return status >= 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return run_command_exit(cmd, out);
 }
 
 static void test_clean(const char *shared) {

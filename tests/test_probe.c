@@ -10,7 +10,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/wait.h>
 
 #ifndef BUILD_DIR
 #define BUILD_DIR "build"
@@ -25,8 +24,7 @@ static int run(const char *shared, const char *args, char **out) {
     snprintf(cmd, sizeof cmd,
              TOOL " --model %s/models/kvm-small.safetensors --data %s/data/eval-dev.jsonl %s 2>&1",
              shared, shared, args);
-    int status = run_command(cmd, out);
-    return status >= 0 && WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    return run_command_exit(cmd, out);
 }
 
 int main(int argc, char **argv) {
