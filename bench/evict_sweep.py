@@ -15,12 +15,12 @@ settings below, so that arms differ in the scorer alone. Each run's JSON (kvmix-
 arm added) is appended to --out as it ends; arms already in --out are skipped, so an interrupted
 sweep resumes.
 """
-import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
+
+import sweep_common
 
 PREFIX_TOKENS = 4  # the protected prefix: the attention sinks
 RECENT_TOKENS = 64  # the recent floor of an arm that names none
@@ -53,41 +53,23 @@ def parse_arm(text):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    for flag in ("--eval", "--model", "--data", "--spec", "--arms", "--out"):
-        ap.add_argument(flag, required=True)
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--limit", type=int, default=75)
-    ap.add_argument("--batch", type=int, default=75)
+    ap = sweep_common.parser()
     ap.add_argument("--allocation")
     a = ap.parse_args()
     policies = builtin_policies(a.eval)
-    done = set()
-    if os.path.exists(a.out):
-        with open(a.out) as f:
-            done = {json.loads(line)["arm"] for line in f if line.strip()}
-    for arm in a.arms.split(","):
-        if arm in done:
-            continue
+    for arm in sweep_common.arms_to_run(a):
         precision, scorer, budget, decay, recent = parse_arm(arm)
         base = policies["fp16" if precision == "tri" else precision]
         doc = policy_document(base, scorer, budget, decay, recent)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(doc, f)
-        cmd = [a.eval, "--model", a.model, "--data", a.data, "--kind", "trace", "--offset",
-               str(a.offset), "--limit", str(a.limit), "--batch", str(a.batch), "--policy",
-               f.name, "--tag-spec", a.spec]
+        cmd = sweep_common.eval_command(a, f.name)
         if precision == "tri":
             cmd += ["--allocation", a.allocation]
-        run = subprocess.run(cmd, capture_output=True, text=True)
+        result = sweep_common.run_arm(a, arm, cmd)
         os.unlink(f.name)
-        if run.returncode != 0:
-            print(f"{arm}: failed: {run.stderr.strip()}", file=sys.stderr)
+        if result is None:
             continue
-        result = json.loads(run.stdout)
-        result["arm"] = arm
-        with open(a.out, "a") as f:
-            f.write(json.dumps(result) + "\n")
         ev = result.get("eviction", {})
         print(f"{arm}: bits/token {result['bits_per_token']:.4f} "
               f"agreement {result['answer_agreement']:.4f} "

@@ -11,42 +11,20 @@ at or after half of it; the figures after the hand-over are the run's "transfer.
 run's JSON (kvmix-eval's, with the arm added) is appended to --out as it ends; arms already in
 --out are skipped, so an interrupted sweep resumes.
 """
-import argparse
-import json
-import os
-import subprocess
-import sys
+import sweep_common
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    for flag in ("--eval", "--model", "--data", "--spec", "--arms", "--out"):
-        ap.add_argument(flag, required=True)
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--limit", type=int, default=75)
-    ap.add_argument("--batch", type=int, default=75)
+    ap = sweep_common.parser()
     ap.add_argument("--policy", default="fp16")
     a = ap.parse_args()
-    done = set()
-    if os.path.exists(a.out):
-        with open(a.out) as f:
-            done = {json.loads(line)["arm"] for line in f if line.strip()}
-    for arm in a.arms.split(","):
-        if arm in done:
-            continue
-        cmd = [a.eval, "--model", a.model, "--data", a.data, "--kind", "trace", "--offset",
-               str(a.offset), "--limit", str(a.limit), "--batch", str(a.batch), "--policy",
-               a.policy, "--tag-spec", a.spec]
+    for arm in sweep_common.arms_to_run(a):
+        cmd = sweep_common.eval_command(a, a.policy)
         if arm != "none":
             cmd += ["--transfer", arm]
-        run = subprocess.run(cmd, capture_output=True, text=True)
-        if run.returncode != 0:
-            print(f"{arm}: failed: {run.stderr.strip()}", file=sys.stderr)
+        result = sweep_common.run_arm(a, arm, cmd)
+        if result is None:
             continue
-        result = json.loads(run.stdout)
-        result["arm"] = arm
-        with open(a.out, "a") as f:
-            f.write(json.dumps(result) + "\n")
         x = result.get("transfer")
         if x:
             after = x["after"]
