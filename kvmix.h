@@ -700,8 +700,11 @@ KVMIXDEF kvmix_result kvmix_cache_compact(kvmix_cache *cache, int32_t seq, doubl
    sharing the page see the new formats). keys, values: NULL, or
    [n_layers][n_rows][n_kv_heads][head_dim] for the page's n_rows (kvmix_cache_page): NULL
    requantizes from the dequantized rows (demotion); rows given are the originals or residuals
-   added to the dequantized rows (upgrade). A page whose new blocks are no larger is rewritten
-   in its own bytes (demotion never needs free arena); a larger one moves to a new allocation.
+   added to the dequantized rows (upgrade). Without rows the page is requantized from its rows
+   dequantized and rounded to FP16 (what a device arena's gather yields; a device arena takes only
+   this form). A page whose new blocks are no larger is rewritten in its own bytes (a host arena's
+   demotion needs no free arena; a device arena's takes an FP16 staging page, held until the
+   take, and 4 * n_layers * n_kv_heads jobs); a larger one moves to a new allocation.
    Returns NOT_FOUND (no page holds the position), INVALID_ARGUMENT (page not sealed yet, bad
    rows mode), UNKNOWN_FORMAT, BAD_SHAPE, BAD_VALUE, OUT_OF_MEMORY; the cache is unchanged on
    error. */
@@ -790,8 +793,10 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
      - reserve and finish queue the seals of full pages (and of a partial page at finish) and the
        copy on write of a shared buffer page;
      - compact queues the gather of survivors' rows (DEQUANTIZE) and their packing (QUANTIZE);
-     - kvmix_cache_write, ingest, append, read, ref_decode and retier, which pass rows through
-       host memory, return INVALID_ARGUMENT (retier: UNSUPPORTED).
+     - retier without rows (a demotion) queues the gather of the page's rows into FP16 staging
+       and their packing into its new blocks;
+     - kvmix_cache_write, ingest, append, read, ref_decode and retier with rows, which pass rows
+       through host memory, return INVALID_ARGUMENT (retier: UNSUPPORTED).
    Arena bytes a call releases (a sealed buffer, a freed page) stay allocated until the jobs are
    taken, so that a queued job never reads bytes that a later one overwrites. Run the jobs of one
    take before any kernel reads the cache (a view is only valid once they ran). A call that would
@@ -1419,6 +1424,23 @@ KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table
 KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
                                                    int32_t current_turn,
                                                    kvmix_cache_precision *out);
+/* Ages a sequence's stored precision to `current_turn`, as a loop calls it when a new user turn
+   begins. For every page the sequence alone references (sinks excepted), the formats its live
+   positions now ask for (kvmix_policy_token_precision of tags[position] at current_turn; the
+   highest precision over the page, per side) become its formats wherever they are lower: a
+   sealed page is re-tiered down to them in its own bytes (kvmix_cache_retier without rows), an
+   FP16 buffer page will be sealed to them. Precision never rises: bytes a demotion dropped do not
+   come back, and a page whose lower formats would take more bytes (per-channel metadata over a
+   few rows) keeps its own. Shared pages are left as they are: they belong to every sharer. tags:
+   [n_tags], the tag of each position, n_tags >= the sequence's positions. *out_pages (may be
+   NULL): sealed pages re-tiered. A device arena queues each page's gather and packing
+   (kvmix_cache_retier) through one FP16 staging page. Returns NULL_POINTER, INVALID_ARGUMENT
+   (seq, n_tags, current_turn < 0, a tag's role or modality out of range), the policy's check
+   errors, or OUT_OF_MEMORY (a device arena without room for the staging or the jobs: take the
+   jobs and call again); nothing changes on error. */
+KVMIXDEF kvmix_result kvmix_policy_retier_turn(const kvmix_policy *policy, kvmix_cache *cache,
+                                               int32_t seq, const kvmix_tag *tags, int32_t n_tags,
+                                               int32_t current_turn, int32_t *out_pages);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Session store: per-session memories (the intent policy's QueryMemory) in caller memory,     */
@@ -5054,7 +5076,10 @@ static void kvmix__retier_source(const kvmix_cache *c, const kvmix_cache_page *p
     size_t heads = (size_t)c->desc.n_kv_heads;
     if (!rows_in || mode == KVMIX_CACHE_ROWS_RESIDUAL)
         kvmix__page_block_read(c, p, g, layer, is_value, head, c->priv.scratch);
-    if (!rows_in) return;
+    if (!rows_in) { /* a demotion: from the rows rounded to FP16, as a device arena gathers them */
+        for (t = 0; t < n * d; t++) c->priv.scratch[t] = kvmix__h2f(kvmix__f2h(c->priv.scratch[t]));
+        return;
+    }
     for (t = 0; t < n; t++) {
         const float *x = rows_in + (((size_t)layer * n + t) * heads + (size_t)head) * d;
         float *y = c->priv.scratch + (size_t)t * d;
@@ -5112,9 +5137,9 @@ static kvmix__why kvmix__retier_ok(const kvmix_cache *cache, int32_t seq, int32_
     int32_t layer, kv, h;
     kvmix__why w;
     if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
-    if (cache->desc.device_arena)
+    if (cache->desc.device_arena && (keys || values))
         return kvmix__why_not(KVMIX_ERR_UNSUPPORTED, "cache",
-                              "its arena is device memory: rows pass the host here");
+                              "its arena is device memory: given rows would pass the host");
     if (position < 0 || position >= cache->seqs[seq].n_tokens)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "position",
                               "must be in 0 .. the sequence's positions - 1");
@@ -5132,8 +5157,9 @@ static kvmix__why kvmix__retier_ok(const kvmix_cache *cache, int32_t seq, int32_
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "position",
                               "its page is an FP16 buffer, not sealed yet");
     og = kvmix__geom_of(cache, p);
-    /* validate every block's new contents before writing any (no byte of the cache changes) */
-    for (layer = 0; layer < cache->desc.n_layers; layer++)
+    /* validate every block's new contents before writing any (no byte of the cache changes); a
+       device arena's rows are out of the host's reach (a demotion there keeps FP16 rows) */
+    for (layer = 0; !cache->desc.device_arena && layer < cache->desc.n_layers; layer++)
         for (kv = 0; kv < 2; kv++)
             for (h = 0; h < cache->desc.n_kv_heads; h++)
                 if (!kvmix__retier_valid(cache, p, &og, layer, kv, h, kv ? values : keys, rows))
@@ -5143,55 +5169,133 @@ static kvmix__why kvmix__retier_ok(const kvmix_cache *cache, int32_t seq, int32_
     return kvmix__why_ok();
 }
 
+/* Whether a page's blocks in `precision` fit its own bytes: each block's new bytes then end no
+   later than its old ones, and it is read completely before it is written. */
+static int kvmix__retier_in_place(const kvmix_cache *c, const kvmix_cache_page *p,
+                                  kvmix_cache_precision precision) {
+    kvmix__geom og = kvmix__geom_of(c, p),
+                ng = kvmix__page_geom(c, precision.key_format, precision.value_format, p->n_rows,
+                                      p->n_rows);
+    return ng.key_bytes <= og.key_bytes && ng.value_bytes <= og.value_bytes;
+}
+
+/* Host arena: rewrites every block of page p into the blocks of ng at arena byte `to`. */
+static void kvmix__retier_write(kvmix_cache *c, const kvmix_cache_page *p, const kvmix__geom *og,
+                                const kvmix__geom *ng, kvmix_cache_precision precision, size_t to,
+                                const float *keys, const float *values, kvmix_cache_rows rows) {
+    int32_t layer, kv, h;
+    for (layer = 0; layer < c->desc.n_layers; layer++)
+        for (kv = 0; kv < 2; kv++)
+            for (h = 0; h < c->desc.n_kv_heads; h++) {
+                uint8_t *dst = c->arena + to + kvmix__block_offset(c, ng, layer, kv, h);
+                kvmix__retier_source(c, p, og, layer, kv, h, kv ? values : keys, rows);
+                kvmix__cache_quantize(c, kv, kv ? precision.value_format : precision.key_format,
+                                      p->n_rows, c->priv.scratch, dst);
+            }
+    memset(c->priv.scratch, 0,
+           (size_t)p->n_rows * (size_t)c->desc.head_dim * sizeof(float)); /* zero between calls */
+}
+
+/* Device arena, a demotion: queues the gather of every block of page `page` into FP16 rows at
+   `staging` (an FP16 page of its rows), then their packing into the blocks of ng at byte `to`.
+   The staging may be one that an earlier page's packing still reads: a new segment starts. */
+static void kvmix__retier_queue(kvmix_cache *c, uint32_t page, const kvmix__geom *og,
+                                const kvmix__geom *ng, kvmix_cache_precision precision, uint64_t to,
+                                uint64_t staging) {
+    const kvmix_cache_page *p = &c->pages[page];
+    kvmix__geom sg =
+        kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, p->n_rows, p->n_rows);
+    int32_t layer, kv, h, pass;
+    c->priv.segment++;
+    for (pass = 0; pass < 2; pass++) {
+        if (pass == 1) kvmix__fence(c, page, page, 1); /* the packing reads what the gather wrote */
+        for (layer = 0; layer < c->desc.n_layers; layer++)
+            for (kv = 0; kv < 2; kv++)
+                for (h = 0; h < c->desc.n_kv_heads; h++) {
+                    uint64_t rows_at = staging + kvmix__block_offset(c, &sg, layer, kv, h);
+                    if (pass == 0)
+                        kvmix__queue(c, kvmix__dequantize_job(
+                                            kv, kv ? p->value_format : p->key_format, p->capacity,
+                                            p->offset + kvmix__block_offset(c, og, layer, kv, h),
+                                            rows_at, 0, p->n_rows));
+                    else
+                        kvmix__queue_seal(c, kv, KVMIX_FORMAT_FP16,
+                                          kv ? precision.value_format : precision.key_format,
+                                          p->n_rows, rows_at,
+                                          to + kvmix__block_offset(c, ng, layer, kv, h));
+                }
+        kvmix__mark_pages(c, page, pass ? page : 0);
+    }
+}
+
+/* Re-tiers page `page` (checked) into `precision` (resolved): in its own bytes when they
+   suffice, else in a new allocation. A device arena (a demotion) gathers through the FP16
+   staging at arena byte `staging`. Returns 0 (nothing changed) when the arena has no room for
+   the larger page. */
+static int kvmix__retier_page(kvmix_cache *c, uint32_t page, kvmix_cache_precision precision,
+                              const float *keys, const float *values, kvmix_cache_rows rows,
+                              uint64_t staging) {
+    kvmix_cache_page *p = &c->pages[page];
+    kvmix__geom og = kvmix__geom_of(c, p),
+                ng = kvmix__page_geom(c, precision.key_format, precision.value_format, p->n_rows,
+                                      p->n_rows);
+    int64_t old_start = (int64_t)(p->offset / c->desc.granule_bytes),
+            old_n = (int64_t)p->n_granules, new_n = kvmix__granules_of(c, ng.total_bytes);
+    int in_place = kvmix__retier_in_place(c, p, precision);
+    int64_t start = old_start;
+    if (!in_place && (start = kvmix__arena_take(c, NULL, new_n, KVMIX__LASTING)) < 0) return 0;
+    if (c->desc.device_arena)
+        kvmix__retier_queue(c, page, &og, &ng, precision, (uint64_t)start * c->desc.granule_bytes,
+                            staging);
+    else
+        kvmix__retier_write(c, p, &og, &ng, precision, (size_t)start * c->desc.granule_bytes, keys,
+                            values, rows);
+    if (in_place)
+        kvmix__arena_give(c, NULL, old_start + new_n, old_n - new_n);
+    else
+        kvmix__arena_give(c, NULL, old_start, old_n);
+    p->offset = (uint64_t)start * c->desc.granule_bytes;
+    p->n_granules = (uint32_t)new_n;
+    p->key_format = p->want_key = precision.key_format;
+    p->value_format = p->want_value = precision.value_format;
+    p->capacity = p->n_rows;
+    return 1;
+}
+
+/* A device arena's FP16 staging for demoting n_pages pages of up to `rows` rows (*out_granules
+   of them; given back, it is held until the take), or -1 when the arena or the job queue has no
+   room: two jobs per block and page, and held runs for the staging and each page's freed
+   bytes. */
+static int64_t kvmix__retier_staging(kvmix_cache *c, int32_t rows, int32_t n_pages,
+                                     int64_t *out_granules) {
+    kvmix__geom sg = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, rows, rows);
+    int64_t jobs = 4 * (int64_t)c->desc.n_layers * (int64_t)c->desc.n_kv_heads * n_pages;
+    *out_granules = kvmix__granules_of(c, sg.total_bytes);
+    if (c->n_jobs + jobs > c->desc.max_jobs ||
+        c->priv.n_retired_runs + 2 * (int64_t)n_pages + 1 > c->desc.max_jobs)
+        return -1;
+    return kvmix__arena_take(c, NULL, *out_granules, KVMIX__PASSING);
+}
+
 static kvmix__why kvmix__retier(kvmix_cache *cache, int32_t seq, int32_t position,
                                 kvmix_cache_precision precision, const float *keys,
                                 const float *values, kvmix_cache_rows rows) {
-    kvmix_cache_page *p;
-    kvmix__geom og, ng;
-    int64_t old_start, old_n, new_n, start;
-    int32_t layer, kv, h, d;
     uint32_t page = 0;
-    int in_place;
+    int64_t staging = -1, staging_n = 0;
+    int done;
     kvmix__why w = kvmix__retier_ok(cache, seq, position, precision, keys, values, rows, &page);
     if (w.result != KVMIX_SUCCESS) return w;
     precision = kvmix__precision_or_default(cache, precision);
-    p = &cache->pages[page];
-    d = cache->desc.head_dim;
-    og = kvmix__geom_of(cache, p);
-    ng =
-        kvmix__page_geom(cache, precision.key_format, precision.value_format, p->n_rows, p->n_rows);
-    old_start = (int64_t)(p->offset / cache->desc.granule_bytes);
-    old_n = (int64_t)p->n_granules;
-    new_n = kvmix__granules_of(cache, ng.total_bytes);
-    /* blocks no larger than before are rewritten over their own bytes: block i's new bytes end
-       no later than its old ones, and it is read completely before it is written */
-    in_place = ng.key_bytes <= og.key_bytes && ng.value_bytes <= og.value_bytes;
-    start = old_start;
-    if (!in_place && (start = kvmix__arena_take(cache, NULL, new_n, KVMIX__LASTING)) < 0)
+    if (cache->desc.device_arena &&
+        (staging = kvmix__retier_staging(cache, cache->pages[page].n_rows, 1, &staging_n)) < 0)
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
+                              "no room for the FP16 staging or the jobs: take the jobs first");
+    done = kvmix__retier_page(cache, page, precision, keys, values, rows,
+                              staging < 0 ? 0 : (uint64_t)staging * cache->desc.granule_bytes);
+    if (staging >= 0) kvmix__arena_give(cache, NULL, staging, staging_n);
+    if (!done)
         return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
                               "no free run of granules for the larger page");
-    for (layer = 0; layer < cache->desc.n_layers; layer++)
-        for (kv = 0; kv < 2; kv++)
-            for (h = 0; h < cache->desc.n_kv_heads; h++) {
-                uint8_t *dst = cache->arena + (size_t)start * cache->desc.granule_bytes +
-                               kvmix__block_offset(cache, &ng, layer, kv, h);
-                kvmix__retier_source(cache, p, &og, layer, kv, h, kv ? values : keys, rows);
-                kvmix__cache_quantize(cache, kv, kv ? precision.value_format : precision.key_format,
-                                      p->n_rows, cache->priv.scratch, dst);
-            }
-    if (in_place)
-        kvmix__arena_give(cache, NULL, old_start + new_n, old_n - new_n);
-    else
-        kvmix__arena_give(cache, NULL, old_start, old_n);
-    p->offset = (uint64_t)start * cache->desc.granule_bytes;
-    p->n_granules = (uint32_t)new_n;
-    p->key_format = precision.key_format;
-    p->value_format = precision.value_format;
-    p->want_key = precision.key_format;
-    p->want_value = precision.value_format;
-    p->capacity = p->n_rows;
-    memset(cache->priv.scratch, 0,
-           (size_t)p->n_rows * (size_t)d * sizeof(float)); /* zero between calls */
     return kvmix__why_ok();
 }
 
@@ -7642,6 +7746,120 @@ KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, k
     if (out->key_format == 0) out->key_format = (uint8_t)policy->key_format;
     if (out->value_format == 0) out->value_format = (uint8_t)policy->value_format;
     return KVMIX_SUCCESS;
+}
+
+/* The formats entry e's live positions ask for at current_turn, per side the highest. */
+static kvmix_cache_precision kvmix__entry_wants(const kvmix_policy *policy, const kvmix_cache *c,
+                                                int32_t seq, const kvmix_cache_entry *e,
+                                                const kvmix_tag *tags, int32_t current_turn) {
+    const uint32_t *slots = kvmix__seq_slots(c, seq);
+    kvmix_cache_precision want = {0, 0}, p;
+    int32_t pos;
+    for (pos = e->first_pos; pos < kvmix__entry_end(e); pos++)
+        if (slots[pos] / (uint32_t)c->desc.page_tokens == e->page &&
+            kvmix_policy_token_precision(policy, tags[pos], current_turn, &p) == KVMIX_SUCCESS) {
+            want.key_format = want.key_format ? kvmix__higher_format(want.key_format, p.key_format)
+                                              : p.key_format;
+            want.value_format = want.value_format
+                                    ? kvmix__higher_format(want.value_format, p.value_format)
+                                    : p.value_format;
+        }
+    return want;
+}
+
+/* The lower of a stored format and a wanted one (0: nothing wanted, the stored stays). */
+static uint8_t kvmix__lower_format(uint8_t stored, uint8_t want) {
+    return want != 0 && kvmix__format_rank(want) < kvmix__format_rank(stored) ? want : stored;
+}
+
+/* Entry e's page demoted to what its positions want, or its own formats when that is nothing
+   (shared, sinks, an FP16 buffer, a larger page, formats the cache cannot store). */
+static kvmix_cache_precision kvmix__aged_precision(const kvmix_policy *policy, const kvmix_cache *c,
+                                                   int32_t seq, const kvmix_cache_entry *e,
+                                                   const kvmix_tag *tags, int32_t current_turn) {
+    const kvmix_cache_page *p = &c->pages[e->page];
+    kvmix_cache_precision want, aged;
+    aged.key_format = p->key_format;
+    aged.value_format = p->value_format;
+    if (!p->sealed || p->sink || p->refcount > 1) return aged;
+    want = kvmix__entry_wants(policy, c, seq, e, tags, current_turn);
+    want.key_format = kvmix__lower_format(p->key_format, want.key_format);
+    want.value_format = kvmix__lower_format(p->value_format, want.value_format);
+    if (!kvmix__boost_ok(&c->desc, want) || !kvmix__retier_in_place(c, p, want)) return aged;
+    return want;
+}
+
+static int kvmix__same_precision(kvmix_cache_precision a, uint8_t key, uint8_t value) {
+    return a.key_format == key && a.value_format == value;
+}
+
+static kvmix__why kvmix__policy_retier_ok(const kvmix_policy *policy, const kvmix_cache *cache,
+                                          int32_t seq, const kvmix_tag *tags, int32_t n_tags,
+                                          int32_t current_turn) {
+    kvmix__why w;
+    int32_t pos;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    if (kvmix_policy_check(policy, NULL) != KVMIX_SUCCESS)
+        return kvmix__why_not(kvmix_policy_check(policy, NULL), "policy", "does not check");
+    if (!tags || n_tags < cache->seqs[seq].n_tokens)
+        return kvmix__why_not(tags ? KVMIX_ERR_INVALID_ARGUMENT : KVMIX_ERR_NULL_POINTER, "tags",
+                              "must hold a tag for each of the sequence's positions");
+    if (current_turn < 0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "current_turn", "must be >= 0");
+    for (pos = 0; pos < cache->seqs[seq].n_tokens; pos++)
+        if (tags[pos].role >= KVMIX_TAG_N_ROLES || tags[pos].modality >= KVMIX_TAG_N_MODALITIES)
+            return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "tags",
+                                  "a role or modality out of range");
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__policy_retier(const kvmix_policy *policy, kvmix_cache *cache, int32_t seq,
+                                       const kvmix_tag *tags, int32_t n_tags, int32_t current_turn,
+                                       int32_t *out_pages) {
+    kvmix_cache_entry *e = kvmix__seq_entries(cache, seq);
+    int32_t j, n_pages = 0, max_rows = 0;
+    int64_t staging = -1, staging_n = 0;
+    kvmix__why w = kvmix__policy_retier_ok(policy, cache, seq, tags, n_tags, current_turn);
+    if (w.result != KVMIX_SUCCESS) return w;
+    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
+        const kvmix_cache_page *p = &cache->pages[e[j].page];
+        if (!kvmix__same_precision(
+                kvmix__aged_precision(policy, cache, seq, &e[j], tags, current_turn), p->key_format,
+                p->value_format)) {
+            n_pages++;
+            if (p->n_rows > max_rows) max_rows = p->n_rows;
+        }
+    }
+    if (n_pages > 0 && cache->desc.device_arena &&
+        (staging = kvmix__retier_staging(cache, max_rows, n_pages, &staging_n)) < 0)
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
+                              "no room for the FP16 staging or the jobs: take the jobs first");
+    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
+        kvmix_cache_page *p = &cache->pages[e[j].page];
+        kvmix_cache_precision aged =
+            kvmix__aged_precision(policy, cache, seq, &e[j], tags, current_turn);
+        if (!p->sealed && !p->sink && p->refcount == 1) { /* a buffer: sealed to what it wants */
+            kvmix_cache_precision want =
+                kvmix__entry_wants(policy, cache, seq, &e[j], tags, current_turn);
+            if (p->key_format == KVMIX_FORMAT_FP16) /* keys a values-only window sealed stay */
+                p->want_key = kvmix__lower_format(p->want_key, want.key_format);
+            p->want_value = kvmix__lower_format(p->want_value, want.value_format);
+        } else if (!kvmix__same_precision(aged, p->key_format, p->value_format)) {
+            kvmix__retier_page(cache, e[j].page, aged, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL,
+                               staging < 0 ? 0 : (uint64_t)staging * cache->desc.granule_bytes);
+        }
+    }
+    if (staging >= 0) kvmix__arena_give(cache, NULL, staging, staging_n);
+    if (out_pages) *out_pages = n_pages;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_policy_retier_turn(const kvmix_policy *policy, kvmix_cache *cache,
+                                               int32_t seq, const kvmix_tag *tags, int32_t n_tags,
+                                               int32_t current_turn, int32_t *out_pages) {
+    if (!policy || !cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(
+        cache, kvmix__policy_retier(policy, cache, seq, tags, n_tags, current_turn, out_pages));
 }
 
 // >>intent

@@ -99,6 +99,8 @@ struct gpu_llama {
     kvmix_tag_spec tag_spec;
     kvmix_tagger *taggers;         /* [max_seqs] */
     kvmix_cache_precision *by_tag; /* [max_seqs] */
+    kvmix_tag *tags;               /* [max_seqs][max_tokens]: each position's tag */
+    int32_t *turns;                /* [max_seqs]: the turn each sequence's cache was aged to */
     /* profile */
     bool profiling;
     cudaEvent_t *events; /* [2 n_layers]: around each layer's attention */
@@ -711,19 +713,34 @@ void attend_fp32(gpu_llama *g, int32_t l, int32_t n) {
                         g->stream>>>(p);
 }
 
-/* The formats each step token asks for by its tag (NULL when the cache is not tagged). */
-const kvmix_cache_precision *tag_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens,
-                                      int32_t n) {
-    if (!g->tagged) return NULL;
+/* Tags the step's tokens: *out (NULL when the cache is not tagged) gets the formats each asks
+   for; a token that opens a new user turn first ages its sequence's cache to that turn
+   (kvmix_policy_retier_turn, whose jobs run with the step's). */
+llama_result tag_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens, int32_t n,
+                      const kvmix_cache_precision **out, char *err, size_t err_bytes) {
+    *out = NULL;
+    if (!g->tagged) return LLAMA_OK;
     for (int32_t i = 0; i < n; i++) {
+        int32_t s = seqs[i];
         kvmix_tag tag;
         kvmix_cache_precision *p = &g->by_tag[i];
         p->key_format = (uint8_t)g->tag_policy.key_format;
         p->value_format = (uint8_t)g->tag_policy.value_format;
-        if (kvmix_tagger_feed(&g->taggers[seqs[i]], &tokens[i], 1, &tag) == KVMIX_SUCCESS)
+        memset(&tag, 0, sizeof tag); /* a token the tagger refuses: turn 0, the policy's formats */
+        if (kvmix_tagger_feed(&g->taggers[s], &tokens[i], 1, &tag) == KVMIX_SUCCESS)
             kvmix_policy_token_precision(&g->tag_policy, tag, tag.turn, p);
+        g->tags[(size_t)s * (size_t)g->max_tokens + (size_t)g->next_pos[s]] = tag;
+        if (tag.turn <= g->turns[s]) continue;
+        g->turns[s] = tag.turn;
+        llama_result r = call_with_room(g, g->k16, g->v16, "aging a sequence", err, err_bytes, [&] {
+            return kvmix_policy_retier_turn(&g->tag_policy, &g->cache, g->kv_seq[s],
+                                            &g->tags[(size_t)s * (size_t)g->max_tokens],
+                                            g->next_pos[s], tag.turn, NULL);
+        });
+        if (r != LLAMA_OK) return r;
     }
-    return g->by_tag;
+    *out = g->by_tag;
+    return LLAMA_OK;
 }
 
 llama_result reserve_positions(gpu_llama *g, const int32_t *seqs, int32_t n,
@@ -959,7 +976,8 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     if (g->blas) cublasDestroy(g->blas);
     if (g->stream) cudaStreamDestroy(g->stream);
     free(g->cache_memory), free(g->kv_seq), free(g->step_kv_seqs), free(g->batches);
-    free(g->next_pos), free(g->in_use), free(g->taggers), free(g->by_tag);
+    free(g->next_pos), free(g->in_use), free(g->taggers), free(g->by_tag), free(g->tags);
+    free(g->turns);
     free(g);
 }
 
@@ -971,7 +989,10 @@ extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char
         return llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY, "all %d sequences in use",
                           g->max_seqs);
     if (!g->fp32) TRY_KVMIX(kvmix_cache_seq_create(&g->cache, &g->kv_seq[s]), "new sequence");
-    if (g->tagged) kvmix_tagger_init(&g->taggers[s], &g->tag_spec); /* a new stream */
+    if (g->tagged) { /* a new stream */
+        kvmix_tagger_init(&g->taggers[s], &g->tag_spec);
+        g->turns[s] = 0;
+    }
     if (!g->fp32) {
         llama_result r = observation_reset(g, s, err, err_bytes);
         if (r != LLAMA_OK) return r;
@@ -1005,8 +1026,9 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
     if (r != LLAMA_OK) return r;
     const llama_config *c = &g->c;
     double step_start = now_seconds();
-    if (!g->fp32 && (r = reserve_positions(g, seqs, n, tag_step(g, seqs, tokens, n), err,
-                                           err_bytes)) != LLAMA_OK)
+    const kvmix_cache_precision *by_tag = NULL;
+    if (!g->fp32 && ((r = tag_step(g, seqs, tokens, n, &by_tag, err, err_bytes)) != LLAMA_OK ||
+                     (r = reserve_positions(g, seqs, n, by_tag, err, err_bytes)) != LLAMA_OK))
         return r;
     for (int32_t i = 0; i < n; i++) {
         g->h_step[i] = tokens[i];
@@ -1258,7 +1280,9 @@ extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
     if (!g->taggers) {
         g->taggers = (kvmix_tagger *)calloc((size_t)g->max_seqs, sizeof *g->taggers);
         g->by_tag = (kvmix_cache_precision *)calloc((size_t)g->max_seqs, sizeof *g->by_tag);
-        if (!g->taggers || !g->by_tag)
+        g->tags = (kvmix_tag *)calloc((size_t)g->max_seqs * (size_t)g->max_tokens, sizeof *g->tags);
+        g->turns = (int32_t *)calloc((size_t)g->max_seqs, sizeof *g->turns);
+        if (!g->taggers || !g->by_tag || !g->tags || !g->turns)
             return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     }
     llama_result r = kvmix_kv_policy_tagged(&g->policy, table, &g->tag_table, &g->tag_policy,

@@ -497,6 +497,8 @@ typedef struct kv_kvmix {
     kvmix_tagger tagger;
     kvmix_cache_precision next;
     int64_t next_pos;
+    kvmix_tag *tags; /* [capacity]: each position's tag */
+    int32_t turn;    /* the turn the cache was aged to (kvmix_policy_retier_turn) */
 } kv_kvmix;
 
 /* Positions of `layer` that have rows. */
@@ -564,19 +566,29 @@ static void kv_kvmix_begin_request(void *state, int64_t pos) {
 }
 
 /* Tags the token about to run and keeps the formats its tag gets (a new token is always of the
- * current turn). */
+ * current turn). A token that opens a new user turn first ages the cache to it: pages whose
+ * positions now ask for less are re-tiered down (in their own bytes: it cannot fail). */
 static void kv_kvmix_on_token(void *state, int64_t pos, int32_t id) {
     kv_kvmix *kv = state;
     kvmix_tag tag;
     kv->next_pos = -1;
-    if (kvmix_tagger_feed(&kv->tagger, &id, 1, &tag) == KVMIX_SUCCESS &&
-        kvmix_policy_token_precision(&kv->policy, tag, tag.turn, &kv->next) == KVMIX_SUCCESS)
-        kv->next_pos = pos;
+    if (pos < 0 || pos >= kv->capacity ||
+        kvmix_tagger_feed(&kv->tagger, &id, 1, &tag) != KVMIX_SUCCESS ||
+        kvmix_policy_token_precision(&kv->policy, tag, tag.turn, &kv->next) != KVMIX_SUCCESS)
+        return;
+    kv->next_pos = pos;
+    kv->tags[pos] = tag;
+    if (tag.turn > kv->turn) {
+        kv->turn = tag.turn;
+        kvmix_policy_retier_turn(&kv->policy, &kv->cache, kv->seq, kv->tags, (int32_t)pos, kv->turn,
+                                 NULL);
+    }
 }
 
 static void kv_kvmix_reset(void *state) {
     kv_kvmix *kv = state;
     if (kv->tagged) kvmix_tagger_reset(&kv->tagger);
+    kv->turn = 0;
     kvmix_cache_seq_free(&kv->cache, kv->seq);
     kvmix_cache_seq_create(&kv->cache, &kv->seq); /* cannot fail: the only sequence was freed */
 }
@@ -606,6 +618,7 @@ static void kv_kvmix_destroy(void *state) {
         free(kv->heads[h].lse);
     }
     free(kv->heads);
+    free(kv->tags);
     free(kv);
 }
 
@@ -723,6 +736,11 @@ llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
     llama_result r = kvmix_kv_policy_tagged(&kv->policy, table, &kv->table, &kv->policy, "kv tags",
                                             err, err_bytes);
     if (r != LLAMA_OK) return r;
+    kvmix_tag *tags = calloc((size_t)kv->capacity, sizeof *tags);
+    if (tags == NULL) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "kv tags: out of memory");
+    free(kv->tags);
+    kv->tags = tags;
+    kv->turn = 0;
     kv->tagger = tagger;
     kv->tagged = true;
     kv->next_pos = -1;

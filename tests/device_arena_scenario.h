@@ -38,7 +38,11 @@ typedef struct da_state {
     uint8_t *device_copy;
     float *keys, *values; /* one write's rows as floats (FP16 values) */
     int64_t jobs_run, batches_run, takes;
-    int64_t compacted; /* bytes compaction freed, host cache */
+    int64_t compacted;   /* bytes compaction freed, host cache */
+    int64_t retiered;    /* pages re-tiered, host cache */
+    kvmix_policy policy; /* kvmix_policy_retier_turn's, with table */
+    kvmix_tag_precision table;
+    kvmix_tag *tags; /* [max_tokens_per_seq] */
     int failures;
     char *why;
     size_t why_bytes;
@@ -272,6 +276,41 @@ static void da_compact(da_state *s, int32_t seq) {
     s->compacted += (int64_t)host_freed;
 }
 
+/* Re-tiers on both caches, from what they hold (the form a device arena takes): the page of a
+   random written position of seq into a random precision, or every page of seq as random tags
+   at a random turn ask (kvmix_policy_retier_turn). */
+static void da_retier(da_state *s, int32_t seq) {
+    int32_t n = s->host.seqs[seq].n_tokens, pages = 0, pos, b, r;
+    kvmix_cache_precision p = da_precision(s);
+    kvmix_result rh, rd;
+    if (s->host.seqs[seq].n_written == 0) return;
+    if (da_rand(s, 2) == 0) {
+        pos = (int32_t)da_rand(s, (uint32_t)s->host.seqs[seq].n_written);
+        rh = kvmix_cache_retier(&s->host, seq, pos, p, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL);
+        DA_DEVICE_CALL(
+            s, kvmix_cache_retier(&s->device, seq, pos, p, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL),
+            rd);
+        da_same(s, rh, rd, "retier");
+        s->retiered += rh == KVMIX_SUCCESS;
+        return;
+    }
+    for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++)
+        for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
+            s->table.formats[b][r][KVMIX_MODALITY_TEXT] = da_precision(s);
+    for (pos = 0; pos < n; pos++) {
+        memset(&s->tags[pos], 0, sizeof s->tags[pos]);
+        s->tags[pos].turn = (int32_t)da_rand(s, 6);
+        s->tags[pos].role = (uint8_t)da_rand(s, KVMIX_TAG_N_ROLES);
+    }
+    s->policy.tag_precision = &s->table;
+    b = (int32_t)da_rand(s, 8);
+    rh = kvmix_policy_retier_turn(&s->policy, &s->host, seq, s->tags, n, b, &pages);
+    DA_DEVICE_CALL(s, kvmix_policy_retier_turn(&s->policy, &s->device, seq, s->tags, n, b, NULL),
+                   rd);
+    da_same(s, rh, rd, "policy retier");
+    s->retiered += pages;
+}
+
 /* One random operation on both caches. */
 static void da_step(da_state *s) {
     const kvmix_cache_desc *d = &s->host.desc;
@@ -307,6 +346,8 @@ static void da_step(da_state *s) {
         rd = kvmix_cache_evict(&s->device, seq, positions, n > 0 ? 8 : 0);
         da_same(s, rh, rd, "evict");
         if (da_rand(s, 2) == 0) da_compact(s, seq);
+    } else if (op < 88) {
+        da_retier(s, seq);
     } else if (op < 90) {
         rh = kvmix_cache_seq_free(&s->host, seq);
         rd = kvmix_cache_seq_free(&s->device, seq);
@@ -319,12 +360,17 @@ static void da_step(da_state *s) {
     if (kvmix_cache_check(&s->device) != KVMIX_SUCCESS) da_fail(s, "device cache check", op, 0);
 }
 
+/* What a scenario did, to show that its operations ran. */
+typedef struct da_counts {
+    int64_t jobs;      /* jobs run in all */
+    int64_t compacted; /* bytes compaction freed */
+    int64_t retiered;  /* pages re-tiered */
+} da_counts;
+
 /* Runs `steps` random operations on caches of `desc` (device_arena set here); returns the number
-   of mismatches, the first described in why. *out_jobs: jobs run in all; *out_compacted: bytes
-   compaction freed (both may be NULL). */
+   of mismatches, the first described in why, and what ran in *out (may be NULL). */
 static int da_scenario(const kvmix_cache_desc *desc, uint64_t seed, int steps,
-                       const da_executor *ex, char *why, size_t why_bytes, int64_t *out_jobs,
-                       int64_t *out_compacted) {
+                       const da_executor *ex, char *why, size_t why_bytes, da_counts *out) {
     da_state s;
     kvmix_cache_desc hd = *desc, dd = *desc;
     size_t memory_bytes = 0, per;
@@ -358,14 +404,20 @@ static int da_scenario(const kvmix_cache_desc *desc, uint64_t seed, int steps,
     s.jobs = (kvmix_quantize_job *)malloc((size_t)dd.max_jobs * sizeof *s.jobs);
     s.batches = (kvmix_cache_batch *)malloc((size_t)dd.max_jobs * sizeof *s.batches);
     s.device_copy = (uint8_t *)malloc(hd.arena_bytes);
-    if (s.key_rows && s.value_rows && s.keys && s.values && s.jobs && s.batches && s.device_copy) {
+    s.tags = (kvmix_tag *)malloc((size_t)hd.max_tokens_per_seq * sizeof *s.tags);
+    s.policy = *kvmix_policy_find("int4");
+    if (s.key_rows && s.value_rows && s.keys && s.values && s.jobs && s.batches && s.device_copy &&
+        s.tags) {
         for (i = 0; i < steps && s.failures == 0; i++) da_step(&s);
         if (s.failures == 0) da_compare(&s);
     } else {
         da_fail(&s, "out of memory", 0, 0);
     }
-    if (out_jobs) *out_jobs = s.jobs_run;
-    if (out_compacted) *out_compacted = s.compacted;
+    if (out) {
+        out->jobs = s.jobs_run;
+        out->compacted = s.compacted;
+        out->retiered = s.retiered;
+    }
     free(s.key_rows);
     free(s.value_rows);
     free(s.keys);
@@ -373,6 +425,7 @@ static int da_scenario(const kvmix_cache_desc *desc, uint64_t seed, int steps,
     free(s.jobs);
     free(s.batches);
     free(s.device_copy);
+    free(s.tags);
     kvmix_cache_deinit(&s.host);
     free(s.device_memory);
     return s.failures;

@@ -1535,16 +1535,18 @@ static void test_device_arena(bool quick) {
         CUDA_OK(cudaMalloc(&g.jobs, (size_t)d.max_jobs * sizeof(kvmix_quantize_job)));
         CUDA_OK(cudaMalloc(&g.flags, sizeof(int32_t)));
         da_executor ex = {&g, g.arena, gpu_run, gpu_fetch};
-        int64_t compacted_all = 0;
+        int64_t compacted_all = 0, retiered_all = 0;
         for (int seed = 0; seed < (quick ? 2 : 6); seed++) {
             char why[160], what[240];
-            int64_t jobs = 0, compacted = 0;
-            int failures = da_scenario(&d, rnd(), 400, &ex, why, sizeof why, &jobs, &compacted);
+            da_counts counts = {0, 0, 0};
+            int failures = da_scenario(&d, rnd(), 400, &ex, why, sizeof why, &counts);
             snprintf(what, sizeof what, "device arena desc %d seed %d: %s", which, seed, why);
-            check(failures == 0 && jobs > 100, what);
-            compacted_all += compacted;
+            check(failures == 0 && counts.jobs > 100, what);
+            compacted_all += counts.compacted;
+            retiered_all += counts.retiered;
         }
         check(compacted_all > 0, "device arena: compaction ran (gather and packing jobs)");
+        check(retiered_all > 0, "device arena: pages were re-tiered (gather and packing jobs)");
         cudaFree(g.arena);
         cudaFree(g.keys);
         cudaFree(g.values);

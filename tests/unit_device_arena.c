@@ -102,24 +102,27 @@ static kvmix_cache_desc scenario_desc(int which) {
 static void test_scenarios(void) {
     int which, seed;
     for (which = 0; which < 4; which++) {
-        int64_t compacted_all = 0;
+        int64_t compacted_all = 0, retiered_all = 0;
         for (seed = 0; seed < 6; seed++) {
             kvmix_cache_desc d = scenario_desc(which);
             ref_executor ex = {(uint8_t *)test_alloc(d.arena_bytes), 0, seed % 2};
             da_executor e = {&ex, ex.arena, ref_run, ref_fetch};
             char why[160];
-            int64_t jobs = 0, compacted = 0;
+            da_counts counts;
             memset(ex.arena, 0, d.arena_bytes);
+            memset(&counts, 0, sizeof counts);
             test_context("desc %d seed %d", which, seed);
             CHECK_MSG(da_scenario(&d, test_seed() + (uint64_t)(seed + 100 * which), 400, &e, why,
-                                  sizeof why, &jobs, &compacted) == 0,
+                                  sizeof why, &counts) == 0,
                       "%s", why);
-            CHECK(jobs > 100); /* the workload did queue work */
-            compacted_all += compacted;
+            CHECK(counts.jobs > 100); /* the workload did queue work */
+            compacted_all += counts.compacted;
+            retiered_all += counts.retiered;
             free(ex.arena);
         }
         test_context("desc %d", which);
         CHECK(compacted_all > 0); /* compaction moved pages, on both caches alike */
+        CHECK(retiered_all > 0);  /* and pages were re-tiered */
     }
     test_context(NULL);
 }
@@ -131,7 +134,7 @@ static void test_dropped_job_noticed(void) {
     da_executor e = {&ex, ex.arena, ref_run, ref_fetch};
     char why[160];
     memset(ex.arena, 0, d.arena_bytes);
-    CHECK(da_scenario(&d, 7, 400, &e, why, sizeof why, NULL, NULL) > 0);
+    CHECK(da_scenario(&d, 7, 400, &e, why, sizeof why, NULL) > 0);
     free(ex.arena);
 }
 

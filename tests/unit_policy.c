@@ -282,10 +282,211 @@ static void test_tag_precision(void) {
     test_context(NULL);
 }
 
+/* The tags of the test stream: the system prompt (turn 0), then turns 1 and 2, each a user
+   message and a tool result, with scaffold between. */
+static kvmix_tag retier_tag(int32_t pos) {
+    kvmix_tag t;
+    memset(&t, 0, sizeof t);
+    t.turn = pos < 8 ? 0 : pos < 56 ? 1 : 2;
+    t.role = pos < 8         ? KVMIX_ROLE_INSTRUCTION
+             : pos % 48 < 12 ? KVMIX_ROLE_USER
+             : pos % 48 < 14 ? KVMIX_ROLE_SCAFFOLD
+                             : KVMIX_ROLE_OBSERVATION;
+    t.modality = KVMIX_MODALITY_TEXT;
+    return t;
+}
+
+/* Formats by bucket: observations and user text fall as they age, scaffold would rise (never
+   applied), the system prompt stays INT8. */
+static void retier_table(kvmix_tag_precision *table) {
+    static const uint8_t obs[4][2] = {{KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8},
+                                      {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4},
+                                      {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2},
+                                      {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2}};
+    static const uint8_t user[4][2] = {{KVMIX_FORMAT_FP16, KVMIX_FORMAT_INT8},
+                                       {KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4},
+                                       {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4},
+                                       {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT2}};
+    kvmix_cache_precision int8 = {KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8};
+    int b;
+    kvmix_tag_precision_fill(table, int8);
+    for (b = 0; b < 4; b++) {
+        kvmix_cache_precision *o = &table->formats[b][KVMIX_ROLE_OBSERVATION][KVMIX_MODALITY_TEXT];
+        kvmix_cache_precision *u = &table->formats[b][KVMIX_ROLE_USER][KVMIX_MODALITY_TEXT];
+        o->key_format = obs[b][0], o->value_format = obs[b][1];
+        u->key_format = user[b][0], u->value_format = user[b][1];
+    }
+    table->formats[KVMIX_BUCKET_CURRENT][KVMIX_ROLE_SCAFFOLD][KVMIX_MODALITY_TEXT].key_format =
+        KVMIX_FORMAT_INT4;
+    table->formats[KVMIX_BUCKET_PREVIOUS][KVMIX_ROLE_SCAFFOLD][KVMIX_MODALITY_TEXT].key_format =
+        KVMIX_FORMAT_FP16;
+}
+
+/* Appends positions [from, to) with random rows, each in its tag's formats at turn `current`
+   (-1: its own turn). */
+static void retier_append(kvmix_cache *cache, int32_t seq, const kvmix_policy *p, int32_t from,
+                          int32_t to, int32_t current, test_rng *rng) {
+    float k[2 * 2 * 64], v[2 * 2 * 64];
+    int32_t pos, i;
+    for (pos = from; pos < to; pos++) {
+        kvmix_cache_precision want;
+        kvmix_tag t = retier_tag(pos);
+        for (i = 0; i < 2 * 2 * 64; i++) {
+            k[i] = (float)test_rng_normal(rng);
+            v[i] = (float)test_rng_normal(rng);
+        }
+        kvmix_policy_token_precision(p, t, current < 0 ? t.turn : current, &want);
+        CHECK_RESULT(kvmix_cache_append(cache, seq, k, v, want), KVMIX_SUCCESS);
+    }
+}
+
+/* Each page's formats (by the page of every position) and every row, dequantized. */
+static void retier_snapshot(const kvmix_cache *cache, int32_t seq, int32_t n, uint32_t *pages,
+                            kvmix_cache_precision *formats, float *rows) {
+    int32_t pos;
+    for (pos = 0; pos < n; pos++) {
+        uint32_t slot = 0;
+        kvmix_cache_locate(cache, seq, pos, &slot);
+        pages[pos] = slot / (uint32_t)cache->desc.page_tokens;
+        kvmix_cache_read(cache, seq, 1, pos, rows + (size_t)pos * 256,
+                         rows + (size_t)pos * 256 + 128, &formats[pos]);
+    }
+}
+
+static int format_rank_of(uint8_t f) {
+    static const uint8_t order[] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2,
+                                    KVMIX_FORMAT_BOOSTED,      KVMIX_FORMAT_INT4,
+                                    KVMIX_FORMAT_INT8,         KVMIX_FORMAT_FP16};
+    int i;
+    for (i = 0; i < 6; i++)
+        if (order[i] == f) return i;
+    return -1;
+}
+
+/* kvmix_policy_retier_turn: each page the sequence alone holds falls to the highest formats its
+   positions ask at the new turn, never rises, and holds the bytes kvmix_cache_retier gives;
+   sinks and shared pages stay; a buffer page seals to what it asks then; bad input changes
+   nothing. */
+static void test_retier_turn(void) {
+    enum { N = 88, CUR = 2 };
+    kvmix_policy p = *kvmix_policy_find("int4");
+    kvmix_tag_precision table;
+    kvmix_tag tags[N + 16];
+    kvmix_cache_desc desc;
+    kvmix_cache cache, twin;
+    uint32_t pages[N + 16], twin_pages[N];
+    kvmix_cache_precision before[N + 16], after[N + 16], twin_formats[N];
+    static float rows[(N + 16) * 256], twin_rows[N * 256], rows_after[(N + 16) * 256];
+    int32_t seq, twin_seq, child, pos, done = -1, changed = 0, q;
+    test_rng rng;
+    test_context("kvmix_policy_retier_turn");
+    retier_table(&table);
+    p.tag_precision = &table;
+    p.sink_tokens = 4;
+    p.page_tokens = 16;
+    memset(&desc, 0, sizeof desc);
+    desc.n_layers = 2;
+    desc.n_kv_heads = 2;
+    desc.head_dim = 64;
+    desc.max_seqs = 3;
+    desc.max_tokens_per_seq = N + 16;
+    desc.arena_bytes = (size_t)1 << 21;
+    CHECK_RESULT(kvmix_policy_apply(&p, &desc, NULL), KVMIX_SUCCESS);
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &desc, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&twin, &desc, NULL), KVMIX_SUCCESS)) return;
+    for (pos = 0; pos < N + 16; pos++) tags[pos] = retier_tag(pos);
+    kvmix_cache_seq_create(&cache, &seq);
+    kvmix_cache_seq_create(&twin, &twin_seq);
+    test_rng_init(&rng, "retier turn");
+    retier_append(&cache, seq, &p, 0, N, -1, &rng);
+    test_rng_init(&rng, "retier turn");
+    retier_append(&twin, twin_seq, &p, 0, N, -1, &rng);
+    CHECK_RESULT(kvmix_cache_seq_fork(&cache, seq, 20, &child), KVMIX_SUCCESS); /* shares 4..19 */
+    retier_snapshot(&cache, seq, N, pages, before, rows);
+
+    /* bad input: an error, nothing changed */
+    CHECK_RESULT(kvmix_policy_retier_turn(NULL, &cache, seq, tags, N, CUR, NULL),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, NULL, N, CUR, NULL),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, tags, N - 1, CUR, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, tags, N, -1, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, 7, tags, N, CUR, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    tags[30].role = KVMIX_TAG_N_ROLES;
+    CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, tags, N, CUR, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    tags[30] = retier_tag(30);
+    retier_snapshot(&cache, seq, N, pages, after, rows_after);
+    CHECK(memcmp(before, after, sizeof before[0] * N) == 0 &&
+          memcmp(rows, rows_after, sizeof rows[0] * 256 * N) == 0);
+
+    /* the turn ages: turn 1 is the previous one now */
+    CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, tags, N, CUR, &done), KVMIX_SUCCESS);
+    retier_snapshot(&cache, seq, N, pages, after, rows_after);
+    for (pos = 0; pos < N; pos++) {
+        kvmix_cache_precision want = {0, 0}, w;
+        const kvmix_cache_page *pg = &cache.pages[pages[pos]];
+        for (q = 0; q < N; q++)
+            if (pages[q] == pages[pos]) {
+                kvmix_policy_token_precision(&p, tags[q], CUR, &w);
+                if (format_rank_of(w.key_format) > format_rank_of(want.key_format))
+                    want.key_format = w.key_format;
+                if (format_rank_of(w.value_format) > format_rank_of(want.value_format))
+                    want.value_format = w.value_format;
+            }
+        if (pg->sink || pg->refcount > 1 || !pg->sealed) {
+            want = before[pos]; /* left alone */
+        } else {
+            if (format_rank_of(want.key_format) > format_rank_of(before[pos].key_format))
+                want.key_format = before[pos].key_format; /* never rises */
+            if (format_rank_of(want.value_format) > format_rank_of(before[pos].value_format))
+                want.value_format = before[pos].value_format;
+        }
+        test_context("kvmix_policy_retier_turn position %d", pos);
+        CHECK(after[pos].key_format == want.key_format &&
+              after[pos].value_format == want.value_format);
+        if (after[pos].key_format != before[pos].key_format ||
+            after[pos].value_format != before[pos].value_format) {
+            changed++;
+            if (pos == 0 || pages[pos - 1] != pages[pos]) /* the twin re-tiers the page alone */
+                CHECK_RESULT(kvmix_cache_retier(&twin, twin_seq, pos, after[pos], NULL, NULL,
+                                                KVMIX_CACHE_ROWS_ORIGINAL),
+                             KVMIX_SUCCESS);
+        }
+    }
+    test_context("kvmix_policy_retier_turn");
+    CHECK(changed == 32 && done == 2); /* turn 1's pages past the shared ones fell */
+    retier_snapshot(&twin, twin_seq, N, twin_pages, twin_formats, twin_rows);
+    for (pos = 20; pos < N; pos++) /* past the pages the fork shares */
+        CHECK(memcmp(&rows_after[pos * 256], &twin_rows[pos * 256], 256 * sizeof(float)) == 0);
+    CHECK(before[2].key_format == KVMIX_FORMAT_FP16 && after[2].key_format == KVMIX_FORMAT_FP16);
+    CHECK(memcmp(&after[4], &before[4], 16 * sizeof after[0]) == 0); /* shared with the child */
+
+    /* a second call at the same turn finds nothing to do */
+    CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, tags, N, CUR, &done), KVMIX_SUCCESS);
+    CHECK(done == 0);
+
+    /* turn 3: the buffer page (positions 84..99, INT8 observations so far) seals to what its
+       positions ask then: INT8 keys for the user text, INT4 values */
+    CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, tags, N, CUR + 1, &done), KVMIX_SUCCESS);
+    retier_append(&cache, seq, &p, N, N + 16, CUR + 1, &rng);
+    CHECK_RESULT(kvmix_cache_seq_finish(&cache, seq), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, seq, 0, N - 2, NULL, NULL, &after[0]), KVMIX_SUCCESS);
+    CHECK(after[0].key_format == KVMIX_FORMAT_INT8 && after[0].value_format == KVMIX_FORMAT_INT4);
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
+    kvmix_cache_deinit(&twin);
+    test_context(NULL);
+}
+
 void unit_policy(void) {
     test_builtins();
     test_check_errors();
     test_resolve();
     test_apply();
     test_tag_precision();
+    test_retier_turn();
 }
