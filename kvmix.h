@@ -509,12 +509,15 @@ typedef struct kvmix_cache_seq_stats {
     int32_t n_fp16_key_rows;   /* live positions whose keys are FP16 (n_fp16_rows among them) */
     int32_t n_fp16_value_rows; /* live positions whose values are FP16 (a values-only window's
                                   too) */
-    int32_t reserved;
-    size_t referenced_bytes; /* arena bytes of every page it references */
-    size_t metadata_bytes;   /* its slot map, page table and sequence record */
-    double attributed_bytes; /* sum of page bytes / refcount, plus metadata_bytes */
-    double bits_per_element; /* attributed_bytes * 8 / (live tokens * L * H * D * 2) */
-    size_t format_bytes[8];  /* of the referenced pages, as in kvmix_cache_stats */
+    int32_t n_packed_rows;     /* live positions in sealed pages other than the sinks': what a
+                                  policy's formats hold (not the window and buffer) */
+    size_t referenced_bytes;   /* arena bytes of every page it references */
+    size_t metadata_bytes;     /* its slot map, page table and sequence record */
+    double attributed_bytes;   /* sum of page bytes / refcount, plus metadata_bytes */
+    double bits_per_element;   /* attributed_bytes * 8 / (live tokens * L * H * D * 2) */
+    double packed_bytes;       /* the attributed bytes of those sealed pages */
+    double packed_bits_per_element; /* packed_bytes * 8 / (n_packed_rows * L * H * D * 2) */
+    size_t format_bytes[8];         /* of the referenced pages, as in kvmix_cache_stats */
 } kvmix_cache_seq_stats;
 
 /* What kvmix_cache_desc_resolve found wrong: the field as kvmix_cache_desc spells it ("n_sink")
@@ -6025,9 +6028,15 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
         if (p->value_format == KVMIX_FORMAT_FP16) st.n_fp16_value_rows += live;
         if (p->key_format == KVMIX_FORMAT_FP16 && p->value_format == KVMIX_FORMAT_FP16)
             st.n_fp16_rows += live;
+        if (p->sealed && !p->sink) {
+            st.n_packed_rows += live;
+            st.packed_bytes += (double)bytes / (double)p->refcount;
+        }
     }
     elements = kvmix__elements(cache, st.n_live_tokens);
     if (elements > 0) st.bits_per_element = st.attributed_bytes * 8.0 / elements;
+    elements = kvmix__elements(cache, st.n_packed_rows);
+    if (elements > 0) st.packed_bits_per_element = st.packed_bytes * 8.0 / elements;
     *out = st;
     return KVMIX_SUCCESS;
 }

@@ -1324,6 +1324,8 @@ extern "C" void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_st
     out->n_tokens = st.n_live_tokens;
     out->bytes = (size_t)ceil(st.attributed_bytes);
     out->avg_bits = st.n_live_tokens > 0 ? st.bits_per_element : 0.0;
+    out->packed_bits = st.packed_bits_per_element;
+    out->n_packed_tokens = st.n_packed_rows;
 }
 
 extern "C" const char *gpu_llama_device_name(const gpu_llama *g) { return g->device_name; }

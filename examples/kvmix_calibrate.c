@@ -87,6 +87,12 @@
  *               "knapsack": {"distortion": ..., "bits": ...}}, ...]}
  *   method: "knapsack", or "exhaustive" / "greedy" (two-level; "low" and "high" name its pair).
  *
+ * Ablations (--ablate, the allocation and the sweep alike; the allocation JSON names it):
+ * "temporal" gives every bucket of a role and modality one precision (their tokens and
+ * distortions summed into one knapsack item), "role" every role of a bucket and modality; "blind"
+ * keeps the full allocation's tokens at each precision and deals the precisions to the tags in a
+ * fixed pseudo-random order, highest first (whole tags, so the mix is matched to within a tag).
+ *
  * Output: a tag summary and the sweep on stdout. Exit status 0; 1 on bad input (unreadable or
  * malformed captures, spec or table, no capture in DIR, captures of different shapes, an
  * infeasible budget); 2 on bad options. --threads N (default 2) processes captures in parallel;
@@ -129,11 +135,21 @@ typedef struct precision {
     double key_bits, value_bits, bits;
 } precision;
 
+/* Ablations: the allocation without one axis of the tags, or blind to them. */
+typedef enum ablation {
+    ABLATE_NONE = 0,
+    ABLATE_TEMPORAL = 1, /* one precision per role and modality, whatever the bucket */
+    ABLATE_ROLE = 2,     /* one precision per bucket and modality, whatever the role */
+    ABLATE_BLIND = 3     /* the full allocation's mix of precisions, dealt to tags at random */
+} ablation;
+static const char *const ABLATION_NAMES[] = {"none", "temporal", "role", "blind"};
+
 typedef struct options {
     const char *captures_dir, *spec_path, *from_table, *table_out, *allocation_out;
     double budget;
     bool two_level; /* --method two-level */
     int32_t low, high, steps, n_threads;
+    ablation ablate;
     geometry geo;
 } options;
 
@@ -1066,6 +1082,90 @@ static allocation allocate(const table *t, double budget, const options *o, bool
     return a;
 }
 
+/* The tagged problem with tags merged into groups (group_of[i] for tag i): a group's tokens and
+   distortion are its tags' sums, so that one choice per group is one choice for all of them. */
+static int32_t merge_tags(const table *t, ablation how, table *merged, int32_t *group_of) {
+    *merged = *t;
+    merged->n_tags = 0;
+    for (int32_t i = 0; i < t->n_tags; i++) {
+        const table_tag *tag = &t->tags[i];
+        int32_t g = 0;
+        while (g < merged->n_tags &&
+               !(merged->tags[g].modality == tag->modality &&
+                 (how == ABLATE_TEMPORAL ? merged->tags[g].role == tag->role
+                                         : merged->tags[g].bucket == tag->bucket)))
+            g++;
+        if (g == merged->n_tags) {
+            merged->tags[g] = *tag;
+            merged->tags[g].tokens = 0;
+            memset(merged->tags[g].distortion, 0, sizeof merged->tags[g].distortion);
+            merged->n_tags++;
+        }
+        merged->tags[g].tokens += tag->tokens;
+        for (int q = 0; q < N_PREC; q++) merged->tags[g].distortion[q] += tag->distortion[q];
+        group_of[i] = g;
+    }
+    return merged->n_tags;
+}
+
+/* The summary of a's choices over t's tags. */
+static void summarize(const table *t, allocation *a) {
+    double dist = 0, bits = 0;
+    int64_t tokens = 0;
+    for (int32_t i = 0; i < t->n_tags; i++) {
+        dist += t->tags[i].distortion[a->choice[i]];
+        bits += (double)t->tags[i].tokens * t->prec[a->choice[i]].bits;
+        tokens += t->tags[i].tokens;
+    }
+    a->summary.distortion = dist;
+    a->summary.bits = tokens > 0 ? bits / (double)tokens : 0;
+    a->summary.optimal = 0;
+}
+
+/* The tag-blind ablation of a: the same tokens at each precision (as near as whole tags come),
+   given to the tags in a fixed pseudo-random order that ignores what they are. */
+static void blind_choices(const table *t, allocation *a) {
+    int64_t quota[N_PREC] = {0};
+    int32_t order[N_TAGS];
+    uint64_t rng = 0x9e3779b97f4a7c15u;
+    for (int32_t i = 0; i < t->n_tags; i++) {
+        quota[a->choice[i]] += t->tags[i].tokens;
+        order[i] = i;
+    }
+    for (int32_t i = t->n_tags - 1; i > 0; i--) { /* Fisher-Yates, xorshift64 */
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        int32_t j = (int32_t)(rng % (uint64_t)(i + 1)), x = order[i];
+        order[i] = order[j], order[j] = x;
+    }
+    int q = N_PREC - 1;
+    for (int32_t k = 0; k < t->n_tags; k++) {
+        while (q > 0 && quota[q] <= 0) q--;
+        a->choice[order[k]] = q;
+        quota[q] -= t->tags[order[k]].tokens;
+    }
+    summarize(t, a);
+}
+
+/* allocate() under the options' ablation. */
+static allocation allocate_ablated(const table *t, double budget, const options *o,
+                                   bool two_level) {
+    if (o->ablate == ABLATE_NONE) return allocate(t, budget, o, two_level);
+    if (o->ablate == ABLATE_BLIND) {
+        allocation a = allocate(t, budget, o, two_level);
+        if (a.r == KVMIX_SUCCESS) blind_choices(t, &a);
+        return a;
+    }
+    table merged;
+    int32_t group_of[N_TAGS];
+    merge_tags(t, o->ablate, &merged, group_of);
+    allocation m = allocate(&merged, budget, o, two_level), a = m;
+    if (m.r != KVMIX_SUCCESS) return m;
+    for (int32_t i = 0; i < t->n_tags; i++) a.choice[i] = m.choice[group_of[i]];
+    summarize(t, &a);
+    a.summary.optimal = m.summary.optimal; /* optimal among the merged choices */
+    return a;
+}
+
 static const char *method_name(kvmix_alloc_method m) {
     switch (m) {
     case KVMIX_ALLOC_EXHAUSTIVE: return "exhaustive";
@@ -1096,6 +1196,7 @@ static char *allocation_json(const table *t, const options *o, const allocation 
     cJSON_AddStringToObject(head, "kind", "kvmix-allocation");
     add_exact(head, "budget_bits", o->budget);
     cJSON_AddStringToObject(head, "method", method_name(a->summary.method));
+    cJSON_AddStringToObject(head, "ablation", ABLATION_NAMES[o->ablate]);
     if (o->two_level) {
         cJSON_AddStringToObject(head, "low", PRECISIONS[o->low].name);
         cJSON_AddStringToObject(head, "high", PRECISIONS[o->high].name);
@@ -1190,10 +1291,10 @@ static void usage(FILE *f) {
             "                       [--allocation OUT.json] [--method knapsack|two-level]\n"
             "                       [--low P] [--high P] [--stride N] [--page-tokens N]\n"
             "                       [--key-group N] [--value-group N] [--boost N] [--steps N]\n"
-            "                       [--threads N]\n"
+            "                       [--threads N] [--ablate none|temporal|role|blind]\n"
             "       kvmix-calibrate --from-table TABLE.json [--budget B] [--table OUT.json]\n"
             "                       [--allocation OUT.json] [--method ...] [--low P] [--high P]\n"
-            "                       [--steps N]\n"
+            "                       [--steps N] [--ablate ...]\n"
             "precisions P: int2c, boosted, int4, int8, fp16\n");
 }
 
@@ -1253,7 +1354,11 @@ static bool parse_options(int argc, char **argv, options *o) {
             ok = parse_precision(v, &o->high);
         else if (strcmp(a, "--steps") == 0)
             ok = parse_int(v, 1, KVMIX_ALLOC_MAX_STEPS, &o->steps);
-        else if (strcmp(a, "--threads") == 0)
+        else if (strcmp(a, "--ablate") == 0) {
+            ok = false;
+            for (int k = 0; k < 4; k++)
+                if (strcmp(v, ABLATION_NAMES[k]) == 0) o->ablate = (ablation)k, ok = true;
+        } else if (strcmp(a, "--threads") == 0)
             ok = parse_int(v, 1, 64, &o->n_threads);
         else if (strcmp(a, "--stride") == 0)
             ok = geo = parse_int(v, 1, 1 << 20, &o->geo.query_stride);
@@ -1324,7 +1429,7 @@ static int run(const options *o) {
     }
     allocation a, sweep[SWEEP_N][2];
     if (ok) {
-        a = allocate(&t, o->budget, o, o->two_level);
+        a = allocate_ablated(&t, o->budget, o, o->two_level);
         if (a.r != KVMIX_SUCCESS) {
             snprintf(err, ERR_BYTES, "allocation at budget %g bits: %s%s", o->budget,
                      kvmix_result_string(a.r),
@@ -1335,7 +1440,8 @@ static int run(const options *o) {
     }
     if (ok) {
         for (int i = 0; i < SWEEP_N; i++)
-            for (int k = 0; k < 2; k++) sweep[i][k] = allocate(&t, sweep_budget(i), o, k == 0);
+            for (int k = 0; k < 2; k++)
+                sweep[i][k] = allocate_ablated(&t, sweep_budget(i), o, k == 0);
         print_summary(&t, &a);
         print_sweep((const allocation(*)[2])sweep, o);
     }

@@ -22,6 +22,8 @@
  *                     policies everything the sequence holds: sealed pages with their scales,
  *                     minima and boost indices, FP16 sink, window and buffer pages at their whole
  *                     capacity, allocation padding, its slot map and page table (kvmix_kv.c)
+ *   packed_bits       the same over the sealed pages alone (not sinks, window, buffer), weighted
+ *                     by the tokens they hold: what the policy's formats cost (null for fp32)
  *   n_tokens          scored positions; policy: the resolved policy object (all fields)
  * An answer position is one whose *next* token is an answer token: inside an assistant message,
  * after its </think> up to and including its <|im_end|>, or inside one of its tool calls from
@@ -42,8 +44,10 @@
  *
  * --tag-spec S.json --allocation A.json store each token by its template tag: the spec
  * (tag_spec_json.h) tags the ids as they run, the allocation (kvmix-calibrate's,
- * tag_allocation.h) gives each tag its formats in the current turn, tags it does not list keep
- * the policy's; a page seals in the highest precision its tokens ask for.
+ * tag_allocation.h) gives each tag its formats by its temporal bucket, tags it does not list keep
+ * the policy's; a page seals in the highest precision its tokens ask for, and when a new user
+ * turn begins the pages whose tokens now ask for less are re-tiered down to it
+ * (kvmix_policy_retier_turn).
  *
  * A policy with "evict" (README.md, "Policies"; --device cuda, with --tag-spec, whose tags find
  * each user turn's message) evicts once per request, each user turn being a request of the
@@ -321,6 +325,8 @@ typedef struct totals {
     size_t kv_bytes_max; /* the most bytes the cache held, at the end of any text */
     double avg_bits_sum; /* avg_bits weighted by the tokens held at the end of each text */
     int64_t held_tokens;
+    double packed_bits_sum; /* packed_bits weighted by the packed tokens at each text's end */
+    int64_t packed_tokens;
     bool gpu;          /* the fields below are the GPU runner's */
     double bytes_read; /* cache bytes held when each scored token ran, summed */
     llama_score recall;
@@ -366,6 +372,14 @@ static int64_t encode_text(const eval *e, const char *text) {
     return n;
 }
 
+/* Adds what a cache held at a text's end to the totals. */
+static void add_held(totals *t, const llama_kv_stats *s) {
+    t->avg_bits_sum += s->avg_bits * (double)s->n_tokens;
+    t->held_tokens += s->n_tokens;
+    t->packed_bits_sum += s->packed_bits * (double)s->n_packed_tokens;
+    t->packed_tokens += s->n_packed_tokens;
+}
+
 static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals *t) {
     const llama_model *m = e->model;
     llama_mark_answer_tokens(&m->tokenizer, e->ids, n, e->mask);
@@ -384,8 +398,7 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
     llama_kv_stats stats;
     cache->stats(cache->state, &stats);
     if (stats.bytes > t->kv_bytes_max) t->kv_bytes_max = stats.bytes;
-    t->avg_bits_sum += stats.avg_bits * (double)stats.n_tokens;
-    t->held_tokens += stats.n_tokens;
+    add_held(t, &stats);
     t->n_texts++;
     return LLAMA_OK;
 }
@@ -744,8 +757,7 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
         t->score.n_answer_correct += x->score.n_answer_correct;
         t->score.n_answer_agree += x->score.n_answer_agree;
         if (x->stats.bytes > t->kv_bytes_max) t->kv_bytes_max = x->stats.bytes;
-        t->avg_bits_sum += x->stats.avg_bits * (double)x->stats.n_tokens;
-        t->held_tokens += x->stats.n_tokens;
+        add_held(t, &x->stats);
         t->n_texts++;
         t->bytes_read += x->bytes_read;
         t->recall.n_answer += x->recall_score.n_answer;
@@ -867,6 +879,8 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
     cJSON_AddNumberToObject(obj, "kv_bytes", (double)t->kv_bytes_max);
     add_number_or_null(obj, "avg_bits",
                        t->held_tokens > 0 ? t->avg_bits_sum / (double)t->held_tokens : NAN);
+    add_number_or_null(obj, "packed_bits",
+                       t->packed_tokens > 0 ? t->packed_bits_sum / (double)t->packed_tokens : NAN);
     if (t->gpu) add_gpu_figures(obj, t);
     cJSON_AddNumberToObject(obj, "threads", o->n_threads);
     cJSON_AddNumberToObject(obj, "seconds", seconds);

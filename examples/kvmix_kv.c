@@ -606,6 +606,8 @@ static void kv_kvmix_stats(const void *state, llama_kv_stats *out) {
     out->n_tokens = st.n_live_tokens;
     out->bytes = (size_t)ceil(st.attributed_bytes);
     out->avg_bits = st.n_live_tokens > 0 ? st.bits_per_element : 0.0;
+    out->packed_bits = st.packed_bits_per_element;
+    out->n_packed_tokens = st.n_packed_rows;
 }
 
 static void kv_kvmix_destroy(void *state) {

@@ -1162,6 +1162,7 @@ static void kv_fp32_reset(void *state) {
 static void kv_fp32_stats(const void *state, llama_kv_stats *out) {
     const kv_fp32 *kv = state;
     int64_t n_tokens = kv->n_tokens[0];
+    memset(out, 0, sizeof *out); /* packs nothing */
     out->n_tokens = n_tokens;
     out->bytes = 2 * (size_t)n_tokens * (size_t)kv->n_layers * (size_t)kv->n_kv_heads *
                  (size_t)kv->head_dim * sizeof(float);

@@ -132,9 +132,12 @@ const char *llama_token_bytes(const llama_tokenizer *tok, int32_t id, size_t *n_
  * LLAMA_ERR_ARGUMENT for a layer/head/position out of order or range.
  */
 typedef struct llama_kv_stats {
-    size_t bytes;     /* bytes the cache holds for stored keys and values (payload + metadata) */
-    double avg_bits;  /* bits per stored key/value element */
-    int64_t n_tokens; /* tokens currently held (per layer) */
+    size_t bytes;       /* bytes the cache holds for stored keys and values (payload + metadata) */
+    double avg_bits;    /* bits per stored key/value element */
+    int64_t n_tokens;   /* tokens currently held (per layer) */
+    double packed_bits; /* of them, those in sealed pages (not sinks, window, buffer): bits
+                               per element (kvmix_cache_seq_stats); 0 for a cache that packs none */
+    int64_t n_packed_tokens;
 } llama_kv_stats;
 
 typedef struct llama_kv_cache {

@@ -335,6 +335,61 @@ static void check_allocation(const cJSON *a, const cJSON *t) {
     CHECK_MSG(bad_sweep == 0, "sweep: within budget, null when infeasible, exhaustive monotone");
 }
 
+/* The ablations of the allocation at budget 3 against the full one (alloc.json): "temporal" and
+   "role" give every tag of a group one precision within the budget, "blind" keeps the full one's
+   tokens at each precision to within a tag. */
+static int precision_of(const cJSON *tag) {
+    static const char *const names[] = {"int2c", "boosted", "int4", "int8", "fp16"};
+    for (int p = 0; p < 5; p++)
+        if (strcmp(str(tag, "precision"), names[p]) == 0) return p;
+    return -1;
+}
+
+static void check_ablations(void) {
+    static const char *const kinds[] = {"temporal", "role", "blind"};
+    cJSON *full = load_json(TMP "/alloc.json");
+    const cJSON *ftags = cJSON_GetObjectItemCaseSensitive(full, "tags");
+    double full_mix[5] = {0}, largest = 0;
+    const cJSON *x;
+    cJSON_ArrayForEach(x, ftags) {
+        if (precision_of(x) >= 0) full_mix[precision_of(x)] += num(x, "tokens");
+        if (num(x, "tokens") > largest) largest = num(x, "tokens");
+    }
+    for (int k = 0; k < 3 && full != NULL; k++) {
+        char cmd[512];
+        snprintf(cmd, sizeof cmd,
+                 QUIET TOOL " --from-table " TMP
+                            "/table.json --budget 3 --ablate %s --allocation " TMP "/alloc-%s.json",
+                 kinds[k], kinds[k]);
+        if (!CHECK_MSG(run(cmd, NULL) == 0, "kvmix-calibrate --ablate runs")) continue;
+        snprintf(cmd, sizeof cmd, TMP "/alloc-%s.json", kinds[k]);
+        cJSON *a = load_json(cmd);
+        const cJSON *tags = cJSON_GetObjectItemCaseSensitive(a, "tags"), *t, *u;
+        double mix[5] = {0};
+        int split = 0;
+        CHECK(a != NULL && strcmp(str(a, "ablation"), kinds[k]) == 0);
+        cJSON_ArrayForEach(t, tags) {
+            if (precision_of(t) >= 0) mix[precision_of(t)] += num(t, "tokens");
+            cJSON_ArrayForEach(u, tags) {
+                bool grouped = strcmp(str(t, "modality"), str(u, "modality")) == 0 &&
+                               strcmp(str(t, k == 0 ? "role" : "bucket"),
+                                      str(u, k == 0 ? "role" : "bucket")) == 0;
+                if (k < 2 && grouped && precision_of(t) != precision_of(u)) split++;
+            }
+        }
+        if (k < 2) {
+            CHECK_MSG(split == 0, "--ablate temporal / role: one precision per group");
+            CHECK_MSG(num(a, "bits") <= 3.0 * (1 + 1e-12), "--ablate temporal / role: in budget");
+        } else {
+            int off = 0;
+            for (int p = 0; p < 5; p++) off += fabs(mix[p] - full_mix[p]) > largest;
+            CHECK_MSG(off == 0, "--ablate blind: the full allocation's mix, to within a tag");
+        }
+        cJSON_Delete(a);
+    }
+    cJSON_Delete(full);
+}
+
 /* ---- bad input -------------------------------------------------------------------------------- */
 static void expect_failure(const char *args, int status, const char *needle) {
     char cmd[2048], *out = NULL;
@@ -426,6 +481,7 @@ static void test_bad_input(const char *caps_dir) {
     snprintf(args, sizeof args, "--captures %s --boost 6", caps_dir);
     expect_failure(args, 1, "precision boosted");
     expect_failure("--from-table " TMP "/table.json --budget 2", 1, "budget");
+    expect_failure("--from-table " TMP "/table.json --ablate sideways", 2, "--ablate");
     expect_failure("--from-table " TMP "/table.json --table " TMP "/no-such-dir/t.json", 1,
                    "cannot write");
     /* tables */
@@ -535,6 +591,7 @@ int main(int argc, char **argv) {
     CHECK(a3 != NULL && strcmp(str(a3, "low"), "boosted") == 0 &&
           strcmp(str(a3, "method"), "exhaustive") == 0);
     cJSON_Delete(a3);
+    check_ablations();
     test_bad_input(TMP "/caps");
 end:
     printf("%d passed, %d failed\n", n_passed, n_failed);

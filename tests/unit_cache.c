@@ -1648,12 +1648,17 @@ static void test_desc_defaults(void) {
     CHECK_RESULT(kvmix_cache_seq_stats_get(&cache, s, &st), KVMIX_SUCCESS);
     CHECK_EQ_INT(st.n_fp16_rows, 10);
     CHECK_EQ_UINT(st.referenced_bytes, 2 * 2 * 2 * 32 * 64 * 2); /* L * H * (K, V) * P * D * 2 */
+    CHECK(st.n_packed_rows == 0 && st.packed_bytes == 0.0 && st.packed_bits_per_element == 0.0);
     for (; i < 33; i++)
         CHECK_RESULT(kvmix_cache_append(&cache, s, rows, rows, zero.default_precision),
                      KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_stats_get(&cache, s, &st), KVMIX_SUCCESS);
     CHECK_EQ_INT(st.n_fp16_rows, 1); /* 32 sealed to INT4, the 33rd in a new buffer page */
     CHECK(st.format_bytes[KVMIX_FORMAT_INT4] > 0);
+    /* the sealed page alone: INT4 codes and a (scale, min) pair per group of 32 per row, 5 bits */
+    CHECK_EQ_INT(st.n_packed_rows, 32);
+    CHECK(st.packed_bytes == 2 * 2 * 2 * 32 * (64 / 2 + 2 * 4) &&
+          st.packed_bits_per_element == 5.0);
     kvmix_cache_deinit(&cache);
 }
 
