@@ -1,4 +1,4 @@
-"""What the GPU runner's sweeps (evict_sweep.py, transfer_sweep.py) share: their flags, the
+"""What the GPU runner's sweeps (evict_sweep.py, transfer_sweep.py, triaxial_sweep.py) share: their flags, the
 kvmix-eval-cuda command over the selected traces, and the run of one arm, whose JSON (with the
 arm added) is appended to --out as it ends; arms already in --out are skipped, so an
 interrupted sweep resumes."""
@@ -33,14 +33,16 @@ def eval_command(a, policy):
             "--tag-spec", a.spec]
 
 
-def run_arm(a, arm, cmd):
-    """The run's JSON with the arm, appended to --out; None (said on stderr) when it failed."""
+def run_arm(a, arm, cmd, extra=None):
+    """The run's JSON with the arm (and the fields of extra), appended to --out; None (said on
+    stderr) when it failed."""
     run = subprocess.run(cmd, capture_output=True, text=True)
     if run.returncode != 0:
         print(f"{arm}: failed: {run.stderr.strip()}", file=sys.stderr)
         return None
     result = json.loads(run.stdout)
     result["arm"] = arm
+    result.update(extra or {})
     with open(a.out, "a") as f:
         f.write(json.dumps(result) + "\n")
     return result

@@ -91,7 +91,8 @@
  * "temporal" gives every bucket of a role and modality one precision (their tokens and
  * distortions summed into one knapsack item), "role" every role of a bucket and modality; "blind"
  * keeps the full allocation's tokens at each precision and deals the precisions to the tags in a
- * fixed pseudo-random order, highest first (whole tags, so the mix is matched to within a tag).
+ * fixed pseudo-random order, each tag the highest precision with room for half of it (whole tags,
+ * so the mix is matched to within a tag).
  *
  * Output: a tag summary and the sweep on stdout. Exit status 0; 1 on bad input (unreadable or
  * malformed captures, spec or table, no capture in DIR, captures of different shapes, an
@@ -1123,7 +1124,8 @@ static void summarize(const table *t, allocation *a) {
 }
 
 /* The tag-blind ablation of a: the same tokens at each precision (as near as whole tags come),
-   given to the tags in a fixed pseudo-random order that ignores what they are. */
+   dealt to the tags in a fixed pseudo-random order that ignores what they are, each taking the
+   highest precision with room left for at least half of it. */
 static void blind_choices(const table *t, allocation *a) {
     int64_t quota[N_PREC] = {0};
     int32_t order[N_TAGS];
@@ -1137,11 +1139,15 @@ static void blind_choices(const table *t, allocation *a) {
         int32_t j = (int32_t)(rng % (uint64_t)(i + 1)), x = order[i];
         order[i] = order[j], order[j] = x;
     }
-    int q = N_PREC - 1;
     for (int32_t k = 0; k < t->n_tags; k++) {
-        while (q > 0 && quota[q] <= 0) q--;
-        a->choice[order[k]] = q;
-        quota[q] -= t->tags[order[k]].tokens;
+        /* the highest precision with room for at least half the tag, else the one with most */
+        int64_t n = t->tags[order[k]].tokens;
+        int q = N_PREC - 1, most = N_PREC - 1;
+        while (q >= 0 && 2 * quota[q] < n) q--;
+        for (int p = 0; p < N_PREC; p++)
+            if (quota[p] > quota[most]) most = p;
+        a->choice[order[k]] = q >= 0 ? q : most;
+        quota[a->choice[order[k]]] -= n;
     }
     summarize(t, a);
 }
