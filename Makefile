@@ -76,9 +76,9 @@ eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
 # ---- calibration: runner captures -> per-tag distortion table -> bit allocation ----------------
 # llama.c is its kvmix implementation; tag_spec_json.c is built without one.
 CALIB_SRC := examples/kvmix_calibrate.c $(LLAMA_SRC) examples/tag_spec_json.c \
-	examples/tag_spec_json.h
+	examples/tag_spec_json.h examples/tag_allocation.c examples/tag_allocation.h
 CALIB_CC := -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_calibrate.c \
-	examples/llama.c examples/tag_spec_json.c
+	examples/llama.c examples/tag_spec_json.c examples/tag_allocation.c
 $(BUILD)/kvmix-calibrate: $(CALIB_SRC) | $(BUILD)
 	$(CC) $(CFLAGS) $(CALIB_CC) -o $@ $(EVAL_LDLIBS)
 # The same under the sanitizers, for the calibration model test.

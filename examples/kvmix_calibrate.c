@@ -4,6 +4,7 @@
  *                   [--allocation OUT.json] [--method knapsack|two-level] [--low P] [--high P]
  *                   [--stride N] [--page-tokens N] [--key-group N] [--value-group N]
  *                   [--boost N] [--steps N] [--threads N]
+ *                   [--ablate none|temporal|role|blind] [--stored-from ALLOCATION.json]
  *   kvmix-calibrate --from-table TABLE.json [--budget B] [--table OUT.json] [--allocation ...]
  *
  * Input: DIR/capture-*.bin, the files `kvmix-eval --capture DIR` writes (one per text, llama.h
@@ -87,6 +88,15 @@
  *               "knapsack": {"distortion": ..., "bits": ...}}, ...]}
  *   method: "knapsack", or "exhaustive" / "greedy" (two-level; "low" and "high" name its pair).
  *
+ * Demoted tokens (--stored-from A.json, an allocation of these five precisions, usually this
+ * tool's at the same geometry): a cache stores a token first in the formats of its tag's current
+ * bucket and re-quantizes it, from its rows rounded to FP16, each time its bucket ages into a
+ * lower precision (kvmix_policy_retier_turn; never into a higher one). With --stored-from, a
+ * token of an aged bucket (previous, two_back, older) at candidate precision p is measured as
+ * that chain under A's choices for its role and modality, ending in p when p is lower than what
+ * it holds by then (else as it holds it); current-bucket tokens as before. The table's geometry
+ * records the file ("stored_from"). Iterate: calibrate, allocate, calibrate --stored-from it.
+ *
  * Ablations (--ablate, the allocation and the sweep alike; the allocation JSON names it):
  * "temporal" gives every bucket of a role and modality one precision (their tokens and
  * distortions summed into one knapsack item), "role" every role of a bucket and modality; "blind"
@@ -102,6 +112,7 @@
 #define _POSIX_C_SOURCE 200809L /* opendir, pthread */
 #include "kvmix.h"
 #include "llama.h"
+#include "tag_allocation.h"
 #include "tag_spec_json.h"
 
 #include <cjson/cJSON.h>
@@ -146,7 +157,7 @@ typedef enum ablation {
 static const char *const ABLATION_NAMES[] = {"none", "temporal", "role", "blind"};
 
 typedef struct options {
-    const char *captures_dir, *spec_path, *from_table, *table_out, *allocation_out;
+    const char *captures_dir, *spec_path, *from_table, *table_out, *allocation_out, *stored_from;
     double budget;
     bool two_level; /* --method two-level */
     int32_t low, high, steps, n_threads;
@@ -166,7 +177,8 @@ typedef struct table_tag {
 typedef struct table {
     int32_t n_layers, n_heads, n_kv_heads, head_dim;
     char *spec;
-    geometry geo; /* resolved */
+    char *stored_from; /* --stored-from's allocation, or NULL */
+    geometry geo;      /* resolved */
     precision prec[N_PREC];
     int32_t n_captures;
     char **files;      /* [n_captures] base names */
@@ -187,6 +199,7 @@ static void tag_name(const table_tag *t, char *out, size_t out_bytes) {
 
 static void table_free(table *t) {
     free(t->spec);
+    free(t->stored_from);
     for (int32_t i = 0; i < t->n_captures; i++) free(t->files[i]);
     free(t->files);
     free(t->n_tokens);
@@ -262,7 +275,8 @@ static kvmix_result round_trip(const kvmix_layout *base, const float *src, int32
 typedef struct capture_job {
     const char *path;
     const kvmix_tag_spec *spec;
-    geometry geo; /* as given; resolved for the capture's head_dim */
+    geometry geo;                       /* as given; resolved for the capture's head_dim */
+    const struct stored_source *stored; /* --stored-from, or NULL */
     /* results */
     int32_t n_layers, n_heads, n_kv_heads, head_dim, n_tokens;
     int64_t count[N_TAGS]; /* tokens per tag at the last position */
@@ -279,6 +293,10 @@ typedef struct work {
     int32_t *tag_of;  /* [n] tag of each token for the current query */
     double *num_full; /* [N_TAGS][D] sum of w v per tag */
     double *num_q;    /* [N_TAGS][D] sum of w' v' per tag */
+    int8_t *bucket;   /* [n] bucket of each token for the current query */
+    /* --stored-from: the aged buckets' rows (aged_rows) and its buffers, else NULL */
+    float *kqb, *vqb;                               /* [3][N_PREC][n][D] */
+    float *chain_k, *chain_v, *out_k, *out_v, *tmp; /* [n][D] */
     double z_full[N_TAGS], z_q[N_TAGS], acc[N_TAGS][N_PREC];
     uint8_t *scratch;
     size_t scratch_bytes;
@@ -293,10 +311,18 @@ static void work_free(work *w) {
     free(w->tag_of);
     free(w->num_full);
     free(w->num_q);
+    free(w->bucket);
+    free(w->kqb);
+    free(w->vqb);
+    free(w->chain_k);
+    free(w->chain_v);
+    free(w->out_k);
+    free(w->out_v);
+    free(w->tmp);
     free(w->scratch);
 }
 
-static bool work_alloc(work *w, int32_t n, int32_t d, const precision *prec) {
+static bool work_alloc(work *w, int32_t n, int32_t d, const precision *prec, bool aged) {
     size_t nd = (size_t)n * (size_t)d;
     memset(w, 0, sizeof *w);
     for (int p = 0; p < N_PREC; p++) { /* the largest block: n rows or a page */
@@ -317,8 +343,15 @@ static bool work_alloc(work *w, int32_t n, int32_t d, const precision *prec) {
     w->num_full = malloc((size_t)N_TAGS * (size_t)d * sizeof(double));
     w->num_q = malloc((size_t)N_TAGS * (size_t)d * sizeof(double));
     w->scratch = malloc(w->scratch_bytes);
-    return w->kq && w->vq && w->kf && w->vf && w->w && w->tag_of && w->num_full && w->num_q &&
-           w->scratch;
+    w->bucket = malloc((size_t)n);
+    bool ok = w->kq && w->vq && w->kf && w->vf && w->w && w->tag_of && w->num_full && w->num_q &&
+              w->scratch && w->bucket;
+    if (!aged) return ok;
+    w->kqb = malloc((N_BUCKETS - 1) * N_PREC * nd * sizeof(float));
+    w->vqb = malloc((N_BUCKETS - 1) * N_PREC * nd * sizeof(float));
+    float **rows[] = {&w->chain_k, &w->chain_v, &w->out_k, &w->out_v, &w->tmp};
+    for (int i = 0; i < 5; i++) ok = (*rows[i] = malloc(nd * sizeof(float))) != NULL && ok;
+    return ok && w->kqb && w->vqb;
 }
 
 static double dot(const float *a, const float *b, int32_t d) {
@@ -339,6 +372,7 @@ static void measure_query(work *w, const float *q, int32_t i, int32_t n_total, i
         if (w->w[j] > m) m = w->w[j];
         int32_t bucket = (int32_t)kvmix_tag_bucket_of(tags[j].turn, qturn);
         w->tag_of[j] = tag_index(bucket, tags[j].role, tags[j].modality);
+        w->bucket[j] = (int8_t)bucket;
     }
     memset(w->num_full, 0, td * sizeof(double));
     memset(w->z_full, 0, sizeof w->z_full);
@@ -359,12 +393,17 @@ static void measure_query(work *w, const float *q, int32_t i, int32_t n_total, i
         out[c] = s / z;
     }
     for (int p = 0; p < N_PREC; p++) {
-        const float *kq = w->kq + (size_t)p * nd, *vq = w->vq + (size_t)p * nd;
         memset(w->num_q, 0, td * sizeof(double));
         memset(w->z_q, 0, sizeof w->z_q);
         for (int32_t j = 0; j < n; j++) {
-            double e = exp(scale * dot(q, kq + (size_t)j * d, d) - m);
-            const float *v = vq + (size_t)j * d;
+            /* an aged token as the cache holds it (--stored-from), else quantized from full */
+            size_t at = (w->kqb && w->bucket[j] > 0 ? ((size_t)(w->bucket[j] - 1) * N_PREC + p)
+                                                    : (size_t)p) *
+                            nd +
+                        (size_t)j * d;
+            const float *k = (w->kqb && w->bucket[j] > 0 ? w->kqb : w->kq) + at;
+            const float *v = (w->kqb && w->bucket[j] > 0 ? w->vqb : w->vq) + at;
+            double e = exp(scale * dot(q, k, d) - m);
             double *acc = w->num_q + (size_t)w->tag_of[j] * d;
             w->z_q[w->tag_of[j]] += e;
             for (int32_t c = 0; c < d; c++) acc[c] += e * v[c];
@@ -382,6 +421,111 @@ static void measure_query(work *w, const float *q, int32_t i, int32_t n_total, i
     }
 }
 
+/* ---- demoted tokens as a cache stores them (--stored-from) ----------------------------------- */
+
+/* The precision (index in PRECISIONS) a source allocation gives each (bucket, role, modality),
+   or -1 where its formats are not one of the calibration's precisions. */
+typedef struct stored_source {
+    int8_t prec[N_BUCKETS][KVMIX_TAG_N_ROLES][2];
+} stored_source;
+
+static bool stored_source_load(const char *path, stored_source *s, char *err) {
+    kvmix_tag_precision table;
+    kvmix_cache_precision fp16 = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16};
+    char why[ERR_BYTES - 64];
+    if (tag_allocation_load(path, fp16, &table, why, sizeof why) != KVMIX_SUCCESS) {
+        snprintf(err, ERR_BYTES, "--stored-from %s: %s", path, why);
+        return false;
+    }
+    for (int b = 0; b < N_BUCKETS; b++)
+        for (int r = 0; r < KVMIX_TAG_N_ROLES; r++)
+            for (int m = 0; m < 2; m++) {
+                kvmix_cache_precision f = table.formats[b][r][m];
+                s->prec[b][r][m] = -1;
+                for (int p = 0; p < N_PREC; p++)
+                    if (f.key_format == PRECISIONS[p].key && f.value_format == PRECISIONS[p].value)
+                        s->prec[b][r][m] = (int8_t)p;
+                if (s->prec[b][r][m] < 0) {
+                    snprintf(err, ERR_BYTES,
+                             "--stored-from %s: %s/%s/%s is not one of the five precisions", path,
+                             kvmix_tag_bucket_name((kvmix_tag_bucket)b),
+                             kvmix_tag_role_name((kvmix_tag_role)r),
+                             kvmix_tag_modality_name((kvmix_tag_modality)m));
+                    return false;
+                }
+            }
+    return true;
+}
+
+/* dst = rows of precision p re-quantized from src rounded to FP16, as a cache demotes a page. */
+static kvmix_result demote(const precision *prec, int p, const float *src_k, const float *src_v,
+                           int32_t n, int32_t d, int32_t page, float *dst_k, float *dst_v,
+                           work *w) {
+    bool per_channel = prec[p].key.format == KVMIX_FORMAT_INT2_CHANNEL ||
+                       prec[p].key.format == KVMIX_FORMAT_BOOSTED;
+    size_t nd = (size_t)n * (size_t)d;
+    kvmix_result r;
+    for (size_t i = 0; i < nd; i++) w->tmp[i] = kvmix_fp16_to_fp32(kvmix_fp32_to_fp16(src_k[i]));
+    r = round_trip(&prec[p].key, w->tmp, d, n, per_channel ? page : n, dst_k, w->scratch,
+                   w->scratch_bytes);
+    for (size_t i = 0; r == KVMIX_SUCCESS && i < nd; i++)
+        w->tmp[i] = kvmix_fp16_to_fp32(kvmix_fp32_to_fp16(src_v[i]));
+    if (r == KVMIX_SUCCESS)
+        r = round_trip(&prec[p].value, w->tmp, d, n, n, dst_v, w->scratch, w->scratch_bytes);
+    return r;
+}
+
+/* The rows of every aged bucket b (1 .. 3) and candidate p as a cache holds them: each token
+   stored first in the source's precision of its role and modality in the current bucket, demoted
+   as it aged (never raised), then to p if p is lower; into w->kqb / w->vqb [3][N_PREC][n][d],
+   rows of the tokens of that role and modality. */
+static kvmix_result aged_rows(work *w, const stored_source *src, const precision *prec,
+                              const kvmix_tag *tags, int32_t n, int32_t d, int32_t page) {
+    size_t nd = (size_t)n * (size_t)d;
+    for (int r = 0; r < KVMIX_TAG_N_ROLES; r++)
+        for (int m = 0; m < 2; m++) {
+            bool present = false;
+            for (int32_t j = 0; j < n && !present; j++)
+                present = tags[j].role == r && tags[j].modality == m;
+            if (!present) continue;
+            int c = src->prec[0][r][m]; /* the precision held so far */
+            kvmix_result e = c == N_PREC - 1 ? KVMIX_SUCCESS
+                                             : demote(prec, c, w->kf, w->vf, n, d, page, w->chain_k,
+                                                      w->chain_v, w);
+            if (c == N_PREC - 1) {
+                memcpy(w->chain_k, w->kf, nd * sizeof(float));
+                memcpy(w->chain_v, w->vf, nd * sizeof(float));
+            }
+            for (int b = 1; b < N_BUCKETS && e == KVMIX_SUCCESS; b++) {
+                for (int p = 0; p < N_PREC && e == KVMIX_SUCCESS; p++) {
+                    float *ok = w->kqb + ((size_t)(b - 1) * N_PREC + p) * nd;
+                    float *ov = w->vqb + ((size_t)(b - 1) * N_PREC + p) * nd;
+                    const float *from_k = w->chain_k, *from_v = w->chain_v;
+                    if (p < c) {
+                        e = demote(prec, p, w->chain_k, w->chain_v, n, d, page, w->out_k, w->out_v,
+                                   w);
+                        from_k = w->out_k, from_v = w->out_v;
+                    }
+                    for (int32_t j = 0; j < n; j++)
+                        if (tags[j].role == r && tags[j].modality == m) {
+                            memcpy(ok + (size_t)j * d, from_k + (size_t)j * d, d * sizeof(float));
+                            memcpy(ov + (size_t)j * d, from_v + (size_t)j * d, d * sizeof(float));
+                        }
+                }
+                int next = src->prec[b][r][m]; /* what bucket b holds when it ages on */
+                if (e == KVMIX_SUCCESS && next < c) {
+                    e = demote(prec, next, w->chain_k, w->chain_v, n, d, page, w->out_k, w->out_v,
+                               w);
+                    memcpy(w->chain_k, w->out_k, nd * sizeof(float));
+                    memcpy(w->chain_v, w->out_v, nd * sizeof(float));
+                    c = next;
+                }
+            }
+            if (e != KVMIX_SUCCESS) return e;
+        }
+    return KVMIX_SUCCESS;
+}
+
 /* The capture's layer/kv-head rows, quantized at every precision, then every sampled query of
  * every query head of that kv head. */
 static bool measure_capture(capture_job *job, const llama_capture *cap, const kvmix_tag *tags,
@@ -390,7 +534,7 @@ static bool measure_capture(capture_job *job, const llama_capture *cap, const kv
     int32_t stride = job->geo.query_stride, page = job->geo.page_tokens;
     size_t nd = (size_t)n * (size_t)d;
     work w;
-    bool ok = work_alloc(&w, n, d, prec);
+    bool ok = work_alloc(&w, n, d, prec, job->stored != NULL);
     if (!ok) snprintf(job->err, sizeof job->err, "out of memory");
     /* present[i][t]: tag t has tokens at query i (only sampled queries are filled) */
     bool *present = ok ? calloc((size_t)n * N_TAGS, sizeof(bool)) : NULL;
@@ -415,6 +559,14 @@ static bool measure_capture(capture_job *job, const llama_capture *cap, const kv
             for (int32_t j = 0; j < n; j++) {
                 memcpy(w.kf + (size_t)j * d, k + (size_t)j * row, (size_t)d * sizeof(float));
                 memcpy(w.vf + (size_t)j * d, v + (size_t)j * row, (size_t)d * sizeof(float));
+            }
+            if (ok && job->stored != NULL) {
+                kvmix_result r = aged_rows(&w, job->stored, prec, tags, n, d, page);
+                if (r != KVMIX_SUCCESS) {
+                    snprintf(job->err, sizeof job->err, "layer %d kv head %d, aged rows: %s", l, g,
+                             kvmix_result_string(r));
+                    ok = false;
+                }
             }
             for (int p = 0; ok && p < N_PREC; p++) {
                 bool per_channel = prec[p].key.format == KVMIX_FORMAT_INT2_CHANNEL ||
@@ -673,15 +825,26 @@ static bool table_from_captures(const options *o, table *t, char *err) {
     }
     capture_job *jobs = calloc((size_t)n, sizeof *jobs);
     char **paths = calloc((size_t)n, sizeof *paths);
+    stored_source stored;
     bool ok = jobs != NULL && paths != NULL;
+    if (!ok) snprintf(err, ERR_BYTES, "out of memory");
+    if (ok && o->stored_from != NULL && !stored_source_load(o->stored_from, &stored, err)) {
+        for (int32_t c = 0; c < n; c++) free(names[c]);
+        free(names), free(paths), free(jobs), free(doc);
+        return false;
+    }
     for (int32_t c = 0; ok && c < n; c++) {
         size_t len = strlen(o->captures_dir) + strlen(names[c]) + 2;
         paths[c] = malloc(len);
         ok = paths[c] != NULL;
         if (ok) snprintf(paths[c], len, "%s/%s", o->captures_dir, names[c]);
-        if (ok) jobs[c] = (capture_job){.path = paths[c], .spec = &doc->spec, .geo = o->geo};
+        if (ok)
+            jobs[c] = (capture_job){.path = paths[c],
+                                    .spec = &doc->spec,
+                                    .geo = o->geo,
+                                    .stored = o->stored_from != NULL ? &stored : NULL};
+        if (!ok) snprintf(err, ERR_BYTES, "out of memory");
     }
-    if (!ok) snprintf(err, ERR_BYTES, "out of memory");
     if (ok) run_jobs(jobs, n, o->n_threads);
     for (int32_t c = 0; ok && c < n; c++)
         if (!jobs[c].ok) {
@@ -690,6 +853,7 @@ static bool table_from_captures(const options *o, table *t, char *err) {
         }
     if (ok) {
         t->spec = dup_string(o->spec_path);
+        t->stored_from = o->stored_from != NULL ? dup_string(o->stored_from) : NULL;
         t->files = names;
         t->n_captures = n;
         names = NULL;
@@ -788,6 +952,7 @@ static char *table_json(const table *t) {
     cJSON_AddNumberToObject(geo, "value_group", t->geo.value_group);
     cJSON_AddNumberToObject(geo, "n_boost", t->geo.n_boost);
     cJSON_AddNumberToObject(geo, "query_stride", t->geo.query_stride);
+    if (t->stored_from != NULL) cJSON_AddStringToObject(geo, "stored_from", t->stored_from);
     cJSON *spec = cJSON_CreateString(t->spec);
     char version[64];
     snprintf(version, sizeof version, "{\"version\": %d, \"kind\": \"kvmix-calibration-table\",\n",
@@ -979,6 +1144,10 @@ static bool table_parse(const char *json, size_t n_bytes, table *t, char *err) {
         !get_i32(geo, "n_boost", 4, 252, &t->geo.n_boost, err) ||
         !get_i32(geo, "query_stride", 1, 1 << 20, &t->geo.query_stride, err))
         goto done;
+    if (cJSON_GetObjectItemCaseSensitive(geo, "stored_from") != NULL) {
+        const char *from = get_string(geo, "stored_from", err);
+        if (from == NULL || (t->stored_from = dup_string(from)) == NULL) goto done;
+    }
     if (!precisions_resolve(&t->geo, t->head_dim, t->prec, err)) goto done;
     int p = 0;
     cJSON_ArrayForEach(item, precs) {
@@ -1298,6 +1467,7 @@ static void usage(FILE *f) {
             "                       [--low P] [--high P] [--stride N] [--page-tokens N]\n"
             "                       [--key-group N] [--value-group N] [--boost N] [--steps N]\n"
             "                       [--threads N] [--ablate none|temporal|role|blind]\n"
+            "                       [--stored-from ALLOCATION.json]\n"
             "       kvmix-calibrate --from-table TABLE.json [--budget B] [--table OUT.json]\n"
             "                       [--allocation OUT.json] [--method ...] [--low P] [--high P]\n"
             "                       [--steps N] [--ablate ...]\n"
@@ -1348,6 +1518,8 @@ static bool parse_options(int argc, char **argv, options *o) {
             o->table_out = v;
         else if (strcmp(a, "--allocation") == 0)
             o->allocation_out = v;
+        else if (strcmp(a, "--stored-from") == 0)
+            ok = geo = (o->stored_from = v) != NULL;
         else if (strcmp(a, "--budget") == 0) {
             o->budget = strtod(v, &end);
             ok = *v != 0 && *end == 0 && o->budget > 0 && o->budget <= KVMIX_ALLOC_MAX_BITS;

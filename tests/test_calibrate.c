@@ -390,6 +390,58 @@ static void check_ablations(void) {
     cJSON_Delete(full);
 }
 
+/* --stored-from the allocation: current-bucket tags measure as before; an aged tag measures the
+   same at every precision at or above what its role held in the current bucket (a demotion
+   never raises a token); the table records the source and reads back to the same bytes. */
+static void check_stored_from(const char *caps_dir) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             QUIET TOOL " --captures %s --stride 64 --threads 2 --stored-from " TMP
+                        "/alloc.json --table " TMP "/stored.json",
+             caps_dir);
+    if (!CHECK_MSG(run(cmd, NULL) == 0, "kvmix-calibrate --stored-from runs")) return;
+    CHECK(run(QUIET TOOL " --from-table " TMP "/stored.json --table " TMP "/stored2.json", NULL) ==
+          0);
+    CHECK_MSG(same_files(TMP "/stored.json", TMP "/stored2.json"), "stored table round trip");
+    cJSON *s = load_json(TMP "/stored.json"), *plain = load_json(TMP "/table4.json"),
+          *a = load_json(TMP "/alloc.json");
+    if (!CHECK(s != NULL && plain != NULL && a != NULL)) goto done;
+    CHECK(strcmp(str(cJSON_GetObjectItemCaseSensitive(s, "geometry"), "stored_from"),
+                 TMP "/alloc.json") == 0);
+    const cJSON *tags = cJSON_GetObjectItemCaseSensitive(s, "tags"), *t;
+    const cJSON *ptags = cJSON_GetObjectItemCaseSensitive(plain, "tags");
+    int bad_current = 0, bad_aged = 0, aged = 0, i = 0;
+    cJSON_ArrayForEach(t, tags) {
+        const cJSON *d = cJSON_GetObjectItemCaseSensitive(t, "distortion");
+        const cJSON *pd =
+            cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(ptags, i++), "distortion");
+        if (strcmp(str(t, "bucket"), "current") == 0) {
+            for (int p = 0; p < 5; p++)
+                bad_current +=
+                    cJSON_GetArrayItem(d, p)->valuedouble != cJSON_GetArrayItem(pd, p)->valuedouble;
+            continue;
+        }
+        int held = 4; /* fp16: what an unlisted current tag keeps */
+        const cJSON *x;
+        cJSON_ArrayForEach(x, cJSON_GetObjectItemCaseSensitive(a, "tags")) {
+            if (strcmp(str(x, "bucket"), "current") == 0 &&
+                strcmp(str(x, "role"), str(t, "role")) == 0 &&
+                strcmp(str(x, "modality"), str(t, "modality")) == 0)
+                held = precision_of(x);
+        }
+        aged++;
+        for (int p = held + 1; p < 5; p++)
+            bad_aged +=
+                cJSON_GetArrayItem(d, p)->valuedouble != cJSON_GetArrayItem(d, held)->valuedouble;
+    }
+    CHECK_MSG(bad_current == 0, "--stored-from: current-bucket tags as without it");
+    CHECK_MSG(aged > 0 && bad_aged == 0, "--stored-from: no aged token rises above what it held");
+done:
+    cJSON_Delete(s);
+    cJSON_Delete(plain);
+    cJSON_Delete(a);
+}
+
 /* ---- bad input -------------------------------------------------------------------------------- */
 static void expect_failure(const char *args, int status, const char *needle) {
     char cmd[2048], *out = NULL;
@@ -482,6 +534,10 @@ static void test_bad_input(const char *caps_dir) {
     expect_failure(args, 1, "precision boosted");
     expect_failure("--from-table " TMP "/table.json --budget 2", 1, "budget");
     expect_failure("--from-table " TMP "/table.json --ablate sideways", 2, "--ablate");
+    expect_failure("--from-table " TMP "/table.json --stored-from " TMP "/alloc.json", 2,
+                   "geometry");
+    snprintf(args, sizeof args, "--captures %s --stored-from " TMP "/no-such-alloc.json", caps_dir);
+    expect_failure(args, 1, "--stored-from");
     expect_failure("--from-table " TMP "/table.json --table " TMP "/no-such-dir/t.json", 1,
                    "cannot write");
     /* tables */
@@ -592,6 +648,7 @@ int main(int argc, char **argv) {
           strcmp(str(a3, "method"), "exhaustive") == 0);
     cJSON_Delete(a3);
     check_ablations();
+    check_stored_from(TMP "/caps");
     test_bad_input(TMP "/caps");
 end:
     printf("%d passed, %d failed\n", n_passed, n_failed);
