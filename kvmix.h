@@ -395,6 +395,7 @@ typedef struct kvmix_cache_page {
     uint8_t sealed; /* 0: an FP16 buffer that accepts rows; 1: sealed */
     uint8_t sink;   /* holds sink positions (stays FP16 when sealed) */
     uint8_t reserved[2];
+    uint32_t run; /* the run of its rows (kvmix_cache_seq_set_run) */
 } kvmix_cache_page;
 
 /* One entry of a sequence's page table: rows [0, n_rows) of `page` hold positions first_pos ..
@@ -415,6 +416,7 @@ typedef struct kvmix_cache_seq {
     int32_t n_live;    /* of them, not evicted */
     int32_t n_entries; /* page-table entries in use */
     int32_t n_written; /* positions 0 .. n_written - 1 have rows on every layer */
+    uint32_t run;      /* the run of the positions reserved next (kvmix_cache_seq_set_run) */
 } kvmix_cache_seq;
 
 #define KVMIX_CACHE_ERROR_BYTES 128 /* a cache's last-error message, its NUL included */
@@ -671,6 +673,16 @@ KVMIXDEF kvmix_result kvmix_cache_seal_ready(kvmix_cache *cache, int32_t seq);
    the last one was sealed). Returns NULL_POINTER, INVALID_ARGUMENT (seq) or OUT_OF_MEMORY,
    leaving the cache exactly as before. */
 KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq);
+
+/* Sets the run of the positions the sequence reserves from now on (reserve, ingest, append; 0 at
+   creation, a fork's child takes its parent's). A page holds one run: the first position of a
+   run that differs from the rows of the buffer page being filled closes that page at its rows
+   (its FP16 bytes move to an allocation of just them, a copy; it then seals as a full page would)
+   and opens a new one. Runs let pages hold tokens whose precision will age alike, so that each
+   page is stored in what its tokens ask for (kvmix_policy_token_run gives a tag's); with one run
+   throughout (0), pages fill whatever the formats and seal in the highest precision their rows
+   ask for. The sink page ignores runs. Returns NULL_POINTER or INVALID_ARGUMENT (seq). */
+KVMIXDEF kvmix_result kvmix_cache_seq_set_run(kvmix_cache *cache, int32_t seq, uint32_t run);
 
 /* Evicts positions (each in [0, n_written); repeats and already evicted ones are fine): their
    slot-map entries become KVMIX_CACHE_DEAD_SLOT, no row moves. A page none of whose rows the
@@ -1422,11 +1434,19 @@ KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table
 /* The formats a policy stores a token of tag `tag` in while the stream is at `current_turn`:
    the policy's key_format / value_format when it has no tag_precision, else
    tag_precision->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality]
-   with a zero format replaced by the policy's, so never 0. Returns NULL_POINTER, INVALID_ARGUMENT (a role or modality out of range), or the policy's
-   check errors (kvmix_policy_check); *out is written only on success. Pure, thread-safe. */
+   with a zero format replaced by the policy's, so never 0. Returns NULL_POINTER,
+   INVALID_ARGUMENT (a role or modality out of range), or the policy's check errors
+   (kvmix_policy_check); *out is written only on success. Pure, thread-safe. */
 KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
                                                    int32_t current_turn,
                                                    kvmix_cache_precision *out);
+
+/* The run (kvmix_cache_seq_set_run) of a token of tag `tag`: 0 without tag_precision, else a
+   nonzero 32-bit hash of the tag's turn and its formats in every bucket, so that the tokens a page
+   holds age alike and kvmix_policy_retier_turn gives each of them what it asks for. Errors as
+   kvmix_policy_token_precision; *out_run is written only on success. Pure, thread-safe. */
+KVMIXDEF kvmix_result kvmix_policy_token_run(const kvmix_policy *policy, kvmix_tag tag,
+                                             uint32_t *out_run);
 /* Ages a sequence's stored precision to `current_turn`, as a loop calls it when a new user turn
    begins. For every page the sequence alone references (sinks excepted), the formats its live
    positions now ask for (kvmix_policy_token_precision of tags[position] at current_turn; the
@@ -3146,6 +3166,7 @@ typedef struct kvmix__sim_page {
     uint8_t want_value;
     uint8_t keys_sealed; /* keys packed, values still FP16 (a values-only window) */
     uint8_t reserved[2];
+    uint32_t run;
     int64_t start; /* granule */
     int64_t n_granules;
 } kvmix__sim_page;
@@ -4212,6 +4233,7 @@ static kvmix__why kvmix__seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_
     memset(cs, 0, sizeof *cs);
     cs->in_use = 1;
     cs->n_tokens = n_prefix;
+    cs->run = ps->run;
     kvmix__seq_set_written(cache, child, n_prefix); /* also cs->n_written */
     for (i = 0; i < ps->n_entries && pe[i].first_pos < n_prefix; i++) {
         ce[i] = pe[i];
@@ -4319,21 +4341,24 @@ static void kvmix__plan_begin(kvmix_cache *c, int32_t seq, kvmix__plan *plan, in
         sp->want_key = p->want_key;
         sp->want_value = p->want_value;
         sp->keys_sealed = p->key_format != KVMIX_FORMAT_FP16;
+        sp->run = p->run;
         sp->start = (int64_t)(p->offset / c->desc.granule_bytes);
         sp->n_granules = (int64_t)p->n_granules;
     }
     plan->tail_open = plan->n > 0 && plan->pages[plan->n - 1].entry == s->n_entries - 1;
 }
 
-/* Copy on write of a shared buffer page: the rows the sequence uses move to a new page. */
+/* The rows the sequence uses of buffer page sp move to a new buffer page of `capacity` rows:
+   copy on write of a shared page (its capacity), or the close of a run (its rows). */
 static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
-                                     kvmix__sim_page *sp) {
-    kvmix__geom g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, sp->capacity);
+                                     kvmix__sim_page *sp, int32_t capacity) {
+    kvmix__geom g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, capacity);
+    kvmix__geom og = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, sp->capacity);
     int64_t n = kvmix__granules_of(c, g.total_bytes), start;
     if (plan->dry && plan->new_pages + 1 > c->priv.n_free_pages)
         return kvmix__plan_fail(plan, "page descriptors", KVMIX__HELD_DESCRIPTORS);
     if ((start = kvmix__arena_take(c, plan, n, KVMIX__PASSING)) < 0)
-        return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "the copy of a shared page");
+        return kvmix__plan_fail(plan, "arena", KVMIX__NO_RUN "the copy of a buffer page");
     if (plan->dry && c->desc.device_arena)
         plan->n_jobs += 2 * c->desc.n_layers * c->desc.n_kv_heads;
     if (!plan->dry) {
@@ -4348,16 +4373,18 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
         np->n_granules = (uint32_t)n;
         np->refcount = 1;
         np->n_rows = sp->rows;
+        np->capacity = capacity;
         if (c->desc.device_arena) kvmix__fence(c, old, id, 0);
         for (layer = 0; layer < c->desc.n_layers; layer++)
             for (kv = 0; kv < 2; kv++)
                 for (h = 0; h < c->desc.n_kv_heads; h++) {
-                    size_t at = kvmix__block_offset(c, &g, layer, kv, h);
+                    size_t from = kvmix__block_offset(c, &og, layer, kv, h);
+                    size_t to = kvmix__block_offset(c, &g, layer, kv, h);
                     if (c->desc.device_arena)
-                        kvmix__queue(c,
-                                     kvmix__copy_job(op->offset + at, np->offset + at, row_bytes));
+                        kvmix__queue(
+                            c, kvmix__copy_job(op->offset + from, np->offset + to, row_bytes));
                     else
-                        memcpy(c->arena + np->offset + at, c->arena + op->offset + at, row_bytes);
+                        memcpy(c->arena + np->offset + to, c->arena + op->offset + from, row_bytes);
                 }
         if (c->desc.device_arena) kvmix__mark_pages(c, old, id);
         for (r = 0; r < sp->rows; r++)
@@ -4366,11 +4393,15 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
         e->page = id;
         kvmix__page_release(c, old);
     }
+    /* a page the sequence alone held is freed (by its release above when real): the plan frees
+       its granules too, so that it sees the arena the real run will */
+    if (plan->dry && !sp->shared) kvmix__arena_give(c, plan, sp->start, sp->n_granules);
     plan->new_pages++;
     sp->start = start;
     sp->n_granules = n;
     sp->shared = 0;
     sp->page_rows = sp->rows;
+    sp->capacity = capacity;
     return KVMIX_SUCCESS;
 }
 
@@ -4431,6 +4462,7 @@ static void kvmix__plan_reserve(kvmix_cache *c, int32_t seq, kvmix__plan *plan, 
     if (!sp->sink) {
         sp->want_key = kvmix__higher_format(sp->want_key, want.key_format);
         sp->want_value = kvmix__higher_format(sp->want_value, want.value_format);
+        sp->run = c->seqs[seq].run;
     }
     if (!plan->dry) {
         kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[sp->entry];
@@ -4439,6 +4471,7 @@ static void kvmix__plan_reserve(kvmix_cache *c, int32_t seq, kvmix__plan *plan, 
         p->n_rows = row + 1;
         p->want_key = sp->want_key;
         p->want_value = sp->want_value;
+        p->run = sp->run;
         e->n_rows = row + 1;
         kvmix__seq_slots(c, seq)[plan->len] = kvmix__slot(c, e->page, row);
         c->seqs[seq].n_tokens++;
@@ -4619,16 +4652,22 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
     int32_t t;
     for (t = 0; t < n_tokens; t++) {
         kvmix__sim_page *tail = plan->tail_open ? &plan->pages[plan->n - 1] : NULL;
+        kvmix_cache_precision want =
+            precisions ? kvmix__precision_or_default(c, precisions[t]) : c->desc.default_precision;
         int writable = tail && !tail->sealed && !tail->keys_sealed && tail->rows < tail->capacity;
+        if (writable && !tail->sink && tail->rows > 0 && c->seqs[seq].run != tail->run) {
+            /* a new run: the page closes at its rows, full at a capacity of just them */
+            if ((r = kvmix__plan_copy(c, seq, plan, tail, tail->rows)) != KVMIX_SUCCESS) return r;
+            writable = 0;
+        }
         if (writable && tail->shared) {
-            if ((r = kvmix__plan_copy(c, seq, plan, tail)) != KVMIX_SUCCESS) return r;
+            if ((r = kvmix__plan_copy(c, seq, plan, tail, tail->capacity)) != KVMIX_SUCCESS)
+                return r;
         } else if (!writable) {
             if ((r = kvmix__plan_new_page(c, seq, plan)) != KVMIX_SUCCESS) return r;
             tail = &plan->pages[plan->n - 1];
         }
-        kvmix__plan_reserve(c, seq, plan, tail,
-                            precisions ? kvmix__precision_or_default(c, precisions[t])
-                                       : c->desc.default_precision);
+        kvmix__plan_reserve(c, seq, plan, tail, want);
         if (keys) {
             if (!plan->dry) {
                 const kvmix_cache_entry *e = &kvmix__seq_entries(c, seq)[tail->entry];
@@ -5066,6 +5105,13 @@ KVMIXDEF kvmix_result kvmix_cache_seal_ready(kvmix_cache *cache, int32_t seq) {
 KVMIXDEF kvmix_result kvmix_cache_seq_finish(kvmix_cache *cache, int32_t seq) {
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     return kvmix__record(cache, kvmix__seal(cache, seq, 1));
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_set_run(kvmix_cache *cache, int32_t seq, uint32_t run) {
+    kvmix__why w;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result == KVMIX_SUCCESS) cache->seqs[seq].run = run;
+    return kvmix__record(cache, w);
 }
 
 /* ---- re-tiering ----------------------------------------------------------------------------- */
@@ -7737,6 +7783,21 @@ KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table
     return KVMIX_SUCCESS;
 }
 
+/* A token's run (kvmix_cache_seq_set_run): its turn and its tag's formats in every bucket,
+   FNV-1a hashed (0 made 1), so that tokens that will age alike share pages. */
+static uint32_t kvmix__tag_run(const kvmix_tag_precision *table, kvmix_tag tag) {
+    uint32_t h = 2166136261u;
+    int32_t b, i;
+    uint8_t bytes[4 + 2 * KVMIX_TAG_N_BUCKETS];
+    for (i = 0; i < 4; i++) bytes[i] = (uint8_t)((uint32_t)tag.turn >> (8 * i));
+    for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++) {
+        bytes[4 + 2 * b] = table->formats[b][tag.role][tag.modality].key_format;
+        bytes[5 + 2 * b] = table->formats[b][tag.role][tag.modality].value_format;
+    }
+    for (i = 0; i < (int32_t)sizeof bytes; i++) h = (h ^ bytes[i]) * 16777619u;
+    return h ? h : 1u;
+}
+
 KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
                                                    int32_t current_turn,
                                                    kvmix_cache_precision *out) {
@@ -7754,6 +7815,17 @@ KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, k
                ->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality];
     if (out->key_format == 0) out->key_format = (uint8_t)policy->key_format;
     if (out->value_format == 0) out->value_format = (uint8_t)policy->value_format;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_policy_token_run(const kvmix_policy *policy, kvmix_tag tag,
+                                             uint32_t *out_run) {
+    kvmix_result r;
+    if (!policy || !out_run) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_policy_check(policy, NULL)) != KVMIX_SUCCESS) return r;
+    if (tag.role >= KVMIX_TAG_N_ROLES || tag.modality >= KVMIX_TAG_N_MODALITIES)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_run = policy->tag_precision ? kvmix__tag_run(policy->tag_precision, tag) : 0;
     return KVMIX_SUCCESS;
 }
 

@@ -164,7 +164,7 @@ static bool run_policy(const llama_model *m, const char *name, int32_t context, 
     bool ok = gpu_llama_create(m, p, MAX_SEQS, context + 8 * (WARM_STEPS + steps) + 64, budget, &g,
                                err, sizeof err) == LLAMA_OK;
     int32_t fit = ok ? fill_until_full(g, &m->config, p, context, prec, err, sizeof err) : 0;
-    llama_kv_stats st = {0, 0.0, 0};
+    llama_kv_stats st = {0};
     if (ok && fit > 0) gpu_llama_seq_stats(g, 0, &st);
     row->fit = fit;
     for (int32_t b = 1; ok && b <= fit; b = b * 4 > fit && b < fit ? fit : b * 4)

@@ -99,6 +99,7 @@ struct gpu_llama {
     kvmix_tag_spec tag_spec;
     kvmix_tagger *taggers;         /* [max_seqs] */
     kvmix_cache_precision *by_tag; /* [max_seqs] */
+    uint32_t *runs;                /* [max_seqs]: the step tokens' runs (kvmix_policy_token_run) */
     kvmix_tag *tags;               /* [max_seqs][max_tokens]: each position's tag */
     int32_t *turns;                /* [max_seqs]: the turn each sequence's cache was aged to */
     /* profile */
@@ -398,6 +399,8 @@ kvmix_result cache_desc(const gpu_llama *g, kvmix_cache_desc *d) {
     if (r != KVMIX_SUCCESS) return r;
     /* BOOSTED keys that a tag allocation asks of a policy without them: as kvmix_kv.c */
     if (d->n_boost == 0) d->n_boost = d->head_dim / 8;
+    /* tagged tokens close a page at each new run: room for runs of 4 tokens, as kvmix_kv.c */
+    d->max_pages_per_seq = d->max_tokens_per_seq / 4 + 8;
     size_t page_bytes =
         (size_t)d->n_layers * d->n_kv_heads * 2 * (size_t)d->page_tokens * (size_t)d->head_dim * 2;
     size_t granule = 256, pages = (size_t)(g->max_tokens / d->page_tokens) + 4;
@@ -727,8 +730,11 @@ llama_result tag_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens, 
         p->key_format = (uint8_t)g->tag_policy.key_format;
         p->value_format = (uint8_t)g->tag_policy.value_format;
         memset(&tag, 0, sizeof tag); /* a token the tagger refuses: turn 0, the policy's formats */
-        if (kvmix_tagger_feed(&g->taggers[s], &tokens[i], 1, &tag) == KVMIX_SUCCESS)
+        g->runs[i] = 0;
+        if (kvmix_tagger_feed(&g->taggers[s], &tokens[i], 1, &tag) == KVMIX_SUCCESS) {
             kvmix_policy_token_precision(&g->tag_policy, tag, tag.turn, p);
+            kvmix_policy_token_run(&g->tag_policy, tag, &g->runs[i]);
+        }
         g->tags[(size_t)s * (size_t)g->max_tokens + (size_t)g->next_pos[s]] = tag;
         if (tag.turn <= g->turns[s]) continue;
         g->turns[s] = tag.turn;
@@ -750,6 +756,7 @@ llama_result reserve_positions(gpu_llama *g, const int32_t *seqs, int32_t n,
     for (int32_t i = 0; i < n; i++) {
         int32_t kv = g->kv_seq[seqs[i]];
         const kvmix_cache_precision *p = precisions ? &precisions[i] : NULL;
+        if (p) TRY_KVMIX(kvmix_cache_seq_set_run(&g->cache, kv, g->runs[i]), "setting a run");
         llama_result r =
             call_with_room(g, g->k16, g->v16, "reserving a position", err, err_bytes,
                            [&] { return kvmix_cache_reserve(&g->cache, kv, 1, p, NULL); });
@@ -977,7 +984,7 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     if (g->stream) cudaStreamDestroy(g->stream);
     free(g->cache_memory), free(g->kv_seq), free(g->step_kv_seqs), free(g->batches);
     free(g->next_pos), free(g->in_use), free(g->taggers), free(g->by_tag), free(g->tags);
-    free(g->turns);
+    free(g->turns), free(g->runs);
     free(g);
 }
 
@@ -1282,7 +1289,8 @@ extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
         g->by_tag = (kvmix_cache_precision *)calloc((size_t)g->max_seqs, sizeof *g->by_tag);
         g->tags = (kvmix_tag *)calloc((size_t)g->max_seqs * (size_t)g->max_tokens, sizeof *g->tags);
         g->turns = (int32_t *)calloc((size_t)g->max_seqs, sizeof *g->turns);
-        if (!g->taggers || !g->by_tag || !g->tags || !g->turns)
+        g->runs = (uint32_t *)calloc((size_t)g->max_seqs, sizeof *g->runs);
+        if (!g->taggers || !g->by_tag || !g->tags || !g->turns || !g->runs)
             return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     }
     llama_result r = kvmix_kv_policy_tagged(&g->policy, table, &g->tag_table, &g->tag_policy,

@@ -496,6 +496,7 @@ typedef struct kv_kvmix {
     kvmix_tag_precision table;
     kvmix_tagger tagger;
     kvmix_cache_precision next;
+    uint32_t next_run; /* its run (kvmix_policy_token_run): tokens that age alike share pages */
     int64_t next_pos;
     kvmix_tag *tags; /* [capacity]: each position's tag */
     int32_t turn;    /* the turn the cache was aged to (kvmix_policy_retier_turn) */
@@ -517,7 +518,9 @@ static llama_result kv_kvmix_store(void *state, int32_t layer, int64_t pos, cons
      * The cache stores it as the policy says (kvmix_policy_apply made it the default). */
     if (layer == 0 && kv->cache.seqs[kv->seq].n_tokens == pos) {
         const kvmix_cache_precision *by_tag = kv->tagged && kv->next_pos == pos ? &kv->next : NULL;
-        kvmix_result r = kvmix_cache_reserve(&kv->cache, kv->seq, 1, by_tag, NULL);
+        kvmix_result r =
+            by_tag ? kvmix_cache_seq_set_run(&kv->cache, kv->seq, kv->next_run) : KVMIX_SUCCESS;
+        if (r == KVMIX_SUCCESS) r = kvmix_cache_reserve(&kv->cache, kv->seq, 1, by_tag, NULL);
         if (r == KVMIX_ERR_OUT_OF_MEMORY) return LLAMA_ERR_CAPACITY;
         if (r != KVMIX_SUCCESS) return LLAMA_ERR_ARGUMENT;
     }
@@ -574,7 +577,8 @@ static void kv_kvmix_on_token(void *state, int64_t pos, int32_t id) {
     kv->next_pos = -1;
     if (pos < 0 || pos >= kv->capacity ||
         kvmix_tagger_feed(&kv->tagger, &id, 1, &tag) != KVMIX_SUCCESS ||
-        kvmix_policy_token_precision(&kv->policy, tag, tag.turn, &kv->next) != KVMIX_SUCCESS)
+        kvmix_policy_token_precision(&kv->policy, tag, tag.turn, &kv->next) != KVMIX_SUCCESS ||
+        kvmix_policy_token_run(&kv->policy, tag, &kv->next_run) != KVMIX_SUCCESS)
         return;
     kv->next_pos = pos;
     kv->tags[pos] = tag;
@@ -639,6 +643,9 @@ static kvmix_result init_cache(kv_kvmix *kv, const kvmix_policy *p, const llama_
     /* BOOSTED keys that a tag allocation asks of a policy without them get kvmix-calibrate's
      * boost, head_dim / 8 channels (a desc's n_boost of 0 refuses BOOSTED) */
     if (desc.n_boost == 0) desc.n_boost = desc.head_dim / 8;
+    /* tagged tokens close a page at each new run (kvmix_cache_seq_set_run): room for runs of 4
+     * tokens on average (the traces' average 60); 16 bytes of page table a page */
+    desc.max_pages_per_seq = desc.max_tokens_per_seq / 4 + 8;
     size_t page_bytes = (size_t)config->n_layers * (size_t)config->n_kv_heads * 2 *
                         (size_t)desc.page_tokens * (size_t)config->head_dim * 2;
     size_t granule = 256, n_pages = (size_t)(kv->capacity / desc.page_tokens) + 4;

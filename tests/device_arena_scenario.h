@@ -326,6 +326,11 @@ static void da_step(da_state *s) {
     }
     if (op < 55) {
         int32_t room = d->max_tokens_per_seq - s->host.seqs[seq].n_tokens;
+        if (da_rand(s, 4) == 0) { /* a new run closes the page being filled */
+            uint32_t run = da_rand(s, 3);
+            da_same(s, kvmix_cache_seq_set_run(&s->host, seq, run),
+                    kvmix_cache_seq_set_run(&s->device, seq, run), "set run");
+        }
         int32_t n = 1 + (int32_t)da_rand(s, op < 40 ? 3 : 24);
         if (n > room) n = room;
         if (n > 0) da_extend(s, seq, n);

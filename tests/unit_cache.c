@@ -868,8 +868,12 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
             ct_op_retier(&m, s, 0);
         else if (kind < 91)
             ct_op_retier(&m, s, 1);
-        else if (kind < 100)
+        else if (kind < 96)
             ct_op_free(&m, s);
+        else if (kind < 100) /* runs: a page holds one, a change closes the page being filled */
+            CHECK_RESULT(
+                kvmix_cache_seq_set_run(&m.cache, s, (uint32_t)test_rng_range(&m.rng, 0, 3)),
+                KVMIX_SUCCESS);
         else if (kind < 106)
             ct_reserve(&m, s, test_rng_range(&m.rng, 1, 16), NULL);
         else if (kind < 112)
@@ -1920,6 +1924,76 @@ static void test_error_messages(void) {
     kvmix_cache_deinit(&cache);
 }
 
+/* Runs: a page holds one run. The first position of a new run closes the page being filled at its
+   rows (FP16 bytes of just them) and it seals in its own rows' formats, where one run throughout
+   seals the whole page in the highest precision any row asked for. */
+static void test_runs(void) {
+    kvmix_cache_desc d;
+    kvmix_cache with, without;
+    kvmix_cache_seq_stats st;
+    kvmix_cache_precision int8 = {KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8},
+                          int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4}, got;
+    float rows[2 * 2 * 64];
+    int32_t s = -1, t = -1, i, pos;
+    uint32_t a = 0, b = 0;
+    test_context("runs");
+    memset(&d, 0, sizeof d);
+    d.n_layers = 2;
+    d.n_kv_heads = 2;
+    d.head_dim = 64;
+    d.page_tokens = 16;
+    d.n_window = 32;
+    d.max_seqs = 2;
+    d.arena_bytes = 1 << 20;
+    for (i = 0; i < 2 * 2 * 64; i++) rows[i] = (float)(i % 13) / 8.0f - 0.75f;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&with, &d, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&without, &d, NULL), KVMIX_SUCCESS)) return;
+    CHECK_RESULT(kvmix_cache_seq_create(&with, &s), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&without, &t), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_set_run(&with, 3, 1), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_seq_set_run(NULL, s, 1), KVMIX_ERR_NULL_POINTER);
+    /* 5 INT8 positions of run 1, then 60 INT4 positions of run 2 (set twice: no second close) */
+    CHECK_RESULT(kvmix_cache_seq_set_run(&with, s, 1), KVMIX_SUCCESS);
+    for (pos = 0; pos < 65; pos++) {
+        kvmix_cache_precision want = pos < 5 ? int8 : int4;
+        if (pos == 5 || pos == 9) CHECK_RESULT(kvmix_cache_seq_set_run(&with, s, 2), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_append(&with, s, rows, rows, want), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_append(&without, t, rows, rows, want), KVMIX_SUCCESS);
+        if (pos == 5) { /* the closed page holds 5 FP16 rows, the new one a page */
+            CHECK_RESULT(kvmix_cache_seq_stats_get(&with, s, &st), KVMIX_SUCCESS);
+            CHECK_EQ_UINT(st.referenced_bytes, (5 + 16) * 2 * 2 * 2 * 64 * 2);
+        }
+    }
+    CHECK_RESULT(kvmix_cache_locate(&with, s, 4, &a), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_locate(&with, s, 5, &b), KVMIX_SUCCESS);
+    CHECK(a / 16 != b / 16); /* the run's first position opened a page */
+    CHECK_RESULT(kvmix_cache_locate(&with, s, 9, &a), KVMIX_SUCCESS);
+    CHECK(a / 16 == b / 16);         /* the same run again: the same page */
+    for (pos = 0; pos < 21; pos++) { /* sealed: 0..4 and 5..20 left the window of 32 */
+        CHECK_RESULT(kvmix_cache_read(&with, s, 1, pos, NULL, NULL, &got), KVMIX_SUCCESS);
+        CHECK(got.key_format == (pos < 5 ? int8 : int4).key_format);
+        CHECK_RESULT(kvmix_cache_read(&without, t, 1, pos, NULL, NULL, &got), KVMIX_SUCCESS);
+        CHECK(got.key_format == (pos < 16 ? int8 : int4).key_format); /* the page's highest */
+    }
+    CHECK_RESULT(kvmix_cache_seq_stats_get(&with, s, &st), KVMIX_SUCCESS);
+    CHECK_EQ_INT(st.n_packed_rows, 21);
+    CHECK_RESULT(kvmix_cache_check(&with), KVMIX_SUCCESS);
+    /* a child forked inside the run's page shares it; its own new run closes its copy */
+    CHECK_RESULT(kvmix_cache_seq_fork(&with, s, 60, &t), KVMIX_SUCCESS);
+    CHECK_EQ_INT(with.seqs[t].run, 2);
+    CHECK_RESULT(kvmix_cache_seq_set_run(&with, t, 7), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_append(&with, t, rows, rows, int8), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_locate(&with, t, 59, &a), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_locate(&with, t, 60, &b), KVMIX_SUCCESS);
+    CHECK(a / 16 != b / 16);
+    CHECK_RESULT(kvmix_cache_locate(&with, s, 59, &b), KVMIX_SUCCESS);
+    CHECK(a / 16 != b / 16); /* the child's closed copy, not the parent's page */
+    CHECK_RESULT(kvmix_cache_check(&with), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&with);
+    kvmix_cache_deinit(&without);
+    test_context(NULL);
+}
+
 void unit_cache(void) {
     int32_t config;
     test_bad_inputs();
@@ -1935,5 +2009,6 @@ void unit_cache(void) {
     test_release_and_check();
     test_reserve_write();
     test_reserve_write_bad_inputs();
+    test_runs();
     for (config = 0; config < 24 && test_failed_count() == 0; config++) ct_random_run(config, 480);
 }

@@ -323,14 +323,19 @@ static void retier_table(kvmix_tag_precision *table) {
 }
 
 /* Appends positions [from, to) with random rows, each in its tag's formats at turn `current`
-   (-1: its own turn). */
+   (-1: its own turn), in its tag's run when `runs`. */
 static void retier_append(kvmix_cache *cache, int32_t seq, const kvmix_policy *p, int32_t from,
-                          int32_t to, int32_t current, test_rng *rng) {
+                          int32_t to, int32_t current, int runs, test_rng *rng) {
     float k[2 * 2 * 64], v[2 * 2 * 64];
     int32_t pos, i;
     for (pos = from; pos < to; pos++) {
         kvmix_cache_precision want;
         kvmix_tag t = retier_tag(pos);
+        uint32_t run = 0;
+        if (runs) {
+            CHECK_RESULT(kvmix_policy_token_run(p, t, &run), KVMIX_SUCCESS);
+            CHECK_RESULT(kvmix_cache_seq_set_run(cache, seq, run), KVMIX_SUCCESS);
+        }
         for (i = 0; i < 2 * 2 * 64; i++) {
             k[i] = (float)test_rng_normal(rng);
             v[i] = (float)test_rng_normal(rng);
@@ -361,6 +366,73 @@ static int format_rank_of(uint8_t f) {
     for (i = 0; i < 6; i++)
         if (order[i] == f) return i;
     return -1;
+}
+
+/* Bytes of a block of `rows` rows of head_dim 64 in `format` at the test's group of 32. */
+static size_t block_bytes(uint8_t format, int32_t rows) {
+    kvmix_layout l;
+    size_t bytes = 0;
+    memset(&l, 0, sizeof l);
+    l.format = (kvmix_format)format;
+    l.n_tokens = rows;
+    l.head_dim = 64;
+    l.group_size = format == KVMIX_FORMAT_INT2_CHANNEL || format == KVMIX_FORMAT_FP16 ? 0 : 32;
+    kvmix_layout_bytes(&l, &bytes);
+    return bytes;
+}
+
+/* With each tag's run (kvmix_policy_token_run), pages hold tokens that age alike: once aged, every
+   sealed position holds exactly what its tag asks for at the turn (or what it held, when that is
+   lower: a demotion never raises), the allocation's per-token precision. */
+static void test_retier_runs(const kvmix_policy *p, const kvmix_cache_desc *desc) {
+    enum { N = 88 };
+    kvmix_cache cache;
+    kvmix_cache_desc d = *desc;
+    kvmix_tag tags[N];
+    test_rng rng;
+    int32_t seq, pos, turn, exact = 0;
+    uint32_t a = 0, b = 0;
+    kvmix_tag user = retier_tag(8), obs = retier_tag(20);
+    CHECK_RESULT(kvmix_policy_token_run(p, user, &a), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_policy_token_run(p, obs, &b), KVMIX_SUCCESS);
+    CHECK(a != 0 && b != 0 && a != b);
+    user.role = KVMIX_TAG_N_ROLES;
+    CHECK_RESULT(kvmix_policy_token_run(p, user, &a), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_policy_token_run(kvmix_policy_find("int4"), obs, &a), KVMIX_SUCCESS);
+    CHECK(a == 0); /* no tags: one run */
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS)) return;
+    kvmix_cache_seq_create(&cache, &seq);
+    for (pos = 0; pos < N; pos++) tags[pos] = retier_tag(pos);
+    test_rng_init(&rng, "retier runs");
+    retier_append(&cache, seq, p, 0, N, -1, 1, &rng);
+    for (turn = 2; turn <= 4; turn++) {
+        CHECK_RESULT(kvmix_policy_retier_turn(p, &cache, seq, tags, N, turn, NULL), KVMIX_SUCCESS);
+        for (pos = 0; pos < N; pos++) {
+            uint32_t slot = 0;
+            kvmix_cache_precision held, want, own;
+            kvmix_cache_locate(&cache, seq, pos, &slot);
+            if (!cache.pages[slot / 16].sealed || cache.pages[slot / 16].sink) continue;
+            kvmix_cache_read(&cache, seq, 0, pos, NULL, NULL, &held);
+            kvmix_policy_token_precision(p, tags[pos], turn, &want);
+            kvmix_policy_token_precision(p, tags[pos], tags[pos].turn, &own);
+            if (format_rank_of(want.key_format) > format_rank_of(own.key_format))
+                want.key_format = own.key_format;
+            if (format_rank_of(want.value_format) > format_rank_of(own.value_format))
+                want.value_format = own.value_format;
+            test_context("retier runs: turn %d position %d", turn, pos);
+            if (held.key_format == want.key_format && held.value_format == want.value_format)
+                exact++;
+            else /* kept: the lower formats would take more bytes (metadata over a few rows) */
+                CHECK(block_bytes(held.key_format, cache.pages[slot / 16].n_rows) <
+                          block_bytes(want.key_format, cache.pages[slot / 16].n_rows) ||
+                      block_bytes(held.value_format, cache.pages[slot / 16].n_rows) <
+                          block_bytes(want.value_format, cache.pages[slot / 16].n_rows));
+        }
+    }
+    test_context("retier runs");
+    CHECK(exact > 3 * 48);
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
 }
 
 /* kvmix_policy_retier_turn: each page the sequence alone holds falls to the highest formats its
@@ -398,9 +470,9 @@ static void test_retier_turn(void) {
     kvmix_cache_seq_create(&cache, &seq);
     kvmix_cache_seq_create(&twin, &twin_seq);
     test_rng_init(&rng, "retier turn");
-    retier_append(&cache, seq, &p, 0, N, -1, &rng);
+    retier_append(&cache, seq, &p, 0, N, -1, 0, &rng);
     test_rng_init(&rng, "retier turn");
-    retier_append(&twin, twin_seq, &p, 0, N, -1, &rng);
+    retier_append(&twin, twin_seq, &p, 0, N, -1, 0, &rng);
     CHECK_RESULT(kvmix_cache_seq_fork(&cache, seq, 20, &child), KVMIX_SUCCESS); /* shares 4..19 */
     retier_snapshot(&cache, seq, N, pages, before, rows);
 
@@ -472,13 +544,14 @@ static void test_retier_turn(void) {
     /* turn 3: the buffer page (positions 84..99, INT8 observations so far) seals to what its
        positions ask then: INT8 keys for the user text, INT4 values */
     CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, tags, N, CUR + 1, &done), KVMIX_SUCCESS);
-    retier_append(&cache, seq, &p, N, N + 16, CUR + 1, &rng);
+    retier_append(&cache, seq, &p, N, N + 16, CUR + 1, 0, &rng);
     CHECK_RESULT(kvmix_cache_seq_finish(&cache, seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_read(&cache, seq, 0, N - 2, NULL, NULL, &after[0]), KVMIX_SUCCESS);
     CHECK(after[0].key_format == KVMIX_FORMAT_INT8 && after[0].value_format == KVMIX_FORMAT_INT4);
     CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
     kvmix_cache_deinit(&cache);
     kvmix_cache_deinit(&twin);
+    test_retier_runs(&p, &desc);
     test_context(NULL);
 }
 
