@@ -394,7 +394,9 @@ typedef struct kvmix_cache_page {
     uint8_t want_value;
     uint8_t sealed; /* 0: an FP16 buffer that accepts rows; 1: sealed */
     uint8_t sink;   /* holds sink positions (stays FP16 when sealed) */
-    uint8_t reserved[2];
+    uint8_t closed; /* a buffer a new run closed: takes no rows, seals at capacity rows, the rows
+                       past n_rows repeating its last one (dead in views) */
+    uint8_t reserved;
     uint32_t run; /* the run of its rows (kvmix_cache_seq_set_run) */
 } kvmix_cache_page;
 
@@ -3165,7 +3167,8 @@ typedef struct kvmix__sim_page {
     uint8_t want_key;
     uint8_t want_value;
     uint8_t keys_sealed; /* keys packed, values still FP16 (a values-only window) */
-    uint8_t reserved[2];
+    uint8_t closed;
+    uint8_t reserved;
     uint32_t run;
     int64_t start; /* granule */
     int64_t n_granules;
@@ -4342,6 +4345,7 @@ static void kvmix__plan_begin(kvmix_cache *c, int32_t seq, kvmix__plan *plan, in
         sp->want_value = p->want_value;
         sp->keys_sealed = p->key_format != KVMIX_FORMAT_FP16;
         sp->run = p->run;
+        sp->closed = p->closed;
         sp->start = (int64_t)(p->offset / c->desc.granule_bytes);
         sp->n_granules = (int64_t)p->n_granules;
     }
@@ -4349,9 +4353,10 @@ static void kvmix__plan_begin(kvmix_cache *c, int32_t seq, kvmix__plan *plan, in
 }
 
 /* The rows the sequence uses of buffer page sp move to a new buffer page of `capacity` rows:
-   copy on write of a shared page (its capacity), or the close of a run (its rows). */
+   copy on write of a shared page (its capacity), or the close of a run (closing: its rows
+   rounded up to a multiple of 8, the alignment of the blocks the decode kernel reads). */
 static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *plan,
-                                     kvmix__sim_page *sp, int32_t capacity) {
+                                     kvmix__sim_page *sp, int32_t capacity, int closing) {
     kvmix__geom g = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, capacity);
     kvmix__geom og = kvmix__page_geom(c, KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 0, sp->capacity);
     int64_t n = kvmix__granules_of(c, g.total_bytes), start;
@@ -4374,6 +4379,7 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
         np->refcount = 1;
         np->n_rows = sp->rows;
         np->capacity = capacity;
+        np->closed = (uint8_t)closing;
         if (c->desc.device_arena) kvmix__fence(c, old, id, 0);
         for (layer = 0; layer < c->desc.n_layers; layer++)
             for (kv = 0; kv < 2; kv++)
@@ -4402,6 +4408,7 @@ static kvmix_result kvmix__plan_copy(kvmix_cache *c, int32_t seq, kvmix__plan *p
     sp->shared = 0;
     sp->page_rows = sp->rows;
     sp->capacity = capacity;
+    sp->closed = (uint8_t)closing;
     return KVMIX_SUCCESS;
 }
 
@@ -4526,6 +4533,30 @@ static void kvmix__queue_seal(kvmix_cache *c, int is_value, uint8_t source_forma
     kvmix__queue(c, j);
 }
 
+/* A closed page's rows [live, capacity) repeat its last row, so that a seal over its capacity
+   (whole blocks of 8) takes statistics of its rows alone. */
+static void kvmix__pad_rows(kvmix_cache *c, uint32_t id, int32_t live) {
+    const kvmix_cache_page *p = &c->pages[id];
+    kvmix__geom g = kvmix__geom_of(c, p);
+    size_t row = (size_t)c->desc.head_dim * 2;
+    int32_t layer, kv, h, r;
+    if (c->desc.device_arena) kvmix__fence(c, id, id, 1);
+    for (layer = 0; layer < c->desc.n_layers; layer++)
+        for (kv = 0; kv < 2; kv++)
+            for (h = 0; h < c->desc.n_kv_heads; h++) {
+                uint64_t last = p->offset + kvmix__block_offset(c, &g, layer, kv, h) +
+                                (uint64_t)(live - 1) * row;
+                for (r = live; r < p->capacity; r++) {
+                    uint64_t to = last + (uint64_t)(r - live + 1) * row;
+                    if (c->desc.device_arena)
+                        kvmix__queue(c, kvmix__copy_job(last, to, row));
+                    else
+                        memcpy(c->arena + to, c->arena + last, row);
+                }
+            }
+    if (c->desc.device_arena) kvmix__mark_pages(c, id, id);
+}
+
 /* Seals buffer page sp with `rows` rows into (key_format, value_format): by flag when both are
    FP16, otherwise quantized into a new allocation and the old bytes freed. With keys_only the
    values stay FP16 and the page unsealed: a values-only window still holds them. */
@@ -4536,8 +4567,16 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     int64_t n, start;
     if (sp->sink || key_format == 0) key_format = KVMIX_FORMAT_FP16;
     if (sp->sink || value_format == 0 || keys_only) value_format = KVMIX_FORMAT_FP16;
+    if (keys_only && key_format == KVMIX_FORMAT_FP16) return KVMIX_SUCCESS; /* nothing yet */
+    if (sp->closed && sp->page_rows < rows) { /* its padding first, then its seal */
+        if (plan->dry && c->desc.device_arena)
+            plan->n_jobs += (rows - sp->page_rows) * 2 * c->desc.n_layers * c->desc.n_kv_heads;
+        if (!plan->dry)
+            kvmix__pad_rows(c, kvmix__seq_entries(c, seq)[sp->entry].page, sp->page_rows);
+        if (!plan->dry) c->pages[kvmix__seq_entries(c, seq)[sp->entry].page].n_rows = rows;
+        sp->page_rows = rows;
+    }
     if (key_format == KVMIX_FORMAT_FP16 && value_format == KVMIX_FORMAT_FP16) {
-        if (keys_only) return KVMIX_SUCCESS; /* FP16 keys: nothing to seal yet */
         if (!plan->dry) {
             kvmix_cache_page *p = &c->pages[kvmix__seq_entries(c, seq)[sp->entry].page];
             p->n_rows = rows;
@@ -4591,7 +4630,8 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
 }
 
 static int kvmix__sim_full_and_written(const kvmix__plan *plan, const kvmix__sim_page *sp) {
-    return sp->rows == sp->capacity && (int64_t)sp->first_pos + sp->capacity <= plan->written;
+    int full = sp->rows == sp->capacity || (sp->closed && sp->rows == sp->page_rows);
+    return full && (int64_t)sp->first_pos + sp->rows <= plan->written;
 }
 
 /* A values-only window: the keys of full pages inside it are sealed now (values stay FP16). */
@@ -4630,7 +4670,7 @@ static kvmix_result kvmix__plan_seal_ready(kvmix_cache *c, int32_t seq, kvmix__p
         if (!sp->sealed) {
             if (!kvmix__sim_full_and_written(plan, sp)) break;
             if (!sp->sink &&
-                (int64_t)sp->first_pos + sp->capacity > (int64_t)plan->len - c->desc.n_window)
+                (int64_t)sp->first_pos + sp->rows > (int64_t)plan->len - c->desc.n_window)
                 break;
             r = kvmix__plan_seal(c, seq, plan, sp, sp->want_key, sp->want_value, sp->capacity, 0);
             if (r != KVMIX_SUCCESS) return r;
@@ -4654,14 +4694,17 @@ static kvmix_result kvmix__plan_run(kvmix_cache *c, int32_t seq, kvmix__plan *pl
         kvmix__sim_page *tail = plan->tail_open ? &plan->pages[plan->n - 1] : NULL;
         kvmix_cache_precision want =
             precisions ? kvmix__precision_or_default(c, precisions[t]) : c->desc.default_precision;
-        int writable = tail && !tail->sealed && !tail->keys_sealed && tail->rows < tail->capacity;
+        int writable = tail && !tail->sealed && !tail->keys_sealed && !tail->closed &&
+                       tail->rows < tail->capacity;
         if (writable && !tail->sink && tail->rows > 0 && c->seqs[seq].run != tail->run) {
-            /* a new run: the page closes at its rows, full at a capacity of just them */
-            if ((r = kvmix__plan_copy(c, seq, plan, tail, tail->rows)) != KVMIX_SUCCESS) return r;
+            /* a new run: the page closes at its rows (FP16 bytes of just them, to 8) */
+            if ((r = kvmix__plan_copy(c, seq, plan, tail, (tail->rows + 7) / 8 * 8, 1)) !=
+                KVMIX_SUCCESS)
+                return r;
             writable = 0;
         }
         if (writable && tail->shared) {
-            if ((r = kvmix__plan_copy(c, seq, plan, tail, tail->capacity)) != KVMIX_SUCCESS)
+            if ((r = kvmix__plan_copy(c, seq, plan, tail, tail->capacity, 0)) != KVMIX_SUCCESS)
                 return r;
         } else if (!writable) {
             if ((r = kvmix__plan_new_page(c, seq, plan)) != KVMIX_SUCCESS) return r;

@@ -1925,7 +1925,7 @@ static void test_error_messages(void) {
 }
 
 /* Runs: a page holds one run. The first position of a new run closes the page being filled at its
-   rows (FP16 bytes of just them) and it seals in its own rows' formats, where one run throughout
+   rows (FP16 bytes of just them, to a multiple of 8) and it seals in its own rows' formats, where one run throughout
    seals the whole page in the highest precision any row asked for. */
 static void test_runs(void) {
     kvmix_cache_desc d;
@@ -1959,9 +1959,9 @@ static void test_runs(void) {
         if (pos == 5 || pos == 9) CHECK_RESULT(kvmix_cache_seq_set_run(&with, s, 2), KVMIX_SUCCESS);
         CHECK_RESULT(kvmix_cache_append(&with, s, rows, rows, want), KVMIX_SUCCESS);
         CHECK_RESULT(kvmix_cache_append(&without, t, rows, rows, want), KVMIX_SUCCESS);
-        if (pos == 5) { /* the closed page holds 5 FP16 rows, the new one a page */
+        if (pos == 5) { /* the closed page holds its 5 FP16 rows in 8, the new one a page */
             CHECK_RESULT(kvmix_cache_seq_stats_get(&with, s, &st), KVMIX_SUCCESS);
-            CHECK_EQ_UINT(st.referenced_bytes, (5 + 16) * 2 * 2 * 2 * 64 * 2);
+            CHECK_EQ_UINT(st.referenced_bytes, (8 + 16) * 2 * 2 * 2 * 64 * 2);
         }
     }
     CHECK_RESULT(kvmix_cache_locate(&with, s, 4, &a), KVMIX_SUCCESS);
