@@ -3041,7 +3041,13 @@ KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_
    Precision. Every token carries a requested (key, value) format from a policy. Tokens of a page
    share its formats: the page is sealed to the highest precision any of its rows asked for, per
    key and value separately, in the order FP16 > INT8 > INT4 > BOOSTED > INT2 > INT2_CHANNEL
-   (bits per element), so no token gets less than it asked for. Sink positions are FP16.
+   (bits per element), so no token gets less than it asked for. Sink positions are FP16. So that
+   a page's tokens ask for the same, a sequence's positions carry a run (kvmix_cache_seq_set_run)
+   and a page holds one: the first position of a new run closes the buffer page being filled
+   (its rows copied into an FP16 allocation of just them, rounded up to 8 rows; it takes no more
+   rows and seals once written and out of the window, its rows past the live ones repeating the
+   last, dead in views). Re-tiering (kvmix_cache_retier, kvmix_policy_retier_turn) then gives
+   each page, and so each token, what its tokens ask for as their turn ages.
 
    Buffer, window, sealing (KIVI-style). New rows always land in the sequence's FP16 buffer page
    (in the arena, so views reach it from the same base). A page is sealed, that is quantized in

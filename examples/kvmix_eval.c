@@ -45,7 +45,8 @@
  * --tag-spec S.json --allocation A.json store each token by its template tag: the spec
  * (tag_spec_json.h) tags the ids as they run, the allocation (kvmix-calibrate's,
  * tag_allocation.h) gives each tag its formats by its temporal bucket, tags it does not list keep
- * the policy's; a page seals in the highest precision its tokens ask for, and when a new user
+ * the policy's; each token's run (kvmix_policy_token_run) keeps tokens that age alike on pages
+ * of their own, a page seals in the highest precision its tokens ask for, and when a new user
  * turn begins the pages whose tokens now ask for less are re-tiered down to it
  * (kvmix_policy_retier_turn).
  *
