@@ -801,6 +801,14 @@ KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cach
 KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_t seq,
                                                 kvmix_cache_seq_stats *out);
 
+/* What a token stored in `precision` costs in a full sealed page of this cache: the page's
+   arena bytes (blocks, their metadata, granule padding) in bits per key/value element, the
+   figure packed_bits_per_element (kvmix_cache_seq_stats) reaches when every page is full and
+   holds one precision. Returns NULL_POINTER, UNKNOWN_FORMAT or BAD_SHAPE (BOOSTED without
+   boosted channels). Pure. */
+KVMIXDEF kvmix_result kvmix_cache_precision_bits(const kvmix_cache *cache,
+                                                 kvmix_cache_precision precision, double *out_bits);
+
 /* Device arena (desc.device_arena = 1). The arena passed to kvmix_cache_init is a device pointer
    that the host never dereferences (views use it as base, so they describe device memory). The
    host keeps all bookkeeping as in a host arena; every call that would touch row bytes queues
@@ -6048,6 +6056,22 @@ static void kvmix__page_format_bytes(const kvmix_cache *c, const kvmix_cache_pag
 
 static double kvmix__elements(const kvmix_cache *c, int64_t n_live) {
     return (double)n_live * c->desc.n_layers * c->desc.n_kv_heads * c->desc.head_dim * 2.0;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_precision_bits(const kvmix_cache *cache,
+                                                 kvmix_cache_precision precision,
+                                                 double *out_bits) {
+    kvmix__geom g;
+    int32_t p;
+    if (!cache || !out_bits) return KVMIX_ERR_NULL_POINTER;
+    if (!kvmix__precision_known(precision)) return KVMIX_ERR_UNKNOWN_FORMAT;
+    precision = kvmix__precision_or_default(cache, precision);
+    if (!kvmix__boost_ok(&cache->desc, precision)) return KVMIX_ERR_BAD_SHAPE;
+    p = cache->desc.page_tokens;
+    g = kvmix__page_geom(cache, precision.key_format, precision.value_format, p, p);
+    *out_bits = (double)kvmix__granules_of(cache, g.total_bytes) *
+                (double)cache->desc.granule_bytes * 8.0 / kvmix__elements(cache, p);
+    return KVMIX_SUCCESS;
 }
 
 KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cache_stats *out) {

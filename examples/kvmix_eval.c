@@ -24,6 +24,9 @@
  *                     capacity, allocation padding, its slot map and page table (kvmix_kv.c)
  *   packed_bits       the same over the sealed pages alone (not sinks, window, buffer), weighted
  *                     by the tokens they hold: what the policy's formats cost (null for fp32)
+ *   assigned_bits     (--allocation) what the tags of those tokens ask for at the text's last
+ *                     turn would cost in full pages of the cache (kvmix_cache_precision_bits):
+ *                     the allocation's bits on these texts, beside packed_bits, what is held
  *   n_tokens          scored positions; policy: the resolved policy object (all fields)
  * An answer position is one whose *next* token is an answer token: inside an assistant message,
  * after its </think> up to and including its <|im_end|>, or inside one of its tool calls from
@@ -326,7 +329,8 @@ typedef struct totals {
     size_t kv_bytes_max; /* the most bytes the cache held, at the end of any text */
     double avg_bits_sum; /* avg_bits weighted by the tokens held at the end of each text */
     int64_t held_tokens;
-    double packed_bits_sum; /* packed_bits weighted by the packed tokens at each text's end */
+    double packed_bits_sum;   /* packed_bits weighted by the packed tokens at each text's end */
+    double assigned_bits_sum; /* assigned_bits, the same way */
     int64_t packed_tokens;
     bool gpu;          /* the fields below are the GPU runner's */
     double bytes_read; /* cache bytes held when each scored token ran, summed */
@@ -378,6 +382,7 @@ static void add_held(totals *t, const llama_kv_stats *s) {
     t->avg_bits_sum += s->avg_bits * (double)s->n_tokens;
     t->held_tokens += s->n_tokens;
     t->packed_bits_sum += s->packed_bits * (double)s->n_packed_tokens;
+    t->assigned_bits_sum += s->assigned_bits * (double)s->n_packed_tokens;
     t->packed_tokens += s->n_packed_tokens;
 }
 
@@ -882,6 +887,10 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
                        t->held_tokens > 0 ? t->avg_bits_sum / (double)t->held_tokens : NAN);
     add_number_or_null(obj, "packed_bits",
                        t->packed_tokens > 0 ? t->packed_bits_sum / (double)t->packed_tokens : NAN);
+    if (o->allocation_path != NULL)
+        add_number_or_null(obj, "assigned_bits",
+                           t->packed_tokens > 0 ? t->assigned_bits_sum / (double)t->packed_tokens
+                                                : NAN);
     if (t->gpu) add_gpu_figures(obj, t);
     cJSON_AddNumberToObject(obj, "threads", o->n_threads);
     cJSON_AddNumberToObject(obj, "seconds", seconds);

@@ -602,6 +602,28 @@ static void kv_kvmix_reset(void *state) {
  * the window and of the page being filled, counted at their whole capacity, granule padding
  * included) plus its slot map, page table and sequence record. Not counted: the cache-wide
  * bookkeeping sized for the arena (page descriptors, granule bitmap, scratch). */
+double kvmix_kv_assigned_bits(const kvmix_cache *cache, int32_t seq, const kvmix_policy *policy,
+                              const kvmix_tag *tags, int32_t current_turn) {
+    double sum = 0;
+    int64_t n = 0;
+    for (int32_t pos = 0; pos < cache->seqs[seq].n_tokens; pos++) {
+        uint32_t slot = 0;
+        kvmix_cache_precision want;
+        double bits = 0;
+        if (kvmix_cache_locate(cache, seq, pos, &slot) != KVMIX_SUCCESS ||
+            slot == KVMIX_CACHE_DEAD_SLOT)
+            continue;
+        const kvmix_cache_page *p = &cache->pages[slot / (uint32_t)cache->desc.page_tokens];
+        if (!p->sealed || p->sink ||
+            kvmix_policy_token_precision(policy, tags[pos], current_turn, &want) != KVMIX_SUCCESS ||
+            kvmix_cache_precision_bits(cache, want, &bits) != KVMIX_SUCCESS)
+            continue;
+        sum += bits;
+        n++;
+    }
+    return n > 0 ? sum / (double)n : 0.0;
+}
+
 static void kv_kvmix_stats(const void *state, llama_kv_stats *out) {
     const kv_kvmix *kv = state;
     kvmix_cache_seq_stats st;
@@ -612,6 +634,9 @@ static void kv_kvmix_stats(const void *state, llama_kv_stats *out) {
     out->avg_bits = st.n_live_tokens > 0 ? st.bits_per_element : 0.0;
     out->packed_bits = st.packed_bits_per_element;
     out->n_packed_tokens = st.n_packed_rows;
+    if (kv->tagged)
+        out->assigned_bits =
+            kvmix_kv_assigned_bits(&kv->cache, kv->seq, &kv->policy, kv->tags, kv->turn);
 }
 
 static void kv_kvmix_destroy(void *state) {

@@ -79,6 +79,13 @@ llama_result kvmix_kv_policy_tagged(const kvmix_policy *policy, const kvmix_tag_
                                     kvmix_tag_precision *table_copy, kvmix_policy *out_policy,
                                     const char *who, char *err, size_t err_bytes);
 
+/* The mean over seq's positions in sealed pages (not sinks) of what the formats their tags ask
+   for at current_turn (kvmix_policy_token_precision of tags[position]) cost in full pages
+   (kvmix_cache_precision_bits): the bits the tag allocation assigns, beside the packed bits the
+   pages hold. 0 when no position is packed. */
+double kvmix_kv_assigned_bits(const kvmix_cache *cache, int32_t seq, const kvmix_policy *policy,
+                              const kvmix_tag *tags, int32_t current_turn);
+
 /* For tests: the kvmix cache and sequence behind a kvmix-backed llama_kv_cache (NULL / -1 for
  * the fp32 one). */
 const kvmix_cache *kvmix_kv_inner(const llama_kv_cache *cache, int32_t *out_seq);

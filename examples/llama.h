@@ -138,6 +138,8 @@ typedef struct llama_kv_stats {
     double packed_bits; /* of them, those in sealed pages (not sinks, window, buffer): bits
                                per element (kvmix_cache_seq_stats); 0 for a cache that packs none */
     int64_t n_packed_tokens;
+    double assigned_bits; /* what those tokens' tags ask for at the current turn would cost in
+                             full pages (kvmix_cache_precision_bits), their mean; 0 untagged */
 } llama_kv_stats;
 
 typedef struct llama_kv_cache {

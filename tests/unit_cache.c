@@ -1663,6 +1663,18 @@ static void test_desc_defaults(void) {
     CHECK_EQ_INT(st.n_packed_rows, 32);
     CHECK(st.packed_bytes == 2 * 2 * 2 * 32 * (64 / 2 + 2 * 4) &&
           st.packed_bits_per_element == 5.0);
+    { /* what a token of a precision costs in a full page: here the packed bits */
+        double bits = 0;
+        kvmix_cache_precision fp16 = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16}, bad = {9, 0};
+        CHECK_RESULT(kvmix_cache_precision_bits(&cache, zero.default_precision, &bits),
+                     KVMIX_SUCCESS);
+        CHECK(bits == st.packed_bits_per_element);
+        CHECK_RESULT(kvmix_cache_precision_bits(&cache, fp16, &bits), KVMIX_SUCCESS);
+        CHECK(bits == 16.0);
+        CHECK_RESULT(kvmix_cache_precision_bits(&cache, boosted, &bits), KVMIX_ERR_BAD_SHAPE);
+        CHECK_RESULT(kvmix_cache_precision_bits(&cache, bad, &bits), KVMIX_ERR_UNKNOWN_FORMAT);
+        CHECK_RESULT(kvmix_cache_precision_bits(NULL, fp16, &bits), KVMIX_ERR_NULL_POINTER);
+    }
     kvmix_cache_deinit(&cache);
 }
 
