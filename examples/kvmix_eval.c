@@ -614,6 +614,7 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
                 continue;
             }
             t->stats = held;
+            t->stats.assigned_bits = gpu_llama_seq_assigned_bits(g, b->seq[i]);
             if (ev) evict_seq_end(ev, &b->ev[i], g, b->seq[i]);
             gpu_llama_seq_end(g, b->seq[i]);
             done++;

@@ -139,7 +139,9 @@ typedef struct llama_kv_stats {
                                per element (kvmix_cache_seq_stats); 0 for a cache that packs none */
     int64_t n_packed_tokens;
     double assigned_bits; /* what those tokens' tags ask for at the current turn would cost in
-                             full pages (kvmix_cache_precision_bits), their mean; 0 untagged */
+                             full pages (kvmix_cache_precision_bits), their mean; 0 untagged
+                             (the GPU loop's per-step stats leave it 0: see
+                             gpu_llama_seq_assigned_bits) */
 } llama_kv_stats;
 
 typedef struct llama_kv_cache {
