@@ -4587,7 +4587,6 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
             plan->n_jobs += (rows - sp->page_rows) * 2 * c->desc.n_layers * c->desc.n_kv_heads;
         if (!plan->dry)
             kvmix__pad_rows(c, kvmix__seq_entries(c, seq)[sp->entry].page, sp->page_rows);
-        if (!plan->dry) c->pages[kvmix__seq_entries(c, seq)[sp->entry].page].n_rows = rows;
         sp->page_rows = rows;
     }
     if (key_format == KVMIX_FORMAT_FP16 && value_format == KVMIX_FORMAT_FP16) {
@@ -7871,23 +7870,35 @@ static uint32_t kvmix__tag_run(const kvmix_tag_precision *table, kvmix_tag tag) 
     return h ? h : 1u;
 }
 
+/* The checks of a token's policy (non-NULL) and tag. */
+static kvmix_result kvmix__token_ok(const kvmix_policy *policy, kvmix_tag tag) {
+    kvmix_result r = kvmix_policy_check(policy, NULL);
+    if (r != KVMIX_SUCCESS) return r;
+    if (tag.role >= KVMIX_TAG_N_ROLES || tag.modality >= KVMIX_TAG_N_MODALITIES)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    return KVMIX_SUCCESS;
+}
+
+/* kvmix_policy_token_precision of a checked policy and tag. */
+static kvmix_cache_precision kvmix__token_formats(const kvmix_policy *policy, kvmix_tag tag,
+                                                  int32_t current_turn) {
+    kvmix_cache_precision out;
+    out.key_format = out.value_format = 0;
+    if (policy->tag_precision)
+        out = policy->tag_precision
+                  ->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality];
+    if (out.key_format == 0) out.key_format = (uint8_t)policy->key_format;
+    if (out.value_format == 0) out.value_format = (uint8_t)policy->value_format;
+    return out;
+}
+
 KVMIXDEF kvmix_result kvmix_policy_token_precision(const kvmix_policy *policy, kvmix_tag tag,
                                                    int32_t current_turn,
                                                    kvmix_cache_precision *out) {
     kvmix_result r;
     if (!policy || !out) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_policy_check(policy, NULL)) != KVMIX_SUCCESS) return r;
-    if (tag.role >= KVMIX_TAG_N_ROLES || tag.modality >= KVMIX_TAG_N_MODALITIES)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!policy->tag_precision) {
-        out->key_format = (uint8_t)policy->key_format;
-        out->value_format = (uint8_t)policy->value_format;
-        return KVMIX_SUCCESS;
-    }
-    *out = policy->tag_precision
-               ->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality];
-    if (out->key_format == 0) out->key_format = (uint8_t)policy->key_format;
-    if (out->value_format == 0) out->value_format = (uint8_t)policy->value_format;
+    if ((r = kvmix__token_ok(policy, tag)) != KVMIX_SUCCESS) return r;
+    *out = kvmix__token_formats(policy, tag, current_turn);
     return KVMIX_SUCCESS;
 }
 
@@ -7895,14 +7906,13 @@ KVMIXDEF kvmix_result kvmix_policy_token_run(const kvmix_policy *policy, kvmix_t
                                              uint32_t *out_run) {
     kvmix_result r;
     if (!policy || !out_run) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_policy_check(policy, NULL)) != KVMIX_SUCCESS) return r;
-    if (tag.role >= KVMIX_TAG_N_ROLES || tag.modality >= KVMIX_TAG_N_MODALITIES)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((r = kvmix__token_ok(policy, tag)) != KVMIX_SUCCESS) return r;
     *out_run = policy->tag_precision ? kvmix__tag_run(policy->tag_precision, tag) : 0;
     return KVMIX_SUCCESS;
 }
 
-/* The formats entry e's live positions ask for at current_turn, per side the highest. */
+/* The formats entry e's live positions ask for at current_turn, per side the highest (policy and
+   tags checked by the caller). */
 static kvmix_cache_precision kvmix__entry_wants(const kvmix_policy *policy, const kvmix_cache *c,
                                                 int32_t seq, const kvmix_cache_entry *e,
                                                 const kvmix_tag *tags, int32_t current_turn) {
@@ -7910,13 +7920,10 @@ static kvmix_cache_precision kvmix__entry_wants(const kvmix_policy *policy, cons
     kvmix_cache_precision want = {0, 0}, p;
     int32_t pos;
     for (pos = e->first_pos; pos < kvmix__entry_end(e); pos++)
-        if (slots[pos] / (uint32_t)c->desc.page_tokens == e->page &&
-            kvmix_policy_token_precision(policy, tags[pos], current_turn, &p) == KVMIX_SUCCESS) {
-            want.key_format = want.key_format ? kvmix__higher_format(want.key_format, p.key_format)
-                                              : p.key_format;
-            want.value_format = want.value_format
-                                    ? kvmix__higher_format(want.value_format, p.value_format)
-                                    : p.value_format;
+        if (slots[pos] / (uint32_t)c->desc.page_tokens == e->page) {
+            p = kvmix__token_formats(policy, tags[pos], current_turn);
+            want.key_format = kvmix__higher_format(want.key_format, p.key_format);
+            want.value_format = kvmix__higher_format(want.value_format, p.value_format);
         }
     return want;
 }
@@ -7951,10 +7958,11 @@ static kvmix__why kvmix__policy_retier_ok(const kvmix_policy *policy, const kvmi
                                           int32_t seq, const kvmix_tag *tags, int32_t n_tags,
                                           int32_t current_turn) {
     kvmix__why w;
+    kvmix_result r;
     int32_t pos;
     if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
-    if (kvmix_policy_check(policy, NULL) != KVMIX_SUCCESS)
-        return kvmix__why_not(kvmix_policy_check(policy, NULL), "policy", "does not check");
+    if ((r = kvmix_policy_check(policy, NULL)) != KVMIX_SUCCESS)
+        return kvmix__why_not(r, "policy", "does not check");
     if (!tags || n_tags < cache->seqs[seq].n_tokens)
         return kvmix__why_not(tags ? KVMIX_ERR_INVALID_ARGUMENT : KVMIX_ERR_NULL_POINTER, "tags",
                               "must hold a tag for each of the sequence's positions");
