@@ -4642,8 +4642,10 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     return KVMIX_SUCCESS;
 }
 
+/* A closed page takes no more rows: it is full with whatever rows it has (a child forked inside
+   it holds fewer; its seal pads the page's own rows, which moves page_rows past them). */
 static int kvmix__sim_full_and_written(const kvmix__plan *plan, const kvmix__sim_page *sp) {
-    int full = sp->rows == sp->capacity || (sp->closed && sp->rows == sp->page_rows);
+    int full = sp->rows == sp->capacity || sp->closed;
     return full && (int64_t)sp->first_pos + sp->rows <= plan->written;
 }
 

@@ -2006,6 +2006,49 @@ static void test_runs(void) {
     test_context(NULL);
 }
 
+/* Pages closed by runs seal like full pages under a values-only window (their keys first, then
+   their values once out of the window), and so do those a child forked inside shares: positions
+   older than the window and a page hold no FP16 values. */
+static void test_runs_values_window(void) {
+    kvmix_cache_desc d;
+    kvmix_cache c;
+    kvmix_cache_precision int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4}, got;
+    float rows[2 * 64];
+    int32_t seq[2] = {-1, -1}, i, pos, k;
+    test_context("runs, values-only window");
+    memset(&d, 0, sizeof d);
+    d.n_layers = 1;
+    d.n_kv_heads = 2;
+    d.head_dim = 64;
+    d.page_tokens = 16;
+    d.n_window = 32;
+    d.window_values_only = 1;
+    d.max_seqs = 2;
+    d.arena_bytes = 1 << 20;
+    for (i = 0; i < 2 * 64; i++) rows[i] = (float)(i % 11) / 8.0f - 0.5f;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&c, &d, NULL), KVMIX_SUCCESS)) return;
+    CHECK_RESULT(kvmix_cache_seq_create(&c, &seq[0]), KVMIX_SUCCESS);
+    for (pos = 0; pos < 45; pos++) { /* runs of 5: every page closes at 5 rows */
+        CHECK_RESULT(kvmix_cache_seq_set_run(&c, seq[0], (uint32_t)(pos / 5)), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_append(&c, seq[0], rows, rows, int4), KVMIX_SUCCESS);
+    }
+    CHECK_RESULT(kvmix_cache_seq_fork(&c, seq[0], 43, &seq[1]), KVMIX_SUCCESS); /* inside a run */
+    for (k = 0; k < 2; k++)
+        for (pos = 43; pos < 120; pos++) {
+            CHECK_RESULT(kvmix_cache_seq_set_run(&c, seq[k], (uint32_t)(100 * k + pos / 5)),
+                         KVMIX_SUCCESS);
+            CHECK_RESULT(kvmix_cache_append(&c, seq[k], rows, rows, int4), KVMIX_SUCCESS);
+        }
+    for (k = 0; k < 2; k++)
+        for (pos = 0; pos < 120 - 32 - 16; pos++) {
+            CHECK_RESULT(kvmix_cache_read(&c, seq[k], 0, pos, NULL, NULL, &got), KVMIX_SUCCESS);
+            CHECK(got.key_format == KVMIX_FORMAT_INT4 && got.value_format == KVMIX_FORMAT_INT4);
+        }
+    CHECK_RESULT(kvmix_cache_check(&c), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&c);
+    test_context(NULL);
+}
+
 void unit_cache(void) {
     int32_t config;
     test_bad_inputs();
@@ -2022,5 +2065,6 @@ void unit_cache(void) {
     test_reserve_write();
     test_reserve_write_bad_inputs();
     test_runs();
+    test_runs_values_window();
     for (config = 0; config < 24 && test_failed_count() == 0; config++) ct_random_run(config, 480);
 }
