@@ -951,21 +951,22 @@ typedef struct kvmix_evict_policy {
 typedef struct kvmix_policy {
     char name[KVMIX_POLICY_NAME_BYTES]; /* non-empty, NUL-terminated */
     char description[KVMIX_POLICY_DESCRIPTION_BYTES];
-    int32_t key_format;       /* kvmix_format of sealed key blocks */
-    int32_t value_format;     /* kvmix_format of sealed value blocks */
-    int32_t group_size;       /* channels per scale of INT8/INT4/INT2 key blocks (and value blocks
+    int32_t key_format;         /* kvmix_format of sealed key blocks */
+    int32_t value_format;       /* kvmix_format of sealed value blocks */
+    int32_t group_size;         /* channels per scale of INT8/INT4/INT2 key blocks (and value blocks
                               unless value_group_size says otherwise): a multiple of 8 in
                               8 .. 512 that divides head_dim, or KVMIX_GROUP_HEAD_DIM */
-    int32_t value_group_size; /* of INT8/INT4/INT2 value blocks, as group_size; 0 = group_size */
-    int32_t n_boost;          /* BOOSTED only: channels kept at 4 bits, a multiple of 4 in 0 .. 252;
-                              0 = given by boost_fraction instead; both 0 = none, which only a
-                              policy without BOOSTED may have */
-    double boost_fraction;    /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
+    int32_t value_group_size;   /* of INT8/INT4/INT2 value blocks, as group_size; 0 = group_size */
+    int32_t n_boost;            /* channels BOOSTED keys keep at 4 bits, whether the policy's own
+                              formats or its tag_precision (a tag allocation) ask for BOOSTED: a
+                              multiple of 4 in 0 .. 252; 0 = given by boost_fraction instead; both
+                              0 = none, which a policy whose own formats are BOOSTED may not have */
+    double boost_fraction;      /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
                               both are set they must agree for the model's head_dim */
-    int32_t page_tokens;      /* tokens per page, a multiple of 8 in 8 .. 1024 (no default: 0 is
+    int32_t page_tokens;        /* tokens per page, a multiple of 8 in 8 .. 1024 (no default: 0 is
                               refused) */
-    int32_t sink_tokens;      /* first positions kept FP16 for good, 0 .. page_tokens; 0 = none */
-    int32_t window_tokens;    /* most recent positions kept FP16, 0 .. 2^26; 0 = none */
+    int32_t sink_tokens;        /* first positions kept FP16 for good, 0 .. page_tokens; 0 = none */
+    int32_t window_tokens;      /* most recent positions kept FP16, 0 .. 2^26; 0 = none */
     int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
     int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page;
                                    0 = KEEP_FP16 */
@@ -995,7 +996,7 @@ KVMIXDEF const kvmix_policy *kvmix_policy_at(int32_t index);
 KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name);
 
 /* Checks the rules that hold whatever the model: formats, ranges, multiples, sinks within a
-   page, boost settings only for BOOSTED and present there, a NUL-terminated non-empty name and
+   page, boost settings present where the formats are BOOSTED, a NUL-terminated non-empty name and
    a NUL-terminated description. Returns KVMIX_SUCCESS, NULL_POINTER (policy) or
    INVALID_ARGUMENT / UNKNOWN_FORMAT with *out_error (may be NULL) naming the field. */
 KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_policy_error *out_error);
@@ -6549,10 +6550,6 @@ KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *p, kvmix_policy_err
     if (boosted && p->n_boost == 0 && p->boost_fraction == 0.0)
         return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_boost",
                                   "a boosted format needs n_boost or boost_fraction");
-    if (!boosted && (p->n_boost != 0 || p->boost_fraction != 0.0))
-        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT,
-                                  p->n_boost != 0 ? "n_boost" : "boost_fraction",
-                                  "only for the boosted format");
     return kvmix__policy_check_evict(&p->evict, out_error);
 }
 
@@ -6597,7 +6594,7 @@ KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t h
     if (head_dim % p.value_group_size != 0)
         return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "value_group_size",
                                   "does not divide the model's head_dim");
-    if (p.key_format == KVMIX_FORMAT_BOOSTED || p.value_format == KVMIX_FORMAT_BOOSTED)
+    if (p.n_boost != 0 || p.boost_fraction != 0.0)
         if ((r = kvmix__policy_resolve_boost(&p, head_dim, out_error)) != KVMIX_SUCCESS) return r;
     *out = p;
     return KVMIX_SUCCESS;

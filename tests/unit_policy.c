@@ -62,8 +62,6 @@ static void group_negative(kvmix_policy *p) { p->group_size = -8; }
 static void group_zero(kvmix_policy *p) { p->group_size = 0; }
 static void value_group_twelve(kvmix_policy *p) { p->value_group_size = 12; }
 static void values_only_two(kvmix_policy *p) { p->window_values_only = 2; }
-static void boost_without_boosted(kvmix_policy *p) { p->n_boost = 8; }
-static void fraction_without_boosted(kvmix_policy *p) { p->boost_fraction = 0.25; }
 static void boosted_without_boost(kvmix_policy *p) { p->key_format = KVMIX_FORMAT_BOOSTED; }
 static void boost_six(kvmix_policy *p) {
     p->key_format = KVMIX_FORMAT_BOOSTED;
@@ -92,8 +90,6 @@ static void test_check_errors(void) {
         {"group_size", KVMIX_ERR_INVALID_ARGUMENT, group_zero},
         {"value_group_size", KVMIX_ERR_INVALID_ARGUMENT, value_group_twelve},
         {"window_values_only", KVMIX_ERR_INVALID_ARGUMENT, values_only_two},
-        {"n_boost", KVMIX_ERR_INVALID_ARGUMENT, boost_without_boosted},
-        {"boost_fraction", KVMIX_ERR_INVALID_ARGUMENT, fraction_without_boosted},
         {"n_boost", KVMIX_ERR_INVALID_ARGUMENT, boosted_without_boost},
         {"n_boost", KVMIX_ERR_INVALID_ARGUMENT, boost_six},
         {"boost_fraction", KVMIX_ERR_INVALID_ARGUMENT, fraction_nan},
@@ -175,6 +171,14 @@ static void test_resolve(void) {
     p.n_boost = 252;
     CHECK_RESULT(kvmix_policy_resolve(&p, 128, &out, &why), KVMIX_ERR_BAD_SHAPE);
     CHECK(strcmp(why.field, "n_boost") == 0);
+    /* boost settings of a policy whose own formats are not BOOSTED: for a tag allocation's */
+    p = *kvmix_policy_find("int4");
+    p.boost_fraction = 0.25;
+    CHECK_RESULT(kvmix_policy_resolve(&p, 128, &out, NULL), KVMIX_SUCCESS);
+    CHECK(out.n_boost == 32 && out.boost_fraction == 0.25);
+    p.boost_fraction = 0.1;
+    CHECK_RESULT(kvmix_policy_resolve(&p, 128, &out, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK(strcmp(why.field, "boost_fraction") == 0);
     CHECK_RESULT(kvmix_policy_resolve(NULL, 64, &out, NULL), KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_policy_resolve(&p, 64, NULL, NULL), KVMIX_ERR_NULL_POINTER);
     test_context(NULL);
