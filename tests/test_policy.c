@@ -6,6 +6,8 @@
  *     (bit for bit: it reads the cache itself, no copy), for every built-in and two custom
  *     policies, across request boundaries and a reset; after evictions, against softmax attention
  *     over the rows kvmix_cache_read returns for the positions left (within 1e-5 relative);
+ *   - every policy document (examples/policies, bench/triaxial/envelopes) and allocation
+ *     (bench/triaxial) the repository ships reads and resolves;
  *   - the allocation reader (good and bad documents), and a cache that stores tokens by their
  *     tags (kvmix_kv_tag): on a trace's first 512 ids (its system prompt), instruction-only
  *     pages sealed at the instruction's INT2, no user token below INT8, no INT2 without the tags;
@@ -20,6 +22,7 @@
 #include "tag_spec_json.h"
 
 #include <cjson/cJSON.h>
+#include <dirent.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -143,7 +146,6 @@ static void test_parse_bad(void) {
         {"\"description\": [\"x\"],", false, LLAMA_ERR_FORMAT, "\"description\""},
         {"\"partial_page\": \"drop\",", false, LLAMA_ERR_FORMAT, "\"partial_page\""},
         {"\"request_boundary\": \"keep\",", false, LLAMA_ERR_FORMAT, "\"request_boundary\""},
-        {"\"n_boost\": 8,", false, LLAMA_ERR_FORMAT, "\"n_boost\""},
         {"\"boost_fraction\": 1.5,", false, LLAMA_ERR_FORMAT, "\"boost_fraction\""},
         {"{\"version\": 1, \"key_format\": \"int3\", \"value_format\": \"int4\"}", true,
          LLAMA_ERR_FORMAT, "\"key_format\""},
@@ -191,6 +193,11 @@ static void test_resolve(void) {
           p.n_boost == 16 && p.boost_fraction == 0.25);
     CHECK(kvmix_kv_policy_resolve(kvmix_kv_policy_builtin("fp32"), 40, &p, err, sizeof err) ==
           LLAMA_OK);
+    /* boost settings on INT4 formats: the channels of the BOOSTED keys a tag allocation asks for */
+    const char tagged[] = "{\"version\": 1, \"key_format\": \"int4\", \"value_format\": "
+                          "\"int4\", \"boost_fraction\": 0.25}";
+    CHECK(kvmix_kv_policy_parse(tagged, strlen(tagged), &q, err, sizeof err) == LLAMA_OK &&
+          kvmix_kv_policy_resolve(&q, 128, &p, err, sizeof err) == LLAMA_OK && p.n_boost == 32);
     CHECK(kvmix_kv_policy_resolve(kvmix_kv_policy_builtin("int8"), 40, &p, err, sizeof err) ==
               LLAMA_ERR_ARGUMENT &&
           strstr(err, "head_dim") != NULL);
@@ -785,6 +792,58 @@ static void test_tagged_storage(const char *shared_dir) {
     llama_model_free(&model);
 }
 
+/* Checks every file of dir whose name ends in suffix (and not in skip, when not NULL) with
+ * check(path, err); returns how many it checked. */
+static int check_files(const char *dir, const char *suffix, const char *skip,
+                       bool (*check)(const char *path, char *err, size_t err_bytes)) {
+    DIR *d = opendir(dir);
+    int n = 0;
+    if (!check_at(d != NULL, __LINE__, dir)) return 0;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        size_t len = strlen(e->d_name);
+        if (len < strlen(suffix) || strcmp(e->d_name + len - strlen(suffix), suffix) != 0 ||
+            (skip != NULL && len >= strlen(skip) &&
+             strcmp(e->d_name + len - strlen(skip), skip) == 0))
+            continue;
+        char path[512], err[256] = "", what[800];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        bool ok = check(path, err, sizeof err);
+        snprintf(what, sizeof what, "%s: %s", path, err);
+        check_at(ok, __LINE__, what);
+        n++;
+    }
+    closedir(d);
+    return n;
+}
+
+/* A policy document that parses and resolves for both reference models' head_dim. */
+static bool policy_file_ok(const char *path, char *err, size_t err_bytes) {
+    size_t n = 0;
+    kvmix_result why = KVMIX_SUCCESS;
+    char *doc = tag_spec_read_file(path, &n, &why);
+    kvmix_policy p, r;
+    bool ok = doc != NULL && kvmix_kv_policy_parse(doc, n, &p, err, err_bytes) == LLAMA_OK &&
+              kvmix_kv_policy_resolve(&p, 64, &r, err, err_bytes) == LLAMA_OK &&
+              kvmix_kv_policy_resolve(&p, 128, &r, err, err_bytes) == LLAMA_OK;
+    free(doc);
+    return ok;
+}
+
+static bool allocation_file_ok(const char *path, char *err, size_t err_bytes) {
+    kvmix_cache_precision fp16 = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16};
+    kvmix_tag_precision table;
+    return tag_allocation_load(path, fp16, &table, err, err_bytes) == KVMIX_SUCCESS;
+}
+
+/* The policy documents and allocations the repository ships (README and QUALITY.md name them in
+ * their commands) all read. */
+static void test_shipped_documents(void) {
+    int policies = check_files("examples/policies", ".json", NULL, policy_file_ok) +
+                   check_files("bench/triaxial/envelopes", ".json", NULL, policy_file_ok);
+    int allocations = check_files("bench/triaxial", ".json", "-table.json", allocation_file_ok);
+    CHECK(policies >= 16 && allocations >= 59);
+}
+
 void test_policy_run(const char *shared_dir, int *n_passed, int *n_failed) {
     passed = failed = 0;
     test_parse_good();
@@ -794,6 +853,7 @@ void test_policy_run(const char *shared_dir, int *n_passed, int *n_failed) {
     test_request_boundary();
     test_model_quality(shared_dir);
     test_allocation_reader();
+    test_shipped_documents();
     test_tagged_storage(shared_dir);
     *n_passed += passed;
     *n_failed += failed;
