@@ -3,7 +3,7 @@
  *   kvmix-calibrate --captures DIR [--spec FILE] [--budget B] [--table OUT.json]
  *                   [--allocation OUT.json] [--method knapsack|two-level] [--low P] [--high P]
  *                   [--stride N] [--page-tokens N] [--key-group N] [--value-group N]
- *                   [--boost N] [--steps N] [--threads N]
+ *                   [--boost N] [--steps N] [--sinks N] [--window N] [--threads N]
  *                   [--ablate none|temporal|role|blind] [--stored-from ALLOCATION.json]
  *   kvmix-calibrate --from-table TABLE.json [--budget B] [--table OUT.json] [--allocation ...]
  *
@@ -46,8 +46,12 @@
  * double). A tag without tokens at a query contributes 0 to that query's mean. Aggregation: for
  * each (tag, precision, layer), the max over query heads of the mean MSE over the capture's
  * queries; then the mean over the captures where the tag is active; then the sum over layers.
- * Caveats: a cache keeps the page being filled in FP16, and a tag's tokens share pages with other
- * tags' tokens here; both only change the per-channel formats' statistics.
+ * --sinks S and --window W (a policy's FP16 sinks and window; default 0, none) keep the first S
+ * positions and, for a query at i, the positions after i - W at full precision whatever their
+ * tag, as the cache holds them (its window is at least W: a page seals once its last row has left
+ * it); the table's geometry records them. Caveats: a cache keeps the page being filled in FP16,
+ * and a tag's tokens share pages with other tags' tokens here; both only change the per-channel
+ * formats' statistics; a tag's token count includes its sink and window tokens.
  *
  * Allocation (kvmix.h, "Bit allocation"): budget B (--budget, default 3.0) in effective bits per
  * element over the active tags' token counts. --method knapsack (default) is
@@ -62,7 +66,7 @@
  *    "model": {"n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64},
  *    "spec": "examples/specs/kvm-byte.json",
  *    "geometry": {"page_tokens": 128, "key_group": 32, "value_group": 64, "n_boost": 8,
- *                 "query_stride": 8},
+ *                 "query_stride": 8},  (+ "sink_tokens", "window_tokens" when set)
  *    "distortion": "attention-output MSE: max over heads, mean over captures, sum over layers",
  *    "precisions": [
  *     {"name": "int2c", "key_format": "int2_channel", "value_format": "int2", "key_bits": 2.25,
@@ -140,6 +144,7 @@ static const struct {
 
 typedef struct geometry {
     int32_t page_tokens, key_group, value_group, n_boost, query_stride; /* 0: default */
+    int32_t sink_tokens, window_tokens; /* kept full precision, as a cache's FP16; 0: none */
 } geometry;
 
 typedef struct precision {
@@ -297,6 +302,7 @@ typedef struct work {
     /* --stored-from: the aged buckets' rows (aged_rows) and its buffers, else NULL */
     float *kqb, *vqb;                               /* [3][N_PREC][n][D] */
     float *chain_k, *chain_v, *out_k, *out_v, *tmp; /* [n][D] */
+    int32_t sinks, window; /* --sinks, --window: positions a query sees at full precision */
     double z_full[N_TAGS], z_q[N_TAGS], acc[N_TAGS][N_PREC];
     uint8_t *scratch;
     size_t scratch_bytes;
@@ -396,13 +402,17 @@ static void measure_query(work *w, const float *q, int32_t i, int32_t n_total, i
         memset(w->num_q, 0, td * sizeof(double));
         memset(w->z_q, 0, sizeof w->z_q);
         for (int32_t j = 0; j < n; j++) {
-            /* an aged token as the cache holds it (--stored-from), else quantized from full */
+            /* an aged token as the cache holds it (--stored-from), else quantized from full;
+               sinks and the window as the cache holds them, full */
+            int full = j < w->sinks || i - j < w->window;
             size_t at = (w->kqb && w->bucket[j] > 0 ? ((size_t)(w->bucket[j] - 1) * N_PREC + p)
                                                     : (size_t)p) *
                             nd +
                         (size_t)j * d;
-            const float *k = (w->kqb && w->bucket[j] > 0 ? w->kqb : w->kq) + at;
-            const float *v = (w->kqb && w->bucket[j] > 0 ? w->vqb : w->vq) + at;
+            const float *k =
+                full ? w->kf + (size_t)j * d : (w->kqb && w->bucket[j] > 0 ? w->kqb : w->kq) + at;
+            const float *v =
+                full ? w->vf + (size_t)j * d : (w->kqb && w->bucket[j] > 0 ? w->vqb : w->vq) + at;
             double e = exp(scale * dot(q, k, d) - m);
             double *acc = w->num_q + (size_t)w->tag_of[j] * d;
             w->z_q[w->tag_of[j]] += e;
@@ -535,6 +545,8 @@ static bool measure_capture(capture_job *job, const llama_capture *cap, const kv
     size_t nd = (size_t)n * (size_t)d;
     work w;
     bool ok = work_alloc(&w, n, d, prec, job->stored != NULL);
+    w.sinks = job->geo.sink_tokens;
+    w.window = job->geo.window_tokens;
     if (!ok) snprintf(job->err, sizeof job->err, "out of memory");
     /* present[i][t]: tag t has tokens at query i (only sampled queries are filled) */
     bool *present = ok ? calloc((size_t)n * N_TAGS, sizeof(bool)) : NULL;
@@ -952,6 +964,9 @@ static char *table_json(const table *t) {
     cJSON_AddNumberToObject(geo, "value_group", t->geo.value_group);
     cJSON_AddNumberToObject(geo, "n_boost", t->geo.n_boost);
     cJSON_AddNumberToObject(geo, "query_stride", t->geo.query_stride);
+    if (t->geo.sink_tokens > 0) cJSON_AddNumberToObject(geo, "sink_tokens", t->geo.sink_tokens);
+    if (t->geo.window_tokens > 0)
+        cJSON_AddNumberToObject(geo, "window_tokens", t->geo.window_tokens);
     if (t->stored_from != NULL) cJSON_AddStringToObject(geo, "stored_from", t->stored_from);
     cJSON *spec = cJSON_CreateString(t->spec);
     char version[64];
@@ -1143,6 +1158,11 @@ static bool table_parse(const char *json, size_t n_bytes, table *t, char *err) {
         !get_i32(geo, "value_group", 8, KVMIX_MAX_HEAD_DIM, &t->geo.value_group, err) ||
         !get_i32(geo, "n_boost", 4, 252, &t->geo.n_boost, err) ||
         !get_i32(geo, "query_stride", 1, 1 << 20, &t->geo.query_stride, err))
+        goto done;
+    if ((cJSON_GetObjectItemCaseSensitive(geo, "sink_tokens") != NULL &&
+         !get_i32(geo, "sink_tokens", 0, 1 << 20, &t->geo.sink_tokens, err)) ||
+        (cJSON_GetObjectItemCaseSensitive(geo, "window_tokens") != NULL &&
+         !get_i32(geo, "window_tokens", 0, 1 << 26, &t->geo.window_tokens, err)))
         goto done;
     if (cJSON_GetObjectItemCaseSensitive(geo, "stored_from") != NULL) {
         const char *from = get_string(geo, "stored_from", err);
@@ -1466,8 +1486,8 @@ static void usage(FILE *f) {
             "                       [--allocation OUT.json] [--method knapsack|two-level]\n"
             "                       [--low P] [--high P] [--stride N] [--page-tokens N]\n"
             "                       [--key-group N] [--value-group N] [--boost N] [--steps N]\n"
-            "                       [--threads N] [--ablate none|temporal|role|blind]\n"
-            "                       [--stored-from ALLOCATION.json]\n"
+            "                       [--sinks N] [--window N] [--threads N]\n"
+            "                       [--ablate none|temporal|role|blind] [--stored-from A.json]\n"
             "       kvmix-calibrate --from-table TABLE.json [--budget B] [--table OUT.json]\n"
             "                       [--allocation OUT.json] [--method ...] [--low P] [--high P]\n"
             "                       [--steps N] [--ablate ...]\n"
@@ -1548,6 +1568,10 @@ static bool parse_options(int argc, char **argv, options *o) {
             ok = geo = parse_int(v, 8, KVMIX_MAX_HEAD_DIM, &o->geo.value_group);
         else if (strcmp(a, "--boost") == 0)
             ok = geo = parse_int(v, 4, 252, &o->geo.n_boost);
+        else if (strcmp(a, "--sinks") == 0)
+            ok = geo = parse_int(v, 0, 1 << 20, &o->geo.sink_tokens);
+        else if (strcmp(a, "--window") == 0)
+            ok = geo = parse_int(v, 0, 1 << 26, &o->geo.window_tokens);
         else {
             fprintf(stderr, "kvmix-calibrate: unknown option %s\n", a);
             return false;

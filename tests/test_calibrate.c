@@ -442,6 +442,56 @@ done:
     cJSON_Delete(a);
 }
 
+/* --sinks / --window: positions the cache holds FP16 are measured at full precision. A window
+ * longer than the captures leaves no error anywhere; 16 sinks and a window of 32 lower the summed
+ * error of every quantized precision, and the table records both. */
+static void check_window(const char *caps_dir) {
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd,
+             QUIET TOOL " --captures %s --stride 64 --threads 2 --window 100000 --table " TMP
+                        "/window.json",
+             caps_dir);
+    CHECK_MSG(run(cmd, NULL) == 0, "kvmix-calibrate --window runs");
+    snprintf(cmd, sizeof cmd,
+             QUIET TOOL " --captures %s --stride 64 --threads 2 --sinks 16 --window 32 --table " TMP
+                        "/sinks.json",
+             caps_dir);
+    CHECK_MSG(run(cmd, NULL) == 0, "kvmix-calibrate --sinks --window runs");
+    CHECK(run(QUIET TOOL " --from-table " TMP "/sinks.json --table " TMP "/sinks2.json", NULL) ==
+          0);
+    CHECK_MSG(same_files(TMP "/sinks.json", TMP "/sinks2.json"), "sinks and window round trip");
+    cJSON *all = load_json(TMP "/window.json"), *some = load_json(TMP "/sinks.json"),
+          *none = load_json(TMP "/table4.json");
+    if (!CHECK(all != NULL && some != NULL && none != NULL)) goto done;
+    const cJSON *geo = cJSON_GetObjectItemCaseSensitive(some, "geometry");
+    CHECK(num(geo, "sink_tokens") == 16 && num(geo, "window_tokens") == 32);
+    CHECK(cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(none, "geometry"),
+                                           "window_tokens") == NULL);
+    const cJSON *a = cJSON_GetObjectItemCaseSensitive(all, "tags"), *t;
+    const cJSON *b = cJSON_GetObjectItemCaseSensitive(some, "tags");
+    const cJSON *c = cJSON_GetObjectItemCaseSensitive(none, "tags");
+    int i = 0, nonzero = 0;
+    double with[4] = {0}, without[4] = {0};
+    cJSON_ArrayForEach(t, a) {
+        const cJSON *da = cJSON_GetObjectItemCaseSensitive(t, "distortion");
+        const cJSON *db = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(b, i), "distortion");
+        const cJSON *dc = cJSON_GetObjectItemCaseSensitive(cJSON_GetArrayItem(c, i), "distortion");
+        i++;
+        for (int p = 0; p < 4; p++) { /* fp16's own error is rounding alone */
+            nonzero += cJSON_GetArrayItem(da, p)->valuedouble > 1e-20;
+            with[p] += cJSON_GetArrayItem(db, p)->valuedouble;
+            without[p] += cJSON_GetArrayItem(dc, p)->valuedouble;
+        }
+    }
+    CHECK_MSG(i > 0 && nonzero == 0, "--window past every query: no error left");
+    for (int p = 0; p < 4; p++)
+        CHECK_MSG(with[p] < without[p], "--sinks 16 --window 32: less error at every precision");
+done:
+    cJSON_Delete(all);
+    cJSON_Delete(some);
+    cJSON_Delete(none);
+}
+
 /* ---- bad input -------------------------------------------------------------------------------- */
 static void expect_failure(const char *args, int status, const char *needle) {
     char cmd[2048], *out = NULL;
@@ -648,6 +698,7 @@ int main(int argc, char **argv) {
           strcmp(str(a3, "method"), "exhaustive") == 0);
     cJSON_Delete(a3);
     check_ablations();
+    check_window(TMP "/caps");
     check_stored_from(TMP "/caps");
     test_bad_input(TMP "/caps");
 end:
