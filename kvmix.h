@@ -953,18 +953,19 @@ typedef struct kvmix_policy {
     char description[KVMIX_POLICY_DESCRIPTION_BYTES];
     int32_t key_format;         /* kvmix_format of sealed key blocks */
     int32_t value_format;       /* kvmix_format of sealed value blocks */
-    int32_t group_size;         /* channels per scale of INT8/INT4/INT2 key blocks (and value blocks
-                              unless value_group_size says otherwise): a multiple of 8 in
-                              8 .. 512 that divides head_dim, or KVMIX_GROUP_HEAD_DIM */
+    int32_t group_size;         /* channels per scale of INT8/INT4/INT2 key blocks (and value
+                                   blocks unless value_group_size says otherwise): a multiple of 8
+                                   in 8 .. 512 that divides head_dim, or KVMIX_GROUP_HEAD_DIM */
     int32_t value_group_size;   /* of INT8/INT4/INT2 value blocks, as group_size; 0 = group_size */
     int32_t n_boost;            /* channels BOOSTED keys keep at 4 bits, whether the policy's own
-                              formats or its tag_precision (a tag allocation) ask for BOOSTED: a
-                              multiple of 4 in 0 .. 252; 0 = given by boost_fraction instead; both
-                              0 = none, which a policy whose own formats are BOOSTED may not have */
-    double boost_fraction;      /* BOOSTED only: n_boost as a fraction of head_dim, in [0, 1]; when
-                              both are set they must agree for the model's head_dim */
+                                   formats or its tag_precision (a tag allocation) ask for BOOSTED:
+                                   a multiple of 4 in 0 .. 252; 0 = given by boost_fraction
+                                   instead; both 0 = none, which a policy whose own formats are
+                                   BOOSTED may not have */
+    double boost_fraction;      /* n_boost as a fraction of head_dim, in [0, 1]; when both are set
+                                   they must agree for the model's head_dim */
     int32_t page_tokens;        /* tokens per page, a multiple of 8 in 8 .. 1024 (no default: 0 is
-                              refused) */
+                                   refused) */
     int32_t sink_tokens;        /* first positions kept FP16 for good, 0 .. page_tokens; 0 = none */
     int32_t window_tokens;      /* most recent positions kept FP16, 0 .. 2^26; 0 = none */
     int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
