@@ -1949,14 +1949,8 @@ static void test_runs(void) {
     int32_t s = -1, t = -1, i, pos;
     uint32_t a = 0, b = 0;
     test_context("runs");
-    memset(&d, 0, sizeof d);
-    d.n_layers = 2;
-    d.n_kv_heads = 2;
-    d.head_dim = 64;
-    d.page_tokens = 16;
+    ct_small_desc(&d);
     d.n_window = 32;
-    d.max_seqs = 2;
-    d.arena_bytes = 1 << 20;
     for (i = 0; i < 2 * 2 * 64; i++) rows[i] = (float)(i % 13) / 8.0f - 0.75f;
     if (!CHECK_RESULT(kvmix_cache_init_allocator(&with, &d, NULL), KVMIX_SUCCESS)) return;
     if (!CHECK_RESULT(kvmix_cache_init_allocator(&without, &d, NULL), KVMIX_SUCCESS)) return;
@@ -2013,19 +2007,14 @@ static void test_runs_values_window(void) {
     kvmix_cache_desc d;
     kvmix_cache c;
     kvmix_cache_precision int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4}, got;
-    float rows[2 * 64];
+    float rows[2 * 2 * 64];
     int32_t seq[2] = {-1, -1}, i, pos, k;
     test_context("runs, values-only window");
-    memset(&d, 0, sizeof d);
-    d.n_layers = 1;
-    d.n_kv_heads = 2;
-    d.head_dim = 64;
-    d.page_tokens = 16;
+    ct_small_desc(&d);
+    d.max_tokens_per_seq = 0; /* the default: room for a page table of runs of 5 */
     d.n_window = 32;
     d.window_values_only = 1;
-    d.max_seqs = 2;
-    d.arena_bytes = 1 << 20;
-    for (i = 0; i < 2 * 64; i++) rows[i] = (float)(i % 11) / 8.0f - 0.5f;
+    for (i = 0; i < 2 * 2 * 64; i++) rows[i] = (float)(i % 11) / 8.0f - 0.5f;
     if (!CHECK_RESULT(kvmix_cache_init_allocator(&c, &d, NULL), KVMIX_SUCCESS)) return;
     CHECK_RESULT(kvmix_cache_seq_create(&c, &seq[0]), KVMIX_SUCCESS);
     for (pos = 0; pos < 45; pos++) { /* runs of 5: every page closes at 5 rows */
