@@ -809,6 +809,16 @@ KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_
 KVMIXDEF kvmix_result kvmix_cache_precision_bits(const kvmix_cache *cache,
                                                  kvmix_cache_precision precision, double *out_bits);
 
+/* The same for a sealed page that holds `rows` rows, 1 .. page_tokens, in bits per element of
+   those rows: below page_tokens it is a page a new run closed (kvmix_cache_seq_set_run), whose
+   rows round up to a multiple of 8 and whose per-channel statistics cover them alone, so a
+   short run costs more per token than a full page. What a tag allocation prices a tag's runs
+   at (kvmix_alloc_problem.tag_bits). Returns precision_bits' errors and INVALID_ARGUMENT (rows
+   out of range). Pure. */
+KVMIXDEF kvmix_result kvmix_cache_page_bits(const kvmix_cache *cache,
+                                            kvmix_cache_precision precision, int32_t rows,
+                                            double *out_bits);
+
 /* Device arena (desc.device_arena = 1). The arena passed to kvmix_cache_init is a device pointer
    that the host never dereferences (views use it as base, so they describe device memory). The
    host keeps all bookkeeping as in a host arena; every call that would touch row bytes queues
@@ -1110,6 +1120,7 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
 /*                                                                                               */
 /*   minimize   sum_t D[t][choice[t]]                                                            */
 /*   subject to sum_t tokens[t] * bits[choice[t]] <= budget_bits * sum_t tokens[t]               */
+/*   (with tag_bits: tag_bits[t][choice[t]] in place of bits[choice[t]])                         */
 /*                                                                                               */
 /* bits[p] is precision p's cost in effective bits per cached element with every byte of         */
 /* metadata included (for keys + values, the mean of both layouts' kvmix_layout_bits at a full   */
@@ -1144,6 +1155,11 @@ typedef struct kvmix_alloc_problem {
                                  sum over tags of each tag's largest must be finite) */
     const double *bits;       /* [n_precisions] effective bits per element, in (0, 65536] */
     double budget_bits;       /* B: average bits per element over all tokens, finite, > 0 */
+    const double *tag_bits;   /* NULL: every tag's tokens cost bits[p]; else [n_tags][n_precisions]
+                                 row-major, in (0, 65536]: what tag t's tokens cost at p, e.g.
+                                 priced by the runs they come in (kvmix_cache_page_bits), which
+                                 replaces bits[p] in every cost below (bits still orders the two
+                                 levels of kvmix_alloc_two_level) */
 } kvmix_alloc_problem;
 
 typedef enum kvmix_alloc_method {
@@ -1156,7 +1172,8 @@ typedef enum kvmix_alloc_method {
 /* What an allocation achieved. */
 typedef struct kvmix_alloc_summary {
     double distortion;         /* sum_t D[t][choice[t]], summed in tag order */
-    double bits;               /* sum_t tokens[t] * bits[choice[t]] / sum_t tokens[t]: at most
+    double bits;               /* sum_t tokens[t] * cost / sum_t tokens[t] (cost: tag_bits or
+                                  bits of choice[t]): at most
                                   B (up to the rounding of this division; the budget test
                                   itself is on the cost, see above) */
     kvmix_alloc_method method; /* the method that ran (AUTO resolved) */
@@ -1208,9 +1225,9 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_pro
                                                            int32_t budget_steps, size_t *out_bytes);
 
 /* Multiple-choice knapsack over every precision, by dynamic programming over a discretized
-   budget. Let c[t][p] = tokens[t] * bits[p], m[t] = min_p c[t][p], C = sum_t m[t] and
-   S = budget_bits * sum_t tokens[t] - C, the room above the cheapest choice. The grid has
-   budget_steps cells (0 = KVMIX_ALLOC_STEPS_DEFAULT, at most KVMIX_ALLOC_MAX_STEPS) of
+   budget. Let c[t][p] = tokens[t] * bits[p] (or tag_bits[t][p]), m[t] = min_p c[t][p], C =
+   sum_t m[t] and S = budget_bits * sum_t tokens[t] - C, the room above the cheapest choice. The
+   grid has budget_steps cells (0 = KVMIX_ALLOC_STEPS_DEFAULT, at most KVMIX_ALLOC_MAX_STEPS) of
    q = S / budget_steps; each tag's extra cost c[t][p] - m[t] is rounded UP to whole cells (one
    within a relative 2^-40 of a whole number of cells counts as that number). The result is
    the least distortion among choices whose rounded extra costs fit in budget_steps cells
@@ -6061,20 +6078,28 @@ static double kvmix__elements(const kvmix_cache *c, int64_t n_live) {
     return (double)n_live * c->desc.n_layers * c->desc.n_kv_heads * c->desc.head_dim * 2.0;
 }
 
+KVMIXDEF kvmix_result kvmix_cache_page_bits(const kvmix_cache *cache,
+                                            kvmix_cache_precision precision, int32_t rows,
+                                            double *out_bits) {
+    kvmix__geom g;
+    int32_t held;
+    if (!cache || !out_bits) return KVMIX_ERR_NULL_POINTER;
+    if (!kvmix__precision_known(precision)) return KVMIX_ERR_UNKNOWN_FORMAT;
+    if (rows < 1 || rows > cache->desc.page_tokens) return KVMIX_ERR_INVALID_ARGUMENT;
+    precision = kvmix__precision_or_default(cache, precision);
+    if (!kvmix__boost_ok(&cache->desc, precision)) return KVMIX_ERR_BAD_SHAPE;
+    held = rows == cache->desc.page_tokens ? rows : (rows + 7) / 8 * 8; /* as a closed page */
+    g = kvmix__page_geom(cache, precision.key_format, precision.value_format, held, held);
+    *out_bits = (double)kvmix__granules_of(cache, g.total_bytes) *
+                (double)cache->desc.granule_bytes * 8.0 / kvmix__elements(cache, rows);
+    return KVMIX_SUCCESS;
+}
+
 KVMIXDEF kvmix_result kvmix_cache_precision_bits(const kvmix_cache *cache,
                                                  kvmix_cache_precision precision,
                                                  double *out_bits) {
-    kvmix__geom g;
-    int32_t p;
-    if (!cache || !out_bits) return KVMIX_ERR_NULL_POINTER;
-    if (!kvmix__precision_known(precision)) return KVMIX_ERR_UNKNOWN_FORMAT;
-    precision = kvmix__precision_or_default(cache, precision);
-    if (!kvmix__boost_ok(&cache->desc, precision)) return KVMIX_ERR_BAD_SHAPE;
-    p = cache->desc.page_tokens;
-    g = kvmix__page_geom(cache, precision.key_format, precision.value_format, p, p);
-    *out_bits = (double)kvmix__granules_of(cache, g.total_bytes) *
-                (double)cache->desc.granule_bytes * 8.0 / kvmix__elements(cache, p);
-    return KVMIX_SUCCESS;
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix_cache_page_bits(cache, precision, cache->desc.page_tokens, out_bits);
 }
 
 KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cache_stats *out) {
@@ -6893,15 +6918,16 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
    checks that the cheapest choice fits the budget; from there on nothing can fail, so the
    caller's `choice` array serves as the working assignment.
 
-   Costs are in token-bits: c[t][p] = tokens[t] * bits[p] in double, and the budget is
-   limit = budget_bits * T with T = sum of tokens (exact: an int64 sum of at most 2^53). The
-   canonical test of a choice is kvmix__alloc_cost(choice) <= limit, summed in tag order. The
+   Costs are in token-bits: c[t][p] = tokens[t] * bits[p] (tag_bits[t][p] when given) in
+   double, and the budget is limit = budget_bits * T with T = sum of tokens (exact: an int64 sum
+   of at most 2^53). The canonical test of a choice is kvmix__alloc_cost(choice) <= limit, summed in tag order. The
    fast paths add costs in other orders (subset-sum tables, running sums), which may differ from
    the canonical sum by rounding. So a fast-path cost above limit + tol rejects, one at most
    limit - tol accepts, and one in between is summed canonically before the choice is kept; tol
    bounds the rounding error of the fast sums (a few dozen ulps of the largest possible cost).
    With integer token counts and bits that are multiples of 2^-k (every kvmix format's are) all
-   sums are exact, and the band only catches choices exactly at the budget.
+   sums are exact, and the band only catches choices exactly at the budget; tag_bits priced by
+   runs are any doubles, and the band is what keeps their sums honest.
 
    Two-level exhaustive: tags 0..7 form an inner set whose 256 subset sums of (cost, distortion)
    increments are tabulated; an outer loop runs over the subsets of the other tags (up to 2^14),
@@ -6953,6 +6979,9 @@ static kvmix_result kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__allo
     if (total == 0) return KVMIX_ERR_INVALID_ARGUMENT;
     for (k = 0; k < p->n_precisions; k++)
         if (!(p->bits[k] > 0.0 && p->bits[k] <= KVMIX_ALLOC_MAX_BITS)) return KVMIX_ERR_BAD_VALUE;
+    for (k = 0; p->tag_bits && k < p->n_tags * p->n_precisions; k++)
+        if (!(p->tag_bits[k] > 0.0 && p->tag_bits[k] <= KVMIX_ALLOC_MAX_BITS))
+            return KVMIX_ERR_BAD_VALUE;
     if (!(p->budget_bits > 0.0 && p->budget_bits <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
     for (t = 0; t < p->n_tags; t++) {
         const double *row = p->distortion + (size_t)t * (size_t)p->n_precisions;
@@ -6970,11 +6999,18 @@ static kvmix_result kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__allo
     return KVMIX_SUCCESS;
 }
 
+/* Tag t's tokens at precision k, in token-bits. */
+static double kvmix__alloc_tag_cost(const kvmix_alloc_problem *p, int32_t t, int32_t k) {
+    return (double)p->tokens[t] *
+           (p->tag_bits ? p->tag_bits[(size_t)t * (size_t)p->n_precisions + (size_t)k]
+                        : p->bits[k]);
+}
+
 /* The canonical cost of a choice, in token-bits, summed in tag order. */
 static double kvmix__alloc_cost(const kvmix_alloc_problem *p, const int32_t *choice) {
     double cost = 0.0;
     int32_t t;
-    for (t = 0; t < p->n_tags; t++) cost += (double)p->tokens[t] * p->bits[choice[t]];
+    for (t = 0; t < p->n_tags; t++) cost += kvmix__alloc_tag_cost(p, t, choice[t]);
     return cost;
 }
 
@@ -6984,7 +7020,7 @@ static double kvmix__alloc_mask_cost(const kvmix_alloc_problem *p, int32_t low, 
     double cost = 0.0;
     int32_t t;
     for (t = 0; t < p->n_tags; t++)
-        cost += (double)p->tokens[t] * p->bits[(mask >> t) & 1u ? high : low];
+        cost += kvmix__alloc_tag_cost(p, t, (mask >> t) & 1u ? high : low);
     return cost;
 }
 
@@ -7044,10 +7080,10 @@ static void kvmix__alloc_exhaustive(const kvmix_alloc_problem *p, const kvmix__a
     uint32_t best = 0, j, om;
     int32_t t;
     for (t = 0; t < n; t++) {
-        double lo = (double)p->tokens[t] * p->bits[low];
-        double hi = (double)p->tokens[t] * p->bits[high];
+        double lo = kvmix__alloc_tag_cost(p, t, low);
+        double hi = kvmix__alloc_tag_cost(p, t, high);
         base_c += lo;
-        most += hi;
+        most += hi > lo ? hi : lo;
         dc[t] = hi - lo;
         base_d += p->distortion[(size_t)t * np + (size_t)low];
         dd[t] = p->distortion[(size_t)t * np + (size_t)high] -
@@ -7115,13 +7151,13 @@ static void kvmix__alloc_greedy(const kvmix_alloc_problem *p, const kvmix__alloc
     size_t m = 0, i;
     int32_t t;
     for (t = 0; t < p->n_tags; t++) {
-        double lo = (double)p->tokens[t] * p->bits[low];
-        double hi = (double)p->tokens[t] * p->bits[high];
+        double lo = kvmix__alloc_tag_cost(p, t, low);
+        double hi = kvmix__alloc_tag_cost(p, t, high);
         double gain = p->distortion[(size_t)t * np + (size_t)low] -
                       p->distortion[(size_t)t * np + (size_t)high];
         choice[t] = low;
         cost += lo;
-        most += hi;
+        most += hi > lo ? hi : lo;
         if (gain > 0.0) {
             items[m].key = hi - lo > 0.0 ? gain / (hi - lo) : HUGE_VAL;
             items[m].tag = t;
@@ -7135,7 +7171,7 @@ static void kvmix__alloc_greedy(const kvmix_alloc_problem *p, const kvmix__alloc
     for (i = 0; i < m; i++) {
         double next;
         t = items[i].tag;
-        next = cost + ((double)p->tokens[t] * p->bits[high] - (double)p->tokens[t] * p->bits[low]);
+        next = cost + (kvmix__alloc_tag_cost(p, t, high) - kvmix__alloc_tag_cost(p, t, low));
         if (next > info->limit + tol) continue;
         choice[t] = high;
         if (next > info->limit - tol) {
@@ -7173,7 +7209,7 @@ KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, 
         if (!workspace) return KVMIX_ERR_NULL_POINTER;
         if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
     }
-    for (t = 0; t < problem->n_tags; t++) cost += (double)problem->tokens[t] * problem->bits[low];
+    for (t = 0; t < problem->n_tags; t++) cost += kvmix__alloc_tag_cost(problem, t, low);
     if (cost > info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
     if (resolved == KVMIX_ALLOC_EXHAUSTIVE)
         kvmix__alloc_exhaustive(problem, &info, low, high, choice);
@@ -7199,13 +7235,22 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_pro
     return KVMIX_SUCCESS;
 }
 
-/* Cells of tag t's extra cost at precision k over the cheapest precision `cheap`, rounded up
-   (a value within 2^-40 relative of a whole number of cells counts as that number, so that a
-   cost meant to lie on the grid is not pushed a cell up by rounding; the canonical check of the
-   result covers the difference); steps + 1 (never fits) when above steps. */
-static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32_t k, int32_t cheap,
-                                  double room, int32_t steps) {
-    double extra = (double)p->tokens[t] * p->bits[k] - (double)p->tokens[t] * p->bits[cheap];
+/* Tag t's cost at its cheapest precision, in token-bits. */
+static double kvmix__alloc_tag_cheapest(const kvmix_alloc_problem *p, int32_t t) {
+    double least = kvmix__alloc_tag_cost(p, t, 0), c;
+    int32_t k;
+    for (k = 1; k < p->n_precisions; k++)
+        if ((c = kvmix__alloc_tag_cost(p, t, k)) < least) least = c;
+    return least;
+}
+
+/* Cells of tag t's extra cost at precision k over its cheapest, rounded up (a value within
+   2^-40 relative of a whole number of cells counts as that number, so that a cost meant to lie
+   on the grid is not pushed a cell up by rounding; the canonical check of the result covers the
+   difference); steps + 1 (never fits) when above steps. */
+static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32_t k, double room,
+                                  int32_t steps) {
+    double extra = kvmix__alloc_tag_cost(p, t, k) - kvmix__alloc_tag_cheapest(p, t);
     double x;
     if (!(extra > 0.0)) return 0;
     x = extra * (double)steps / room; /* +inf when room is 0 */
@@ -7214,11 +7259,11 @@ static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32
     return x > (double)steps ? steps + 1 : (int32_t)x;
 }
 
-/* The grid of one knapsack call: the cheapest precision, the cheapest choice's cost, the room
-   above it (limit - cheapest) and the number of cells. */
+/* The grid of one knapsack call: the cheapest choice's cost, the room above it (limit -
+   cheapest) and the number of cells. */
 typedef struct kvmix__alloc_grid {
     kvmix__alloc_info info;
-    int32_t cheap, steps;
+    int32_t steps;
     double cheapest, room;
 } kvmix__alloc_grid;
 
@@ -7228,19 +7273,15 @@ static kvmix_result kvmix__alloc_grid_init(const kvmix_alloc_problem *problem, i
                                            kvmix__alloc_grid *g) {
     size_t need = 0;
     kvmix_result r;
-    int32_t t, k;
+    int32_t t;
     if ((r = kvmix__alloc_check(problem, &g->info)) != KVMIX_SUCCESS) return r;
     if ((r = kvmix_alloc_knapsack_workspace_bytes(problem, budget_steps, &need)) != KVMIX_SUCCESS)
         return r;
     if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
     if (!workspace) return KVMIX_ERR_NULL_POINTER;
     if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    g->cheap = 0;
-    for (k = 1; k < problem->n_precisions; k++)
-        if (problem->bits[k] < problem->bits[g->cheap]) g->cheap = k;
     g->cheapest = 0.0;
-    for (t = 0; t < problem->n_tags; t++)
-        g->cheapest += (double)problem->tokens[t] * problem->bits[g->cheap];
+    for (t = 0; t < problem->n_tags; t++) g->cheapest += kvmix__alloc_tag_cheapest(problem, t);
     if (g->cheapest > g->info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
     g->steps = budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps;
     g->room = g->info.limit - g->cheapest;
@@ -7264,7 +7305,7 @@ static const double *kvmix__alloc_dp(const kvmix_alloc_problem *problem, const k
         uint8_t *arg = table + (size_t)t * cells;
         double *swap;
         for (k = 0; k < problem->n_precisions; k++)
-            units[k] = kvmix__alloc_units(problem, t, k, g->cheap, g->room, steps);
+            units[k] = kvmix__alloc_units(problem, t, k, g->room, steps);
         for (w = 0; w <= steps; w++) next[w] = HUGE_VAL;
         for (k = 0; k < problem->n_precisions; k++) {
             const double d = row[k];
@@ -7306,7 +7347,7 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, i
         for (t = problem->n_tags; t-- > 0;) {
             k = table[(size_t)t * cells + (size_t)w];
             choice[t] = k;
-            w -= kvmix__alloc_units(problem, t, k, g.cheap, g.room, g.steps);
+            w -= kvmix__alloc_units(problem, t, k, g.room, g.steps);
         }
         KVMIX_ASSERT(w >= 0);
         if (capacity == 0 || kvmix__alloc_cost(problem, choice) <= g.info.limit) break;

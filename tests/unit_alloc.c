@@ -23,6 +23,8 @@ typedef struct instance {
     int64_t tokens[MAX_TAGS];
     double distortion[MAX_TAGS * MAX_PREC];
     double bits[MAX_PREC];
+    double tag_bits[MAX_TAGS * MAX_PREC]; /* used when priced_by_tag */
+    int priced_by_tag;
     double budget;
     int64_t total;
     kvmix_alloc_problem problem;
@@ -35,13 +37,19 @@ static void instance_bind(instance *in) {
     in->problem.distortion = in->distortion;
     in->problem.bits = in->bits;
     in->problem.budget_bits = in->budget;
+    in->problem.tag_bits = in->priced_by_tag ? in->tag_bits : NULL;
+}
+
+/* Tag t's tokens at precision k, in token-bits. */
+static double tag_cost(const instance *in, int32_t t, int32_t k) {
+    return (double)in->tokens[t] * (in->priced_by_tag ? in->tag_bits[t * in->np + k] : in->bits[k]);
 }
 
 /* The canonical cost of a choice (tag order, as the header defines it). */
 static double cost_of(const instance *in, const int32_t *choice) {
     double c = 0.0;
     int32_t t;
-    for (t = 0; t < in->n; t++) c += (double)in->tokens[t] * in->bits[choice[t]];
+    for (t = 0; t < in->n; t++) c += tag_cost(in, t, choice[t]);
     return c;
 }
 
@@ -230,10 +238,10 @@ static void reference_greedy(const instance *in, int32_t low, int32_t high, int3
     double key[MAX_TAGS], cost = 0.0, limit = limit_of(in);
     int32_t used[MAX_TAGS], t;
     for (t = 0; t < in->n; t++) {
-        double dc = (double)in->tokens[t] * in->bits[high] - (double)in->tokens[t] * in->bits[low];
+        double dc = tag_cost(in, t, high) - tag_cost(in, t, low);
         double gain = in->distortion[t * in->np + low] - in->distortion[t * in->np + high];
         choice[t] = low;
-        cost += (double)in->tokens[t] * in->bits[low];
+        cost += tag_cost(in, t, low);
         key[t] = dc > 0.0 ? gain / dc : HUGE_VAL;
         used[t] = !(gain > 0.0);
     }
@@ -505,6 +513,155 @@ static void test_knapsack_off_grid(void) {
         free(ws);
     }
     test_context(NULL);
+}
+
+/* ---- per-tag prices (tag_bits) ------------------------------------------------------------ */
+
+/* Every tag at its cheapest precision, in token-bits. */
+static double cheapest_cost(const instance *in) {
+    double sum = 0.0;
+    int32_t t, k;
+    for (t = 0; t < in->n; t++) {
+        double lo = HUGE_VAL;
+        for (k = 0; k < in->np; k++) lo = tag_cost(in, t, k) < lo ? tag_cost(in, t, k) : lo;
+        sum += lo;
+    }
+    return sum;
+}
+
+/* Prices each tag's precisions apart, as runs do: bits[k] plus a tag's own overhead, multiples
+   of 1/16 (costs stay exact), not always in the order of bits. The budget is the cost of a
+   random choice (a boundary) or a multiple of 1/1024 between the cheapest and dearest costs. */
+static void price_by_tag(test_rng *rng, instance *in) {
+    int32_t choice[MAX_TAGS], t, k;
+    double cheapest, dearest = 0.0;
+    in->priced_by_tag = 1;
+    for (t = 0; t < in->n; t++)
+        for (k = 0; k < in->np; k++)
+            in->tag_bits[t * in->np + k] = in->bits[k] + (double)test_rng_range(rng, 0, 40) / 16.0;
+    instance_bind(in);
+    cheapest = cheapest_cost(in);
+    for (t = 0; t < in->n; t++) {
+        double hi = 0.0;
+        for (k = 0; k < in->np; k++) hi = tag_cost(in, t, k) > hi ? tag_cost(in, t, k) : hi;
+        dearest += hi;
+    }
+    if (test_rng_unit(rng) < 0.5) {
+        for (t = 0; t < in->n; t++) choice[t] = test_rng_range(rng, 0, in->np - 1);
+        set_budget_cost(in, cost_of(in, choice));
+        return;
+    }
+    in->budget =
+        ceil((cheapest + (dearest - cheapest) * test_rng_unit(rng)) / (double)in->total * 1024.0) /
+        1024.0;
+    instance_bind(in);
+}
+
+/* Every allocator prices a tag by its own row: exhaustive equals brute force, greedy follows the
+   documented order, the knapsack stays within its bounds, all within the budget. */
+static void test_tag_bits_random(void) {
+    test_rng rng;
+    instance in;
+    int32_t choice[MAX_TAGS], want[MAX_TAGS], all_low[MAX_TAGS] = {0}, i;
+    kvmix_alloc_summary s;
+    test_rng_init(&rng, "alloc.tag_bits");
+    for (i = 0; i < 200; i++) {
+        int32_t n = test_rng_range(&rng, 1, 7), np = test_rng_range(&rng, 2, 4), steps = 2048;
+        size_t ws_bytes = 0;
+        void *ws;
+        double optimum, cell, bound;
+        random_instance(&rng, &in, n, np, 3000);
+        price_by_tag(&rng, &in);
+        test_context("tag_bits instance %d: n %d, np %d, budget %.17g", (int)i, (int)n, (int)np,
+                     in.budget);
+        ws = test_alloc((size_t)MAX_TAGS * 32);
+        if (cost_of(&in, all_low) > limit_of(&in)) { /* documented: every tag at low must fit */
+            CHECK_RESULT(kvmix_alloc_two_level(&in.problem, 0, np - 1, KVMIX_ALLOC_EXHAUSTIVE, NULL,
+                                               0, choice, &s),
+                         KVMIX_ERR_OUT_OF_MEMORY);
+        } else {
+            optimum = brute_two_level(&in, 0, np - 1);
+            if (CHECK_RESULT(kvmix_alloc_two_level(&in.problem, 0, np - 1, KVMIX_ALLOC_EXHAUSTIVE,
+                                                   NULL, 0, choice, &s),
+                             KVMIX_SUCCESS)) {
+                check_outcome(&in, choice, &s, 0, np - 1);
+                CHECK_MSG(near_rel(s.distortion, optimum),
+                          "exhaustive %.17g equals brute force %.17g", s.distortion, optimum);
+            }
+            if (CHECK_RESULT(kvmix_alloc_two_level(&in.problem, 0, np - 1, KVMIX_ALLOC_GREEDY, ws,
+                                                   (size_t)MAX_TAGS * 32, choice, &s),
+                             KVMIX_SUCCESS)) {
+                check_outcome(&in, choice, &s, 0, np - 1);
+                reference_greedy(&in, 0, np - 1, want);
+                CHECK_MEM_EQ(choice, want, (size_t)n * sizeof choice[0]);
+            }
+        }
+        free(ws);
+        optimum = brute_all(&in, limit_of(&in));
+        cell = (limit_of(&in) - cheapest_cost(&in)) / (double)steps;
+        bound = brute_all(&in, limit_of(&in) - (double)n * cell * (1.0 + 1e-9));
+        CHECK_RESULT(kvmix_alloc_knapsack_workspace_bytes(&in.problem, steps, &ws_bytes),
+                     KVMIX_SUCCESS);
+        ws = test_alloc(ws_bytes);
+        if (optimum < HUGE_VAL &&
+            CHECK_RESULT(kvmix_alloc_knapsack(&in.problem, steps, ws, ws_bytes, choice, &s),
+                         KVMIX_SUCCESS)) {
+            check_outcome(&in, choice, &s, -1, -1);
+            CHECK_MSG(s.distortion >= optimum * (1.0 - DIST_TOL), "knapsack %.17g >= optimum %.17g",
+                      s.distortion, optimum);
+            CHECK_MSG(bound == HUGE_VAL || s.distortion <= bound * (1.0 + DIST_TOL),
+                      "knapsack %.17g <= optimum with n_tags cells of room %.17g", s.distortion,
+                      bound);
+        }
+        free(ws);
+    }
+    test_context(NULL);
+}
+
+/* A tag whose runs make its dear precision dearer than another tag's loses the upgrade that
+   plain bits would give it; a priced row that is not finite and positive is refused. */
+static void test_tag_bits_decide(void) {
+    instance in;
+    int32_t choice[2], t;
+    kvmix_alloc_summary s;
+    double ws[256];
+    memset(&in, 0, sizeof in);
+    in.n = 2;
+    in.np = 2;
+    in.tokens[0] = in.tokens[1] = 64;
+    in.total = 128;
+    in.bits[0] = 2.0;
+    in.bits[1] = 4.0;
+    in.distortion[0] = 10.0; /* tag 0 gains 10 from the upgrade, tag 1 gains 9 */
+    in.distortion[2] = 9.0;
+    in.budget = 3.25;
+    instance_bind(&in);
+    CHECK_RESULT(kvmix_alloc_two_level(&in.problem, 0, 1, KVMIX_ALLOC_AUTO, NULL, 0, choice, &s),
+                 KVMIX_SUCCESS);
+    CHECK(choice[0] == 1 && choice[1] == 0); /* plain bits: tag 0 is upgraded */
+    in.priced_by_tag = 1;
+    in.tag_bits[0] = 2.5; /* tag 0 in short runs: its upgrade no longer fits */
+    in.tag_bits[1] = 8.0;
+    in.tag_bits[2] = 2.0;
+    in.tag_bits[3] = 4.0;
+    instance_bind(&in);
+    for (t = 0; t < 3; t++) {
+        kvmix_result r = t < 2 ? kvmix_alloc_two_level(&in.problem, 0, 1,
+                                                       t ? KVMIX_ALLOC_GREEDY : KVMIX_ALLOC_AUTO,
+                                                       ws, sizeof ws, choice, &s)
+                               : kvmix_alloc_knapsack(&in.problem, 16, ws, sizeof ws, choice, &s);
+        test_context("allocator %d", (int)t);
+        if (!CHECK_RESULT(r, KVMIX_SUCCESS)) continue;
+        CHECK(choice[0] == 0 && choice[1] == 1);
+        CHECK_NEAR(s.bits, (64 * 2.5 + 64 * 4.0) / 128.0, 0.0);
+    }
+    test_context(NULL);
+    in.tag_bits[3] = NAN;
+    CHECK_RESULT(kvmix_alloc_two_level(&in.problem, 0, 1, KVMIX_ALLOC_AUTO, NULL, 0, choice, &s),
+                 KVMIX_ERR_BAD_VALUE);
+    in.tag_bits[3] = 0.0;
+    CHECK_RESULT(kvmix_alloc_knapsack(&in.problem, 16, ws, sizeof ws, choice, &s),
+                 KVMIX_ERR_BAD_VALUE);
 }
 
 /* The knapsack over two precisions on the grid against the exhaustive search, at sizes where
@@ -930,6 +1087,8 @@ void unit_alloc(void) {
     test_knapsack_grid();
     test_knapsack_off_grid();
     test_knapsack_vs_exhaustive();
+    test_tag_bits_random();
+    test_tag_bits_decide();
     test_edges();
     test_bad_input();
 }

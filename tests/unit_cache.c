@@ -1983,6 +1983,16 @@ static void test_runs(void) {
     }
     CHECK_RESULT(kvmix_cache_seq_stats_get(&with, s, &st), KVMIX_SUCCESS);
     CHECK_EQ_INT(st.n_packed_rows, 21);
+    { /* the closed page costs what kvmix_cache_page_bits prices 5 rows at, dearer than a page */
+        double closed = 0, full = 0, element_rows = 2 * 2 * 64 * 2; /* L * H * D * (K, V) */
+        CHECK_RESULT(kvmix_cache_page_bits(&with, int8, 5, &closed), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_cache_page_bits(&with, int4, 16, &full), KVMIX_SUCCESS);
+        CHECK(st.packed_bytes * 8 == closed * 5 * element_rows + full * 16 * element_rows);
+        CHECK_RESULT(kvmix_cache_page_bits(&with, int8, 16, &full), KVMIX_SUCCESS);
+        CHECK(closed > full);
+        CHECK_RESULT(kvmix_cache_page_bits(&with, int8, 0, &full), KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(kvmix_cache_page_bits(&with, int8, 17, &full), KVMIX_ERR_INVALID_ARGUMENT);
+    }
     CHECK_RESULT(kvmix_cache_check(&with), KVMIX_SUCCESS);
     /* a child forked inside the run's page shares it; its own new run closes its copy */
     CHECK_RESULT(kvmix_cache_seq_fork(&with, s, 60, &t), KVMIX_SUCCESS);
