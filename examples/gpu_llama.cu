@@ -1336,10 +1336,12 @@ extern "C" void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_st
     out->n_packed_tokens = st.n_packed_rows;
 }
 
-extern "C" double gpu_llama_seq_assigned_bits(const gpu_llama *g, int32_t seq) {
+extern "C" double gpu_llama_seq_assigned_bits(const gpu_llama *g, int32_t seq,
+                                              const tag_prices *prices) {
     if (seq < 0 || seq >= g->max_seqs || !g->in_use[seq] || !g->tagged) return 0.0;
     return kvmix_kv_assigned_bits(&g->cache, g->kv_seq[seq], &g->tag_policy,
-                                  &g->tags[(size_t)seq * (size_t)g->max_tokens], g->turns[seq]);
+                                  &g->tags[(size_t)seq * (size_t)g->max_tokens], g->turns[seq],
+                                  prices);
 }
 
 extern "C" const char *gpu_llama_device_name(const gpu_llama *g) { return g->device_name; }

@@ -20,6 +20,7 @@
 
 #include "kvmix.h"
 #include "llama.h"
+#include "tag_allocation.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -131,9 +132,10 @@ void gpu_llama_profile_get(const gpu_llama *g, gpu_llama_profile *out);
 /* What a sequence holds, as llama_kv_cache's stats (kvmix_kv.h's accounting for kvmix policies;
  * 32 bits per element for fp32). */
 void gpu_llama_seq_stats(const gpu_llama *g, int32_t seq, llama_kv_stats *out);
-/* A tagged sequence's assigned bits (kvmix_kv_assigned_bits: what its packed tokens' tags ask
-   for at its current turn, in full pages); 0 untagged. O(positions): once a text, not a step. */
-double gpu_llama_seq_assigned_bits(const gpu_llama *g, int32_t seq);
+/* A tagged sequence's assigned bits (kvmix_kv_assigned_bits: what its packed tokens' tags cost
+   at its current turn, at the allocation's prices when prices is not NULL, else in full pages);
+   0 untagged. O(positions): once a text, not a step. */
+double gpu_llama_seq_assigned_bits(const gpu_llama *g, int32_t seq, const tag_prices *prices);
 
 /* The kvmix cache and its sequence behind a running sequence (NULL / -1 for the fp32 loop or a
  * sequence not running): its host bookkeeping, for views and statistics; its arena is device

@@ -5,6 +5,7 @@
  *                   [--stride N] [--page-tokens N] [--key-group N] [--value-group N]
  *                   [--boost N] [--steps N] [--sinks N] [--window N] [--threads N]
  *                   [--ablate none|temporal|role|blind] [--stored-from ALLOCATION.json]
+ *                   [--price runs|pages] [--instruction once|each]
  *   kvmix-calibrate --from-table TABLE.json [--budget B] [--table OUT.json] [--allocation ...]
  *
  * Input: DIR/capture-*.bin, the files `kvmix-eval --capture DIR` writes (one per text, llama.h
@@ -21,7 +22,9 @@
  * shared prefix) count once, as the median over the captures where they are active (for an even
  * number, the mean of the two middle counts, rounded to nearest); every other tag sums over the
  * captures. The system prompt's bucket depends on the request's turn count, so it may appear as
- * several instruction tags (previous, two_back, older), each counted once.
+ * several instruction tags (previous, two_back, older), each counted once. --instruction each
+ * sums them over the captures too, for caches that store each request's system prompt apart
+ * (kvmix-eval does: one sequence per text).
  *
  * Precisions (name: keys + values; bits = (key bits + value bits) / 2 per element, every byte of
  * metadata included, from kvmix_layout_bits at a full page of --page-tokens):
@@ -53,8 +56,20 @@
  * and a tag's tokens share pages with other tags' tokens here; both only change the per-channel
  * formats' statistics; a tag's token count includes its sink and window tokens.
  *
+ * Prices. A cache puts each run of tokens (consecutive tokens of one turn and tag's formats,
+ * kvmix_policy_token_run) on pages of its own: a run fills pages from its first position and its
+ * last page is closed at its rows, rounded up to 8, with per-channel statistics over those rows
+ * alone (kvmix_cache_page_bits). So a tag whose runs are short costs more per token than a full
+ * page says. Calibration counts, per tag, the pages its runs would seal by the capture's end
+ * (past --sinks, out of --window; a run of one turn, role and modality) as "pages" in the
+ * table. --price runs (the default when the table has them) prices a tag's token at a precision
+ * as the mean over those pages of what a cache of the table's geometry and model shape holds for
+ * them; --price pages (the default for a table without them) at a full page's bits, as before.
+ * The allocator takes the prices per tag (kvmix_alloc_problem.tag_bits), so a budget is what
+ * sealed pages will hold.
+ *
  * Allocation (kvmix.h, "Bit allocation"): budget B (--budget, default 3.0) in effective bits per
- * element over the active tags' token counts. --method knapsack (default) is
+ * element over the active tags' token counts, each at its price. --method knapsack (default) is
  * kvmix_alloc_knapsack over all five precisions on a grid of --steps cells (default 4096);
  * --method two-level is kvmix_alloc_two_level between --low and --high (default int2c and int4;
  * exhaustive for up to 22 active tags, else greedy). Both are reported; --method picks the one
@@ -75,14 +90,16 @@
  *    "tags": [
  *     {"name": "current/user/text", "bucket": "current", "role": "user", "modality": "text",
  *      "tokens": 812, "n_captures": 2, "tokens_per_capture": [400, 412],
- *      "distortion": [1.2e-3, 9e-4, 2e-4, 1e-6, 1e-10]}, ...]}
- *   distortion: one entry per precision, in the order of "precisions".
+ *      "distortion": [1.2e-3, 9e-4, 2e-4, 1e-6, 1e-10], "pages": [[5, 12], [32, 20]]}, ...]}
+ *   distortion: one entry per precision, in the order of "precisions". pages: [rows, count]
+ *   pairs, rows increasing (on every tag or none; tables without them read as before).
  * --from-table reads such a table back (strictly: the five precisions in this order, every field)
  * instead of the captures; writing it again with --table gives the same bytes.
  *
  * Allocation JSON (--allocation), version 1:
  *   {"version": 1, "kind": "kvmix-allocation", "budget_bits": 3, "method": "knapsack",
- *    "optimal": true, "distortion": 1.1e-3, "bits": 2.98,
+ *    "pricing": "runs", "instruction": "once", "optimal": true, "distortion": 1.1e-3,
+ *    "bits": 2.98,
  *    "tags": [{"name": "current/user/text", "bucket": "current", "role": "user",
  *              "modality": "text", "tokens": 812, "precision": "int4", "key_format": "int4",
  *              "value_format": "int4", "key_group": 32, "value_group": 64, "n_boost": 0,
@@ -91,6 +108,7 @@
  *              {"budget_bits": 2.5, "two_level": {"distortion": ..., "bits": ...},
  *               "knapsack": {"distortion": ..., "bits": ...}}, ...]}
  *   method: "knapsack", or "exhaustive" / "greedy" (two-level; "low" and "high" name its pair).
+ *   A tag's "bits" is its price at the chosen precision; "bits" above, their mean by tokens.
  *
  * Demoted tokens (--stored-from A.json, an allocation of these five precisions, usually this
  * tool's at the same geometry): a cache stores a token first in the formats of its tag's current
@@ -131,6 +149,7 @@
 
 enum { N_PREC = 5, N_BUCKETS = 4, N_TAGS = N_BUCKETS * KVMIX_TAG_N_ROLES * 2, ERR_BYTES = 512 };
 enum { TABLE_VERSION = 1, ALLOCATION_VERSION = 1 };
+enum { MAX_PAGE_TOKENS = 1024 }; /* a cache's largest page (kvmix_cache_desc.page_tokens) */
 
 /* The candidate precisions, cheapest first. */
 static const struct {
@@ -161,10 +180,20 @@ typedef enum ablation {
 } ablation;
 static const char *const ABLATION_NAMES[] = {"none", "temporal", "role", "blind"};
 
+/* What a tag's token costs the allocation (--price). */
+typedef enum pricing {
+    PRICE_DEFAULT = 0, /* runs when the table counts pages, else pages */
+    PRICE_PAGES = 1,   /* a full page's bits, whatever the runs */
+    PRICE_RUNS = 2     /* the pages the tag's runs fill, closed ones at their own cost */
+} pricing;
+static const char *const PRICING_NAMES[] = {"default", "pages", "runs"};
+
 typedef struct options {
     const char *captures_dir, *spec_path, *from_table, *table_out, *allocation_out, *stored_from;
     double budget;
-    bool two_level; /* --method two-level */
+    bool two_level;        /* --method two-level */
+    bool instruction_each; /* --instruction each: instruction tags summed like the others */
+    pricing price;
     int32_t low, high, steps, n_threads;
     ablation ablate;
     geometry geo;
@@ -176,7 +205,9 @@ typedef struct table_tag {
     int64_t tokens;
     int32_t n_captures;
     int64_t *per_capture; /* [table.n_captures] */
+    int64_t *pages;       /* [geo.page_tokens + 1]: its sealed pages by rows (count_pages) */
     double distortion[N_PREC];
+    double price[N_PREC]; /* bits per element of one of its tokens at each precision (--price) */
 } table_tag;
 
 typedef struct table {
@@ -190,6 +221,8 @@ typedef struct table {
     int64_t *n_tokens; /* [n_captures] */
     int32_t n_tags;
     table_tag tags[N_TAGS];
+    bool has_pages; /* the tags' page counts were measured (tables of older tools lack them) */
+    pricing price;  /* what price_tags filled the prices with */
 } table;
 
 static int tag_index(int32_t bucket, int32_t role, int32_t modality) {
@@ -203,6 +236,7 @@ static void tag_name(const table_tag *t, char *out, size_t out_bytes) {
 }
 
 static void table_free(table *t) {
+    for (int32_t i = 0; i < t->n_tags; i++) free(t->tags[i].pages);
     free(t->spec);
     free(t->stored_from);
     for (int32_t i = 0; i < t->n_captures; i++) free(t->files[i]);
@@ -285,6 +319,7 @@ typedef struct capture_job {
     /* results */
     int32_t n_layers, n_heads, n_kv_heads, head_dim, n_tokens;
     int64_t count[N_TAGS]; /* tokens per tag at the last position */
+    int64_t *pages;        /* [N_TAGS][page_tokens + 1]: sealed pages by rows (count_pages) */
     double *dist;          /* [N_TAGS][N_PREC][n_layers]: max over heads of the mean MSE */
     bool ok;
     char err[ERR_BYTES];
@@ -617,6 +652,27 @@ static bool measure_capture(capture_job *job, const llama_capture *cap, const kv
     return ok;
 }
 
+/* The pages a cache of this geometry would hold sealed at the capture's end, per tag and row
+   count: past the sinks, each run (consecutive tokens of one turn, role and modality, as
+   kvmix_policy_token_run keeps them apart) fills pages of page_tokens from its first position,
+   the last one closed at its rows; a page counts once it has left the window. */
+static void count_pages(capture_job *job, const kvmix_tag *tags, int32_t n) {
+    int32_t page = job->geo.page_tokens, last_turn = tags[n - 1].turn;
+    int64_t sealed_end = (int64_t)n - job->geo.window_tokens;
+    for (int32_t i = job->geo.sink_tokens, j; i < n; i = j) {
+        for (j = i; j < n && tags[j].turn == tags[i].turn && tags[j].role == tags[i].role &&
+                    tags[j].modality == tags[i].modality;
+             j++) {
+        }
+        int idx = tag_index((int32_t)kvmix_tag_bucket_of(tags[i].turn, last_turn), tags[i].role,
+                            tags[i].modality);
+        for (int32_t first = i; first < j; first += page) {
+            int32_t rows = j - first < page ? j - first : page;
+            if (first + rows <= sealed_end) job->pages[(size_t)idx * (size_t)(page + 1) + rows]++;
+        }
+    }
+}
+
 static void run_job(capture_job *job) {
     size_t n_bytes = 0;
     char *bytes = llama_read_text(job->path, &n_bytes);
@@ -650,7 +706,8 @@ static void run_job(capture_job *job) {
     if (ok) {
         tags = malloc((size_t)cap.n_tokens * sizeof *tags);
         job->dist = calloc((size_t)N_TAGS * N_PREC * (size_t)cap.n_layers, sizeof(double));
-        ok = tags != NULL && job->dist != NULL;
+        job->pages = calloc((size_t)N_TAGS * (size_t)(job->geo.page_tokens + 1), sizeof(int64_t));
+        ok = tags != NULL && job->dist != NULL && job->pages != NULL;
         if (!ok) snprintf(job->err, sizeof job->err, "out of memory");
     }
     if (ok && (kvmix_tagger_init(&tagger, job->spec) != KVMIX_SUCCESS ||
@@ -664,6 +721,7 @@ static void run_job(capture_job *job) {
             int32_t bucket = (int32_t)kvmix_tag_bucket_of(tags[j].turn, last_turn);
             job->count[tag_index(bucket, tags[j].role, tags[j].modality)]++;
         }
+        count_pages(job, tags, cap.n_tokens);
         ok = measure_capture(job, &cap, tags, prec);
     }
     free(tags);
@@ -770,6 +828,8 @@ static bool table_from_jobs(table *t, capture_job *jobs, int32_t n_jobs, char *e
         }
     }
     if (!precisions_resolve(&t->geo, t->head_dim, t->prec, err)) return false;
+    const int32_t page = t->geo.page_tokens;
+    t->has_pages = true;
     int64_t *counts = malloc((size_t)n_jobs * sizeof *counts);
     if (counts == NULL) {
         snprintf(err, ERR_BYTES, "out of memory");
@@ -779,18 +839,24 @@ static bool table_from_jobs(table *t, capture_job *jobs, int32_t n_jobs, char *e
         for (int32_t r = 0; r < KVMIX_TAG_N_ROLES; r++)
             for (int32_t m = 0; m < 2; m++) {
                 int idx = tag_index(b, r, m);
-                table_tag tag = {b, r, m, 0, 0, NULL, {0}};
+                table_tag tag = {b, r, m, 0, 0, NULL, NULL, {0}, {0}};
                 int32_t active = 0;
                 for (int32_t c = 0; c < n_jobs; c++)
                     if (jobs[c].count[idx] > 0) counts[active++] = jobs[c].count[idx];
                 if (active == 0) continue;
                 tag.n_captures = active;
                 tag.per_capture = malloc((size_t)n_jobs * sizeof(int64_t));
-                if (tag.per_capture == NULL) {
+                tag.pages = calloc((size_t)page + 1, sizeof(int64_t));
+                if (tag.per_capture == NULL || tag.pages == NULL) {
+                    free(tag.per_capture);
+                    free(tag.pages);
                     free(counts);
                     snprintf(err, ERR_BYTES, "out of memory");
                     return false;
                 }
+                for (int32_t c = 0; c < n_jobs; c++)
+                    for (int32_t rows = 1; rows <= page; rows++)
+                        tag.pages[rows] += jobs[c].pages[(size_t)idx * (size_t)(page + 1) + rows];
                 for (int32_t c = 0; c < n_jobs; c++) {
                     tag.per_capture[c] = jobs[c].count[idx];
                     if (r != KVMIX_ROLE_INSTRUCTION) tag.tokens += jobs[c].count[idx];
@@ -878,7 +944,7 @@ static bool table_from_captures(const options *o, table *t, char *err) {
     for (int32_t c = 0; c < n; c++) {
         if (names != NULL) free(names[c]);
         if (paths != NULL) free(paths[c]);
-        if (jobs != NULL) free(jobs[c].dist);
+        if (jobs != NULL) free(jobs[c].dist), free(jobs[c].pages);
     }
     free(names);
     free(paths);
@@ -949,6 +1015,19 @@ static void add_tag_fields(cJSON *o, const table_tag *tag) {
     cJSON_AddNumberToObject(o, "tokens", (double)tag->tokens);
 }
 
+/* A tag's sealed pages as [[rows, count], ...], rows increasing, counts above 0. */
+static cJSON *pages_json(const table_tag *tag, int32_t page) {
+    cJSON *list = cJSON_CreateArray();
+    for (int32_t rows = 1; rows <= page; rows++) {
+        if (tag->pages[rows] == 0) continue;
+        cJSON *pair = cJSON_CreateArray();
+        cJSON_AddItemToArray(pair, cJSON_CreateNumber(rows));
+        cJSON_AddItemToArray(pair, cJSON_CreateNumber((double)tag->pages[rows]));
+        cJSON_AddItemToArray(list, pair);
+    }
+    return list;
+}
+
 /* The table as JSON text (malloc'd), or NULL when out of memory. */
 static char *table_json(const table *t) {
     char *buf = NULL;
@@ -1001,6 +1080,7 @@ static char *table_json(const table *t) {
             cJSON_AddItemToArray(dist, exact_number(tag->distortion[p]));
         cJSON_AddItemToObject(o, "tokens_per_capture", per);
         cJSON_AddItemToObject(o, "distortion", dist);
+        if (t->has_pages) cJSON_AddItemToObject(o, "pages", pages_json(tag, t->geo.page_tokens));
         ok = append(&buf, &len, &cap, i ? ",\n  " : "\n  ") && append_json(&buf, &len, &cap, o);
     }
     ok = ok && append(&buf, &len, &cap, "]}\n");
@@ -1082,6 +1162,30 @@ static const char *bucket_namer(int i) { return kvmix_tag_bucket_name((kvmix_tag
 static const char *role_namer(int i) { return kvmix_tag_role_name((kvmix_tag_role)i); }
 static const char *modality_namer(int i) { return kvmix_tag_modality_name((kvmix_tag_modality)i); }
 
+/* A tag's "pages" ([[rows, count], ...]: rows 1 .. page, each once, counts >= 0) into pages. */
+static bool read_pages(const cJSON *list, int32_t page, int64_t *pages, char *err) {
+    const cJSON *pair;
+    if (!cJSON_IsArray(list)) {
+        snprintf(err, ERR_BYTES, "\"pages\" must be an array");
+        return false;
+    }
+    cJSON_ArrayForEach(pair, list) {
+        const cJSON *rows = cJSON_GetArrayItem(pair, 0), *count = cJSON_GetArrayItem(pair, 1);
+        double r = cJSON_IsNumber(rows) ? rows->valuedouble : -1;
+        double c = cJSON_IsNumber(count) ? count->valuedouble : -1;
+        if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 || !(r >= 1 && r <= page) ||
+            r != floor(r) || !(c >= 0 && c <= 9007199254740992.0) || c != floor(c) ||
+            pages[(int32_t)r] != 0) {
+            snprintf(err, ERR_BYTES,
+                     "\"pages\" must hold [rows, count] pairs, rows 1..%d once each, counts >= 0",
+                     page);
+            return false;
+        }
+        pages[(int32_t)r] = (int64_t)c;
+    }
+    return true;
+}
+
 static bool read_tag(const cJSON *o, int32_t n_captures, table_tag *tag, char *err) {
     const char *b = get_string(o, "bucket", err), *r = get_string(o, "role", err),
                *m = get_string(o, "modality", err);
@@ -1115,6 +1219,38 @@ static bool read_tag(const cJSON *o, int32_t n_captures, table_tag *tag, char *e
     }
     cJSON_ArrayForEach(item, dist) {
         if (!get_number(item, "distortion", &tag->distortion[p++], err)) return false;
+    }
+    return true;
+}
+
+/* The optional "pages" of every tag: all or none of them carry it. */
+static bool read_all_pages(const cJSON *tags, table *t, char *err) {
+    const cJSON *item;
+    int32_t i = 0, with = 0;
+    cJSON_ArrayForEach(item, tags) with += cJSON_GetObjectItemCaseSensitive(item, "pages") != NULL;
+    if (with == 0) return true;
+    if (t->geo.page_tokens > MAX_PAGE_TOKENS) {
+        snprintf(err, ERR_BYTES, "\"pages\" with page_tokens above %d", MAX_PAGE_TOKENS);
+        return false;
+    }
+    if (with != t->n_tags) {
+        snprintf(err, ERR_BYTES, "\"pages\" on %d of %d tags: all or none", with, t->n_tags);
+        return false;
+    }
+    t->has_pages = true;
+    cJSON_ArrayForEach(item, tags) {
+        table_tag *tag = &t->tags[i++];
+        char why[ERR_BYTES - 32];
+        tag->pages = calloc((size_t)t->geo.page_tokens + 1, sizeof(int64_t));
+        if (tag->pages == NULL) {
+            snprintf(err, ERR_BYTES, "out of memory");
+            return false;
+        }
+        if (!read_pages(cJSON_GetObjectItemCaseSensitive(item, "pages"), t->geo.page_tokens,
+                        tag->pages, why)) {
+            snprintf(err, ERR_BYTES, "tag %d: %s", i - 1, why);
+            return false;
+        }
     }
     return true;
 }
@@ -1227,11 +1363,88 @@ static bool table_parse(const char *json, size_t n_bytes, table *t, char *err) {
         }
         seen[idx] = true;
     }
-    ok = true;
+    ok = read_all_pages(tags, t, err);
 done:
     cJSON_Delete(root);
     if (!ok) table_free(t);
     return ok;
+}
+
+/* ---- prices ---------------------------------------------------------------------------------- */
+
+/* A cache of the table's model shape and geometry (pages, groups, boosted channels), with an arena
+   of one FP16 page, to price pages with kvmix_cache_page_bits. */
+static bool pricing_cache(const table *t, kvmix_cache *c, char *err) {
+    kvmix_policy policy = *kvmix_policy_find("int4");
+    kvmix_policy_error why = {"", ""};
+    kvmix_cache_desc d;
+    memset(&d, 0, sizeof d);
+    policy.page_tokens = t->geo.page_tokens;
+    policy.group_size = t->geo.key_group;
+    policy.value_group_size = t->geo.value_group;
+    policy.n_boost = t->geo.n_boost;
+    policy.boost_fraction = 0;
+    d.n_layers = t->n_layers;
+    d.n_kv_heads = t->n_kv_heads;
+    d.head_dim = t->head_dim;
+    d.max_seqs = 1;
+    d.max_tokens_per_seq = t->geo.page_tokens;
+    d.arena_bytes = ((size_t)t->geo.page_tokens * (size_t)t->head_dim * 4 * (size_t)t->n_layers *
+                         (size_t)t->n_kv_heads +
+                     255) /
+                    256 * 256;
+    kvmix_result r = kvmix_policy_apply(&policy, &d, &why);
+    if (r == KVMIX_SUCCESS) r = kvmix_cache_init_allocator(c, &d, NULL);
+    if (r != KVMIX_SUCCESS)
+        snprintf(err, ERR_BYTES, "a cache of this geometry: %s (%s: %s)", kvmix_result_string(r),
+                 why.field, why.reason);
+    return r == KVMIX_SUCCESS;
+}
+
+/* Fills every tag's prices (--price): a full page's bits (the layouts' kvmix_layout_bits), or
+   its measured pages at what the cache holds for their rows, mean per token (a tag without a
+   sealed page: a full page's). */
+static bool price_tags(table *t, pricing how, char *err) {
+    if (how == PRICE_DEFAULT) how = t->has_pages ? PRICE_RUNS : PRICE_PAGES;
+    if (how == PRICE_RUNS && !t->has_pages) {
+        snprintf(err, ERR_BYTES, "--price runs: the table counts no pages (calibrate it again)");
+        return false;
+    }
+    t->price = how;
+    for (int32_t i = 0; how == PRICE_PAGES && i < t->n_tags; i++)
+        for (int p = 0; p < N_PREC; p++) t->tags[i].price[p] = t->prec[p].bits;
+    if (how == PRICE_PAGES) return true;
+    kvmix_cache cache;
+    if (!pricing_cache(t, &cache, err)) return false;
+    const int32_t page = t->geo.page_tokens;
+    double at_rows[MAX_PAGE_TOKENS + 1];
+    kvmix_result r = KVMIX_SUCCESS;
+    for (int p = 0; r == KVMIX_SUCCESS && p < N_PREC; p++) {
+        kvmix_cache_precision want = {(uint8_t)PRECISIONS[p].key, (uint8_t)PRECISIONS[p].value};
+        for (int32_t rows = 1; r == KVMIX_SUCCESS && rows <= page; rows++)
+            r = kvmix_cache_page_bits(&cache, want, rows, &at_rows[rows]);
+        for (int32_t i = 0; r == KVMIX_SUCCESS && i < t->n_tags; i++) {
+            double bits = 0, tokens = 0;
+            for (int32_t rows = 1; rows <= page; rows++) {
+                bits += (double)t->tags[i].pages[rows] * rows * at_rows[rows];
+                tokens += (double)t->tags[i].pages[rows] * rows;
+            }
+            t->tags[i].price[p] = tokens > 0 ? bits / tokens : at_rows[page];
+        }
+    }
+    kvmix_cache_deinit(&cache);
+    if (r != KVMIX_SUCCESS) snprintf(err, ERR_BYTES, "pricing pages: %s", kvmix_result_string(r));
+    return r == KVMIX_SUCCESS;
+}
+
+/* --instruction each: instruction tags count their tokens in every capture, as a cache that does
+   not share the system prompt between requests stores them. */
+static void count_instruction_each(table *t) {
+    for (int32_t i = 0; i < t->n_tags; i++) {
+        if (t->tags[i].role != KVMIX_ROLE_INSTRUCTION) continue;
+        t->tags[i].tokens = 0;
+        for (int32_t c = 0; c < t->n_captures; c++) t->tags[i].tokens += t->tags[i].per_capture[c];
+    }
 }
 
 /* ---- allocation ------------------------------------------------------------------------------ */
@@ -1243,22 +1456,25 @@ typedef struct allocation {
 } allocation;
 
 static void make_problem(const table *t, double budget, int64_t *tokens, double *dist, double *bits,
-                         kvmix_alloc_problem *p) {
+                         double *prices, kvmix_alloc_problem *p) {
     for (int32_t i = 0; i < t->n_tags; i++) {
         tokens[i] = t->tags[i].tokens;
-        for (int q = 0; q < N_PREC; q++) dist[i * N_PREC + q] = t->tags[i].distortion[q];
+        for (int q = 0; q < N_PREC; q++) {
+            dist[i * N_PREC + q] = t->tags[i].distortion[q];
+            prices[i * N_PREC + q] = t->tags[i].price[q];
+        }
     }
     for (int q = 0; q < N_PREC; q++) bits[q] = t->prec[q].bits;
-    *p = (kvmix_alloc_problem){t->n_tags, N_PREC, tokens, dist, bits, budget};
+    *p = (kvmix_alloc_problem){t->n_tags, N_PREC, tokens, dist, bits, budget, prices};
 }
 
 static allocation allocate(const table *t, double budget, const options *o, bool two_level) {
     int64_t tokens[N_TAGS];
-    double dist[N_TAGS * N_PREC], bits[N_PREC];
+    double dist[N_TAGS * N_PREC], bits[N_PREC], prices[N_TAGS * N_PREC];
     kvmix_alloc_problem p;
     allocation a;
     memset(&a, 0, sizeof a);
-    make_problem(t, budget, tokens, dist, bits, &p);
+    make_problem(t, budget, tokens, dist, bits, prices, &p);
     size_t bytes = 0;
     a.r = two_level ? kvmix_alloc_two_level_workspace_bytes(t->n_tags, KVMIX_ALLOC_AUTO, &bytes)
                     : kvmix_alloc_knapsack_workspace_bytes(&p, o->steps, &bytes);
@@ -1289,12 +1505,21 @@ static int32_t merge_tags(const table *t, ablation how, table *merged, int32_t *
             merged->tags[g] = *tag;
             merged->tags[g].tokens = 0;
             memset(merged->tags[g].distortion, 0, sizeof merged->tags[g].distortion);
+            memset(merged->tags[g].price, 0, sizeof merged->tags[g].price);
             merged->n_tags++;
         }
         merged->tags[g].tokens += tag->tokens;
-        for (int q = 0; q < N_PREC; q++) merged->tags[g].distortion[q] += tag->distortion[q];
+        for (int q = 0; q < N_PREC; q++) {
+            merged->tags[g].distortion[q] += tag->distortion[q];
+            merged->tags[g].price[q] += (double)tag->tokens * tag->price[q]; /* a sum, for now */
+        }
         group_of[i] = g;
     }
+    for (int32_t g = 0; g < merged->n_tags; g++) /* the members' prices, by their tokens */
+        for (int q = 0; q < N_PREC; q++)
+            merged->tags[g].price[q] = merged->tags[g].tokens > 0
+                                           ? merged->tags[g].price[q] / merged->tags[g].tokens
+                                           : t->prec[q].bits;
     return merged->n_tags;
 }
 
@@ -1304,7 +1529,7 @@ static void summarize(const table *t, allocation *a) {
     int64_t tokens = 0;
     for (int32_t i = 0; i < t->n_tags; i++) {
         dist += t->tags[i].distortion[a->choice[i]];
-        bits += (double)t->tags[i].tokens * t->prec[a->choice[i]].bits;
+        bits += (double)t->tags[i].tokens * t->tags[i].price[a->choice[i]];
         tokens += t->tags[i].tokens;
     }
     a->summary.distortion = dist;
@@ -1392,6 +1617,8 @@ static char *allocation_json(const table *t, const options *o, const allocation 
     add_exact(head, "budget_bits", o->budget);
     cJSON_AddStringToObject(head, "method", method_name(a->summary.method));
     cJSON_AddStringToObject(head, "ablation", ABLATION_NAMES[o->ablate]);
+    cJSON_AddStringToObject(head, "pricing", PRICING_NAMES[t->price]);
+    cJSON_AddStringToObject(head, "instruction", o->instruction_each ? "each" : "once");
     if (o->two_level) {
         cJSON_AddStringToObject(head, "low", PRECISIONS[o->low].name);
         cJSON_AddStringToObject(head, "high", PRECISIONS[o->high].name);
@@ -1420,7 +1647,7 @@ static char *allocation_json(const table *t, const options *o, const allocation 
         cJSON_AddNumberToObject(item, "n_boost", p->key.n_boost);
         cJSON_AddNumberToObject(item, "page_tokens", t->geo.page_tokens);
         add_exact(item, "distortion", tag->distortion[a->choice[i]]);
-        add_exact(item, "bits", p->bits);
+        add_exact(item, "bits", tag->price[a->choice[i]]);
         ok = append(&buf, &len, &cap, i ? ",\n  " : "\n  ") && append_json(&buf, &len, &cap, item);
     }
     ok = ok && append(&buf, &len, &cap, "],\n \"sweep\": [");
@@ -1439,11 +1666,13 @@ static char *allocation_json(const table *t, const options *o, const allocation 
     return buf;
 }
 
-static void print_summary(const table *t, const allocation *a) {
+static void print_summary(const table *t, const allocation *a, bool instruction_each) {
     int64_t total = 0;
     for (int32_t i = 0; i < t->n_tags; i++) total += t->tags[i].tokens;
-    printf("calibration: %d captures, %d active tags, %lld tokens (instruction tags once)\n",
-           t->n_captures, t->n_tags, (long long)total);
+    printf("calibration: %d captures, %d active tags, %lld tokens (instruction tags %s); priced "
+           "by %s\n",
+           t->n_captures, t->n_tags, (long long)total, instruction_each ? "in each" : "once",
+           t->price == PRICE_RUNS ? "runs" : "full pages");
     printf("%-28s %8s", "tag", "tokens");
     for (int p = 0; p < N_PREC; p++) printf(" %10s", PRECISIONS[p].name);
     printf("  chosen\n%-28s %8s", "bits", "");
@@ -1488,9 +1717,10 @@ static void usage(FILE *f) {
             "                       [--key-group N] [--value-group N] [--boost N] [--steps N]\n"
             "                       [--sinks N] [--window N] [--threads N]\n"
             "                       [--ablate none|temporal|role|blind] [--stored-from A.json]\n"
+            "                       [--price runs|pages] [--instruction once|each]\n"
             "       kvmix-calibrate --from-table TABLE.json [--budget B] [--table OUT.json]\n"
             "                       [--allocation OUT.json] [--method ...] [--low P] [--high P]\n"
-            "                       [--steps N] [--ablate ...]\n"
+            "                       [--steps N] [--ablate ...] [--price ...] [--instruction ...]\n"
             "precisions P: int2c, boosted, int4, int8, fp16\n");
 }
 
@@ -1558,10 +1788,16 @@ static bool parse_options(int argc, char **argv, options *o) {
                 if (strcmp(v, ABLATION_NAMES[k]) == 0) o->ablate = (ablation)k, ok = true;
         } else if (strcmp(a, "--threads") == 0)
             ok = parse_int(v, 1, 64, &o->n_threads);
-        else if (strcmp(a, "--stride") == 0)
+        else if (strcmp(a, "--price") == 0) {
+            ok = strcmp(v, "runs") == 0 || strcmp(v, "pages") == 0;
+            o->price = strcmp(v, "runs") == 0 ? PRICE_RUNS : PRICE_PAGES;
+        } else if (strcmp(a, "--instruction") == 0) {
+            ok = strcmp(v, "once") == 0 || strcmp(v, "each") == 0;
+            o->instruction_each = strcmp(v, "each") == 0;
+        } else if (strcmp(a, "--stride") == 0)
             ok = geo = parse_int(v, 1, 1 << 20, &o->geo.query_stride);
         else if (strcmp(a, "--page-tokens") == 0)
-            ok = geo = parse_int(v, 1, 1 << 20, &o->geo.page_tokens);
+            ok = geo = parse_int(v, 1, MAX_PAGE_TOKENS, &o->geo.page_tokens);
         else if (strcmp(a, "--key-group") == 0)
             ok = geo = parse_int(v, 8, KVMIX_MAX_HEAD_DIM, &o->geo.key_group);
         else if (strcmp(a, "--value-group") == 0)
@@ -1629,6 +1865,8 @@ static int run(const options *o) {
         if (text == NULL) snprintf(err, ERR_BYTES, "out of memory");
         free(text);
     }
+    if (ok && o->instruction_each) count_instruction_each(&t);
+    if (ok) ok = price_tags(&t, o->price, err);
     allocation a, sweep[SWEEP_N][2];
     if (ok) {
         a = allocate_ablated(&t, o->budget, o, o->two_level);
@@ -1644,7 +1882,7 @@ static int run(const options *o) {
         for (int i = 0; i < SWEEP_N; i++)
             for (int k = 0; k < 2; k++)
                 sweep[i][k] = allocate_ablated(&t, sweep_budget(i), o, k == 0);
-        print_summary(&t, &a);
+        print_summary(&t, &a, o->instruction_each);
         print_sweep((const allocation(*)[2])sweep, o);
     }
     if (ok && o->allocation_out != NULL) {

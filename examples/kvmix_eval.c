@@ -24,9 +24,10 @@
  *                     capacity, allocation padding, its slot map and page table (kvmix_kv.c)
  *   packed_bits       the same over the sealed pages alone (not sinks, window, buffer), weighted
  *                     by the tokens they hold: what the policy's formats cost (null for fp32)
- *   assigned_bits     (--allocation) what the tags of those tokens ask for at the text's last
- *                     turn would cost in full pages of the cache (kvmix_cache_precision_bits):
- *                     the allocation's bits on these texts, beside packed_bits, what is held
+ *   assigned_bits     (--allocation) what the tags of those tokens at the text's last turn
+ *                     cost at the allocation's own prices (its tags' "bits"; runs' closed pages
+ *                     included when kvmix-calibrate priced by runs): the allocation's prediction
+ *                     for these texts, beside packed_bits, what is held
  *   n_tokens          scored positions; policy: the resolved policy object (all fields)
  * An answer position is one whose *next* token is an answer token: inside an assistant message,
  * after its </think> up to and including its <|im_end|>, or inside one of its tool calls from
@@ -356,7 +357,8 @@ typedef struct eval {
     bool tagged; /* --tag-spec and --allocation: the policy's cache stores tokens by tag */
     const tag_spec_doc *tag_doc;
     kvmix_tag_precision tag_table;
-    bool transferring; /* --transfer */
+    tag_prices tag_prices; /* the allocation's prices of its tags (assigned_bits) */
+    bool transferring;     /* --transfer */
     transfer_setup transfer;
     transfer_stats transfer_stats;
     char err[ERR_BYTES];
@@ -614,7 +616,7 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
                 continue;
             }
             t->stats = held;
-            t->stats.assigned_bits = gpu_llama_seq_assigned_bits(g, b->seq[i]);
+            t->stats.assigned_bits = gpu_llama_seq_assigned_bits(g, b->seq[i], &e->tag_prices);
             if (ev) evict_seq_end(ev, &b->ev[i], g, b->seq[i]);
             gpu_llama_seq_end(g, b->seq[i]);
             done++;
@@ -987,8 +989,11 @@ static llama_result tag_cache(eval *e, const options *o) {
                                       (uint8_t)e->policy.value_format};
     char why[ERR_BYTES - 64];
     if (tag_spec_load(o->tag_spec_path, &doc, why, sizeof why) != KVMIX_SUCCESS ||
-        (o->allocation_path != NULL && tag_allocation_load(o->allocation_path, fallback, &table,
-                                                           why, sizeof why) != KVMIX_SUCCESS)) {
+        (o->allocation_path != NULL &&
+         (tag_allocation_load(o->allocation_path, fallback, &table, why, sizeof why) !=
+              KVMIX_SUCCESS ||
+          tag_allocation_prices_load(o->allocation_path, &e->tag_prices, why, sizeof why) !=
+              KVMIX_SUCCESS))) {
         snprintf(e->err, sizeof e->err, "%s", why);
         return LLAMA_ERR_FORMAT;
     }
@@ -997,7 +1002,9 @@ static llama_result tag_cache(eval *e, const options *o) {
     e->tagged = true;
     e->tag_table = table;
     /* the GPU runner applies them to its own cache (gpu_run_policy) */
-    return o->cuda ? LLAMA_OK : kvmix_kv_tag(&e->cache, &doc.spec, &table, e->err, sizeof e->err);
+    return o->cuda
+               ? LLAMA_OK
+               : kvmix_kv_tag(&e->cache, &doc.spec, &table, &e->tag_prices, e->err, sizeof e->err);
 }
 
 static void eval_free(eval *e) {

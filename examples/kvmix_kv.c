@@ -500,6 +500,8 @@ typedef struct kv_kvmix {
     int64_t next_pos;
     kvmix_tag *tags; /* [capacity]: each position's tag */
     int32_t turn;    /* the turn the cache was aged to (kvmix_policy_retier_turn) */
+    bool priced;     /* prices holds the allocation's (kvmix_kv_tag) */
+    tag_prices prices;
 } kv_kvmix;
 
 /* Positions of `layer` that have rows. */
@@ -603,7 +605,8 @@ static void kv_kvmix_reset(void *state) {
  * included) plus its slot map, page table and sequence record. Not counted: the cache-wide
  * bookkeeping sized for the arena (page descriptors, granule bitmap, scratch). */
 double kvmix_kv_assigned_bits(const kvmix_cache *cache, int32_t seq, const kvmix_policy *policy,
-                              const kvmix_tag *tags, int32_t current_turn) {
+                              const kvmix_tag *tags, int32_t current_turn,
+                              const tag_prices *prices) {
     double sum = 0;
     int64_t n = 0;
     for (int32_t pos = 0; pos < cache->seqs[seq].n_tokens; pos++) {
@@ -618,6 +621,11 @@ double kvmix_kv_assigned_bits(const kvmix_cache *cache, int32_t seq, const kvmix
             kvmix_policy_token_precision(policy, tags[pos], current_turn, &want) != KVMIX_SUCCESS ||
             kvmix_cache_precision_bits(cache, want, &bits) != KVMIX_SUCCESS)
             continue;
+        if (prices != NULL) {
+            double price = prices->bits[kvmix_tag_bucket_of(tags[pos].turn, current_turn)]
+                                       [tags[pos].role][tags[pos].modality];
+            if (price > 0) bits = price;
+        }
         sum += bits;
         n++;
     }
@@ -635,8 +643,8 @@ static void kv_kvmix_stats(const void *state, llama_kv_stats *out) {
     out->packed_bits = st.packed_bits_per_element;
     out->n_packed_tokens = st.n_packed_rows;
     if (kv->tagged)
-        out->assigned_bits =
-            kvmix_kv_assigned_bits(&kv->cache, kv->seq, &kv->policy, kv->tags, kv->turn);
+        out->assigned_bits = kvmix_kv_assigned_bits(&kv->cache, kv->seq, &kv->policy, kv->tags,
+                                                    kv->turn, kv->priced ? &kv->prices : NULL);
 }
 
 static void kv_kvmix_destroy(void *state) {
@@ -757,7 +765,8 @@ llama_result kvmix_kv_policy_tagged(const kvmix_policy *policy, const kvmix_tag_
 }
 
 llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
-                          const kvmix_tag_precision *table, char *err, size_t err_bytes) {
+                          const kvmix_tag_precision *table, const tag_prices *prices, char *err,
+                          size_t err_bytes) {
     if (cache == NULL || spec == NULL || table == NULL)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv tags: NULL argument");
     if (cache->store != kv_kvmix_store)
@@ -777,6 +786,8 @@ llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
     kv->turn = 0;
     kv->tagger = tagger;
     kv->tagged = true;
+    kv->priced = prices != NULL;
+    if (prices != NULL) kv->prices = *prices;
     kv->next_pos = -1;
     cache->on_token = kv_kvmix_on_token;
     return LLAMA_OK;

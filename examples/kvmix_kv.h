@@ -22,6 +22,7 @@
 
 #include "kvmix.h"
 #include "llama.h"
+#include "tag_allocation.h"
 
 enum {
     KVMIX_KV_POLICY_VERSION = 1,
@@ -65,11 +66,13 @@ llama_result kvmix_kv_create(const kvmix_policy *policy, const llama_config *con
 /* Makes a kvmix-backed cache store each token by its template tag: the tagger of `spec` tags the
  * ids the runner announces (llama_kv_cache.on_token), and a token asks for the formats `table`
  * gives its tag in the current turn (kvmix_policy_token_precision); a page is sealed in the
- * highest precision its tokens ask for, and keeps it as the turn ages (no re-tiering yet). spec
- * and table are copied. LLAMA_ERR_ARGUMENT for the
- * fp32 cache, a spec that does not check or a table with unknown formats. */
+ * highest precision its tokens ask for, and keeps it as the turn ages (no re-tiering yet).
+ * prices (may be NULL): the allocation's, for the stats' assigned_bits. spec, table and prices
+ * are copied. LLAMA_ERR_ARGUMENT for the fp32 cache, a spec that does not check or a table with
+ * unknown formats. */
 llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
-                          const kvmix_tag_precision *table, char *err, size_t err_bytes);
+                          const kvmix_tag_precision *table, const tag_prices *prices, char *err,
+                          size_t err_bytes);
 
 /* `policy` storing by tag, for a runner that tags (kvmix_kv_tag, gpu_llama_tag): checks it with
    `table`, then copies table into *table_copy (the runner's, kept as long as the policy) and
@@ -79,12 +82,14 @@ llama_result kvmix_kv_policy_tagged(const kvmix_policy *policy, const kvmix_tag_
                                     kvmix_tag_precision *table_copy, kvmix_policy *out_policy,
                                     const char *who, char *err, size_t err_bytes);
 
-/* The mean over seq's positions in sealed pages (not sinks) of what the formats their tags ask
-   for at current_turn (kvmix_policy_token_precision of tags[position]) cost in full pages
-   (kvmix_cache_precision_bits): the bits the tag allocation assigns, beside the packed bits the
-   pages hold. 0 when no position is packed. */
+/* The mean over seq's positions in sealed pages (not sinks) of what their tags at current_turn
+   cost: the allocation's price of the tag (prices, when not NULL and it lists the tag), else what
+   the formats the tag asks for (kvmix_policy_token_precision of tags[position]) cost in full
+   pages (kvmix_cache_precision_bits). The bits the tag allocation assigns, beside the packed bits
+   the pages hold. 0 when no position is packed. */
 double kvmix_kv_assigned_bits(const kvmix_cache *cache, int32_t seq, const kvmix_policy *policy,
-                              const kvmix_tag *tags, int32_t current_turn);
+                              const kvmix_tag *tags, int32_t current_turn,
+                              const tag_prices *prices);
 
 /* For tests: the kvmix cache and sequence behind a kvmix-backed llama_kv_cache (NULL / -1 for
  * the fp32 one). */

@@ -45,12 +45,30 @@ static kvmix_result take_tag(const cJSON *tag, int index, kvmix_tag_precision *t
     return KVMIX_SUCCESS;
 }
 
-kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,
-                                  kvmix_cache_precision fallback, kvmix_tag_precision *out,
-                                  char *err, size_t err_bytes) {
-    if (json == NULL || out == NULL)
+/* One entry's "bits" into prices (its names checked by take_tag first). */
+static kvmix_result take_price(const cJSON *tag, int index, tag_prices *prices, char *err,
+                               size_t err_bytes) {
+    const cJSON *bits = cJSON_GetObjectItemCaseSensitive(tag, "bits");
+    if (!cJSON_IsNumber(bits) || !(bits->valuedouble > 0 && bits->valuedouble <= 65536.0))
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                             "allocation: tags[%d].bits must be a number in (0, 65536]", index);
+    prices->bits[field_index(tag, "bucket", KVMIX_TAG_N_BUCKETS, bucket_name)]
+                [field_index(tag, "role", KVMIX_TAG_N_ROLES, role_name)]
+                [field_index(tag, "modality", KVMIX_TAG_N_MODALITIES, modality_name)] =
+        bits->valuedouble;
+    return KVMIX_SUCCESS;
+}
+
+/* Parses the document into *table (filled with fallback first) and, when prices is not NULL,
+   each listed tag's price. */
+static kvmix_result parse_tags(const char *json, size_t json_bytes, kvmix_cache_precision fallback,
+                               kvmix_tag_precision *out, tag_prices *prices, char *err,
+                               size_t err_bytes) {
+    if (json == NULL || (out == NULL && prices == NULL))
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "allocation: NULL argument");
     kvmix_tag_precision table;
+    tag_prices priced;
+    memset(&priced, 0, sizeof priced);
     if (kvmix_tag_precision_fill(&table, fallback) != KVMIX_SUCCESS)
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_UNKNOWN_FORMAT,
                              "allocation: the fallback formats are unknown");
@@ -70,15 +88,38 @@ kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,
                           version->valuedouble);
     int index = 0;
     for (const cJSON *tag = r == KVMIX_SUCCESS ? tags->child : NULL; tag && r == KVMIX_SUCCESS;
-         tag = tag->next)
-        r = take_tag(tag, index++, &table, err, err_bytes);
+         tag = tag->next) {
+        r = take_tag(tag, index, &table, err, err_bytes);
+        if (r == KVMIX_SUCCESS && prices != NULL)
+            r = take_price(tag, index, &priced, err, err_bytes);
+        index++;
+    }
     cJSON_Delete(root);
-    if (r == KVMIX_SUCCESS) *out = table;
+    if (r == KVMIX_SUCCESS && out != NULL) *out = table;
+    if (r == KVMIX_SUCCESS && prices != NULL) *prices = priced;
     return r;
 }
 
-kvmix_result tag_allocation_load(const char *path, kvmix_cache_precision fallback,
-                                 kvmix_tag_precision *out, char *err, size_t err_bytes) {
+kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,
+                                  kvmix_cache_precision fallback, kvmix_tag_precision *out,
+                                  char *err, size_t err_bytes) {
+    if (out == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "allocation: NULL argument");
+    return parse_tags(json, json_bytes, fallback, out, NULL, err, err_bytes);
+}
+
+kvmix_result tag_allocation_prices_parse(const char *json, size_t json_bytes, tag_prices *out,
+                                         char *err, size_t err_bytes) {
+    kvmix_cache_precision any = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16};
+    if (out == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "allocation: NULL argument");
+    return parse_tags(json, json_bytes, any, NULL, out, err, err_bytes);
+}
+
+/* Reads the file at path and parses it (out or prices may be NULL, not both). */
+static kvmix_result load_tags(const char *path, kvmix_cache_precision fallback,
+                              kvmix_tag_precision *out, tag_prices *prices, char *err,
+                              size_t err_bytes) {
     if (path == NULL)
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "allocation: NULL path");
     size_t n = 0;
@@ -88,7 +129,22 @@ kvmix_result tag_allocation_load(const char *path, kvmix_cache_precision fallbac
         return tag_spec_fail(err, err_bytes, why,
                              why == KVMIX_ERR_NOT_FOUND ? "cannot read %s" : "%s is too large",
                              path);
-    kvmix_result r = tag_allocation_parse(text, n, fallback, out, err, err_bytes);
+    kvmix_result r = parse_tags(text, n, fallback, out, prices, err, err_bytes);
     free(text);
     return r;
+}
+
+kvmix_result tag_allocation_load(const char *path, kvmix_cache_precision fallback,
+                                 kvmix_tag_precision *out, char *err, size_t err_bytes) {
+    if (out == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "allocation: NULL argument");
+    return load_tags(path, fallback, out, NULL, err, err_bytes);
+}
+
+kvmix_result tag_allocation_prices_load(const char *path, tag_prices *out, char *err,
+                                        size_t err_bytes) {
+    kvmix_cache_precision any = {KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16};
+    if (out == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "allocation: NULL argument");
+    return load_tags(path, any, NULL, out, err, err_bytes);
 }

@@ -25,4 +25,18 @@ kvmix_result tag_allocation_parse(const char *json, size_t json_bytes,
 kvmix_result tag_allocation_load(const char *path, kvmix_cache_precision fallback,
                                  kvmix_tag_precision *out, char *err, size_t err_bytes);
 
+/* What an allocation prices each tag's tokens at (the "bits" of its entries in "tags": bits per
+ * element that sealed pages hold, runs' closed pages included when kvmix-calibrate priced by
+ * runs); 0 for a tag the allocation does not list. */
+typedef struct tag_prices {
+    double bits[KVMIX_TAG_N_BUCKETS][KVMIX_TAG_N_ROLES][KVMIX_TAG_N_MODALITIES];
+} tag_prices;
+/* Reads the prices of an allocation document that tag_allocation_parse accepts; a listed tag's
+ * "bits" must be a number in (0, 65536]. Returns as tag_allocation_parse (KVMIX_ERR_MALFORMED for
+ * a missing or bad "bits"). */
+kvmix_result tag_allocation_prices_parse(const char *json, size_t json_bytes, tag_prices *out,
+                                         char *err, size_t err_bytes);
+/* The same from a file (as tag_allocation_load). */
+kvmix_result tag_allocation_prices_load(const char *path, tag_prices *out, char *err,
+                                        size_t err_bytes);
 #endif /* KVMIX_TAG_ALLOCATION_H */

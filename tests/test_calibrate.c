@@ -194,6 +194,47 @@ static bool write_short_traces(const char *shared, const char *out_path) {
 }
 
 /* ---- the table -------------------------------------------------------------------------------- */
+/* A tag's prices at the five precisions, recomputed from its "pages" as the header defines them:
+   the mean over its pages of kvmix_cache_page_bits for their rows, in a cache of the table's
+   geometry and model shape (a full page's when it has none). false when that cache refuses. */
+static bool run_prices(const cJSON *t, const cJSON *tag, double out[5]) {
+    static const kvmix_format KEYS[5] = {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED,
+                                         KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT8, KVMIX_FORMAT_FP16};
+    static const kvmix_format VALUES[5] = {KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT2, KVMIX_FORMAT_INT4,
+                                           KVMIX_FORMAT_INT8, KVMIX_FORMAT_FP16};
+    const cJSON *geo = cJSON_GetObjectItemCaseSensitive(t, "geometry");
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(t, "model"), *pair;
+    kvmix_cache_desc d;
+    kvmix_cache c;
+    memset(&d, 0, sizeof d);
+    d.n_layers = (int32_t)num(model, "n_layers");
+    d.n_kv_heads = (int32_t)num(model, "n_kv_heads");
+    d.head_dim = (int32_t)num(model, "head_dim");
+    d.page_tokens = (int32_t)num(geo, "page_tokens");
+    d.group_size = (int32_t)num(geo, "key_group");
+    d.value_group_size = (int32_t)num(geo, "value_group");
+    d.n_boost = (int32_t)num(geo, "n_boost");
+    d.max_seqs = 1;
+    d.arena_bytes = 1 << 22;
+    if (kvmix_cache_init_allocator(&c, &d, NULL) != KVMIX_SUCCESS) return false;
+    bool ok = true;
+    for (int p = 0; p < 5; p++) {
+        kvmix_cache_precision want = {(uint8_t)KEYS[p], (uint8_t)VALUES[p]};
+        double bits = 0, rows = 0, at = 0;
+        cJSON_ArrayForEach(pair, cJSON_GetObjectItemCaseSensitive(tag, "pages")) {
+            int32_t r = (int32_t)cJSON_GetArrayItem(pair, 0)->valuedouble;
+            double n = cJSON_GetArrayItem(pair, 1)->valuedouble;
+            ok = ok && kvmix_cache_page_bits(&c, want, r, &at) == KVMIX_SUCCESS;
+            bits += n * r * at;
+            rows += n * r;
+        }
+        ok = ok && kvmix_cache_page_bits(&c, want, d.page_tokens, &at) == KVMIX_SUCCESS;
+        out[p] = rows > 0 ? bits / rows : at;
+    }
+    kvmix_cache_deinit(&c);
+    return ok;
+}
+
 static int compare_i64(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return (x > y) - (x < y);
@@ -240,7 +281,7 @@ static void check_table(const cJSON *t, const char *caps_dir) {
         CHECK(header[c] > 100 && num(cap, "n_tokens") == (double)header[c]);
     }
     int n_tags = cJSON_GetArraySize(tags), boosted_better = 0, bad_order = 0, bad_fp16 = 0;
-    int bad_counts = 0, bad_names = 0;
+    int bad_counts = 0, bad_names = 0, bad_pages = 0;
     const cJSON *tag;
     cJSON_ArrayForEach(tag, tags) {
         const cJSON *per = cJSON_GetObjectItemCaseSensitive(tag, "tokens_per_capture");
@@ -259,6 +300,17 @@ static void check_table(const cJSON *t, const char *caps_dir) {
         if (active < 1 || num(tag, "n_captures") != active ||
             num(tag, "tokens") != (double)(instruction ? median : total))
             bad_counts++;
+        /* no sinks, no window: the runs' pages hold every token of every capture */
+        double rows = 0, last_rows = 0;
+        const cJSON *pair;
+        cJSON_ArrayForEach(pair, cJSON_GetObjectItemCaseSensitive(tag, "pages")) {
+            double r = cJSON_GetArrayItem(pair, 0)->valuedouble;
+            if (!(r > last_rows && r <= page && cJSON_GetArrayItem(pair, 1)->valuedouble > 0))
+                bad_pages++;
+            rows += r * cJSON_GetArrayItem(pair, 1)->valuedouble;
+            last_rows = r;
+        }
+        if (rows != (double)total) bad_pages++;
         char name[128];
         snprintf(name, sizeof name, "%s/%s/%s", str(tag, "bucket"), str(tag, "role"),
                  str(tag, "modality"));
@@ -273,6 +325,7 @@ static void check_table(const cJSON *t, const char *caps_dir) {
     }
     CHECK_MSG(bad_counts == 0, "tag token counts: sums, instruction medians, n_captures");
     CHECK_MSG(bad_names == 0, "tag names are bucket/role/modality and unique");
+    CHECK_MSG(bad_pages == 0, "a tag's pages: rows increasing, in 1..page, holding its tokens");
     CHECK_MSG(sum[0] == header[0] && sum[1] == header[1],
               "per capture, the tags' counts partition its tokens");
     CHECK_MSG(bad_order == 0, "int8 < int4 < int2c for every tag");
@@ -290,16 +343,24 @@ static void check_allocation(const cJSON *a, const cJSON *t) {
     CHECK(num(a, "version") == 1 && strcmp(str(a, "kind"), "kvmix-allocation") == 0);
     CHECK(num(a, "budget_bits") == 3.0 && strcmp(str(a, "method"), "knapsack") == 0);
     CHECK(cJSON_GetArraySize(tags) == cJSON_GetArraySize(ttags));
-    double cost = 0, tokens = 0, dist = 0;
-    int bad = 0;
+    double cost = 0, tokens = 0, dist = 0, cheapest = 0, prices[5];
+    int bad = 0, dearer = 0;
+    CHECK(strcmp(str(a, "pricing"), "runs") == 0 && strcmp(str(a, "instruction"), "once") == 0);
     for (int i = 0; i < cJSON_GetArraySize(tags) && i < cJSON_GetArraySize(ttags); i++) {
         const cJSON *tag = cJSON_GetArrayItem(tags, i), *tt = cJSON_GetArrayItem(ttags, i);
         int p = 0;
         while (p < 5 && strcmp(str(cJSON_GetArrayItem(precs, p), "name"), str(tag, "precision")))
             p++;
+        if (!run_prices(t, tt, prices)) bad++;
+        double least = prices[0];
+        for (int q = 0; q < 5; q++) {
+            least = prices[q] < least ? prices[q] : least;
+            dearer += prices[q] > num(cJSON_GetArrayItem(precs, q), "bits");
+        }
+        cheapest += num(tt, "tokens") * least;
         if (p == 5 || strcmp(str(tag, "name"), str(tt, "name")) != 0 ||
             num(tag, "tokens") != num(tt, "tokens") ||
-            num(tag, "bits") != num(cJSON_GetArrayItem(precs, p), "bits") ||
+            fabs(num(tag, "bits") - prices[p]) > 1e-12 * prices[p] ||
             num(tag, "distortion") !=
                 cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(tt, "distortion"), p)
                     ->valuedouble ||
@@ -311,13 +372,15 @@ static void check_allocation(const cJSON *a, const cJSON *t) {
         tokens += num(tag, "tokens");
         dist += num(tag, "distortion");
     }
-    CHECK_MSG(bad == 0, "each tag's precision, bits and distortion are the table's");
+    CHECK_MSG(bad == 0, "each tag's precision and distortion are the table's, its bits its runs'");
+    CHECK_MSG(dearer > 0, "short runs price some tag above a full page");
     CHECK_MSG(cost <= 3.0 * tokens, "the allocation holds the budget");
     CHECK(fabs(cost / tokens - num(a, "bits")) <= 1e-12 * num(a, "bits"));
     CHECK(fabs(dist - num(a, "distortion")) <= 1e-12 * dist);
     CHECK(cJSON_GetArraySize(sweep) == 13);
-    double cheapest = num(cJSON_GetArrayItem(precs, 0), "bits"), last = INFINITY;
+    double last = INFINITY;
     int bad_sweep = 0;
+    cheapest /= tokens;
     const cJSON *e;
     cJSON_ArrayForEach(e, sweep) {
         double b = num(e, "budget_bits");
@@ -388,6 +451,69 @@ static void check_ablations(void) {
         cJSON_Delete(a);
     }
     cJSON_Delete(full);
+}
+
+static void expect_failure(const char *args, int status, const char *needle);
+
+/* --price and --instruction: full-page prices are the precisions' bits; instruction tags counted
+   in each capture sum them; a table without "pages" (an older tool's) prices by full pages and
+   refuses --price runs, and one with "pages" on some tags only is refused. */
+static void check_pricing(void) {
+    cJSON *t = load_json(TMP "/table.json"), *a = NULL, *tag;
+    const cJSON *x;
+    int bad = 0, instruction = 0;
+    if (!CHECK(t != NULL)) return;
+    const cJSON *precs = cJSON_GetObjectItemCaseSensitive(t, "precisions");
+    CHECK(run(QUIET TOOL " --from-table " TMP "/table.json --price pages --instruction each "
+                         "--allocation " TMP "/alloc-pages.json",
+              NULL) == 0);
+    if (!CHECK((a = load_json(TMP "/alloc-pages.json")) != NULL)) goto done;
+    CHECK(strcmp(str(a, "pricing"), "pages") == 0 && strcmp(str(a, "instruction"), "each") == 0);
+    int i = 0;
+    cJSON_ArrayForEach(x, cJSON_GetObjectItemCaseSensitive(a, "tags")) {
+        const cJSON *tt = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(t, "tags"), i++);
+        double sum = 0;
+        const cJSON *c;
+        cJSON_ArrayForEach(c, cJSON_GetObjectItemCaseSensitive(tt, "tokens_per_capture")) sum +=
+            c->valuedouble;
+        if (num(x, "bits") != num(cJSON_GetArrayItem(precs, precision_of(x)), "bits")) bad++;
+        if (num(x, "tokens") != sum) bad++;
+        instruction += strcmp(str(x, "role"), "instruction") == 0;
+    }
+    CHECK_MSG(bad == 0 && instruction > 0,
+              "--price pages: a precision's bits; --instruction each: tokens of every capture");
+    /* the same table without its page counts */
+    cJSON_ArrayForEach(tag, cJSON_GetObjectItemCaseSensitive(t, "tags")) {
+        cJSON_DeleteItemFromObjectCaseSensitive(tag, "pages");
+    }
+    char *text = cJSON_Print(t);
+    CHECK(text != NULL && write_bytes(TMP "/no-pages.json", text, strlen(text)));
+    free(text);
+    CHECK(run(QUIET TOOL " --from-table " TMP "/no-pages.json --allocation " TMP "/alloc-old.json",
+              NULL) == 0);
+    cJSON_Delete(a);
+    a = load_json(TMP "/alloc-old.json");
+    CHECK_MSG(a != NULL && strcmp(str(a, "pricing"), "pages") == 0,
+              "a table without pages prices by full pages");
+    expect_failure("--from-table " TMP "/no-pages.json --price runs", 1, "counts no pages");
+    cJSON_AddItemToObject(cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(t, "tags"), 0),
+                          "pages", cJSON_CreateArray());
+    text = cJSON_Print(t);
+    CHECK(text != NULL && write_bytes(TMP "/some-pages.json", text, strlen(text)));
+    free(text);
+    expect_failure("--from-table " TMP "/some-pages.json", 1, "all or none");
+    cJSON_Delete(t);
+    if ((t = load_json(TMP "/table.json")) == NULL) goto done;
+    cJSON_ReplaceItemInObjectCaseSensitive(
+        cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(t, "tags"), 0), "pages",
+        cJSON_Parse("[[129, 1]]"));
+    text = cJSON_Print(t);
+    CHECK(text != NULL && write_bytes(TMP "/bad-pages.json", text, strlen(text)));
+    free(text);
+    expect_failure("--from-table " TMP "/bad-pages.json", 1, "rows 1..128 once each");
+done:
+    cJSON_Delete(t);
+    cJSON_Delete(a);
 }
 
 /* --stored-from the allocation: current-bucket tags measure as before; an aged tag measures the
@@ -555,7 +681,7 @@ static void test_bad_input(const char *caps_dir) {
     mkdir(TMP "/tiny", 0755);
     CHECK(write_tiny_capture(TMP "/tiny/capture-0000.bin", 32));
     char *out = NULL;
-    CHECK_MSG(run(QUIET TOOL " --captures " TMP "/tiny --budget 4", &out) == 0,
+    CHECK_MSG(run(QUIET TOOL " --captures " TMP "/tiny --budget 64", &out) == 0, /* 3 rows in 8 */
               "a 3-token capture of head_dim 32 calibrates");
     free(out);
     CHECK(write_tiny_capture(TMP "/tiny/capture-0000.bin", 48));
@@ -691,13 +817,14 @@ int main(int argc, char **argv) {
               NULL) == 0);
     CHECK_MSG(same_files(TMP "/table3.json", TMP "/table4.json"), "--threads 1: the same table");
     CHECK(run(QUIET TOOL " --from-table " TMP "/table.json --method two-level --low boosted "
-                         "--high int8 --allocation " TMP "/alloc3.json",
+                         "--high int8 --budget 4 --allocation " TMP "/alloc3.json",
               NULL) == 0);
     cJSON *a3 = load_json(TMP "/alloc3.json");
     CHECK(a3 != NULL && strcmp(str(a3, "low"), "boosted") == 0 &&
           strcmp(str(a3, "method"), "exhaustive") == 0);
     cJSON_Delete(a3);
     check_ablations();
+    check_pricing();
     check_window(TMP "/caps");
     check_stored_from(TMP "/caps");
     test_bad_input(TMP "/caps");

@@ -161,7 +161,8 @@ static gap compare_policy(const llama_model *m, const char *policy_name,
         CHECK(kvmix_kv_create(policy, &m->config, STEPS + 1, &cpu.cache[t], err, sizeof err) ==
               LLAMA_OK);
         if (tags)
-            CHECK(kvmix_kv_tag(&cpu.cache[t], &tags->spec, &table, err, sizeof err) == LLAMA_OK);
+            CHECK(kvmix_kv_tag(&cpu.cache[t], &tags->spec, &table, NULL, err, sizeof err) ==
+                  LLAMA_OK);
     }
     for (int s = 0; s < STEPS; s++) {
         int32_t n = 0;

@@ -744,7 +744,7 @@ static void stored_formats(llama_runner *runner, const llama_model *m, const tex
                                       m->config.context + 1, &cache, err, sizeof err) == LLAMA_OK,
                   __LINE__, err))
         return;
-    if (tagged) CHECK(kvmix_kv_tag(&cache, &doc.spec, &table, err, sizeof err) == LLAMA_OK);
+    if (tagged) CHECK(kvmix_kv_tag(&cache, &doc.spec, &table, NULL, err, sizeof err) == LLAMA_OK);
     CHECK(llama_score_sequence(runner, &cache, s->ids[0], s->n[0], NULL, NULL, NULL, &score, err,
                                sizeof err) == LLAMA_OK);
     CHECK(kvmix_tagger_init(&tagger, &doc.spec) == KVMIX_SUCCESS);
