@@ -1145,7 +1145,8 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
 #define KVMIX_ALLOC_STEPS_DEFAULT  4096     /* knapsack budget grid when budget_steps is 0 */
 #define KVMIX_ALLOC_MAX_STEPS      16777216 /* 2^24 */
 
-/* A calibration table and a budget. Pointers are borrowed for the call only. */
+/* A calibration table and a budget. Pointers are borrowed for the call only. Zero-initialize it
+   (= {0}) before setting members, so that a member a later version adds keeps its default. */
 typedef struct kvmix_alloc_problem {
     int32_t n_tags;           /* active tags, 1 .. KVMIX_ALLOC_MAX_TAGS */
     int32_t n_precisions;     /* candidate precisions, 1 .. KVMIX_ALLOC_MAX_PRECISIONS */

@@ -58,7 +58,8 @@ typedef struct bench_instance {
 
 static int make_instance(bench_instance *in, int32_t n, const double *bits, double budget) {
     int32_t t, k;
-    rng_state = 0x616c6c6f63ull + (uint64_t)n; /* the same instance for the same n */
+    rng_state = 0x616c6c6f63ull + (uint64_t)n;   /* the same instance for the same n */
+    memset(&in->problem, 0, sizeof in->problem); /* members not set below keep their defaults */
     in->n = n;
     in->tokens = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
     in->distortion = (double *)malloc(sizeof(double) * (size_t)n * N_PREC);

@@ -1,5 +1,6 @@
-/* Fuzz target for the tag allocation reader (tag_allocation_parse, examples/tag_allocation.c): a
- * document that parses gives a table of known formats only; one that does not leaves the output
+/* Fuzz target for the tag allocation readers (tag_allocation_parse and
+ * tag_allocation_prices_parse, examples/tag_allocation.c): a document that parses gives a table of
+ * known formats only and prices in (0, 65536] or 0; one that does not leaves the output
  * untouched and says why.
  *
  * libFuzzer:  clang -fsanitize=fuzzer,address,undefined -I. -Iexamples tests/fuzz_allocation.c \
@@ -15,6 +16,24 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* The prices of a document whose formats parsed: in range, or untouched with a reason. */
+static void check_prices(const uint8_t *data, size_t size) {
+    static tag_prices prices;
+    char err[256];
+    memset(&prices, 0x5a, sizeof prices);
+    if (tag_allocation_prices_parse((const char *)data, size, &prices, err, sizeof err) !=
+        KVMIX_SUCCESS) {
+        const uint8_t *p = (const uint8_t *)&prices;
+        for (size_t i = 0; i < sizeof prices; i++)
+            if (p[i] != 0x5a) abort();
+        if (strlen(err) == 0 || strlen(err) >= sizeof err) abort();
+        return;
+    }
+    const double *bits = &prices.bits[0][0][0];
+    for (size_t i = 0; i < sizeof prices / sizeof *bits; i++)
+        if (!(bits[i] == 0 || (bits[i] > 0 && bits[i] <= 65536.0))) abort();
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static kvmix_tag_precision out;
     kvmix_cache_precision int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4};
@@ -29,6 +48,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         return 0;
     }
     if (kvmix_tag_precision_check(&out) != KVMIX_SUCCESS) abort();
+    check_prices(data, size);
     return 0;
 }
 
@@ -39,21 +59,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
 enum { MAX_SEEDS = 8 };
 
-static const char *const WORDS[] = {"\"bucket\"",
-                                    "\"role\"",
-                                    "\"modality\"",
-                                    "\"key_format\"",
-                                    "\"value_format\"",
-                                    "\"older\"",
-                                    "\"reasoning\"",
-                                    "\"image\"",
-                                    "\"boosted\"",
-                                    "\"fp16\"",
-                                    "\"tags\"",
-                                    "\"version\": 1",
-                                    "null",
-                                    "[]",
-                                    "{}"};
+static const char *const WORDS[] = {
+    "\"bucket\"", "\"role\"",      "\"modality\"",   "\"key_format\"", "\"value_format\"",
+    "\"older\"",  "\"reasoning\"", "\"image\"",      "\"boosted\"",    "\"fp16\"",
+    "\"tags\"",   "\"bits\": 2.5", "\"version\": 1", "null",           "[]",
+    "{}"};
 
 static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
     if (kind == 0) {

@@ -1030,7 +1030,7 @@ static void test_bad_input(void) {
         static int64_t tokens[KVMIX_ALLOC_EXACT_MAX_TAGS + 1];
         static double dist[(KVMIX_ALLOC_EXACT_MAX_TAGS + 1) * 2];
         static const double bits[2] = {2.0, 4.0};
-        kvmix_alloc_problem p;
+        kvmix_alloc_problem p = {0};
         int32_t t;
         for (t = 0; t <= KVMIX_ALLOC_EXACT_MAX_TAGS; t++) {
             tokens[t] = 1;
