@@ -2010,6 +2010,42 @@ static void test_runs(void) {
     test_context(NULL);
 }
 
+/* A child forked inside a closed page whose writer has not written all its rows yet does not seal
+   it: the rows past the fork point are the writer's and still empty. The writer seals it once
+   they are written. */
+static void test_runs_fork_unwritten(void) {
+    kvmix_cache_desc d;
+    kvmix_cache cache;
+    kvmix_cache_precision int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4}, got;
+    float rows[9 * 2 * 64];
+    int32_t s = -1, t = -1, layer, pos, i;
+    test_context("runs: fork inside a closed page");
+    ct_small_desc(&d);
+    for (i = 0; i < 9 * 2 * 64; i++) rows[i] = (float)(i % 11) / 8.0f - 0.5f;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS)) return;
+    CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_set_run(&cache, s, 1), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, 9, NULL, &pos), KVMIX_SUCCESS);
+    for (layer = 0; layer < 2; layer++) /* 6 of the run's 9 rows written */
+        CHECK_RESULT(kvmix_cache_write(&cache, s, layer, 0, 6, rows, rows), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_set_run(&cache, s, 2), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, 1, &int4, &pos), KVMIX_SUCCESS); /* closes it */
+    CHECK_RESULT(kvmix_cache_seq_fork(&cache, s, 5, &t), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_set_run(&cache, t, 3), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, t, 1, &int4, &pos), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, s, 1, 0, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format == KVMIX_FORMAT_FP16); /* the child did not seal the writer's page */
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    for (layer = 0; layer < 2; layer++)
+        CHECK_RESULT(kvmix_cache_write(&cache, s, layer, 6, 4, rows, rows), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&cache, s, 1, &int4, &pos), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_read(&cache, s, 1, 0, NULL, NULL, &got), KVMIX_SUCCESS);
+    CHECK(got.key_format != KVMIX_FORMAT_FP16); /* written, out of the (empty) window: sealed */
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
+    test_context(NULL);
+}
+
 /* Pages closed by runs seal like full pages under a values-only window (their keys first, then
    their values once out of the window), and so do those a child forked inside shares: positions
    older than the window and a page hold no FP16 values. */
@@ -2065,5 +2101,6 @@ void unit_cache(void) {
     test_reserve_write_bad_inputs();
     test_runs();
     test_runs_values_window();
+    test_runs_fork_unwritten();
     for (config = 0; config < 24 && test_failed_count() == 0; config++) ct_random_run(config, 480);
 }
