@@ -4667,8 +4667,8 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
    stays full once its keys are sealed (that seal padded it, so page_rows moved past the rows;
    every row was written before it). */
 static int kvmix__sim_full_and_written(const kvmix__plan *plan, const kvmix__sim_page *sp) {
-    int full = sp->rows == sp->capacity ||
-               (sp->closed && (sp->rows == sp->page_rows || sp->keys_sealed));
+    int full =
+        sp->rows == sp->capacity || (sp->closed && (sp->rows == sp->page_rows || sp->keys_sealed));
     return full && (int64_t)sp->first_pos + sp->rows <= plan->written;
 }
 
