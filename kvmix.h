@@ -7248,13 +7248,13 @@ static double kvmix__alloc_tag_cheapest(const kvmix_alloc_problem *p, int32_t t)
     return least;
 }
 
-/* Cells of tag t's extra cost at precision k over its cheapest, rounded up (a value within
-   2^-40 relative of a whole number of cells counts as that number, so that a cost meant to lie
-   on the grid is not pushed a cell up by rounding; the canonical check of the result covers the
-   difference); steps + 1 (never fits) when above steps. */
-static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32_t k, double room,
-                                  int32_t steps) {
-    double extra = kvmix__alloc_tag_cost(p, t, k) - kvmix__alloc_tag_cheapest(p, t);
+/* Cells of tag t's extra cost at precision k over its cheapest cost `cheapest`, rounded up (a
+   value within 2^-40 relative of a whole number of cells counts as that number, so that a cost
+   meant to lie on the grid is not pushed a cell up by rounding; the canonical check of the result
+   covers the difference); steps + 1 (never fits) when above steps. */
+static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32_t k,
+                                  double cheapest, double room, int32_t steps) {
+    double extra = kvmix__alloc_tag_cost(p, t, k) - cheapest;
     double x;
     if (!(extra > 0.0)) return 0;
     x = extra * (double)steps / room; /* +inf when room is 0 */
@@ -7307,9 +7307,10 @@ static const double *kvmix__alloc_dp(const kvmix_alloc_problem *problem, const k
     for (t = 0; t < problem->n_tags; t++) {
         const double *row = problem->distortion + (size_t)t * (size_t)problem->n_precisions;
         uint8_t *arg = table + (size_t)t * cells;
+        const double cheapest = kvmix__alloc_tag_cheapest(problem, t);
         double *swap;
         for (k = 0; k < problem->n_precisions; k++)
-            units[k] = kvmix__alloc_units(problem, t, k, g->room, steps);
+            units[k] = kvmix__alloc_units(problem, t, k, cheapest, g->room, steps);
         for (w = 0; w <= steps; w++) next[w] = HUGE_VAL;
         for (k = 0; k < problem->n_precisions; k++) {
             const double d = row[k];
@@ -7351,7 +7352,8 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, i
         for (t = problem->n_tags; t-- > 0;) {
             k = table[(size_t)t * cells + (size_t)w];
             choice[t] = k;
-            w -= kvmix__alloc_units(problem, t, k, g.room, g.steps);
+            w -= kvmix__alloc_units(problem, t, k, kvmix__alloc_tag_cheapest(problem, t), g.room,
+                                    g.steps);
         }
         KVMIX_ASSERT(w >= 0);
         if (capacity == 0 || kvmix__alloc_cost(problem, choice) <= g.info.limit) break;

@@ -1411,9 +1411,11 @@ static bool price_tags(table *t, pricing how, char *err) {
         return false;
     }
     t->price = how;
-    for (int32_t i = 0; how == PRICE_PAGES && i < t->n_tags; i++)
-        for (int p = 0; p < N_PREC; p++) t->tags[i].price[p] = t->prec[p].bits;
-    if (how == PRICE_PAGES) return true;
+    if (how == PRICE_PAGES) {
+        for (int32_t i = 0; i < t->n_tags; i++)
+            for (int p = 0; p < N_PREC; p++) t->tags[i].price[p] = t->prec[p].bits;
+        return true;
+    }
     kvmix_cache cache;
     if (!pricing_cache(t, &cache, err)) return false;
     const int32_t page = t->geo.page_tokens;

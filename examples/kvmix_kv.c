@@ -618,14 +618,12 @@ double kvmix_kv_assigned_bits(const kvmix_cache *cache, int32_t seq, const kvmix
             continue;
         const kvmix_cache_page *p = &cache->pages[slot / (uint32_t)cache->desc.page_tokens];
         if (!p->sealed || p->sink ||
-            kvmix_policy_token_precision(policy, tags[pos], current_turn, &want) != KVMIX_SUCCESS ||
-            kvmix_cache_precision_bits(cache, want, &bits) != KVMIX_SUCCESS)
+            kvmix_policy_token_precision(policy, tags[pos], current_turn, &want) != KVMIX_SUCCESS)
             continue;
-        if (prices != NULL) {
-            double price = prices->bits[kvmix_tag_bucket_of(tags[pos].turn, current_turn)]
-                                       [tags[pos].role][tags[pos].modality];
-            if (price > 0) bits = price;
-        }
+        if (prices != NULL) /* the tag is checked: its indices are in range */
+            bits = prices->bits[kvmix_tag_bucket_of(tags[pos].turn, current_turn)][tags[pos].role]
+                               [tags[pos].modality];
+        if (bits <= 0 && kvmix_cache_precision_bits(cache, want, &bits) != KVMIX_SUCCESS) continue;
         sum += bits;
         n++;
     }
