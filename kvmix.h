@@ -4662,13 +4662,14 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
     return KVMIX_SUCCESS;
 }
 
-/* A closed page takes no more rows: it is full once its writer holds all of its rows (a child
-   forked inside it holds fewer, and the rows past its fork point may not be written yet), and
-   stays full once its keys are sealed (that seal padded it, so page_rows moved past the rows;
-   every row was written before it). */
+/* A page is full when the sequence holds all of its capacity. A closed page takes no more rows:
+   it is full once its writer holds all of its rows (a child forked inside it holds fewer, and
+   the rows past its fork point may not be written yet). A page whose keys are sealed is full
+   whoever holds it: every row was written before that seal, and a child forked inside it (which
+   holds fewer rows) can neither write it nor seal its keys again over fewer rows. */
 static int kvmix__sim_full_and_written(const kvmix__plan *plan, const kvmix__sim_page *sp) {
     int full =
-        sp->rows == sp->capacity || (sp->closed && (sp->rows == sp->page_rows || sp->keys_sealed));
+        sp->rows == sp->capacity || sp->keys_sealed || (sp->closed && sp->rows == sp->page_rows);
     return full && (int64_t)sp->first_pos + sp->rows <= plan->written;
 }
 

@@ -2084,6 +2084,46 @@ static void test_runs_values_window(void) {
     test_context(NULL);
 }
 
+/* A child forked inside a page whose keys are sealed (a values-only window) holds fewer rows than
+   the page. Once it is alone there, its finish seals the page whole: a partial seal over its rows
+   would read the packed keys with the geometry of fewer rows (per-token keys) or quantize them
+   again (per-channel keys). */
+static void test_fork_keys_sealed(void) {
+    static const uint8_t key_formats[2] = {KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT2_CHANNEL};
+    int32_t k;
+    for (k = 0; k < 2; k++) {
+        ct_model m;
+        kvmix_cache_desc d;
+        int32_t s = -1, child, pos;
+        test_context("fork inside a page with sealed keys, key format %d", key_formats[k]);
+        ct_small_desc(&d);
+        d.n_window = 20;
+        d.window_values_only = 1;
+        d.partial = KVMIX_CACHE_PARTIAL_QUANTIZE;
+        ct_open(&m, &d, "cache fork keys sealed");
+        CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &s), KVMIX_SUCCESS);
+        m.seqs[s].in_use = 1;
+        ct_fill(&m, s, 20, key_formats[k], KVMIX_FORMAT_INT4);
+        CHECK_EQ_INT(ct_format_at(&m, s, 3).key_format, key_formats[k]); /* keys sealed */
+        CHECK_EQ_INT(ct_format_at(&m, s, 3).value_format, KVMIX_FORMAT_FP16);
+        child = ct_fork_at(&m, s, 4);
+        if (!CHECK(child >= 0)) {
+            ct_close(&m);
+            continue;
+        }
+        ct_op_free(&m, s);
+        ct_op_finish(&m, child);
+        ct_verify(&m);
+        for (pos = 0; pos < 4; pos++) {
+            CHECK_EQ_INT(ct_format_at(&m, child, pos).key_format, key_formats[k]);
+            CHECK_EQ_INT(ct_format_at(&m, child, pos).value_format, KVMIX_FORMAT_INT4);
+        }
+        ct_verify_decode(&m, 1);
+        ct_close(&m);
+    }
+    test_context(NULL);
+}
+
 void unit_cache(void) {
     int32_t config;
     test_bad_inputs();
@@ -2102,5 +2142,6 @@ void unit_cache(void) {
     test_runs();
     test_runs_values_window();
     test_runs_fork_unwritten();
+    test_fork_keys_sealed();
     for (config = 0; config < 24 && test_failed_count() == 0; config++) ct_random_run(config, 480);
 }
