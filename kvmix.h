@@ -414,11 +414,14 @@ typedef struct kvmix_cache_entry {
 
 typedef struct kvmix_cache_seq {
     int32_t in_use;
-    int32_t n_tokens;  /* positions 0 .. n_tokens - 1 exist (reserved) */
-    int32_t n_live;    /* of them, not evicted */
-    int32_t n_entries; /* page-table entries in use */
-    int32_t n_written; /* positions 0 .. n_written - 1 have rows on every layer */
-    uint32_t run;      /* the run of the positions reserved next (kvmix_cache_seq_set_run) */
+    int32_t n_tokens;    /* positions 0 .. n_tokens - 1 exist (reserved) */
+    int32_t n_live;      /* of them, not evicted */
+    int32_t n_entries;   /* page-table entries in use */
+    int32_t n_written;   /* positions 0 .. n_written - 1 have rows on every layer */
+    uint32_t run;        /* the run of the positions reserved next (kvmix_cache_seq_set_run) */
+    int32_t view_from;   /* entries from this one on may have other spans than at the last
+                          kvmix_cache_view_changes for the sequence */
+    uint32_t view_epoch; /* the cache's view epoch at that call */
 } kvmix_cache_seq;
 
 #define KVMIX_CACHE_ERROR_BYTES 128 /* a cache's last-error message, its NUL included */
@@ -465,6 +468,7 @@ typedef struct kvmix__cache_private {
     uint32_t segment;              /* jobs of one segment run in any order; segments in order */
     uint32_t *page_segment;        /* [max_pages][2] the segments that last wrote, read each page */
     size_t full_block_bytes[2][8]; /* [is_value][format] of a block of page_tokens rows */
+    uint32_t view_epoch; /* moves when a change reaches every sequence that shares a page */
     char error[KVMIX_CACHE_ERROR_BYTES]; /* kvmix_cache_last_error */
 } kvmix__cache_private;
 
@@ -762,6 +766,28 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
                                        int32_t n_seqs, int32_t layer, kvmix_view_span *spans,
                                        int32_t max_spans, int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view);
+
+/* Incremental views, for a loop that keeps each sequence's spans from one step to the next (a
+   view costs O(pages) where a decode step changes a few spans at the end of each sequence).
+   *out_first_entry = the first page-table entry of `seq` whose span, on any layer, may differ
+   from the one it had at the previous call for `seq`: 0 at the first call, and after an
+   eviction, a compaction, or a seal or retier of a page that other sequences share. The next
+   call counts from this one. Returns NULL_POINTER or INVALID_ARGUMENT (seq). */
+KVMIXDEF kvmix_result kvmix_cache_view_changes(kvmix_cache *cache, int32_t seq,
+                                               int32_t *out_first_entry);
+
+/* The spans of sequence seq in kvmix_cache_view's view of `layer`, from page-table entry
+   first_entry on: span j is entry first_entry + j, up to the first entry the layer has no rows
+   of yet (the entries after it have none either). Dead flags of spans with rows the sequence
+   does not use go to dead[0 ..], their dead_index counted from dead_first (the index dead[0] has
+   in the whole view's array). *out_n_spans and *out_n_dead_flags say what was written.
+   Returns NULL_POINTER, INVALID_ARGUMENT (seq, layer, first_entry not in 0 .. n_entries, a
+   negative size or dead_first) or BUFFER_TOO_SMALL (nothing written). */
+KVMIXDEF kvmix_result kvmix_cache_view_seq(const kvmix_cache *cache, int32_t seq, int32_t layer,
+                                           int32_t first_entry, kvmix_view_span *spans,
+                                           int32_t max_spans, uint8_t *dead, int32_t max_dead_flags,
+                                           int32_t dead_first, int32_t *out_n_spans,
+                                           int32_t *out_n_dead_flags);
 
 /* The position of each token that kvmix_cache_view lists for sequence `seq` on layer `layer`, in
    the view's order (the index a view's per-token output, such as kvmix_ref_view_intent_score's
@@ -3393,6 +3419,11 @@ static void kvmix__seq_set_written(kvmix_cache *c, int32_t seq, int32_t n) {
     c->seqs[seq].n_written = n;
 }
 
+/* Entries of a sequence from `entry` on may have other spans now (kvmix_cache_view_changes). */
+static void kvmix__view_touch(kvmix_cache *c, int32_t seq, int32_t entry) {
+    if (entry < c->seqs[seq].view_from) c->seqs[seq].view_from = entry;
+}
+
 static uint32_t kvmix__slot(const kvmix_cache *c, uint32_t page, int32_t row) {
     return page * (uint32_t)c->desc.page_tokens + (uint32_t)row;
 }
@@ -4241,6 +4272,7 @@ static void kvmix__drop_dead_entries(kvmix_cache *c, int32_t seq) {
     }
     for (i = kept; i < s->n_entries; i++) memset(&e[i], 0, sizeof e[i]);
     s->n_entries = kept;
+    kvmix__view_touch(c, seq, 0);
 }
 
 static kvmix__why kvmix__seq_fork(kvmix_cache *cache, int32_t parent, int32_t n_prefix,
@@ -4631,6 +4663,7 @@ static kvmix_result kvmix__plan_seal(kvmix_cache *c, int32_t seq, kvmix__plan *p
         int32_t layer, kv, h;
         p->n_rows = rows; /* a buffer's rows past the sequence's are stale when not shared */
         og = kvmix__geom_of(c, p);
+        if (p->refcount > 1) c->priv.view_epoch++; /* the other sharers' spans change too */
         if (c->desc.device_arena) kvmix__fence(c, id, 0, 0); /* new bytes: no one reads them */
         for (layer = 0; layer < c->desc.n_layers; layer++)
             for (kv = 0; kv < 2; kv++)
@@ -4800,6 +4833,8 @@ static kvmix__why kvmix__plan_and_run(kvmix_cache *c, int32_t seq, int32_t n_tok
         r = kvmix__plan_fail(&plan, "desc.max_jobs", "the job queue is full (take the jobs)");
     if (r != KVMIX_SUCCESS) return plan.failure;
     kvmix__plan_begin(c, seq, &plan, 0);
+    /* a plan changes the entries it loaded (the unsealed ones at the end) and adds new ones */
+    kvmix__view_touch(c, seq, plan.n > 0 ? plan.pages[0].entry : plan.n_entries);
     r = kvmix__plan_run(c, seq, &plan, n_tokens, keys, values, precisions, finish);
     KVMIX_ASSERT(r == KVMIX_SUCCESS);
     memset(plan.pages, 0, (size_t)plan.n * sizeof *plan.pages);
@@ -4900,9 +4935,12 @@ static kvmix__why kvmix__write_ok(const kvmix_cache *c, int32_t seq, int32_t lay
 /* Positions up to `end` of the layer have rows: the layer's count and n_written follow. */
 static void kvmix__note_written(kvmix_cache *c, int32_t seq, int32_t layer, int32_t end) {
     kvmix_cache_seq *s = &c->seqs[seq];
-    int32_t *written = kvmix__seq_written(c, seq), l, least;
+    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    int32_t *written = kvmix__seq_written(c, seq), l, least, j;
     int was_least;
     if (end <= written[layer]) return;
+    for (j = s->n_entries - 1; j > 0 && e[j].first_pos > written[layer]; j--) continue;
+    kvmix__view_touch(c, seq, j < 0 ? 0 : j); /* the entry that held the layer's end grows */
     was_least = written[layer] == s->n_written;
     written[layer] = end;
     if (!was_least) return;
@@ -5427,6 +5465,7 @@ static kvmix__why kvmix__retier(kvmix_cache *cache, int32_t seq, int32_t positio
     if (!done)
         return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
                               "no free run of granules for the larger page");
+    cache->priv.view_epoch++; /* every sharer's span of the page changes */
     return kvmix__why_ok();
 }
 
@@ -5676,6 +5715,7 @@ static void kvmix__compact_commit(kvmix_cache *c, int32_t seq, const kvmix__comp
     e[run->first].n_positions = end - first;
     memmove(&e[run->first + 1], &e[run->end], (size_t)(s->n_entries - run->end) * sizeof *e);
     s->n_entries -= gone;
+    kvmix__view_touch(c, seq, run->first);
     memset(&e[s->n_entries], 0, (size_t)gone * sizeof *e);
 }
 
@@ -5833,20 +5873,58 @@ static kvmix__why kvmix__view_seqs_ok(const kvmix_cache *c, const int32_t *seqs,
     return kvmix__why_ok();
 }
 
-/* Spans and dead flags of a view of a layer (-1: enough for every layer). */
+/* Spans and dead flags of one sequence's view of a layer (-1: enough for every layer) from
+   entry `first` on: one span per entry up to the first the layer has no rows of. */
+static void kvmix__view_seq_count(const kvmix_cache *c, int32_t seq, int32_t layer, int32_t first,
+                                  int64_t *n_spans, int64_t *n_dead) {
+    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    int32_t j;
+    for (j = first; j < c->seqs[seq].n_entries; j++) {
+        int32_t n = kvmix__span_tokens(c, seq, layer, &c->pages[e[j].page], &e[j]);
+        if (n <= 0) break;
+        (*n_spans)++;
+        if (!kvmix__span_all_live(c, seq, &e[j], n)) *n_dead += n;
+    }
+}
+
 static void kvmix__view_count(const kvmix_cache *c, int32_t layer, const int32_t *seqs,
                               int32_t n_seqs, int64_t *n_spans, int64_t *n_dead) {
-    int32_t i, j;
+    int32_t i;
     *n_spans = *n_dead = 0;
-    for (i = 0; i < n_seqs; i++) {
-        const kvmix_cache_entry *e = kvmix__seq_entries(c, seqs[i]);
-        for (j = 0; j < c->seqs[seqs[i]].n_entries; j++) {
-            int32_t n = kvmix__span_tokens(c, seqs[i], layer, &c->pages[e[j].page], &e[j]);
-            if (n <= 0) continue;
-            (*n_spans)++;
-            if (!kvmix__span_all_live(c, seqs[i], &e[j], n)) *n_dead += n;
+    for (i = 0; i < n_seqs; i++) kvmix__view_seq_count(c, seqs[i], layer, 0, n_spans, n_dead);
+}
+
+/* Writes what kvmix__view_seq_count counts: spans, and dead flags from dead[0] whose indices in
+   the view start at dead_first. Returns the flags written. */
+static int32_t kvmix__view_seq_fill(const kvmix_cache *c, int32_t seq, int32_t layer, int32_t first,
+                                    kvmix_view_span *spans, uint8_t *dead, int32_t dead_first,
+                                    int32_t *out_n_spans) {
+    const kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
+    const uint32_t *slots = kvmix__seq_slots(c, seq);
+    int32_t j, row, k = 0, f = 0;
+    for (j = first; j < c->seqs[seq].n_entries; j++, k++) {
+        const kvmix_cache_page *p = &c->pages[e[j].page];
+        kvmix__geom g = kvmix__geom_of(c, p);
+        kvmix_view_span *vs = &spans[k];
+        int32_t n = kvmix__span_tokens(c, seq, layer, p, &e[j]);
+        if (n <= 0) break;
+        memset(vs, 0, sizeof *vs);
+        vs->key_offset = p->offset + kvmix__block_offset(c, &g, layer, 0, 0);
+        vs->value_offset = p->offset + kvmix__block_offset(c, &g, layer, 1, 0);
+        vs->key_head_bytes = (uint32_t)g.key_bytes;
+        vs->value_head_bytes = (uint32_t)g.value_bytes;
+        vs->n_tokens = n;
+        vs->key_format = p->key_format;
+        vs->value_format = p->value_format;
+        vs->dead_index = -1;
+        if (!kvmix__span_all_live(c, seq, &e[j], n)) {
+            vs->dead_index = dead_first + f;
+            kvmix__entry_rows_live(c, slots, &e[j], n, dead + f);
+            for (row = 0; row < n; row++, f++) dead[f] = (uint8_t)!dead[f];
         }
     }
+    *out_n_spans = k;
+    return f;
 }
 
 KVMIXDEF kvmix_result kvmix_cache_view_counts(const kvmix_cache *cache, const int32_t *seqs,
@@ -5868,7 +5946,7 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
                                        int32_t max_spans, int32_t *seq_first_span, uint8_t *dead,
                                        int32_t max_dead_flags, kvmix_view *out_view) {
     int64_t n_spans, n_dead;
-    int32_t i, j, row, k = 0, f = 0;
+    int32_t i, k = 0, f = 0;
     kvmix_result r;
     if (!cache || !seq_first_span || !out_view) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__view_seqs_ok(cache, seqs, n_seqs).result) != KVMIX_SUCCESS) return r;
@@ -5878,31 +5956,10 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
     if (n_spans > max_spans || n_dead > max_dead_flags) return KVMIX_ERR_BUFFER_TOO_SMALL;
     if ((n_spans > 0 && !spans) || (n_dead > 0 && !dead)) return KVMIX_ERR_NULL_POINTER;
     for (i = 0; i < n_seqs; i++) {
-        const kvmix_cache_entry *e = kvmix__seq_entries(cache, seqs[i]);
-        const uint32_t *slots = kvmix__seq_slots(cache, seqs[i]);
+        int32_t n = 0;
         seq_first_span[i] = k;
-        for (j = 0; j < cache->seqs[seqs[i]].n_entries; j++) {
-            const kvmix_cache_page *p = &cache->pages[e[j].page];
-            kvmix__geom g = kvmix__geom_of(cache, p);
-            kvmix_view_span *vs = &spans[k];
-            int32_t n = kvmix__span_tokens(cache, seqs[i], layer, p, &e[j]);
-            if (n <= 0) continue;
-            memset(vs, 0, sizeof *vs);
-            vs->key_offset = p->offset + kvmix__block_offset(cache, &g, layer, 0, 0);
-            vs->value_offset = p->offset + kvmix__block_offset(cache, &g, layer, 1, 0);
-            vs->key_head_bytes = (uint32_t)g.key_bytes;
-            vs->value_head_bytes = (uint32_t)g.value_bytes;
-            vs->n_tokens = n;
-            vs->key_format = p->key_format;
-            vs->value_format = p->value_format;
-            vs->dead_index = -1;
-            if (!kvmix__span_all_live(cache, seqs[i], &e[j], n)) {
-                vs->dead_index = f;
-                kvmix__entry_rows_live(cache, slots, &e[j], n, dead + f);
-                for (row = 0; row < n; row++, f++) dead[f] = (uint8_t)!dead[f];
-            }
-            k++;
-        }
+        f += kvmix__view_seq_fill(cache, seqs[i], layer, 0, spans + k, dead + f, f, &n);
+        k += n;
     }
     seq_first_span[n_seqs] = k;
     memset(out_view, 0, sizeof *out_view);
@@ -5919,6 +5976,42 @@ KVMIXDEF kvmix_result kvmix_cache_view(const kvmix_cache *cache, const int32_t *
     out_view->spans = spans;
     out_view->seq_first_span = seq_first_span;
     out_view->dead = dead;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_view_changes(kvmix_cache *cache, int32_t seq,
+                                               int32_t *out_first_entry) {
+    kvmix_cache_seq *s;
+    kvmix_result r;
+    if (!cache || !out_first_entry) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
+    s = &cache->seqs[seq];
+    *out_first_entry = s->view_epoch != cache->priv.view_epoch ? 0
+                       : s->view_from < s->n_entries           ? s->view_from
+                                                               : s->n_entries;
+    s->view_from = s->n_entries;
+    s->view_epoch = cache->priv.view_epoch;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_view_seq(const kvmix_cache *cache, int32_t seq, int32_t layer,
+                                           int32_t first_entry, kvmix_view_span *spans,
+                                           int32_t max_spans, uint8_t *dead, int32_t max_dead_flags,
+                                           int32_t dead_first, int32_t *out_n_spans,
+                                           int32_t *out_n_dead_flags) {
+    int64_t n_spans = 0, n_dead = 0;
+    kvmix_result r;
+    if (!cache || !out_n_spans || !out_n_dead_flags) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__cache_seq_ok(cache, seq).result) != KVMIX_SUCCESS) return r;
+    if (layer < 0 || layer >= cache->desc.n_layers || first_entry < 0 ||
+        first_entry > cache->seqs[seq].n_entries || max_spans < 0 || max_dead_flags < 0 ||
+        dead_first < 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    kvmix__view_seq_count(cache, seq, layer, first_entry, &n_spans, &n_dead);
+    if (n_spans > max_spans || n_dead > max_dead_flags) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if ((n_spans > 0 && !spans) || (n_dead > 0 && !dead)) return KVMIX_ERR_NULL_POINTER;
+    *out_n_dead_flags =
+        kvmix__view_seq_fill(cache, seq, layer, first_entry, spans, dead, dead_first, out_n_spans);
     return KVMIX_SUCCESS;
 }
 

@@ -2502,6 +2502,12 @@ extern "C" kvmix_result kvmix_cuda_decode_workspace_bytes(int32_t n_seqs, int32_
     return KVMIX_SUCCESS;
 }
 
+/* The share of the block slots that `blocks` blocks keep busy over the waves they take. */
+static double kvmix__wave_fill(int64_t blocks, int64_t slots) {
+    int64_t waves = (blocks + slots - 1) / slots;
+    return (double)blocks / (double)(waves * slots);
+}
+
 extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads,
                                                         int32_t n_q_heads, int32_t head_dim,
                                                         int64_t max_seq_tokens, int32_t n_sms,
@@ -2517,12 +2523,18 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
     /* one block per (sequence, kv head, 4 query heads, split); per_sm fit on an SM: fill the
        machine in one wave, with at least ~256 tokens per split */
     int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
-    int64_t want = kvmix__split_waves * per_sm * (int64_t)n_sms / blocks;
+    int64_t slots = (int64_t)per_sm * n_sms;
+    int64_t want = kvmix__split_waves * slots / blocks;
     int64_t most = max_seq_tokens / 256;
+    if (most > KVMIX_CUDA_MAX_SPLITS) most = KVMIX_CUDA_MAX_SPLITS;
     if (want > most) want = most;
     if (want < 1) want = 1;
-    if (want > KVMIX_CUDA_MAX_SPLITS) want = KVMIX_CUDA_MAX_SPLITS;
-    *out_splits = (int32_t)want;
+    /* a last wave that is partly empty idles the rest of the machine (304 blocks on 264 slots
+       take two waves): more splits, up to the first whose waves are 90% full, else the fullest */
+    int64_t best = want;
+    for (int64_t s = want + 1; kvmix__wave_fill(blocks * best, slots) < 0.9 && s <= most; s++)
+        if (kvmix__wave_fill(blocks * s, slots) > kvmix__wave_fill(blocks * best, slots)) best = s;
+    *out_splits = (int32_t)best;
     return KVMIX_SUCCESS;
 }
 

@@ -46,6 +46,22 @@ struct view_staging {
     int32_t span_capacity, dead_capacity;
 };
 
+/* Each kvmix sequence's spans of layer 0, kept on the device from one decode step to the next:
+   a step rebuilds only what kvmix_cache_view_changes reports (a few spans at the end of each
+   sequence) and gathers the step's sequences into its view, so the host's share is O(sequences)
+   instead of O(pages). Sequences with dead rows take the whole view instead (kvmix_cache_view).
+   Allocated on first use. */
+struct kept_view {
+    int32_t stride;                   /* spans a sequence can have: max_pages_per_seq */
+    int32_t *n;                       /* host [max_seqs]: spans kept of each kvmix sequence */
+    kvmix_view_span *d_slabs;         /* [max_seqs][stride] */
+    kvmix_view_span *patch, *d_patch; /* pinned, device [patch_capacity]: rebuilt spans */
+    int32_t *patch_at, *d_patch_at;   /* their slab index */
+    int32_t patch_capacity, at_capacity;
+    int32_t *kv, *d_kv; /* pinned, device [max_seqs]: the step's kvmix sequences */
+    uint8_t *dead;      /* host [stride * page_tokens]: a rebuild's dead flags */
+};
+
 /* What sequences record for eviction (gpu_llama_observe), allocated on first use. Attention is
    summed on the device per view token (a sequence's view only grows between evictions) and
    folded to positions on the host before anything changes the view. */
@@ -91,6 +107,7 @@ struct gpu_llama {
     kvmix_cache_batch *batches; /* [max_jobs] */
     staging *stages;            /* [n_layers + 1]: one per layer, the last for flushes */
     view_staging view;
+    kept_view kept;
     uint16_t *fill_k, *fill_v; /* synthetic rows of gpu_llama_fill, [FILL_ROWS][n_kv][D] */
     /* storage by template tag (gpu_llama_tag): a tagger per sequence, the formats of the step */
     bool tagged;
@@ -208,6 +225,22 @@ __global__ void add_finite_kernel(const float *scores, int32_t n, float *acc) {
 
 /* Layer l's spans from layer 0's: a page lays its layers out one after another (kvmix.h,
    kvmix_cache_view). */
+/* Rebuilt spans into their sequences' slabs. */
+__global__ void scatter_spans_kernel(const kvmix_view_span *patch, const int32_t *at, int32_t n,
+                                     kvmix_view_span *slabs) {
+    int32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) slabs[at[i]] = patch[i];
+}
+
+/* The view's spans of step sequence blockIdx.x from its kvmix sequence's slab. */
+__global__ void gather_spans_kernel(const kvmix_view_span *slabs, int32_t stride, const int32_t *kv,
+                                    const int32_t *first, kvmix_view_span *out) {
+    const kvmix_view_span *from = slabs + (size_t)kv[blockIdx.x] * stride;
+    int32_t begin = first[blockIdx.x], end = first[blockIdx.x + 1];
+    for (int32_t j = begin + (int32_t)threadIdx.x; j < end; j += blockDim.x)
+        out[j] = from[j - begin];
+}
+
 __global__ void shift_spans_kernel(const kvmix_view_span *in, kvmix_view_span *out, int32_t n,
                                    int32_t layer, int32_t n_kv) {
     int32_t i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -617,6 +650,106 @@ llama_result upload_view(gpu_llama *g, int32_t n, char *err, size_t err_bytes) {
     return LLAMA_OK;
 }
 
+void free_kept_view(kept_view *k) {
+    free(k->n);
+    free(k->dead);
+    cudaFree(k->d_slabs);
+    cudaFreeHost(k->patch), cudaFree(k->d_patch);
+    cudaFreeHost(k->patch_at), cudaFree(k->d_patch_at);
+    cudaFreeHost(k->kv), cudaFree(k->d_kv);
+}
+
+llama_result create_kept_view(gpu_llama *g, char *err, size_t err_bytes) {
+    kept_view *k = &g->kept;
+    const kvmix_cache_desc *d = &g->cache.desc;
+    if (k->n) return LLAMA_OK;
+    k->stride = d->max_pages_per_seq;
+    k->n = (int32_t *)calloc((size_t)d->max_seqs, sizeof(int32_t));
+    k->dead = (uint8_t *)malloc((size_t)k->stride * (size_t)d->page_tokens);
+    if (!k->n || !k->dead) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of memory");
+    TRY_CUDA(device_alloc(&k->d_slabs, (size_t)d->max_seqs * (size_t)k->stride), "kept spans");
+    TRY_CUDA(pinned_alloc(&k->kv, (size_t)g->max_seqs), "pinned staging");
+    TRY_CUDA(device_alloc(&k->d_kv, (size_t)g->max_seqs), "kept spans");
+    return LLAMA_OK;
+}
+
+/* Rebuilds the spans of kvmix sequence kv that changed since its last step into the patch
+   staging (room for a whole sequence after n_patch); *dead: whether they hold dead rows. */
+llama_result patch_kept_spans(gpu_llama *g, int32_t kv, int32_t *n_patch, bool *dead, char *err,
+                              size_t err_bytes) {
+    kept_view *k = &g->kept;
+    int32_t from = 0, built = 0, n_dead = 0;
+    TRY_KVMIX(kvmix_cache_view_changes(&g->cache, kv, &from), "view changes");
+    if (from > k->n[kv]) from = k->n[kv];
+    TRY_KVMIX(kvmix_cache_view_seq(&g->cache, kv, 0, from, k->patch + *n_patch, k->stride - from,
+                                   k->dead, k->stride * g->cache.desc.page_tokens, 0, &built,
+                                   &n_dead),
+              "building the view");
+    for (int32_t j = 0; j < built; j++) k->patch_at[*n_patch + j] = kv * k->stride + from + j;
+    *n_patch += built;
+    k->n[kv] = from + built;
+    *dead = *dead || n_dead > 0;
+    return LLAMA_OK;
+}
+
+/* The step's view of layer 0 from the kept spans: the changed ones rebuilt and scattered into
+   their slabs, the step's sequences gathered, all on the stream. The whole view (upload_view)
+   when a sequence has dead rows; its kept spans are rebuilt whole the next time. */
+llama_result upload_step_view(gpu_llama *g, int32_t n, char *err, size_t err_bytes) {
+    kept_view *k = &g->kept;
+    view_staging *v = &g->view;
+    int32_t n_patch = 0, total = 0, none = 0;
+    bool dead = false;
+    llama_result r = create_kept_view(g, err, err_bytes);
+    int32_t most = n * k->stride; /* every sequence rebuilt whole */
+    if (r == LLAMA_OK)            /* grown before it is written: growing loses the contents */
+        r = grow_pair(g, &k->patch, &k->d_patch, &k->patch_capacity, most, 0, err, err_bytes);
+    if (r == LLAMA_OK)
+        r = grow_pair(g, &k->patch_at, &k->d_patch_at, &k->at_capacity, most, 0, err, err_bytes);
+    for (int32_t i = 0; r == LLAMA_OK && i < n; i++) {
+        int32_t kv = g->step_kv_seqs[i];
+        r = patch_kept_spans(g, kv, &n_patch, &dead, err, err_bytes);
+        v->first[i] = total;
+        k->kv[i] = kv;
+        total += k->n[kv];
+    }
+    if (r != LLAMA_OK) return r;
+    if (dead) {
+        for (int32_t i = 0; i < n; i++) k->n[g->step_kv_seqs[i]] = 0;
+        return upload_view(g, n, err, err_bytes);
+    }
+    v->first[n] = total;
+    if ((r = grow_view_staging(g, total, 0, err, err_bytes)) != LLAMA_OK) return r;
+    if (n_patch > 0) {
+        TRY_CUDA(cudaMemcpyAsync(k->d_patch, k->patch, (size_t)n_patch * sizeof *k->patch,
+                                 cudaMemcpyHostToDevice, g->stream),
+                 "uploading the view");
+        TRY_CUDA(cudaMemcpyAsync(k->d_patch_at, k->patch_at, (size_t)n_patch * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, g->stream),
+                 "uploading the view");
+        scatter_spans_kernel<<<(n_patch + THREADS - 1) / THREADS, THREADS, 0, g->stream>>>(
+            k->d_patch, k->d_patch_at, n_patch, k->d_slabs);
+    }
+    TRY_CUDA(cudaMemcpyAsync(v->d_first, v->first, (size_t)(n + 1) * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading the view");
+    TRY_CUDA(cudaMemcpyAsync(k->d_kv, k->kv, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice,
+                             g->stream),
+             "uploading the view");
+    if (n > 0 && total > 0)
+        gather_spans_kernel<<<n, 128, 0, g->stream>>>(k->d_slabs, k->stride, k->d_kv, v->d_first,
+                                                      v->d_spans);
+    /* the view's header (arena, shape) as kvmix_cache_view gives it, with the gathered spans */
+    TRY_KVMIX(kvmix_cache_view(&g->cache, NULL, 0, 0, NULL, 0, &none, NULL, 0, &v->view),
+              "the view's header");
+    v->view.n_seqs = n;
+    v->view.n_spans = total;
+    v->view.spans = v->d_spans;
+    v->view.seq_first_span = v->d_first;
+    v->view.dead = v->d_dead;
+    return LLAMA_OK;
+}
+
 /* Layer l's view: layer 0's spans moved to the layer, on the device. */
 llama_result layer_view(gpu_llama *g, int32_t l, kvmix_view *out, char *err, size_t err_bytes) {
     staging *stage = &g->stages[l];
@@ -683,7 +816,9 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
         if (pos + 1 > longest) longest = pos + 1;
     }
     llama_result rr = run_jobs(g, &g->stages[l], g->k16, g->v16, err, err_bytes);
-    if (rr == LLAMA_OK && l == 0) rr = upload_view(g, n, err, err_bytes);
+    double view_start = now_seconds();
+    if (rr == LLAMA_OK && l == 0) rr = upload_step_view(g, n, err, err_bytes);
+    g->prof.view_seconds += now_seconds() - view_start;
     g->prof.host_seconds += now_seconds() - host_start;
     kvmix_view view;
     if (rr == LLAMA_OK) rr = layer_view(g, l, &view, err, err_bytes);
@@ -969,6 +1104,7 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     for (int32_t l = 0; g->stages && l <= g->c.n_layers; l++) free_stage(&g->stages[l]);
     free(g->stages);
     free_view_staging(&g->view);
+    free_kept_view(&g->kept);
     observation_free(&g->obs);
     for (int32_t i = 0; g->events && i < 2 * g->c.n_layers; i++)
         if (g->events[i]) cudaEventDestroy(g->events[i]);

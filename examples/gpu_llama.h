@@ -125,6 +125,7 @@ llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t n_tokens, 
 typedef struct gpu_llama_profile {
     int64_t steps, tokens;
     double step_seconds, host_seconds, attention_seconds;
+    double view_seconds; /* of host_seconds: building and uploading the step's view */
 } gpu_llama_profile;
 void gpu_llama_profile_start(gpu_llama *g);
 void gpu_llama_profile_get(const gpu_llama *g, gpu_llama_profile *out);

@@ -1472,6 +1472,13 @@ static void test_bad_arguments(void) {
     check(kvmix_cuda_decode_choose_splits(8, 8, 32, 96, 32768, 132, &splits) ==
               KVMIX_ERR_UNSUPPORTED,
           "choose splits: head_dim");
+    /* 152 sequences of 2 kv heads: 304 blocks would take a second wave of 40 on 264 slots */
+    check(kvmix_cuda_decode_choose_splits(152, 2, 4, 128, 32768, 132, &splits) == KVMIX_SUCCESS &&
+              304.0 * splits / (264.0 * ((304 * splits + 263) / 264)) >= 0.9,
+          "choose splits: waves at least 90% full");
+    check(kvmix_cuda_decode_choose_splits(152, 2, 4, 128, 512, 132, &splits) == KVMIX_SUCCESS &&
+              splits == 2,
+          "choose splits: the fullest within 256 tokens a split");
     check(cudaGetLastError() == cudaSuccess, "no CUDA error left by bad-argument calls");
 }
 

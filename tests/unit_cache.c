@@ -814,6 +814,81 @@ static void ct_op_retier(ct_model *m, int32_t s, int up) {
     free(values);
 }
 
+/* ---- incremental views ---------------------------------------------------------------------- */
+
+/* What a loop keeps of layer 0's view from step to step: each sequence's spans (and the dead
+   flags of each span), brought up to date with kvmix_cache_view_changes and
+   kvmix_cache_view_seq. */
+typedef struct ct_kept_view {
+    int32_t stride;         /* spans a sequence can have */
+    int32_t n[CT_MAX_SEQS]; /* spans kept */
+    kvmix_view_span *spans; /* [CT_MAX_SEQS][stride] */
+    uint8_t *flags;         /* [CT_MAX_SEQS][stride][page_tokens] */
+    uint8_t *scratch;       /* [stride * page_tokens] */
+} ct_kept_view;
+
+static void ct_kept_open(ct_kept_view *k, const kvmix_cache *c) {
+    size_t rows = (size_t)c->desc.max_pages_per_seq * (size_t)c->desc.page_tokens;
+    memset(k, 0, sizeof *k);
+    k->stride = c->desc.max_pages_per_seq;
+    k->spans = (kvmix_view_span *)test_alloc((size_t)CT_MAX_SEQS * k->stride * sizeof *k->spans);
+    k->flags = (uint8_t *)test_alloc((size_t)CT_MAX_SEQS * rows);
+    k->scratch = (uint8_t *)test_alloc(rows);
+}
+
+static void ct_kept_close(ct_kept_view *k) {
+    free(k->spans);
+    free(k->flags);
+    free(k->scratch);
+}
+
+/* Spans of seq from entry `from` into spans, each span's dead flags to flags[span]. */
+static int32_t ct_view_from(const kvmix_cache *c, int32_t seq, int32_t from, int32_t stride,
+                            kvmix_view_span *spans, uint8_t *flags, uint8_t *scratch) {
+    int32_t n = 0, nd = 0, j, pt = c->desc.page_tokens;
+    if (!CHECK_RESULT(kvmix_cache_view_seq(c, seq, 0, from, spans, stride - from, scratch,
+                                           stride * pt, 0, &n, &nd),
+                      KVMIX_SUCCESS))
+        return 0;
+    for (j = 0; j < n; j++)
+        if (spans[j].dead_index >= 0)
+            memcpy(flags + (size_t)j * pt, scratch + spans[j].dead_index,
+                   (size_t)spans[j].n_tokens);
+    return n;
+}
+
+/* Brings seq's kept spans up to date (rebuilding from the first changed entry), then checks them
+   against its spans built whole. */
+static void ct_kept_step(ct_model *m, ct_kept_view *k, int32_t seq) {
+    const kvmix_cache *c = &m->cache;
+    int32_t from = -1, n, j, pt = c->desc.page_tokens;
+    kvmix_view_span *kept = k->spans + (size_t)seq * k->stride, *whole;
+    uint8_t *kept_flags = k->flags + (size_t)seq * k->stride * pt, *whole_flags;
+    if (!CHECK_RESULT(kvmix_cache_view_changes(&m->cache, seq, &from), KVMIX_SUCCESS)) return;
+    if (from > k->n[seq]) from = k->n[seq];
+    k->n[seq] = from + ct_view_from(c, seq, from, k->stride, kept + from,
+                                    kept_flags + (size_t)from * pt, k->scratch);
+    whole = (kvmix_view_span *)test_alloc((size_t)k->stride * sizeof *whole);
+    whole_flags = (uint8_t *)test_alloc((size_t)k->stride * pt);
+    n = ct_view_from(c, seq, 0, k->stride, whole, whole_flags, k->scratch);
+    CHECK_EQ_INT(k->n[seq], n);
+    for (j = 0; j < n && j < k->n[seq]; j++) {
+        const kvmix_view_span *a = &kept[j], *b = &whole[j];
+        CHECK_MSG(a->key_offset == b->key_offset && a->value_offset == b->value_offset &&
+                      a->key_head_bytes == b->key_head_bytes &&
+                      a->value_head_bytes == b->value_head_bytes && a->n_tokens == b->n_tokens &&
+                      a->key_format == b->key_format && a->value_format == b->value_format &&
+                      (a->dead_index >= 0) == (b->dead_index >= 0),
+                  "seq %d: kept span %d is not the span built whole (entry changed unseen)",
+                  (int)seq, (int)j);
+        if (a->dead_index >= 0 && b->dead_index >= 0)
+            CHECK(memcmp(kept_flags + (size_t)j * pt, whole_flags + (size_t)j * pt,
+                         (size_t)b->n_tokens) == 0);
+    }
+    free(whole);
+    free(whole_flags);
+}
+
 /* ---- the random operation test ------------------------------------------------------------- */
 
 static void ct_random_desc(test_rng *rng, kvmix_cache_desc *d) {
@@ -840,6 +915,7 @@ static void ct_random_desc(test_rng *rng, kvmix_cache_desc *d) {
 
 static void ct_random_run(int32_t config, int32_t n_ops) {
     ct_model m;
+    ct_kept_view kept;
     kvmix_cache_desc desc;
     test_rng cfg;
     char stream[64];
@@ -848,6 +924,7 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
     test_rng_init(&cfg, stream);
     ct_random_desc(&cfg, &desc);
     ct_open(&m, &desc, stream);
+    ct_kept_open(&kept, &m.cache);
     for (op = 0; op < n_ops; op++) {
         int32_t kind = test_rng_range(&m.rng, 0, 123);
         s = ct_pick_seq(&m);
@@ -881,6 +958,8 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
         else
             ct_op_append_layers(&m, s, test_rng_range(&m.rng, 1, 3));
         ct_verify(&m);
+        for (s = 0; s < CT_MAX_SEQS; s++) /* a loop's kept views, some steps apart */
+            if (m.seqs[s].in_use && test_rng_range(&m.rng, 0, 2) == 0) ct_kept_step(&m, &kept, s);
         if (op % 16 == 0) ct_verify_decode(&m, test_rng_range(&m.rng, 0, m.desc.n_layers - 1));
         if (test_failed_count() > 0) break;
     }
@@ -895,6 +974,7 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
     CHECK_MSG(m.n_oom > 0 || n_ops < 200, "config %d reached arena exhaustion (%lld times)",
               (int)config, (long long)m.n_oom);
     test_context(NULL);
+    ct_kept_close(&kept);
     ct_close(&m);
 }
 
@@ -1491,6 +1571,34 @@ static void test_bad_inputs(void) {
                  KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_cache_view(&m.cache, &out, 1, 0, spans, 4, first, dead, 64, &view),
                  KVMIX_ERR_INVALID_ARGUMENT);
+    {
+        int32_t from = -1, n = -1, nd = -1;
+        CHECK_RESULT(kvmix_cache_view_changes(NULL, s, &from), KVMIX_ERR_NULL_POINTER);
+        CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, NULL), KVMIX_ERR_NULL_POINTER);
+        CHECK_RESULT(kvmix_cache_view_changes(&m.cache, out, &from), KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_EQ_INT(from, -1);
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, s, 0, 0, spans, 1, dead, 64, 0, &n, &nd),
+                     KVMIX_ERR_BUFFER_TOO_SMALL);
+        CHECK_EQ_INT(n, -1);
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, s, 0, 3, spans, 4, dead, 64, 0, &n, &nd),
+                     KVMIX_ERR_INVALID_ARGUMENT); /* past n_entries */
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, s, 0, -1, spans, 4, dead, 64, 0, &n, &nd),
+                     KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, s, 2, 0, spans, 4, dead, 64, 0, &n, &nd),
+                     KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, s, 0, 0, spans, 4, dead, 64, -1, &n, &nd),
+                     KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, out, 0, 0, spans, 4, dead, 64, 0, &n, &nd),
+                     KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, s, 0, 0, NULL, 4, dead, 64, 0, &n, &nd),
+                     KVMIX_ERR_NULL_POINTER);
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, s, 0, 0, spans, 4, dead, 64, 0, NULL, &nd),
+                     KVMIX_ERR_NULL_POINTER);
+        CHECK_RESULT(kvmix_cache_view_seq(&m.cache, s, 0, 2, NULL, 0, NULL, 0, 0, &n, &nd),
+                     KVMIX_SUCCESS); /* from n_entries: nothing */
+        CHECK_EQ_INT(n, 0);
+        CHECK_EQ_INT(nd, 0);
+    }
     {
         uint64_t ws[64];
         float q[4 * 64], o[4 * 64], l[4];
@@ -2124,6 +2232,44 @@ static void test_fork_keys_sealed(void) {
     test_context(NULL);
 }
 
+/* kvmix_cache_view_changes reports what changed, not everything: a decode step into the page
+   being filled changes only the last entry; a seal of a shared page reaches the other sharer. */
+static void test_view_changes(void) {
+    ct_model m;
+    kvmix_cache_desc d;
+    int32_t s = -1, child, from = -1;
+    test_context("view changes");
+    ct_small_desc(&d);
+    ct_open(&m, &d, "cache view changes");
+    CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &s), KVMIX_SUCCESS);
+    m.seqs[s].in_use = 1;
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 0);
+    ct_fill(&m, s, 40, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4); /* pages [0,16) [16,32) [32,40) */
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 0);
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 3); /* nothing since: n_entries */
+    ct_fill(&m, s, 1, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4);
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 2);
+    child = ct_fork_at(&m, s, 41); /* shares the buffer page [32, 41) */
+    CHECK(child >= 0);
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 3); /* a fork changes no span of the parent */
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, child, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 0);
+    ct_fill(&m, child, 7, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4); /* the child's copy, full */
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 3);
+    ct_fill(&m, s, 8, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4); /* the parent's copy, full: sealed */
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 2);
+    ct_verify(&m);
+    ct_close(&m);
+    test_context(NULL);
+}
+
 void unit_cache(void) {
     int32_t config;
     test_bad_inputs();
@@ -2143,5 +2289,6 @@ void unit_cache(void) {
     test_runs_values_window();
     test_runs_fork_unwritten();
     test_fork_keys_sealed();
+    test_view_changes();
     for (config = 0; config < 24 && test_failed_count() == 0; config++) ct_random_run(config, 480);
 }

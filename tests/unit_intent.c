@@ -686,6 +686,31 @@ static void test_compaction_formats(void) {
     test_context(NULL);
 }
 
+/* Brings a loop's kept spans of seq's layer-0 view up to date (kvmix_cache_view_changes, then
+   kvmix_cache_view_seq from the first changed entry) and checks them against the spans built
+   whole: a change the cache does not report leaves a stale span. */
+static void kept_spans_update(kvmix_cache *c, int32_t seq, kvmix_view_span *kept, int32_t *n_kept) {
+    static kvmix_view_span whole[64];
+    static uint8_t dead[64 * 64];
+    int32_t from = -1, n = 0, nd = 0, j;
+    CHECK_RESULT(kvmix_cache_view_changes(c, seq, &from), KVMIX_SUCCESS);
+    if (from > *n_kept) from = *n_kept;
+    CHECK_RESULT(kvmix_cache_view_seq(c, seq, 0, from, kept + from, 64 - from, dead, sizeof dead, 0,
+                                      &n, &nd),
+                 KVMIX_SUCCESS);
+    *n_kept = from + n;
+    CHECK_RESULT(kvmix_cache_view_seq(c, seq, 0, 0, whole, 64, dead, sizeof dead, 0, &n, &nd),
+                 KVMIX_SUCCESS);
+    CHECK_EQ_INT(*n_kept, n);
+    for (j = 0; j < n && j < *n_kept; j++)
+        CHECK_MSG(kept[j].key_offset == whole[j].key_offset &&
+                      kept[j].value_offset == whole[j].value_offset &&
+                      kept[j].n_tokens == whole[j].n_tokens &&
+                      kept[j].key_format == whole[j].key_format &&
+                      (kept[j].dead_index >= 0) == (whole[j].dead_index >= 0),
+                  "kept span %d differs from the span built whole", (int)j);
+}
+
 /* Rounds of random evictions, each followed by compaction at a random fraction and more tokens:
    the cache stays consistent, every live position reads back what it held, evicted ones stay
    gone, and decode equals attention over the rows read back. */
@@ -696,7 +721,8 @@ static void test_compaction_rounds(void) {
     static uint8_t workspace[1 << 16];
     static const double fractions[] = {0.25, 0.5, 0.75, 1.0};
     kvmix_cache cache;
-    int32_t seq, round, t, c, n_tokens = 0, gone[CN], n_gone;
+    kvmix_view_span kept[64];
+    int32_t seq, round, t, c, n_tokens = 0, gone[CN], n_gone, n_kept = 0;
     size_t i, freed, freed_all = 0;
     test_rng rng;
     test_rng_init(&rng, "compaction rounds");
@@ -717,10 +743,12 @@ static void test_compaction_rounds(void) {
             if (test_rng_range(&rng, 0, 2) == 0) gone[n_gone++] = t;
         CHECK_RESULT(kvmix_cache_evict(&cache, seq, gone, n_gone), KVMIX_SUCCESS);
         read_all(&cache, seq, before[0], before[1]);
+        kept_spans_update(&cache, seq, kept, &n_kept);
         CHECK_RESULT(
             kvmix_cache_compact(&cache, seq, fractions[test_rng_range(&rng, 0, 3)], &freed),
             KVMIX_SUCCESS);
         CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+        kept_spans_update(&cache, seq, kept, &n_kept); /* compaction merged entries */
         freed_all += freed;
         read_all(&cache, seq, after[0], after[1]);
         for (i = 0; i < (size_t)CN * CL * CKV * CD; i++) {
