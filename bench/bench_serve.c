@@ -10,7 +10,7 @@
  * for timing only.
  *
  *   bench_serve [--model PATH] [--contexts 4096,32768] [--budgets-gib 2,8] [--steps N]
- *               [--policies fp16,int4,mix,kivi2,kitty-25]
+ *               [--policies fp16,fp16@128,int4,mix,mix@128,kivi2,kitty-25]
  *
  * "mix" is kivi2's layout with one page in four asked at INT4 keys and values: 75% of the pages
  * INT2 (per-channel keys, per-token values), 25% INT4. "NAME@P" is a policy with pages of P
@@ -26,7 +26,7 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { MAX_SEQS = 1024, MAX_LIST = 8, WARM_STEPS = 2 };
+enum { MAX_SEQS = 1024, MAX_LIST = 16, WARM_STEPS = 2 };
 
 typedef struct serve_options {
     const char *model;
@@ -50,7 +50,7 @@ static int32_t split_list(char *text, char **items, int32_t max) {
 
 static bool parse(int argc, char **argv, serve_options *o) {
     static char contexts[256] = "4096,32768", budgets[256] = "2,8",
-                policies[256] = "fp16,int4,mix,kivi2,kitty-25";
+                policies[256] = "fp16,fp16@128,int4,mix,mix@128,kivi2,kitty-25";
     char *items[MAX_LIST];
     o->model = "../shared/models/kvm-base.safetensors";
     o->steps = 16;
@@ -198,9 +198,9 @@ int main(int argc, char **argv) {
     char err[512];
     setvbuf(stdout, NULL, _IOLBF, 0); /* rows survive a run stopped early */
     if (!parse(argc, argv, &o)) {
-        fprintf(stderr,
-                "usage: bench_serve [--model PATH] [--contexts 4096,32768] "
-                "[--budgets-gib 2,8] [--steps N] [--policies fp16,int4,mix,kivi2,kitty-25]\n");
+        fprintf(stderr, "usage: bench_serve [--model PATH] [--contexts 4096,32768] "
+                        "[--budgets-gib 2,8] [--steps N] [--policies "
+                        "fp16,fp16@128,int4,mix,mix@128,kivi2,kitty-25]\n");
         return 2;
     }
     if (llama_model_load(o.model, &m, err, sizeof err) != LLAMA_OK) {

@@ -22,7 +22,7 @@ extern "C" {
 
 namespace {
 
-enum { MAX_SPLITS = 64, THREADS = 256, FILL_ROWS = 1024 };
+enum { MAX_SPLITS = 64, THREADS = 256, FILL_ROWS = 1024, PREFILL_CHUNK = 128 };
 
 struct layer_weights {
     float *attn_norm, *ffn_norm, *qkv, *out, *gate_up, *down;
@@ -60,6 +60,14 @@ struct kept_view {
     int32_t patch_capacity, at_capacity;
     int32_t *kv, *d_kv; /* pinned, device [max_seqs]: the step's kvmix sequences */
     uint8_t *dead;      /* host [stride * page_tokens]: a rebuild's dead flags */
+};
+
+/* A prefill chunk's view of its sequence read back (gpu_llama_prefill), allocated on first use. */
+struct prefill_rows {
+    int32_t capacity;       /* view tokens a sequence can have: max_pages_per_seq * page_tokens */
+    int32_t n_view;         /* the chunk's view tokens */
+    uint16_t *k, *v;        /* FP16 [capacity][n_kv][D] */
+    int32_t *kpos, *d_kpos; /* host, device [capacity]: each view token's position, -1 dead */
 };
 
 /* What sequences record for eviction (gpu_llama_observe), allocated on first use. Attention is
@@ -108,6 +116,7 @@ struct gpu_llama {
     staging *stages;            /* [n_layers + 1]: one per layer, the last for flushes */
     view_staging view;
     kept_view kept;
+    prefill_rows prefill;
     uint16_t *fill_k, *fill_v; /* synthetic rows of gpu_llama_fill, [FILL_ROWS][n_kv][D] */
     /* storage by template tag (gpu_llama_tag): a tagger per sequence, the formats of the step */
     bool tagged;
@@ -127,10 +136,11 @@ struct gpu_llama {
     uint16_t *k16, *v16, *q16, *o16;
     void *work;
     size_t work_bytes;
-    int32_t n_sms;
-    /* activations [max_seqs][...] */
+    int32_t n_sms, max_smem; /* multiprocessors, dynamic shared memory a block may have */
+    int32_t max_rows;        /* rows the activations hold: a step's sequences or a chunk */
+    /* activations [max_rows][...] */
     float *x, *xn, *qkv, *att, *ffn, *logits, *h_logits;
-    int32_t *h_step, *d_step; /* [4 max_seqs]: a step's tokens, positions, sequences, what each
+    int32_t *h_step, *d_step; /* [4 max_rows]: a step's tokens, positions, sequences, what each
                                  records (gpu_llama_observe) */
     observation obs;
 };
@@ -279,6 +289,9 @@ __device__ size_t ref_offset(const ref_params &p, int32_t seq, int32_t h, int32_
     return ((((size_t)seq * p.n_layers + p.layer) * p.n_kv + h) * p.max_tokens + t) * p.head_dim;
 }
 
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
 /* Stores each row's keys and values at its position of the fp32 reference cache. */
 __global__ void ref_store_kernel(ref_params p) {
     int32_t i = blockIdx.x, h = blockIdx.y;
@@ -292,22 +305,21 @@ __global__ void ref_store_kernel(ref_params p) {
     }
 }
 
-/* fp32 attention of one query head over positions 0 .. pos (llama_attend_rows' order of work:
- * scores, max, exp, a double sum, weighted values). Dynamic shared memory: max_tokens floats. */
-__global__ void ref_attend_kernel(ref_params p) {
-    extern __shared__ float scores[];
+/* One query row of a block against n tokens in fp32, in llama_attend_rows' order of work (scores,
+ * max, exp, a double sum, weighted values): key(t) and value(t) point at token t's rows (head_dim
+ * floats or halves), visible(t) says whether the query sees it. scores: n floats of dynamic shared
+ * memory. */
+template <typename Visible, typename Key, typename Value>
+__device__ void attend_one(const float *q, int32_t n, int32_t head_dim, float scale,
+                           Visible visible, Key key, Value value, float *scores, float *out) {
     __shared__ double partial[THREADS];
     __shared__ float top[THREADS];
-    int32_t i = blockIdx.x, hq = blockIdx.y, h = hq / (p.n_q / p.n_kv), n = p.pos[i] + 1;
-    const float *q =
-        p.qkv + (size_t)i * (p.n_q + 2 * p.n_kv) * p.head_dim + (size_t)hq * p.head_dim;
-    size_t base = ref_offset(p, p.seqs[i], h, 0);
     float best = -INFINITY;
     for (int t = threadIdx.x; t < n; t += blockDim.x) {
-        const float *k = p.k + base + (size_t)t * p.head_dim;
         float acc = 0.0f;
-        for (int d = 0; d < p.head_dim; d++) acc += q[d] * k[d];
-        scores[t] = p.scale * acc;
+        if (visible(t))
+            for (int d = 0; d < head_dim; d++) acc += q[d] * to_float(key(t)[d]);
+        scores[t] = visible(t) ? scale * acc : -INFINITY;
         best = fmaxf(best, scores[t]);
     }
     top[threadIdx.x] = best;
@@ -320,7 +332,7 @@ __global__ void ref_attend_kernel(ref_params p) {
     best = top[0];
     double sum = 0.0;
     for (int t = threadIdx.x; t < n; t += blockDim.x) {
-        scores[t] = expf(scores[t] - best);
+        scores[t] = visible(t) ? expf(scores[t] - best) : 0.0f;
         sum += scores[t];
     }
     partial[threadIdx.x] = sum;
@@ -330,11 +342,45 @@ __global__ void ref_attend_kernel(ref_params p) {
         __syncthreads();
     }
     float inv_sum = (float)(1.0 / partial[0]);
-    for (int d = threadIdx.x; d < p.head_dim; d += blockDim.x) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
-        for (int t = 0; t < n; t++) acc += scores[t] * p.v[base + (size_t)t * p.head_dim + d];
-        p.att[((size_t)i * p.n_q + hq) * p.head_dim + d] = acc * inv_sum;
+        for (int t = 0; t < n; t++)
+            if (scores[t] != 0.0f) acc += scores[t] * to_float(value(t)[d]);
+        out[d] = acc * inv_sum;
     }
+}
+
+/* fp32 attention of one query head over positions 0 .. pos of the fp32 reference cache.
+ * Dynamic shared memory: max_tokens floats. */
+__global__ void ref_attend_kernel(ref_params p) {
+    extern __shared__ float scores[];
+    int32_t i = blockIdx.x, hq = blockIdx.y, h = hq / (p.n_q / p.n_kv);
+    const float *q =
+        p.qkv + (size_t)i * (p.n_q + 2 * p.n_kv) * p.head_dim + (size_t)hq * p.head_dim;
+    size_t base = ref_offset(p, p.seqs[i], h, 0);
+    attend_one(
+        q, p.pos[i] + 1, p.head_dim, p.scale, [](int) { return true; },
+        [&](int t) { return p.k + base + (size_t)t * p.head_dim; },
+        [&](int t) { return p.v + base + (size_t)t * p.head_dim; }, scores,
+        p.att + ((size_t)i * p.n_q + hq) * p.head_dim);
+}
+
+/* Causal attention of a prefill chunk: query i (position pos0 + i) of head blockIdx.y over the
+ * sequence's rows read back from its view (FP16, [n_view][n_kv][D]), view token t seen when
+ * 0 <= kpos[t] <= pos0 + i (kpos: its position, -1 for a dead row). Dynamic shared memory:
+ * n_view floats. */
+__global__ void prefill_attend_kernel(const float *qkv, const __half *k, const __half *v,
+                                      const int32_t *kpos, int32_t n_view, int32_t pos0,
+                                      int32_t n_q, int32_t n_kv, int32_t head_dim, float scale,
+                                      float *att) {
+    extern __shared__ float scores[];
+    int32_t i = blockIdx.x, hq = blockIdx.y, h = hq / (n_q / n_kv), pos = pos0 + i;
+    const float *q = qkv + (size_t)i * (n_q + 2 * n_kv) * head_dim + (size_t)hq * head_dim;
+    attend_one(
+        q, n_view, head_dim, scale, [&](int t) { return kpos[t] >= 0 && kpos[t] <= pos; },
+        [&](int t) { return k + ((size_t)t * n_kv + h) * head_dim; },
+        [&](int t) { return v + ((size_t)t * n_kv + h) * head_dim; }, scores,
+        att + ((size_t)i * n_q + hq) * head_dim);
 }
 
 /* ---- host helpers ------------------------------------------------------------------------- */
@@ -529,8 +575,8 @@ llama_result create_cache(gpu_llama *g, size_t arena_bytes, char *err, size_t er
         TRY_CUDA(cudaEventCreate(&g->events[i]), "events");
     TRY_CUDA(pinned_alloc(&g->view.first, (size_t)g->max_seqs + 1), "pinned staging");
     TRY_CUDA(device_alloc(&g->view.d_first, (size_t)g->max_seqs + 1), "view spans");
-    size_t kv_halves = (size_t)g->max_seqs * g->c.n_kv_heads * g->c.head_dim;
-    size_t q_halves = (size_t)g->max_seqs * g->c.n_heads * g->c.head_dim;
+    size_t kv_halves = (size_t)g->max_rows * g->c.n_kv_heads * g->c.head_dim;
+    size_t q_halves = (size_t)g->max_rows * g->c.n_heads * g->c.head_dim;
     TRY_CUDA(device_alloc(&g->k16, kv_halves), "rows");
     TRY_CUDA(device_alloc(&g->v16, kv_halves), "rows");
     TRY_CUDA(device_alloc(&g->q16, q_halves), "rows");
@@ -546,7 +592,7 @@ llama_result create_cache(gpu_llama *g, size_t arena_bytes, char *err, size_t er
 
 llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
     const llama_config *c = &g->c;
-    size_t n = (size_t)g->max_seqs;
+    size_t n = (size_t)g->max_rows;
     size_t qkv = (size_t)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
     TRY_CUDA(device_alloc(&g->x, n * c->hidden), "activations");
     TRY_CUDA(device_alloc(&g->xn, n * c->hidden), "activations");
@@ -568,7 +614,8 @@ llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
     free(inv);
     TRY_CUDA(e, "rope table");
     if (g->fp32) {
-        size_t floats = n * c->n_layers * c->n_kv_heads * (size_t)g->max_tokens * c->head_dim;
+        size_t floats =
+            (size_t)g->max_seqs * c->n_layers * c->n_kv_heads * (size_t)g->max_tokens * c->head_dim;
         TRY_CUDA(device_alloc(&g->ref_k, floats), "the fp32 cache");
         TRY_CUDA(device_alloc(&g->ref_v, floats), "the fp32 cache");
     }
@@ -1063,6 +1110,7 @@ static llama_result create_runner(gpu_llama *g, const llama_model *model,
     snprintf(g->device_name, sizeof g->device_name, "%s", prop.name);
     g->n_sms = prop.multiProcessorCount;
     g->max_seqs = max_seqs;
+    g->max_rows = max_seqs > PREFILL_CHUNK ? max_seqs : PREFILL_CHUNK;
     g->max_tokens = max_tokens;
     g->fp32 = policy->key_format == KVMIX_KV_FORMAT_FP32;
     char why[256];
@@ -1089,6 +1137,14 @@ static llama_result create_runner(gpu_llama *g, const llama_model *model,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       max_tokens * (int)sizeof(float)),
                  "fp32 attention");
+    cudaFuncAttributes fa;
+    if (r == LLAMA_OK && !g->fp32) { /* the scores take what the block's own arrays leave */
+        TRY_CUDA(cudaFuncGetAttributes(&fa, prefill_attend_kernel), "prefill attention");
+        g->max_smem = (int32_t)(prop.sharedMemPerBlockOptin - fa.sharedSizeBytes);
+        TRY_CUDA(cudaFuncSetAttribute(prefill_attend_kernel,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, g->max_smem),
+                 "prefill attention");
+    }
     return r;
 }
 
@@ -1105,6 +1161,8 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     free(g->stages);
     free_view_staging(&g->view);
     free_kept_view(&g->kept);
+    free(g->prefill.kpos);
+    cudaFree(g->prefill.k), cudaFree(g->prefill.v), cudaFree(g->prefill.d_kpos);
     observation_free(&g->obs);
     for (int32_t i = 0; g->events && i < 2 * g->c.n_layers; i++)
         if (g->events[i]) cudaEventDestroy(g->events[i]);
@@ -1126,6 +1184,8 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
 
 extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char *err,
                                             size_t err_bytes) {
+    if (!g || !out_seq)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_seq_start: NULL argument");
     int32_t s = 0;
     while (s < g->max_seqs && g->in_use[s]) s++;
     if (s == g->max_seqs)
@@ -1147,7 +1207,7 @@ extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char
 }
 
 extern "C" void gpu_llama_seq_end(gpu_llama *g, int32_t seq) {
-    if (seq < 0 || seq >= g->max_seqs || !g->in_use[seq]) return;
+    if (!g || seq < 0 || seq >= g->max_seqs || !g->in_use[seq]) return;
     if (!g->fp32) kvmix_cache_seq_free(&g->cache, g->kv_seq[seq]);
     g->in_use[seq] = 0;
 }
@@ -1161,24 +1221,23 @@ extern "C" llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char 
                           [&] { return kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]); });
 }
 
-extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens,
-                                       int32_t n, float *logits, char *err, size_t err_bytes) {
-    if (!g || !seqs || !tokens || !logits)
-        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_step: NULL argument");
-    llama_result r = check_step(g, seqs, tokens, n, err, err_bytes);
-    if (r != LLAMA_OK) return r;
+/* Per token of a one-sequence view (host staging copy): 1 where the token is dead (evicted,
+   or a compacted page's padding row that repeats a live position). */
+static std::vector<uint8_t> view_dead_tokens(const view_staging *v, int32_t n) {
+    std::vector<uint8_t> dead((size_t)n, 0);
+    for (int32_t i = 0, t = 0; i < v->view.n_spans; t += v->spans[i++].n_tokens)
+        for (int32_t j = 0; v->spans[i].dead_index >= 0 && j < v->spans[i].n_tokens; j++)
+            if (t + j < n) dead[(size_t)(t + j)] = v->dead[v->spans[i].dead_index + j];
+    return dead;
+}
+
+/* The model over n rows whose tokens, positions, sequences and recording flags are in h_step
+   ([4][n]): attend(l) runs layer l's attention (the rows' keys and values in qkv, its output into
+   att). Leaves the rows' logits in h_logits. */
+template <typename Attend>
+llama_result forward(gpu_llama *g, int32_t n, char *err, size_t err_bytes, Attend attend) {
     const llama_config *c = &g->c;
-    double step_start = now_seconds();
-    const kvmix_cache_precision *by_tag = NULL;
-    if (!g->fp32 && ((r = tag_step(g, seqs, tokens, n, &by_tag, err, err_bytes)) != LLAMA_OK ||
-                     (r = reserve_positions(g, seqs, n, by_tag, err, err_bytes)) != LLAMA_OK))
-        return r;
-    for (int32_t i = 0; i < n; i++) {
-        g->h_step[i] = tokens[i];
-        g->h_step[n + i] = g->next_pos[seqs[i]];
-        g->h_step[2 * n + i] = seqs[i];
-        g->h_step[3 * n + i] = g->obs.flags ? g->obs.flags[seqs[i]] : 0;
-    }
+    llama_result r = LLAMA_OK;
     TRY_CUDA(cudaMemcpyAsync(g->d_step, g->h_step, 4 * (size_t)n * sizeof(int32_t),
                              cudaMemcpyHostToDevice, g->stream),
              "uploading tokens");
@@ -1194,10 +1253,7 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
         if (r != LLAMA_OK) break;
         rope_kernel<<<dim3(n, c->n_heads + c->n_kv_heads), c->head_dim / 2, 0, g->stream>>>(
             g->qkv, d_pos, g->inv_freq, qkv_rows, c->head_dim);
-        if (g->fp32)
-            attend_fp32(g, l, n);
-        else if ((r = attend_kvmix(g, l, seqs, n, err, err_bytes)) != LLAMA_OK)
-            break;
+        if ((r = attend(l)) != LLAMA_OK) break;
         r = matmul(g, w->out, c->hidden, c->n_heads * c->head_dim, g->att, c->n_heads * c->head_dim,
                    n, g->x, true, err, err_bytes);
         if (r != LLAMA_OK) break;
@@ -1229,6 +1285,33 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
                               "a key or value row was not finite (error flags %d)", flags);
         }
     }
+    return LLAMA_OK;
+}
+
+extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens,
+                                       int32_t n, float *logits, char *err, size_t err_bytes) {
+    if (!g || !seqs || !tokens || !logits)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_step: NULL argument");
+    llama_result r = check_step(g, seqs, tokens, n, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    const llama_config *c = &g->c;
+    double step_start = now_seconds();
+    const kvmix_cache_precision *by_tag = NULL;
+    if (!g->fp32 && ((r = tag_step(g, seqs, tokens, n, &by_tag, err, err_bytes)) != LLAMA_OK ||
+                     (r = reserve_positions(g, seqs, n, by_tag, err, err_bytes)) != LLAMA_OK))
+        return r;
+    for (int32_t i = 0; i < n; i++) {
+        g->h_step[i] = tokens[i];
+        g->h_step[n + i] = g->next_pos[seqs[i]];
+        g->h_step[2 * n + i] = seqs[i];
+        g->h_step[3 * n + i] = g->obs.flags ? g->obs.flags[seqs[i]] : 0;
+    }
+    r = forward(g, n, err, err_bytes, [&](int32_t l) {
+        if (!g->fp32) return attend_kvmix(g, l, seqs, n, err, err_bytes);
+        attend_fp32(g, l, n);
+        return LLAMA_OK;
+    });
+    if (r != LLAMA_OK) return r;
     memcpy(logits, g->h_logits, (size_t)n * c->vocab * sizeof(float));
     for (int32_t i = 0; i < n; i++) g->next_pos[seqs[i]]++;
     if (g->profiling && !g->fp32) {
@@ -1242,6 +1325,126 @@ extern "C" llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const 
     g->prof.steps++;
     g->prof.tokens += n;
     return LLAMA_OK;
+}
+
+/* Reserves the chunk's positions one by one, each with the formats its tag asks for (the
+   tagger sees the tokens in order, as steps would show them). */
+llama_result reserve_chunk(gpu_llama *g, int32_t seq, const int32_t *tokens, int32_t pos0,
+                           int32_t n, char *err, size_t err_bytes) {
+    llama_result r = LLAMA_OK;
+    for (int32_t j = 0; j < n && r == LLAMA_OK; j++) {
+        const kvmix_cache_precision *by_tag = NULL;
+        g->next_pos[seq] = pos0 + j; /* the position tag_step and its tags table see */
+        r = tag_step(g, &seq, &tokens[j], 1, &by_tag, err, err_bytes);
+        if (r == LLAMA_OK) r = reserve_positions(g, &seq, 1, by_tag, err, err_bytes);
+    }
+    g->next_pos[seq] = pos0;
+    return r;
+}
+
+/* Room for a sequence's view rows read back: the dequantized keys and values, and each view
+   token's position. */
+llama_result create_prefill(gpu_llama *g, char *err, size_t err_bytes) {
+    prefill_rows *p = &g->prefill;
+    if (p->kpos) return LLAMA_OK;
+    p->capacity = g->cache.desc.max_pages_per_seq * g->cache.desc.page_tokens;
+    size_t halves = (size_t)p->capacity * g->c.n_kv_heads * g->c.head_dim;
+    p->kpos = (int32_t *)malloc((size_t)p->capacity * sizeof(int32_t));
+    if (!p->kpos) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    TRY_CUDA(device_alloc(&p->k, halves), "prefill rows");
+    TRY_CUDA(device_alloc(&p->v, halves), "prefill rows");
+    TRY_CUDA(device_alloc(&p->d_kpos, (size_t)p->capacity), "prefill rows");
+    return LLAMA_OK;
+}
+
+/* The chunk's view (built once, after layer 0's rows are written: every layer has the same
+   positions when it attends) and each view token's position, -1 for a dead row. */
+llama_result upload_chunk_view(gpu_llama *g, int32_t kv, char *err, size_t err_bytes) {
+    prefill_rows *p = &g->prefill;
+    g->step_kv_seqs[0] = kv;
+    llama_result r = upload_view(g, 1, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    TRY_KVMIX(kvmix_cache_view_positions(&g->cache, kv, 0, p->kpos, p->capacity, &p->n_view),
+              "view positions");
+    std::vector<uint8_t> dead = view_dead_tokens(&g->view, p->n_view);
+    for (int32_t t = 0; t < p->n_view; t++)
+        if (dead[(size_t)t]) p->kpos[t] = -1;
+    if ((size_t)p->n_view * sizeof(float) > (size_t)g->max_smem)
+        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
+                          "prefill attends at most %d cached tokens (%d here)",
+                          g->max_smem / (int)sizeof(float), p->n_view);
+    TRY_CUDA(cudaMemcpyAsync(p->d_kpos, p->kpos, (size_t)p->n_view * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading positions");
+    return LLAMA_OK;
+}
+
+/* Attention of layer l for a chunk of n positions from pos0 of one sequence: its rows written
+   through the cache's jobs, then every cached row read back (kvmix_cuda_view_dequantize) and
+   attended causally. */
+llama_result attend_chunk(gpu_llama *g, int32_t l, int32_t seq, int32_t pos0, int32_t n, char *err,
+                          size_t err_bytes) {
+    const llama_config *c = &g->c;
+    prefill_rows *p = &g->prefill;
+    int32_t kv = g->kv_seq[seq];
+    to_half_kernel<<<n, THREADS, 0, g->stream>>>(g->qkv, c->n_heads, c->n_kv_heads, c->head_dim,
+                                                 (__half *)g->q16, (__half *)g->k16,
+                                                 (__half *)g->v16);
+    llama_result r = call_with_room(g, g->k16, g->v16, "writing rows", err, err_bytes, [&] {
+        return kvmix_cache_write_rows(&g->cache, kv, l, pos0, n, 0);
+    });
+    if (r == LLAMA_OK) r = run_jobs(g, &g->stages[l], g->k16, g->v16, err, err_bytes);
+    if (r == LLAMA_OK && l == 0) r = upload_chunk_view(g, kv, err, err_bytes);
+    kvmix_view view;
+    if (r == LLAMA_OK) r = layer_view(g, l, &view, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    TRY_KVMIX(
+        kvmix_cuda_view_dequantize(&view, 0, KVMIX_CUDA_FP16, p->k, p->v, p->capacity, g->stream),
+        "reading rows back");
+    prefill_attend_kernel<<<dim3(n, c->n_heads), THREADS, (size_t)p->n_view * sizeof(float),
+                            g->stream>>>(
+        g->qkv, (const __half *)p->k, (const __half *)p->v, p->d_kpos, p->n_view, pos0, c->n_heads,
+        c->n_kv_heads, c->head_dim, (float)(1.0 / sqrt((double)c->head_dim)), g->att);
+    return LLAMA_OK;
+}
+
+extern "C" llama_result gpu_llama_prefill(gpu_llama *g, int32_t seq, const int32_t *tokens,
+                                          int32_t n_tokens, float *logits, char *err,
+                                          size_t err_bytes) {
+    if (!g || !tokens || n_tokens < 0 || seq < 0 || seq >= g->max_seqs || !g->in_use[seq])
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_prefill: bad arguments");
+    for (int32_t j = 0; j < n_tokens; j++)
+        if (tokens[j] < 0 || tokens[j] >= g->c.vocab)
+            return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "token %d is outside the vocab",
+                              tokens[j]);
+    if (n_tokens > g->max_tokens - g->next_pos[seq])
+        return llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY, "sequence %d is full", seq);
+    llama_result r = g->fp32 ? LLAMA_OK : create_prefill(g, err, err_bytes);
+    for (int32_t done = 0; r == LLAMA_OK && done < n_tokens;) {
+        int32_t n = n_tokens - done < PREFILL_CHUNK ? n_tokens - done : PREFILL_CHUNK;
+        int32_t pos0 = g->next_pos[seq];
+        if (!g->fp32 &&
+            (r = reserve_chunk(g, seq, tokens + done, pos0, n, err, err_bytes)) != LLAMA_OK)
+            break;
+        for (int32_t j = 0; j < n; j++) {
+            g->h_step[j] = tokens[done + j];
+            g->h_step[n + j] = pos0 + j;
+            g->h_step[2 * n + j] = seq;
+            g->h_step[3 * n + j] = 0; /* a chunk records nothing */
+        }
+        r = forward(g, n, err, err_bytes, [&](int32_t l) {
+            if (!g->fp32) return attend_chunk(g, l, seq, pos0, n, err, err_bytes);
+            attend_fp32(g, l, n);
+            return LLAMA_OK;
+        });
+        if (r != LLAMA_OK) break;
+        if (logits)
+            memcpy(logits + (size_t)done * g->c.vocab, g->h_logits,
+                   (size_t)n * g->c.vocab * sizeof(float));
+        g->next_pos[seq] = pos0 + n;
+        done += n;
+    }
+    return r;
 }
 
 /* Appends n_tokens positions to a sequence through the cache's write path, in chunks of FILL_ROWS
@@ -1294,16 +1497,6 @@ extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_toke
     /* every chunk reads the same synthetic rows */
     return append_rows(g, seq, n_tokens, precisions, g->fill_k, g->fill_v, 0, false,
                        "filling a sequence", err, err_bytes);
-}
-
-/* Per token of a one-sequence view (host staging copy): 1 where the token is dead (evicted,
-   or a compacted page's padding row that repeats a live position). */
-static std::vector<uint8_t> view_dead_tokens(const view_staging *v, int32_t n) {
-    std::vector<uint8_t> dead((size_t)n, 0);
-    for (int32_t i = 0, t = 0; i < v->view.n_spans; t += v->spans[i++].n_tokens)
-        for (int32_t j = 0; v->spans[i].dead_index >= 0 && j < v->spans[i].n_tokens; j++)
-            if (t + j < n) dead[(size_t)(t + j)] = v->dead[v->spans[i].dead_index + j];
-    return dead;
 }
 
 extern "C" llama_result gpu_llama_rows_read(gpu_llama *g, int32_t seq, float *keys, float *values,

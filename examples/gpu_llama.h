@@ -54,6 +54,20 @@ llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char *err, size_
 llama_result gpu_llama_step(gpu_llama *g, const int32_t *seqs, const int32_t *tokens, int32_t n,
                             float *logits, char *err, size_t err_bytes);
 
+/* Prefill: runs n_tokens tokens of one sequence from its next position through the model in
+ * chunks of up to 128, each chunk's rows in one pass: matrix products over the chunk, its
+ * positions reserved (which seals the pages that left the window by the chunk's end) and its
+ * keys and values written through the cache's jobs, then causal attention over every row the
+ * sequence holds, read back by kvmix_cuda_view_dequantize. So a chunk's queries see its own
+ * rows at FP16 and older rows as the cache holds them at the chunk's end (a decode step at the
+ * same position may still hold some of them in its window). logits [n_tokens][vocab] (host, or
+ * NULL) receive every token's next-token logits. Tagged caches tag the tokens in order. A chunk
+ * records nothing for eviction (gpu_llama_observe). Other sequences' steps may run between calls.
+ * LLAMA_ERR_CAPACITY when the sequence would pass max_tokens, LLAMA_ERR_UNSUPPORTED when its
+ * view holds more rows than the attention's shared memory. */
+llama_result gpu_llama_prefill(gpu_llama *g, int32_t seq, const int32_t *tokens, int32_t n_tokens,
+                               float *logits, char *err, size_t err_bytes);
+
 /* Appends n_tokens positions of synthetic keys and values (deterministic FP16 values, the same
  * rows for every layer) to a sequence through the cache's own write and seal path, in chunks:
  * a sequence at a long context for benchmarks without running the model over it. precisions:
