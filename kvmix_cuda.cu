@@ -693,12 +693,18 @@ template <int D> __device__ __forceinline__ int kvmix__tc_kdim(int c, int j, int
 constexpr int kvmix__tc_stage_bytes = 12288;
 constexpr int kvmix__tc_blocks_per_sm = 2;
 constexpr int kvmix__split_waves = 1;
-template <int D> struct kvmix__tc_cfg {
+template <int D, bool SMALL = false> struct kvmix__tc_cfg {
     /* a stage holds 16 tokens of every format pair (FP16 keys and values: 64 * D bytes, plus the
        misalignment of each region); D 256 needs more than 12 KiB for that, and so runs one block
-       per SM with 24 KiB stages (bench/DECODE_NOTES.md, v14) */
-    static constexpr int stage = D == 256 ? 24576 : kvmix__tc_stage_bytes;
-    static constexpr int min_blocks = D == 256 ? 1 : kvmix__tc_blocks_per_sm;
+       per SM with 24 KiB stages (bench/DECODE_NOTES.md, v14). SMALL: stages for devices whose
+       block holds less shared memory than Hopper's 227 KiB: with the static part, 4 warps'
+       double buffers fit the 99 KiB of Ada and consumer Ampere at D 64 and 128, and A100's
+       163 KiB at D 256 (DECODE_NOTES.md, v23) */
+    static constexpr int stage = SMALL ? (D == 256   ? 18432
+                                          : D == 128 ? 10240
+                                                     : 8192)
+                                       : (D == 256 ? 24576 : kvmix__tc_stage_bytes);
+    static constexpr int min_blocks = D == 256 || SMALL ? 1 : kvmix__tc_blocks_per_sm;
     static constexpr int dyn_bytes = 2 * kvmix__tc_warps * stage;
     static_assert(stage >= 64 * D + 64, "a stage must hold 16 tokens of FP16 keys and values");
 };
@@ -976,14 +982,14 @@ __device__ __forceinline__ kvmix__tc_regions kvmix__tc_layout(
 }
 
 /* Tokens per unit of a format pair: the largest multiple of 16 (at most 128) that fits a stage. */
-template <int D>
+template <int D, int STAGE>
 __device__ inline int kvmix__tc_unit_tokens(int kf, int vf, int ntok, int G, int nb) {
     const kvmix__tsec ks = kvmix__tc_sections<D>(kf, (uint32_t)ntok, G, nb);
     const kvmix__tsec vs = kvmix__tc_sections<D>(vf, (uint32_t)ntok, G, nb);
     int n = 128;
     while (n > 16 && kvmix__tc_layout<D, false>(kf, vf, ks, vs, 0, n, ntok, G, nb, true, {},
                                                 nullptr, nullptr, 0)
-                             .end > kvmix__tc_cfg<D>::stage)
+                             .end > STAGE)
         n -= 16;
     return n;
 }
@@ -1643,12 +1649,12 @@ __device__ __forceinline__ void kvmix__tc_run(kvmix__tc_state<D> &st, kvmix__tc_
 
 /* Grid (n_splits, n_kv_heads * q_chunks, n_seqs), 128 threads; a block serves query heads
    [kv * q_per_kv + chunk * 4, + 4) (fewer in the last chunk) over its split's token range. */
-template <int D>
-static __global__ void __launch_bounds__(kvmix__tc_threads, kvmix__tc_cfg<D>::min_blocks)
+template <int D, bool SMALL>
+static __global__ void __launch_bounds__(kvmix__tc_threads, kvmix__tc_cfg<D, SMALL>::min_blocks)
     kvmix__tc_decode_kernel(kvmix__decode_params p) {
     extern __shared__ __align__(16) uint8_t kvmix__tc_dyn[];
     __shared__ kvmix__tc_smem<D> sm;
-    constexpr int W = kvmix__tc_warps, STAGE = kvmix__tc_cfg<D>::stage;
+    constexpr int W = kvmix__tc_warps, STAGE = kvmix__tc_cfg<D, SMALL>::stage;
     const int split = blockIdx.x, seq = blockIdx.z;
     const int kv = blockIdx.y / p.q_chunks, chunk = blockIdx.y % p.q_chunks;
     const int qh0 = kv * p.q_per_kv + chunk * 4, nq = min(4, p.q_per_kv - chunk * 4);
@@ -1737,8 +1743,8 @@ static __global__ void __launch_bounds__(kvmix__tc_threads, kvmix__tc_cfg<D>::mi
             } else {
                 const int ut = kvmix__tc_direct<D>(sp.key_format, sp.value_format)
                                    ? 128
-                                   : kvmix__tc_unit_tokens<D>(sp.key_format, sp.value_format,
-                                                              sp.n_tokens, G, p.n_boost);
+                                   : kvmix__tc_unit_tokens<D, STAGE>(sp.key_format, sp.value_format,
+                                                                     sp.n_tokens, G, p.n_boost);
                 const int t = threadIdx.x;
                 sm.plan.koff[t] = sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
                 sm.plan.voff[t] = sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
@@ -2538,14 +2544,48 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
     return KVMIX_SUCCESS;
 }
 
-template <int D>
-static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p) {
-    constexpr int bytes = kvmix__tc_cfg<D>::dyn_bytes;
-    cudaError_t e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<D>,
+/* Whether the device's block holds a decode block of this configuration: its static shared
+   memory (as compiled for the device) and its stages. */
+template <int D, bool SMALL> static cudaError_t kvmix__tc_fits(int device, bool *out) {
+    static int known[2][64]; /* per device: 0 unknown, 1 fits, 2 does not */
+    cudaFuncAttributes fa;
+    int optin = 0;
+    if (device >= 0 && device < 64 && known[SMALL][device]) {
+        *out = known[SMALL][device] == 1;
+        return cudaSuccess;
+    }
+    cudaError_t e = cudaFuncGetAttributes(&fa, kvmix__tc_decode_kernel<D, SMALL>);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (e != cudaSuccess) return e;
+    *out = fa.sharedSizeBytes + (size_t)kvmix__tc_cfg<D, SMALL>::dyn_bytes <= (size_t)optin;
+    if (device >= 0 && device < 64) known[SMALL][device] = *out ? 1 : 2;
+    return cudaSuccess;
+}
+
+template <int D, bool SMALL>
+static cudaError_t kvmix__tc_launch_as(dim3 grid, cudaStream_t stream,
+                                       const kvmix__decode_params &p) {
+    constexpr int bytes = kvmix__tc_cfg<D, SMALL>::dyn_bytes;
+    cudaError_t e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<D, SMALL>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (e != cudaSuccess) return e;
-    kvmix__tc_decode_kernel<D><<<grid, kvmix__tc_threads, bytes, stream>>>(p);
+    kvmix__tc_decode_kernel<D, SMALL><<<grid, kvmix__tc_threads, bytes, stream>>>(p);
     return cudaSuccess;
+}
+
+/* The decode grid in the Hopper-size stages where the device holds them (and small ones were
+   not asked for), else in the small ones; *fits false (nothing launched) where neither fits. */
+template <int D>
+static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p,
+                                    bool small, bool *fits) {
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess && !small) e = kvmix__tc_fits<D, false>(device, fits);
+    if (e != cudaSuccess) return e;
+    if (!small && *fits) return kvmix__tc_launch_as<D, false>(grid, stream, p);
+    if ((e = kvmix__tc_fits<D, true>(device, fits)) != cudaSuccess || !*fits) return e;
+    return kvmix__tc_launch_as<D, true>(grid, stream, p);
 }
 
 /* Whether the merge kernel the device runs is the Hopper build (compiled from compute_90, with
@@ -2570,7 +2610,8 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     if (r != KVMIX_SUCCESS) return r;
     const int d = view->head_dim;
     if (desc->n_q_heads <= 0 || desc->n_q_heads % view->n_kv_heads != 0 || !(desc->scale >= 0.0f) ||
-        isinf(desc->scale) || desc->n_splits < 1 || desc->n_splits > KVMIX_CUDA_MAX_SPLITS)
+        isinf(desc->scale) || desc->n_splits < 1 || desc->n_splits > KVMIX_CUDA_MAX_SPLITS ||
+        (desc->stages != KVMIX_CUDA_STAGES_AUTO && desc->stages != KVMIX_CUDA_STAGES_SMALL))
         return KVMIX_ERR_INVALID_ARGUMENT;
     if (d != 64 && d != 128 && d != 256) return KVMIX_ERR_UNSUPPORTED;
     int group = kvmix__view_group(view->group_size, view->value_group_size, 0, KVMIX_FORMAT_INT4);
@@ -2607,12 +2648,14 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     dim3 grid((unsigned)desc->n_splits, (unsigned)grid_y, (unsigned)view->n_seqs);
     cudaStream_t s = (cudaStream_t)stream;
     cudaError_t ce;
+    bool small = desc->stages == KVMIX_CUDA_STAGES_SMALL, fits = false;
     switch (d) {
-    case 64: ce = kvmix__tc_launch<64>(grid, s, p); break;
-    case 128: ce = kvmix__tc_launch<128>(grid, s, p); break;
-    default: ce = kvmix__tc_launch<256>(grid, s, p); break;
+    case 64: ce = kvmix__tc_launch<64>(grid, s, p, small, &fits); break;
+    case 128: ce = kvmix__tc_launch<128>(grid, s, p, small, &fits); break;
+    default: ce = kvmix__tc_launch<256>(grid, s, p, small, &fits); break;
     }
     if (ce != cudaSuccess) return KVMIX_ERR_CUDA;
+    if (!fits) return KVMIX_ERR_UNSUPPORTED; /* D 256 where a block holds less than 163 KiB */
     if ((r = kvmix__launch_status()) != KVMIX_SUCCESS || one_split) return r;
 
     kvmix__merge_params m;
@@ -2635,29 +2678,30 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     return e == cudaSuccess ? r : KVMIX_ERR_CUDA;
 }
 
+/* Blocks per SM of the configuration kvmix_cuda_decode launches on this device by default. */
+template <int D> static cudaError_t kvmix__tc_blocks(int *blocks) {
+    int device = 0;
+    bool fits = false;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e == cudaSuccess) e = kvmix__tc_fits<D, false>(device, &fits);
+    if (e != cudaSuccess) return e;
+    const auto kernel = fits ? kvmix__tc_decode_kernel<D, false> : kvmix__tc_decode_kernel<D, true>;
+    const int bytes = fits ? kvmix__tc_cfg<D, false>::dyn_bytes : kvmix__tc_cfg<D, true>::dyn_bytes;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    return e == cudaSuccess ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                  blocks, kernel, kvmix__tc_threads, bytes)
+                            : e;
+}
+
 extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
                                                         int32_t *out_blocks) {
     if (!out_blocks) return KVMIX_ERR_NULL_POINTER;
     if (q_per_kv <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    int blocks = 0;
-    cudaError_t e = cudaErrorInvalidValue;
-    const int threads = kvmix__tc_threads;
-    if (head_dim == 64 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<64>,
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    kvmix__tc_cfg<64>::dyn_bytes)) == cudaSuccess)
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<64>,
-                                                          threads, kvmix__tc_cfg<64>::dyn_bytes);
-    if (head_dim == 128 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<128>,
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     kvmix__tc_cfg<128>::dyn_bytes)) == cudaSuccess)
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<128>,
-                                                          threads, kvmix__tc_cfg<128>::dyn_bytes);
-    if (head_dim == 256 && (e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<256>,
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     kvmix__tc_cfg<256>::dyn_bytes)) == cudaSuccess)
-        e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kvmix__tc_decode_kernel<256>,
-                                                          threads, kvmix__tc_cfg<256>::dyn_bytes);
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
+    int blocks = 0;
+    cudaError_t e = head_dim == 64    ? kvmix__tc_blocks<64>(&blocks)
+                    : head_dim == 128 ? kvmix__tc_blocks<128>(&blocks)
+                                      : kvmix__tc_blocks<256>(&blocks);
     if (e != cudaSuccess) return KVMIX_ERR_CUDA;
     *out_blocks = blocks;
     return KVMIX_SUCCESS;

@@ -119,11 +119,22 @@ kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvm
 /* n_tokens >= 1, blocks inside base_bytes and 16-byte aligned, dead range inside n_dead_flags)  */
 /* and each sequence's span range (inside [0, n_spans]): a sequence with a bad span or range gets */
 /* NaN in out and lse.                                                                           */
+/* The kernel's stage buffers (shared memory a block copies spans into): AUTO takes Hopper-size
+   stages where the device's block holds them (H100, H200, Blackwell data-center parts) and the
+   small ones elsewhere (Ada, consumer Ampere, A100 at head_dim 256); SMALL asks for the small
+   ones anywhere (tests run them on a Hopper device). Where neither fits (head_dim 256 on a block
+   of less than 163 KiB), decode returns UNSUPPORTED. */
+typedef enum kvmix_cuda_stages {
+    KVMIX_CUDA_STAGES_AUTO = 0,
+    KVMIX_CUDA_STAGES_SMALL = 1
+} kvmix_cuda_stages;
+
 typedef struct kvmix_cuda_decode_desc {
     int32_t n_q_heads;      /* a multiple of the view's n_kv_heads */
     float scale;            /* softmax scale; 0 = 1 / sqrt(head_dim) */
     kvmix_cuda_dtype dtype; /* of q and out */
     int32_t n_splits;       /* 1 .. KVMIX_CUDA_MAX_SPLITS ranges per sequence */
+    int32_t stages;         /* a kvmix_cuda_stages; 0 = AUTO */
 } kvmix_cuda_decode_desc;
 
 #define KVMIX_CUDA_MAX_SPLITS 1024

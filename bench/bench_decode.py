@@ -42,7 +42,7 @@ class View(C.Structure):
 
 class DecodeDesc(C.Structure):
     _fields_ = [("n_q_heads", C.c_int32), ("scale", C.c_float), ("dtype", C.c_int),
-                ("n_splits", C.c_int32)]
+                ("n_splits", C.c_int32), ("stages", C.c_int32)]
 
 
 SPAN_DTYPE = np.dtype([("key_offset", "<u8"), ("value_offset", "<u8"), ("key_head_bytes", "<u4"),

@@ -870,7 +870,7 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
     kvmix_view view;
     if (rr == LLAMA_OK) rr = layer_view(g, l, &view, err, err_bytes);
     if (rr != LLAMA_OK) return rr;
-    kvmix_cuda_decode_desc desc = {c->n_heads, 0.0f, KVMIX_CUDA_FP16, 1};
+    kvmix_cuda_decode_desc desc = {c->n_heads, 0.0f, KVMIX_CUDA_FP16, 1, KVMIX_CUDA_STAGES_AUTO};
     TRY_KVMIX(kvmix_cuda_decode_choose_splits(n, c->n_kv_heads, c->n_heads, c->head_dim, longest,
                                               g->n_sms, &desc.n_splits),
               "split count");

@@ -450,6 +450,7 @@ struct decode_io {
         CUDA_OK(cudaMalloc(&ws, ws_bytes));
         CUDA_OK(cudaMemcpy(q, qh.data(), n_out * 2, cudaMemcpyHostToDevice));
         desc.n_q_heads = n_q, desc.scale = 0.0f, desc.dtype = dtype, desc.n_splits = n_splits;
+        desc.stages = KVMIX_CUDA_STAGES_AUTO;
     }
     ~decode_io() {
         cudaFree(q);
@@ -516,6 +517,18 @@ static void test_decode_case(int d, int n_kv, int q_per_kv, int n_seqs, int n_bo
     snprintf(name, sizeof name, "decode D %d splits %d without lse: the same output (r %d)", d,
              n_splits, r);
     check(r == KVMIX_SUCCESS && again == out_h, name);
+    /* the small stages (what devices with less shared memory run): units of fewer tokens, the
+       same reference */
+    io.desc.stages = KVMIX_CUDA_STAGES_SMALL;
+    io.run(&v.dev, true, again, no_lse, &r);
+    std::vector<float> small_out(n_out);
+    for (size_t i = 0; i < n_out; i++) small_out[i] = from_dtype(again[i], dtype);
+    double s_out = nmse(small_out, ref_rounded, &ok_out), s_lse = nmse(no_lse, ref_lse, &ok_lse);
+    snprintf(name, sizeof name, "decode D %d splits %d small stages: nmse out %.2e lse %.2e (r %d)",
+             d, n_splits, s_out, s_lse, r);
+    check(r == KVMIX_SUCCESS && ok_out && ok_lse && s_out <= 1e-6 && s_lse <= 1e-6, name);
+    if (s_out > e_out) e_out = s_out;
+    if (s_lse > e_lse) e_lse = s_lse;
     if (e_out > g_decode_max_out) g_decode_max_out = e_out;
     if (e_lse > g_decode_max_lse) g_decode_max_lse = e_lse;
     if (g_failed && getenv("KVMIX_TEST_VERBOSE")) {
@@ -1388,6 +1401,7 @@ static void test_bad_arguments(void) {
     v.seq_first_span = (const int32_t *)dummy;
     kvmix_cuda_decode_desc desc;
     desc.n_q_heads = 8, desc.scale = 0.0f, desc.dtype = KVMIX_CUDA_BF16, desc.n_splits = 2;
+    desc.stages = KVMIX_CUDA_STAGES_AUTO;
     size_t ws = 0;
     check(kvmix_cuda_decode_workspace_bytes(1, 8, 128, 2, &ws) == KVMIX_SUCCESS &&
               ws == (size_t)2 * 8 * 129 * 4,
@@ -1414,7 +1428,11 @@ static void test_bad_arguments(void) {
     check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
               KVMIX_ERR_INVALID_ARGUMENT,
           "decode: 0 splits");
-    desc.n_splits = 2, desc.scale = -1.0f;
+    desc.n_splits = 2, desc.stages = 2;
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
+              KVMIX_ERR_INVALID_ARGUMENT,
+          "decode: unknown stages");
+    desc.stages = KVMIX_CUDA_STAGES_AUTO, desc.scale = -1.0f;
     check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) ==
               KVMIX_ERR_INVALID_ARGUMENT,
           "decode: negative scale");
