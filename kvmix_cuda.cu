@@ -698,12 +698,11 @@ template <int D, bool SMALL = false> struct kvmix__tc_cfg {
        misalignment of each region); D 256 needs more than 12 KiB for that, and so runs one block
        per SM with 24 KiB stages (bench/DECODE_NOTES.md, v14). SMALL: stages for devices whose
        block holds less shared memory than Hopper's 227 KiB: with the static part, 4 warps'
-       double buffers fit the 99 KiB of Ada and consumer Ampere at D 64 and 128, and A100's
-       163 KiB at D 256 (DECODE_NOTES.md, v23) */
-    static constexpr int stage = SMALL ? (D == 256   ? 18432
-                                          : D == 128 ? 10240
-                                                     : 8192)
-                                       : (D == 256 ? 24576 : kvmix__tc_stage_bytes);
+       double buffers fit the 99 KiB of Ada and consumer Ampere at D 64 and 128 (11 KiB: a
+       128-token page of INT2 keys and values in one unit), and A100's 163 KiB at D 256
+       (DECODE_NOTES.md, v23) */
+    static constexpr int stage =
+        SMALL ? (D == 256 ? 18432 : 11264) : (D == 256 ? 24576 : kvmix__tc_stage_bytes);
     static constexpr int min_blocks = D == 256 || SMALL ? 1 : kvmix__tc_blocks_per_sm;
     static constexpr int dyn_bytes = 2 * kvmix__tc_warps * stage;
     static_assert(stage >= 64 * D + 64, "a stage must hold 16 tokens of FP16 keys and values");

@@ -2,8 +2,9 @@
 (cuDNN and flash backends) and kvmix's own all-FP16 path, on the same shapes, in one process.
 
 Usage: python3 bench/bench_decode.py [--lib build/libkvmix_cuda_bench.so[,other.so...]] [--quick]
-    [--shapes B,T;B,T] [--mixes int4,...] [--head-dim 64|128|256] (several --lib paths: each
-    variant is timed on the same arenas, one after another, for A/B comparisons in one process)
+    [--shapes B,T;B,T] [--mixes int4,...] [--head-dim 64|128|256] [--stages auto,small]
+    (several --lib paths or stage choices: each variant is timed on the same arenas, one after
+    another, for A/B comparisons in one process)
 Prints the configuration, then one line per (batch, context, variant): median time, bytes the
 kernel must read (compressed K/V of the batch), achieved bandwidth, fraction of the measured
 read bandwidth, speedup over cuDNN and flash, and the fraction of the speed of a plain read of
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FP16, INT8, INT4, INT2, INT2_CHANNEL, BOOSTED = 1, 2, 3, 4, 5, 6
+STAGES = {"auto": 0, "small": 1}  # kvmix_cuda_stages
 NAMES = {FP16: "fp16", INT8: "int8", INT4: "int4", INT2: "int2", INT2_CHANNEL: "int2c", BOOSTED: "boost"}
 
 
@@ -171,11 +173,16 @@ def main():
     ap.add_argument("--mixes", default="", help="comma-separated mix names (prefixes): only these mixes")
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
                     help="head_dim of the cache and queries (the issue's shapes use 128)")
+    ap.add_argument("--stages", default="auto",
+                    help="auto, small or auto,small: the decode kernel's stage buffers, the device's "
+                         "own or the small ones (what Ada and consumer Ampere run); each is a "
+                         "variant of every --lib")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with several --lib: time them in this many interleaved rounds, report the median")
     args = ap.parse_args()
     libs = [Lib(x) for x in args.lib.split(",")]
     lib = libs[0]
+    variants = [(vlib, st) for vlib in libs for st in args.stages.split(",")]  # [index] in the report
     dev = torch.cuda.get_device_properties(0)
     n_sms = dev.multi_processor_count
     free, total = torch.cuda.mem_get_info()
@@ -215,7 +222,7 @@ def main():
         ws = torch.empty(ws_bytes.value, dtype=torch.uint8, device="cuda")
         qh = torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(B, HQ, D, device="cuda", dtype=torch.bfloat16)
-        desc = DecodeDesc(HQ, 0.0, 2, splits.value)
+        desc = DecodeDesc(HQ, 0.0, 2, splits.value, STAGES[args.stages.split(",")[0]])
         fn = lambda: lib.check(lib.lib.kvmix_cuda_decode(C.byref(arena.view), C.byref(desc), qh.data_ptr(), out.data_ptr(),
                                                          None, ws.data_ptr(), ws_bytes.value, stream), "decode")
         ms = time_calls([fn], 3, 10)
@@ -266,20 +273,21 @@ def main():
             print(f"{B:>5} {T:>7} {'read, same bytes':<18} {read_ms:8.4f} {per_set / 1e6:9.1f} "
                   f"{per_set / read_ms / 1e6:7.0f} {100 * per_set / read_ms / 1e6 / read_bw:5.0f}%")
             arenas = [Arena(lib, mix, B, T, H, D, P, NB, src, stream) for _ in range(sets)]
-            times = [[] for _ in libs]
-            for _ in range(args.rounds):  # interleaved, so that clock and thermal drift hit every library
-                for li, vlib in enumerate(libs):
-                    times[li].append(time_decode(vlib, arenas, sets, B, T, n_sms, H, HQ, D, stream))
-            for li in range(len(libs)):
-                report(li if len(libs) > 1 else None, statistics.median(times[li]), arenas, B, T, mix, base,
-                       read_bw, read_ms, results, libs[li].splits)
+            times = [[] for _ in variants]
+            for _ in range(args.rounds):  # interleaved, so that clock and thermal drift hit every variant
+                for vi, (vlib, st) in enumerate(variants):
+                    times[vi].append(time_decode(vlib, st, arenas, sets, B, T, n_sms, H, HQ, D, stream))
+            for vi in range(len(variants)):
+                report(vi if len(variants) > 1 else None, statistics.median(times[vi]), arenas, B, T, mix, base,
+                       read_bw, read_ms, results, variants[vi][0].splits)
             del arenas
             torch.cuda.empty_cache()
     flush_bench(lib, src, H, D, P, NB, stream)
 
 
-def time_decode(lib, arenas, sets, B, T, n_sms, H, HQ, D, stream):
-    """Median time (ms) of one decode call over the arena sets; lib.splits records the split count."""
+def time_decode(lib, stages, arenas, sets, B, T, n_sms, H, HQ, D, stream):
+    """Median time (ms) of one decode call over the arena sets (stage buffers `stages`, a name of
+    STAGES); lib.splits records the split count."""
     splits = C.c_int32(0)
     lib.check(lib.lib.kvmix_cuda_decode_choose_splits(B, H, HQ, D, T, n_sms, C.byref(splits)), "splits")
     ws_bytes = C.c_size_t(0)
@@ -288,7 +296,7 @@ def time_decode(lib, arenas, sets, B, T, n_sms, H, HQ, D, stream):
     qh = [torch.randn(B, HQ, D, device="cuda", dtype=torch.bfloat16) for _ in range(sets)]
     out = torch.empty(B, HQ, D, device="cuda", dtype=torch.bfloat16)
     lse = torch.empty(B, HQ, device="cuda", dtype=torch.float32)
-    desc = DecodeDesc(HQ, 0.0, 2, splits.value)
+    desc = DecodeDesc(HQ, 0.0, 2, splits.value, STAGES[stages])
 
     def call(i):
         lib.check(lib.lib.kvmix_cuda_decode(C.byref(arenas[i].view), C.byref(desc), qh[i].data_ptr(),
