@@ -233,8 +233,6 @@ __global__ void add_finite_kernel(const float *scores, int32_t n, float *acc) {
     if (i < n && isfinite(scores[i])) acc[i] += scores[i];
 }
 
-/* Layer l's spans from layer 0's: a page lays its layers out one after another (kvmix.h,
-   kvmix_cache_view). */
 /* Rebuilt spans into their sequences' slabs. */
 __global__ void scatter_spans_kernel(const kvmix_view_span *patch, const int32_t *at, int32_t n,
                                      kvmix_view_span *slabs) {
@@ -251,6 +249,8 @@ __global__ void gather_spans_kernel(const kvmix_view_span *slabs, int32_t stride
         out[j] = from[j - begin];
 }
 
+/* Layer l's spans from layer 0's: a page lays its layers out one after another (kvmix.h,
+   kvmix_cache_view). */
 __global__ void shift_spans_kernel(const kvmix_view_span *in, kvmix_view_span *out, int32_t n,
                                    int32_t layer, int32_t n_kv) {
     int32_t i = blockIdx.x * blockDim.x + threadIdx.x;
