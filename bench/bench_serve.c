@@ -6,8 +6,9 @@
  * the cache holds per sequence, sequences that fit, batch, milliseconds per step, decode tokens
  * per second, the share of a step spent in attention (GPU time of the layers' attention: rows to
  * FP16, cache jobs, decode), the host's cache bookkeeping per step, and at the largest batch
- * the ratios to the FP16 cache in the same budget. Contexts past kvm-base's trained 4096 are
- * for timing only.
+ * the ratios to the FP16 cache in the same budget; "flushes": cache calls per step that found the
+ * arena or the job queue full and waited for the queued jobs (a nearly full arena). Contexts past
+ * kvm-base's trained 4096 are for timing only.
  *
  *   bench_serve [--model PATH] [--contexts 4096,32768] [--budgets-gib 2,8] [--steps N]
  *               [--policies fp16,fp16@128,int4,mix,mix@128,kivi2,kitty-25]
@@ -151,10 +152,11 @@ static bool time_batch(gpu_llama *g, int32_t vocab, int32_t batch, int32_t steps
     if (ok) {
         double ms = 1e3 * p.step_seconds / (double)p.steps;
         double tps = (double)p.tokens / p.step_seconds;
-        printf("%-8s %7d %6.1f %10.2f %5d%s %6d %9.2f %10.0f %8.0f%% %9.0f %9.0f\n", policy,
+        printf("%-8s %7d %6.1f %10.2f %5d%s %6d %9.2f %10.0f %8.0f%% %9.0f %9.0f %9.2f\n", policy,
                context, budget, (double)seq_bytes / 1048576.0, fit, fit == MAX_SEQS ? "+" : " ",
                batch, ms, tps, 100.0 * p.attention_seconds / p.step_seconds,
-               1e6 * p.host_seconds / (double)p.steps, 1e6 * p.view_seconds / (double)p.steps);
+               1e6 * p.host_seconds / (double)p.steps, 1e6 * p.view_seconds / (double)p.steps,
+               (double)p.flushes / (double)p.steps);
         row->tokens_per_second = tps;
     }
     free(seqs);
@@ -211,8 +213,9 @@ int main(int argc, char **argv) {
            "%d timed after %d warm-up; budget = the cache arena\n",
            m.config.name, m.config.n_layers, m.config.n_kv_heads, m.config.head_dim, o.steps,
            WARM_STEPS);
-    printf("%-8s %7s %6s %10s %6s %6s %9s %10s %9s %9s %9s\n", "policy", "context", "GiB",
-           "MiB/seq", "fit", "batch", "ms/step", "tokens/s", "attn", "host us", "view us");
+    printf("%-8s %7s %6s %10s %6s %6s %9s %10s %9s %9s %9s %9s\n", "policy", "context", "GiB",
+           "MiB/seq", "fit", "batch", "ms/step", "tokens/s", "attn", "host us", "view us",
+           "flushes");
     bool ok = true;
     for (int32_t c = 0; c < o.n_contexts; c++) {
         serve_row base = {0, 0.0};

@@ -661,6 +661,7 @@ llama_result call_with_room(gpu_llama *g, const void *keys, const void *values, 
                             char *err, size_t err_bytes, Call call) {
     kvmix_result r = call();
     if (r == KVMIX_ERR_OUT_OF_MEMORY) {
+        g->prof.flushes++;
         llama_result f = flush_jobs(g, keys, values, err, err_bytes);
         if (f != LLAMA_OK) return f;
         r = call();

@@ -140,6 +140,8 @@ typedef struct gpu_llama_profile {
     int64_t steps, tokens;
     double step_seconds, host_seconds, attention_seconds;
     double view_seconds; /* of host_seconds: building and uploading the step's view */
+    int64_t flushes;     /* cache calls that found the arena or the job queue full: the queued
+                            jobs ran first and the host waited for them */
 } gpu_llama_profile;
 void gpu_llama_profile_start(gpu_llama *g);
 void gpu_llama_profile_get(const gpu_llama *g, gpu_llama_profile *out);
