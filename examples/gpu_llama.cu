@@ -1222,14 +1222,21 @@ extern "C" llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char 
                           [&] { return kvmix_cache_seq_finish(&g->cache, g->kv_seq[seq]); });
 }
 
-/* Per token of a one-sequence view (host staging copy): 1 where the token is dead (evicted,
-   or a compacted page's padding row that repeats a live position). */
-static std::vector<uint8_t> view_dead_tokens(const view_staging *v, int32_t n) {
-    std::vector<uint8_t> dead((size_t)n, 0);
+/* A view of kvmix sequence kv alone, uploaded (upload_view), and the position of each of its
+   tokens: positions [capacity], *out_n of them, -1 for a row the sequence does not use or a dead
+   one (evicted, or a compacted page's padding row that repeats a live position). */
+static llama_result upload_seq_view(gpu_llama *g, int32_t kv, int32_t *positions, int32_t capacity,
+                                    int32_t *out_n, char *err, size_t err_bytes) {
+    const view_staging *v = &g->view;
+    g->step_kv_seqs[0] = kv;
+    llama_result r = upload_view(g, 1, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    TRY_KVMIX(kvmix_cache_view_positions(&g->cache, kv, 0, positions, capacity, out_n),
+              "view positions");
     for (int32_t i = 0, t = 0; i < v->view.n_spans; t += v->spans[i++].n_tokens)
         for (int32_t j = 0; v->spans[i].dead_index >= 0 && j < v->spans[i].n_tokens; j++)
-            if (t + j < n) dead[(size_t)(t + j)] = v->dead[v->spans[i].dead_index + j];
-    return dead;
+            if (t + j < *out_n && v->dead[v->spans[i].dead_index + j]) positions[t + j] = -1;
+    return LLAMA_OK;
 }
 
 /* The model over n rows whose tokens, positions, sequences and recording flags are in h_step
@@ -1362,14 +1369,8 @@ llama_result create_prefill(gpu_llama *g, char *err, size_t err_bytes) {
    positions when it attends) and each view token's position, -1 for a dead row. */
 llama_result upload_chunk_view(gpu_llama *g, int32_t kv, char *err, size_t err_bytes) {
     prefill_rows *p = &g->prefill;
-    g->step_kv_seqs[0] = kv;
-    llama_result r = upload_view(g, 1, err, err_bytes);
+    llama_result r = upload_seq_view(g, kv, p->kpos, p->capacity, &p->n_view, err, err_bytes);
     if (r != LLAMA_OK) return r;
-    TRY_KVMIX(kvmix_cache_view_positions(&g->cache, kv, 0, p->kpos, p->capacity, &p->n_view),
-              "view positions");
-    std::vector<uint8_t> dead = view_dead_tokens(&g->view, p->n_view);
-    for (int32_t t = 0; t < p->n_view; t++)
-        if (dead[(size_t)t]) p->kpos[t] = -1;
     if ((size_t)p->n_view * sizeof(float) > (size_t)g->max_smem)
         return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
                           "prefill attends at most %d cached tokens (%d here)",
@@ -1511,15 +1512,12 @@ extern "C" llama_result gpu_llama_rows_read(gpu_llama *g, int32_t seq, float *ke
     const llama_config *c = &g->c;
     size_t row = (size_t)c->n_kv_heads * c->head_dim, n_pos = (size_t)g->next_pos[seq];
     int32_t n = 0;
-    g->step_kv_seqs[0] = g->kv_seq[seq]; /* a view of this sequence alone */
-    if ((r = upload_view(g, 1, err, err_bytes)) != LLAMA_OK) return r;
-    TRY_KVMIX(kvmix_cache_view_positions(&g->cache, g->kv_seq[seq], 0, g->obs.positions,
-                                         g->obs.view_capacity, &n),
-              "view positions");
+    if ((r = upload_seq_view(g, g->kv_seq[seq], g->obs.positions, g->obs.view_capacity, &n, err,
+                             err_bytes)) != LLAMA_OK)
+        return r;
     memset(keys, 0, (size_t)c->n_layers * n_pos * row * sizeof(float));
     memset(values, 0, (size_t)c->n_layers * n_pos * row * sizeof(float));
     std::vector<uint16_t> hk((size_t)n * row), hv((size_t)n * row);
-    std::vector<uint8_t> dead = view_dead_tokens(&g->view, n);
     uint16_t *dk = NULL, *dv = NULL;
     cudaError_t ce = device_alloc(&dk, (size_t)n * row);
     if (ce == cudaSuccess) ce = device_alloc(&dv, (size_t)n * row);
@@ -1541,7 +1539,7 @@ extern "C" llama_result gpu_llama_rows_read(gpu_llama *g, int32_t seq, float *ke
             int32_t pos = g->obs.positions[t];
             float *kr = keys + ((size_t)l * n_pos + (size_t)pos) * row;
             float *vr = values + ((size_t)l * n_pos + (size_t)pos) * row;
-            if (pos < 0 || (size_t)pos >= n_pos || dead[t]) continue;
+            if (pos < 0 || (size_t)pos >= n_pos) continue;
             for (size_t i = 0; i < row; i++) {
                 kr[i] = kvmix_fp16_to_fp32(hk[(size_t)t * row + i]);
                 vr[i] = kvmix_fp16_to_fp32(hv[(size_t)t * row + i]);
