@@ -981,7 +981,9 @@ typedef struct kvmix_evict_policy {
     int32_t recent_tokens;  /* most recent positions always kept, a floor under every scorer but
                                STREAMING (whose score is recency); 0 = none */
     int32_t observe_tokens; /* SNAPKV: queries observed at the prompt's end; 0 = 32 */
-    int32_t pool_tokens;    /* SNAPKV: max-pool width, odd; 0 = 7 */
+    int32_t pool_tokens;    /* max-pool width of the scores of every scorer but STREAMING (a
+                               kept position keeps its neighbours: a copied word needs its
+                               bytes), odd; 0 = 7 for SNAPKV, 1 (none) for the others */
 } kvmix_evict_policy;
 
 typedef struct kvmix_policy {
@@ -1640,11 +1642,11 @@ KVMIXDEF kvmix_result kvmix_evict_forced(const kvmix_evict_policy *policy, int32
                                          int32_t actionable_first, int32_t actionable_end,
                                          uint8_t *forced);
 
-/* Turns the runner's raw scores into the scorer's, in place: STREAMING scores[t] = t; SNAPKV:
-   each the maximum of the raw scores within pool_tokens / 2 positions either side; INTENT, QUERY
-   and H2O unchanged; then, but for STREAMING, the last recent_tokens positions +INFINITY (the
-   recent floor). -INFINITY (evicted) stays.
-   scratch: [n_positions] floats (SNAPKV only; may be NULL otherwise). Returns NULL_POINTER,
+/* Turns the runner's raw scores into the scorer's, in place: STREAMING scores[t] = t; the others
+   each the maximum of the raw scores within pool_tokens / 2 positions either side (unchanged at
+   pool_tokens 1), then the last recent_tokens positions +INFINITY (the recent floor). -INFINITY
+   (evicted) stays. A policy not yet resolved pools as its resolved form would.
+   scratch: [n_positions] floats (when pooling; may be NULL otherwise). Returns NULL_POINTER,
    INVALID_ARGUMENT, BAD_VALUE (a NaN or +INFINITY raw score; nothing written). */
 KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy, float *scores,
                                                int32_t n_positions, float *scratch);
@@ -8425,12 +8427,19 @@ KVMIXDEF const char *kvmix_evict_scorer_name(int32_t scorer) {
     return scorer >= KVMIX_EVICT_INTENT && scorer <= KVMIX_EVICT_SNAPKV ? names[scorer - 1] : NULL;
 }
 
+/* The pooling width a policy ranks with (its default when 0); 1 = none. */
+static int32_t kvmix__evict_pool_tokens(const kvmix_evict_policy *p) {
+    if (p->scorer == KVMIX_EVICT_STREAMING) return 1;
+    if (p->pool_tokens > 0) return p->pool_tokens;
+    return p->scorer == KVMIX_EVICT_SNAPKV ? 7 : 1;
+}
+
 KVMIXDEF kvmix_result kvmix_evict_policy_resolve(kvmix_evict_policy *policy,
                                                  kvmix_policy_error *out_error) {
     if (!policy) return KVMIX_ERR_NULL_POINTER;
     if (!kvmix__evict_policy_ok(policy, out_error)) return KVMIX_ERR_INVALID_ARGUMENT;
     if (policy->observe_tokens == 0) policy->observe_tokens = 32;
-    if (policy->pool_tokens == 0) policy->pool_tokens = 7;
+    if (policy->pool_tokens == 0) policy->pool_tokens = kvmix__evict_pool_tokens(policy);
     return KVMIX_SUCCESS;
 }
 
@@ -8474,16 +8483,14 @@ static void kvmix__max_pool(float *scores, int32_t n, int32_t radius, float *scr
 
 KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy, float *scores,
                                                int32_t n_positions, float *scratch) {
-    int32_t t;
+    int32_t t, pool;
     if (!policy || (!scores && n_positions > 0)) return KVMIX_ERR_NULL_POINTER;
     if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (policy->scorer == KVMIX_EVICT_SNAPKV && !scratch && n_positions > 0)
-        return KVMIX_ERR_NULL_POINTER;
+    pool = kvmix__evict_pool_tokens(policy);
+    if (pool > 1 && !scratch && n_positions > 0) return KVMIX_ERR_NULL_POINTER;
     for (t = 0; t < n_positions; t++)
         if (scores[t] != scores[t] || scores[t] == INFINITY) return KVMIX_ERR_BAD_VALUE;
-    if (policy->scorer == KVMIX_EVICT_SNAPKV)
-        kvmix__max_pool(scores, n_positions, (policy->pool_tokens ? policy->pool_tokens : 7) / 2,
-                        scratch);
+    if (pool > 1) kvmix__max_pool(scores, n_positions, pool / 2, scratch);
     for (t = 0; t < n_positions; t++) {
         if (scores[t] == -INFINITY) continue;
         if (policy->scorer == KVMIX_EVICT_STREAMING)

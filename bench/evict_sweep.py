@@ -4,11 +4,12 @@ Usage: python3 bench/evict_sweep.py --eval build/kvmix-eval-cuda --model M.safet
            --data D.jsonl --spec examples/specs/kvm-byte.json --offset 75 --limit 75
            --arms ARMS --out results.jsonl [--allocation A.json] [--batch 75]
 
-An arm is precision/scorer/budget[/decay[/recent]]: precision a built-in policy name (fp16, kitty-25,
+An arm is precision/scorer/budget[/decay[/recent[/pool]]]: precision a built-in policy name (fp16, kitty-25,
 ...) whose settings the run takes (`kvmix-eval --list-policies`), scorer one of none, intent,
 query, streaming, h2o, snapkv, budget the fraction of history kept, decay the QueryMemory decay
 (intent only), recent the recent floor (most recent positions always kept; default 64, the
-floor H2O has always had; streaming ignores it). "tri" as the precision runs the built-in fp16 policy with --allocation (the
+floor H2O has always had; streaming ignores it), pool the max-pool width of the scores (odd;
+default 7 for snapkv, 1 (none) for the others; streaming ignores it). "tri" as the precision runs the built-in fp16 policy with --allocation (the
 tri-axial per-tag formats). Arms are comma-separated; "none" arms ignore the budget. Every arm
 shares the forced set (the first 4 positions and the request's user message) and the scorer
 settings below, so that arms differ in the scorer alone. Each run's JSON (kvmix-eval's, with the
@@ -25,7 +26,7 @@ import sweep_common
 PREFIX_TOKENS = 4  # the protected prefix: the attention sinks
 RECENT_TOKENS = 64  # the recent floor of an arm that names none
 OBSERVE_TOKENS = 32  # SnapKV's observation window
-POOL_TOKENS = 7  # SnapKV's pooling width
+SNAPKV_POOL_TOKENS = 7  # SnapKV's pooling width of an arm that names none
 
 
 def builtin_policies(eval_bin):
@@ -33,13 +34,13 @@ def builtin_policies(eval_bin):
     return {p["name"]: p for p in map(json.loads, out.stdout.splitlines())}
 
 
-def policy_document(base, scorer, budget, decay, recent):
+def policy_document(base, scorer, budget, decay, recent, pool):
     doc = dict(base)
     doc["name"] = base["name"] if scorer == "none" else f"{base['name']}+{scorer}-{budget:g}"
     if scorer != "none":
         doc["evict"] = {"scorer": scorer, "budget_fraction": budget, "decay": decay,
                         "prefix_tokens": PREFIX_TOKENS, "recent_tokens": recent,
-                        "observe_tokens": OBSERVE_TOKENS, "pool_tokens": POOL_TOKENS}
+                        "observe_tokens": OBSERVE_TOKENS, "pool_tokens": pool}
     return doc
 
 
@@ -49,7 +50,8 @@ def parse_arm(text):
     budget = float(parts[2]) if len(parts) > 2 else 1.0
     decay = float(parts[3]) if len(parts) > 3 else 0.0
     recent = int(parts[4]) if len(parts) > 4 else RECENT_TOKENS
-    return precision, scorer, budget, decay, recent
+    pool = int(parts[5]) if len(parts) > 5 else SNAPKV_POOL_TOKENS if scorer == "snapkv" else 1
+    return precision, scorer, budget, decay, recent, pool
 
 
 def main():
@@ -58,9 +60,9 @@ def main():
     a = ap.parse_args()
     policies = builtin_policies(a.eval)
     for arm in sweep_common.arms_to_run(a):
-        precision, scorer, budget, decay, recent = parse_arm(arm)
+        precision, scorer, budget, decay, recent, pool = parse_arm(arm)
         base = policies["fp16" if precision == "tri" else precision]
-        doc = policy_document(base, scorer, budget, decay, recent)
+        doc = policy_document(base, scorer, budget, decay, recent, pool)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(doc, f)
         cmd = sweep_common.eval_command(a, f.name)
@@ -74,6 +76,7 @@ def main():
         print(f"{arm}: bits/token {result['bits_per_token']:.4f} "
               f"agreement {result['answer_agreement']:.4f} "
               f"recall agreement {result['recall']['answer_agreement']:.4f} "
+              f"recall bits {result['recall']['answer_bits_per_token']:.4f} "
               f"evicted {ev.get('evicted_tokens', 0)} {result['seconds']:.1f} s", flush=True)
 
 

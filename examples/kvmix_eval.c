@@ -60,8 +60,8 @@
  * evictions, evicted tokens, the mean over texts of the most live tokens a text had, bytes the
  * evictions freed. Every GPU run adds "kv_bytes_read_per_token" (the cache bytes a sequence holds
  * when each of its tokens runs, averaged: what decode reads) and "recall": answer tokens,
- * accuracy and agreement of the turns whose user message starts with "Earlier" (the traces'
- * questions about an earlier tool result).
+ * accuracy, agreement and mean cross-entropy (bits) of the answer tokens of the turns whose user
+ * message starts with "Earlier" (the traces' questions about an earlier tool result).
  *
  * --transfer MODE:B[:LAMBDA] (--device cuda) hands each text over once, as a prefill worker
  * hands its cache to a decode worker (transfer_driver.h): at the end of the first user message
@@ -545,8 +545,10 @@ static void gpu_score_step(const eval *e, gpu_text *texts, const gpu_batch *b, b
         t->score.bits += bits;
         t->score.n_scored++;
         if (t->mask[p + 1]) add_answer(&t->score, top, next, t->ref_argmax[p]);
-        if (t->mask[p + 1] && t->recall[p + 1])
+        if (t->mask[p + 1] && t->recall[p + 1]) {
+            t->recall_score.bits += bits; /* the answer tokens' alone */
             add_answer(&t->recall_score, top, next, t->ref_argmax[p]);
+        }
         if (!e->transferring || p < t->transfer_at) continue;
         t->after.bits += bits;
         t->after.n_scored++;
@@ -769,6 +771,7 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
         add_held(t, &x->stats);
         t->n_texts++;
         t->bytes_read += x->bytes_read;
+        t->recall.bits += x->recall_score.bits;
         t->recall.n_answer += x->recall_score.n_answer;
         t->recall.n_answer_correct += x->recall_score.n_answer_correct;
         t->recall.n_answer_agree += x->recall_score.n_answer_agree;
@@ -836,6 +839,8 @@ static void add_gpu_figures(cJSON *obj, const totals *t) {
                        ratio_or_nan(t->recall.n_answer_correct, t->recall.n_answer));
     add_number_or_null(recall, "answer_agreement",
                        ratio_or_nan(t->recall.n_answer_agree, t->recall.n_answer));
+    add_number_or_null(recall, "answer_bits_per_token",
+                       t->recall.n_answer > 0 ? t->recall.bits / (double)t->recall.n_answer : NAN);
     if (t->transferring) add_transfer_figures(obj, t);
     if (!t->evicting) return;
     const evict_stats *s = &t->eviction;

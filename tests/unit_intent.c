@@ -329,7 +329,12 @@ static void test_evict_budget_and_forced(void) {
     int32_t keep = -1, t;
     CHECK_RESULT(kvmix_evict_policy_resolve(&p, &why), KVMIX_SUCCESS);
     CHECK_EQ_INT(p.observe_tokens, 32);
-    CHECK_EQ_INT(p.pool_tokens, 7);
+    CHECK_EQ_INT(p.pool_tokens, 1); /* pooling is SnapKV's by default */
+    {
+        kvmix_evict_policy snap = evict_policy(KVMIX_EVICT_SNAPKV, 0.25);
+        CHECK_RESULT(kvmix_evict_policy_resolve(&snap, &why), KVMIX_SUCCESS);
+        CHECK_EQ_INT(snap.pool_tokens, 7);
+    }
     CHECK_RESULT(kvmix_evict_budget(&p, 10, &keep), KVMIX_SUCCESS);
     CHECK_EQ_INT(keep, 3); /* ceil(2.5) */
     CHECK_RESULT(kvmix_evict_budget(&p, 0, &keep), KVMIX_SUCCESS);
@@ -441,8 +446,9 @@ static void test_evict_select_random(void) {
               (scores[out[t]] == scores[worst_kept] && out[t] < worst_kept));
 }
 
-/* Scorer shapes: recency (no floor), the recent floor under the other scorers, SnapKV's
-   max-pool before the floor; evicted stay -inf. */
+/* Scorer shapes: recency (no floor), the recent floor under the other scorers, the max-pool
+   before the floor (SnapKV's by default, any attention scorer's when asked; never
+   StreamingLLM's); evicted stay -inf. */
 static void test_evict_shape(void) {
     kvmix_evict_policy p = evict_policy(KVMIX_EVICT_STREAMING, 0.5);
     float s[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2}, scratch[8];
@@ -482,6 +488,17 @@ static void test_evict_shape(void) {
         k[1] = 5;
         CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, scratch), KVMIX_ERR_BAD_VALUE);
         CHECK(k[1] == 5);
+    }
+    for (scorer = KVMIX_EVICT_INTENT; scorer <= KVMIX_EVICT_H2O; scorer++) {
+        float k[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
+        float want[8] = {4, 4, -INFINITY, 0, 9, 9, 9, 2};
+        p.scorer = scorer;
+        p.pool_tokens = 3;
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, scratch), KVMIX_SUCCESS);
+        for (t = 0; t < 8; t++)
+            CHECK(scorer == KVMIX_EVICT_STREAMING ? t == 2 || k[t] == (float)t : k[t] == want[t]);
+        p.pool_tokens = 1;
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, NULL), KVMIX_SUCCESS);
     }
 }
 
