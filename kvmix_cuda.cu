@@ -2573,18 +2573,28 @@ static cudaError_t kvmix__tc_launch_as(dim3 grid, cudaStream_t stream,
     return cudaSuccess;
 }
 
-/* The decode grid in the Hopper-size stages where the device holds them (and small ones were
-   not asked for), else in the small ones; *fits false (nothing launched) where neither fits. */
-template <int D>
-static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p,
-                                    bool small, bool *fits) {
+/* Which stages a decode at head_dim D takes on the current device: the Hopper-size ones where the
+   device's block holds them and small ones were not asked for, else the small ones; *fits false
+   where neither fits. */
+template <int D> static cudaError_t kvmix__tc_choose(bool ask_small, bool *small, bool *fits) {
     int device = 0;
     cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess && !small) e = kvmix__tc_fits<D, false>(device, fits);
-    if (e != cudaSuccess) return e;
-    if (!small && *fits) return kvmix__tc_launch_as<D, false>(grid, stream, p);
-    if ((e = kvmix__tc_fits<D, true>(device, fits)) != cudaSuccess || !*fits) return e;
-    return kvmix__tc_launch_as<D, true>(grid, stream, p);
+    *small = ask_small;
+    if (e == cudaSuccess && !ask_small) e = kvmix__tc_fits<D, false>(device, fits);
+    if (e != cudaSuccess || (!ask_small && *fits)) return e;
+    *small = true;
+    return kvmix__tc_fits<D, true>(device, fits);
+}
+
+/* The decode grid in the stages kvmix__tc_choose gives; nothing launched where none fits. */
+template <int D>
+static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p,
+                                    bool ask_small, bool *fits) {
+    bool small = false;
+    cudaError_t e = kvmix__tc_choose<D>(ask_small, &small, fits);
+    if (e != cudaSuccess || !*fits) return e;
+    return small ? kvmix__tc_launch_as<D, true>(grid, stream, p)
+                 : kvmix__tc_launch_as<D, false>(grid, stream, p);
 }
 
 /* Whether the merge kernel the device runs is the Hopper build (compiled from compute_90, with
@@ -2677,19 +2687,23 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     return e == cudaSuccess ? r : KVMIX_ERR_CUDA;
 }
 
-/* Blocks per SM of the configuration kvmix_cuda_decode launches on this device by default. */
-template <int D> static cudaError_t kvmix__tc_blocks(int *blocks) {
-    int device = 0;
-    bool fits = false;
-    cudaError_t e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = kvmix__tc_fits<D, false>(device, &fits);
-    if (e != cudaSuccess) return e;
-    const auto kernel = fits ? kvmix__tc_decode_kernel<D, false> : kvmix__tc_decode_kernel<D, true>;
-    const int bytes = fits ? kvmix__tc_cfg<D, false>::dyn_bytes : kvmix__tc_cfg<D, true>::dyn_bytes;
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+template <int D, bool SMALL> static cudaError_t kvmix__tc_blocks_as(int *blocks) {
+    constexpr int bytes = kvmix__tc_cfg<D, SMALL>::dyn_bytes;
+    const auto kernel = kvmix__tc_decode_kernel<D, SMALL>;
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     return e == cudaSuccess ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                                   blocks, kernel, kvmix__tc_threads, bytes)
                             : e;
+}
+
+/* Blocks per SM of the configuration kvmix_cuda_decode launches on this device by default;
+   *fits false where none fits. */
+template <int D> static cudaError_t kvmix__tc_blocks(int *blocks, bool *fits) {
+    bool small = false;
+    cudaError_t e = kvmix__tc_choose<D>(false, &small, fits);
+    if (e != cudaSuccess || !*fits) return e;
+    return small ? kvmix__tc_blocks_as<D, true>(blocks) : kvmix__tc_blocks_as<D, false>(blocks);
 }
 
 extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
@@ -2698,10 +2712,12 @@ extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_
     if (q_per_kv <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
     if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
     int blocks = 0;
-    cudaError_t e = head_dim == 64    ? kvmix__tc_blocks<64>(&blocks)
-                    : head_dim == 128 ? kvmix__tc_blocks<128>(&blocks)
-                                      : kvmix__tc_blocks<256>(&blocks);
+    bool fits = false;
+    cudaError_t e = head_dim == 64    ? kvmix__tc_blocks<64>(&blocks, &fits)
+                    : head_dim == 128 ? kvmix__tc_blocks<128>(&blocks, &fits)
+                                      : kvmix__tc_blocks<256>(&blocks, &fits);
     if (e != cudaSuccess) return KVMIX_ERR_CUDA;
+    if (!fits) return KVMIX_ERR_UNSUPPORTED; /* as kvmix_cuda_decode there */
     *out_blocks = blocks;
     return KVMIX_SUCCESS;
 }

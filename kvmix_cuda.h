@@ -161,7 +161,9 @@ kvmix_result kvmix_cuda_decode(const kvmix_view *view, const kvmix_cuda_decode_d
                                size_t workspace_bytes, kvmix_stream stream);
 
 /* Thread blocks of the decode kernel that fit on one multiprocessor of the current device for
-   this head_dim and query group (n_q_heads / n_kv_heads). For tuning and reports. */
+   this head_dim and query group (n_q_heads / n_kv_heads), in the stages kvmix_cuda_decode takes
+   there by default. For tuning and reports. Returns NULL_POINTER, INVALID_ARGUMENT, UNSUPPORTED
+   (head_dim; a device on which kvmix_cuda_decode is UNSUPPORTED at it), CUDA. */
 kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
                                              int32_t *out_blocks);
 

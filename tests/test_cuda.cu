@@ -1366,6 +1366,26 @@ static void test_payload_arguments(void) {
 
 /* ---- bad arguments ----------------------------------------------------------------------- */
 
+/* Occupancy of the decode kernel: a count for every head_dim the launcher takes (UNSUPPORTED only
+   where the device holds no stage size of it, as kvmix_cuda_decode), errors for bad arguments. */
+static void test_decode_blocks_per_sm(void) {
+    for (int d : {64, 128, 256}) {
+        int32_t blocks = -1;
+        const kvmix_result r = kvmix_cuda_decode_blocks_per_sm(d, 4, &blocks);
+        char name[96];
+        snprintf(name, sizeof name, "decode blocks per SM at head_dim %d: %d (r %d)", d, blocks, r);
+        check((r == KVMIX_SUCCESS && blocks >= 1) || (r == KVMIX_ERR_UNSUPPORTED && d == 256),
+              name);
+    }
+    int32_t blocks = 0;
+    check(kvmix_cuda_decode_blocks_per_sm(128, 4, NULL) == KVMIX_ERR_NULL_POINTER,
+          "decode blocks per SM: NULL");
+    check(kvmix_cuda_decode_blocks_per_sm(128, 0, &blocks) == KVMIX_ERR_INVALID_ARGUMENT,
+          "decode blocks per SM: no query heads");
+    check(kvmix_cuda_decode_blocks_per_sm(96, 4, &blocks) == KVMIX_ERR_UNSUPPORTED,
+          "decode blocks per SM: head_dim 96");
+}
+
 static void test_bad_arguments(void) {
     char dummy_storage[256];
     void *dummy = (void *)(((uintptr_t)dummy_storage + 15) & ~(uintptr_t)15);
@@ -1602,6 +1622,7 @@ int main(int argc, char **argv) {
     }
     if (runs("args")) {
         test_bad_arguments();
+        test_decode_blocks_per_sm();
         test_payload_arguments();
     }
     if (runs("quantize")) {
