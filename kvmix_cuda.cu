@@ -689,13 +689,16 @@ template <int D> __device__ __forceinline__ int kvmix__tc_kdim(int c, int j, int
    is instead one copy per block, in the block's own layout. */
 /* The decode kernel's tuned constants, chosen on an H100 (bench/DECODE_NOTES.md): stage bytes and
    blocks per SM at D 64 and 128, and the waves of blocks kvmix_cuda_decode_choose_splits aims for.
-   A stage of 12 KiB at 2 blocks per SM leaves room for 4 warps' double buffers. */
-constexpr int kvmix__tc_stage_bytes = 12288;
+   A stage of 12.5 KiB holds a 128-token page of boosted keys with a quarter of D 128's channels
+   boosted and INT2 values in groups of 32 in one unit (12 KiB took two units: 1.6-1.75x slower,
+   DECODE_NOTES.md v24); at 2 blocks per SM, 4 warps' double buffers and the static part take 219
+   KiB of the SM's 228. */
+constexpr int kvmix__tc_stage_bytes = 12800;
 constexpr int kvmix__tc_blocks_per_sm = 2;
 constexpr int kvmix__split_waves = 1;
 template <int D, bool SMALL = false> struct kvmix__tc_cfg {
     /* a stage holds 16 tokens of every format pair (FP16 keys and values: 64 * D bytes, plus the
-       misalignment of each region); D 256 needs more than 12 KiB for that, and so runs one block
+       misalignment of each region); D 256 needs more than 12.5 KiB for that, and so runs one block
        per SM with 24 KiB stages (bench/DECODE_NOTES.md, v14). SMALL: stages for devices whose
        block holds less shared memory than Hopper's 227 KiB: with the static part, 4 warps'
        double buffers fit the 99 KiB of Ada and consumer Ampere at D 64 and 128 (11 KiB: a

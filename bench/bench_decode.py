@@ -76,9 +76,32 @@ MIXES = {
     "int2/int4 75/25": lambda i: (INT4, INT4) if i % 4 == 3 else (INT2_CHANNEL, INT2),
     "kivi2 (int2 only)": lambda i: (INT2_CHANNEL, INT2),
     "boost k16 + int2": lambda i: (BOOSTED, INT2),
+    "boost k32 + int2": lambda i: (BOOSTED, INT2),
+    "kitty (k25% + int2/head)": lambda i: (BOOSTED, INT2),
     "int8": lambda i: (INT8, INT8),
     "fp16 (kvmix)": lambda i: (FP16, FP16),
 }
+
+
+# Mixes with a geometry of their own, by name prefix: head_dim -> (group of the INT8/INT4/INT2
+# blocks, boosted key channels). Kitty's layout boosts a quarter of the key channels (32 of 128)
+# and keeps INT2 values in one group per head; "boost k32" boosts a quarter with values in groups
+# of 32 (a page of 128 tokens that stages of 12 KiB split in two units). Every other mix: groups
+# of 32, NB boosted channels.
+GEOMETRY = {"kitty": lambda d: (d, d // 4), "boost k32": lambda d: (32, d // 4)}
+
+
+def geometry(mix, d, n_boost):
+    for prefix, of_dim in GEOMETRY.items():
+        if mix.startswith(prefix):
+            return of_dim(d)
+    return 32, n_boost
+
+
+def mix_bytes(mix, i, n, d, n_boost):
+    """Bytes of page i's key and value blocks of one head, each aligned to 16."""
+    group, nb = geometry(mix, d, n_boost)
+    return sum(align16(block_bytes(f, n, d, group, nb if f == BOOSTED else 0)) for f in MIXES[mix](i))
 
 
 class Lib:
@@ -106,6 +129,7 @@ class Arena:
 
     def __init__(self, lib, mix, n_seqs, n_tokens, H, D, P, n_boost, src, stream):
         pages_per_seq = n_tokens // P
+        group, n_boost = geometry(mix, D, n_boost)
         spans = np.zeros(n_seqs * pages_per_seq, SPAN_DTYPE)
         offset = 0
         jobs = {}  # (format) -> list of (src_off, dst_off)
@@ -117,7 +141,7 @@ class Arena:
                 kf, vf = MIXES[mix](i)
                 sp = spans[k]
                 for which, fmt in ((0, kf), (1, vf)):
-                    hb = align16(block_bytes(fmt, P, D, 32, n_boost if fmt == BOOSTED else 0))
+                    hb = align16(block_bytes(fmt, P, D, group, n_boost if fmt == BOOSTED else 0))
                     if which == 0:
                         sp["key_offset"], sp["key_head_bytes"] = offset, hb
                     else:
@@ -138,14 +162,14 @@ class Arena:
             arr["dst_offset"] = [b for _, b in lst]
             arr["first_row"], arr["n_rows"] = 0, P
             dj = torch.from_numpy(arr.view(np.uint8)).cuda()
-            lay = Layout(fmt, P, D, 32 if fmt in (INT8, INT4, INT2) else 0, n_boost if fmt == BOOSTED else 0)
+            lay = Layout(fmt, P, D, group if fmt in (INT8, INT4, INT2) else 0, n_boost if fmt == BOOSTED else 0)
             lib.check(lib.lib.kvmix_cuda_quantize(C.byref(lay), src.data_ptr(), D, self.base.data_ptr(),
                                                   dj.data_ptr(), len(lst), None, stream), "quantize")
         torch.cuda.synchronize()
         self.spans = torch.from_numpy(spans.view(np.uint8)).cuda()
         self.first = torch.arange(0, n_seqs * pages_per_seq + 1, pages_per_seq, dtype=torch.int32, device="cuda")
         self.dead = torch.zeros(16, dtype=torch.uint8, device="cuda")
-        self.view = View(n_seqs, H, D, 32, 0, n_boost, len(spans), 0, self.base.data_ptr(), offset + 16,
+        self.view = View(n_seqs, H, D, group, 0, n_boost, len(spans), 0, self.base.data_ptr(), offset + 16,
                          self.spans.data_ptr(), self.first.data_ptr(), self.dead.data_ptr())
 
 
@@ -188,7 +212,9 @@ def main():
     free, total = torch.cuda.mem_get_info()
     H, HQ, D, P, NB = 8, 32, args.head_dim, 128, 16
     print(f"device: {dev.name}, {n_sms} SMs, L2 {dev.L2_cache_size / 2**20:.0f} MiB, memory {total / 2**30:.1f} GiB, torch {torch.__version__}")
-    print(f"shape: {HQ} q heads, {H} kv heads, head_dim {D}, page {P} tokens, group 32, boost k={NB}; query length 1; bf16 SDPA with enable_gqa")
+    print(f"shape: {HQ} q heads, {H} kv heads, head_dim {D}, page {P} tokens, group 32, boost k={NB} "
+          f"(kitty: group {geometry('kitty', D, NB)[0]}, boost k={geometry('kitty', D, NB)[1]}); query length 1; "
+          "bf16 SDPA with enable_gqa")
     stream = torch.cuda.current_stream().cuda_stream
     torch.manual_seed(0)
 
@@ -262,9 +288,7 @@ def main():
             if args.mixes and not any(mix.startswith(m) for m in args.mixes.split(",")):
                 continue
             # bytes of one set, to size the rotation
-            per_set = sum(
-                sum(H * align16(block_bytes(f, P, D, 32, NB if f == BOOSTED else 0)) for f in MIXES[mix](i))
-                for i in range(T // P)) * B
+            per_set = sum(H * mix_bytes(mix, i, P, D, NB) for i in range(T // P)) * B
             sets = max(1, min(8, math.ceil(400e6 / per_set)))
             if per_set * sets * 1.2 > torch.cuda.mem_get_info()[0]:
                 print(f"{B:>5} {T:>7} {mix:<18} skipped: arena does not fit")
