@@ -971,6 +971,10 @@ typedef enum kvmix_evict_scorer {
                                   queries, max-pooled over pool_tokens neighbours */
 } kvmix_evict_scorer;
 
+/* The widest pool: a neighbourhood, not a window over the history (pooling costs
+   n_positions * pool_tokens). */
+#define KVMIX_EVICT_MAX_POOL 1023
+
 typedef struct kvmix_evict_policy {
     int32_t scorer;         /* a kvmix_evict_scorer */
     int32_t budget_tokens;  /* live positions a sequence keeps at most; 0 = budget_fraction */
@@ -983,7 +987,8 @@ typedef struct kvmix_evict_policy {
     int32_t observe_tokens; /* SNAPKV: queries observed at the prompt's end; 0 = 32 */
     int32_t pool_tokens;    /* max-pool width of the scores of every scorer but STREAMING (a
                                kept position keeps its neighbours: a copied word needs its
-                               bytes), odd; 0 = 7 for SNAPKV, 1 (none) for the others */
+                               bytes), odd, at most KVMIX_EVICT_MAX_POOL; 0 = 7 for SNAPKV, 1
+                               (none) for the others */
 } kvmix_evict_policy;
 
 typedef struct kvmix_policy {
@@ -8417,8 +8422,9 @@ static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_policy_erro
     if (p->prefix_tokens < 0) return kvmix__evict_fail(out_error, "prefix_tokens", "negative");
     if (p->recent_tokens < 0) return kvmix__evict_fail(out_error, "recent_tokens", "negative");
     if (p->observe_tokens < 0) return kvmix__evict_fail(out_error, "observe_tokens", "negative");
-    if (p->pool_tokens < 0 || (p->pool_tokens > 0 && p->pool_tokens % 2 == 0))
-        return kvmix__evict_fail(out_error, "pool_tokens", "not odd");
+    if (p->pool_tokens < 0 || p->pool_tokens > KVMIX_EVICT_MAX_POOL ||
+        (p->pool_tokens > 0 && p->pool_tokens % 2 == 0))
+        return kvmix__evict_fail(out_error, "pool_tokens", "not odd, or past KVMIX_EVICT_MAX_POOL");
     return 1;
 }
 

@@ -355,10 +355,15 @@ static void test_evict_bad_policy(void) {
         int32_t scorer, budget_tokens, pool;
         double fraction, decay;
         const char *field;
-    } bad[] = {{0, 0, 0, 0.5, 0.0, "scorer"},          {6, 0, 0, 0.5, 0.0, "scorer"},
-               {1, -1, 0, 0.5, 0.0, "budget_tokens"},  {1, 0, 0, 0.0, 0.0, "budget_fraction"},
-               {1, 0, 0, 1.5, 0.0, "budget_fraction"}, {1, 0, 0, 0.5, 1.0, "decay"},
-               {1, 0, 0, 0.5, -0.1, "decay"},          {5, 0, 4, 0.5, 0.0, "pool_tokens"}};
+    } bad[] = {{0, 0, 0, 0.5, 0.0, "scorer"},
+               {6, 0, 0, 0.5, 0.0, "scorer"},
+               {1, -1, 0, 0.5, 0.0, "budget_tokens"},
+               {1, 0, 0, 0.0, 0.0, "budget_fraction"},
+               {1, 0, 0, 1.5, 0.0, "budget_fraction"},
+               {1, 0, 0, 0.5, 1.0, "decay"},
+               {1, 0, 0, 0.5, -0.1, "decay"},
+               {5, 0, 4, 0.5, 0.0, "pool_tokens"},
+               {1, 0, KVMIX_EVICT_MAX_POOL + 2, 0.5, 0.0, "pool_tokens"}};
     size_t i;
     for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvmix_evict_policy p = evict_policy(bad[i].scorer, bad[i].fraction), before;
@@ -490,9 +495,14 @@ static void test_evict_shape(void) {
         CHECK(k[1] == 5);
     }
     for (scorer = KVMIX_EVICT_INTENT; scorer <= KVMIX_EVICT_H2O; scorer++) {
-        float k[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
+        float k[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2}, wide[8];
         float want[8] = {4, 4, -INFINITY, 0, 9, 9, 9, 2};
         p.scorer = scorer;
+        p.pool_tokens = KVMIX_EVICT_MAX_POOL; /* the widest: every position takes the max */
+        memcpy(wide, k, sizeof wide);
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, wide, 8, scratch), KVMIX_SUCCESS);
+        for (t = 0; t < 8; t++)
+            CHECK(scorer == KVMIX_EVICT_STREAMING || wide[t] == (t == 2 ? -INFINITY : 9.0f));
         p.pool_tokens = 3;
         CHECK_RESULT(kvmix_evict_shape_scores(&p, k, 8, scratch), KVMIX_SUCCESS);
         for (t = 0; t < 8; t++)
