@@ -98,10 +98,16 @@ def geometry(mix, d, n_boost):
     return 32, n_boost
 
 
+def head_block_bytes(fmt, n, d, group, n_boost):
+    """Bytes one head's block of fmt takes in an arena (aligned to 16); n_boost counts for
+    BOOSTED blocks only."""
+    return align16(block_bytes(fmt, n, d, group, n_boost if fmt == BOOSTED else 0))
+
+
 def mix_bytes(mix, i, n, d, n_boost):
-    """Bytes of page i's key and value blocks of one head, each aligned to 16."""
+    """Bytes of page i's key and value blocks of one head."""
     group, nb = geometry(mix, d, n_boost)
-    return sum(align16(block_bytes(f, n, d, group, nb if f == BOOSTED else 0)) for f in MIXES[mix](i))
+    return sum(head_block_bytes(f, n, d, group, nb) for f in MIXES[mix](i))
 
 
 class Lib:
@@ -141,7 +147,7 @@ class Arena:
                 kf, vf = MIXES[mix](i)
                 sp = spans[k]
                 for which, fmt in ((0, kf), (1, vf)):
-                    hb = align16(block_bytes(fmt, P, D, group, n_boost if fmt == BOOSTED else 0))
+                    hb = head_block_bytes(fmt, P, D, group, n_boost)
                     if which == 0:
                         sp["key_offset"], sp["key_head_bytes"] = offset, hb
                     else:
@@ -367,8 +373,8 @@ def flush_bench(lib, src, H, D, P, NB, stream):
         for kf in (BOOSTED, INT2_CHANNEL, INT4):
             vf = INT2 if kf != INT4 else INT4
             n = B * H
-            dst_k = align16(block_bytes(kf, P, D, 32, NB if kf == BOOSTED else 0))
-            dst_v = align16(block_bytes(vf, P, D, 32, 0))
+            dst_k = head_block_bytes(kf, P, D, 32, NB)
+            dst_v = head_block_bytes(vf, P, D, 32, 0)
             dst = torch.empty(n * (dst_k + dst_v) + 16, dtype=torch.uint8, device="cuda")
             jk = np.zeros(n, JOB_DTYPE)
             jv = np.zeros(n, JOB_DTYPE)
