@@ -2565,12 +2565,19 @@ template <int D, bool SMALL> static cudaError_t kvmix__tc_fits(int device, bool 
     return cudaSuccess;
 }
 
+/* Allows the decode kernel of these stages its dynamic shared memory. Asked before every launch
+   and occupancy query, not once per device: a device reset forgets it. */
+template <int D, bool SMALL> static cudaError_t kvmix__tc_allow_stages() {
+    return cudaFuncSetAttribute(kvmix__tc_decode_kernel<D, SMALL>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kvmix__tc_cfg<D, SMALL>::dyn_bytes);
+}
+
 template <int D, bool SMALL>
 static cudaError_t kvmix__tc_launch_as(dim3 grid, cudaStream_t stream,
                                        const kvmix__decode_params &p) {
     constexpr int bytes = kvmix__tc_cfg<D, SMALL>::dyn_bytes;
-    cudaError_t e = cudaFuncSetAttribute(kvmix__tc_decode_kernel<D, SMALL>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    cudaError_t e = kvmix__tc_allow_stages<D, SMALL>();
     if (e != cudaSuccess) return e;
     kvmix__tc_decode_kernel<D, SMALL><<<grid, kvmix__tc_threads, bytes, stream>>>(p);
     return cudaSuccess;
@@ -2691,12 +2698,10 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
 }
 
 template <int D, bool SMALL> static cudaError_t kvmix__tc_blocks_as(int *blocks) {
-    constexpr int bytes = kvmix__tc_cfg<D, SMALL>::dyn_bytes;
-    const auto kernel = kvmix__tc_decode_kernel<D, SMALL>;
-    cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    cudaError_t e = kvmix__tc_allow_stages<D, SMALL>();
     return e == cudaSuccess ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                  blocks, kernel, kvmix__tc_threads, bytes)
+                                  blocks, kvmix__tc_decode_kernel<D, SMALL>, kvmix__tc_threads,
+                                  kvmix__tc_cfg<D, SMALL>::dyn_bytes)
                             : e;
 }
 

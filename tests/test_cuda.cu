@@ -639,6 +639,11 @@ static void test_decode(bool quick) {
         test_decode_case(d, 2, 8, 5, d / 8, 17, KVMIX_CUDA_FP16, quick);
         test_decode_case(d, 3, 6, 3, d / 4, 64, KVMIX_CUDA_BF16, quick);
     }
+    /* boosted slot counts whose high-bit rows hold an odd number of bytes (12 slots: 3 bytes),
+       and whose last k-step of 32 slots is partly filled (40 at D 128, 68 at D 256) */
+    test_decode_case(128, 2, 4, 5, 12, 2, KVMIX_CUDA_FP16, quick);
+    test_decode_case(128, 2, 4, 5, 40, 1, KVMIX_CUDA_BF16, quick);
+    if (!quick) test_decode_case(256, 2, 4, 4, 68, 3, KVMIX_CUDA_FP16, quick);
     /* group 16: at D 256 a value lane's 32 dims span two groups */
     g_group = 16;
     for (int di = 0; di < 3; di++) {
