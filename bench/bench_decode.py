@@ -86,8 +86,8 @@ MIXES = {
 # Mixes with a geometry of their own, by name prefix: head_dim -> (group of the INT8/INT4/INT2
 # blocks, boosted key channels). Kitty's layout boosts a quarter of the key channels (32 of 128)
 # and keeps INT2 values in one group per head; "boost k32" boosts a quarter with values in groups
-# of 32 (a page of 128 tokens that stages of 12 KiB split in two units). Every other mix: groups
-# of 32, NB boosted channels.
+# of 32 (a page of 128 tokens that just fits a 12.5 KiB stage, and the small stages split in two
+# units). Every other mix: groups of 32, NB boosted channels.
 GEOMETRY = {"kitty": lambda d: (d, d // 4), "boost k32": lambda d: (32, d // 4)}
 
 
