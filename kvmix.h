@@ -8157,6 +8157,7 @@ static kvmix__why kvmix__policy_retier(const kvmix_policy *policy, kvmix_cache *
         } else if (!kvmix__same_precision(aged, p->key_format, p->value_format)) {
             kvmix__retier_page(cache, e[j].page, aged, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL,
                                staging < 0 ? 0 : (uint64_t)staging * cache->desc.granule_bytes);
+            kvmix__view_touch(cache, seq, j); /* its span's formats changed; no one shares it */
         }
     }
     if (staging >= 0) kvmix__arena_give(cache, NULL, staging, staging_n);

@@ -439,6 +439,36 @@ static void test_retier_runs(const kvmix_policy *p, const kvmix_cache_desc *desc
     kvmix_cache_deinit(&cache);
 }
 
+/* Whether the spans a loop kept of seq's layer-0 view, brought up to date from the entry
+   kvmix_cache_view_changes names, equal its view built whole: what a device loop that keeps spans
+   between steps reads. kept: [stride] spans from the last call. */
+static int retier_kept_view_current(kvmix_cache *cache, int32_t seq, kvmix_view_span *kept,
+                                    int32_t *n_kept, int32_t stride) {
+    kvmix_view_span whole[64];
+    static uint8_t dead[64 * 64];
+    int32_t from = 0, n = 0, n_dead = 0, n_whole = 0, j;
+    if (!CHECK_RESULT(kvmix_cache_view_changes(cache, seq, &from), KVMIX_SUCCESS)) return 0;
+    if (from > *n_kept) from = *n_kept;
+    if (!CHECK_RESULT(kvmix_cache_view_seq(cache, seq, 0, from, kept + from, stride - from, dead,
+                                           (int32_t)sizeof dead, 0, &n, &n_dead),
+                      KVMIX_SUCCESS) ||
+        !CHECK_RESULT(kvmix_cache_view_seq(cache, seq, 0, 0, whole, 64, dead, (int32_t)sizeof dead,
+                                           0, &n_whole, &n_dead),
+                      KVMIX_SUCCESS))
+        return 0;
+    *n_kept = from + n;
+    if (*n_kept != n_whole) return 0;
+    for (j = 0; j < n_whole; j++)
+        if (kept[j].key_offset != whole[j].key_offset ||
+            kept[j].value_offset != whole[j].value_offset ||
+            kept[j].key_format != whole[j].key_format ||
+            kept[j].value_format != whole[j].value_format ||
+            kept[j].key_head_bytes != whole[j].key_head_bytes ||
+            kept[j].value_head_bytes != whole[j].value_head_bytes)
+            return 0;
+    return 1;
+}
+
 /* kvmix_policy_retier_turn: each page the sequence alone holds falls to the highest formats its
    positions ask at the new turn, never rises, and holds the bytes kvmix_cache_retier gives;
    sinks and shared pages stay; a buffer page seals to what it asks then; bad input changes
@@ -453,7 +483,8 @@ static void test_retier_turn(void) {
     uint32_t pages[N + 16], twin_pages[N];
     kvmix_cache_precision before[N + 16], after[N + 16], twin_formats[N];
     static float rows[(N + 16) * 256], twin_rows[N * 256], rows_after[(N + 16) * 256];
-    int32_t seq, twin_seq, child, pos, done = -1, changed = 0, q;
+    int32_t seq, twin_seq, child, pos, done = -1, changed = 0, q, n_kept = 0;
+    kvmix_view_span kept[64];
     test_rng rng;
     test_context("kvmix_policy_retier_turn");
     retier_table(&table);
@@ -499,8 +530,11 @@ static void test_retier_turn(void) {
     CHECK(memcmp(before, after, sizeof before[0] * N) == 0 &&
           memcmp(rows, rows_after, sizeof rows[0] * 256 * N) == 0);
 
-    /* the turn ages: turn 1 is the previous one now */
+    /* the turn ages: turn 1 is the previous one now; a loop's kept spans learn of each page that
+       fell (kvmix_cache_view_changes), or it would read new bytes in the old formats */
+    CHECK(retier_kept_view_current(&cache, seq, kept, &n_kept, 64));
     CHECK_RESULT(kvmix_policy_retier_turn(&p, &cache, seq, tags, N, CUR, &done), KVMIX_SUCCESS);
+    CHECK(retier_kept_view_current(&cache, seq, kept, &n_kept, 64));
     retier_snapshot(&cache, seq, N, pages, after, rows_after);
     for (pos = 0; pos < N; pos++) {
         kvmix_cache_precision want = {0, 0}, w;
