@@ -235,8 +235,11 @@ $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TA
 		$(BUILD)/eval_cuda_transfer.o $(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
-$(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda | $(BUILD)
-	$(CC) $(CFLAGS) -I. -Iexamples -Itests -c tests/test_gpu_llama.c -o $(BUILD)/test_gpu_llama.o
+# It runs build/kvmix-eval and build/kvmix-eval-cuda as the CPU and GPU runners' whole-trace oracle.
+$(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda \
+		$(BUILD)/kvmix-eval | $(BUILD)
+	$(CC) $(CFLAGS) -DBUILD_DIR='"$(BUILD)"' -I. -Iexamples -Itests -c tests/test_gpu_llama.c \
+		-o $(BUILD)/test_gpu_llama.o
 	$(NVCC) $(BUILD)/test_gpu_llama.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
 		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)

@@ -137,6 +137,7 @@ struct gpu_llama {
     void *work;
     size_t work_bytes;
     int32_t n_sms, max_smem; /* multiprocessors, dynamic shared memory a block may have */
+    int32_t fixed_splits;    /* gpu_llama_batch_invariant: decode's split count, 0 = by the step */
     int32_t max_rows;        /* rows the activations hold: a step's sequences or a chunk */
     /* activations [max_rows][...] */
     float *x, *xn, *qkv, *att, *ffn, *logits, *h_logits;
@@ -153,6 +154,34 @@ __global__ void embed_kernel(const float *embed, const int32_t *tokens, int32_t 
     const float *row = embed + (size_t)tokens[blockIdx.x] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
         x[(size_t)blockIdx.x * hidden + i] = row[i];
+}
+
+/* y[n][out] = x[n][in] . W[out][in]^T (+ y when accumulate), each output summed over `in` in index
+   order wherever its tile lies: a row's result does not depend on the rows beside it (cuBLAS
+   chooses its kernel, and so its summation order, by the number of rows). Tiles of 32 outputs by
+   32 rows, 32 x 8 threads, each thread 4 rows of one output. */
+__global__ void matmul_ordered_kernel(const float *w, int32_t n_out, int32_t n_in, const float *x,
+                                      int32_t x_stride, int32_t n, float *y, bool accumulate) {
+    __shared__ float ws[32][33], xs[32][33]; /* [output or row][k], padded against bank clashes */
+    const int o0 = blockIdx.x * 32, r0 = blockIdx.y * 32, tx = threadIdx.x, ty = threadIdx.y;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int k0 = 0; k0 < n_in; k0 += 32) {
+        const int k = k0 + tx;
+        for (int j = ty; j < 32; j += 8) {
+            ws[j][tx] = o0 + j < n_out && k < n_in ? w[(size_t)(o0 + j) * n_in + k] : 0.0f;
+            xs[j][tx] = r0 + j < n && k < n_in ? x[(size_t)(r0 + j) * x_stride + k] : 0.0f;
+        }
+        __syncthreads();
+        for (int kk = 0; kk < 32 && k0 + kk < n_in; kk++)
+            for (int j = 0; j < 4; j++) acc[j] = fmaf(xs[ty + 8 * j][kk], ws[tx][kk], acc[j]);
+        __syncthreads();
+    }
+    for (int j = 0; j < 4; j++) {
+        const int r = r0 + ty + 8 * j, o = o0 + tx;
+        if (r >= n || o >= n_out) continue;
+        float *out = y + (size_t)r * n_out + o;
+        *out = accumulate ? *out + acc[j] : acc[j];
+    }
 }
 
 /* One block per row: out = x / sqrt(mean(x^2) + eps) * weight, the sum of squares in double. */
@@ -305,10 +334,16 @@ __global__ void ref_store_kernel(ref_params p) {
     }
 }
 
+/* Dynamic shared memory of attend_one over n tokens: its scores, padded to whole float4s. */
+__host__ __device__ inline size_t attend_scores_bytes(int64_t n) {
+    return (size_t)((n + 3) / 4) * sizeof(float4);
+}
+
 /* One query row of a block against n tokens in fp32, in llama_attend_rows' order of work (scores,
  * max, exp, a double sum, weighted values): key(t) and value(t) point at token t's rows (head_dim
- * floats or halves), visible(t) says whether the query sees it. scores: n floats of dynamic shared
- * memory. */
+ * floats or halves), visible(t) says whether the query sees it. scores: attend_scores_bytes(n) of
+ * dynamic shared memory; the weighted sum reads them as float4s, the padding zero (a zero weight
+ * is skipped), so no read passes the allocation. */
 template <typename Visible, typename Key, typename Value>
 __device__ void attend_one(const float *q, int32_t n, int32_t head_dim, float scale,
                            Visible visible, Key key, Value value, float *scores, float *out) {
@@ -331,8 +366,9 @@ __device__ void attend_one(const float *q, int32_t n, int32_t head_dim, float sc
     }
     best = top[0];
     double sum = 0.0;
-    for (int t = threadIdx.x; t < n; t += blockDim.x) {
-        scores[t] = visible(t) ? expf(scores[t] - best) : 0.0f;
+    const int n4 = (n + 3) / 4 * 4;
+    for (int t = threadIdx.x; t < n4; t += blockDim.x) {
+        scores[t] = t < n && visible(t) ? expf(scores[t] - best) : 0.0f;
         sum += scores[t];
     }
     partial[threadIdx.x] = sum;
@@ -342,18 +378,24 @@ __device__ void attend_one(const float *q, int32_t n, int32_t head_dim, float sc
         __syncthreads();
     }
     float inv_sum = (float)(1.0 / partial[0]);
+    const float4 *weights = reinterpret_cast<const float4 *>(scores);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float acc = 0.0f;
-        for (int t = 0; t < n; t++)
-            if (scores[t] != 0.0f) acc += scores[t] * to_float(value(t)[d]);
+        for (int t = 0; t < n4; t += 4) {
+            const float4 w = weights[t / 4];
+            if (w.x != 0.0f) acc += w.x * to_float(value(t)[d]);
+            if (w.y != 0.0f) acc += w.y * to_float(value(t + 1)[d]);
+            if (w.z != 0.0f) acc += w.z * to_float(value(t + 2)[d]);
+            if (w.w != 0.0f) acc += w.w * to_float(value(t + 3)[d]);
+        }
         out[d] = acc * inv_sum;
     }
 }
 
 /* fp32 attention of one query head over positions 0 .. pos of the fp32 reference cache.
- * Dynamic shared memory: max_tokens floats. */
+ * Dynamic shared memory: attend_scores_bytes(max_tokens). */
 __global__ void ref_attend_kernel(ref_params p) {
-    extern __shared__ float scores[];
+    extern __shared__ __align__(16) float scores[];
     int32_t i = blockIdx.x, hq = blockIdx.y, h = hq / (p.n_q / p.n_kv);
     const float *q =
         p.qkv + (size_t)i * (p.n_q + 2 * p.n_kv) * p.head_dim + (size_t)hq * p.head_dim;
@@ -368,12 +410,12 @@ __global__ void ref_attend_kernel(ref_params p) {
 /* Causal attention of a prefill chunk: query i (position pos0 + i) of head blockIdx.y over the
  * sequence's rows read back from its view (FP16, [n_view][n_kv][D]), view token t seen when
  * 0 <= kpos[t] <= pos0 + i (kpos: its position, -1 for a dead row). Dynamic shared memory:
- * n_view floats. */
+ * attend_scores_bytes(n_view). */
 __global__ void prefill_attend_kernel(const float *qkv, const __half *k, const __half *v,
                                       const int32_t *kpos, int32_t n_view, int32_t pos0,
                                       int32_t n_q, int32_t n_kv, int32_t head_dim, float scale,
                                       float *att) {
-    extern __shared__ float scores[];
+    extern __shared__ __align__(16) float scores[];
     int32_t i = blockIdx.x, hq = blockIdx.y, h = hq / (n_q / n_kv), pos = pos0 + i;
     const float *q = qkv + (size_t)i * (n_q + 2 * n_kv) * head_dim + (size_t)hq * head_dim;
     attend_one(
@@ -457,6 +499,11 @@ llama_result upload_model(gpu_llama *g, const llama_model *m, char *err, size_t 
 llama_result matmul(gpu_llama *g, const float *w, int32_t n_out, int32_t n_in, const float *x,
                     int32_t x_stride, int32_t n, float *y, bool accumulate, char *err,
                     size_t err_bytes) {
+    if (g->fixed_splits > 0) { /* batch-invariant */
+        matmul_ordered_kernel<<<dim3((n_out + 31) / 32, (n + 31) / 32), dim3(32, 8), 0,
+                                g->stream>>>(w, n_out, n_in, x, x_stride, n, y, accumulate);
+        return LLAMA_OK;
+    }
     const float one = 1.0f, zero = 0.0f;
     cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_out, n, n_in, &one, w, n_in,
                                    x, x_stride, accumulate ? &one : &zero, y, n_out);
@@ -486,10 +533,13 @@ kvmix_result cache_desc(const gpu_llama *g, kvmix_cache_desc *d) {
     d->arena_bytes = (size_t)g->max_seqs * pages * ((page_bytes + granule - 1) / granule * granule);
     d->granule_bytes = granule;
     d->device_arena = 1;
-    /* a step's writes and seals, and room for one compaction run (kvmix_cache_compact) */
-    int64_t jobs = (8 * (int64_t)g->max_seqs + 4 * (int64_t)d->page_tokens + 2) *
-                       (int64_t)d->n_layers * d->n_kv_heads +
-                   64;
+    /* a step's writes and seals, and room for one compaction run (kvmix_cache_compact); or, if
+       more, a whole sequence's re-tier at a new turn (kvmix_policy_retier_turn: a gather and a
+       pack per block of every page), which runs on a queue its caller emptied */
+    int64_t blocks = (int64_t)d->n_layers * d->n_kv_heads;
+    int64_t step_jobs = (8 * (int64_t)g->max_seqs + 4 * (int64_t)d->page_tokens + 2) * blocks;
+    int64_t retier_jobs = 4 * blocks * d->max_pages_per_seq;
+    int64_t jobs = (step_jobs > retier_jobs ? step_jobs : retier_jobs) + 64;
     d->max_jobs = (int32_t)(jobs < (1 << 24) ? jobs : (1 << 24));
     return KVMIX_SUCCESS;
 }
@@ -875,6 +925,7 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
     TRY_KVMIX(kvmix_cuda_decode_choose_splits(n, c->n_kv_heads, c->n_heads, c->head_dim, longest,
                                               g->n_sms, &desc.n_splits),
               "split count");
+    if (g->fixed_splits > 0) desc.n_splits = g->fixed_splits;
     if (desc.n_splits > MAX_SPLITS) desc.n_splits = MAX_SPLITS;
     TRY_KVMIX(
         kvmix_cuda_decode(&view, &desc, g->q16, g->o16, NULL, g->work, g->work_bytes, g->stream),
@@ -895,7 +946,7 @@ void attend_fp32(gpu_llama *g, int32_t l, int32_t n) {
     p.n_kv = c->n_kv_heads, p.head_dim = c->head_dim, p.max_tokens = g->max_tokens;
     p.scale = (float)(1.0 / sqrt((double)c->head_dim));
     ref_store_kernel<<<dim3(n, c->n_kv_heads), 128, 0, g->stream>>>(p);
-    ref_attend_kernel<<<dim3(n, c->n_heads), THREADS, (size_t)g->max_tokens * sizeof(float),
+    ref_attend_kernel<<<dim3(n, c->n_heads), THREADS, attend_scores_bytes(g->max_tokens),
                         g->stream>>>(p);
 }
 
@@ -1118,7 +1169,7 @@ static llama_result create_runner(gpu_llama *g, const llama_model *model,
     if (!g->fp32 &&
         kvmix_kv_policy_resolve(policy, g->c.head_dim, &g->policy, why, sizeof why) != LLAMA_OK)
         return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "%s", why);
-    if (g->fp32 && (size_t)max_tokens * sizeof(float) > (size_t)prop.sharedMemPerBlockOptin)
+    if (g->fp32 && attend_scores_bytes(max_tokens) > (size_t)prop.sharedMemPerBlockOptin)
         return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
                           "fp32 attention holds %d scores in shared memory", max_tokens);
     g->next_pos = (int32_t *)calloc((size_t)max_seqs, sizeof(int32_t));
@@ -1136,7 +1187,7 @@ static llama_result create_runner(gpu_llama *g, const llama_model *model,
     if (r == LLAMA_OK && g->fp32)
         TRY_CUDA(cudaFuncSetAttribute(ref_attend_kernel,
                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      max_tokens * (int)sizeof(float)),
+                                      (int)attend_scores_bytes(max_tokens)),
                  "fp32 attention");
     cudaFuncAttributes fa;
     if (r == LLAMA_OK && !g->fp32) { /* the scores take what the block's own arrays leave */
@@ -1147,6 +1198,22 @@ static llama_result create_runner(gpu_llama *g, const llama_model *model,
                  "prefill attention");
     }
     return r;
+}
+
+extern "C" llama_result gpu_llama_batch_invariant(gpu_llama *g, bool on, char *err,
+                                                  size_t err_bytes) {
+    if (!g)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_batch_invariant: NULL");
+    g->fixed_splits = 0;
+    if (!on) return LLAMA_OK;
+    /* the count a lone sequence of the longest length would get: every sequence's spans are cut
+       the same way whatever steps beside it */
+    int32_t splits = 1;
+    TRY_KVMIX(kvmix_cuda_decode_choose_splits(1, g->c.n_kv_heads, g->c.n_heads, g->c.head_dim,
+                                              g->max_tokens, g->n_sms, &splits),
+              "split count");
+    g->fixed_splits = splits < 1 ? 1 : splits > MAX_SPLITS ? MAX_SPLITS : splits;
+    return LLAMA_OK;
 }
 
 extern "C" void gpu_llama_free(gpu_llama *g) {
@@ -1371,7 +1438,7 @@ llama_result upload_chunk_view(gpu_llama *g, int32_t kv, char *err, size_t err_b
     prefill_rows *p = &g->prefill;
     llama_result r = upload_seq_view(g, kv, p->kpos, p->capacity, &p->n_view, err, err_bytes);
     if (r != LLAMA_OK) return r;
-    if ((size_t)p->n_view * sizeof(float) > (size_t)g->max_smem)
+    if (attend_scores_bytes(p->n_view) > (size_t)g->max_smem)
         return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
                           "prefill attends at most %d cached tokens (%d here)",
                           g->max_smem / (int)sizeof(float), p->n_view);
@@ -1403,7 +1470,7 @@ llama_result attend_chunk(gpu_llama *g, int32_t l, int32_t seq, int32_t pos0, in
     TRY_KVMIX(
         kvmix_cuda_view_dequantize(&view, 0, KVMIX_CUDA_FP16, p->k, p->v, p->capacity, g->stream),
         "reading rows back");
-    prefill_attend_kernel<<<dim3(n, c->n_heads), THREADS, (size_t)p->n_view * sizeof(float),
+    prefill_attend_kernel<<<dim3(n, c->n_heads), THREADS, attend_scores_bytes(p->n_view),
                             g->stream>>>(
         g->qkv, (const __half *)p->k, (const __half *)p->v, p->d_kpos, p->n_view, pos0, c->n_heads,
         c->n_kv_heads, c->head_dim, (float)(1.0 / sqrt((double)c->head_dim)), g->att);

@@ -3,7 +3,7 @@
  *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]
  *              [--limit N] [--policy P] [--threads N] [--capture DIR]
  *              [--device cpu|cuda] [--batch N] [--tag-spec S.json --allocation A.json]
- *              [--transfer MODE:B[:LAMBDA]]
+ *              [--transfer MODE:B[:LAMBDA]] [--tops PATH]
  *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
@@ -39,12 +39,17 @@
  * else is written there. Captured keys and values are what the policy's cache received (its
  * quantization affects later layers); --policy fp32 captures the full-precision model.
  *
+ * --tops PATH writes the policy's top-1 prediction at every scored position: one line per
+ * selected text with at least one scored position, in selection order, its ids separated by
+ * spaces; two runs (CPU and GPU, two batch sizes) then compare position by position.
+ *
  * --device cuda (kvmix-eval-cuda, the same program built with the GPU runner, gpu_llama.h; its
  * default) runs the texts on the GPU, up to --batch N (default 256) of them at once in
  * lockstep, one token each per step, sequences joining as others finish; the fp32 reference
  * runs the same way first. The policy's cache is a kvmix cache with a device arena, attention is
- * kvmix_cuda_decode. The JSON is the same, with "device" naming the GPU; --capture is CPU only.
- * Progress (texts done, tokens per second, time left) goes to stderr when it is a terminal.
+ * kvmix_cuda_decode. The runner is batch-invariant (gpu_llama_batch_invariant): --batch changes
+ * how fast, not what, it computes. The JSON is the same, with "device" naming the GPU; --capture
+ * is CPU only. Progress (texts done, tokens per second, time left) goes to stderr when it is a terminal.
  *
  * --tag-spec S.json --allocation A.json store each token by its template tag: the spec
  * (tag_spec_json.h) tags the ids as they run, the allocation (kvmix-calibrate's,
@@ -112,6 +117,7 @@ typedef struct options {
     const char *tag_spec_path;     /* the template's tags: for --allocation, for eviction */
     const char *allocation_path;   /* store tokens by their tags (needs tag_spec_path) */
     const char *transfer;          /* MODE:B[:LAMBDA]: a hand-over per text (GPU) */
+    const char *tops_path;         /* each scored position's top-1, a line per text */
 } options;
 
 enum { SINK_POSITIONS = 4 }; /* a transfer's sinks: the first positions, as eviction's prefix */
@@ -122,7 +128,7 @@ static void usage(FILE *f) {
         "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]\n"
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
         "                  [--device cpu|cuda] [--batch N] [--tag-spec S [--allocation A]]\n"
-        "                  [--transfer MODE:B[:LAMBDA]]\n"
+        "                  [--transfer MODE:B[:LAMBDA]] [--tops PATH]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -148,7 +154,8 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
                  {"--read-capture", &o->read_capture_path},
                  {"--tag-spec", &o->tag_spec_path},
                  {"--allocation", &o->allocation_path},
-                 {"--transfer", &o->transfer}};
+                 {"--transfer", &o->transfer},
+                 {"--tops", &o->tops_path}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
             *flags[i].dest = value;
@@ -164,8 +171,8 @@ static bool parse_options(int argc, char **argv, options *o) {
 #else
     const bool cuda_default = false;
 #endif
-    *o = (options){NULL,  NULL, NULL,         0,   0,    "fp32", 2,   NULL,
-                   false, NULL, cuda_default, 256, NULL, NULL,   NULL};
+    *o = (options){NULL,  NULL, NULL,         0,   0,    "fp32", 2,    NULL,
+                   false, NULL, cuda_default, 256, NULL, NULL,   NULL, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -354,6 +361,8 @@ typedef struct eval {
     int32_t *ids;
     uint8_t *mask;
     int32_t *ref_argmax;
+    int32_t *tops; /* the policy's own top-1 (--tops) */
+    FILE *tops_file;
     bool tagged; /* --tag-spec and --allocation: the policy's cache stores tokens by tag */
     const tag_spec_doc *tag_doc;
     kvmix_tag_precision tag_table;
@@ -388,6 +397,17 @@ static void add_held(totals *t, const llama_kv_stats *s) {
     t->packed_tokens += s->n_packed_tokens;
 }
 
+/* --tops: one text's top-1 at its n scored positions, a line; true without --tops. */
+static bool write_tops(eval *e, const int32_t *tops, int64_t n) {
+    if (e->tops_file == NULL || n < 1) return true;
+    for (int64_t p = 0; p < n; p++) fprintf(e->tops_file, p + 1 < n ? "%d " : "%d\n", (int)tops[p]);
+    if (ferror(e->tops_file)) {
+        snprintf(e->err, sizeof e->err, "--tops %s: cannot write", e->opt->tops_path);
+        return false;
+    }
+    return true;
+}
+
 static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals *t) {
     const llama_model *m = e->model;
     llama_mark_answer_tokens(&m->tokenizer, e->ids, n, e->mask);
@@ -398,11 +418,12 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
     if (e->separate_reference)
         r = llama_score_sequence(&e->runner, &e->reference, e->ids, n, NULL, e->ref_argmax, NULL,
                                  &ignored, e->err, sizeof e->err);
-    int32_t *own_argmax = e->separate_reference ? NULL : e->ref_argmax;
+    int32_t *own_argmax = e->separate_reference ? e->tops : e->ref_argmax;
     if (r == LLAMA_OK)
         r = llama_score_sequence(&e->runner, cache, e->ids, n, e->mask, own_argmax, e->ref_argmax,
                                  &t->score, e->err, sizeof e->err);
     if (r != LLAMA_OK) return r;
+    if (!write_tops(e, own_argmax, n - 1)) return LLAMA_ERR_FORMAT;
     llama_kv_stats stats;
     cache->stats(cache->state, &stats);
     if (stats.bytes > t->kv_bytes_max) t->kv_bytes_max = stats.bytes;
@@ -495,6 +516,7 @@ typedef struct gpu_text {
     int32_t *ids;
     uint8_t *mask;
     int32_t *ref_argmax;
+    int32_t *tops; /* the policy's own top-1 */
     int64_t n;
     llama_score score;
     llama_kv_stats stats;
@@ -541,6 +563,7 @@ static void gpu_score_step(const eval *e, gpu_text *texts, const gpu_batch *b, b
         int32_t p = b->pos[i], next = t->ids[p + 1], top = llama_argmax(row, vocab);
         if (reference || !e->separate_reference) t->ref_argmax[p] = top;
         if (reference) continue;
+        t->tops[p] = top;
         double bits = llama_bits_of(row, vocab, next);
         t->score.bits += bits;
         t->score.n_scored++;
@@ -634,6 +657,7 @@ static void gpu_texts_free(gpu_text *texts, int64_t n) {
         free(texts[i].ids);
         free(texts[i].mask);
         free(texts[i].ref_argmax);
+        free(texts[i].tops);
         free(texts[i].requests);
         free(texts[i].recall);
     }
@@ -661,7 +685,8 @@ static gpu_text *gpu_texts_make(eval *e, const texts *list) {
         t->ids = malloc((size_t)(t->n > 0 ? t->n : 1) * sizeof *t->ids);
         t->mask = malloc((size_t)(t->n > 0 ? t->n : 1));
         t->ref_argmax = malloc((size_t)(t->n > 0 ? t->n : 1) * sizeof *t->ref_argmax);
-        if (t->n < 0 || !t->ids || !t->mask || !t->ref_argmax) {
+        t->tops = malloc((size_t)(t->n > 0 ? t->n : 1) * sizeof *t->tops);
+        if (t->n < 0 || !t->ids || !t->mask || !t->ref_argmax || !t->tops) {
             gpu_texts_free(texts, list->n);
             return NULL;
         }
@@ -710,6 +735,8 @@ static llama_result gpu_run_policy(eval *e, const kvmix_policy *policy, gpu_text
     bool evicting = !reference && policy->evict.scorer != 0;
     llama_result r =
         gpu_llama_create(e->model, policy, capacity, max_tokens, 0, &g, e->err, sizeof e->err);
+    if (r == LLAMA_OK) /* a figure must not depend on --batch */
+        r = gpu_llama_batch_invariant(g, true, e->err, sizeof e->err);
     if (r == LLAMA_OK && !reference && e->tagged)
         r = gpu_llama_tag(g, &e->tag_doc->spec, &e->tag_table, e->err, sizeof e->err);
     if (r == LLAMA_OK && evicting)
@@ -762,6 +789,7 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
     for (int64_t i = 0; r == LLAMA_OK && i < list->n; i++) {
         const gpu_text *x = &texts[i];
         if (x->n < 2) continue;
+        if (!write_tops(e, x->tops, x->n - 1)) r = LLAMA_ERR_FORMAT;
         t->score.bits += x->score.bits;
         t->score.n_scored += x->score.n_scored;
         t->score.n_answer += x->score.n_answer;
@@ -969,12 +997,18 @@ static llama_result eval_init(eval *e, const options *o, const kvmix_policy *p,
     e->ids = malloc((size_t)capacity * sizeof *e->ids);
     e->mask = malloc((size_t)capacity);
     e->ref_argmax = malloc((size_t)capacity * sizeof *e->ref_argmax);
-    if (e->ids == NULL || e->mask == NULL || e->ref_argmax == NULL) {
+    e->tops = malloc((size_t)capacity * sizeof *e->tops);
+    if (e->ids == NULL || e->mask == NULL || e->ref_argmax == NULL || e->tops == NULL) {
         snprintf(e->err, sizeof e->err, "cannot allocate token buffers");
         return LLAMA_ERR_MEMORY;
     }
     llama_result r =
         kvmix_kv_policy_resolve(p, m->config.head_dim, &e->policy, e->err, sizeof e->err);
+    if (r == LLAMA_OK && o->tops_path != NULL &&
+        (e->tops_file = fopen(o->tops_path, "w")) == NULL) {
+        snprintf(e->err, sizeof e->err, "--tops %s: cannot open", o->tops_path);
+        return LLAMA_ERR_ARGUMENT;
+    }
     if (r != LLAMA_OK || o->cuda) return r; /* the GPU runner builds its own caches */
     r = llama_runner_init(&e->runner, m, o->n_threads, e->err, sizeof e->err);
     if (r == LLAMA_OK)
@@ -1019,6 +1053,8 @@ static void eval_free(eval *e) {
     free(e->ids);
     free(e->mask);
     free(e->ref_argmax);
+    free(e->tops);
+    if (e->tops_file != NULL) fclose(e->tops_file);
 }
 
 /* --transfer: the setup, checked against the policy. */
