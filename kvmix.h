@@ -1301,16 +1301,23 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *prob
 /* The JSON form of a spec lives with the tools in examples/ (tag_spec_json.c).                   */
 /*                                                                                               */
 /* Model of a stream: messages are  START header HEADER_END content END . The header holds the    */
-/* role word(s) and, in harmony-like templates, a CHANNEL marker followed by a channel name. The   */
-/* content may hold brackets (reasoning, tool call, tool response: one level) and vision spans.   */
+/* role word(s) and, in harmony-like templates, a CHANNEL marker followed by a channel name, and   */
+/* maybe a RECIPIENT marker followed by the recipient (harmony's " to=" before functions.NAME,    */
+/* after the role word or after the channel name). The content may hold brackets (reasoning,     */
+/* tool call, tool response: one level) and vision spans.                                         */
 /*   - Scaffold: message start/end markers, every header token (role words, the header end such   */
-/*     as ChatML's newline after the role, channel markers and names), bracket and vision marker  */
-/*     tokens, and every token outside a message (e.g. ChatML's newline after <|im_end|>).        */
+/*     as ChatML's newline after the role, channel markers and names, recipients), bracket and    */
+/*     vision marker tokens, and every token outside a message (e.g. ChatML's newline after       */
+/*     <|im_end|>).                                                                               */
 /*   - Message role: the longest role name (spec->roles) that is a prefix of the header gives the */
 /*     role of the content: system/developer -> instruction (tool schemas live there), user,     */
 /*     assistant, tool -> observation. In an assistant message a channel name (longest match      */
 /*     after the channel marker) selects the role instead (harmony: analysis -> reasoning,        */
-/*     commentary -> tool_call, final -> assistant). Channels apply to assistant messages only.    */
+/*     commentary and final -> assistant: commentary without a recipient is a preamble the user   */
+/*     sees), and a recipient marker anywhere in the header makes the message a tool call        */
+/*     (tool_call, whatever the channel: harmony calls functions on commentary and its built-in  */
+/*     tools on analysis). Channels and recipients apply to assistant messages only (a tool's     */
+/*     result names its recipient too: "functions.NAME to=assistant").                           */
 /*   - Brackets override the message role for their content: reasoning, tool_call, observation    */
 /*     (tool response). In an instruction message (system, developer) bracket ids are content:    */
 /*     system prompts name the tags when they explain tool use. Tokens inside vision brackets and  */
@@ -1396,12 +1403,14 @@ typedef struct kvmix_tag_name {
 /* A template spec: plain data, all zero = nothing. message_start, message_end and header_end
    need at least one sequence; every other marker is optional. Content markers (message start and
    end, brackets, vision, image pad) are matched anywhere and must all differ from one another;
-   header_end and channel are matched only inside a header. */
+   header_end, channel and recipient are matched only inside a header and must differ from one
+   another. */
 typedef struct kvmix_tag_spec {
     kvmix_tag_marker message_start; /* ChatML <|im_start|>; harmony <|start|> */
     kvmix_tag_marker message_end;   /* <|im_end|>; <|end|>, <|call|>, <|return|> */
     kvmix_tag_marker header_end;    /* ChatML: the newline after the role; harmony <|message|> */
     kvmix_tag_marker channel;       /* harmony <|channel|>; none in ChatML */
+    kvmix_tag_marker recipient;     /* harmony " to=" (two ids): the message is a tool call */
     kvmix_tag_marker reasoning_open, reasoning_close; /* <think> </think> */
     kvmix_tag_marker tool_call_open, tool_call_close; /* <tool_call> </tool_call> */
     kvmix_tag_marker tool_response_open, tool_response_close;
@@ -1425,6 +1434,7 @@ typedef struct kvmix_tagger {
     int32_t mode;      /* private: outside, content, first content token, header */
     kvmix_tag current; /* private: the tag of a plain token in the current state */
     int32_t msg_role, msg_fallback, msg_user, bracket, vision, channel_role, channel_at;
+    int32_t recipient_at; /* private: header position after a recipient marker, or -1 */
     int32_t n_header;
     int32_t header[KVMIX_TAG_MAX_IDS];      /* first header ids */
     int32_t channel_ids[KVMIX_TAG_MAX_IDS]; /* first ids after the channel marker */
@@ -1435,8 +1445,8 @@ typedef struct kvmix_tagger {
 
 /* Checks a spec: counts and lengths in range, ids >= 0, name roles valid and not SCAFFOLD, the
    required markers present, image pads one id each, content markers distinct from each other
-   and header_end distinct from channel. Returns KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER or
-   KVMIX_ERR_INVALID_ARGUMENT. Thread-safe. */
+   and header markers (header_end, channel, recipient) distinct from each other. Returns
+   KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER or KVMIX_ERR_INVALID_ARGUMENT. Thread-safe. */
 KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec);
 
 /* Initializes a tagger for a new stream: copies the spec (which the caller may then free) and
@@ -7581,14 +7591,20 @@ KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec) {
             }
         }
     }
-    for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
-        if (!kvmix__tag_seq_ok(&spec->header_end.alts[a]) ||
-            !kvmix__tag_seq_ok(&spec->channel.alts[a]))
-            return KVMIX_ERR_INVALID_ARGUMENT;
-        for (a2 = 0; a2 < KVMIX_TAG_MAX_ALTS; a2++)
-            if (spec->header_end.alts[a].n_ids > 0 &&
-                kvmix__tag_seq_equal(&spec->header_end.alts[a], &spec->channel.alts[a2]))
-                return KVMIX_ERR_INVALID_ARGUMENT;
+    for (k = 0; k < 3; k++) { /* the header markers: header_end, channel, recipient */
+        const kvmix_tag_marker *m = k == 0   ? &spec->header_end
+                                    : k == 1 ? &spec->channel
+                                             : &spec->recipient;
+        for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
+            const kvmix_tag_seq *q = &m->alts[a];
+            if (!kvmix__tag_seq_ok(q)) return KVMIX_ERR_INVALID_ARGUMENT;
+            if (q->n_ids == 0) continue;
+            for (k2 = 0; k2 < k; k2++) {
+                const kvmix_tag_marker *m2 = k2 == 0 ? &spec->header_end : &spec->channel;
+                for (a2 = 0; a2 < KVMIX_TAG_MAX_ALTS; a2++)
+                    if (kvmix__tag_seq_equal(q, &m2->alts[a2])) return KVMIX_ERR_INVALID_ARGUMENT;
+            }
+        }
     }
     if (!kvmix__tag_marker_used(&spec->message_start) ||
         !kvmix__tag_marker_used(&spec->message_end) || !kvmix__tag_marker_used(&spec->header_end))
@@ -7665,6 +7681,7 @@ KVMIXDEF kvmix_result kvmix_tagger_reset(kvmix_tagger *tagger) {
     tagger->vision = 0;
     tagger->channel_role = -1;
     tagger->channel_at = -1;
+    tagger->recipient_at = -1;
     tagger->n_header = 0;
     memset(tagger->header, 0, sizeof tagger->header);
     memset(tagger->channel_ids, 0, sizeof tagger->channel_ids);
@@ -7742,7 +7759,7 @@ static int32_t kvmix__tag_name_match(const kvmix_tag_name *names, int32_t n_name
     return best;
 }
 
-/* Ends a header: the message's role from its role word and channel. */
+/* Ends a header: the message's role from its role word, channel and recipient. */
 static void kvmix__tagger_end_header(kvmix_tagger *t, int overflow) {
     int32_t r = kvmix__tag_name_match(t->spec.roles, t->spec.n_roles, t->header, t->n_header);
     t->channel_role = -1;
@@ -7763,6 +7780,8 @@ static void kvmix__tagger_end_header(kvmix_tagger *t, int overflow) {
         else
             t->channel_role = t->spec.channels[c].role;
     }
+    if (t->msg_role == KVMIX_ROLE_ASSISTANT && t->recipient_at >= 0)
+        t->channel_role = KVMIX_ROLE_TOOL_CALL; /* addressed to a tool */
     if (t->msg_fallback) t->n_breaks++;
     t->mode = t->msg_user ? KVMIX__TAG_FIRST : KVMIX__TAG_CONTENT;
     kvmix__tagger_update(t);
@@ -7772,6 +7791,7 @@ static void kvmix__tagger_start_message(kvmix_tagger *t) {
     t->mode = KVMIX__TAG_HEADER;
     t->n_header = 0;
     t->channel_at = -1;
+    t->recipient_at = -1;
     t->channel_role = -1;
     t->bracket = 0;
     t->vision = 0;
@@ -7812,6 +7832,9 @@ static kvmix_tag kvmix__tagger_step(kvmix_tagger *t, const int32_t *ids, int32_t
             else if (kvmix__tag_marker_ends_at(t, ids, i, base, &t->spec.channel, t->n_header,
                                                &len))
                 t->channel_at = t->n_header;
+            else if (kvmix__tag_marker_ends_at(t, ids, i, base, &t->spec.recipient, t->n_header,
+                                               &len))
+                t->recipient_at = t->n_header;
             out.turn = t->turn;
             return out;
         }

@@ -113,13 +113,15 @@ static void build_harmony(kvmix_tag_spec *s, builder *b) {
     set1(&s->message_start, 0, 200006), set1(&s->message_end, 0, 200007);
     set1(&s->message_end, 1, 200012), set1(&s->message_end, 2, 200002);
     set1(&s->header_end, 0, 200008), set1(&s->channel, 0, 200005);
+    s->recipient.alts[0].n_ids = 2, s->recipient.alts[0].ids[0] = 316;
+    s->recipient.alts[0].ids[1] = 28;
     id = 17360, name(s->roles, &s->n_roles, "system", KVMIX_ROLE_INSTRUCTION, &id, 1);
     id = 77944, name(s->roles, &s->n_roles, "developer", KVMIX_ROLE_INSTRUCTION, &id, 1);
     id = 1428, name(s->roles, &s->n_roles, "user", KVMIX_ROLE_USER, &id, 1);
     id = 173781, name(s->roles, &s->n_roles, "assistant", KVMIX_ROLE_ASSISTANT, &id, 1);
     id = 44580, name(s->roles, &s->n_roles, "functions", KVMIX_ROLE_OBSERVATION, &id, 1);
     id = 35644, name(s->channels, &s->n_channels, "analysis", KVMIX_ROLE_REASONING, &id, 1);
-    name(s->channels, &s->n_channels, "commentary", KVMIX_ROLE_TOOL_CALL, commentary, 2);
+    name(s->channels, &s->n_channels, "commentary", KVMIX_ROLE_ASSISTANT, commentary, 2);
     id = 17196, name(s->channels, &s->n_channels, "final", KVMIX_ROLE_ASSISTANT, &id, 1);
     b->content_max = 199000;
     while (b->n < b->cap) {

@@ -14,11 +14,13 @@ tri-axial per-tag formats). Arms are comma-separated; "none" arms ignore the bud
 shares the forced set (the first 4 positions and the request's user message) and the scorer
 settings below, so that arms differ in the scorer alone. Each run's JSON (kvmix-eval's, with the
 arm added) is appended to --out as it ends; arms already in --out are skipped, so an interrupted
-sweep resumes.
+sweep resumes. An arm that fails (or whose output lacks a field) says so on its line and the sweep
+goes on; the exit status is 1 when any did (sweep_common.py).
 """
 import json
 import os
 import subprocess
+import sys
 import tempfile
 
 import sweep_common
@@ -54,30 +56,38 @@ def parse_arm(text):
     return precision, scorer, budget, decay, recent, pool
 
 
+def run_one(a, policies, arm):
+    precision, scorer, budget, decay, recent, pool = parse_arm(arm)
+    if precision == "tri" and not a.allocation:
+        raise sweep_common.ArmFailed("a tri arm needs --allocation")
+    if ("fp16" if precision == "tri" else precision) not in policies:
+        raise sweep_common.ArmFailed(f"no built-in policy {precision}")
+    base = policies["fp16" if precision == "tri" else precision]
+    doc = policy_document(base, scorer, budget, decay, recent, pool)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(doc, f)
+    try:
+        cmd = sweep_common.eval_command(a, f.name)
+        if precision == "tri":
+            cmd += ["--allocation", a.allocation]
+        result = sweep_common.run_arm(a, arm, cmd)
+    finally:
+        os.unlink(f.name)
+    n = lambda path, spec: sweep_common.number(result, path, spec)
+    evicted = n("eviction.evicted_tokens", "") if scorer != "none" else "0"
+    return (f"{arm}: bits/token {n('bits_per_token', '.4f')} "
+            f"agreement {n('answer_agreement', '.4f')} "
+            f"recall agreement {n('recall.answer_agreement', '.4f')} "
+            f"recall bits {n('recall.answer_bits_per_token', '.4f')} "
+            f"evicted {evicted} {n('seconds', '.1f')} s")
+
+
 def main():
     ap = sweep_common.parser()
     ap.add_argument("--allocation")
     a = ap.parse_args()
     policies = builtin_policies(a.eval)
-    for arm in sweep_common.arms_to_run(a):
-        precision, scorer, budget, decay, recent, pool = parse_arm(arm)
-        base = policies["fp16" if precision == "tri" else precision]
-        doc = policy_document(base, scorer, budget, decay, recent, pool)
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(doc, f)
-        cmd = sweep_common.eval_command(a, f.name)
-        if precision == "tri":
-            cmd += ["--allocation", a.allocation]
-        result = sweep_common.run_arm(a, arm, cmd)
-        os.unlink(f.name)
-        if result is None:
-            continue
-        ev = result.get("eviction", {})
-        print(f"{arm}: bits/token {result['bits_per_token']:.4f} "
-              f"agreement {result['answer_agreement']:.4f} "
-              f"recall agreement {result['recall']['answer_agreement']:.4f} "
-              f"recall bits {result['recall']['answer_bits_per_token']:.4f} "
-              f"evicted {ev.get('evicted_tokens', 0)} {result['seconds']:.1f} s", flush=True)
+    sys.exit(sweep_common.sweep(a, lambda arm: run_one(a, policies, arm)))
 
 
 if __name__ == "__main__":

@@ -568,6 +568,8 @@ kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_
         special(&g, &s->message_end, "<|return|>", true);
         special(&g, &s->header_end, "<|message|>", true);
         special(&g, &s->channel, "<|channel|>", true);
+        /* a message to a tool names it after the role or the channel: " to=functions.NAME" */
+        encode_seq(&g, " to=", &s->recipient.alts[0]);
         name(&g, s->roles, &s->n_roles, "system", KVMIX_ROLE_INSTRUCTION);
         name(&g, s->roles, &s->n_roles, "developer", KVMIX_ROLE_INSTRUCTION);
         name(&g, s->roles, &s->n_roles, "user", KVMIX_ROLE_USER);
@@ -577,7 +579,8 @@ kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_
         name(&g, s->roles, &s->n_roles, "browser", KVMIX_ROLE_OBSERVATION);
         name(&g, s->roles, &s->n_roles, "python", KVMIX_ROLE_OBSERVATION);
         name(&g, s->channels, &s->n_channels, "analysis", KVMIX_ROLE_REASONING);
-        name(&g, s->channels, &s->n_channels, "commentary", KVMIX_ROLE_TOOL_CALL);
+        /* commentary without a recipient is a preamble shown to the user */
+        name(&g, s->channels, &s->n_channels, "commentary", KVMIX_ROLE_ASSISTANT);
         name(&g, s->channels, &s->n_channels, "final", KVMIX_ROLE_ASSISTANT);
     } else {
         g.r = tag_spec_fail(err, err_bytes, KVMIX_ERR_INVALID_ARGUMENT,

@@ -50,9 +50,11 @@ int32_t hf_tokenizer_decode(const hf_tokenizer *tok, int32_t id, char *out, size
 /* The template spec of a tokenizer: template "chatml" (<|im_start|> ROLE \n ... <|im_end|>; the
  * header also ends at a "\n\n" token, which content that starts with a newline makes; with
  * <think>, <tool_call>, <tool_response>, vision and image/video pads when the tokenizer has them)
- * or "harmony" (<|start|> ROLE [<|channel|> NAME] <|message|> ... <|end|> / <|call|> /
- * <|return|>), or NULL to choose by the special tokens present. Role and channel names are
- * encoded through the vocabulary (several ids when BPE gives several). A NULL description gives
+ * or "harmony" (<|start|> ROLE [ to=RECIPIENT] [<|channel|> NAME [ to=RECIPIENT]] <|message|>
+ * ... <|end|> / <|call|> / <|return|>; " to=" is the recipient marker: analysis is reasoning,
+ * commentary and final are assistant text, a message to a recipient is a tool call), or NULL to
+ * choose by the special tokens present. Role and channel names and " to=" are encoded through
+ * the vocabulary (several ids when BPE gives several). A NULL description gives
  * "TEMPLATE template; written by kvmix-tagspec from a tokenizer.json". Returns KVMIX_ERR_NOT_FOUND
  * (a required special token is missing), KVMIX_ERR_INVALID_ARGUMENT (unknown template), or a
  * spec check error. */

@@ -33,15 +33,18 @@ typedef struct marker_field {
 
 #define MARKER(f)                                                                                  \
     { #f, offsetof(kvmix_tag_spec, f) }
-static const marker_field MARKERS[] = {MARKER(message_start),      MARKER(message_end),
-                                       MARKER(header_end),         MARKER(channel),
-                                       MARKER(reasoning_open),     MARKER(reasoning_close),
-                                       MARKER(tool_call_open),     MARKER(tool_call_close),
-                                       MARKER(tool_response_open), MARKER(tool_response_close),
-                                       MARKER(vision_open),        MARKER(vision_close),
-                                       MARKER(image_pad)};
+static const marker_field MARKERS[] = {MARKER(message_start),       MARKER(message_end),
+                                       MARKER(header_end),          MARKER(channel),
+                                       MARKER(recipient),           MARKER(reasoning_open),
+                                       MARKER(reasoning_close),     MARKER(tool_call_open),
+                                       MARKER(tool_call_close),     MARKER(tool_response_open),
+                                       MARKER(tool_response_close), MARKER(vision_open),
+                                       MARKER(vision_close),        MARKER(image_pad)};
 #undef MARKER
 enum { N_MARKERS = sizeof MARKERS / sizeof MARKERS[0], N_REQUIRED_MARKERS = 3 };
+/* "recipient" came with version 2: a version 1 document has none, and a document without one is
+   written as version 1, so that readers of version 1 still read it. */
+enum { F_RECIPIENT = 4 };
 
 static kvmix_tag_marker *marker_at(kvmix_tag_spec *s, int i) {
     return (kvmix_tag_marker *)(void *)((char *)s + MARKERS[i].offset);
@@ -177,6 +180,7 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
 static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, size_t err_bytes) {
     enum { F_VERSION = N_MARKERS, F_NAME, F_DESCRIPTION, F_ROLES, F_CHANNELS, N_FIELDS };
     bool seen[N_FIELDS] = {false};
+    int version = 0;
     for (const cJSON *item = root->child; item != NULL; item = item->next) {
         int f = 0;
         const char *key = item->string;
@@ -208,11 +212,12 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
             if (!cJSON_IsNumber(item) || item->valuedouble != (double)(int)item->valuedouble)
                 return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                      "spec field \"version\": must be an integer");
-            if ((int)item->valuedouble != TAG_SPEC_VERSION)
+            version = (int)item->valuedouble;
+            if (version < 1 || version > TAG_SPEC_VERSION)
                 return tag_spec_fail(
                     err, err_bytes, KVMIX_ERR_VERSION,
-                    "spec field \"version\": %d is not supported (this build reads %d)",
-                    (int)item->valuedouble, TAG_SPEC_VERSION);
+                    "spec field \"version\": %d is not supported (this build reads 1 to %d)",
+                    version, TAG_SPEC_VERSION);
         } else if (f == F_NAME) {
             r = take_text(item, key, d->name, sizeof d->name, 1, err, err_bytes);
         } else if (f == F_DESCRIPTION) {
@@ -229,6 +234,10 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
                              "spec field \"version\": required");
     if (!seen[F_NAME])
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED, "spec field \"name\": required");
+    if (seen[F_RECIPIENT] && version < 2)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                             "spec field \"recipient\": needs version 2 (the document says %d)",
+                             version);
     for (int f = 0; f < N_REQUIRED_MARKERS; f++)
         if (!seen[f] || marker_at(&d->spec, f)->alts[0].n_ids == 0)
             return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
@@ -388,7 +397,10 @@ char *tag_spec_json(const tag_spec_doc *doc) {
     t.cap = 4096;
     t.p = (char *)malloc(t.cap);
     if (t.p == NULL) return NULL;
-    put(&t, "{\n  \"version\": %d,\n  \"name\": ", TAG_SPEC_VERSION);
+    bool recipient = false;
+    for (int a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
+        if (doc->spec.recipient.alts[a].n_ids > 0) recipient = true;
+    put(&t, "{\n  \"version\": %d,\n  \"name\": ", recipient ? 2 : 1);
     put_string(&t, doc->name);
     put(&t, ",\n  \"description\": ");
     put_string(&t, doc->description);
@@ -396,6 +408,7 @@ char *tag_spec_json(const tag_spec_doc *doc) {
     for (int f = 0; f < N_MARKERS; f++) {
         const kvmix_tag_marker *m = marker_at_const(&doc->spec, f);
         int first = 1;
+        if (f == F_RECIPIENT && !recipient) continue;
         put(&t, "  \"%s\": [", MARKERS[f].name);
         for (int a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
             if (m->alts[a].n_ids > 0) {

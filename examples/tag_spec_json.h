@@ -1,13 +1,19 @@
 /* tag_spec_json.h - the JSON form of a kvmix template spec (kvmix_tag_spec, kvmix.h "Template
  * tags"), for the tools in examples/: kvmix-tag reads it, kvmix-tagspec writes it.
  *
- * A document is one JSON object, version 1; README.md ("Template tags") has the schema table:
+ * A document is one JSON object, version 1 or 2; README.md ("Template tags") has the schema
+ * table:
  *
  *   {"version": 1, "name": "qwen3", "description": "...",
  *    "message_start": [[151644]], "message_end": [[151645]], "header_end": [[198]],
  *    "channel": [], "reasoning_open": [[151667]], ..., "image_pad": [[151655]],
  *    "roles": [{"name": "system", "role": "instruction", "ids": [8948]}, ...],
  *    "channels": [{"name": "analysis", "role": "reasoning", "ids": [35644]}, ...]}
+ *
+ * Version 2 adds the optional "recipient" marker after "channel" (harmony's " to=": an assistant
+ * message whose header holds it is a tool call); version 1 has no other difference and still
+ * loads. The writer writes version 1 when the spec has no recipient marker, so that a reader of
+ * version 1 reads what it can.
  *
  * Every marker is a list of alternative id sequences. The reader is strict: unknown or repeated
  * fields, wrong types, ids out of range and too many entries are errors whose message names the
@@ -23,7 +29,7 @@
 
 #include "kvmix.h"
 
-#define TAG_SPEC_VERSION 1
+#define TAG_SPEC_VERSION 2 /* the newest version read; 1 still loads */
 
 #if defined(__GNUC__)
 #define TAG_SPEC_PRINTF_LIKE(fmt, args) __attribute__((format(printf, fmt, args)))

@@ -41,7 +41,7 @@ static void random_seq(kvmix_tag_seq *q, int32_t min_len) {
 }
 
 static void random_spec(kvmix_tag_spec *s) {
-    kvmix_tag_marker *markers[13];
+    kvmix_tag_marker *markers[14];
     int m, a, i;
     memset(s, 0, sizeof *s);
     markers[0] = &s->message_start, markers[1] = &s->message_end, markers[2] = &s->header_end;
@@ -49,7 +49,8 @@ static void random_spec(kvmix_tag_spec *s) {
     markers[6] = &s->tool_call_open, markers[7] = &s->tool_call_close;
     markers[8] = &s->tool_response_open, markers[9] = &s->tool_response_close;
     markers[10] = &s->vision_open, markers[11] = &s->vision_close, markers[12] = &s->image_pad;
-    for (m = 0; m < 13; m++) {
+    markers[13] = &s->recipient;
+    for (m = 0; m < 14; m++) {
         int n_alts = (int)(next_random() % 3) + (m < 3);
         for (a = 0; a < n_alts && a < KVMIX_TAG_MAX_ALTS; a++) {
             random_seq(&markers[m]->alts[a], 1);

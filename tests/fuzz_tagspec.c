@@ -51,6 +51,7 @@ enum { MAX_SEEDS = 16 };
 static const char *const WORDS[] = {"\"version\"",
                                     "\"roles\"",
                                     "\"channels\"",
+                                    "\"recipient\"",
                                     "\"image_pad\"",
                                     "\"header_end\"",
                                     "[[1]]",
@@ -127,12 +128,14 @@ int main(int argc, char **argv) {
     set1(&d.spec.message_start, 0, 200006), set1(&d.spec.message_end, 0, 200007);
     set1(&d.spec.message_end, 1, 200012), set1(&d.spec.message_end, 2, 200002);
     set1(&d.spec.header_end, 0, 200008), set1(&d.spec.channel, 0, 200005);
+    d.spec.recipient.alts[0].n_ids = 2;
+    d.spec.recipient.alts[0].ids[0] = 316, d.spec.recipient.alts[0].ids[1] = 28;
     name(d.spec.roles, &d.spec.n_roles, "system", KVMIX_ROLE_INSTRUCTION, 17360, -1);
     name(d.spec.roles, &d.spec.n_roles, "user", KVMIX_ROLE_USER, 1428, -1);
     name(d.spec.roles, &d.spec.n_roles, "assistant", KVMIX_ROLE_ASSISTANT, 173781, -1);
     name(d.spec.roles, &d.spec.n_roles, "functions", KVMIX_ROLE_OBSERVATION, 44580, -1);
     name(d.spec.channels, &d.spec.n_channels, "analysis", KVMIX_ROLE_REASONING, 35644, -1);
-    name(d.spec.channels, &d.spec.n_channels, "commentary", KVMIX_ROLE_TOOL_CALL, 12606, 815);
+    name(d.spec.channels, &d.spec.n_channels, "commentary", KVMIX_ROLE_ASSISTANT, 12606, 815);
     name(d.spec.channels, &d.spec.n_channels, "final", KVMIX_ROLE_ASSISTANT, 17196, -1);
     add_seed(seeds, &n_seeds, &d);
     return fuzz_seed_main(argc, argv, seeds, n_seeds, MAX_SEEDS, 0x7a6b5c4d3e2f1a0bu, mutate);

@@ -5,13 +5,15 @@
  *     bracket contents get their roles outside system prompts, every marker is scaffold, the turn
  *     count is the number of user messages that are not tool results, runs agree with one id at a
  *     time.
+ *   - Spec document versions: a version 1 document still loads, "recipient" needs version 2.
  *   - The tools: build/kvmix-tag on a line of ids (JSON out), build/kvmix-tagspec on the real
  *     tokenizers (its output equals the shipped spec files).
  *   - The two real templates of SHARED/tokenizers (Qwen3 ChatML, gpt-oss harmony): the spec that
  *     kvmix-tagspec's generator writes from tokenizer.json + tokenizer_config.json equals the
  *     shipped examples/specs file byte for byte; a conversation with a system prompt and tool
- *     schemas, user turns, reasoning, tool calls, tool results and (Qwen3) an image, encoded with
- *     the tokenizer's own vocabulary and merges, gets the expected tag on every token.
+ *     schemas, user turns, reasoning, tool calls, tool results, (gpt-oss) a preamble on the
+ *     commentary channel and both places of a recipient, and (Qwen3) an image, encoded with the
+ *     tokenizer's own vocabulary and merges, gets the expected tag on every token.
  * Usage: test_tags SHARED_DIR (run from the repository root; SPECS_DIR, default examples/specs).
  * A missing tokenizers folder is one skip line. Prints "N passed, N failed". */
 #define _POSIX_C_SOURCE 200809L
@@ -220,6 +222,10 @@ static const segment GPT_OSS[] = {
     S("What is the weather like in Tokyo?", KVMIX_ROLE_USER, 1),
     S("<|end|><|start|>assistant<|channel|>analysis<|message|>", SCF, 1),
     S("The user asks for the weather in Tokyo. Call get_weather.", KVMIX_ROLE_REASONING, 1),
+    /* commentary without a recipient: a preamble shown to the user */
+    S("<|end|><|start|>assistant<|channel|>commentary<|message|>", SCF, 1),
+    S("I'll look that up.", KVMIX_ROLE_ASSISTANT, 1),
+    /* the recipient after the channel name */
     S("<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
       "<|constrain|>json<|message|>",
       SCF, 1),
@@ -231,9 +237,13 @@ static const segment GPT_OSS[] = {
     S("It is 20 degrees and cloudy in Tokyo.", KVMIX_ROLE_ASSISTANT, 1),
     S("<|return|><|start|>user<|message|>", SCF, 1),
     S("Thanks!", KVMIX_ROLE_USER, 2),
+    /* the recipient after the role */
     S("<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>",
       SCF, 2),
     S("{\"location\":\"Kyoto\"}", KVMIX_ROLE_TOOL_CALL, 2),
+    /* a built-in tool, called on the analysis channel */
+    S("<|call|><|start|>assistant<|channel|>analysis to=browser.search code<|message|>", SCF, 2),
+    S("{\"query\":\"Kyoto weather\"}", KVMIX_ROLE_TOOL_CALL, 2),
     S("<|call|>", SCF, 2),
 };
 
@@ -319,6 +329,49 @@ static void test_tokenizer(const char *shared, const char *dir, const char *spec
     hf_tokenizer_free(tok);
 }
 
+/* ---- document versions ----------------------------------------------------------------------- */
+/* A version 1 document (gpt-oss.json as it was: no recipient marker, commentary a tool call)
+   still loads and writes back as version 1; "recipient" needs version 2; version 3 is refused. */
+static void test_versions(void) {
+    static const char *const V1 =
+        "{\"version\": 1, \"name\": \"h\", \"message_start\": [[200006]], \"message_end\": "
+        "[[200007], [200012]], \"header_end\": [[200008]], \"channel\": [[200005]], "
+        "\"roles\": [{\"name\": \"assistant\", \"role\": \"assistant\", \"ids\": [173781]}], "
+        "\"channels\": [{\"name\": \"commentary\", \"role\": \"tool_call\", \"ids\": [12606, "
+        "815]}]}";
+    char doc[1024], err[256];
+    tag_spec_doc d, back;
+    CHECK(tag_spec_parse(V1, strlen(V1), &d, err, sizeof err) == KVMIX_SUCCESS);
+    CHECK(d.spec.recipient.alts[0].n_ids == 0 && d.spec.channels[0].role == KVMIX_ROLE_TOOL_CALL);
+    char *text = tag_spec_json(&d);
+    CHECK_MSG(text != NULL && strstr(text, "\"version\": 1,") != NULL &&
+                  strstr(text, "recipient") == NULL,
+              "a spec without a recipient marker writes as version 1");
+    free(text);
+    /* version 2 with a recipient marker: written and read back */
+    snprintf(doc, sizeof doc, "%.*s, \"recipient\": [[316, 28]]}", (int)strlen(V1) - 1, V1);
+    doc[12] = '2';
+    CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_SUCCESS);
+    CHECK(d.spec.recipient.alts[0].n_ids == 2 && d.spec.recipient.alts[0].ids[1] == 28);
+    text = tag_spec_json(&d);
+    CHECK_MSG(text != NULL && strstr(text, "\"version\": 2,") != NULL &&
+                  strstr(text, "\"channel\": [[200005]],\n  \"recipient\": [[316, 28]],\n") != NULL,
+              "a spec with a recipient marker writes as version 2, the marker after channel");
+    CHECK(text != NULL &&
+          tag_spec_parse(text, strlen(text), &back, err, sizeof err) == KVMIX_SUCCESS &&
+          tag_spec_equal(&d, &back));
+    free(text);
+    doc[12] = '1';
+    CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_ERR_MALFORMED &&
+          strstr(err, "\"recipient\": needs version 2") != NULL);
+    doc[12] = '3';
+    CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_ERR_VERSION);
+    /* the recipient marker must differ from the header end and the channel marker */
+    snprintf(doc, sizeof doc, "%.*s, \"recipient\": [[200005]]}", (int)strlen(V1) - 1, V1);
+    doc[12] = '2';
+    CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_ERR_INVALID_ARGUMENT);
+}
+
 /* ---- the command-line tools ---------------------------------------------------------------- */
 /* The stdout of a command that succeeds, or NULL. */
 static char *run_capture(const char *cmd) {
@@ -387,6 +440,7 @@ int main(int argc, char **argv) {
     const char *shared = argc > 1 ? argv[1] : "../shared";
     char path[1024];
     test_byte_traces(shared);
+    test_versions();
     snprintf(path, sizeof path, "%s/tokenizers/Qwen3/tokenizer.json.gz", shared);
     FILE *f = fopen(path, "rb");
     bool have_tokenizers = f != NULL;

@@ -1,7 +1,8 @@
 /* unit_tags: template specs and the streaming tagger on hand-built streams of three templates
    (the reference models' byte-level ChatML, Qwen3's ChatML ids, gpt-oss's harmony ids with a
-   channel name of two tokens): system prompts with tool schemas, user turns, reasoning, tool calls
-   and responses, images, turn aging, run feeding against one id at a time, broken streams. */
+   channel name of two tokens and a recipient marker): system prompts with tool schemas, user
+   turns, reasoning, tool calls and responses, harmony preambles and recipients, images, turn
+   aging, run feeding against one id at a time, broken streams. */
 #include "harness.h"
 
 #include <stdio.h>
@@ -172,18 +173,23 @@ enum {
     H_FUNCTIONS = 44580,
     H_ANALYSIS = 35644,
     H_FINAL = 17196,
+    H_BROWSER = 46071,
+    H_SEARCH = 16718,
+    H_CODE = 3490,
+    H_SPACE = 220,
     H_COMMENT = 12606,
     H_ARY = 815,
     H_TO = 316,
     H_EQ = 28,
     H_GET = 775,
     H_WEATHER = 170154,
-    H_JSON = 5701,
+    H_JSON = 5701, /* " json" */
     H_CONTENT_MAX = 199000
 };
 
+/* As examples/specs/gpt-oss.json: " to=" is the recipient marker, commentary is assistant text. */
 static void spec_harmony(kvmix_tag_spec *s) {
-    int32_t id, commentary[2] = {H_COMMENT, H_ARY};
+    int32_t id, commentary[2] = {H_COMMENT, H_ARY}, to[2] = {H_TO, H_EQ};
     memset(s, 0, sizeof *s);
     set1(&s->message_start, 0, H_START);
     set1(&s->message_end, 0, H_END);
@@ -191,13 +197,14 @@ static void spec_harmony(kvmix_tag_spec *s) {
     set1(&s->message_end, 2, H_RETURN);
     set1(&s->header_end, 0, H_MESSAGE);
     set1(&s->channel, 0, H_CHANNEL);
+    set_seq(&s->recipient.alts[0], to, 2);
     id = H_SYSTEM, add_name(s->roles, &s->n_roles, "system", INS, &id, 1);
     id = H_DEVELOPER, add_name(s->roles, &s->n_roles, "developer", INS, &id, 1);
     id = H_USER, add_name(s->roles, &s->n_roles, "user", USR, &id, 1);
     id = H_ASSISTANT, add_name(s->roles, &s->n_roles, "assistant", AST, &id, 1);
     id = H_FUNCTIONS, add_name(s->roles, &s->n_roles, "functions", OBS, &id, 1);
     id = H_ANALYSIS, add_name(s->channels, &s->n_channels, "analysis", RSN, &id, 1);
-    add_name(s->channels, &s->n_channels, "commentary", CALL, commentary, 2);
+    add_name(s->channels, &s->n_channels, "commentary", AST, commentary, 2);
     id = H_FINAL, add_name(s->channels, &s->n_channels, "final", AST, &id, 1);
 }
 
@@ -544,6 +551,82 @@ static void test_harmony_channels(void) {
     check_stream(&spec, &s, "harmony channels");
 }
 
+/* harmony recipients: a message to a tool (" to=" after the role or after the channel name) is a
+   tool call on any channel; without one, commentary is assistant text (a preamble), analysis
+   reasoning, final assistant; a tool's result names its recipient too and stays observation. */
+static void test_harmony_recipients(void) {
+    static stream s;
+    kvmix_tag_spec spec;
+    static const int32_t user[] = {H_USER}, analysis[] = {H_ASSISTANT, H_CHANNEL, H_ANALYSIS};
+    static const int32_t preamble[] = {H_ASSISTANT, H_CHANNEL, H_COMMENT, H_ARY};
+    static const int32_t final[] = {H_ASSISTANT, H_CHANNEL, H_FINAL};
+    /* <|channel|>commentary to=functions.get_weather <|constrain|>json */
+    static const int32_t after_channel[] = {H_ASSISTANT, H_CHANNEL, H_COMMENT,   H_ARY,
+                                            H_TO,        H_EQ,      H_FUNCTIONS, H_GET,
+                                            H_WEATHER,   H_SPACE,   H_CONSTRAIN, H_JSON};
+    /* assistant to=functions.get_weather<|channel|>commentary json */
+    static const int32_t after_role[] = {H_ASSISTANT, H_TO,      H_EQ,      H_FUNCTIONS, H_GET,
+                                         H_WEATHER,   H_CHANNEL, H_COMMENT, H_ARY,       H_JSON};
+    /* a built-in tool on analysis: <|channel|>analysis to=browser.search code */
+    static const int32_t builtin[] = {H_ASSISTANT, H_CHANNEL, H_ANALYSIS, H_TO,
+                                      H_EQ,        H_BROWSER, H_SEARCH,   H_CODE};
+    /* a tool's result: functions.get_weather to=assistant<|channel|>commentary */
+    static const int32_t result[] = {H_FUNCTIONS, H_GET,     H_WEATHER, H_TO, H_EQ,
+                                     H_ASSISTANT, H_CHANNEL, H_COMMENT, H_ARY};
+    spec_harmony(&spec);
+    memset(&s, 0, sizeof s);
+    test_rng_init(&s.rng, "tags harmony recipients");
+    harmony_head(&s, user, 1);
+    s.turn = 1;
+    put_random(&s, 10, 0, H_CONTENT_MAX, USR, 0);
+    put1(&s, H_END, SCF);
+    harmony_head(&s, analysis, 3);
+    put_random(&s, 10, 0, H_CONTENT_MAX, RSN, 0);
+    put1(&s, H_END, SCF);
+    harmony_head(&s, preamble, 4);
+    put_random(&s, 10, 0, H_CONTENT_MAX, AST, 0);
+    put1(&s, H_END, SCF);
+    harmony_head(&s, after_channel, (int32_t)(sizeof after_channel / sizeof after_channel[0]));
+    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
+    put1(&s, H_CALL, SCF);
+    harmony_head(&s, result, (int32_t)(sizeof result / sizeof result[0]));
+    put_random(&s, 10, 0, H_CONTENT_MAX, OBS, 0);
+    put1(&s, H_END, SCF);
+    harmony_head(&s, preamble, 4); /* the recipient does not carry over to the next message */
+    put_random(&s, 10, 0, H_CONTENT_MAX, AST, 0);
+    put1(&s, H_END, SCF);
+    harmony_head(&s, after_role, (int32_t)(sizeof after_role / sizeof after_role[0]));
+    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
+    put1(&s, H_CALL, SCF);
+    harmony_head(&s, builtin, (int32_t)(sizeof builtin / sizeof builtin[0]));
+    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
+    put1(&s, H_CALL, SCF);
+    harmony_head(&s, analysis, 3);
+    put_random(&s, 10, 0, H_CONTENT_MAX, RSN, 0);
+    put1(&s, H_END, SCF);
+    harmony_head(&s, final, 3);
+    put_random(&s, 10, 0, H_CONTENT_MAX, AST, 0);
+    put1(&s, H_RETURN, SCF);
+    check_stream(&spec, &s, "harmony recipients");
+
+    /* a spec without a recipient marker (version 1 gpt-oss.json: commentary is tool_call) tags
+       by the channel alone, as before */
+    memset(&spec.recipient, 0, sizeof spec.recipient);
+    spec.channels[1].role = CALL;
+    memset(&s, 0, sizeof s);
+    test_rng_init(&s.rng, "tags harmony without recipients");
+    harmony_head(&s, preamble, 4);
+    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
+    put1(&s, H_END, SCF);
+    harmony_head(&s, after_role, (int32_t)(sizeof after_role / sizeof after_role[0]));
+    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
+    put1(&s, H_CALL, SCF);
+    harmony_head(&s, builtin, (int32_t)(sizeof builtin / sizeof builtin[0]));
+    put_random(&s, 10, 0, H_CONTENT_MAX, RSN, 0);
+    put1(&s, H_CALL, SCF);
+    check_stream(&spec, &s, "harmony without recipients");
+}
+
 /* A spec whose markers are several ids long: the marker takes effect at its last id. */
 static void test_multi_id_markers(void) {
     static stream s;
@@ -578,7 +661,7 @@ static void test_errors(void) {
     CHECK_RESULT(kvmix_tag_spec_check(&spec), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_tagger_init(NULL, &spec), KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_tagger_init(&t, NULL), KVMIX_ERR_NULL_POINTER);
-    for (i = 0; i < 10; i++) {
+    for (i = 0; i < 12; i++) {
         bad = spec;
         switch (i) {
         case 0: memset(&bad.message_start, 0, sizeof bad.message_start); break;
@@ -590,6 +673,11 @@ static void test_errors(void) {
         case 6: bad.reasoning_open.alts[0].ids[0] = -3; break;
         case 7: bad.channel.alts[0] = bad.header_end.alts[0]; break;
         case 8: bad.roles[1].seq.n_ids = 0; break;
+        case 10: bad.recipient.alts[2] = bad.header_end.alts[0]; break;
+        case 11:
+            set1(&bad.channel, 0, 300);
+            set1(&bad.recipient, 1, 300);
+            break;
         default: bad.tool_call_open.alts[3].n_ids = KVMIX_TAG_MAX_IDS + 1; break;
         }
         CHECK_RESULT(kvmix_tag_spec_check(&bad), KVMIX_ERR_INVALID_ARGUMENT);
@@ -629,6 +717,7 @@ void unit_tags(void) {
     test_qwen3();
     test_harmony();
     test_harmony_channels();
+    test_harmony_recipients();
     test_buckets();
     test_broken();
     test_multi_id_markers();
