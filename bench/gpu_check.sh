@@ -43,14 +43,13 @@ summary_of() {
     grep -E "passed|ERROR SUMMARY|RACECHECK SUMMARY|verdicts" "$OUT/$1.log" | tail -1 | cut -c1-90
 }
 
-sanitize() { # sanitize TOOL NAME LIMIT PROGRAM ARGS...
+sanitize() { # sanitize TOOL NAME LIMIT PROGRAM ARGS...  ($SANITIZER_ARGS: more options)
     local tool=$1 name=$2 limit=$3
     shift 3
     local extra=""
     [ "$tool" = racecheck ] && extra="--racecheck-report all"
-    # the tool's automatic barrier count overflows on the decode kernel's mbarriers
-    [ "$tool" = synccheck ] && extra="--num-cuda-barriers 4096"
-    stage "$name" "$limit" compute-sanitizer --tool "$tool" $extra --error-exitcode 1 "$@"
+    stage "$name" "$limit" compute-sanitizer --tool "$tool" $extra ${SANITIZER_ARGS:-} \
+        --error-exitcode 1 "$@"
 }
 
 {
@@ -72,7 +71,11 @@ stage test_cuda_portable 150 env CUDA_FORCE_PTX_JIT=1 build/test_cuda
 stage test_gpu_llama 200 build/test_gpu_llama "$SHARED"
 for tool in memcheck racecheck initcheck; do
     sanitize $tool "cuda_$tool" 120 build/test_cuda --quick
+    # racecheck follows the runner's own kernels: the pack's (kvmix__*) are test_cuda's above,
+    # and tracking the decode kernel's shared memory through the runner's steps takes minutes
+    [ $tool = racecheck ] && SANITIZER_ARGS="--kernel-name-exclude kns=kvmix__"
     sanitize $tool "llama_$tool" 120 build/test_gpu_llama --quick "$SHARED"
+    SANITIZER_ARGS=""
 done
 
 LEFT=$((570 - ($(date +%s) - START)))
