@@ -54,9 +54,10 @@
  * turn begins the pages whose tokens now ask for less are re-tiered down to it
  * (kvmix_policy_retier_turn).
  *
- * A policy with "evict" (README.md, "Policies"; --device cuda, with --tag-spec, whose tags find
- * each user turn's message) evicts once per request, each user turn being a request of the
- * text's session, when its prompt has run (evict_driver.h). The JSON then adds "eviction":
+ * A policy with "evict" (README.md, "Policies"; with --tag-spec, whose tags find each user turn's
+ * message) evicts once per request, each user turn being a request of the text's session, when
+ * its prompt has run (evict_driver.h: the same driver on the CPU, over the kvmix-backed cache's
+ * recording, kvmix_kv_observe, and on the GPU, over gpu_llama's). The JSON then adds "eviction":
  * evictions, evicted tokens, the mean over texts of the most live tokens a text had, bytes the
  * evictions freed. Every GPU run adds "kv_bytes_read_per_token" (the cache bytes a sequence holds
  * when each of its tokens runs, averaged: what decode reads) and "recall": answer tokens,
@@ -79,8 +80,8 @@
 #include "tag_allocation.h"
 #include "tag_spec_json.h"
 
-#include "evict_driver.h"    /* its stats type; its functions are the GPU build's */
-#include "transfer_driver.h" /* likewise */
+#include "evict_driver.h"
+#include "transfer_driver.h" /* its stats type; its functions are the GPU build's */
 #ifdef KVMIX_EVAL_CUDA
 #include "gpu_llama.h"
 #endif
@@ -361,6 +362,9 @@ typedef struct eval {
     bool transferring;     /* --transfer */
     transfer_setup transfer;
     transfer_stats transfer_stats;
+    evict_driver *evict;     /* the CPU runner's, when the policy evicts */
+    evict_seq evict_seq;     /* the text running */
+    evict_request *requests; /* [context + 1]: its user turns' messages */
     char err[ERR_BYTES];
 } eval;
 
@@ -388,8 +392,26 @@ static void add_held(totals *t, const llama_kv_stats *s) {
     t->packed_tokens += s->n_packed_tokens;
 }
 
+/* Before each token of an evicting text: the driver over the policy's cache (not a capture's
+   wrapper: the kvmix cache itself records). */
+static llama_result evict_step(void *user, int64_t pos, char *err, size_t err_bytes) {
+    eval *e = user;
+    evict_backend b = evict_backend_cpu(&e->cache);
+    return evict_before_step(e->evict, &e->evict_seq, &b, (int32_t)pos, err, err_bytes);
+}
+
+/* An evicting text starts: its requests found by the tags. */
+static llama_result evict_text_start(eval *e, int64_t n) {
+    int32_t n_requests = 0;
+    llama_result r = evict_plan(&e->tag_doc->spec, e->ids, n, e->requests, (int32_t)n, &n_requests,
+                                e->err, sizeof e->err);
+    if (r == LLAMA_OK) evict_seq_start(e->evict, &e->evict_seq, e->ids, e->requests, n_requests);
+    return r;
+}
+
 static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals *t) {
     const llama_model *m = e->model;
+    llama_step_hook hook = {evict_step, e};
     llama_mark_answer_tokens(&m->tokenizer, e->ids, n, e->mask);
     llama_score ignored = {0};
     llama_result r = LLAMA_OK;
@@ -399,10 +421,16 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
         r = llama_score_sequence(&e->runner, &e->reference, e->ids, n, NULL, e->ref_argmax, NULL,
                                  &ignored, e->err, sizeof e->err);
     int32_t *own_argmax = e->separate_reference ? NULL : e->ref_argmax;
+    if (r == LLAMA_OK && e->evict) r = evict_text_start(e, n);
     if (r == LLAMA_OK)
-        r = llama_score_sequence(&e->runner, cache, e->ids, n, e->mask, own_argmax, e->ref_argmax,
-                                 &t->score, e->err, sizeof e->err);
+        r = llama_score_sequence_hooked(&e->runner, cache, e->ids, n, e->mask, own_argmax,
+                                        e->ref_argmax, e->evict ? &hook : NULL, &t->score, e->err,
+                                        sizeof e->err);
     if (r != LLAMA_OK) return r;
+    if (e->evict) {
+        evict_backend b = evict_backend_cpu(&e->cache);
+        evict_seq_end(e->evict, &e->evict_seq, &b);
+    }
     llama_kv_stats stats;
     cache->stats(cache->state, &stats);
     if (stats.bytes > t->kv_bytes_max) t->kv_bytes_max = stats.bytes;
@@ -596,9 +624,10 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             const gpu_text *t = &texts[b->text[i]];
             if (llama_is_message_start(tok, t->ids, t->n, b->pos[i], "user"))
                 r = gpu_llama_begin_request(g, b->seq[i], e->err, sizeof e->err);
-            if (r == LLAMA_OK && ev)
-                r = evict_before_step(ev, &b->ev[i], g, b->seq[i], b->pos[i], e->err,
-                                      sizeof e->err);
+            if (r == LLAMA_OK && ev) {
+                evict_backend be = evict_backend_gpu(g, b->seq[i]);
+                r = evict_before_step(ev, &b->ev[i], &be, b->pos[i], e->err, sizeof e->err);
+            }
             if (r == LLAMA_OK && !reference && e->transferring && b->pos[i] == t->transfer_at)
                 r = hand_over(e, g, b, i);
             b->tokens[i] = t->ids[b->pos[i]];
@@ -619,7 +648,10 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             }
             t->stats = held;
             t->stats.assigned_bits = gpu_llama_seq_assigned_bits(g, b->seq[i], &e->tag_prices);
-            if (ev) evict_seq_end(ev, &b->ev[i], g, b->seq[i]);
+            if (ev) {
+                evict_backend be = evict_backend_gpu(g, b->seq[i]);
+                evict_seq_end(ev, &b->ev[i], &be);
+            }
             gpu_llama_seq_end(g, b->seq[i]);
             done++;
             gpu_batch_remove(b, i);
@@ -829,7 +861,7 @@ static void add_transfer_figures(cJSON *obj, const totals *t) {
     add_score(cJSON_AddObjectToObject(x, "after"), &t->after);
 }
 
-/* The GPU runner's figures: bytes read per token, the recall turns, what eviction did. */
+/* The GPU runner's figures: bytes read per token, the recall turns, the hand-overs. */
 static void add_gpu_figures(cJSON *obj, const totals *t) {
     add_number_or_null(obj, "kv_bytes_read_per_token",
                        t->score.n_scored > 0 ? t->bytes_read / (double)t->score.n_scored : NAN);
@@ -842,7 +874,10 @@ static void add_gpu_figures(cJSON *obj, const totals *t) {
     add_number_or_null(recall, "answer_bits_per_token",
                        t->recall.n_answer > 0 ? t->recall.bits / (double)t->recall.n_answer : NAN);
     if (t->transferring) add_transfer_figures(obj, t);
-    if (!t->evicting) return;
+}
+
+/* What eviction did (either runner). */
+static void add_eviction_figures(cJSON *obj, const totals *t) {
     const evict_stats *s = &t->eviction;
     cJSON *ev = cJSON_AddObjectToObject(obj, "eviction");
     cJSON_AddNumberToObject(ev, "n_evictions", (double)s->n_evictions);
@@ -900,6 +935,7 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
                            t->packed_tokens > 0 ? t->assigned_bits_sum / (double)t->packed_tokens
                                                 : NAN);
     if (t->gpu) add_gpu_figures(obj, t);
+    if (t->evicting) add_eviction_figures(obj, t);
     cJSON_AddNumberToObject(obj, "threads", o->n_threads);
     cJSON_AddNumberToObject(obj, "seconds", seconds);
     cJSON_AddNumberToObject(obj, "tokens_per_second",
@@ -1012,7 +1048,36 @@ static llama_result tag_cache(eval *e, const options *o) {
                : kvmix_kv_tag(&e->cache, &doc.spec, &table, &e->tag_prices, e->err, sizeof e->err);
 }
 
+/* A policy that evicts: the driver of the CPU runner (the GPU runner makes its own per pass). Its
+   session store holds as many sessions as the GPU runner's (a text's session is keyed by its
+   first user message, which texts may share). */
+static llama_result evict_init(eval *e, const options *o, int64_t n_texts) {
+    int32_t capacity = e->model->config.context + 1;
+    int32_t sessions = (int32_t)(n_texts < o->batch ? (n_texts > 0 ? n_texts : 1) : o->batch);
+    if (e->tag_doc == NULL) {
+        snprintf(e->err, sizeof e->err,
+                 "policy %s evicts: that needs --tag-spec (its tags find the requests)",
+                 e->policy.name);
+        return LLAMA_ERR_ARGUMENT;
+    }
+    if (o->cuda) return LLAMA_OK;
+    llama_result r = evict_driver_create(&e->policy.evict, &e->model->config, sessions, capacity,
+                                         &e->evict, e->err, sizeof e->err);
+    e->requests = malloc((size_t)capacity * sizeof *e->requests);
+    if (e->policy.evict.scorer == KVMIX_EVICT_H2O)
+        e->evict_seq.mass = malloc((size_t)capacity * sizeof *e->evict_seq.mass);
+    if (r == LLAMA_OK && (e->requests == NULL || (e->policy.evict.scorer == KVMIX_EVICT_H2O &&
+                                                  e->evict_seq.mass == NULL))) {
+        snprintf(e->err, sizeof e->err, "cannot allocate eviction buffers");
+        r = LLAMA_ERR_MEMORY;
+    }
+    return r;
+}
+
 static void eval_free(eval *e) {
+    evict_driver_free(e->evict);
+    free(e->requests);
+    free(e->evict_seq.mass);
     if (e->cache.destroy != NULL) e->cache.destroy(e->cache.state);
     if (e->reference.destroy != NULL) e->reference.destroy(e->reference.state);
     if (e->runner.model != NULL) llama_runner_free(&e->runner);
@@ -1055,18 +1120,16 @@ static int run(const options *o) {
     if (r == LLAMA_OK) r = eval_init(&e, o, &p, &model);
     if (r == LLAMA_OK && o->tag_spec_path != NULL) r = tag_cache(&e, o);
     if (r == LLAMA_OK && o->transfer != NULL) r = transfer_init(&e, o);
-    if (r == LLAMA_OK && e.policy.evict.scorer != 0 && (!o->cuda || e.tag_doc == NULL)) {
-        snprintf(e.err, sizeof e.err,
-                 "policy %s evicts: that runs on --device cuda with --tag-spec (its tags find "
-                 "the requests)",
-                 e.policy.name);
-        r = LLAMA_ERR_ARGUMENT;
-    }
+    if (r == LLAMA_OK && e.policy.evict.scorer != 0) r = evict_init(&e, o, list.n);
     char device[256] = "cpu";
 #ifdef KVMIX_EVAL_CUDA
     if (r == LLAMA_OK && o->cuda) r = run_texts_gpu(&e, &list, &t, device, sizeof device);
 #endif
     if (r == LLAMA_OK && !o->cuda) r = run_texts(&e, &list, &t);
+    if (e.evict != NULL) {
+        t.evicting = true;
+        evict_driver_stats(e.evict, &t.eviction);
+    }
     if (r == LLAMA_OK && !print_report(o, &model, &e.policy, &t, now_seconds() - start, device))
         r = LLAMA_ERR_MEMORY;
     if (r != LLAMA_OK) fprintf(stderr, "kvmix-eval: %s\n", e.err);
