@@ -42,7 +42,7 @@ FUZZ_RUNS ?= 20000
 FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation probe
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate \
-	$(BUILD)/model_test_probe
+	$(BUILD)/model_test_probe $(BUILD)/model_test_evict
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
 	pd-transfer
@@ -140,6 +140,12 @@ $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_pol
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples \
 		-DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION tests/test_llama.c tests/test_policy.c \
 		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) -o $@ $(EVAL_LDLIBS)
+# Budgeted eviction on the CPU runner, over kvm-small traces.
+$(BUILD)/model_test_evict: tests/test_evict.c tests/model_check.h $(LLAMA_SRC) $(KV_SRC) \
+		$(EVAL_TAG_SRC) $(EVICT_SRC) examples/evict_driver.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples -Itests \
+		-DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION tests/test_evict.c examples/llama.c \
+		examples/kvmix_kv.c $(EVAL_TAG_SRC) $(EVICT_SRC) -o $@ $(EVAL_LDLIBS)
 # Tags on the reference traces and the real tokenizers; it runs the tools too.
 $(BUILD)/model_test_tags: tests/test_tags.c tests/model_check.h $(TAG_SRC) $(TAG_TOOLS) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. -Iexamples tests/test_tags.c \
