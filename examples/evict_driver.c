@@ -21,6 +21,8 @@ struct evict_driver {
     uint8_t *live, *forced;   /* [max_tokens] */
     int32_t *evict;           /* [max_tokens] */
     evict_stats stats;
+    evict_log_fn log; /* evict_driver_log */
+    void *log_user;
 };
 
 llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t n_ids,
@@ -199,6 +201,7 @@ static llama_result evict_request_run(evict_driver *d, evict_seq *s, const evict
     d->stats.n_evictions++;
     d->stats.evicted_tokens += n_evict;
     d->stats.bytes_freed += (double)before.bytes - (double)after.bytes;
+    if (d->log) d->log(d->log_user, s, (int32_t)(r - s->requests), d->evict, n_evict);
     return LLAMA_OK;
 }
 
@@ -221,6 +224,11 @@ void evict_seq_end(evict_driver *d, evict_seq *s, const evict_backend *b) {
 }
 
 void evict_driver_stats(const evict_driver *d, evict_stats *out) { *out = d->stats; }
+
+void evict_driver_log(evict_driver *d, evict_log_fn log, void *user) {
+    d->log = log;
+    d->log_user = user;
+}
 
 /* ---- the backend over the CPU runner's kvmix-backed cache (kvmix_kv.h) ---- */
 

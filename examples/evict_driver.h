@@ -55,6 +55,7 @@ typedef struct evict_seq {
     int32_t n_requests, next; /* the next request to evict at */
     int32_t live_peak;
     float *mass; /* H2O: [max_tokens] attention so far */
+    int64_t id;  /* the caller's (its text), for logs: set it after evict_seq_start */
 } evict_seq;
 
 /* What a runner does for the driver, on one of its sequences (runner, seq). Each function
@@ -111,6 +112,12 @@ llama_result evict_before_step(evict_driver *d, evict_seq *s, const evict_backen
 /* The sequence ends (its peak goes into the stats). */
 void evict_seq_end(evict_driver *d, evict_seq *s, const evict_backend *b);
 void evict_driver_stats(const evict_driver *d, evict_stats *out);
+
+/* Each eviction's positions, for a log (one runner's evictions against another's): log(user, s,
+ * request index, positions, n), ascending, after they are evicted. NULL: none (the default). */
+typedef void (*evict_log_fn)(void *user, const evict_seq *s, int32_t request,
+                             const int32_t *positions, int32_t n_positions);
+void evict_driver_log(evict_driver *d, evict_log_fn log, void *user);
 
 #ifdef __cplusplus
 }

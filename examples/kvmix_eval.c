@@ -3,7 +3,7 @@
  *   kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]
  *              [--limit N] [--policy P] [--threads N] [--capture DIR]
  *              [--device cpu|cuda] [--batch N] [--tag-spec S.json --allocation A.json]
- *              [--transfer MODE:B[:LAMBDA]]
+ *              [--transfer MODE:B[:LAMBDA]] [--evict-log PATH]
  *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
@@ -59,7 +59,9 @@
  * its prompt has run (evict_driver.h: the same driver on the CPU, over the kvmix-backed cache's
  * recording, kvmix_kv_observe, and on the GPU, over gpu_llama's). The JSON then adds "eviction":
  * evictions, evicted tokens, the mean over texts of the most live tokens a text had, bytes the
- * evictions freed. Every GPU run adds "kv_bytes_read_per_token" (the cache bytes a sequence holds
+ * evictions freed; --evict-log PATH writes every eviction there, one JSON object a line (text:
+ * its index in the selection, request: the user turn's index in the text, positions: evicted,
+ * ascending), to hold one runner's evictions against the other's. Every GPU run adds "kv_bytes_read_per_token" (the cache bytes a sequence holds
  * when each of its tokens runs, averaged: what decode reads) and "recall": answer tokens,
  * accuracy, agreement and mean cross-entropy (bits) of the answer tokens of the turns whose user
  * message starts with "Earlier" (the traces' questions about an earlier tool result).
@@ -113,6 +115,7 @@ typedef struct options {
     const char *tag_spec_path;     /* the template's tags: for --allocation, for eviction */
     const char *allocation_path;   /* store tokens by their tags (needs tag_spec_path) */
     const char *transfer;          /* MODE:B[:LAMBDA]: a hand-over per text (GPU) */
+    const char *evict_log;         /* every eviction's positions written there */
 } options;
 
 enum { SINK_POSITIONS = 4 }; /* a transfer's sinks: the first positions, as eviction's prefix */
@@ -123,7 +126,7 @@ static void usage(FILE *f) {
         "usage: kvmix-eval --model M.safetensors --data D.jsonl [--kind trace|code] [--offset N]\n"
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
         "                  [--device cpu|cuda] [--batch N] [--tag-spec S [--allocation A]]\n"
-        "                  [--transfer MODE:B[:LAMBDA]]\n"
+        "                  [--transfer MODE:B[:LAMBDA]] [--evict-log PATH]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -149,7 +152,8 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
                  {"--read-capture", &o->read_capture_path},
                  {"--tag-spec", &o->tag_spec_path},
                  {"--allocation", &o->allocation_path},
-                 {"--transfer", &o->transfer}};
+                 {"--transfer", &o->transfer},
+                 {"--evict-log", &o->evict_log}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
             *flags[i].dest = value;
@@ -165,8 +169,8 @@ static bool parse_options(int argc, char **argv, options *o) {
 #else
     const bool cuda_default = false;
 #endif
-    *o = (options){NULL,  NULL, NULL,         0,   0,    "fp32", 2,   NULL,
-                   false, NULL, cuda_default, 256, NULL, NULL,   NULL};
+    *o = (options){NULL,  NULL, NULL,         0,   0,    "fp32", 2,    NULL,
+                   false, NULL, cuda_default, 256, NULL, NULL,   NULL, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -365,8 +369,19 @@ typedef struct eval {
     evict_driver *evict;     /* the CPU runner's, when the policy evicts */
     evict_seq evict_seq;     /* the text running */
     evict_request *requests; /* [context + 1]: its user turns' messages */
+    int64_t text_index;      /* of the text running, in the selection */
+    FILE *evict_log;         /* --evict-log */
     char err[ERR_BYTES];
 } eval;
+
+/* --evict-log: one JSON object a line per eviction. */
+static void log_eviction(void *user, const evict_seq *s, int32_t request, const int32_t *positions,
+                         int32_t n_positions) {
+    FILE *f = user;
+    fprintf(f, "{\"text\": %lld, \"request\": %d, \"positions\": [", (long long)s->id, request);
+    for (int32_t i = 0; i < n_positions; i++) fprintf(f, "%s%d", i > 0 ? ", " : "", positions[i]);
+    fprintf(f, "]}\n");
+}
 
 /* Tokens of one text: <|endoftext|> first, then the text, cut to context + 1 ids. */
 static int64_t encode_text(const eval *e, const char *text) {
@@ -406,6 +421,7 @@ static llama_result evict_text_start(eval *e, int64_t n) {
     llama_result r = evict_plan(&e->tag_doc->spec, e->ids, n, e->requests, (int32_t)n, &n_requests,
                                 e->err, sizeof e->err);
     if (r == LLAMA_OK) evict_seq_start(e->evict, &e->evict_seq, e->ids, e->requests, n_requests);
+    e->evict_seq.id = e->text_index;
     return r;
 }
 
@@ -508,6 +524,7 @@ static llama_result run_texts(eval *e, const texts *list, totals *t) {
             return LLAMA_ERR_MEMORY;
         }
         if (n < 2) continue; /* an empty text has nothing to predict */
+        e->text_index = i;
         llama_result r =
             e->opt->capture_dir != NULL ? capture_text(e, i, n, t) : score_text(e, &e->cache, n, t);
         if (r != LLAMA_OK) return r;
@@ -610,9 +627,11 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             if ((r = gpu_llama_seq_start(g, &b->seq[b->n], e->err, sizeof e->err)) != LLAMA_OK)
                 return r;
             b->text[b->n] = (int32_t)next;
-            if (ev)
+            if (ev) {
                 evict_seq_start(ev, &b->ev[b->n], texts[next].ids, texts[next].requests,
                                 texts[next].n_requests);
+                b->ev[b->n].id = next;
+            }
             if (!reference && e->transferring && e->transfer.mode == TRANSFER_TIERED &&
                 (r = gpu_llama_observe(g, b->seq[b->n], GPU_LLAMA_OBSERVE_ATTENTION, e->err,
                                        sizeof e->err)) != LLAMA_OK)
@@ -747,6 +766,7 @@ static llama_result gpu_run_policy(eval *e, const kvmix_policy *policy, gpu_text
     if (r == LLAMA_OK && evicting)
         r = evict_driver_create(&policy->evict, &e->model->config, capacity, max_tokens, &ev,
                                 e->err, sizeof e->err);
+    if (r == LLAMA_OK && evicting && e->evict_log) evict_driver_log(ev, log_eviction, e->evict_log);
     b->ev = NULL;
     if (r == LLAMA_OK && evicting && !(b->ev = evict_seqs_make(policy, capacity, max_tokens))) {
         snprintf(e->err, sizeof e->err, "cannot allocate eviction buffers");
@@ -1060,12 +1080,17 @@ static llama_result evict_init(eval *e, const options *o, int64_t n_texts) {
                  e->policy.name);
         return LLAMA_ERR_ARGUMENT;
     }
+    if (o->evict_log != NULL && (e->evict_log = fopen(o->evict_log, "w")) == NULL) {
+        snprintf(e->err, sizeof e->err, "--evict-log %s: cannot be written", o->evict_log);
+        return LLAMA_ERR_IO;
+    }
     if (o->cuda) return LLAMA_OK;
     llama_result r = evict_driver_create(&e->policy.evict, &e->model->config, sessions, capacity,
                                          &e->evict, e->err, sizeof e->err);
     e->requests = malloc((size_t)capacity * sizeof *e->requests);
     if (e->policy.evict.scorer == KVMIX_EVICT_H2O)
         e->evict_seq.mass = malloc((size_t)capacity * sizeof *e->evict_seq.mass);
+    if (r == LLAMA_OK && e->evict_log) evict_driver_log(e->evict, log_eviction, e->evict_log);
     if (r == LLAMA_OK && (e->requests == NULL || (e->policy.evict.scorer == KVMIX_EVICT_H2O &&
                                                   e->evict_seq.mass == NULL))) {
         snprintf(e->err, sizeof e->err, "cannot allocate eviction buffers");
@@ -1076,6 +1101,7 @@ static llama_result evict_init(eval *e, const options *o, int64_t n_texts) {
 
 static void eval_free(eval *e) {
     evict_driver_free(e->evict);
+    if (e->evict_log != NULL) fclose(e->evict_log);
     free(e->requests);
     free(e->evict_seq.mass);
     if (e->cache.destroy != NULL) e->cache.destroy(e->cache.state);
@@ -1121,6 +1147,10 @@ static int run(const options *o) {
     if (r == LLAMA_OK && o->tag_spec_path != NULL) r = tag_cache(&e, o);
     if (r == LLAMA_OK && o->transfer != NULL) r = transfer_init(&e, o);
     if (r == LLAMA_OK && e.policy.evict.scorer != 0) r = evict_init(&e, o, list.n);
+    if (r == LLAMA_OK && e.policy.evict.scorer == 0 && o->evict_log != NULL) {
+        snprintf(e.err, sizeof e.err, "--evict-log needs a policy that evicts");
+        r = LLAMA_ERR_ARGUMENT;
+    }
     char device[256] = "cpu";
 #ifdef KVMIX_EVAL_CUDA
     if (r == LLAMA_OK && o->cuda) r = run_texts_gpu(&e, &list, &t, device, sizeof device);
