@@ -96,7 +96,9 @@ evict_backend evict_backend_cpu(llama_kv_cache *cache);
 typedef struct evict_driver evict_driver;
 
 /* A driver for `policy` (resolved here) on a model of this config, up to max_seqs sequences at
- * once of up to max_tokens positions. LLAMA_ERR_ARGUMENT: a policy that does not resolve. */
+ * once of up to max_tokens positions; its session store (INTENT) holds max_seqs sessions, least
+ * recently used first out (a loop that runs one sequence at a time may pass more, to keep the
+ * sessions a batched loop would). LLAMA_ERR_ARGUMENT: a policy that does not resolve. */
 llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_config *config,
                                  int32_t max_seqs, int32_t max_tokens, evict_driver **out,
                                  char *err, size_t err_bytes);
