@@ -232,10 +232,9 @@ void evict_driver_log(evict_driver *d, evict_log_fn log, void *user) {
 
 /* ---- the backend over the CPU runner's kvmix-backed cache (kvmix_kv.h) ---- */
 
+/* kvmix_kv's calls return a code alone: the message names the call. */
 static llama_result cpu_result(llama_result r, const char *who, char *err, size_t err_bytes) {
-    return r == LLAMA_OK ? r
-                         : llama_fail(err, err_bytes, r, "%s: %s (the fp32 cache evicts nothing)",
-                                      who, llama_result_string(r));
+    return r == LLAMA_OK ? r : llama_fail(err, err_bytes, r, "%s: %s", who, llama_result_string(r));
 }
 
 static llama_result cpu_observe(void *runner, int32_t seq, int32_t flags, char *err,

@@ -1085,6 +1085,11 @@ static llama_result evict_init(eval *e, const options *o, int64_t n_texts) {
         return LLAMA_ERR_IO;
     }
     if (o->cuda) return LLAMA_OK;
+    if (e->policy.key_format == KVMIX_KV_FORMAT_FP32) {
+        snprintf(e->err, sizeof e->err, "policy %s evicts: the fp32 cache cannot (a kvmix one can)",
+                 e->policy.name);
+        return LLAMA_ERR_ARGUMENT;
+    }
     llama_result r = evict_driver_create(&e->policy.evict, &e->model->config, sessions, capacity,
                                          &e->evict, e->err, sizeof e->err);
     e->requests = malloc((size_t)capacity * sizeof *e->requests);
