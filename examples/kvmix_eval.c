@@ -61,7 +61,8 @@
  * evictions, evicted tokens, the mean over texts of the most live tokens a text had, bytes the
  * evictions freed; --evict-log PATH writes every eviction there, one JSON object a line (text:
  * its index in the selection, request: the user turn's index in the text, positions: evicted,
- * ascending), to hold one runner's evictions against the other's. Every GPU run adds "kv_bytes_read_per_token" (the cache bytes a sequence holds
+ * ascending), to hold one runner's evictions against the other's. Every GPU run adds
+ * "kv_bytes_read_per_token" (the cache bytes a sequence holds
  * when each of its tokens runs, averaged: what decode reads) and "recall": answer tokens,
  * accuracy, agreement and mean cross-entropy (bits) of the answer tokens of the turns whose user
  * message starts with "Earlier" (the traces' questions about an earlier tool result).
