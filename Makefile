@@ -42,7 +42,7 @@ FUZZ_RUNS ?= 20000
 FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation probe
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate \
-	$(BUILD)/model_test_probe
+	$(BUILD)/model_test_probe $(BUILD)/model_test_evict
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
 	pd-transfer
@@ -66,10 +66,14 @@ $(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 # ---- reference-model runner and quality harness ----------------------------------------------
 EVAL_TAG_SRC := examples/tag_spec_json.c examples/tag_allocation.c
 TRANSFER_SRC := examples/transfer_plan.c
+# The budgeted-eviction driver (over the CPU runner here; evict_gpu.c adds the GPU backend).
+EVICT_SRC := examples/evict_driver.c
 $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(TRANSFER_SRC) \
-		examples/tag_allocation.h examples/tag_spec_json.h | $(BUILD)
+		$(EVICT_SRC) examples/evict_driver.h examples/tag_allocation.h examples/tag_spec_json.h \
+		| $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_eval.c \
-		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) $(TRANSFER_SRC) -o $@ $(EVAL_LDLIBS)
+		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) $(TRANSFER_SRC) $(EVICT_SRC) -o $@ \
+		$(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
 
@@ -136,6 +140,12 @@ $(BUILD)/model_test_llama: tests/test_llama.c tests/test_policy.c tests/test_pol
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples \
 		-DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION tests/test_llama.c tests/test_policy.c \
 		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) -o $@ $(EVAL_LDLIBS)
+# Budgeted eviction on the CPU runner, over kvm-small traces.
+$(BUILD)/model_test_evict: tests/test_evict.c tests/model_check.h $(LLAMA_SRC) $(KV_SRC) \
+		$(EVAL_TAG_SRC) $(EVICT_SRC) examples/evict_driver.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples -Itests \
+		-DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION tests/test_evict.c examples/llama.c \
+		examples/kvmix_kv.c $(EVAL_TAG_SRC) $(EVICT_SRC) -o $@ $(EVAL_LDLIBS)
 # Tags on the reference traces and the real tokenizers; it runs the tools too.
 $(BUILD)/model_test_tags: tests/test_tags.c tests/model_check.h $(TAG_SRC) $(TAG_TOOLS) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. -Iexamples tests/test_tags.c \
@@ -219,10 +229,12 @@ $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_
 	$(NVCC) $(NVCCFLAGS) -I. -Iexamples -c $< -o $@
 
 $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(BUILD)/gpu_llama.o \
-		$(BUILD)/kvmix_cuda.o examples/evict_driver.c examples/evict_driver.h $(TRANSFER_SRC) \
+		$(BUILD)/kvmix_cuda.o examples/evict_driver.c examples/evict_driver.h examples/evict_gpu.c \
+		$(TRANSFER_SRC) \
 		examples/transfer_driver.c examples/transfer_driver.h examples/transfer_plan.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_EVAL_CUDA -I. -Iexamples -c examples/kvmix_eval.c -o $(BUILD)/eval_cuda_main.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_driver.c -o $(BUILD)/eval_cuda_evict.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_gpu.c -o $(BUILD)/eval_cuda_evict_gpu.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/transfer_driver.c -o $(BUILD)/eval_cuda_transfer.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/transfer_plan.c -o $(BUILD)/eval_cuda_plan.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/llama.c -o $(BUILD)/eval_cuda_llama.o
@@ -232,7 +244,7 @@ $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TA
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/tag_allocation.c -o $(BUILD)/eval_cuda_alloc.o
 	$(NVCC) $(BUILD)/eval_cuda_main.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
 		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/eval_cuda_evict.o \
-		$(BUILD)/eval_cuda_transfer.o $(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o \
+		$(BUILD)/eval_cuda_evict_gpu.o $(BUILD)/eval_cuda_transfer.o $(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
 # It runs build/kvmix-eval and build/kvmix-eval-cuda as the CPU and GPU runners' whole-trace oracle.

@@ -1,5 +1,7 @@
-/* evict_driver.c - budgeted eviction run over gpu_llama (evict_driver.h). */
+/* evict_driver.c - budgeted eviction run by a decode loop (evict_driver.h), and its backend over
+ * the CPU runner. */
 #include "evict_driver.h"
+#include "kvmix_kv.h"
 
 #include <math.h>
 #include <stdlib.h>
@@ -19,6 +21,8 @@ struct evict_driver {
     uint8_t *live, *forced;   /* [max_tokens] */
     int32_t *evict;           /* [max_tokens] */
     evict_stats stats;
+    evict_log_fn log; /* evict_driver_log */
+    void *log_user;
 };
 
 llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t n_ids,
@@ -105,12 +109,11 @@ static int32_t record_flags(const evict_driver *d, const evict_seq *s, int32_t p
     const evict_request *r = s->next < s->n_requests ? &s->requests[s->next] : NULL;
     switch (d->policy.scorer) {
     case KVMIX_EVICT_INTENT:
-    case KVMIX_EVICT_QUERY:
-        return r && pos >= r->first && pos < r->end ? GPU_LLAMA_OBSERVE_QUERIES : 0;
-    case KVMIX_EVICT_H2O: return GPU_LLAMA_OBSERVE_ATTENTION;
+    case KVMIX_EVICT_QUERY: return r && pos >= r->first && pos < r->end ? EVICT_OBSERVE_QUERIES : 0;
+    case KVMIX_EVICT_H2O: return EVICT_OBSERVE_ATTENTION;
     case KVMIX_EVICT_SNAPKV:
         return r && pos >= r->end - d->policy.observe_tokens && pos < r->end
-                   ? GPU_LLAMA_OBSERVE_ATTENTION
+                   ? EVICT_OBSERVE_ATTENTION
                    : 0;
     default: return 0;
     }
@@ -118,7 +121,7 @@ static int32_t record_flags(const evict_driver *d, const evict_seq *s, int32_t p
 
 /* The memory the request scores with: the session's QueryMemory with this request's mean query
    blended in (INTENT), or that mean alone (QUERY). */
-static llama_result request_memory(evict_driver *d, const evict_seq *s, gpu_llama *g, int32_t seq,
+static llama_result request_memory(evict_driver *d, const evict_seq *s, const evict_backend *b,
                                    float **out, char *err, size_t err_bytes) {
     const llama_config *c = &d->c;
     const evict_request *first = &s->requests[0];
@@ -126,7 +129,7 @@ static llama_result request_memory(evict_driver *d, const evict_seq *s, gpu_llam
     float *memory = d->fresh;
     double decay = d->policy.scorer == KVMIX_EVICT_INTENT ? d->policy.decay : 0.0;
     llama_result r =
-        gpu_llama_observed_take(g, seq, d->query_sum, &n_queries, NULL, err, err_bytes);
+        b->observed_take(b->runner, b->seq, d->query_sum, &n_queries, NULL, err, err_bytes);
     if (r != LLAMA_OK) return r;
     memset(d->fresh, 0, (size_t)c->n_layers * c->n_heads * c->head_dim * sizeof(float));
     if (d->policy.scorer == KVMIX_EVICT_INTENT) {
@@ -146,33 +149,34 @@ static llama_result request_memory(evict_driver *d, const evict_seq *s, gpu_llam
 }
 
 /* The scorer's raw scores of positions [0, n) into d->scores. */
-static llama_result raw_scores(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq, int32_t n,
+static llama_result raw_scores(evict_driver *d, evict_seq *s, const evict_backend *b, int32_t n,
                                char *err, size_t err_bytes) {
     float *memory = NULL;
     llama_result r = LLAMA_OK;
     switch (d->policy.scorer) {
     case KVMIX_EVICT_INTENT:
     case KVMIX_EVICT_QUERY:
-        r = request_memory(d, s, g, seq, &memory, err, err_bytes);
-        return r == LLAMA_OK ? gpu_llama_intent_scores(g, seq, memory, d->scores, err, err_bytes)
-                             : r;
+        r = request_memory(d, s, b, &memory, err, err_bytes);
+        return r == LLAMA_OK
+                   ? b->intent_scores(b->runner, b->seq, memory, d->scores, err, err_bytes)
+                   : r;
     case KVMIX_EVICT_H2O:
-        r = gpu_llama_observed_take(g, seq, NULL, NULL, d->scores, err, err_bytes);
+        r = b->observed_take(b->runner, b->seq, NULL, NULL, d->scores, err, err_bytes);
         for (int32_t t = 0; r == LLAMA_OK && t < n; t++) d->scores[t] = s->mass[t] += d->scores[t];
         return r;
     case KVMIX_EVICT_SNAPKV:
-        return gpu_llama_observed_take(g, seq, NULL, NULL, d->scores, err, err_bytes);
+        return b->observed_take(b->runner, b->seq, NULL, NULL, d->scores, err, err_bytes);
     default: memset(d->scores, 0, (size_t)n * sizeof(float)); return LLAMA_OK;
     }
 }
 
 /* The eviction of request r: positions [0, r->end) exist, the prompt has run. */
-static llama_result evict_request_run(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq,
+static llama_result evict_request_run(evict_driver *d, evict_seq *s, const evict_backend *b,
                                       const evict_request *r, char *err, size_t err_bytes) {
     int32_t kv_seq = -1, n = r->end, keep = 0, n_live = 0, n_evict = 0;
-    const kvmix_cache *cache = gpu_llama_inner(g, seq, &kv_seq);
+    const kvmix_cache *cache = b->inner(b->runner, b->seq, &kv_seq);
     llama_kv_stats before, after;
-    llama_result lr = raw_scores(d, s, g, seq, n, err, err_bytes);
+    llama_result lr = raw_scores(d, s, b, n, err, err_bytes);
     if (lr != LLAMA_OK) return lr;
     for (int32_t t = 0; t < n; t++) {
         uint32_t slot = KVMIX_CACHE_DEAD_SLOT;
@@ -190,31 +194,90 @@ static llama_result evict_request_run(evict_driver *d, evict_seq *s, gpu_llama *
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
                           "eviction: scores that are not numbers");
     if (n_evict == 0) return LLAMA_OK;
-    gpu_llama_seq_stats(g, seq, &before);
-    if ((lr = gpu_llama_evict(g, seq, d->evict, n_evict, err, err_bytes)) != LLAMA_OK) return lr;
-    gpu_llama_seq_stats(g, seq, &after);
+    b->seq_stats(b->runner, b->seq, &before);
+    if ((lr = b->evict(b->runner, b->seq, d->evict, n_evict, err, err_bytes)) != LLAMA_OK)
+        return lr;
+    b->seq_stats(b->runner, b->seq, &after);
     d->stats.n_evictions++;
     d->stats.evicted_tokens += n_evict;
     d->stats.bytes_freed += (double)before.bytes - (double)after.bytes;
+    if (d->log) d->log(d->log_user, s, (int32_t)(r - s->requests), d->evict, n_evict);
     return LLAMA_OK;
 }
 
-llama_result evict_before_step(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq,
-                               int32_t pos, char *err, size_t err_bytes) {
+llama_result evict_before_step(evict_driver *d, evict_seq *s, const evict_backend *b, int32_t pos,
+                               char *err, size_t err_bytes) {
     if (s->next < s->n_requests && pos == s->requests[s->next].end) {
-        llama_result r = evict_request_run(d, s, g, seq, &s->requests[s->next], err, err_bytes);
+        llama_result r = evict_request_run(d, s, b, &s->requests[s->next], err, err_bytes);
         if (r != LLAMA_OK) return r;
         s->next++;
     }
-    return gpu_llama_observe(g, seq, record_flags(d, s, pos), err, err_bytes);
+    return b->observe(b->runner, b->seq, record_flags(d, s, pos), err, err_bytes);
 }
 
-void evict_seq_end(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq) {
+void evict_seq_end(evict_driver *d, evict_seq *s, const evict_backend *b) {
     llama_kv_stats st;
-    gpu_llama_seq_stats(g, seq, &st);
+    b->seq_stats(b->runner, b->seq, &st);
     if (st.n_tokens > s->live_peak) s->live_peak = (int32_t)st.n_tokens;
     d->stats.live_peak_sum += s->live_peak;
     d->stats.n_seqs++;
 }
 
 void evict_driver_stats(const evict_driver *d, evict_stats *out) { *out = d->stats; }
+
+void evict_driver_log(evict_driver *d, evict_log_fn log, void *user) {
+    d->log = log;
+    d->log_user = user;
+}
+
+/* ---- the backend over the CPU runner's kvmix-backed cache (kvmix_kv.h) ---- */
+
+/* kvmix_kv's calls return a code alone: the message names the call. */
+static llama_result cpu_result(llama_result r, const char *who, char *err, size_t err_bytes) {
+    return r == LLAMA_OK ? r : llama_fail(err, err_bytes, r, "%s: %s", who, llama_result_string(r));
+}
+
+static llama_result cpu_observe(void *runner, int32_t seq, int32_t flags, char *err,
+                                size_t err_bytes) {
+    (void)seq;
+    return cpu_result(kvmix_kv_observe(runner, flags), "kvmix_kv_observe", err, err_bytes);
+}
+
+static llama_result cpu_observed_take(void *runner, int32_t seq, float *query_sum,
+                                      int32_t *out_n_queries, float *attention, char *err,
+                                      size_t err_bytes) {
+    (void)seq;
+    return cpu_result(kvmix_kv_observed_take(runner, query_sum, out_n_queries, attention),
+                      "kvmix_kv_observed_take", err, err_bytes);
+}
+
+static llama_result cpu_intent_scores(void *runner, int32_t seq, const float *memory, float *scores,
+                                      char *err, size_t err_bytes) {
+    (void)seq;
+    return cpu_result(kvmix_kv_intent_scores(runner, memory, scores), "kvmix_kv_intent_scores", err,
+                      err_bytes);
+}
+
+static const kvmix_cache *cpu_inner(const void *runner, int32_t seq, int32_t *out_kv_seq) {
+    (void)seq;
+    return kvmix_kv_inner(runner, out_kv_seq);
+}
+
+static llama_result cpu_evict(void *runner, int32_t seq, const int32_t *positions,
+                              int32_t n_positions, char *err, size_t err_bytes) {
+    (void)seq;
+    return cpu_result(kvmix_kv_evict(runner, positions, n_positions), "kvmix_kv_evict", err,
+                      err_bytes);
+}
+
+static void cpu_seq_stats(const void *runner, int32_t seq, llama_kv_stats *out) {
+    const llama_kv_cache *cache = runner;
+    (void)seq;
+    cache->stats(cache->state, out);
+}
+
+evict_backend evict_backend_cpu(llama_kv_cache *cache) {
+    evict_backend b = {cache,     0,         cpu_observe,  cpu_observed_take, cpu_intent_scores,
+                       cpu_inner, cpu_evict, cpu_seq_stats};
+    return b;
+}

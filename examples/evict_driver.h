@@ -1,6 +1,9 @@
-/* evict_driver.h - budgeted eviction (kvmix.h, "Budgeted eviction") run by a GPU loop over
- * gpu_llama: which positions of a token stream are requests' prompts, what each step records, and
- * the eviction once a request's prompt ran.
+/* evict_driver.h - budgeted eviction (kvmix.h, "Budgeted eviction") run by a decode loop: which
+ * positions of a token stream are requests' prompts, what each step records, and the eviction
+ * once a request's prompt ran. The driver knows no runner: a backend (evict_backend) records,
+ * scores and evicts for it, over gpu_llama (evict_backend_gpu, the GPU loop) or over the CPU
+ * runner's kvmix-backed cache (evict_backend_cpu, llama.h with kvmix_kv.h), so that both evict
+ * the same positions of the same texts.
  *
  * A request is a user turn; its actionable span is the user message, as the template tagger
  * (kvmix_tagger) finds it: the turn's tokens tagged KVMIX_ROLE_USER, [first, end). The eviction
@@ -18,7 +21,6 @@
 #ifndef EVICT_DRIVER_H
 #define EVICT_DRIVER_H
 
-#include "gpu_llama.h"
 #include "kvmix.h"
 #include "llama.h"
 
@@ -53,12 +55,50 @@ typedef struct evict_seq {
     int32_t n_requests, next; /* the next request to evict at */
     int32_t live_peak;
     float *mass; /* H2O: [max_tokens] attention so far */
+    int64_t id;  /* the caller's (its text), for logs: set it after evict_seq_start */
 } evict_seq;
+
+/* What a runner does for the driver, on one of its sequences (runner, seq). Each function
+ * returns LLAMA_OK or an error with its message in (err, err_bytes). */
+enum { EVICT_OBSERVE_QUERIES = 1, EVICT_OBSERVE_ATTENTION = 2 };
+typedef struct evict_backend {
+    void *runner;
+    int32_t seq;
+    /* What the next steps record, until changed: EVICT_OBSERVE_QUERIES sums the post-RoPE
+       queries (every layer and q head), EVICT_OBSERVE_ATTENTION adds the attention the queries
+       give each position (per q head a softmax over the live positions, summed over heads and
+       layers); 0 nothing. */
+    llama_result (*observe)(void *runner, int32_t seq, int32_t flags, char *err, size_t err_bytes);
+    /* Takes and clears what was recorded: query_sum [n_layers][n_heads][head_dim] and the steps
+       summed, attention [positions the sequence has] (either NULL: left recorded). */
+    llama_result (*observed_take)(void *runner, int32_t seq, float *query_sum,
+                                  int32_t *out_n_queries, float *attention, char *err,
+                                  size_t err_bytes);
+    /* Per position the softmax per q head of memory . key over the live positions, summed over
+       heads and layers; memory [n_layers][n_heads][head_dim]; -INFINITY for evicted positions. */
+    llama_result (*intent_scores)(void *runner, int32_t seq, const float *memory, float *scores,
+                                  char *err, size_t err_bytes);
+    /* The kvmix cache and its sequence (for kvmix_cache_locate). */
+    const kvmix_cache *(*inner)(const void *runner, int32_t seq, int32_t *out_kv_seq);
+    /* kvmix_cache_evict of the positions, then kvmix_cache_compact. */
+    llama_result (*evict)(void *runner, int32_t seq, const int32_t *positions, int32_t n_positions,
+                          char *err, size_t err_bytes);
+    void (*seq_stats)(const void *runner, int32_t seq, llama_kv_stats *out);
+} evict_backend;
+
+/* The backend over gpu_llama's sequence seq (evict_gpu.c, the GPU build's). */
+struct gpu_llama;
+evict_backend evict_backend_gpu(struct gpu_llama *g, int32_t seq);
+/* The backend over the CPU runner: a kvmix-backed llama_kv_cache (kvmix_kv_create) whose
+ * sequence llama_forward runs (kvmix_kv_observe and the calls beside it). */
+evict_backend evict_backend_cpu(llama_kv_cache *cache);
 
 typedef struct evict_driver evict_driver;
 
 /* A driver for `policy` (resolved here) on a model of this config, up to max_seqs sequences at
- * once of up to max_tokens positions. LLAMA_ERR_ARGUMENT: a policy that does not resolve. */
+ * once of up to max_tokens positions; its session store (INTENT) holds max_seqs sessions, least
+ * recently used first out (a loop that runs one sequence at a time may pass more, to keep the
+ * sessions a batched loop would). LLAMA_ERR_ARGUMENT: a policy that does not resolve. */
 llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_config *config,
                                  int32_t max_seqs, int32_t max_tokens, evict_driver **out,
                                  char *err, size_t err_bytes);
@@ -67,13 +107,19 @@ void evict_driver_free(evict_driver *d);
 /* A sequence starts over these ids and requests (kept by reference). */
 void evict_seq_start(evict_driver *d, evict_seq *s, const int32_t *ids,
                      const evict_request *requests, int32_t n_requests);
-/* Before the sequence's token at position pos runs on g's sequence `seq`: the eviction when a
- * request's prompt has just run, then what the step records. */
-llama_result evict_before_step(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq,
-                               int32_t pos, char *err, size_t err_bytes);
+/* Before the sequence's token at position pos runs on the backend's sequence: the eviction when
+ * a request's prompt has just run, then what the step records. */
+llama_result evict_before_step(evict_driver *d, evict_seq *s, const evict_backend *b, int32_t pos,
+                               char *err, size_t err_bytes);
 /* The sequence ends (its peak goes into the stats). */
-void evict_seq_end(evict_driver *d, evict_seq *s, gpu_llama *g, int32_t seq);
+void evict_seq_end(evict_driver *d, evict_seq *s, const evict_backend *b);
 void evict_driver_stats(const evict_driver *d, evict_stats *out);
+
+/* Each eviction's positions, for a log (one runner's evictions against another's): log(user, s,
+ * request index, positions, n), ascending, after they are evicted. NULL: none (the default). */
+typedef void (*evict_log_fn)(void *user, const evict_seq *s, int32_t request,
+                             const int32_t *positions, int32_t n_positions);
+void evict_driver_log(evict_driver *d, evict_log_fn log, void *user);
 
 #ifdef __cplusplus
 }

@@ -4,6 +4,7 @@
  *              [--limit N] [--policy P] [--threads N] [--capture DIR]
  *              [--device cpu|cuda] [--batch N] [--tag-spec S.json --allocation A.json]
  *              [--transfer MODE:B[:LAMBDA]] [--tops PATH]
+ *              [--evict-log PATH]
  *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
@@ -59,11 +60,15 @@
  * turn begins the pages whose tokens now ask for less are re-tiered down to it
  * (kvmix_policy_retier_turn).
  *
- * A policy with "evict" (README.md, "Policies"; --device cuda, with --tag-spec, whose tags find
- * each user turn's message) evicts once per request, each user turn being a request of the
- * text's session, when its prompt has run (evict_driver.h). The JSON then adds "eviction":
+ * A policy with "evict" (README.md, "Policies"; with --tag-spec, whose tags find each user turn's
+ * message) evicts once per request, each user turn being a request of the text's session, when
+ * its prompt has run (evict_driver.h: the same driver on the CPU, over the kvmix-backed cache's
+ * recording, kvmix_kv_observe, and on the GPU, over gpu_llama's). The JSON then adds "eviction":
  * evictions, evicted tokens, the mean over texts of the most live tokens a text had, bytes the
- * evictions freed. Every GPU run adds "kv_bytes_read_per_token" (the cache bytes a sequence holds
+ * evictions freed; --evict-log PATH writes every eviction there, one JSON object a line (text:
+ * its index in the selection, request: the user turn's index in the text, positions: evicted,
+ * ascending), to hold one runner's evictions against the other's. Every GPU run adds
+ * "kv_bytes_read_per_token" (the cache bytes a sequence holds
  * when each of its tokens runs, averaged: what decode reads) and "recall": answer tokens,
  * accuracy, agreement and mean cross-entropy (bits) of the answer tokens of the turns whose user
  * message starts with "Earlier" (the traces' questions about an earlier tool result).
@@ -84,8 +89,8 @@
 #include "tag_allocation.h"
 #include "tag_spec_json.h"
 
-#include "evict_driver.h"    /* its stats type; its functions are the GPU build's */
-#include "transfer_driver.h" /* likewise */
+#include "evict_driver.h"
+#include "transfer_driver.h" /* its stats type; its functions are the GPU build's */
 #ifdef KVMIX_EVAL_CUDA
 #include "gpu_llama.h"
 #endif
@@ -118,6 +123,7 @@ typedef struct options {
     const char *allocation_path;   /* store tokens by their tags (needs tag_spec_path) */
     const char *transfer;          /* MODE:B[:LAMBDA]: a hand-over per text (GPU) */
     const char *tops_path;         /* each scored position's top-1, a line per text */
+    const char *evict_log;         /* every eviction's positions written there */
 } options;
 
 enum { SINK_POSITIONS = 4 }; /* a transfer's sinks: the first positions, as eviction's prefix */
@@ -129,6 +135,7 @@ static void usage(FILE *f) {
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
         "                  [--device cpu|cuda] [--batch N] [--tag-spec S [--allocation A]]\n"
         "                  [--transfer MODE:B[:LAMBDA]] [--tops PATH]\n"
+        "                  [--evict-log PATH]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -155,7 +162,8 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
                  {"--tag-spec", &o->tag_spec_path},
                  {"--allocation", &o->allocation_path},
                  {"--transfer", &o->transfer},
-                 {"--tops", &o->tops_path}};
+                 {"--tops", &o->tops_path},
+                 {"--evict-log", &o->evict_log}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
             *flags[i].dest = value;
@@ -171,8 +179,8 @@ static bool parse_options(int argc, char **argv, options *o) {
 #else
     const bool cuda_default = false;
 #endif
-    *o = (options){NULL,  NULL, NULL,         0,   0,    "fp32", 2,    NULL,
-                   false, NULL, cuda_default, 256, NULL, NULL,   NULL, NULL};
+    *o = (options){NULL, NULL,         NULL, 0,    0,    "fp32", 2,    NULL, false,
+                   NULL, cuda_default, 256,  NULL, NULL, NULL,   NULL, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -370,8 +378,22 @@ typedef struct eval {
     bool transferring;     /* --transfer */
     transfer_setup transfer;
     transfer_stats transfer_stats;
+    evict_driver *evict;     /* the CPU runner's, when the policy evicts */
+    evict_seq evict_seq;     /* the text running */
+    evict_request *requests; /* [context + 1]: its user turns' messages */
+    int64_t text_index;      /* of the text running, in the selection */
+    FILE *evict_log;         /* --evict-log */
     char err[ERR_BYTES];
 } eval;
+
+/* --evict-log: one JSON object a line per eviction. */
+static void log_eviction(void *user, const evict_seq *s, int32_t request, const int32_t *positions,
+                         int32_t n_positions) {
+    FILE *f = user;
+    fprintf(f, "{\"text\": %lld, \"request\": %d, \"positions\": [", (long long)s->id, request);
+    for (int32_t i = 0; i < n_positions; i++) fprintf(f, "%s%d", i > 0 ? ", " : "", positions[i]);
+    fprintf(f, "]}\n");
+}
 
 /* Tokens of one text: <|endoftext|> first, then the text, cut to context + 1 ids. */
 static int64_t encode_text(const eval *e, const char *text) {
@@ -408,8 +430,27 @@ static bool write_tops(eval *e, const int32_t *tops, int64_t n) {
     return true;
 }
 
+/* Before each token of an evicting text: the driver over the policy's cache (not a capture's
+   wrapper: the kvmix cache itself records). */
+static llama_result evict_step(void *user, int64_t pos, char *err, size_t err_bytes) {
+    eval *e = user;
+    evict_backend b = evict_backend_cpu(&e->cache);
+    return evict_before_step(e->evict, &e->evict_seq, &b, (int32_t)pos, err, err_bytes);
+}
+
+/* An evicting text starts: its requests found by the tags. */
+static llama_result evict_text_start(eval *e, int64_t n) {
+    int32_t n_requests = 0;
+    llama_result r = evict_plan(&e->tag_doc->spec, e->ids, n, e->requests, (int32_t)n, &n_requests,
+                                e->err, sizeof e->err);
+    if (r == LLAMA_OK) evict_seq_start(e->evict, &e->evict_seq, e->ids, e->requests, n_requests);
+    e->evict_seq.id = e->text_index;
+    return r;
+}
+
 static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals *t) {
     const llama_model *m = e->model;
+    llama_step_hook hook = {evict_step, e};
     llama_mark_answer_tokens(&m->tokenizer, e->ids, n, e->mask);
     llama_score ignored = {0};
     llama_result r = LLAMA_OK;
@@ -419,11 +460,17 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
         r = llama_score_sequence(&e->runner, &e->reference, e->ids, n, NULL, e->ref_argmax, NULL,
                                  &ignored, e->err, sizeof e->err);
     int32_t *own_argmax = e->separate_reference ? e->tops : e->ref_argmax;
+    if (r == LLAMA_OK && e->evict) r = evict_text_start(e, n);
     if (r == LLAMA_OK)
-        r = llama_score_sequence(&e->runner, cache, e->ids, n, e->mask, own_argmax, e->ref_argmax,
-                                 &t->score, e->err, sizeof e->err);
+        r = llama_score_sequence_hooked(&e->runner, cache, e->ids, n, e->mask, own_argmax,
+                                        e->ref_argmax, e->evict ? &hook : NULL, &t->score, e->err,
+                                        sizeof e->err);
     if (r != LLAMA_OK) return r;
     if (!write_tops(e, own_argmax, n - 1)) return LLAMA_ERR_FORMAT;
+    if (e->evict) {
+        evict_backend b = evict_backend_cpu(&e->cache);
+        evict_seq_end(e->evict, &e->evict_seq, &b);
+    }
     llama_kv_stats stats;
     cache->stats(cache->state, &stats);
     if (stats.bytes > t->kv_bytes_max) t->kv_bytes_max = stats.bytes;
@@ -501,6 +548,7 @@ static llama_result run_texts(eval *e, const texts *list, totals *t) {
             return LLAMA_ERR_MEMORY;
         }
         if (n < 2) continue; /* an empty text has nothing to predict */
+        e->text_index = i;
         llama_result r =
             e->opt->capture_dir != NULL ? capture_text(e, i, n, t) : score_text(e, &e->cache, n, t);
         if (r != LLAMA_OK) return r;
@@ -605,9 +653,11 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             if ((r = gpu_llama_seq_start(g, &b->seq[b->n], e->err, sizeof e->err)) != LLAMA_OK)
                 return r;
             b->text[b->n] = (int32_t)next;
-            if (ev)
+            if (ev) {
                 evict_seq_start(ev, &b->ev[b->n], texts[next].ids, texts[next].requests,
                                 texts[next].n_requests);
+                b->ev[b->n].id = next;
+            }
             if (!reference && e->transferring && e->transfer.mode == TRANSFER_TIERED &&
                 (r = gpu_llama_observe(g, b->seq[b->n], GPU_LLAMA_OBSERVE_ATTENTION, e->err,
                                        sizeof e->err)) != LLAMA_OK)
@@ -619,9 +669,10 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             const gpu_text *t = &texts[b->text[i]];
             if (llama_is_message_start(tok, t->ids, t->n, b->pos[i], "user"))
                 r = gpu_llama_begin_request(g, b->seq[i], e->err, sizeof e->err);
-            if (r == LLAMA_OK && ev)
-                r = evict_before_step(ev, &b->ev[i], g, b->seq[i], b->pos[i], e->err,
-                                      sizeof e->err);
+            if (r == LLAMA_OK && ev) {
+                evict_backend be = evict_backend_gpu(g, b->seq[i]);
+                r = evict_before_step(ev, &b->ev[i], &be, b->pos[i], e->err, sizeof e->err);
+            }
             if (r == LLAMA_OK && !reference && e->transferring && b->pos[i] == t->transfer_at)
                 r = hand_over(e, g, b, i);
             b->tokens[i] = t->ids[b->pos[i]];
@@ -642,7 +693,10 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             }
             t->stats = held;
             t->stats.assigned_bits = gpu_llama_seq_assigned_bits(g, b->seq[i], &e->tag_prices);
-            if (ev) evict_seq_end(ev, &b->ev[i], g, b->seq[i]);
+            if (ev) {
+                evict_backend be = evict_backend_gpu(g, b->seq[i]);
+                evict_seq_end(ev, &b->ev[i], &be);
+            }
             gpu_llama_seq_end(g, b->seq[i]);
             done++;
             gpu_batch_remove(b, i);
@@ -742,6 +796,7 @@ static llama_result gpu_run_policy(eval *e, const kvmix_policy *policy, gpu_text
     if (r == LLAMA_OK && evicting)
         r = evict_driver_create(&policy->evict, &e->model->config, capacity, max_tokens, &ev,
                                 e->err, sizeof e->err);
+    if (r == LLAMA_OK && evicting && e->evict_log) evict_driver_log(ev, log_eviction, e->evict_log);
     b->ev = NULL;
     if (r == LLAMA_OK && evicting && !(b->ev = evict_seqs_make(policy, capacity, max_tokens))) {
         snprintf(e->err, sizeof e->err, "cannot allocate eviction buffers");
@@ -857,7 +912,7 @@ static void add_transfer_figures(cJSON *obj, const totals *t) {
     add_score(cJSON_AddObjectToObject(x, "after"), &t->after);
 }
 
-/* The GPU runner's figures: bytes read per token, the recall turns, what eviction did. */
+/* The GPU runner's figures: bytes read per token, the recall turns, the hand-overs. */
 static void add_gpu_figures(cJSON *obj, const totals *t) {
     add_number_or_null(obj, "kv_bytes_read_per_token",
                        t->score.n_scored > 0 ? t->bytes_read / (double)t->score.n_scored : NAN);
@@ -870,7 +925,10 @@ static void add_gpu_figures(cJSON *obj, const totals *t) {
     add_number_or_null(recall, "answer_bits_per_token",
                        t->recall.n_answer > 0 ? t->recall.bits / (double)t->recall.n_answer : NAN);
     if (t->transferring) add_transfer_figures(obj, t);
-    if (!t->evicting) return;
+}
+
+/* What eviction did (either runner). */
+static void add_eviction_figures(cJSON *obj, const totals *t) {
     const evict_stats *s = &t->eviction;
     cJSON *ev = cJSON_AddObjectToObject(obj, "eviction");
     cJSON_AddNumberToObject(ev, "n_evictions", (double)s->n_evictions);
@@ -928,6 +986,7 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
                            t->packed_tokens > 0 ? t->assigned_bits_sum / (double)t->packed_tokens
                                                 : NAN);
     if (t->gpu) add_gpu_figures(obj, t);
+    if (t->evicting) add_eviction_figures(obj, t);
     cJSON_AddNumberToObject(obj, "threads", o->n_threads);
     cJSON_AddNumberToObject(obj, "seconds", seconds);
     cJSON_AddNumberToObject(obj, "tokens_per_second",
@@ -1046,7 +1105,47 @@ static llama_result tag_cache(eval *e, const options *o) {
                : kvmix_kv_tag(&e->cache, &doc.spec, &table, &e->tag_prices, e->err, sizeof e->err);
 }
 
+/* A policy that evicts: the driver of the CPU runner (the GPU runner makes its own per pass). Its
+   session store holds as many sessions as the GPU runner's (a text's session is keyed by its
+   first user message, which texts may share). */
+static llama_result evict_init(eval *e, const options *o, int64_t n_texts) {
+    int32_t capacity = e->model->config.context + 1;
+    int32_t sessions = (int32_t)(n_texts < o->batch ? (n_texts > 0 ? n_texts : 1) : o->batch);
+    if (e->tag_doc == NULL) {
+        snprintf(e->err, sizeof e->err,
+                 "policy %s evicts: that needs --tag-spec (its tags find the requests)",
+                 e->policy.name);
+        return LLAMA_ERR_ARGUMENT;
+    }
+    if (o->evict_log != NULL && (e->evict_log = fopen(o->evict_log, "w")) == NULL) {
+        snprintf(e->err, sizeof e->err, "--evict-log %s: cannot be written", o->evict_log);
+        return LLAMA_ERR_IO;
+    }
+    if (o->cuda) return LLAMA_OK;
+    if (e->policy.key_format == KVMIX_KV_FORMAT_FP32) {
+        snprintf(e->err, sizeof e->err, "policy %s evicts: the fp32 cache cannot (a kvmix one can)",
+                 e->policy.name);
+        return LLAMA_ERR_ARGUMENT;
+    }
+    llama_result r = evict_driver_create(&e->policy.evict, &e->model->config, sessions, capacity,
+                                         &e->evict, e->err, sizeof e->err);
+    e->requests = malloc((size_t)capacity * sizeof *e->requests);
+    if (e->policy.evict.scorer == KVMIX_EVICT_H2O)
+        e->evict_seq.mass = malloc((size_t)capacity * sizeof *e->evict_seq.mass);
+    if (r == LLAMA_OK && e->evict_log) evict_driver_log(e->evict, log_eviction, e->evict_log);
+    if (r == LLAMA_OK && (e->requests == NULL || (e->policy.evict.scorer == KVMIX_EVICT_H2O &&
+                                                  e->evict_seq.mass == NULL))) {
+        snprintf(e->err, sizeof e->err, "cannot allocate eviction buffers");
+        r = LLAMA_ERR_MEMORY;
+    }
+    return r;
+}
+
 static void eval_free(eval *e) {
+    evict_driver_free(e->evict);
+    if (e->evict_log != NULL) fclose(e->evict_log);
+    free(e->requests);
+    free(e->evict_seq.mass);
     if (e->cache.destroy != NULL) e->cache.destroy(e->cache.state);
     if (e->reference.destroy != NULL) e->reference.destroy(e->reference.state);
     if (e->runner.model != NULL) llama_runner_free(&e->runner);
@@ -1091,11 +1190,9 @@ static int run(const options *o) {
     if (r == LLAMA_OK) r = eval_init(&e, o, &p, &model);
     if (r == LLAMA_OK && o->tag_spec_path != NULL) r = tag_cache(&e, o);
     if (r == LLAMA_OK && o->transfer != NULL) r = transfer_init(&e, o);
-    if (r == LLAMA_OK && e.policy.evict.scorer != 0 && (!o->cuda || e.tag_doc == NULL)) {
-        snprintf(e.err, sizeof e.err,
-                 "policy %s evicts: that runs on --device cuda with --tag-spec (its tags find "
-                 "the requests)",
-                 e.policy.name);
+    if (r == LLAMA_OK && e.policy.evict.scorer != 0) r = evict_init(&e, o, list.n);
+    if (r == LLAMA_OK && e.policy.evict.scorer == 0 && o->evict_log != NULL) {
+        snprintf(e.err, sizeof e.err, "--evict-log needs a policy that evicts");
         r = LLAMA_ERR_ARGUMENT;
     }
     char device[256] = "cpu";
@@ -1103,6 +1200,10 @@ static int run(const options *o) {
     if (r == LLAMA_OK && o->cuda) r = run_texts_gpu(&e, &list, &t, device, sizeof device);
 #endif
     if (r == LLAMA_OK && !o->cuda) r = run_texts(&e, &list, &t);
+    if (e.evict != NULL) {
+        t.evicting = true;
+        evict_driver_stats(e.evict, &t.eviction);
+    }
     if (r == LLAMA_OK && !print_report(o, &model, &e.policy, &t, now_seconds() - start, device))
         r = LLAMA_ERR_MEMORY;
     if (r != LLAMA_OK) fprintf(stderr, "kvmix-eval: %s\n", e.err);

@@ -479,6 +479,8 @@ typedef struct head_view {
     int32_t first[2];       /* seq_first_span of a one-sequence view */
     uint8_t *dead;          /* [max_dead] */
     float *lse;             /* [n_heads]: the decode's log-sum-exp, unused here */
+    float *scores;          /* [max_dead]: a recorded step's attention by view token */
+    int32_t *positions;     /* [max_dead]: each view token's position (-1: none) */
 } head_view;
 
 typedef struct kv_kvmix {
@@ -502,6 +504,12 @@ typedef struct kv_kvmix {
     int32_t turn;    /* the turn the cache was aged to (kvmix_policy_retier_turn) */
     bool priced;     /* prices holds the allocation's (kvmix_kv_tag) */
     tag_prices prices;
+    /* recording for eviction (kvmix_kv_observe), allocated on first use */
+    int32_t observe;   /* KVMIX_KV_OBSERVE_* flags of the steps from now on */
+    int32_t n_queries; /* steps whose queries query_sum holds */
+    float *query_sum;  /* [n_layers][n_heads][head_dim] */
+    float *mass;       /* [n_kv_heads][capacity]: attention by position, a row per kv head, as
+                          attend() runs the kv heads on threads of their own */
 } kv_kvmix;
 
 /* Positions of `layer` that have rows. */
@@ -528,6 +536,7 @@ static llama_result kv_kvmix_store(void *state, int32_t layer, int64_t pos, cons
     }
     if (kvmix_cache_write(&kv->cache, kv->seq, layer, (int32_t)pos, 1, k, v) != KVMIX_SUCCESS)
         return LLAMA_ERR_ARGUMENT;
+    if (layer == 0 && (kv->observe & KVMIX_KV_OBSERVE_QUERIES)) kv->n_queries++;
     return LLAMA_OK;
 }
 
@@ -539,6 +548,30 @@ static void view_select_head(kvmix_view *view, kvmix_view_span *spans, int32_t h
         spans[i].value_offset += (uint64_t)h * spans[i].value_head_bytes;
     }
     view->n_kv_heads = 1;
+}
+
+/* What a step records for eviction (kvmix_kv_observe) on kv head h's view of the layer: its q
+ * heads' queries added to the layer's sums; the attention each gives the view's tokens (a softmax
+ * over the live ones, read from the keys as stored: kvmix_ref_view_intent_score, as the GPU loop
+ * reads it) added to the head's row by position. */
+static llama_result record_attend(kv_kvmix *kv, head_view *hv, const kvmix_view *view,
+                                  int32_t layer, int32_t h, const float *q, int32_t n_q) {
+    int32_t dim = kv->cache.desc.head_dim, n = 0;
+    if (kv->observe & KVMIX_KV_OBSERVE_QUERIES) {
+        float *sum = kv->query_sum + ((size_t)layer * kv->n_heads + (size_t)h * n_q) * dim;
+        for (int32_t i = 0; i < n_q * dim; i++) sum[i] += q[i];
+    }
+    if (!(kv->observe & KVMIX_KV_OBSERVE_ATTENTION)) return LLAMA_OK;
+    if (kvmix_ref_view_intent_score(view, 0, n_q, 0.0f, q, hv->scores, kv->max_dead) !=
+            KVMIX_SUCCESS ||
+        kvmix_cache_view_positions(&kv->cache, kv->seq, layer, hv->positions, kv->max_dead, &n) !=
+            KVMIX_SUCCESS)
+        return LLAMA_ERR_ARGUMENT;
+    float *mass = kv->mass + (size_t)h * (size_t)kv->capacity;
+    for (int32_t k = 0; k < n; k++)
+        if (hv->positions[k] >= 0 && isfinite(hv->scores[k]))
+            mass[hv->positions[k]] += hv->scores[k];
+    return LLAMA_OK;
 }
 
 /* Attention over exactly what the cache holds for the layer: its view (every page in its own
@@ -557,7 +590,7 @@ static llama_result kv_kvmix_attend(void *state, int32_t layer, int32_t kv_head,
     view_select_head(&view, hv->spans, kv_head);
     if (kvmix_ref_view_decode(&view, n_q, scale, q, out, hv->lse) != KVMIX_SUCCESS)
         return LLAMA_ERR_ARGUMENT;
-    return LLAMA_OK;
+    return kv->observe ? record_attend(kv, hv, &view, layer, kv_head, q, n_q) : LLAMA_OK;
 }
 
 /* A request boundary, as the policy says: with FINISH, kvmix_cache_seq_finish seals the full
@@ -591,8 +624,18 @@ static void kv_kvmix_on_token(void *state, int64_t pos, int32_t id) {
     }
 }
 
+/* Nothing recorded, nothing recording (kvmix_kv_observe). */
+static void observation_clear(kv_kvmix *kv) {
+    kv->observe = kv->n_queries = 0;
+    if (kv->query_sum == NULL) return;
+    memset(kv->query_sum, 0,
+           (size_t)kv->n_layers * kv->n_heads * kv->cache.desc.head_dim * sizeof(float));
+    memset(kv->mass, 0, (size_t)kv->n_kv_heads * (size_t)kv->capacity * sizeof(float));
+}
+
 static void kv_kvmix_reset(void *state) {
     kv_kvmix *kv = state;
+    observation_clear(kv);
     if (kv->tagged) kvmix_tagger_reset(&kv->tagger);
     kv->turn = 0;
     kvmix_cache_seq_free(&kv->cache, kv->seq);
@@ -653,7 +696,11 @@ static void kv_kvmix_destroy(void *state) {
         free(kv->heads[h].spans);
         free(kv->heads[h].dead);
         free(kv->heads[h].lse);
+        free(kv->heads[h].scores);
+        free(kv->heads[h].positions);
     }
+    free(kv->query_sum);
+    free(kv->mass);
     free(kv->heads);
     free(kv->tags);
     free(kv);
@@ -856,5 +903,87 @@ llama_result kvmix_kv_rows_read(const llama_kv_cache *cache, int64_t n_positions
                                                   values + at, NULL) != KVMIX_SUCCESS)
                 return LLAMA_ERR_ARGUMENT;
         }
+    return LLAMA_OK;
+}
+
+/* The recording buffers (kvmix_kv_observe), allocated on first use; false when out of memory. */
+static bool observation_ready(kv_kvmix *kv) {
+    size_t q_floats = (size_t)kv->n_layers * kv->n_heads * kv->cache.desc.head_dim;
+    for (int32_t h = 0; h < kv->n_kv_heads; h++) {
+        head_view *hv = &kv->heads[h];
+        if (hv->scores == NULL) hv->scores = malloc((size_t)kv->max_dead * sizeof *hv->scores);
+        if (hv->positions == NULL)
+            hv->positions = malloc((size_t)kv->max_dead * sizeof *hv->positions);
+        if (hv->scores == NULL || hv->positions == NULL) return false;
+    }
+    if (kv->query_sum == NULL) kv->query_sum = calloc(q_floats, sizeof *kv->query_sum);
+    if (kv->mass == NULL)
+        kv->mass = calloc((size_t)kv->n_kv_heads * (size_t)kv->capacity, sizeof *kv->mass);
+    return kv->query_sum != NULL && kv->mass != NULL;
+}
+
+llama_result kvmix_kv_observe(llama_kv_cache *cache, int32_t flags) {
+    if (cache == NULL || cache->store != kv_kvmix_store ||
+        (flags & ~(KVMIX_KV_OBSERVE_QUERIES | KVMIX_KV_OBSERVE_ATTENTION)) != 0)
+        return LLAMA_ERR_ARGUMENT;
+    kv_kvmix *kv = cache->state;
+    if (!observation_ready(kv)) return LLAMA_ERR_MEMORY;
+    kv->observe = flags;
+    return LLAMA_OK;
+}
+
+llama_result kvmix_kv_observed_take(llama_kv_cache *cache, float *query_sum, int32_t *out_n_queries,
+                                    float *attention) {
+    if (cache == NULL || cache->store != kv_kvmix_store) return LLAMA_ERR_ARGUMENT;
+    kv_kvmix *kv = cache->state;
+    if (!observation_ready(kv)) return LLAMA_ERR_MEMORY;
+    size_t q_floats = (size_t)kv->n_layers * kv->n_heads * kv->cache.desc.head_dim;
+    int32_t n_pos = kv->cache.seqs[kv->seq].n_tokens;
+    if (query_sum != NULL) {
+        memcpy(query_sum, kv->query_sum, q_floats * sizeof *query_sum);
+        memset(kv->query_sum, 0, q_floats * sizeof *query_sum);
+        if (out_n_queries != NULL) *out_n_queries = kv->n_queries;
+        kv->n_queries = 0;
+    }
+    if (attention == NULL) return LLAMA_OK;
+    for (int32_t t = 0; t < n_pos; t++) attention[t] = 0.0f;
+    for (int32_t h = 0; h < kv->n_kv_heads; h++) {
+        float *mass = kv->mass + (size_t)h * (size_t)kv->capacity;
+        for (int32_t t = 0; t < n_pos; t++) attention[t] += mass[t];
+        memset(mass, 0, (size_t)kv->capacity * sizeof *mass);
+    }
+    return LLAMA_OK;
+}
+
+/* Layer l's intent scores by view token into hv->scores, their positions into hv->positions
+ * (*out_n of them). */
+static bool layer_intent_scores(kv_kvmix *kv, head_view *hv, int32_t l, const float *memory,
+                                int32_t *out_n) {
+    kvmix_view view;
+    return kvmix_cache_view(&kv->cache, &kv->seq, 1, l, hv->spans, kv->max_spans, hv->first,
+                            hv->dead, kv->max_dead, &view) == KVMIX_SUCCESS &&
+           kvmix_ref_view_intent_score(&view, 0, kv->n_heads, 0.0f, memory, hv->scores,
+                                       kv->max_dead) == KVMIX_SUCCESS &&
+           kvmix_cache_view_positions(&kv->cache, kv->seq, l, hv->positions, kv->max_dead, out_n) ==
+               KVMIX_SUCCESS;
+}
+
+llama_result kvmix_kv_intent_scores(llama_kv_cache *cache, const float *memory, float *scores) {
+    if (cache == NULL || cache->store != kv_kvmix_store || memory == NULL || scores == NULL)
+        return LLAMA_ERR_ARGUMENT;
+    kv_kvmix *kv = cache->state;
+    if (!observation_ready(kv)) return LLAMA_ERR_MEMORY;
+    head_view *hv = &kv->heads[0]; /* between steps: no attend() uses it */
+    size_t row = (size_t)kv->n_heads * kv->cache.desc.head_dim;
+    for (int32_t t = 0; t < kv->cache.seqs[kv->seq].n_tokens; t++) scores[t] = -INFINITY;
+    for (int32_t l = 0; l < kv->n_layers; l++) {
+        int32_t n = 0;
+        if (!layer_intent_scores(kv, hv, l, memory + (size_t)l * row, &n))
+            return LLAMA_ERR_ARGUMENT;
+        for (int32_t k = 0; k < n; k++) {
+            int32_t pos = hv->positions[k];
+            if (pos >= 0) scores[pos] = l == 0 ? hv->scores[k] : scores[pos] + hv->scores[k];
+        }
+    }
     return LLAMA_OK;
 }

@@ -102,6 +102,29 @@ const kvmix_cache *kvmix_kv_inner(const llama_kv_cache *cache, int32_t *out_seq)
 #define KVMIX_KV_COMPACT_LIVE_FRACTION 0.5
 llama_result kvmix_kv_evict(llama_kv_cache *cache, const int32_t *positions, int32_t n_positions);
 
+/* Recording for eviction policies (kvmix.h, "Budgeted eviction"), what gpu_llama_observe records
+ * on the GPU. What the next steps record, until changed: KVMIX_KV_OBSERVE_QUERIES sums the post-
+ * RoPE queries attend() receives (every layer and q head), KVMIX_KV_OBSERVE_ATTENTION adds the
+ * attention each query gives each held position (per q head a softmax over the live positions,
+ * read from the keys as stored: kvmix_ref_view_intent_score; summed over heads and layers);
+ * 0 records nothing. reset() clears both. LLAMA_ERR_ARGUMENT: the fp32 cache, unknown flags;
+ * LLAMA_ERR_MEMORY: no room for the recording (allocated on first use). */
+enum { KVMIX_KV_OBSERVE_QUERIES = 1, KVMIX_KV_OBSERVE_ATTENTION = 2 };
+llama_result kvmix_kv_observe(llama_kv_cache *cache, int32_t flags);
+
+/* Takes what was recorded and clears it: query_sum [n_layers][n_heads][head_dim] (NULL: left
+ * recorded) receives the summed queries and *out_n_queries (may be NULL) how many steps;
+ * attention [positions the sequence has] (NULL: left recorded) the attention per position, 0
+ * for positions that got none. Errors as kvmix_kv_observe. */
+llama_result kvmix_kv_observed_take(llama_kv_cache *cache, float *query_sum, int32_t *out_n_queries,
+                                    float *attention);
+
+/* Intent scores of the held positions (kvmix.h, KVMIX_EVICT_INTENT), as gpu_llama_intent_scores:
+ * for each layer kvmix_ref_view_intent_score of memory over the layer's view, summed over
+ * layers; memory [n_layers][n_heads][head_dim]; scores [positions the sequence has]: -INFINITY
+ * for evicted positions. Errors as kvmix_kv_observe. */
+llama_result kvmix_kv_intent_scores(llama_kv_cache *cache, const float *memory, float *scores);
+
 /* A transfer's sender: the rows of positions 0 .. n_positions - 1 as the cache holds them
  * (dequantized), keys, values: [n_layers][n_positions][n_kv_heads][head_dim] floats.
  * LLAMA_ERR_ARGUMENT for the fp32 cache or a position without a row (evicted, not written). */

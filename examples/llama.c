@@ -1546,6 +1546,15 @@ llama_result llama_score_sequence(llama_runner *runner, llama_kv_cache *cache, c
                                   int64_t n, const uint8_t *mask, int32_t *argmax_out,
                                   const int32_t *ref_argmax, llama_score *score, char *err,
                                   size_t err_bytes) {
+    return llama_score_sequence_hooked(runner, cache, ids, n, mask, argmax_out, ref_argmax, NULL,
+                                       score, err, err_bytes);
+}
+
+llama_result llama_score_sequence_hooked(llama_runner *runner, llama_kv_cache *cache,
+                                         const int32_t *ids, int64_t n, const uint8_t *mask,
+                                         int32_t *argmax_out, const int32_t *ref_argmax,
+                                         const llama_step_hook *hook, llama_score *score, char *err,
+                                         size_t err_bytes) {
     if (runner == NULL || cache == NULL || ids == NULL || score == NULL)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "score: NULL argument");
     const llama_model *m = runner->model;
@@ -1556,8 +1565,9 @@ llama_result llama_score_sequence(llama_runner *runner, llama_kv_cache *cache, c
     for (int64_t pos = 0; pos + 1 < n; pos++) {
         if (llama_is_message_start(&m->tokenizer, ids, n, pos, "user"))
             cache->begin_request(cache->state, pos);
-        llama_result r =
-            llama_forward(runner, cache, ids[pos], pos, runner->logits, err, err_bytes);
+        llama_result r = hook != NULL ? hook->before(hook->user, pos, err, err_bytes) : LLAMA_OK;
+        if (r == LLAMA_OK)
+            r = llama_forward(runner, cache, ids[pos], pos, runner->logits, err, err_bytes);
         if (r != LLAMA_OK) return r;
         int32_t next = ids[pos + 1], top = llama_argmax(runner->logits, m->config.vocab);
         if (next < 0 || next >= m->config.vocab)

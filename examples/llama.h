@@ -327,6 +327,21 @@ llama_result llama_score_sequence(llama_runner *runner, llama_kv_cache *cache, c
                                   const int32_t *ref_argmax, llama_score *score, char *err,
                                   size_t err_bytes);
 
+/* A loop's own work before each token runs (a budgeted eviction, evict_driver.h): before(user,
+ * pos, ...) runs before the token at pos, after begin_request; a result other than LLAMA_OK stops
+ * the scoring with it (its message in err). */
+typedef struct llama_step_hook {
+    llama_result (*before)(void *user, int64_t pos, char *err, size_t err_bytes);
+    void *user;
+} llama_step_hook;
+
+/* llama_score_sequence with hook (NULL: none) run before every token. */
+llama_result llama_score_sequence_hooked(llama_runner *runner, llama_kv_cache *cache,
+                                         const int32_t *ids, int64_t n, const uint8_t *mask,
+                                         int32_t *argmax_out, const int32_t *ref_argmax,
+                                         const llama_step_hook *hook, llama_score *score, char *err,
+                                         size_t err_bytes);
+
 /* Log2 of softmax(logits)[target] negated: the cross-entropy in bits of one target. */
 double llama_bits_of(const float *logits, int32_t vocab, int32_t target);
 int32_t llama_argmax(const float *logits, int32_t vocab);

@@ -413,7 +413,7 @@ static void check_runners_agree(const char *shared) {
         {"intent eviction",
          "--policy examples/policies/kivi2-sink-intent-50.json "
          "--tag-spec examples/specs/kvm-byte.json",
-         false},
+         true},
         {"transfer",
          "--policy kivi2-sink --tag-spec examples/specs/kvm-byte.json "
          "--transfer tiered:0.5",

@@ -1,0 +1,274 @@
+/* Budgeted eviction on the CPU runner (evict_driver.h over the kvmix-backed cache, kvmix_kv.h)
+ * with kvm-small on the first eval-dev traces, each cut to TEXT_TOKENS ids, the requests found by
+ * examples/specs/kvm-byte.json:
+ *   - what the cache records is what the runner computed: the summed queries equal the queries a
+ *     capture wrapper saw (bit for bit), and the recorded attention of a step is one softmax per
+ *     q head and layer (it sums to n_heads * n_layers per step);
+ *   - intent at 50%, on each trace: positions are evicted (evicted_tokens > 0, and exactly as
+ *     many positions have no slot at the end), the protected prefix and every request's user
+ *     message survive, bits per token is finite and within 2% of the same run without eviction;
+ *   - intent at 100% evicts nothing and gives the run without eviction bit for bit;
+ *   - query, streaming, h2o and snapkv at 50% on one trace evict, keep the forced set and stay
+ *     within 2%.
+ * Usage: model_test_evict [SHARED_DIR] (default ../shared), run from the repository root.
+ * Prints one line per failed check and "N passed, N failed"; exits nonzero on any failure. */
+#define _POSIX_C_SOURCE 200809L /* model_check.h's popen */
+#include "evict_driver.h"
+#include "kvmix_kv.h"
+#include "llama.h"
+#include "model_check.h"
+#include "tag_spec_json.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <string.h>
+
+/* Long enough that each trace's first user message (from position ~660) runs and is evicted at,
+   short enough for the sanitizers. */
+enum { TEXT_TOKENS = 1000, N_TRACES = 3, PREFIX_TOKENS = 4 };
+
+typedef struct text {
+    int32_t *ids;
+    int64_t n;
+} text;
+
+/* One run of the policy's cache over a text, evicting when d is not NULL. */
+typedef struct run {
+    llama_runner *runner;
+    llama_kv_cache cache;
+    evict_driver *d;
+    evict_seq s;
+    evict_request requests[16];
+    int32_t n_requests;
+} run;
+
+static llama_result before_step(void *user, int64_t pos, char *err, size_t err_bytes) {
+    run *r = user;
+    evict_backend b = evict_backend_cpu(&r->cache);
+    return evict_before_step(r->d, &r->s, &b, (int32_t)pos, err, err_bytes);
+}
+
+/* The first n traces of eval-dev, <|endoftext|> first, cut to TEXT_TOKENS ids. */
+static bool load_traces(const char *path, const llama_tokenizer *tok, text *out, int32_t n) {
+    FILE *f = fopen(path, "rb");
+    static char line[1 << 20];
+    int32_t got = 0;
+    while (f != NULL && got < n && fgets(line, sizeof line, f) != NULL) {
+        cJSON *obj = cJSON_ParseWithLengthOpts(line, strlen(line), NULL, 0);
+        const cJSON *kind = cJSON_GetObjectItemCaseSensitive(obj, "kind");
+        const cJSON *body = cJSON_GetObjectItemCaseSensitive(obj, "text");
+        if (cJSON_IsString(kind) && strcmp(kind->valuestring, "trace") == 0 &&
+            cJSON_IsString(body)) {
+            size_t len = strlen(body->valuestring);
+            int64_t m = 0;
+            out[got].ids = malloc((len + 1) * sizeof *out[got].ids);
+            out[got].ids[0] = llama_special_id(tok, "<|endoftext|>");
+            llama_tokenize(tok, body->valuestring, len, out[got].ids + 1, &m);
+            out[got++].n = m + 1 < TEXT_TOKENS ? m + 1 : TEXT_TOKENS;
+        }
+        cJSON_Delete(obj);
+    }
+    if (f != NULL) fclose(f);
+    return got == n;
+}
+
+/* fp16 with an "evict" of this scorer and budget (scorer 0: none), resolved for the model. */
+static kvmix_policy evict_policy(const llama_config *c, int32_t scorer, double budget) {
+    kvmix_policy p = *kvmix_kv_policy_builtin("fp16"), out;
+    if (scorer != 0) {
+        kvmix_evict_policy ev = {scorer, 0, budget, 0.0, PREFIX_TOKENS, 64, 32, 0};
+        ev.decay = scorer == KVMIX_EVICT_INTENT ? 0.25 : 0.0;
+        p.evict = ev;
+    }
+    char err[256];
+    if (!CHECK(kvmix_kv_policy_resolve(&p, c->head_dim, &out, err, sizeof err) == LLAMA_OK))
+        printf("  %s\n", err);
+    return out;
+}
+
+/* Scores t with the policy's cache, evicting as it says; *stats what eviction did, r->cache left
+   holding the text (the caller destroys it). False when something failed. */
+static bool run_text(run *r, const llama_model *m, const kvmix_tag_spec *spec,
+                     const kvmix_policy *p, const text *t, llama_score *score, evict_stats *stats) {
+    char err[512] = "";
+    float mass[TEXT_TOKENS];
+    llama_step_hook hook = {before_step, r};
+    bool evicting = p->evict.scorer != 0;
+    memset(stats, 0, sizeof *stats);
+    memset(score, 0, sizeof *score);
+    r->d = NULL;
+    llama_result lr = kvmix_kv_create(p, &m->config, TEXT_TOKENS, &r->cache, err, sizeof err);
+    if (lr == LLAMA_OK && evicting)
+        lr = evict_driver_create(&p->evict, &m->config, 1, TEXT_TOKENS, &r->d, err, sizeof err);
+    if (lr == LLAMA_OK && evicting)
+        lr = evict_plan(spec, t->ids, t->n, r->requests, 16, &r->n_requests, err, sizeof err);
+    if (lr == LLAMA_OK && evicting) {
+        r->s.mass = mass;
+        evict_seq_start(r->d, &r->s, t->ids, r->requests, r->n_requests);
+    }
+    if (lr == LLAMA_OK)
+        lr = llama_score_sequence_hooked(r->runner, &r->cache, t->ids, t->n, NULL, NULL, NULL,
+                                         evicting ? &hook : NULL, score, err, sizeof err);
+    if (lr == LLAMA_OK && evicting) {
+        evict_backend b = evict_backend_cpu(&r->cache);
+        evict_seq_end(r->d, &r->s, &b);
+        evict_driver_stats(r->d, stats);
+    }
+    evict_driver_free(r->d);
+    if (!CHECK_MSG(lr == LLAMA_OK, err)) return false;
+    return true;
+}
+
+/* Positions [0, n) of the cache's sequence without a slot (evicted). */
+static int64_t dead_positions(const llama_kv_cache *cache, int64_t n, uint8_t *dead) {
+    int32_t seq = -1;
+    const kvmix_cache *c = kvmix_kv_inner(cache, &seq);
+    int64_t n_dead = 0;
+    for (int64_t t = 0; t < n; t++) {
+        uint32_t slot = KVMIX_CACHE_DEAD_SLOT;
+        kvmix_cache_locate(c, seq, (int32_t)t, &slot);
+        dead[t] = slot == KVMIX_CACHE_DEAD_SLOT;
+        n_dead += dead[t];
+    }
+    return n_dead;
+}
+
+/* The forced set survived: the prefix and every request's user message. */
+static bool forced_kept(const run *r, const uint8_t *dead) {
+    for (int32_t t = 0; t < PREFIX_TOKENS; t++)
+        if (dead[t]) return false;
+    for (int32_t i = 0; i < r->n_requests; i++)
+        for (int32_t t = r->requests[i].first; t < r->requests[i].end; t++)
+            if (dead[t]) return false;
+    return true;
+}
+
+/* One evicting run against the run without eviction (bits): evicted, forced set kept, close. */
+static void check_evicting(run *r, const llama_model *m, const kvmix_tag_spec *spec, int32_t scorer,
+                           const text *t, double bits) {
+    kvmix_policy p = evict_policy(&m->config, scorer, 0.5);
+    llama_score score;
+    evict_stats st;
+    uint8_t dead[TEXT_TOKENS];
+    char what[256];
+    if (!run_text(r, m, spec, &p, t, &score, &st)) return;
+    double got = score.bits / (double)score.n_scored;
+    int64_t n_dead = dead_positions(&r->cache, t->n - 1, dead);
+    snprintf(what, sizeof what,
+             "%s 50%%: %lld requests, %lld evicted (%lld dead), %.6f bits/token against %.6f",
+             kvmix_evict_scorer_name(scorer), (long long)r->n_requests,
+             (long long)st.evicted_tokens, (long long)n_dead, got, bits);
+    CHECK_MSG(r->n_requests > 0 && st.n_evictions > 0 && st.evicted_tokens > 0, what);
+    CHECK_MSG(n_dead == st.evicted_tokens, what);
+    CHECK_MSG(forced_kept(r, dead), what);
+    CHECK_MSG(isfinite(got) && fabs(got - bits) <= 0.02 * bits, what);
+    CHECK_MSG(st.bytes_freed > 0 && st.n_seqs == 1, what);
+    r->cache.destroy(r->cache.state);
+}
+
+/* Intent at 50% and 100% on each trace, against the run without eviction. */
+static void test_intent(run *r, const llama_model *m, const kvmix_tag_spec *spec, const text *t) {
+    kvmix_policy none = evict_policy(&m->config, 0, 1.0);
+    kvmix_policy all = evict_policy(&m->config, KVMIX_EVICT_INTENT, 1.0);
+    llama_score base, kept;
+    evict_stats st;
+    if (!run_text(r, m, spec, &none, t, &base, &st)) return;
+    r->cache.destroy(r->cache.state);
+    double bits = base.bits / (double)base.n_scored;
+    check_evicting(r, m, spec, KVMIX_EVICT_INTENT, t, bits);
+    if (!run_text(r, m, spec, &all, t, &kept, &st)) return;
+    CHECK(st.n_evictions == 0 && st.evicted_tokens == 0 && st.n_seqs == 1);
+    CHECK(kept.bits == base.bits && kept.n_scored == base.n_scored);
+    r->cache.destroy(r->cache.state);
+}
+
+/* Every other scorer at 50% on one trace. */
+static void test_scorers(run *r, const llama_model *m, const kvmix_tag_spec *spec, const text *t) {
+    kvmix_policy none = evict_policy(&m->config, 0, 1.0);
+    llama_score base;
+    evict_stats st;
+    if (!run_text(r, m, spec, &none, t, &base, &st)) return;
+    r->cache.destroy(r->cache.state);
+    const int32_t scorers[] = {KVMIX_EVICT_QUERY, KVMIX_EVICT_STREAMING, KVMIX_EVICT_H2O,
+                               KVMIX_EVICT_SNAPKV};
+    for (size_t i = 0; i < sizeof scorers / sizeof scorers[0]; i++)
+        check_evicting(r, m, spec, scorers[i], t, base.bits / (double)base.n_scored);
+}
+
+/* Records queries and attention from the first step (reset() cleared what was set before). */
+static llama_result observe_all(void *user, int64_t pos, char *err, size_t err_bytes) {
+    (void)err, (void)err_bytes;
+    return pos == 0 ? kvmix_kv_observe(user, KVMIX_KV_OBSERVE_QUERIES | KVMIX_KV_OBSERVE_ATTENTION)
+                    : LLAMA_OK;
+}
+
+/* The recording against a capture of the same steps: queries summed bit for bit (in the order
+   the steps ran), attention one softmax per q head and layer a step. */
+static void test_recording(llama_runner *runner, const llama_model *m, const text *t) {
+    const llama_config *c = &m->config;
+    enum { STEPS = 200 };
+    int32_t n_queries = 0;
+    size_t q_floats = (size_t)c->n_layers * c->n_heads * c->head_dim;
+    kvmix_policy p = evict_policy(c, 0, 1.0);
+    llama_kv_cache cache, wrapped;
+    llama_capture cap;
+    llama_step_hook hook = {observe_all, &cache};
+    llama_score score = {0};
+    float *sum = calloc(q_floats, sizeof *sum), *want = calloc(q_floats, sizeof *want);
+    float attention[STEPS];
+    double total = 0;
+    char err[256] = "";
+    if (!CHECK(kvmix_kv_create(&p, c, TEXT_TOKENS, &cache, err, sizeof err) == LLAMA_OK)) return;
+    CHECK(llama_capture_init(&cap, c, STEPS) == LLAMA_OK);
+    CHECK(llama_kv_capture_wrap(&cache, &cap, &wrapped) == LLAMA_OK);
+    CHECK(llama_score_sequence_hooked(runner, &wrapped, t->ids, STEPS + 1, NULL, NULL, NULL, &hook,
+                                      &score, err, sizeof err) == LLAMA_OK);
+    CHECK(kvmix_kv_observed_take(&cache, sum, &n_queries, attention) == LLAMA_OK);
+    for (int32_t l = 0; l < c->n_layers; l++)
+        for (int32_t s = 0; s < STEPS; s++)
+            for (size_t i = 0; i < (size_t)c->n_heads * c->head_dim; i++)
+                want[(size_t)l * c->n_heads * c->head_dim + i] +=
+                    cap.q[((size_t)l * STEPS + s) * c->n_heads * c->head_dim + i];
+    for (int32_t s = 0; s < STEPS; s++) total += attention[s];
+    CHECK(n_queries == STEPS);
+    CHECK(memcmp(sum, want, q_floats * sizeof *sum) == 0);
+    CHECK(fabs(total - (double)STEPS * c->n_heads * c->n_layers) <= 1e-3 * STEPS);
+    /* taken: nothing recorded is left */
+    CHECK(kvmix_kv_observed_take(&cache, sum, &n_queries, attention) == LLAMA_OK);
+    CHECK(n_queries == 0 && sum[0] == 0.0f && attention[0] == 0.0f);
+    CHECK(kvmix_kv_observe(&cache, 4) == LLAMA_ERR_ARGUMENT);
+    wrapped.destroy(wrapped.state);
+    llama_capture_free(&cap);
+    cache.destroy(cache.state);
+    free(sum), free(want);
+}
+
+int main(int argc, char **argv) {
+    const char *shared = argc > 1 ? argv[1] : "../shared";
+    char model_path[512], data_path[512], err[512] = "";
+    snprintf(model_path, sizeof model_path, "%s/models/kvm-small.safetensors", shared);
+    snprintf(data_path, sizeof data_path, "%s/data/eval-dev.jsonl", shared);
+    static tag_spec_doc spec;
+    llama_model model;
+    llama_runner runner;
+    text traces[N_TRACES];
+    if (!CHECK_MSG(llama_model_load(model_path, &model, err, sizeof err) == LLAMA_OK, err) ||
+        !CHECK(tag_spec_load("examples/specs/kvm-byte.json", &spec, err, sizeof err) ==
+               KVMIX_SUCCESS) ||
+        !CHECK(load_traces(data_path, &model.tokenizer, traces, N_TRACES)) ||
+        !CHECK(llama_runner_init(&runner, &model, 2, err, sizeof err) == LLAMA_OK)) {
+        printf("%d passed, %d failed\n", n_passed, n_failed);
+        return 1;
+    }
+    run r;
+    memset(&r, 0, sizeof r);
+    r.runner = &runner;
+    test_recording(&runner, &model, &traces[0]);
+    for (int32_t i = 0; i < N_TRACES; i++) test_intent(&r, &model, &spec.spec, &traces[i]);
+    test_scorers(&r, &model, &spec.spec, &traces[1]);
+    for (int32_t i = 0; i < N_TRACES; i++) free(traces[i].ids);
+    llama_runner_free(&runner);
+    llama_model_free(&model);
+    printf("%d passed, %d failed\n", n_passed, n_failed);
+    return n_failed == 0 ? 0 : 1;
+}
