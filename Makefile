@@ -42,7 +42,7 @@ FUZZ_RUNS ?= 20000
 FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation probe
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate \
-	$(BUILD)/model_test_probe $(BUILD)/model_test_evict
+	$(BUILD)/model_test_probe $(BUILD)/model_test_evict $(BUILD)/model_test_eval
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
 	pd-transfer
@@ -66,14 +66,16 @@ $(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 # ---- reference-model runner and quality harness ----------------------------------------------
 EVAL_TAG_SRC := examples/tag_spec_json.c examples/tag_allocation.c
 TRANSFER_SRC := examples/transfer_plan.c
-# The budgeted-eviction driver (over the CPU runner here; evict_gpu.c adds the GPU backend).
+# The budgeted-eviction driver and the hand-over's runner-free parts (over the CPU runner here;
+# evict_gpu.c and transfer_gpu.c add the GPU's).
 EVICT_SRC := examples/evict_driver.c
+HANDOVER_SRC := examples/transfer_driver.c
 $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(TRANSFER_SRC) \
-		$(EVICT_SRC) examples/evict_driver.h examples/tag_allocation.h examples/tag_spec_json.h \
-		| $(BUILD)
+		$(EVICT_SRC) $(HANDOVER_SRC) examples/evict_driver.h examples/transfer_driver.h \
+		examples/tag_allocation.h examples/tag_spec_json.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_eval.c \
-		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) $(TRANSFER_SRC) $(EVICT_SRC) -o $@ \
-		$(EVAL_LDLIBS)
+		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) $(TRANSFER_SRC) $(EVICT_SRC) \
+		$(HANDOVER_SRC) -o $@ $(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
 
@@ -187,6 +189,11 @@ $(BUILD)/kvmix-probe: examples/kvmix_probe.c examples/tier_probe.c examples/tier
 		examples/tier_probe.c examples/tag_spec_json.c examples/llama.c examples/kvmix_kv.c \
 		$(TRANSFER_SRC) -o $@ $(EVAL_LDLIBS)
 
+# The CPU runner's hand-over and eviction through build/kvmix-eval's command line.
+$(BUILD)/model_test_eval: tests/test_eval.c tests/model_check.h $(BUILD)/kvmix-eval | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_eval.c -o $@ \
+		-lcjson -lm
+
 $(BUILD)/model_test_probe: tests/test_probe.c tests/model_check.h $(BUILD)/kvmix-probe | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_probe.c -o $@
 
@@ -230,12 +237,13 @@ $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_
 
 $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o examples/evict_driver.c examples/evict_driver.h examples/evict_gpu.c \
-		$(TRANSFER_SRC) \
-		examples/transfer_driver.c examples/transfer_driver.h examples/transfer_plan.h | $(BUILD)
+		$(TRANSFER_SRC) examples/transfer_driver.c examples/transfer_driver.h examples/transfer_gpu.c \
+		examples/transfer_plan.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_EVAL_CUDA -I. -Iexamples -c examples/kvmix_eval.c -o $(BUILD)/eval_cuda_main.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_driver.c -o $(BUILD)/eval_cuda_evict.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_gpu.c -o $(BUILD)/eval_cuda_evict_gpu.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/transfer_driver.c -o $(BUILD)/eval_cuda_transfer.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/transfer_gpu.c -o $(BUILD)/eval_cuda_transfer_gpu.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/transfer_plan.c -o $(BUILD)/eval_cuda_plan.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/llama.c -o $(BUILD)/eval_cuda_llama.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/kvmix_kv.c -o $(BUILD)/eval_cuda_kv.o
@@ -244,7 +252,8 @@ $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TA
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/tag_allocation.c -o $(BUILD)/eval_cuda_alloc.o
 	$(NVCC) $(BUILD)/eval_cuda_main.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
 		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/eval_cuda_evict.o \
-		$(BUILD)/eval_cuda_evict_gpu.o $(BUILD)/eval_cuda_transfer.o $(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o \
+		$(BUILD)/eval_cuda_evict_gpu.o $(BUILD)/eval_cuda_transfer.o \
+		$(BUILD)/eval_cuda_transfer_gpu.o $(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
 # It runs build/kvmix-eval and build/kvmix-eval-cuda as the CPU and GPU runners' whole-trace oracle.

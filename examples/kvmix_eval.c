@@ -73,7 +73,7 @@
  * accuracy, agreement and mean cross-entropy (bits) of the answer tokens of the turns whose user
  * message starts with "Earlier" (the traces' questions about an earlier tool result).
  *
- * --transfer MODE:B[:LAMBDA] (--device cuda) hands each text over once, as a prefill worker
+ * --transfer MODE:B[:LAMBDA] hands each text over once, as a prefill worker
  * hands its cache to a decode worker (transfer_driver.h): at the end of the first user message
  * that ends at or after half the text (with --tag-spec; else at half), the sequence's rows go
  * through transfer payloads at budget B with the tiers of MODE (transfer_plan.h: tiered, with
@@ -90,7 +90,7 @@
 #include "tag_spec_json.h"
 
 #include "evict_driver.h"
-#include "transfer_driver.h" /* its stats type; its functions are the GPU build's */
+#include "transfer_driver.h" /* transfer_sequence is the GPU build's */
 #ifdef KVMIX_EVAL_CUDA
 #include "gpu_llama.h"
 #endif
@@ -121,7 +121,7 @@ typedef struct options {
     int64_t batch;                 /* texts at once on the GPU */
     const char *tag_spec_path;     /* the template's tags: for --allocation, for eviction */
     const char *allocation_path;   /* store tokens by their tags (needs tag_spec_path) */
-    const char *transfer;          /* MODE:B[:LAMBDA]: a hand-over per text (GPU) */
+    const char *transfer;          /* MODE:B[:LAMBDA]: a hand-over per text */
     const char *tops_path;         /* each scored position's top-1, a line per text */
     const char *evict_log;         /* every eviction's positions written there */
 } options;
@@ -225,8 +225,8 @@ static bool parse_options(int argc, char **argv, options *o) {
         fprintf(stderr, "kvmix-eval: --allocation needs --tag-spec\n");
         return false;
     }
-    if (o->transfer != NULL && (!o->cuda || o->allocation_path != NULL)) {
-        fprintf(stderr, "kvmix-eval: --transfer runs on --device cuda, without --allocation\n");
+    if (o->transfer != NULL && o->allocation_path != NULL) {
+        fprintf(stderr, "kvmix-eval: --transfer runs without --allocation\n");
         return false;
     }
     if (o->cuda && o->capture_dir != NULL) {
@@ -383,6 +383,9 @@ typedef struct eval {
     evict_request *requests; /* [context + 1]: its user turns' messages */
     int64_t text_index;      /* of the text running, in the selection */
     FILE *evict_log;         /* --evict-log */
+    int64_t transfer_at;     /* --transfer on the CPU: where the text running is handed over */
+    llama_score *score;      /* the totals the text running adds to */
+    llama_score score_at_transfer; /* *score when it was handed over */
     char err[ERR_BYTES];
 } eval;
 
@@ -430,12 +433,80 @@ static bool write_tops(eval *e, const int32_t *tops, int64_t n) {
     return true;
 }
 
-/* Before each token of an evicting text: the driver over the policy's cache (not a capture's
-   wrapper: the kvmix cache itself records). */
-static llama_result evict_step(void *user, int64_t pos, char *err, size_t err_bytes) {
+/* --transfer on the CPU runner: the text's n rows leave the policy's cache through the payloads
+   (transfer_send) into a fresh cache of the policy, which goes on: as transfer_sequence on the
+   GPU. The positions not sent are evicted there. */
+static llama_result cpu_hand_over(eval *e, int32_t n, char *err, size_t err_bytes) {
+    const llama_config *c = &e->model->config;
+    size_t row = (size_t)c->n_kv_heads * (size_t)c->head_dim,
+           floats = (size_t)c->n_layers * n * row;
+    float *keys = malloc((floats > 0 ? floats : 1) * sizeof *keys);
+    float *values = malloc((floats > 0 ? floats : 1) * sizeof *values);
+    float *attention = calloc((size_t)(n > 0 ? n : 1), sizeof *attention);
+    uint8_t *tiers = malloc((size_t)(n > 0 ? n : 1));
+    int32_t *gone = malloc((size_t)(n > 0 ? n : 1) * sizeof *gone), n_gone = 0;
+    transfer_setup setup = e->transfer;
+    setup.seed = (uint64_t)e->text_index; /* as the GPU runner draws random tiers per text */
+    llama_result r = keys && values && attention && tiers && gone
+                         ? LLAMA_OK
+                         : llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "transfer: out of memory");
+    if (r == LLAMA_OK) r = kvmix_kv_rows_read(&e->cache, n, keys, values);
+    if (r == LLAMA_OK && setup.mode == TRANSFER_TIERED)
+        r = kvmix_kv_observed_take(&e->cache, NULL, NULL, attention);
+    if (r == LLAMA_OK)
+        r = transfer_send(c, &setup, attention, keys, values, n, tiers, &e->transfer_stats, err,
+                          err_bytes);
+    if (r == LLAMA_OK) { /* the receiver */
+        e->cache.destroy(e->cache.state);
+        r = kvmix_kv_create(&e->policy, c, (int64_t)c->context + 1, &e->cache, err, err_bytes);
+        if (r != LLAMA_OK) memset(&e->cache, 0, sizeof e->cache);
+    }
+    for (int32_t l = 0; r == LLAMA_OK && l < c->n_layers; l++)
+        r = kvmix_kv_ingest(&e->cache, l, 0, n, keys + (size_t)l * n * row,
+                            values + (size_t)l * n * row);
+    if (r == LLAMA_OK) transfer_dropped(tiers, n, gone, &n_gone);
+    if (r == LLAMA_OK && n_gone > 0) r = kvmix_kv_evict(&e->cache, gone, n_gone);
+    if (r != LLAMA_OK && err[0] == 0)
+        snprintf(err, err_bytes, "transfer: %s", llama_result_string(r));
+    free(keys), free(values), free(attention), free(tiers), free(gone);
+    return r;
+}
+
+/* Before each token of a text on the CPU runner: the eviction driver over the policy's cache (not
+   a capture's wrapper: the kvmix cache itself records), or the hand-over (--transfer). */
+static llama_result cpu_before_step(void *user, int64_t pos, char *err, size_t err_bytes) {
     eval *e = user;
-    evict_backend b = evict_backend_cpu(&e->cache);
-    return evict_before_step(e->evict, &e->evict_seq, &b, (int32_t)pos, err, err_bytes);
+    if (e->evict) {
+        evict_backend b = evict_backend_cpu(&e->cache);
+        return evict_before_step(e->evict, &e->evict_seq, &b, (int32_t)pos, err, err_bytes);
+    }
+    if (!e->transferring) return LLAMA_OK;
+    llama_result r = LLAMA_OK;
+    if (pos == 0 && e->transfer.mode == TRANSFER_TIERED) /* the prefill's attention, recorded */
+        r = kvmix_kv_observe(&e->cache, KVMIX_KV_OBSERVE_ATTENTION);
+    if (r != LLAMA_OK || pos != e->transfer_at) return r;
+    e->score_at_transfer = *e->score;
+    err[0] = 0;
+    return cpu_hand_over(e, (int32_t)pos, err, err_bytes);
+}
+
+/* The scores of positions from the hand-over on: what the text added since. */
+static void add_after(llama_score *after, const llama_score *now, const llama_score *then) {
+    after->bits += now->bits - then->bits;
+    after->n_scored += now->n_scored - then->n_scored;
+    after->n_answer += now->n_answer - then->n_answer;
+    after->n_answer_correct += now->n_answer_correct - then->n_answer_correct;
+    after->n_answer_agree += now->n_answer_agree - then->n_answer_agree;
+}
+
+/* A text to hand over starts: where, by its requests (the tags' user messages; else half). */
+static llama_result transfer_text_start(eval *e, int64_t n) {
+    int32_t n_requests = 0;
+    if (e->tag_doc && evict_plan(&e->tag_doc->spec, e->ids, n, e->requests, (int32_t)n, &n_requests,
+                                 e->err, sizeof e->err) != LLAMA_OK)
+        return LLAMA_ERR_ARGUMENT;
+    e->transfer_at = transfer_point(e->requests, n_requests, n - 1);
+    return LLAMA_OK;
 }
 
 /* An evicting text starts: its requests found by the tags. */
@@ -450,7 +521,8 @@ static llama_result evict_text_start(eval *e, int64_t n) {
 
 static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals *t) {
     const llama_model *m = e->model;
-    llama_step_hook hook = {evict_step, e};
+    llama_step_hook hook = {cpu_before_step, e};
+    bool hooked = e->evict || e->transferring;
     llama_mark_answer_tokens(&m->tokenizer, e->ids, n, e->mask);
     llama_score ignored = {0};
     llama_result r = LLAMA_OK;
@@ -461,11 +533,15 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
                                  &ignored, e->err, sizeof e->err);
     int32_t *own_argmax = e->separate_reference ? e->tops : e->ref_argmax;
     if (r == LLAMA_OK && e->evict) r = evict_text_start(e, n);
+    if (r == LLAMA_OK && e->transferring) r = transfer_text_start(e, n);
+    e->score = &t->score;
+    e->score_at_transfer = t->score;
     if (r == LLAMA_OK)
         r = llama_score_sequence_hooked(&e->runner, cache, e->ids, n, e->mask, own_argmax,
-                                        e->ref_argmax, e->evict ? &hook : NULL, &t->score, e->err,
+                                        e->ref_argmax, hooked ? &hook : NULL, &t->score, e->err,
                                         sizeof e->err);
     if (r != LLAMA_OK) return r;
+    if (e->transferring) add_after(&t->after, &t->score, &e->score_at_transfer);
     if (!write_tops(e, own_argmax, n - 1)) return LLAMA_ERR_FORMAT;
     if (e->evict) {
         evict_backend b = evict_backend_cpu(&e->cache);
@@ -555,6 +631,8 @@ static llama_result run_texts(eval *e, const texts *list, totals *t) {
         progress_show(&prog, i + 1, t->score.n_scored);
     }
     progress_show(&prog, list->n, t->score.n_scored);
+    t->transferring = e->transferring;
+    t->transfer = e->transfer_stats;
     return LLAMA_OK;
 }
 
@@ -924,7 +1002,6 @@ static void add_gpu_figures(cJSON *obj, const totals *t) {
                        ratio_or_nan(t->recall.n_answer_agree, t->recall.n_answer));
     add_number_or_null(recall, "answer_bits_per_token",
                        t->recall.n_answer > 0 ? t->recall.bits / (double)t->recall.n_answer : NAN);
-    if (t->transferring) add_transfer_figures(obj, t);
 }
 
 /* What eviction did (either runner). */
@@ -986,6 +1063,7 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
                            t->packed_tokens > 0 ? t->assigned_bits_sum / (double)t->packed_tokens
                                                 : NAN);
     if (t->gpu) add_gpu_figures(obj, t);
+    if (t->transferring) add_transfer_figures(obj, t);
     if (t->evicting) add_eviction_figures(obj, t);
     cJSON_AddNumberToObject(obj, "threads", o->n_threads);
     cJSON_AddNumberToObject(obj, "seconds", seconds);
@@ -1167,7 +1245,12 @@ static llama_result transfer_init(eval *e, const options *o) {
     e->transfer.n_sink = SINK_POSITIONS;
     e->transfer.allow_int4 = 1;
     e->transferring = true;
-    return LLAMA_OK;
+    if (o->cuda || e->requests) return LLAMA_OK;
+    /* the CPU runner finds each text's hand-over point by its requests */
+    e->requests = malloc(((size_t)e->model->config.context + 1) * sizeof *e->requests);
+    if (e->requests) return LLAMA_OK;
+    snprintf(e->err, sizeof e->err, "cannot allocate the transfer's buffers");
+    return LLAMA_ERR_MEMORY;
 }
 
 static int run(const options *o) {

@@ -352,8 +352,8 @@ static void check_bad_inputs(const llama_model *m) {
 
 /* ---- the CPU runner as the GPU runner's oracle ------------------------------------------------ */
 
-/* A policy kind as the runners take it (kvmix-eval's arguments), and whether the CPU runner runs
-   it (the transfer hand-over is the GPU runner's alone: batch 1 against batch 8 there). */
+/* A policy kind as the runners take it (kvmix-eval's arguments), and whether the CPU runner's
+   figures must match (else batch 1 against batch 8 on the GPU alone). */
 typedef struct runner_arm {
     const char *name, *args;
     bool cpu;
@@ -404,6 +404,10 @@ static double relative_gap(double a, double b) { return fabs(a - b) / fabs(b); }
    bits per token to float-summation noise (1e-4 relative: the decode kernel's split count follows
    the batch) and top-1 at >= 99.9%. */
 static void check_runners_agree(const char *shared) {
+    /* INT2 keys that the runners store one FP16 step apart move a budget's edge (which positions
+       an eviction keeps, which tier a position travels in), and a changed decision moves the
+       figures more than the step itself: the decisions are checked on FP16 caches, the INT2
+       arms at two batch sizes */
     static const runner_arm arms[] = {
         {"fixed INT2", "--policy kivi2", true},
         {"tri-axial", /* texts 2-4 hold 2, 3 and 3 user turns: pages re-tier at each new one */
@@ -411,12 +415,16 @@ static void check_runners_agree(const char *shared) {
          "--allocation bench/triaxial/kvm-small-p32-runs-each-b3.5.json",
          true},
         {"intent eviction",
+         "--policy examples/policies/fp16-intent-50.json --tag-spec examples/specs/kvm-byte.json",
+         true},
+        {"INT2 eviction",
          "--policy examples/policies/kivi2-sink-intent-50.json "
          "--tag-spec examples/specs/kvm-byte.json",
+         false},
+        {"transfer", "--policy fp16 --tag-spec examples/specs/kvm-byte.json --transfer tiered:0.5",
          true},
-        {"transfer",
-         "--policy kivi2-sink --tag-spec examples/specs/kvm-byte.json "
-         "--transfer tiered:0.5",
+        {"INT2 transfer",
+         "--policy kivi2-sink --tag-spec examples/specs/kvm-byte.json --transfer tiered:0.5",
          false},
     };
     for (size_t i = 0; i < sizeof arms / sizeof arms[0]; i++) {

@@ -1,0 +1,112 @@
+/* The CPU runner's hand-over and eviction from the command line (examples/kvmix_eval.c) on one
+ * kvm-small trace of SHARED/data/eval-dev.jsonl:
+ *   - --transfer int8:1 sends every position at INT8 (the "transfer" object counts them, its
+ *     realized budget is INT8's) and the positions after it are scored;
+ *   - --transfer tiered:0.5 keeps to its budget with all three tiers of the kvm-small probe;
+ *   - a policy that evicts half of each request's history evicts ("eviction" object) and
+ *     --evict-log holds a line per eviction;
+ *   - --transfer refuses an evicting policy and an allocation.
+ * The GPU runner's figures against these are tests/test_gpu_llama.c's.
+ * Usage: test_eval SHARED_DIR (from the repository root). Prints "N passed, N failed". */
+#define _POSIX_C_SOURCE 200809L
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef BUILD_DIR
+#define BUILD_DIR "build"
+#endif
+#define TOOL BUILD_DIR "/kvmix-eval"
+#define LOG  BUILD_DIR "/.test-eval.log"
+
+#include "model_check.h"
+
+/* kvmix-eval over trace 2 with args: its JSON (NULL when it failed), its exit status in *status. */
+static cJSON *run(const char *shared, const char *args, int *status) {
+    char cmd[2048], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             TOOL " --model %s/models/kvm-small.safetensors --data %s/data/eval-dev.jsonl "
+                  "--kind trace --offset 2 --limit 1 --tag-spec examples/specs/kvm-byte.json %s "
+                  "2>/dev/null",
+             shared, shared, args);
+    *status = run_command_exit(cmd, &out);
+    cJSON *doc = *status == 0 && out ? cJSON_Parse(out) : NULL;
+    free(out);
+    return doc;
+}
+
+static double number(const cJSON *doc, const char *object, const char *field) {
+    const cJSON *o = object ? cJSON_GetObjectItemCaseSensitive(doc, object) : doc;
+    const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, field);
+    return cJSON_IsNumber(x) ? x->valuedouble : NAN;
+}
+
+static void check_transfers(const char *shared) {
+    int status = -1;
+    cJSON *doc = run(shared, "--policy kivi2-sink --transfer int8:1", &status);
+    CHECK_MSG(doc, "--transfer int8:1 runs");
+    double sent = number(doc, "transfer", "n_tokens_sent");
+    CHECK(number(doc, "transfer", "n_transfers") == 1 && sent > 100);
+    CHECK(number(doc, "transfer", "n_int8") == sent && number(doc, "transfer", "n_fp16") == 0);
+    /* INT8 rows with a scale and minimum per group of 32, against FP16 rows */
+    double budget = number(doc, "transfer", "realized_budget");
+    CHECK(budget > 0.5 && budget < 0.6);
+    const cJSON *after = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(doc, "transfer"), "after");
+    CHECK(number(after, NULL, "n_tokens") > 0 && isfinite(number(after, NULL, "bits_per_token")));
+    cJSON_Delete(doc);
+
+    doc = run(shared, "--policy kivi2-sink --transfer tiered:0.5", &status);
+    CHECK_MSG(doc, "--transfer tiered:0.5 runs");
+    sent = number(doc, "transfer", "n_tokens_sent");
+    /* the tiers fill the budget; payload headers add about 0.1% */
+    CHECK(sent > 100 && number(doc, "transfer", "realized_budget") <= 0.51);
+    CHECK(number(doc, "transfer", "n_fp16") > 0 && number(doc, "transfer", "n_int8") > 0 &&
+          number(doc, "transfer", "n_int4") > 0);
+    CHECK(number(doc, "transfer", "n_fp16") + number(doc, "transfer", "n_int8") +
+              number(doc, "transfer", "n_int4") ==
+          sent);
+    CHECK(isfinite(number(doc, NULL, "bits_per_token")));
+    cJSON_Delete(doc);
+
+    CHECK(
+        !run(shared, "--policy examples/policies/fp16-intent-50.json --transfer int8:1", &status) &&
+        status == 1);
+    CHECK(!run(shared,
+               "--policy fp16 --transfer int8:1 --allocation "
+               "bench/triaxial/kvm-small-p32-runs-each-b3.5.json",
+               &status) &&
+          status == 2);
+}
+
+static void check_eviction(const char *shared) {
+    int status = -1;
+    remove(LOG);
+    cJSON *doc =
+        run(shared, "--policy examples/policies/fp16-intent-50.json --evict-log " LOG, &status);
+    CHECK_MSG(doc, "an evicting policy runs on the CPU");
+    double evictions = number(doc, "eviction", "n_evictions");
+    CHECK(evictions >= 1 && number(doc, "eviction", "evicted_tokens") > 0);
+    CHECK(isfinite(number(doc, NULL, "bits_per_token")));
+    char *log = read_file(LOG, NULL);
+    int lines = 0;
+    for (const char *at = log; at && (at = strstr(at, "\"positions\": [")) != NULL; at++) lines++;
+    CHECK(lines == (int)evictions);
+    free(log);
+    cJSON_Delete(doc);
+    remove(LOG);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 2) {
+        fprintf(stderr, "usage: test_eval SHARED_DIR\n");
+        return 2;
+    }
+    check_transfers(argv[1]);
+    check_eviction(argv[1]);
+    printf("%d passed, %d failed\n", n_passed, n_failed);
+    return n_failed == 0 ? 0 : 1;
+}
