@@ -8,16 +8,18 @@
    Random bytes rarely make a view that gets past the first check, so the input drives a valid
    view and then damages it:
      0     sequences      1 + b % 3; mutations applied at most (b >> 2) % 8
-     1     kv heads       1 + b % 2; q heads per kv head 1 + (b >> 2) % 4
+     1     kv heads       1 + b % 2; q heads per kv head 1 + (b >> 2) % 3
      2     head_dim       32, 64 or 128 (b % 3); n_boost head_dim / 8 or / 4 (b >> 2 & 1)
      3..6  seed           formats, span lengths, dead flags, K/V values, queries
      7..   mutations      4 bytes each: target b0 % 4 (span records, sequence boundaries, dead
                           flags, packed blocks), a 16-bit offset (b1, b2) into it, the new byte b3
    Every array is a heap copy of exactly its size, so AddressSanitizer sees any overread.
-   Work per input is bounded: the spans of all sequences hold at most MAX_VIEW_TOKENS tokens (a
-   span's own length stays 1..MAX_TOKENS, so page and group edges are still crossed), and the
-   blocks are quantized into a static scratch buffer that only the exact-size copy leaves. More
-   tokens would cost quantize and decode time, not reach new code.
+   Work per input is bounded by what the target tests (the view's records against its blocks),
+   not by the sizes: the spans of all sequences hold at most MAX_VIEW_TOKENS tokens (a span's own
+   length stays 1..MAX_TOKENS, so group edges are still crossed), two kv heads place every block
+   by its offset, query groups of 1-3 include an odd one, and the blocks are quantized into a
+   static scratch buffer that only the exact-size copy leaves. Decode and score read every live
+   token for every query head, so more tokens or heads would cost time, not reach new code.
    Invariants (abort on violation): failed calls leave their outputs untouched; a successful
    decode writes finite outputs and an lse that is finite or -infinity; a successful score
    writes no entry past its capacity. */
@@ -33,7 +35,7 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_VIEW_TOKENS = 48, MAX_Q = 12, SCORE_CAPACITY = 64 };
+enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_VIEW_TOKENS = 32, MAX_Q = 12, SCORE_CAPACITY = 64 };
 
 /* Bytes of every block of a view, keys and values of 3 kv heads: FP16 rows (2 bytes an element,
    the most of any format) of MAX_VIEW_TOKENS tokens, and per block up to 8 bytes a channel of
@@ -96,8 +98,8 @@ static void build(fuzz_view *f, const uint8_t *data, int32_t *n_q) {
     int32_t s, i, t, n_spans = 0, n_dead = 0, n_left = MAX_VIEW_TOKENS;
     memset(v, 0, sizeof *v);
     v->n_seqs = 1 + data[0] % 3;
-    v->n_kv_heads = 1 + data[1] % 2; /* two place every block by its offset */
-    *n_q = v->n_kv_heads * (1 + (data[1] >> 2) % 4);
+    v->n_kv_heads = 1 + data[1] % 2;                 /* two place every block by its offset */
+    *n_q = v->n_kv_heads * (1 + (data[1] >> 2) % 3); /* groups of 1, 2, 3 */
     v->head_dim = DIMS[data[2] % 3];
     v->n_boost = v->head_dim / ((data[2] >> 2) & 1 ? 4 : 8);
     fuzz_rng = (uint32_t)data[3] | (uint32_t)data[4] << 8 | (uint32_t)data[5] << 16 |
