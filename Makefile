@@ -147,28 +147,31 @@ $(BUILD)/model_test_calibrate: tests/test_calibrate.c tests/model_check.h kvmix.
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_calibrate.c -o $@ \
 		-lcjson -lm
 
-# Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
+# Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs. gcc leaves
+# float-to-integer overflow out of -fsanitize=undefined (clang has it): named here, so the smoke
+# runs see what the libFuzzer builds see.
+FUZZ_SANITIZE := $(SANITIZE) -fsanitize=float-cast-overflow
 $(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c tests/fuzz_invariants.h tests/fuzz_limits.h \
 		kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(LLAMA_SRC) \
 		| $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
 $(BUILD)/fuzz_allocation_run: tests/fuzz_allocation.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(EVAL_TAG_SRC) \
 		examples/tag_allocation.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_allocation.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_allocation.c \
 		$(EVAL_TAG_SRC) -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_probe_run: tests/fuzz_probe.c tests/fuzz_seed_driver.h tests/fuzz_limits.h examples/tier_probe.c \
 		examples/tier_probe.h examples/tag_spec_json.c | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_probe.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_probe.c \
 		examples/tier_probe.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_tagspec_run: tests/fuzz_tagspec.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(TAG_SRC) | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_tagspec.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_tagspec.c \
 		examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(LLAMA_SRC) $(KV_SRC) \
 		| $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
 		examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
 # The INT4 tolerance probe of a model (needle trials through the CPU runner), its verdict as JSON.
@@ -297,7 +300,8 @@ bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits $(BUILD)/
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60
-LIBFUZZER := clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined \
+# -fno-sanitize-recover: a UBSan report ends the run as a finding (libFuzzer saves the input).
+LIBFUZZER := clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
 	-fsanitize-coverage-ignorelist=tests/fuzz_coverage_ignore.txt -I. -Iexamples
 $(BUILD)/fuzz_%: tests/fuzz_%.c tests/fuzz_invariants.h tests/fuzz_coverage_ignore.txt kvmix.h | $(BUILD)
 	$(LIBFUZZER) $< -o $@ $(LDLIBS)

@@ -450,8 +450,11 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
                            ev->observe_tokens,
                            ev->pool_tokens};
         cJSON_AddStringToObject(e, "scorer", kvmix_evict_scorer_name(ev->scorer));
-        for (int32_t f = 1; f < N_EVICT_FIELDS; f++)
+        for (int32_t f = 1; f < N_EVICT_FIELDS; f++) {
+            /* budget_fraction 0 is no fraction (budget_tokens rules); the reader takes (0, 1] */
+            if (f == 2 && ev->budget_fraction == 0.0) continue;
             cJSON_AddNumberToObject(e, EVICT_FIELDS[f], values[f]);
+        }
     }
     char *text = cJSON_PrintUnformatted(obj);
     cJSON_Delete(obj);
