@@ -35,7 +35,7 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_VIEW_TOKENS = 32, MAX_Q = 12, SCORE_CAPACITY = 64 };
+enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_VIEW_TOKENS = 24, MAX_Q = 12, SCORE_CAPACITY = 64 };
 
 /* Bytes of every block of a view, keys and values of 3 kv heads: FP16 rows (2 bytes an element,
    the most of any format) of MAX_VIEW_TOKENS tokens, and per block up to 8 bytes a channel of
