@@ -159,27 +159,31 @@ $(BUILD)/model_test_calibrate: tests/test_calibrate.c tests/model_check.h kvmix.
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -DBUILD_DIR='"$(BUILD)"' -I. tests/test_calibrate.c -o $@ \
 		-lcjson -lm
 
-# Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs.
-$(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c tests/fuzz_invariants.h kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
-$(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c tests/fuzz_seed_driver.h $(LLAMA_SRC) \
+# Fuzz targets as plain programs (no libFuzzer needed) that run N seeded inputs. gcc leaves
+# float-to-integer overflow out of -fsanitize=undefined (clang has it): named here, so the smoke
+# runs see what the libFuzzer builds see.
+FUZZ_SANITIZE := $(SANITIZE) -fsanitize=float-cast-overflow
+$(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c tests/fuzz_invariants.h tests/fuzz_limits.h \
+		kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
+$(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(LLAMA_SRC) \
 		| $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
 		examples/llama.c -o $@ $(EVAL_LDLIBS)
-$(BUILD)/fuzz_allocation_run: tests/fuzz_allocation.c tests/fuzz_seed_driver.h $(EVAL_TAG_SRC) \
+$(BUILD)/fuzz_allocation_run: tests/fuzz_allocation.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(EVAL_TAG_SRC) \
 		examples/tag_allocation.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_allocation.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_allocation.c \
 		$(EVAL_TAG_SRC) -o $@ $(TAG_LDLIBS)
-$(BUILD)/fuzz_probe_run: tests/fuzz_probe.c tests/fuzz_seed_driver.h examples/tier_probe.c \
+$(BUILD)/fuzz_probe_run: tests/fuzz_probe.c tests/fuzz_seed_driver.h tests/fuzz_limits.h examples/tier_probe.c \
 		examples/tier_probe.h examples/tag_spec_json.c | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_probe.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_probe.c \
 		examples/tier_probe.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
-$(BUILD)/fuzz_tagspec_run: tests/fuzz_tagspec.c tests/fuzz_seed_driver.h $(TAG_SRC) | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_tagspec.c \
+$(BUILD)/fuzz_tagspec_run: tests/fuzz_tagspec.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(TAG_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_tagspec.c \
 		examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
-$(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h $(LLAMA_SRC) $(KV_SRC) \
+$(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(LLAMA_SRC) $(KV_SRC) \
 		| $(BUILD)
-	$(CC) -std=c11 $(WARN) $(SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
 		examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
 # The INT4 tolerance probe of a model (needle trials through the CPU runner), its verdict as JSON.
@@ -280,7 +284,8 @@ endif
 
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
 	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer
-	@sh tests/run_all.sh "$(BUILD)" "$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
+	@FUZZ_TIMEOUT=$(FUZZ_TIMEOUT) FUZZ_RSS_MB=$(FUZZ_RSS_MB) sh tests/run_all.sh "$(BUILD)" \
+		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
 
 # The GPU tests carry compute_80 PTX beside the sm_90 code: CUDA_FORCE_PTX_JIT=1 makes a Hopper
@@ -319,8 +324,10 @@ bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits $(BUILD)/
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60
-LIBFUZZER := clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. -Iexamples
-$(BUILD)/fuzz_%: tests/fuzz_%.c tests/fuzz_invariants.h kvmix.h | $(BUILD)
+# -fno-sanitize-recover: a UBSan report ends the run as a finding (libFuzzer saves the input).
+LIBFUZZER := clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+	-fsanitize-coverage-ignorelist=tests/fuzz_coverage_ignore.txt -I. -Iexamples
+$(BUILD)/fuzz_%: tests/fuzz_%.c tests/fuzz_invariants.h tests/fuzz_coverage_ignore.txt kvmix.h | $(BUILD)
 	$(LIBFUZZER) $< -o $@ $(LDLIBS)
 $(BUILD)/fuzz_safetensors: tests/fuzz_safetensors.c $(LLAMA_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_safetensors.c examples/llama.c -o $@ $(EVAL_LDLIBS)
@@ -334,8 +341,26 @@ $(BUILD)/fuzz_tagspec: tests/fuzz_tagspec.c $(TAG_SRC) | $(BUILD)
 $(BUILD)/fuzz_policy: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_policy.c examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
-fuzz: $(patsubst %,$(BUILD)/fuzz_%,$(FUZZ_TARGETS))
-	@for t in $(FUZZ_TARGETS); do ./$(BUILD)/fuzz_$$t -max_total_time=$(FUZZ_SECONDS) || exit 1; done
+# Each target runs FUZZ_SECONDS on its corpus in $(BUILD)/fuzz-corpus/NAME (kept between runs,
+# started from the seeds its plain driver writes and from tests/fuzz_regress/NAME). An input that
+# runs FUZZ_TIMEOUT seconds or takes the process past FUZZ_RSS_MB MiB is a finding, as a crash
+# is: libFuzzer saves it as $(BUILD)/fuzz-findings/NAME-{crash,timeout,oom}-* and the target
+# fails. Every target runs; make fuzz fails at the end if any failed.
+FUZZ_TIMEOUT ?= 10
+FUZZ_RSS_MB ?= 2048
+FUZZ_SEEDED := safetensors policy tagspec allocation probe
+fuzz: $(patsubst %,$(BUILD)/fuzz_%,$(FUZZ_TARGETS)) $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_SEEDED))
+	@mkdir -p $(BUILD)/fuzz-findings; failed=; \
+	for t in $(FUZZ_TARGETS); do \
+		corpus=$(BUILD)/fuzz-corpus/$$t; mkdir -p $$corpus; \
+		case " $(FUZZ_SEEDED) " in *" $$t "*) ./$(BUILD)/fuzz_$${t}_run --write-seeds $$corpus;; esac; \
+		[ -d tests/fuzz_regress/$$t ] && cp tests/fuzz_regress/$$t/* $$corpus/; \
+		echo "== fuzz_$$t: $(FUZZ_SECONDS) s"; \
+		./$(BUILD)/fuzz_$$t $$corpus -max_total_time=$(FUZZ_SECONDS) -timeout=$(FUZZ_TIMEOUT) \
+			-rss_limit_mb=$(FUZZ_RSS_MB) -print_final_stats=1 \
+			-artifact_prefix=$(BUILD)/fuzz-findings/$$t- || failed="$$failed $$t"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "fuzz: findings in$$failed ($(BUILD)/fuzz-findings)"; exit 1; fi
 
 # ---- style ----------------------------------------------------------------------------------
 FORMAT_SRC := kvmix.h $(wildcard kvmix_cuda.h kvmix_cuda.cu examples/*.c examples/*.h examples/*.cu tests/*.c \

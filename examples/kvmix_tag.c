@@ -17,6 +17,7 @@
 #include "tag_spec_json.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -67,8 +68,10 @@ static int32_t read_ids(const char *line, size_t len, int32_t **ids, int32_t *ca
         }
         n = 0;
         for (const cJSON *x = arr->child; x != NULL; x = x->next) {
-            if (!cJSON_IsNumber(x) || x->valuedouble != (double)(int64_t)x->valuedouble ||
-                x->valuedouble < -2147483648.0 || x->valuedouble > 2147483647.0) {
+            /* the range first: converting a double outside it to an integer is undefined */
+            if (!cJSON_IsNumber(x) ||
+                !(x->valuedouble >= -2147483648.0 && x->valuedouble <= 2147483647.0) ||
+                x->valuedouble != floor(x->valuedouble)) {
                 snprintf(err, err_bytes, "\"ids\" must hold 32-bit integers");
                 n = -1;
                 break;

@@ -9,6 +9,7 @@
 #include "tag_spec_json.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -62,8 +63,9 @@ static kvmix_result take_seq(const cJSON *item, const char *field, kvmix_tag_seq
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                              "spec field \"%s\": must be an array of ids", field);
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
-        if (!cJSON_IsNumber(x) || x->valuedouble != (double)(int64_t)x->valuedouble ||
-            x->valuedouble < 0 || x->valuedouble > 2147483647.0)
+        /* the range first: converting a double outside it to an integer is undefined */
+        if (!cJSON_IsNumber(x) || !(x->valuedouble >= 0 && x->valuedouble <= 2147483647.0) ||
+            x->valuedouble != floor(x->valuedouble))
             return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "spec field \"%s\": ids must be integers in 0 .. 2147483647",
                                  field);
@@ -209,9 +211,11 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
         if (f < N_MARKERS) {
             r = take_marker(item, key, marker_at(&d->spec, f), err, err_bytes);
         } else if (f == F_VERSION) {
-            if (!cJSON_IsNumber(item) || item->valuedouble != (double)(int)item->valuedouble)
+            if (!cJSON_IsNumber(item) ||
+                !(item->valuedouble >= -2147483648.0 && item->valuedouble <= 2147483647.0) ||
+                item->valuedouble != floor(item->valuedouble))
                 return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
-                                     "spec field \"version\": must be an integer");
+                                     "spec field \"version\": must be a 32-bit integer");
             version = (int)item->valuedouble;
             if (version < 1 || version > TAG_SPEC_VERSION)
                 return tag_spec_fail(

@@ -8,6 +8,9 @@
  * Driver (-DFUZZ_DRIVER, any compiler; tests/fuzz_seed_driver.h): `fuzz_allocation_run [N]
  * [FILE...]` runs each file, then N seeded mutations of the seeds and the files.
  */
+#ifdef FUZZ_DRIVER
+#define _POSIX_C_SOURCE 200809L /* the plain driver's limits: tests/fuzz_limits.h */
+#endif
 #include "tag_allocation.h"
 
 #include <stdio.h>

@@ -1,8 +1,10 @@
 /* Plain driver for libFuzzer-style targets, for builds without libFuzzer (any C compiler):
        cc -std=c11 -fsanitize=address,undefined -I. tests/fuzz_formats.c tests/fuzz_driver.c -lm
-       ./a.out [N] [FILE...]
+       ./a.out [N] [-timeout=S] [-rss_limit_mb=M] [FILE...]
    Runs the linked LLVMFuzzerTestOneInput on N (default 20000) deterministic inputs, then on each
-   FILE (a crash reproducer or corpus entry). A numeric first argument is N. The inputs are a mix
+   FILE (a crash reproducer or corpus entry). A numeric first argument is N. An input that runs
+   S seconds (default 10) or leaves the process above M MiB (default 2048) fails the run and is
+   saved as ./timeout-* or ./oom-* (tests/fuzz_limits.h). The inputs are a mix
    of
      - random bytes of random length,
      - structured inputs: the 12-byte header that tests/fuzz_formats.c documents, chosen to be
@@ -14,6 +16,7 @@
    sanitizer report ends the program; otherwise it prints one summary line and exits 0.
    KVMIX_FUZZ_SEED=N changes the inputs. With -DKVMIX_FUZZ_STATS (also on the target) it prints
    how often each entry point returned each result. */
+#define _POSIX_C_SOURCE 200809L /* alarm, sigaction, getrusage, clock_gettime (fuzz_limits.h) */
 #include "kvmix.h"
 
 #include <stdint.h>
@@ -24,6 +27,10 @@
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 #ifndef KVMIX_FUZZ_LIBFUZZER /* libFuzzer brings its own main() */
+
+#include "fuzz_limits.h"
+
+#include <time.h>
 
 #define DRIVER_MAX_INPUT (1u << 20)
 
@@ -213,11 +220,17 @@ static int run_file(const char *path) {
         uint8_t *exact = (uint8_t *)malloc(size ? size : 1); /* exact size for ASan */
         if (!exact) abort();
         memcpy(exact, buf, size);
-        LLVMFuzzerTestOneInput(exact, size);
+        fuzz_limits_run(LLVMFuzzerTestOneInput, exact, size);
         free(exact);
     }
     free(buf);
     return 1;
+}
+
+static double driver_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 #ifdef KVMIX_FUZZ_STATS
@@ -239,11 +252,14 @@ int main(int argc, char **argv) {
     uint8_t *buf = (uint8_t *)malloc(DRIVER_MAX_INPUT), *exact;
     const char *seed_text = getenv("KVMIX_FUZZ_SEED");
     int first_file = 1;
+    double start, slowest = 0.0;
     if (!buf) return 2;
     if (argc > 1 && argv[1][0] >= '0' && argv[1][0] <= '9') {
         n = strtol(argv[1], NULL, 10);
         first_file = 2;
     }
+    fuzz_limits_start(argv[0]);
+    for (i = first_file; i < argc; i++) fuzz_limits_arg(argv[i]);
     driver_state = seed_text ? strtoull(seed_text, NULL, 0) : 0x6b766d6978ull;
     for (i = 0; i < n; i++) {
         size_t size;
@@ -265,14 +281,21 @@ int main(int argc, char **argv) {
         exact = (uint8_t *)malloc(size ? size : 1);
         if (!exact) return 2;
         memcpy(exact, buf, size);
-        LLVMFuzzerTestOneInput(exact, size);
+        start = driver_seconds();
+        fuzz_limits_run(LLVMFuzzerTestOneInput, exact, size);
+        if (driver_seconds() - start > slowest) slowest = driver_seconds() - start;
         free(exact);
     }
-    for (i = first_file; i < argc; i++) n_files += run_file(argv[i]);
+    for (i = first_file; i < argc; i++) {
+        if (fuzz_limits_arg(argv[i])) continue;
+        start = driver_seconds();
+        n_files += run_file(argv[i]);
+        if (driver_seconds() - start > slowest) slowest = driver_seconds() - start;
+    }
     free(buf);
     printf("fuzz_driver: %ld inputs ran clean (%ld random, %ld valid blocks, %ld mutated, %ld "
-           "files)\n",
-           n + n_files, n_random, n_structured, n_mutated, n_files);
+           "files), slowest %.1f ms\n",
+           n + n_files, n_random, n_structured, n_mutated, n_files, 1e3 * slowest);
 #ifdef KVMIX_FUZZ_STATS
     print_stats();
 #endif

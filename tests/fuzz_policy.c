@@ -7,6 +7,9 @@
  * runs each file, then N (default 4000) seeded mutations of the built-in policies' documents and
  * the files. `--write-seeds DIR` writes the seeds for libFuzzer.
  */
+#ifdef FUZZ_DRIVER
+#define _POSIX_C_SOURCE 200809L /* the plain driver's limits: tests/fuzz_limits.h */
+#endif
 #include "kvmix_kv.h"
 
 #include <stdio.h>

@@ -8,6 +8,9 @@
  * first checks the reader on fixed documents (each refusal with its result), then runs each
  * file and N seeded mutations of the seeds and the files.
  */
+#ifdef FUZZ_DRIVER
+#define _POSIX_C_SOURCE 200809L /* the plain driver's limits: tests/fuzz_limits.h */
+#endif
 #include "tier_probe.h"
 
 #include <stdio.h>

@@ -8,6 +8,9 @@
  * files, so CI without libFuzzer explores the same code deterministically. `--write-seeds DIR`
  * writes the seeds for libFuzzer.
  */
+#ifdef FUZZ_DRIVER
+#define _POSIX_C_SOURCE 200809L /* the plain driver's limits: tests/fuzz_limits.h */
+#endif
 #include "llama.h"
 
 #include <stdio.h>

@@ -2,12 +2,16 @@
  * libFuzzer (any C compiler). A target includes it under FUZZ_DRIVER, after defining
  * FUZZ_MAX_INPUT (the largest input in bytes), builds its seeds and returns fuzz_seed_main():
  *
- *     prog [N] [FILE...]        runs each FILE (also kept as a seed while there is room), then the
+ *     prog [N] [-timeout=S] [-rss_limit_mb=M] [FILE...]
+ *                               runs each FILE (also kept as a seed while there is room), then the
  *                               seeds, then N (default 4000) seeded mutations of the seeds in turn
  *     prog --write-seeds DIR    writes the seeds as DIR/seed-0, DIR/seed-1, ... for libFuzzer
  *
  * A numeric argument anywhere is N. The run is deterministic for a given rng seed. Any crash or
- * sanitizer report ends the program; otherwise it prints one summary line and exits 0.
+ * sanitizer report ends the program; so does an input that runs S seconds (default 10) or leaves
+ * the process above M MiB (default 2048), saved first as ./timeout-* or ./oom-*
+ * (tests/fuzz_limits.h: the target defines _POSIX_C_SOURCE before its first include). Otherwise
+ * it prints one summary line and exits 0.
  */
 #ifndef KVMIX_FUZZ_SEED_DRIVER_H
 #define KVMIX_FUZZ_SEED_DRIVER_H
@@ -16,11 +20,14 @@
 #error "define FUZZ_MAX_INPUT before including fuzz_seed_driver.h"
 #endif
 
+#include "fuzz_limits.h"
+
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -104,6 +111,16 @@ static int write_seeds(const char *dir, const buffer *seeds, int32_t n_seeds) {
     return 0;
 }
 
+/* Runs b under the limits; *slowest keeps the longest time an input took, in seconds. */
+static void fuzz_timed_run(const buffer *b, double *slowest) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    fuzz_limits_run(LLVMFuzzerTestOneInput, b->bytes, b->size);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+    if (s > *slowest) *slowest = s;
+}
+
 /* seeds has max_seeds slots, the first n_seeds (at least one) filled; rng_seed is not zero. */
 static int fuzz_seed_main(int argc, char **argv, buffer *seeds, int32_t n_seeds, int32_t max_seeds,
                           uint64_t rng_seed, void (*mutate)(buffer *, uint64_t *)) {
@@ -111,6 +128,9 @@ static int fuzz_seed_main(int argc, char **argv, buffer *seeds, int32_t n_seeds,
     if (argc == 3 && strcmp(argv[1], "--write-seeds") == 0)
         return write_seeds(argv[2], seeds, n_seeds);
     long n_mutations = FUZZ_DEFAULT_MUTATIONS;
+    double slowest = 0.0;
+    fuzz_limits_start(argv[0]);
+    for (int i = 1; i < argc; i++) fuzz_limits_arg(argv[i]);
     for (int i = 1; i < argc; i++) {
         char *end;
         long count = strtol(argv[i], &end, 10);
@@ -118,21 +138,23 @@ static int fuzz_seed_main(int argc, char **argv, buffer *seeds, int32_t n_seeds,
             n_mutations = count;
             continue;
         }
+        if (fuzz_limits_arg(argv[i])) continue;
         if (!read_input(argv[i], &work)) {
             fprintf(stderr, "fuzz: cannot read %s\n", argv[i]);
             return 1;
         }
-        LLVMFuzzerTestOneInput(work.bytes, work.size);
+        fuzz_timed_run(&work, &slowest);
         if (n_seeds < max_seeds) seeds[n_seeds++] = work;
     }
-    for (int32_t s = 0; s < n_seeds; s++) LLVMFuzzerTestOneInput(seeds[s].bytes, seeds[s].size);
+    for (int32_t s = 0; s < n_seeds; s++) fuzz_timed_run(&seeds[s], &slowest);
     uint64_t rng = rng_seed;
     for (long i = 0; i < n_mutations; i++) {
         work = seeds[(size_t)i % (size_t)n_seeds];
         mutate(&work, &rng);
-        LLVMFuzzerTestOneInput(work.bytes, work.size);
+        fuzz_timed_run(&work, &slowest);
     }
-    printf("fuzz: %d seeds, %ld mutations, no crash\n", n_seeds, n_mutations);
+    printf("fuzz: %d seeds, %ld mutations, no crash, slowest input %.1f ms\n", n_seeds, n_mutations,
+           1e3 * slowest);
     return 0;
 }
 

@@ -8,6 +8,9 @@
  * runs each file, then N (default 4000) seeded mutations of the seeds (the three shipped spec
  * documents' shapes, written by tag_spec_json) and the files. `--write-seeds DIR` writes them.
  */
+#ifdef FUZZ_DRIVER
+#define _POSIX_C_SOURCE 200809L /* the plain driver's limits: tests/fuzz_limits.h */
+#endif
 #include "tag_spec_json.h"
 
 #include <stdio.h>

@@ -8,12 +8,18 @@
    Random bytes rarely make a view that gets past the first check, so the input drives a valid
    view and then damages it:
      0     sequences      1 + b % 3; mutations applied at most (b >> 2) % 8
-     1     kv heads       1 + b % 3; q heads per kv head 1 + (b >> 2) % 4
+     1     kv heads       1 + b % 2; q heads per kv head 1 + (b >> 2) % 3
      2     head_dim       32, 64 or 128 (b % 3); n_boost head_dim / 8 or / 4 (b >> 2 & 1)
      3..6  seed           formats, span lengths, dead flags, K/V values, queries
      7..   mutations      4 bytes each: target b0 % 4 (span records, sequence boundaries, dead
                           flags, packed blocks), a 16-bit offset (b1, b2) into it, the new byte b3
    Every array is a heap copy of exactly its size, so AddressSanitizer sees any overread.
+   Work per input is bounded by what the target tests (the view's records against its blocks),
+   not by the sizes: the spans of all sequences hold at most MAX_VIEW_TOKENS tokens (a span's own
+   length stays 1..MAX_TOKENS, so group edges are still crossed), two kv heads place every block
+   by its offset, query groups of 1-3 include an odd one, and the blocks are quantized into a
+   static scratch buffer that only the exact-size copy leaves. Decode and score read every live
+   token for every query head, so more tokens or heads would cost time, not reach new code.
    Invariants (abort on violation): failed calls leave their outputs untouched; a successful
    decode writes finite outputs and an lse that is finite or -infinity; a successful score
    writes no entry past its capacity. */
@@ -29,7 +35,17 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
-enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_Q = 12, SCORE_CAPACITY = 64 };
+enum { MAX_SPANS = 9, MAX_TOKENS = 40, MAX_VIEW_TOKENS = 24, MAX_Q = 12, SCORE_CAPACITY = 64 };
+
+/* Bytes of every block of a view, keys and values of 3 kv heads: FP16 rows (2 bytes an element,
+   the most of any format) of MAX_VIEW_TOKENS tokens, and per block up to 8 bytes a channel of
+   metadata and 16 of padding. */
+#define BASE_BYTES ((size_t)2 * 3 * (MAX_VIEW_TOKENS * 128 * 2 + MAX_SPANS * (128 * 8 + 16)))
+
+FUZZ_HARNESS static void random_rows(float *rows, int32_t n) {
+    int32_t i;
+    for (i = 0; i < n; i++) rows[i] = (float)((int32_t)(next_random() % 2001) - 1000) / 250.0f;
+}
 
 static kvmix_layout layout_of(const kvmix_view *v, uint8_t format, int32_t n_tokens) {
     kvmix_layout l;
@@ -48,14 +64,15 @@ static uint64_t put_blocks(kvmix_view *v, uint8_t *base, size_t base_bytes, uint
     float rows[MAX_TOKENS * 128];
     size_t block = 0;
     uint64_t offset = *used;
-    int32_t h, i;
+    int32_t h;
     kvmix_layout_bytes(&l, &block);
     block = (block + 15) / 16 * 16;
     for (h = 0; h < v->n_kv_heads; h++) {
-        for (i = 0; i < n_tokens * v->head_dim; i++)
-            rows[i] = (float)((int32_t)(next_random() % 2001) - 1000) / 250.0f;
-        if (*used + block <= base_bytes)
+        random_rows(rows, n_tokens * v->head_dim);
+        if (*used + block <= base_bytes) {
+            memset(base + *used, 0, block); /* the padding too: the buffer is reused */
             kvmix_ref_quantize(&l, rows, 0, base + *used, base_bytes - *used);
+        }
         *used += block;
     }
     *head_bytes = (uint32_t)block;
@@ -76,31 +93,33 @@ static void build(fuzz_view *f, const uint8_t *data, int32_t *n_q) {
                                    KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_BOOSTED};
     static const int32_t DIMS[] = {32, 64, 128};
     kvmix_view *v = &f->view;
-    size_t base_bytes, used = 0;
-    int32_t s, i, t, n_spans = 0, n_dead = 0;
+    static uint8_t base[BASE_BYTES];
+    size_t used = 0;
+    int32_t s, i, t, n_spans = 0, n_dead = 0, n_left = MAX_VIEW_TOKENS;
     memset(v, 0, sizeof *v);
     v->n_seqs = 1 + data[0] % 3;
-    v->n_kv_heads = 1 + data[1] % 3;
-    *n_q = v->n_kv_heads * (1 + (data[1] >> 2) % 4);
+    v->n_kv_heads = 1 + data[1] % 2;                 /* two place every block by its offset */
+    *n_q = v->n_kv_heads * (1 + (data[1] >> 2) % 3); /* groups of 1, 2, 3 */
     v->head_dim = DIMS[data[2] % 3];
     v->n_boost = v->head_dim / ((data[2] >> 2) & 1 ? 4 : 8);
     fuzz_rng = (uint32_t)data[3] | (uint32_t)data[4] << 8 | (uint32_t)data[5] << 16 |
                (uint32_t)data[6] << 24;
-    base_bytes = (size_t)MAX_SPANS * 2 * 3 * (MAX_TOKENS * 128 * 2 + 16);
     f->spans = (kvmix_view_span *)calloc(MAX_SPANS, sizeof(kvmix_view_span));
     f->first = (int32_t *)calloc((size_t)v->n_seqs + 1, sizeof(int32_t));
     f->dead = (uint8_t *)calloc(MAX_SPANS * MAX_TOKENS, 1);
-    f->base = (uint8_t *)calloc(base_bytes, 1);
+    f->base = base;
     for (s = 0; s < v->n_seqs; s++) {
         int32_t count = (int32_t)(next_random() % 4);
-        for (i = 0; i < count && n_spans < MAX_SPANS; i++) {
+        for (i = 0; i < count && n_spans < MAX_SPANS && n_left > 0; i++) {
             kvmix_view_span *vs = &f->spans[n_spans++];
             vs->n_tokens = 1 + (int32_t)(next_random() % MAX_TOKENS);
+            if (vs->n_tokens > n_left) vs->n_tokens = n_left;
+            n_left -= vs->n_tokens;
             vs->key_format = KEYS[next_random() % 6];
             vs->value_format = KEYS[next_random() % 4];
-            vs->key_offset = put_blocks(v, f->base, base_bytes, vs->key_format, vs->n_tokens, &used,
+            vs->key_offset = put_blocks(v, f->base, BASE_BYTES, vs->key_format, vs->n_tokens, &used,
                                         &vs->key_head_bytes);
-            vs->value_offset = put_blocks(v, f->base, base_bytes, vs->value_format, vs->n_tokens,
+            vs->value_offset = put_blocks(v, f->base, BASE_BYTES, vs->value_format, vs->n_tokens,
                                           &used, &vs->value_head_bytes);
             vs->dead_index = -1;
             if (next_random() % 2) {
@@ -113,7 +132,7 @@ static void build(fuzz_view *f, const uint8_t *data, int32_t *n_q) {
     v->n_spans = n_spans;
     v->n_dead_flags = n_dead;
     v->base = f->base;
-    v->base_bytes = used < base_bytes ? used : base_bytes;
+    v->base_bytes = used < BASE_BYTES ? used : BASE_BYTES;
     v->spans = f->spans;
     v->seq_first_span = f->first;
     v->dead = f->dead;
@@ -136,14 +155,25 @@ static void mutate(fuzz_view *f, const uint8_t *m) {
     bytes[m[0] % 4][at] = m[3];
 }
 
+FUZZ_HARNESS static void random_queries(float *q, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) q[i] = (float)(next_random() % 200) / 100.0f - 1.0f;
+}
+
+FUZZ_HARNESS static int all_finite(const float *x, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (!isfinite(x[i])) return 0;
+    return 1;
+}
+
 static void check_calls(const kvmix_view *v, int32_t n_q) {
     float q[3 * MAX_Q * 128], out[3 * MAX_Q * 128], lse[3 * MAX_Q], memory[MAX_Q * 128];
     float scores[SCORE_CAPACITY + 8];
     size_t n = (size_t)v->n_seqs * (size_t)n_q, i;
     kvmix_result r;
-    for (i = 0; i < n * (size_t)v->head_dim; i++)
-        q[i] = (float)(next_random() % 200) / 100.0f - 1.0f;
-    for (i = 0; i < (size_t)n_q * (size_t)v->head_dim; i++) memory[i] = q[i];
+    random_queries(q, n * (size_t)v->head_dim);
+    memcpy(memory, q, sizeof(float) * (size_t)n_q * (size_t)v->head_dim);
     kvmix_view_check(v);
     memset(out, POISON, sizeof out);
     memset(lse, POISON, sizeof lse);
@@ -152,8 +182,7 @@ static void check_calls(const kvmix_view *v, int32_t n_q) {
         require(all_poisoned(out, sizeof out) && all_poisoned(lse, sizeof lse),
                 "failed decode wrote its outputs");
     } else {
-        for (i = 0; i < n * (size_t)v->head_dim; i++)
-            require(isfinite(out[i]), "output not finite");
+        require(all_finite(out, n * (size_t)v->head_dim), "output not finite");
         for (i = 0; i < n; i++)
             require(isfinite(lse[i]) || lse[i] == -INFINITY, "lse is NaN or +inf");
     }
@@ -195,6 +224,5 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     free(f.spans);
     free(f.first);
     free(f.dead);
-    free(f.base);
     return 0;
 }

@@ -28,6 +28,11 @@ count() { # name, exit status, output file
     cat "$3" >>"$log"
 }
 
+# A fuzz smoke run takes the per-input limits of make fuzz (tests/fuzz_limits.h): an input that runs
+# FUZZ_TIMEOUT seconds or takes the process past FUZZ_RSS_MB MiB fails the run, saved as
+# ./timeout-* or ./oom-*. It also runs the inputs kept in tests/fuzz_regress/NAME (findings).
+fuzz_limits="-timeout=${FUZZ_TIMEOUT:-10} -rss_limit_mb=${FUZZ_RSS_MB:-2048}"
+
 # Every program starts at once in the background (they are independent; the fuzz runs and the
 # model tests take longest) and is counted afterwards in the order given, with its own output.
 names=
@@ -41,7 +46,12 @@ start() { # name, command...
 
 for program in "$@"; do
     case $program in
-    */fuzz_*_run) start "$(basename "$program")" "$program" "$fuzz_runs" ;;
+    */fuzz_*_run)
+        target=$(basename "$program" _run)
+        # shellcheck disable=SC2086 # the limits and the kept inputs are separate words
+        start "$(basename "$program")" "$program" "$fuzz_runs" $fuzz_limits \
+            $(ls tests/fuzz_regress/"${target#fuzz_}"/* 2>/dev/null)
+        ;;
     *) start "$(basename "$program")" "$program" ;;
     esac
 done
