@@ -68,7 +68,7 @@ fi
 
 stage test_cuda 150 build/test_cuda
 stage test_cuda_portable 150 env CUDA_FORCE_PTX_JIT=1 build/test_cuda
-stage test_gpu_llama 200 build/test_gpu_llama "$SHARED"
+stage test_gpu_llama 300 build/test_gpu_llama "$SHARED" # 189 s on an H200
 for tool in memcheck racecheck initcheck; do
     sanitize $tool "cuda_$tool" 120 build/test_cuda --quick
     [ $tool = racecheck ] && continue
