@@ -394,6 +394,16 @@ static void harmony_head(stream *s, const int32_t *head, int32_t n) {
     put1(s, H_MESSAGE, SCF);
 }
 
+#define N_IDS(ids) ((int32_t)(sizeof ids / sizeof ids[0]))
+
+/* A harmony message: its header, n_content random content tokens of `role`, its end marker. */
+static void harmony_message(stream *s, const int32_t *head, int32_t n_head, int32_t n_content,
+                            int role, int32_t end) {
+    harmony_head(s, head, n_head);
+    put_random(s, n_content, 0, H_CONTENT_MAX, role, 0);
+    put1(s, end, SCF);
+}
+
 static void test_harmony(void) {
     static stream s;
     kvmix_tag_spec spec;
@@ -408,29 +418,17 @@ static void test_harmony(void) {
     spec_harmony(&spec);
     memset(&s, 0, sizeof s);
     test_rng_init(&s.rng, "tags harmony");
-    harmony_head(&s, system, 1);
-    put_random(&s, 60, 0, H_CONTENT_MAX, INS, 0);
-    put1(&s, H_END, SCF);
-    harmony_head(&s, developer, 1);
-    put_random(&s, 120, 0, H_CONTENT_MAX, INS, 0); /* instructions and function schemas */
-    put1(&s, H_END, SCF);
+    harmony_message(&s, system, 1, 60, INS, H_END);
+    harmony_message(&s, developer, 1, 120, INS, H_END); /* instructions and function schemas */
     for (k = 1; k <= 3; k++) {
         harmony_head(&s, user, 1);
         s.turn = k;
         put_random(&s, 20, 0, H_CONTENT_MAX, USR, 0);
         put1(&s, H_END, SCF);
-        harmony_head(&s, analysis, 3);
-        put_random(&s, 40, 0, H_CONTENT_MAX, RSN, 0);
-        put1(&s, H_END, SCF);
-        harmony_head(&s, call, (int32_t)(sizeof call / sizeof call[0]));
-        put_random(&s, 15, 0, H_CONTENT_MAX, CALL, 0);
-        put1(&s, H_CALL, SCF);
-        harmony_head(&s, result, (int32_t)(sizeof result / sizeof result[0]));
-        put_random(&s, 15, 0, H_CONTENT_MAX, OBS, 0);
-        put1(&s, H_END, SCF);
-        harmony_head(&s, final, 3);
-        put_random(&s, 30, 0, H_CONTENT_MAX, AST, 0);
-        put1(&s, H_RETURN, SCF);
+        harmony_message(&s, analysis, 3, 40, RSN, H_END);
+        harmony_message(&s, call, N_IDS(call), 15, CALL, H_CALL);
+        harmony_message(&s, result, N_IDS(result), 15, OBS, H_END);
+        harmony_message(&s, final, 3, 30, AST, H_RETURN);
     }
     check_stream(&spec, &s, "gpt-oss harmony");
 }
@@ -538,9 +536,7 @@ static void test_harmony_channels(void) {
     harmony_head(&s, odd, 3);
     put_random(&s, 5, 0, H_CONTENT_MAX, AST, FB);
     put1(&s, H_END, SCF);
-    harmony_head(&s, none, 1);
-    put_random(&s, 5, 0, H_CONTENT_MAX, AST, 0);
-    put1(&s, H_END, SCF);
+    harmony_message(&s, none, 1, 5, AST, H_END);
     harmony_head(&s, user_channel, 3);
     s.turn = 1;
     put_random(&s, 5, 0, H_CONTENT_MAX, USR, 0);
@@ -580,33 +576,16 @@ static void test_harmony_recipients(void) {
     s.turn = 1;
     put_random(&s, 10, 0, H_CONTENT_MAX, USR, 0);
     put1(&s, H_END, SCF);
-    harmony_head(&s, analysis, 3);
-    put_random(&s, 10, 0, H_CONTENT_MAX, RSN, 0);
-    put1(&s, H_END, SCF);
-    harmony_head(&s, preamble, 4);
-    put_random(&s, 10, 0, H_CONTENT_MAX, AST, 0);
-    put1(&s, H_END, SCF);
-    harmony_head(&s, after_channel, (int32_t)(sizeof after_channel / sizeof after_channel[0]));
-    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
-    put1(&s, H_CALL, SCF);
-    harmony_head(&s, result, (int32_t)(sizeof result / sizeof result[0]));
-    put_random(&s, 10, 0, H_CONTENT_MAX, OBS, 0);
-    put1(&s, H_END, SCF);
-    harmony_head(&s, preamble, 4); /* the recipient does not carry over to the next message */
-    put_random(&s, 10, 0, H_CONTENT_MAX, AST, 0);
-    put1(&s, H_END, SCF);
-    harmony_head(&s, after_role, (int32_t)(sizeof after_role / sizeof after_role[0]));
-    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
-    put1(&s, H_CALL, SCF);
-    harmony_head(&s, builtin, (int32_t)(sizeof builtin / sizeof builtin[0]));
-    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
-    put1(&s, H_CALL, SCF);
-    harmony_head(&s, analysis, 3);
-    put_random(&s, 10, 0, H_CONTENT_MAX, RSN, 0);
-    put1(&s, H_END, SCF);
-    harmony_head(&s, final, 3);
-    put_random(&s, 10, 0, H_CONTENT_MAX, AST, 0);
-    put1(&s, H_RETURN, SCF);
+    harmony_message(&s, analysis, 3, 10, RSN, H_END);
+    harmony_message(&s, preamble, 4, 10, AST, H_END);
+    harmony_message(&s, after_channel, N_IDS(after_channel), 10, CALL, H_CALL);
+    harmony_message(&s, result, N_IDS(result), 10, OBS, H_END);
+    harmony_message(&s, preamble, 4, 10, AST,
+                    H_END); /* the recipient does not carry over to the next message */
+    harmony_message(&s, after_role, N_IDS(after_role), 10, CALL, H_CALL);
+    harmony_message(&s, builtin, N_IDS(builtin), 10, CALL, H_CALL);
+    harmony_message(&s, analysis, 3, 10, RSN, H_END);
+    harmony_message(&s, final, 3, 10, AST, H_RETURN);
     check_stream(&spec, &s, "harmony recipients");
 
     /* a spec without a recipient marker (version 1 gpt-oss.json: commentary is tool_call) tags
@@ -615,15 +594,9 @@ static void test_harmony_recipients(void) {
     spec.channels[1].role = CALL;
     memset(&s, 0, sizeof s);
     test_rng_init(&s.rng, "tags harmony without recipients");
-    harmony_head(&s, preamble, 4);
-    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
-    put1(&s, H_END, SCF);
-    harmony_head(&s, after_role, (int32_t)(sizeof after_role / sizeof after_role[0]));
-    put_random(&s, 10, 0, H_CONTENT_MAX, CALL, 0);
-    put1(&s, H_CALL, SCF);
-    harmony_head(&s, builtin, (int32_t)(sizeof builtin / sizeof builtin[0]));
-    put_random(&s, 10, 0, H_CONTENT_MAX, RSN, 0);
-    put1(&s, H_CALL, SCF);
+    harmony_message(&s, preamble, 4, 10, CALL, H_END);
+    harmony_message(&s, after_role, N_IDS(after_role), 10, CALL, H_CALL);
+    harmony_message(&s, builtin, N_IDS(builtin), 10, RSN, H_CALL);
     check_stream(&spec, &s, "harmony without recipients");
 }
 
