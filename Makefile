@@ -25,7 +25,7 @@ LDLIBS := -lm
 EVAL_LDLIBS := -lcjson -lm -lpthread
 LLAMA_SRC := examples/llama.c examples/llama.h kvmix.h
 # The kvmix-backed cache and the policies (it compiles the kvmix implementation).
-KV_SRC := examples/kvmix_kv.c examples/kvmix_kv.h kvmix.h
+KV_SRC := examples/kvmix_kv.c examples/kvmix_kv.h examples/json_number.h kvmix.h
 # The template-tag tools: spec JSON (it compiles the kvmix implementation) and tokenizer.json.
 TAG_SRC := examples/tag_spec_json.c examples/tag_spec_json.h examples/hf_tokenizer.c \
 	examples/hf_tokenizer.h kvmix.h
@@ -175,7 +175,7 @@ $(BUILD)/fuzz_allocation_run: tests/fuzz_allocation.c tests/fuzz_seed_driver.h t
 	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_allocation.c \
 		$(EVAL_TAG_SRC) -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_probe_run: tests/fuzz_probe.c tests/fuzz_seed_driver.h tests/fuzz_limits.h examples/tier_probe.c \
-		examples/tier_probe.h examples/tag_spec_json.c | $(BUILD)
+		examples/tier_probe.h examples/json_number.h examples/tag_spec_json.c | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_probe.c \
 		examples/tier_probe.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_tagspec_run: tests/fuzz_tagspec.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(TAG_SRC) | $(BUILD)

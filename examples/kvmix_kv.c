@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "json_number.h" /* after cJSON.h */
+
 // >>policies
 
 /* The runner's own fp32 cache, listed first among the built-ins; the others are kvmix.h's. */
@@ -415,18 +417,6 @@ static void add_group(cJSON *obj, const char *field, int32_t group) {
         cJSON_AddNumberToObject(obj, field, group);
 }
 
-/* cJSON writes a number with 15 significant digits whenever they read back within a relative
- * DBL_EPSILON of it: a double one ulp away from a 15-digit decimal does not read back to itself.
- * This writes the shortest of 15, 16 and 17 digits that reads back exactly (17 always does). */
-static cJSON *add_exact_number(cJSON *obj, const char *name, double v) {
-    char text[40];
-    for (int digits = 15; digits <= 17; digits++) {
-        snprintf(text, sizeof text, "%.*g", digits, v);
-        if (strtod(text, NULL) == v) break;
-    }
-    return cJSON_AddRawToObject(obj, name, text);
-}
-
 char *kvmix_kv_policy_json(const kvmix_policy *p) {
     cJSON *obj = cJSON_CreateObject();
     if (obj == NULL || p == NULL) {
@@ -441,7 +431,7 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
     add_group(obj, "group_size", p->group_size);
     add_group(obj, "value_group_size", p->value_group_size);
     cJSON_AddNumberToObject(obj, "n_boost", p->n_boost);
-    add_exact_number(obj, "boost_fraction", p->boost_fraction);
+    json_add_exact_number(obj, "boost_fraction", p->boost_fraction);
     cJSON_AddNumberToObject(obj, "page_tokens", p->page_tokens);
     cJSON_AddNumberToObject(obj, "sink_tokens", p->sink_tokens);
     cJSON_AddNumberToObject(obj, "window_tokens", p->window_tokens);
@@ -465,7 +455,7 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
         for (int32_t f = 1; f < N_EVICT_FIELDS; f++) {
             /* budget_fraction 0 is no fraction (budget_tokens rules); the reader takes (0, 1] */
             if (f == 2 && ev->budget_fraction == 0.0) continue;
-            add_exact_number(e, EVICT_FIELDS[f], values[f]);
+            json_add_exact_number(e, EVICT_FIELDS[f], values[f]);
         }
     }
     char *text = cJSON_PrintUnformatted(obj);

@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "json_number.h" /* after cJSON.h */
+
 enum { PROBE_VERSION = 1 };
 static const char KIND[] = "kvmix-int4-probe";
 
@@ -49,18 +51,6 @@ kvmix_result tier_probe_record_make(const char *model, double budget, int32_t n_
     return KVMIX_SUCCESS;
 }
 
-/* cJSON writes a number with 15 significant digits whenever they read back within a relative
- * DBL_EPSILON of it: a double one ulp away from a 15-digit decimal does not read back to itself.
- * This writes the shortest of 15, 16 and 17 digits that reads back exactly (17 always does). */
-static cJSON *add_exact_number(cJSON *obj, const char *name, double v) {
-    char text[40];
-    for (int digits = 15; digits <= 17; digits++) {
-        snprintf(text, sizeof text, "%.*g", digits, v);
-        if (strtod(text, NULL) == v) break;
-    }
-    return cJSON_AddRawToObject(obj, name, text);
-}
-
 char *tier_probe_json(const tier_probe_record *r) {
     if (!r || record_problem(r)) return NULL;
     cJSON *obj = cJSON_CreateObject();
@@ -68,7 +58,7 @@ char *tier_probe_json(const tier_probe_record *r) {
     cJSON_AddNumberToObject(obj, "version", PROBE_VERSION);
     cJSON_AddStringToObject(obj, "kind", KIND);
     cJSON_AddStringToObject(obj, "model", r->model);
-    add_exact_number(obj, "budget", r->budget);
+    json_add_exact_number(obj, "budget", r->budget);
     cJSON_AddNumberToObject(obj, "trials", r->n_trials);
     cJSON_AddNumberToObject(obj, "pass", r->n_pass);
     cJSON_AddNumberToObject(obj, "passed", r->n_passed);
