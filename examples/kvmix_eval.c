@@ -499,21 +499,27 @@ static void add_after(llama_score *after, const llama_score *now, const llama_sc
     after->n_answer_agree += now->n_answer_agree - then->n_answer_agree;
 }
 
-/* A text to hand over starts: where, by its requests (the tags' user messages; else half). */
+/* The running text's requests (user messages) into e->requests, as the tags find them; none
+   without a tag spec. */
+static llama_result plan_requests(eval *e, int64_t n, int32_t *out_n) {
+    *out_n = 0;
+    return e->tag_doc ? evict_plan(&e->tag_doc->spec, e->ids, n, e->requests, (int32_t)n, out_n,
+                                   e->err, sizeof e->err)
+                      : LLAMA_OK;
+}
+
+/* A text to hand over starts: where, by its requests (else half). */
 static llama_result transfer_text_start(eval *e, int64_t n) {
     int32_t n_requests = 0;
-    if (e->tag_doc && evict_plan(&e->tag_doc->spec, e->ids, n, e->requests, (int32_t)n, &n_requests,
-                                 e->err, sizeof e->err) != LLAMA_OK)
-        return LLAMA_ERR_ARGUMENT;
+    llama_result r = plan_requests(e, n, &n_requests);
     e->transfer_at = transfer_point(e->requests, n_requests, n - 1);
-    return LLAMA_OK;
+    return r;
 }
 
 /* An evicting text starts: its requests found by the tags. */
 static llama_result evict_text_start(eval *e, int64_t n) {
     int32_t n_requests = 0;
-    llama_result r = evict_plan(&e->tag_doc->spec, e->ids, n, e->requests, (int32_t)n, &n_requests,
-                                e->err, sizeof e->err);
+    llama_result r = plan_requests(e, n, &n_requests);
     if (r == LLAMA_OK) evict_seq_start(e->evict, &e->evict_seq, e->ids, e->requests, n_requests);
     e->evict_seq.id = e->text_index;
     return r;
