@@ -16,7 +16,8 @@ failed to run, skipped (budget), skipped (no model: its model file is not under 
 
 Quality checks run --jobs at a time on the one GPU (the figures do not depend on it); speed checks
 run alone, in the list's order. A check starts only while its estimate fits what is left of
---budget-seconds; from the first that does not, the rest are "skipped (budget)". Measurements go
+--budget-seconds, judged when it starts; from the first that does not, the rest are "skipped
+(budget)", and a run still going when the budget ends is cut ("skipped (budget: cut at N s)"). Measurements go
 to OUT/gpu_check_figures.jsonl, each run's stdout and stderr to OUT/runs/.
 
 Plumbing test on a machine without a GPU (the CPU runner, 2 texts, plain policies only: eviction
@@ -31,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 QUALITY_TOL = 0.002
@@ -209,6 +211,32 @@ def run_one(argv, env, timeout, log_base):
     return {"rc": rc, "stdout": so, "stderr": se, "seconds": time.time() - t0}
 
 
+class Budget:
+    """The figure stage's clock. A check is judged against it when it really starts (a worker
+    takes it), not when it is queued: queueing is instant, so a budget read at submission lets
+    every check in. From the first check whose estimate does not fit, the rest are skipped, and a
+    run still going at the deadline is cut (its verdict says so), so the stage ends on time."""
+
+    def __init__(self, seconds):
+        self.start = time.time()
+        self.deadline = self.start + seconds
+        self.closed = False
+        self.lock = threading.Lock()
+
+    def run(self, name, est, argv, env, log_base):
+        with self.lock:
+            left = self.deadline - time.time()
+            if self.closed or est > left:
+                self.closed = True
+                return {"skipped": "skipped (budget)"}
+        print(f"[{time.time() - self.start:6.1f} s] started {name}", file=sys.stderr, flush=True)
+        timeout = min(max(60.0, 4.0 * est), left)
+        res = run_one(argv, env, timeout, log_base)
+        if res["rc"] == "timeout" and timeout == left:
+            res["skipped"] = f"skipped (budget: cut at {timeout:.0f} s)"
+        return res
+
+
 def main():
     a = parse_args()
     for k in ("build", "shared", "out", "list"):
@@ -223,10 +251,10 @@ def main():
     if a.only:
         checks = [c for c in checks if re.search(a.only, c["name"])]
     here = gpu_model(a.gpu_name)
-    start = time.time()
+    budget = Budget(a.budget_seconds)
     runs = {}  # key -> future or result
     pool = concurrent.futures.ThreadPoolExecutor(max(1, a.jobs))
-    plan, over_budget = [], False
+    plan = []
     for i, c in enumerate(checks):
         try:
             argv, env, key = command(c, a, i)
@@ -240,21 +268,14 @@ def main():
         if missing:  # a model this machine was not given (kvm-base is 47 MB): said, not failed
             plan.append((c, None, f"skipped (no model: {os.path.basename(missing[0])})"))
             continue
-        left = a.budget_seconds - (time.time() - start)
-        if over_budget or c.get("est_seconds", 30) > left:
-            over_budget = True
-            plan.append((c, None, "skipped (budget)"))
-            continue
-        timeout = max(60.0, 4.0 * c.get("est_seconds", 30))
-        log = os.path.join(a.out, "runs", f"{i:02d}")
+        job = (c["name"], c.get("est_seconds", 30), argv, env, os.path.join(a.out, "runs", f"{i:02d}"))
         if c.get("kind") == "speed":  # alone on the GPU: wait for the quality runs, then run
             for fut in list(runs.values()):
                 if isinstance(fut, concurrent.futures.Future):
                     fut.result()
-            runs[key] = run_one(argv, env, timeout, log)
+            runs[key] = budget.run(*job)
         else:
-            runs[key] = pool.submit(run_one, argv, env, timeout, log)
-        print(f"[{time.time() - start:6.1f} s] started {c['name']}", file=sys.stderr, flush=True)
+            runs[key] = pool.submit(budget.run, *job)
         plan.append((c, key, None))
     pool.shutdown(wait=True)
 
@@ -265,7 +286,9 @@ def main():
         if isinstance(res, concurrent.futures.Future):
             res = res.result()
         values, why = None, verdict0
-        if why is None:
+        if why is None and "skipped" in res:
+            why = res["skipped"]
+        elif why is None:
             if res["rc"] != 0:
                 tail = (res["stderr"].strip().splitlines() or [""])[-1][:120]
                 why = f"failed to run (rc {res['rc']}: {tail})"
@@ -301,14 +324,14 @@ def main():
             jsonl.write(json.dumps({"check": c["name"], "column": f["column"], "kind": kind, "recorded": f["recorded"],
                                     "recorded_on": recorded_on, "measured": m, "relative_difference": rel,
                                     "verdict": verdict, "gpu": a.gpu_name, "doc": c.get("doc"),
-                                    "seconds": None if not isinstance(res, dict) else round(res["seconds"], 2)}) + "\n")
+                                    "seconds": round(res["seconds"], 2) if isinstance(res, dict) and "seconds" in res else None}) + "\n")
     jsonl.close()
     w = [max(len(r[k]) for r in table + [("check", "recorded", "measured", "rel. diff", "verdict")]) for k in range(4)]
     print(f"{'check':<{w[0]}}  {'recorded':>{w[1]}}  {'measured':>{w[2]}}  {'rel. diff':>{w[3]}}  verdict")
     for r in table:
         print(f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}  {r[4]}")
     order = ["ok", "DIFFERS", "other GPU", "failed to run", "skipped (budget)", "skipped (no model)"]
-    print(f"{len(table)} figures of {len(checks)} checks in {time.time() - start:.0f} s on {a.gpu_name}: "
+    print(f"{len(table)} figures of {len(checks)} checks in {time.time() - budget.start:.0f} s on {a.gpu_name}: "
           + ", ".join(f"{counts.get(k, 0)} {k}" for k in order))
     return 1 if bad else 0
 
