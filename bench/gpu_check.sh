@@ -13,7 +13,10 @@
 #
 # PREBUILT=1 takes the binaries already in build/ (make cuda-build build/kvmix-eval, and
 # build/libkvmix_cuda_bench.so). FIGURE_SECONDS bounds the figure reruns (default: what the
-# 10 minutes leave). Logs go to $OUT (default build/gpu-check); the summary ends the output.
+# 10 minutes leave); the checks it leaves run in another call with
+#   python3 bench/gpu_check_figures.py --build build --shared SHARED_DIR --gpu-name "$(nvidia-smi
+#       --query-gpu=name --format=csv,noheader)" --out DIR --rest $OUT/gpu_check_figures.jsonl
+# Logs go to $OUT (default build/gpu-check); the summary ends the output.
 # Exit status: nonzero when a test, a sanitizer or a quality figure fails.
 set -u
 cd "$(dirname "$0")/.."

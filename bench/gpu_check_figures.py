@@ -2,7 +2,7 @@
 and prints each beside the figure the doc records (bench/gpu_check_figures.json lists the checks).
 
 Usage: python3 bench/gpu_check_figures.py --build build --shared DIR --gpu-name NAME --out DIR
-           [--budget-seconds 300] [--jobs 3] [--list FILE] [--only REGEX]
+           [--budget-seconds 300] [--jobs 3] [--list FILE] [--only REGEX] [--rest JSONL]
            [--runner PATH] [--device-args "ARGS"] [--limit-override N]
 
 A check is one command (kvmix-eval-cuda, bench_decode.py or bench_serve) and the doc figures read
@@ -11,7 +11,11 @@ bench/transfer, bench/triaxial): the line's "policy" object, written to a tempor
 --policy, so the run uses what the recorded run used. Checks whose commands are the same run once.
 Quality figures must match within 0.2% relative, speed figures within 10%; a difference within
 half a unit of the last digit the doc prints also passes (the doc rounds). A speed figure recorded
-on another GPU than --gpu-name is printed and marked "other GPU". Verdicts: ok, DIFFERS, other GPU,
+on another GPU than --gpu-name is printed and marked "other GPU". A figure the doc says an older
+build measured (a check's or field's "older_build": the commit and why the build since gives
+another value) is marked "older build (...)" when it differs, not DIFFERS. A check with
+"evict_as_run" sets those fields of the raw line's evict object to what the recorded run did (a
+field the runner applies now but ignored then). Verdicts: ok, DIFFERS, older build, other GPU,
 failed to run, skipped (budget), skipped (no model: its model file is not under --shared). Exit status 1 when a quality figure DIFFERS or fails to run.
 
 Quality checks run --jobs at a time on the one GPU (the figures do not depend on it); speed checks
@@ -20,8 +24,7 @@ run alone, in the list's order. A check starts only while its estimate fits what
 (budget)", and a run still going when the budget ends is cut ("skipped (budget: cut at N s)"). Measurements go
 to OUT/gpu_check_figures.jsonl, each run's stdout and stderr to OUT/runs/.
 
-Plumbing test on a machine without a GPU (the CPU runner, 2 texts, plain policies only: eviction
-and transfer run on the GPU alone):
+Plumbing test on a machine without a GPU (the CPU runner, 2 texts):
     python3 bench/gpu_check_figures.py --build build --shared ../shared --gpu-name cpu --out /tmp/gcf \\
         --runner build/kvmix-eval --device-args "--device cpu" --limit-override 2 --only 'gpu-runner/small fp16'
 """
@@ -49,6 +52,8 @@ def parse_args():
     ap.add_argument("--jobs", type=int, default=3, help="quality runs at once on the GPU")
     ap.add_argument("--list", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_check_figures.json"))
     ap.add_argument("--only", default="", help="regular expression: only the checks whose name matches")
+    ap.add_argument("--rest", default="", help="an earlier run's gpu_check_figures.jsonl: only the checks "
+                    "its budget skipped or cut (the figures of one check list take more than one call)")
     ap.add_argument("--runner", default="", help="instead of BUILD/kvmix-eval-cuda (e.g. build/kvmix-eval)")
     ap.add_argument("--device-args", default="", help="extra runner arguments (e.g. '--device cpu')")
     ap.add_argument("--limit-override", type=int, default=0,
@@ -115,7 +120,10 @@ def command(check, a, index):
     runner = a.runner or os.path.join(a.build, "kvmix-eval-cuda")
     policy_text = None
     if check.get("policy") == "from_jsonl":
-        policy_text = json.dumps(raw_line(check["from_jsonl"], check["arm"])["policy"], sort_keys=True)
+        policy = raw_line(check["from_jsonl"], check["arm"])["policy"]
+        for k, v in check.get("evict_as_run", {}).items():
+            policy["evict"][k] = v
+        policy_text = json.dumps(policy, sort_keys=True)
 
     def subst(s):
         return (s.replace("{runner}", runner).replace("{build}", a.build).replace("{shared}", a.shared)
@@ -250,6 +258,10 @@ def main():
         checks = json.load(f)["checks"]
     if a.only:
         checks = [c for c in checks if re.search(a.only, c["name"])]
+    if a.rest:
+        with open(a.rest) as f:
+            left = {d["check"] for d in map(json.loads, f) if d["verdict"].startswith("skipped (budget")}
+        checks = [c for c in checks if c["name"] in left]
     here = gpu_model(a.gpu_name)
     budget = Budget(a.budget_seconds)
     runs = {}  # key -> future or result
@@ -308,12 +320,16 @@ def main():
             else:
                 m = values[j]
                 rel, ok = judge(f["recorded"], m, SPEED_TOL if kind == "speed" else QUALITY_TOL)
+                older = f.get("older_build") or c.get("older_build")
                 if kind == "speed" and gpu_model(recorded_on) != here:
                     verdict = "other GPU"
+                elif not ok and older:
+                    verdict = f"older build ({older})"
                 else:
                     verdict = "ok" if ok else "DIFFERS"
             short = ("failed to run" if verdict.startswith("failed") else
                      "skipped (no model)" if verdict.startswith("skipped (no model") else
+                     "older build" if verdict.startswith("older build") else
                      "skipped (budget)" if verdict.startswith("skipped") else verdict)
             counts[short] = counts.get(short, 0) + 1
             if kind == "quality" and (short == "DIFFERS" or short == "failed to run"):
@@ -330,7 +346,7 @@ def main():
     print(f"{'check':<{w[0]}}  {'recorded':>{w[1]}}  {'measured':>{w[2]}}  {'rel. diff':>{w[3]}}  verdict")
     for r in table:
         print(f"{r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}  {r[4]}")
-    order = ["ok", "DIFFERS", "other GPU", "failed to run", "skipped (budget)", "skipped (no model)"]
+    order = ["ok", "DIFFERS", "older build", "other GPU", "failed to run", "skipped (budget)", "skipped (no model)"]
     print(f"{len(table)} figures of {len(checks)} checks in {time.time() - budget.start:.0f} s on {a.gpu_name}: "
           + ", ".join(f"{counts.get(k, 0)} {k}" for k in order))
     return 1 if bad else 0
