@@ -733,6 +733,29 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
                                          kvmix_cache_precision precision, const float *keys,
                                          const float *values, kvmix_cache_rows rows);
 
+/* What position `position` of a sequence now asks to be stored in, for kvmix_cache_seq_age:
+   *out is written (a zero format: nothing asked, that side stays as it is); a result other than
+   KVMIX_SUCCESS refuses the call. Called once or more per live position, in any order: the same
+   position must get the same answer within one call. */
+typedef kvmix_result (*kvmix_cache_position_wants)(void *ctx, int32_t position,
+                                                   kvmix_cache_precision *out);
+
+/* Ages a sequence's stored precision to what its positions now ask for (`wants`), as a loop does
+   when a new turn makes older tokens less important. For every page the sequence alone references
+   (sinks excepted), the highest precision its live positions ask for, per side, becomes its
+   formats wherever it is lower: a sealed page is re-tiered down to it in its own bytes
+   (kvmix_cache_retier without rows), an FP16 buffer page will be sealed to it. Precision never
+   rises (bytes a demotion dropped do not come back), and a page whose lower formats would take
+   more bytes (per-channel metadata over a few rows) keeps its own; shared pages are left as they
+   are: they belong to every sharer. A device arena queues each page's gather and packing through
+   one FP16 staging page. *out_pages (may be NULL): sealed pages re-tiered. Returns NULL_POINTER,
+   INVALID_ARGUMENT (seq), the first result `wants` refused with, UNKNOWN_FORMAT (an answer the
+   cache cannot store), or OUT_OF_MEMORY (a device arena without room for the staging or the jobs:
+   take the jobs and call again); nothing changes on error. */
+KVMIXDEF kvmix_result kvmix_cache_seq_age(kvmix_cache *cache, int32_t seq,
+                                          kvmix_cache_position_wants wants, void *ctx,
+                                          int32_t *out_pages);
+
 /* The slot of a position: page * page_tokens + row, or KVMIX_CACHE_DEAD_SLOT when evicted. */
 KVMIXDEF kvmix_result kvmix_cache_locate(const kvmix_cache *cache, int32_t seq, int32_t position,
                                          uint32_t *out_slot);
@@ -2736,6 +2759,17 @@ typedef struct kvmix__span_list {
 
 static int kvmix__format_known(int32_t format) { return kvmix__format_bits(format) != 0; }
 
+/* A (key, value) pair of formats a cache stores, a zero format standing for a default. */
+static int kvmix__precision_known(kvmix_cache_precision p) {
+    return (p.key_format == 0 || kvmix__format_known(p.key_format)) &&
+           (p.value_format == 0 || kvmix__format_known(p.value_format));
+}
+
+/* Whether v is in [lo, hi] and a multiple of `multiple`: the shape of most desc rules. */
+static int kvmix__int_in(int32_t v, int32_t lo, int32_t hi, int32_t multiple) {
+    return v >= lo && v <= hi && v % multiple == 0;
+}
+
 /* The block layout of a view's keys or values; the format must be known. */
 static kvmix_layout kvmix__view_layout(const kvmix_view *view, int is_value, uint8_t format,
                                        int32_t n_tokens) {
@@ -3227,10 +3261,6 @@ KVMIXDEF const char *kvmix_cache_last_error(const kvmix_cache *cache) {
     return cache ? cache->priv.error : "cache: NULL";
 }
 
-static int kvmix__int_in(int32_t v, int32_t lo, int32_t hi, int32_t multiple) {
-    return v >= lo && v <= hi && v % multiple == 0;
-}
-
 /* One unsealed page of the sequence a plan works on, oldest first. */
 typedef struct kvmix__sim_page {
     int32_t entry; /* index in the sequence's page table */
@@ -3341,11 +3371,6 @@ static int kvmix__boost_ok(const kvmix_cache_desc *d, kvmix_cache_precision p) {
 #define KVMIX__NO_BOOST "BOOSTED asked for, but desc.n_boost is 0 (no boosted channels)"
 
 /* Whether a requested precision names formats: known ones, or 0 for the default. */
-static int kvmix__precision_known(kvmix_cache_precision p) {
-    return (p.key_format == 0 || kvmix__format_known(p.key_format)) &&
-           (p.value_format == 0 || kvmix__format_known(p.value_format));
-}
-
 static uint8_t kvmix__higher_format(uint8_t a, uint8_t b) {
     return kvmix__format_rank(a) >= kvmix__format_rank(b) ? a : b;
 }
@@ -5491,6 +5516,120 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
                                          const float *values, kvmix_cache_rows rows) {
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     return kvmix__record(cache, kvmix__retier(cache, seq, position, precision, keys, values, rows));
+}
+
+/* ---- aging a sequence (kvmix_cache_seq_age) ----------------------------------------------- */
+
+/* The formats entry e's live positions ask for, per side the highest (answers checked first). */
+static kvmix_cache_precision kvmix__entry_wants(const kvmix_cache *c, int32_t seq,
+                                                const kvmix_cache_entry *e,
+                                                kvmix_cache_position_wants wants, void *ctx) {
+    const uint32_t *slots = kvmix__seq_slots(c, seq);
+    kvmix_cache_precision want = {0, 0}, p;
+    int32_t pos;
+    for (pos = e->first_pos; pos < kvmix__entry_end(e); pos++)
+        if (slots[pos] / (uint32_t)c->desc.page_tokens == e->page) {
+            p.key_format = p.value_format = 0;
+            (void)wants(ctx, pos, &p);
+            want.key_format = kvmix__higher_format(want.key_format, p.key_format);
+            want.value_format = kvmix__higher_format(want.value_format, p.value_format);
+        }
+    return want;
+}
+
+/* The lower of a stored format and a wanted one (0: nothing wanted, the stored stays). */
+static uint8_t kvmix__lower_format(uint8_t stored, uint8_t want) {
+    return want != 0 && kvmix__format_rank(want) < kvmix__format_rank(stored) ? want : stored;
+}
+
+/* Entry e's page demoted to what its positions want, or its own formats when that is nothing
+   (shared, sinks, an FP16 buffer, a larger page, formats the cache cannot store). */
+static kvmix_cache_precision kvmix__aged_precision(const kvmix_cache *c, int32_t seq,
+                                                   const kvmix_cache_entry *e,
+                                                   kvmix_cache_position_wants wants, void *ctx) {
+    const kvmix_cache_page *p = &c->pages[e->page];
+    kvmix_cache_precision want, aged;
+    aged.key_format = p->key_format;
+    aged.value_format = p->value_format;
+    if (!p->sealed || p->sink || p->refcount > 1) return aged;
+    want = kvmix__entry_wants(c, seq, e, wants, ctx);
+    want.key_format = kvmix__lower_format(p->key_format, want.key_format);
+    want.value_format = kvmix__lower_format(p->value_format, want.value_format);
+    if (!kvmix__boost_ok(&c->desc, want) || !kvmix__retier_in_place(c, p, want)) return aged;
+    return want;
+}
+
+static int kvmix__same_precision(kvmix_cache_precision a, uint8_t key, uint8_t value) {
+    return a.key_format == key && a.value_format == value;
+}
+
+/* Asks `wants` about every live position before anything changes: a refusal or a format the
+   cache does not know fails the call whole. */
+static kvmix__why kvmix__seq_age_ok(const kvmix_cache *c, int32_t seq,
+                                    kvmix_cache_position_wants wants, void *ctx) {
+    const uint32_t *slots;
+    kvmix_cache_precision p;
+    kvmix_result r;
+    int32_t pos;
+    kvmix__why w = kvmix__cache_seq_ok(c, seq);
+    if (w.result != KVMIX_SUCCESS) return w;
+    if (!wants) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "wants", "NULL");
+    slots = kvmix__seq_slots(c, seq);
+    for (pos = 0; pos < c->seqs[seq].n_tokens; pos++) {
+        if (slots[pos] == KVMIX_CACHE_DEAD_SLOT) continue;
+        p.key_format = p.value_format = 0;
+        if ((r = wants(ctx, pos, &p)) != KVMIX_SUCCESS)
+            return kvmix__why_not(r, "wants", "refused a position");
+        if (!kvmix__precision_known(p))
+            return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "wants", "a format the cache cannot store");
+    }
+    return kvmix__why_ok();
+}
+
+static kvmix__why kvmix__seq_age(kvmix_cache *cache, int32_t seq, kvmix_cache_position_wants wants,
+                                 void *ctx, int32_t *out_pages) {
+    kvmix_cache_entry *e;
+    int32_t j, n_pages = 0, max_rows = 0;
+    int64_t staging = -1, staging_n = 0;
+    kvmix__why w = kvmix__seq_age_ok(cache, seq, wants, ctx);
+    if (w.result != KVMIX_SUCCESS) return w;
+    e = kvmix__seq_entries(cache, seq);
+    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
+        const kvmix_cache_page *p = &cache->pages[e[j].page];
+        if (!kvmix__same_precision(kvmix__aged_precision(cache, seq, &e[j], wants, ctx),
+                                   p->key_format, p->value_format)) {
+            n_pages++;
+            if (p->n_rows > max_rows) max_rows = p->n_rows;
+        }
+    }
+    if (n_pages > 0 && cache->desc.device_arena &&
+        (staging = kvmix__retier_staging(cache, max_rows, n_pages, &staging_n)) < 0)
+        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
+                              "no room for the FP16 staging or the jobs: take the jobs first");
+    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
+        kvmix_cache_page *p = &cache->pages[e[j].page];
+        kvmix_cache_precision aged = kvmix__aged_precision(cache, seq, &e[j], wants, ctx);
+        if (!p->sealed && !p->sink && p->refcount == 1) { /* a buffer: sealed to what it wants */
+            kvmix_cache_precision want = kvmix__entry_wants(cache, seq, &e[j], wants, ctx);
+            if (p->key_format == KVMIX_FORMAT_FP16) /* keys a values-only window sealed stay */
+                p->want_key = kvmix__lower_format(p->want_key, want.key_format);
+            p->want_value = kvmix__lower_format(p->want_value, want.value_format);
+        } else if (!kvmix__same_precision(aged, p->key_format, p->value_format)) {
+            kvmix__retier_page(cache, e[j].page, aged, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL,
+                               staging < 0 ? 0 : (uint64_t)staging * cache->desc.granule_bytes);
+            kvmix__view_touch(cache, seq, j); /* its span's formats changed; no one shares it */
+        }
+    }
+    if (staging >= 0) kvmix__arena_give(cache, NULL, staging, staging_n);
+    if (out_pages) *out_pages = n_pages;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_age(kvmix_cache *cache, int32_t seq,
+                                          kvmix_cache_position_wants wants, void *ctx,
+                                          int32_t *out_pages) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_age(cache, seq, wants, ctx, out_pages));
 }
 
 /* ---- compaction ----------------------------------------------------------------------------- */
@@ -8082,118 +8221,36 @@ KVMIXDEF kvmix_result kvmix_policy_token_run(const kvmix_policy *policy, kvmix_t
     return KVMIX_SUCCESS;
 }
 
-/* The formats entry e's live positions ask for at current_turn, per side the highest (policy and
-   tags checked by the caller). */
-static kvmix_cache_precision kvmix__entry_wants(const kvmix_policy *policy, const kvmix_cache *c,
-                                                int32_t seq, const kvmix_cache_entry *e,
-                                                const kvmix_tag *tags, int32_t current_turn) {
-    const uint32_t *slots = kvmix__seq_slots(c, seq);
-    kvmix_cache_precision want = {0, 0}, p;
-    int32_t pos;
-    for (pos = e->first_pos; pos < kvmix__entry_end(e); pos++)
-        if (slots[pos] / (uint32_t)c->desc.page_tokens == e->page) {
-            p = kvmix__token_formats(policy, tags[pos], current_turn);
-            want.key_format = kvmix__higher_format(want.key_format, p.key_format);
-            want.value_format = kvmix__higher_format(want.value_format, p.value_format);
-        }
-    return want;
-}
+/* What a position asks for under a policy at a turn: kvmix_cache_seq_age's question. */
+typedef struct kvmix__turn_wants {
+    const kvmix_policy *policy;
+    const kvmix_tag *tags;
+    int32_t n_tags, current_turn;
+} kvmix__turn_wants;
 
-/* The lower of a stored format and a wanted one (0: nothing wanted, the stored stays). */
-static uint8_t kvmix__lower_format(uint8_t stored, uint8_t want) {
-    return want != 0 && kvmix__format_rank(want) < kvmix__format_rank(stored) ? want : stored;
-}
-
-/* Entry e's page demoted to what its positions want, or its own formats when that is nothing
-   (shared, sinks, an FP16 buffer, a larger page, formats the cache cannot store). */
-static kvmix_cache_precision kvmix__aged_precision(const kvmix_policy *policy, const kvmix_cache *c,
-                                                   int32_t seq, const kvmix_cache_entry *e,
-                                                   const kvmix_tag *tags, int32_t current_turn) {
-    const kvmix_cache_page *p = &c->pages[e->page];
-    kvmix_cache_precision want, aged;
-    aged.key_format = p->key_format;
-    aged.value_format = p->value_format;
-    if (!p->sealed || p->sink || p->refcount > 1) return aged;
-    want = kvmix__entry_wants(policy, c, seq, e, tags, current_turn);
-    want.key_format = kvmix__lower_format(p->key_format, want.key_format);
-    want.value_format = kvmix__lower_format(p->value_format, want.value_format);
-    if (!kvmix__boost_ok(&c->desc, want) || !kvmix__retier_in_place(c, p, want)) return aged;
-    return want;
-}
-
-static int kvmix__same_precision(kvmix_cache_precision a, uint8_t key, uint8_t value) {
-    return a.key_format == key && a.value_format == value;
-}
-
-static kvmix__why kvmix__policy_retier_ok(const kvmix_policy *policy, const kvmix_cache *cache,
-                                          int32_t seq, const kvmix_tag *tags, int32_t n_tags,
-                                          int32_t current_turn) {
-    kvmix__why w;
-    kvmix_result r;
-    int32_t pos;
-    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
-    if ((r = kvmix_policy_check(policy, NULL)) != KVMIX_SUCCESS)
-        return kvmix__why_not(r, "policy", "does not check");
-    if (!tags || n_tags < cache->seqs[seq].n_tokens)
-        return kvmix__why_not(tags ? KVMIX_ERR_INVALID_ARGUMENT : KVMIX_ERR_NULL_POINTER, "tags",
-                              "must hold a tag for each of the sequence's positions");
-    if (current_turn < 0)
-        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "current_turn", "must be >= 0");
-    for (pos = 0; pos < cache->seqs[seq].n_tokens; pos++)
-        if (tags[pos].role >= KVMIX_TAG_N_ROLES || tags[pos].modality >= KVMIX_TAG_N_MODALITIES)
-            return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "tags",
-                                  "a role or modality out of range");
-    return kvmix__why_ok();
-}
-
-static kvmix__why kvmix__policy_retier(const kvmix_policy *policy, kvmix_cache *cache, int32_t seq,
-                                       const kvmix_tag *tags, int32_t n_tags, int32_t current_turn,
-                                       int32_t *out_pages) {
-    kvmix_cache_entry *e = kvmix__seq_entries(cache, seq);
-    int32_t j, n_pages = 0, max_rows = 0;
-    int64_t staging = -1, staging_n = 0;
-    kvmix__why w = kvmix__policy_retier_ok(policy, cache, seq, tags, n_tags, current_turn);
-    if (w.result != KVMIX_SUCCESS) return w;
-    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
-        const kvmix_cache_page *p = &cache->pages[e[j].page];
-        if (!kvmix__same_precision(
-                kvmix__aged_precision(policy, cache, seq, &e[j], tags, current_turn), p->key_format,
-                p->value_format)) {
-            n_pages++;
-            if (p->n_rows > max_rows) max_rows = p->n_rows;
-        }
-    }
-    if (n_pages > 0 && cache->desc.device_arena &&
-        (staging = kvmix__retier_staging(cache, max_rows, n_pages, &staging_n)) < 0)
-        return kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "arena",
-                              "no room for the FP16 staging or the jobs: take the jobs first");
-    for (j = 0; j < cache->seqs[seq].n_entries; j++) {
-        kvmix_cache_page *p = &cache->pages[e[j].page];
-        kvmix_cache_precision aged =
-            kvmix__aged_precision(policy, cache, seq, &e[j], tags, current_turn);
-        if (!p->sealed && !p->sink && p->refcount == 1) { /* a buffer: sealed to what it wants */
-            kvmix_cache_precision want =
-                kvmix__entry_wants(policy, cache, seq, &e[j], tags, current_turn);
-            if (p->key_format == KVMIX_FORMAT_FP16) /* keys a values-only window sealed stay */
-                p->want_key = kvmix__lower_format(p->want_key, want.key_format);
-            p->want_value = kvmix__lower_format(p->want_value, want.value_format);
-        } else if (!kvmix__same_precision(aged, p->key_format, p->value_format)) {
-            kvmix__retier_page(cache, e[j].page, aged, NULL, NULL, KVMIX_CACHE_ROWS_ORIGINAL,
-                               staging < 0 ? 0 : (uint64_t)staging * cache->desc.granule_bytes);
-            kvmix__view_touch(cache, seq, j); /* its span's formats changed; no one shares it */
-        }
-    }
-    if (staging >= 0) kvmix__arena_give(cache, NULL, staging, staging_n);
-    if (out_pages) *out_pages = n_pages;
-    return kvmix__why_ok();
+static kvmix_result kvmix__turn_wants_of(void *ctx, int32_t position, kvmix_cache_precision *out) {
+    const kvmix__turn_wants *t = (const kvmix__turn_wants *)ctx;
+    if (position >= t->n_tags) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (t->tags[position].role >= KVMIX_TAG_N_ROLES ||
+        t->tags[position].modality >= KVMIX_TAG_N_MODALITIES)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out = kvmix__token_formats(t->policy, t->tags[position], t->current_turn);
+    return KVMIX_SUCCESS;
 }
 
 KVMIXDEF kvmix_result kvmix_policy_retier_turn(const kvmix_policy *policy, kvmix_cache *cache,
                                                int32_t seq, const kvmix_tag *tags, int32_t n_tags,
                                                int32_t current_turn, int32_t *out_pages) {
-    if (!policy || !cache) return KVMIX_ERR_NULL_POINTER;
-    return kvmix__record(
-        cache, kvmix__policy_retier(policy, cache, seq, tags, n_tags, current_turn, out_pages));
+    kvmix__turn_wants t;
+    kvmix_result r;
+    if (!policy || !cache || !tags) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_policy_check(policy, NULL)) != KVMIX_SUCCESS) return r;
+    if (n_tags < 0 || current_turn < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    t.policy = policy;
+    t.tags = tags;
+    t.n_tags = n_tags;
+    t.current_turn = current_turn;
+    return kvmix_cache_seq_age(cache, seq, kvmix__turn_wants_of, &t, out_pages);
 }
 
 // >>intent

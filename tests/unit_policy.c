@@ -593,6 +593,87 @@ static void test_retier_turn(void) {
     test_context(NULL);
 }
 
+/* kvmix_cache_seq_age's question in the tests: below `until`, `want`; a refusal or an answer
+   with a format the cache does not know at `bad` (-1: none). */
+typedef struct age_wants {
+    int32_t until, bad;
+    kvmix_result refusal;
+    kvmix_cache_precision want;
+} age_wants;
+
+static kvmix_result age_wants_of(void *ctx, int32_t position, kvmix_cache_precision *out) {
+    const age_wants *a = (const age_wants *)ctx;
+    if (position == a->bad && a->refusal != KVMIX_SUCCESS) return a->refusal;
+    if (position == a->bad) out->key_format = 99;
+    else if (position < a->until) *out = a->want;
+    return KVMIX_SUCCESS;
+}
+
+/* kvmix_cache_seq_age, the cache's own call under the policy's: the caller's answers, a side
+   asked for nothing stays, precision never rises, and a refusal or an unknown format fails the
+   call with nothing changed and the cache saying why. */
+static void test_seq_age(void) {
+    enum { N = 64 };
+    kvmix_policy p = *kvmix_policy_find("int4");
+    kvmix_cache_desc desc;
+    kvmix_cache cache;
+    uint32_t pages[N];
+    kvmix_cache_precision before[N], after[N];
+    static float rows[N * 256], rows_after[N * 256];
+    age_wants a;
+    int32_t seq, pos, done = -1;
+    test_rng rng;
+    test_context("kvmix_cache_seq_age");
+    p.page_tokens = 16;
+    memset(&desc, 0, sizeof desc);
+    desc.n_layers = 2;
+    desc.n_kv_heads = 2;
+    desc.head_dim = 64;
+    desc.max_seqs = 1;
+    desc.max_tokens_per_seq = N;
+    desc.arena_bytes = (size_t)1 << 20;
+    CHECK_RESULT(kvmix_policy_apply(&p, &desc, NULL), KVMIX_SUCCESS);
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &desc, NULL), KVMIX_SUCCESS)) return;
+    kvmix_cache_seq_create(&cache, &seq);
+    test_rng_init(&rng, "seq age");
+    retier_append(&cache, seq, &p, 0, N, -1, 0, &rng);
+    retier_snapshot(&cache, seq, N, pages, before, rows);
+    memset(&a, 0, sizeof a);
+    a.until = 32;
+    a.want.key_format = KVMIX_FORMAT_INT2; /* values: nothing asked */
+    a.bad = 40;
+    a.refusal = KVMIX_ERR_BAD_VALUE;
+    CHECK_RESULT(kvmix_cache_seq_age(&cache, seq, age_wants_of, &a, &done), KVMIX_ERR_BAD_VALUE);
+    CHECK(strstr(kvmix_cache_last_error(&cache), "wants") != NULL && done == -1);
+    a.refusal = KVMIX_SUCCESS; /* position 40 answers format 99 */
+    CHECK_RESULT(kvmix_cache_seq_age(&cache, seq, age_wants_of, &a, NULL),
+                 KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK_RESULT(kvmix_cache_seq_age(&cache, seq, NULL, &a, NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_cache_seq_age(&cache, 1, age_wants_of, &a, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    retier_snapshot(&cache, seq, N, pages, after, rows_after);
+    CHECK(memcmp(before, after, sizeof before) == 0 && memcmp(rows, rows_after, sizeof rows) == 0);
+
+    a.bad = -1;
+    a.want.key_format = KVMIX_FORMAT_FP16; /* higher than held: never rises */
+    CHECK_RESULT(kvmix_cache_seq_age(&cache, seq, age_wants_of, &a, &done), KVMIX_SUCCESS);
+    CHECK(done == 0);
+    a.want.key_format = KVMIX_FORMAT_INT2;
+    CHECK_RESULT(kvmix_cache_seq_age(&cache, seq, age_wants_of, &a, &done), KVMIX_SUCCESS);
+    CHECK(done == 2); /* the two sealed pages of positions 0..31 */
+    retier_snapshot(&cache, seq, N, pages, after, rows_after);
+    for (pos = 0; pos < N; pos++) {
+        test_context("kvmix_cache_seq_age position %d", pos);
+        CHECK(after[pos].value_format == before[pos].value_format);
+        CHECK(after[pos].key_format ==
+              (pos < 32 && cache.pages[pages[pos]].sealed ? KVMIX_FORMAT_INT2 : before[pos].key_format));
+    }
+    test_context("kvmix_cache_seq_age");
+    CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
+    kvmix_cache_deinit(&cache);
+    test_context(NULL);
+}
+
 void unit_policy(void) {
     test_builtins();
     test_check_errors();
@@ -600,4 +681,5 @@ void unit_policy(void) {
     test_apply();
     test_tag_precision();
     test_retier_turn();
+    test_seq_age();
 }
