@@ -987,7 +987,7 @@ typedef enum kvmix_evict_scorer {
     KVMIX_EVICT_INTENT = 1,    /* the session's QueryMemory: kvmix_ref_view_intent_score summed
                                   over layers */
     KVMIX_EVICT_QUERY = 2,     /* the same over the request's own actionable queries alone (no
-                                  memory: the ablation arm) */
+                                  memory: what the session's memory adds is measured on it) */
     KVMIX_EVICT_STREAMING = 3, /* StreamingLLM: the prefix (sinks) and the most recent positions */
     KVMIX_EVICT_H2O = 4,       /* H2O: attention mass accumulated over every query so far */
     KVMIX_EVICT_SNAPKV = 5     /* SnapKV: attention mass of the prompt's last observe_tokens
