@@ -297,6 +297,7 @@ $(BUILD)/test_cuda: tests/test_cuda.cu tests/device_arena_scenario.h kvmix_cuda.
 # The long-session eval set is what its seeds generate, with valid answer spans (bench/refmodel).
 refmodel-check:
 	python3 bench/refmodel/test_longtrace.py
+	python3 bench/refmodel/test_longdata.py
 
 test-cuda: $(BUILD)/test_cuda
 	./$(BUILD)/test_cuda
