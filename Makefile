@@ -45,7 +45,7 @@ MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model
 	$(BUILD)/model_test_probe $(BUILD)/model_test_evict $(BUILD)/model_test_eval
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
-	pd-transfer
+	pd-transfer refmodel-check
 
 all: cuda-build pd-transfer $(BUILD)/kvmix-probe $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
@@ -283,7 +283,7 @@ $(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 endif
 
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
-	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer
+	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer refmodel-check
 	@FUZZ_TIMEOUT=$(FUZZ_TIMEOUT) FUZZ_RSS_MB=$(FUZZ_RSS_MB) sh tests/run_all.sh "$(BUILD)" \
 		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
@@ -293,6 +293,11 @@ test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache
 $(BUILD)/test_cuda: tests/test_cuda.cu tests/device_arena_scenario.h kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 	$(NVCC) $(NVCCFLAGS) -gencode=arch=compute_80,code=compute_80 -I. tests/test_cuda.cu \
 		kvmix_cuda.cu -o $@
+
+# The long-session eval set is what its seeds generate, with valid answer spans (bench/refmodel).
+refmodel-check:
+	python3 bench/refmodel/test_longtrace.py
+	python3 bench/refmodel/test_longdata.py
 
 test-cuda: $(BUILD)/test_cuda
 	./$(BUILD)/test_cuda
