@@ -1350,7 +1350,7 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *prob
 #define KVMIX_TAG_MAX_IDS       16   /* ids in one marker or name sequence */
 #define KVMIX_TAG_MAX_ALTS      4    /* alternative sequences of one marker (e.g. harmony's ends) */
 #define KVMIX_TAG_MAX_NAMES     16   /* role names, and channel names, of one spec */
-#define KVMIX_TAG_MAX_ROLE_STARTS 8  /* role starts of one spec */
+#define KVMIX_TAG_MAX_STARTS    8    /* role starts of one spec */
 #define KVMIX_TAG_MAX_HEADER    64   /* header tokens before the fallback ends a header */
 #define KVMIX_TAG_NAME_BYTES    24   /* a role or channel name as text, NUL included */
 #define KVMIX_TAG_FLAG_FALLBACK 1    /* kvmix_tag.flags: the stream broke the template here */
@@ -1429,8 +1429,8 @@ typedef struct kvmix_tag_spec {
     kvmix_tag_name roles[KVMIX_TAG_MAX_NAMES];
     int32_t n_channels; /* 0 .. KVMIX_TAG_MAX_NAMES */
     kvmix_tag_name channels[KVMIX_TAG_MAX_NAMES];
-    int32_t n_role_starts; /* 0 .. KVMIX_TAG_MAX_ROLE_STARTS: content markers that start a */
-    kvmix_tag_name role_starts[KVMIX_TAG_MAX_ROLE_STARTS]; /* message of their role, headless */
+    int32_t n_role_starts; /* 0 .. KVMIX_TAG_MAX_STARTS: content markers that start a */
+    kvmix_tag_name role_starts[KVMIX_TAG_MAX_STARTS]; /* message of their role, headless */
 } kvmix_tag_spec;
 
 /* Streaming tagger state: fixed size, in caller memory, no pointers (it may be copied to fork a
@@ -7641,7 +7641,7 @@ KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec) {
         return KVMIX_ERR_INVALID_ARGUMENT; /* no way into a message */
     if (!kvmix__tag_names_ok(spec->roles, spec->n_roles, KVMIX_TAG_MAX_NAMES) ||
         !kvmix__tag_names_ok(spec->channels, spec->n_channels, KVMIX_TAG_MAX_NAMES) ||
-        !kvmix__tag_names_ok(spec->role_starts, spec->n_role_starts, KVMIX_TAG_MAX_ROLE_STARTS))
+        !kvmix__tag_names_ok(spec->role_starts, spec->n_role_starts, KVMIX_TAG_MAX_STARTS))
         return KVMIX_ERR_INVALID_ARGUMENT;
     return kvmix__tag_role_starts_distinct(spec);
 }
@@ -7862,9 +7862,8 @@ static void kvmix__tagger_start_role(kvmix_tagger *t, int32_t r) {
    the spec has a close marker for (one without, like <|python_tag|>, runs to the message end). */
 static int kvmix__tagger_span_open(const kvmix_tagger *t) {
     if (t->vision) return 1;
-    return t->bracket != 0 &&
-           kvmix__tag_marker_used(kvmix__tag_content_marker(
-               &t->spec, KVMIX__TAG_K_REASONING_CLOSE + 2 * (t->bracket - 1)));
+    return t->bracket != 0 && kvmix__tag_marker_used(kvmix__tag_content_marker(
+                                  &t->spec, KVMIX__TAG_K_REASONING_CLOSE + 2 * (t->bracket - 1)));
 }
 
 /* One id that the hot path does not handle: a header id, a content marker's last id, the first

@@ -225,8 +225,9 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
     const char *end = NULL;
     t->root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
     free(text);
-    t->byte_level = has_type(cJSON_GetObjectItemCaseSensitive(t->root, "pre_tokenizer"), "ByteLevel") ||
-                    has_type(cJSON_GetObjectItemCaseSensitive(t->root, "decoder"), "ByteLevel");
+    t->byte_level =
+        has_type(cJSON_GetObjectItemCaseSensitive(t->root, "pre_tokenizer"), "ByteLevel") ||
+        has_type(cJSON_GetObjectItemCaseSensitive(t->root, "decoder"), "ByteLevel");
     if (t->byte_level)
         build_byte_table(t);
     else
@@ -608,13 +609,12 @@ static const named HARMONY_CHANNELS[] = {
 /* Llama 3.x: <|start_header_id|>ROLE<|end_header_id|>\n\n ... <|eot_id|>; 3.1 adds <|eom_id|>
    (a built-in tool call ends there) and <|python_tag|>, which opens a tool call that runs to the
    message end. */
-static const piece LLAMA3[] = {
-    {AT(message_start), P_SPECIAL, "<|start_header_id|>", NULL},
-    {AT(message_end), P_SPECIAL, "<|eot_id|>", NULL},
-    {AT(message_end), P_SPECIAL_OPT, "<|eom_id|>", NULL},
-    {AT(header_end), P_SPECIAL, "<|end_header_id|>", "\n\n"},
-    {AT(tool_call_open), P_SPECIAL_OPT, "<|python_tag|>", NULL},
-    {0, P_TEXT, NULL, NULL}};
+static const piece LLAMA3[] = {{AT(message_start), P_SPECIAL, "<|start_header_id|>", NULL},
+                               {AT(message_end), P_SPECIAL, "<|eot_id|>", NULL},
+                               {AT(message_end), P_SPECIAL_OPT, "<|eom_id|>", NULL},
+                               {AT(header_end), P_SPECIAL, "<|end_header_id|>", "\n\n"},
+                               {AT(tool_call_open), P_SPECIAL_OPT, "<|python_tag|>", NULL},
+                               {0, P_TEXT, NULL, NULL}};
 static const named LLAMA3_ROLES[] = {{"system", KVMIX_ROLE_INSTRUCTION, NULL},
                                      {"user", KVMIX_ROLE_USER, NULL},
                                      {"assistant", KVMIX_ROLE_ASSISTANT, NULL},
@@ -625,16 +625,15 @@ static const named LLAMA3_ROLES[] = {{"system", KVMIX_ROLE_INSTRUCTION, NULL},
 /* Gemma 3: <start_of_turn>user|model\n ... <end_of_turn>; no system turn (its template writes the
    system prompt into the first user turn). An image is "\n\n<start_of_image>" 256 soft tokens
    "<end_of_image>\n\n": one at a turn's head makes the header's newline a longer run. */
-static const piece GEMMA3[] = {
-    {AT(message_start), P_SPECIAL, "<start_of_turn>", NULL},
-    {AT(message_end), P_SPECIAL, "<end_of_turn>", NULL},
-    {AT(header_end), P_TEXT, NULL, "\n"},
-    {AT(header_end), P_VOCAB_OPT, NULL, "\n\n"},
-    {AT(header_end), P_VOCAB_OPT, NULL, "\n\n\n"},
-    {AT(vision_open), P_SPECIAL_OPT, "<start_of_image>", NULL},
-    {AT(vision_close), P_SPECIAL_OPT, "<end_of_image>", NULL},
-    {AT(image_pad), P_SPECIAL_OPT, "<image_soft_token>", NULL},
-    {0, P_TEXT, NULL, NULL}};
+static const piece GEMMA3[] = {{AT(message_start), P_SPECIAL, "<start_of_turn>", NULL},
+                               {AT(message_end), P_SPECIAL, "<end_of_turn>", NULL},
+                               {AT(header_end), P_TEXT, NULL, "\n"},
+                               {AT(header_end), P_VOCAB_OPT, NULL, "\n\n"},
+                               {AT(header_end), P_VOCAB_OPT, NULL, "\n\n\n"},
+                               {AT(vision_open), P_SPECIAL_OPT, "<start_of_image>", NULL},
+                               {AT(vision_close), P_SPECIAL_OPT, "<end_of_image>", NULL},
+                               {AT(image_pad), P_SPECIAL_OPT, "<image_soft_token>", NULL},
+                               {0, P_TEXT, NULL, NULL}};
 static const named GEMMA3_ROLES[] = {{"user", KVMIX_ROLE_USER, NULL},
                                      {"model", KVMIX_ROLE_ASSISTANT, NULL},
                                      {NULL, KVMIX_ROLE_USER, NULL}};

@@ -180,7 +180,15 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
 }
 
 static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, size_t err_bytes) {
-    enum { F_VERSION = N_MARKERS, F_NAME, F_DESCRIPTION, F_ROLES, F_CHANNELS, F_ROLE_STARTS, N_FIELDS };
+    enum {
+        F_VERSION = N_MARKERS,
+        F_NAME,
+        F_DESCRIPTION,
+        F_ROLES,
+        F_CHANNELS,
+        F_ROLE_STARTS,
+        N_FIELDS
+    };
     bool seen[N_FIELDS] = {false};
     int version = 0;
     for (const cJSON *item = root->child; item != NULL; item = item->next) {
@@ -235,7 +243,7 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
             r = take_names(item, key, d->spec.channels, KVMIX_TAG_MAX_NAMES, &d->spec.n_channels,
                            err, err_bytes);
         } else {
-            r = take_names(item, key, d->spec.role_starts, KVMIX_TAG_MAX_ROLE_STARTS,
+            r = take_names(item, key, d->spec.role_starts, KVMIX_TAG_MAX_STARTS,
                            &d->spec.n_role_starts, err, err_bytes);
         }
         if (r != KVMIX_SUCCESS) return r;
@@ -258,7 +266,8 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
             return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED, "spec field \"%s\": required",
                                  MARKERS[f].name);
         /* a template of role starts (DeepSeek V3) needs no message start or header end */
-        if (marker_at(&d->spec, f)->alts[0].n_ids == 0 && (f == F_END || d->spec.n_role_starts == 0))
+        if (marker_at(&d->spec, f)->alts[0].n_ids == 0 &&
+            (f == F_END || d->spec.n_role_starts == 0))
             return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                  "spec field \"%s\": needs a sequence%s", MARKERS[f].name,
                                  f == F_END ? "" : " (or role_starts)");
