@@ -1363,10 +1363,17 @@ KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *prob
 /*     ends), a message end that closes an open bracket or vision span, and any bracket, end   */
 /*     or image pad outside a message are scaffold (image pad: modality IMAGE), flagged;       */
 /*     n_breaks counts them.                                                                   */
+/*   - Role starts (spec->role_starts): special tokens that name a role and open its content,    */
+/*     with no header (DeepSeek V3's User and Assistant tokens; its begin-of-sentence token is   */
+/*     followed by the system prompt). One ends the message before it, which may have no end     */
+/*     marker (DeepSeek's user messages).                                                        */
+/*   - A bracket whose close marker the spec leaves empty (Llama 3.1's <|python_tag|> tool call)  */
+/*     runs to the message end, which closes it without a break.                                  */
 
 #define KVMIX_TAG_MAX_IDS       16   /* ids in one marker or name sequence */
 #define KVMIX_TAG_MAX_ALTS      4    /* alternative sequences of one marker (e.g. harmony's ends) */
 #define KVMIX_TAG_MAX_NAMES     16   /* role names, and channel names, of one spec */
+#define KVMIX_TAG_MAX_STARTS    8    /* role starts of one spec */
 #define KVMIX_TAG_MAX_HEADER    64   /* header tokens before the fallback ends a header */
 #define KVMIX_TAG_NAME_BYTES    24   /* a role or channel name as text, NUL included */
 #define KVMIX_TAG_FLAG_FALLBACK 1    /* kvmix_tag.flags: the stream broke the template here */
@@ -1423,9 +1430,11 @@ typedef struct kvmix_tag_name {
     kvmix_tag_seq seq;               /* n_ids >= 1 */
 } kvmix_tag_name;
 
-/* A template spec: plain data, all zero = nothing. message_start, message_end and header_end
-   need at least one sequence; every other marker is optional. Content markers (message start and
-   end, brackets, vision, image pad) are matched anywhere and must all differ from one another;
+/* A template spec: plain data, all zero = nothing. message_end needs at least one sequence, and
+   so do message_start and header_end unless the spec has role starts; every other marker is
+   optional. Content markers (message start and
+   end, brackets, vision, image pad, role starts) are matched anywhere and must all differ from
+   one another;
    header_end, channel and recipient are matched only inside a header and must differ from one
    another. */
 typedef struct kvmix_tag_spec {
@@ -1443,6 +1452,8 @@ typedef struct kvmix_tag_spec {
     kvmix_tag_name roles[KVMIX_TAG_MAX_NAMES];
     int32_t n_channels; /* 0 .. KVMIX_TAG_MAX_NAMES */
     kvmix_tag_name channels[KVMIX_TAG_MAX_NAMES];
+    int32_t n_role_starts; /* 0 .. KVMIX_TAG_MAX_STARTS: content markers that start a */
+    kvmix_tag_name role_starts[KVMIX_TAG_MAX_STARTS]; /* message of their role, headless */
 } kvmix_tag_spec;
 
 /* Streaming tagger state: fixed size, in caller memory, no pointers (it may be copied to fork a
@@ -7661,7 +7672,8 @@ enum { /* content markers, in the order kvmix__tag_content_marker lists them */
        KVMIX__TAG_K_VISION_OPEN,
        KVMIX__TAG_K_VISION_CLOSE,
        KVMIX__TAG_K_IMAGE_PAD,
-       KVMIX__TAG_N_KINDS
+       KVMIX__TAG_N_KINDS,
+       KVMIX__TAG_K_ROLE_START = KVMIX__TAG_N_KINDS /* spec->role_starts, not a marker */
 };
 
 static const kvmix_tag_marker *kvmix__tag_content_marker(const kvmix_tag_spec *s, int kind) {
@@ -7703,14 +7715,31 @@ static int kvmix__tag_marker_used(const kvmix_tag_marker *m) {
     return 0;
 }
 
-static int kvmix__tag_names_ok(const kvmix_tag_name *names, int32_t n) {
+static int kvmix__tag_names_ok(const kvmix_tag_name *names, int32_t n, int32_t max) {
     int32_t i;
-    if (n < 0 || n > KVMIX_TAG_MAX_NAMES) return 0;
+    if (n < 0 || n > max) return 0;
     for (i = 0; i < n; i++) {
         if (!kvmix__tag_seq_ok(&names[i].seq) || names[i].seq.n_ids < 1) return 0;
         if (names[i].role < 0 || names[i].role >= KVMIX_ROLE_SCAFFOLD) return 0;
     }
     return 1;
+}
+
+/* Role starts are content markers too: each differs from the others and from every marker. */
+static kvmix_result kvmix__tag_role_starts_distinct(const kvmix_tag_spec *spec) {
+    int32_t r, r2;
+    int k, a;
+    for (r = 0; r < spec->n_role_starts; r++) {
+        const kvmix_tag_seq *q = &spec->role_starts[r].seq;
+        for (r2 = 0; r2 < r; r2++)
+            if (kvmix__tag_seq_equal(q, &spec->role_starts[r2].seq))
+                return KVMIX_ERR_INVALID_ARGUMENT;
+        for (k = KVMIX__TAG_K_START; k < KVMIX__TAG_N_KINDS; k++)
+            for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
+                if (kvmix__tag_seq_equal(q, &kvmix__tag_content_marker(spec, k)->alts[a]))
+                    return KVMIX_ERR_INVALID_ARGUMENT;
+    }
+    return KVMIX_SUCCESS;
 }
 
 KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec) {
@@ -7745,13 +7774,15 @@ KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec) {
             }
         }
     }
-    if (!kvmix__tag_marker_used(&spec->message_start) ||
-        !kvmix__tag_marker_used(&spec->message_end) || !kvmix__tag_marker_used(&spec->header_end))
+    if (!kvmix__tag_marker_used(&spec->message_end)) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (spec->n_role_starts == 0 && (!kvmix__tag_marker_used(&spec->message_start) ||
+                                     !kvmix__tag_marker_used(&spec->header_end)))
+        return KVMIX_ERR_INVALID_ARGUMENT; /* no way into a message */
+    if (!kvmix__tag_names_ok(spec->roles, spec->n_roles, KVMIX_TAG_MAX_NAMES) ||
+        !kvmix__tag_names_ok(spec->channels, spec->n_channels, KVMIX_TAG_MAX_NAMES) ||
+        !kvmix__tag_names_ok(spec->role_starts, spec->n_role_starts, KVMIX_TAG_MAX_STARTS))
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!kvmix__tag_names_ok(spec->roles, spec->n_roles) ||
-        !kvmix__tag_names_ok(spec->channels, spec->n_channels))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    return KVMIX_SUCCESS;
+    return kvmix__tag_role_starts_distinct(spec);
 }
 
 static void kvmix__tagger_update(kvmix_tagger *t) {
@@ -7791,6 +7822,11 @@ KVMIXDEF kvmix_result kvmix_tagger_reset(kvmix_tagger *tagger) {
                 tagger->filter[h / 64] |= (uint64_t)1 << (h % 64);
             }
     }
+    for (k = 0; k < tagger->spec.n_role_starts; k++) {
+        const kvmix_tag_seq *q = &tagger->spec.role_starts[k].seq;
+        uint32_t h = (uint32_t)q->ids[q->n_ids - 1] % KVMIX_TAG_FILTER_BITS;
+        tagger->filter[h / 64] |= (uint64_t)1 << (h % 64);
+    }
     /* image pads that end no other content marker are tagged on the hot path */
     tagger->pad_mode = -1;
     for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
@@ -7801,6 +7837,10 @@ KVMIXDEF kvmix_result kvmix_tagger_reset(kvmix_tagger *tagger) {
             for (a2 = 0; a2 < KVMIX_TAG_MAX_ALTS; a2++)
                 if (m->alts[a2].n_ids > 0 && m->alts[a2].ids[m->alts[a2].n_ids - 1] == pad->ids[0])
                     alone = 0;
+        }
+        for (k2 = 0; alone && k2 < tagger->spec.n_role_starts; k2++) {
+            const kvmix_tag_seq *q = &tagger->spec.role_starts[k2].seq;
+            if (q->ids[q->n_ids - 1] == pad->ids[0]) alone = 0;
         }
         if (!alone) continue;
         if (tagger->pad_mode < 0)
@@ -7866,17 +7906,26 @@ static int kvmix__tag_marker_ends_at(const kvmix_tagger *t, const int32_t *ids, 
     return hit;
 }
 
-/* The content marker (longest) that ends at ids[i], or KVMIX__TAG_K_NONE. */
+/* The content marker (longest) that ends at ids[i], or KVMIX__TAG_K_NONE; for a role start,
+   KVMIX__TAG_K_ROLE_START with its index in *out_start. */
 static int kvmix__tag_content_match(const kvmix_tagger *t, const int32_t *ids, int32_t i,
-                                    int64_t base) {
+                                    int64_t base, int32_t *out_start) {
     uint32_t h = (uint32_t)ids[i] % KVMIX_TAG_FILTER_BITS;
     int k, best = KVMIX__TAG_K_NONE;
-    int32_t len = 0;
+    int32_t len = 0, r;
     if (!((t->filter[h / 64] >> (h % 64)) & 1)) return best;
     for (k = KVMIX__TAG_K_START; k < KVMIX__TAG_N_KINDS; k++)
         if (kvmix__tag_marker_ends_at(t, ids, i, base, kvmix__tag_content_marker(&t->spec, k),
                                       KVMIX_TAG_MAX_IDS, &len))
             best = k;
+    for (r = 0; r < t->spec.n_role_starts; r++) {
+        const kvmix_tag_seq *q = &t->spec.role_starts[r].seq;
+        if (q->n_ids > len && kvmix__tag_ends_at(t, ids, i, base, q, KVMIX_TAG_MAX_IDS)) {
+            len = q->n_ids;
+            best = KVMIX__TAG_K_ROLE_START;
+            *out_start = r;
+        }
+    }
     return best;
 }
 
@@ -7939,17 +7988,38 @@ static void kvmix__tagger_start_message(kvmix_tagger *t) {
     kvmix__tagger_update(t);
 }
 
+/* Starts a message whose role the role start `r` names: no header, content next. */
+static void kvmix__tagger_start_role(kvmix_tagger *t, int32_t r) {
+    kvmix__tagger_start_message(t);
+    t->msg_role = t->spec.role_starts[r].role;
+    t->msg_user = t->msg_role == KVMIX_ROLE_USER;
+    t->mode = t->msg_user ? KVMIX__TAG_FIRST : KVMIX__TAG_CONTENT;
+    kvmix__tagger_update(t);
+}
+
+/* Nonzero while a span is open that a message must not end inside: a vision span, or a bracket
+   the spec has a close marker for (one without, like <|python_tag|>, runs to the message end). */
+static int kvmix__tagger_span_open(const kvmix_tagger *t) {
+    if (t->vision) return 1;
+    return t->bracket != 0 && kvmix__tag_marker_used(kvmix__tag_content_marker(
+                                  &t->spec, KVMIX__TAG_K_REASONING_CLOSE + 2 * (t->bracket - 1)));
+}
+
 /* One id that the hot path does not handle: a header id, a content marker's last id, the first
    content id of a user message, or an id that shares a filter bit with a marker. */
 static kvmix_tag kvmix__tagger_step(kvmix_tagger *t, const int32_t *ids, int32_t i, int64_t base) {
     kvmix_tag out;
-    int kind = kvmix__tag_content_match(t, ids, i, base), stray = 0, brk = 0;
+    int32_t start = 0;
+    int kind = kvmix__tag_content_match(t, ids, i, base, &start), stray = 0, brk = 0;
     if (t->mode == KVMIX__TAG_HEADER) {
         int32_t len = 0, pos;
-        if (kind == KVMIX__TAG_K_START || kind == KVMIX__TAG_K_END) {
+        if (kind == KVMIX__TAG_K_START || kind == KVMIX__TAG_K_END ||
+            kind == KVMIX__TAG_K_ROLE_START) {
             t->n_breaks++;
             if (kind == KVMIX__TAG_K_START)
                 kvmix__tagger_start_message(t);
+            else if (kind == KVMIX__TAG_K_ROLE_START)
+                kvmix__tagger_start_role(t, start);
             else {
                 t->mode = KVMIX__TAG_OUTSIDE;
                 kvmix__tagger_update(t);
@@ -7995,14 +8065,17 @@ static kvmix_tag kvmix__tagger_step(kvmix_tagger *t, const int32_t *ids, int32_t
         kind >= KVMIX__TAG_K_REASONING_OPEN && kind <= KVMIX__TAG_K_TOOL_RESPONSE_CLOSE)
         return out; /* a system prompt that names the tags: content */
     if (t->mode == KVMIX__TAG_OUTSIDE) {
-        stray = kind != KVMIX__TAG_K_START;
+        stray = kind != KVMIX__TAG_K_START && kind != KVMIX__TAG_K_ROLE_START;
     } else {
         switch (kind) {
         case KVMIX__TAG_K_START:
             brk = 1; /* the message never ended */
             break;
+        case KVMIX__TAG_K_ROLE_START: /* ends the message before it */
+            brk = kvmix__tagger_span_open(t);
+            break;
         case KVMIX__TAG_K_END:
-            brk = t->bracket != 0 || t->vision != 0;
+            brk = kvmix__tagger_span_open(t);
             t->mode = KVMIX__TAG_OUTSIDE;
             break;
         case KVMIX__TAG_K_REASONING_OPEN:
@@ -8036,6 +8109,8 @@ static kvmix_tag kvmix__tagger_step(kvmix_tagger *t, const int32_t *ids, int32_t
     }
     if (kind == KVMIX__TAG_K_START)
         kvmix__tagger_start_message(t);
+    else if (kind == KVMIX__TAG_K_ROLE_START)
+        kvmix__tagger_start_role(t, start);
     else
         kvmix__tagger_update(t);
     out = t->current;

@@ -80,9 +80,29 @@ struct hf_tokenizer {
     int32_t n_ids;
     added *added;
     int32_t n_added;
-    char byte_char[256][3]; /* GPT-2 byte-to-unicode, as UTF-8 (1 or 2 bytes, NUL-terminated) */
-    int16_t char_byte[512]; /* code point -> byte, -1 when none */
+    char byte_char[256][4]; /* byte -> vocabulary characters, UTF-8, NUL-terminated */
+    int16_t char_byte[512]; /* byte level: code point -> byte, -1 when none */
+    bool byte_level;        /* GPT-2 byte table; else metaspace (" " is "\u2581", bytes <0xXX>) */
 };
+
+/* Nonzero when a "type" of node or of any object inside it is `type`. */
+static bool has_type(const cJSON *node, const char *type) {
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(node, "type");
+    if (cJSON_IsString(t) && strcmp(t->valuestring, type) == 0) return true;
+    for (const cJSON *x = node != NULL ? node->child : NULL; x != NULL; x = x->next)
+        if ((cJSON_IsObject(x) || cJSON_IsArray(x)) && has_type(x, type)) return true;
+    return false;
+}
+
+/* Metaspace tokenizers (Gemma's) keep bytes as they are, but a space is "\u2581"; bytes >= 0x80
+   are taken whole characters at a time by bpe(). */
+static void build_metaspace_table(hf_tokenizer *t) {
+    for (int b = 0; b < 256; b++) {
+        t->byte_char[b][0] = (char)b;
+        t->byte_char[b][1] = 0;
+    }
+    memcpy(t->byte_char[' '], "\xE2\x96\x81", 4);
+}
 
 static void build_byte_table(hf_tokenizer *t) {
     int n = 0;
@@ -202,10 +222,16 @@ kvmix_result hf_tokenizer_load(const char *tokenizer_path, const char *config_pa
         free(text);
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "tokenizer: out of memory");
     }
-    build_byte_table(t);
     const char *end = NULL;
     t->root = cJSON_ParseWithLengthOpts(text, n, &end, 0);
     free(text);
+    t->byte_level =
+        has_type(cJSON_GetObjectItemCaseSensitive(t->root, "pre_tokenizer"), "ByteLevel") ||
+        has_type(cJSON_GetObjectItemCaseSensitive(t->root, "decoder"), "ByteLevel");
+    if (t->byte_level)
+        build_byte_table(t);
+    else
+        build_metaspace_table(t);
     kvmix_result r = KVMIX_SUCCESS;
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(t->root, "model");
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(model, "type");
@@ -314,9 +340,10 @@ static bool is_space(unsigned char c) {
 }
 static bool is_newline(unsigned char c) { return c == '\n' || c == '\r'; }
 
-/* Length of the pre-token at s[0 .. n). */
-static size_t pretoken(const unsigned char *s, size_t n) {
+/* Length of the pre-token at s[0 .. n): metaspace tokenizers take the text whole. */
+static size_t pretoken(const hf_tokenizer *t, const unsigned char *s, size_t n) {
     size_t i = 0;
+    if (!t->byte_level) return n;
     if (s[0] == '\'' && n >= 2) { /* contractions */
         static const char *const C[] = {"re", "ve", "ll", "s", "t", "m", "d"};
         for (int k = 0; k < 7; k++) {
@@ -362,7 +389,8 @@ static kvmix_result bpe(const hf_tokenizer *t, const unsigned char *s, size_t n,
         return r != KVMIX_SUCCESS ? r : bpe(t, s + 256, n - 256, ids, cap, io_n);
     }
     for (size_t i = 0; i < n; i++) {
-        starts[m++] = len;
+        /* a piece a character: a byte at the byte level, UTF-8 lead and continuation bytes else */
+        if (t->byte_level || (s[i] & 0xC0) != 0x80 || m == 0) starts[m++] = len;
         size_t k = strlen(t->byte_char[s[i]]);
         memcpy(buf + len, t->byte_char[s[i]], k);
         len += k;
@@ -385,15 +413,25 @@ static kvmix_result bpe(const hf_tokenizer *t, const unsigned char *s, size_t n,
     }
     for (size_t i = 0; i < m; i++) {
         int32_t id = table_get(&t->vocab, buf + starts[i], starts[i + 1] - starts[i], NULL, 0);
-        if (id < 0) return KVMIX_ERR_NOT_FOUND;
-        if (*io_n >= cap) return KVMIX_ERR_BUFFER_TOO_SMALL;
-        ids[(*io_n)++] = id;
+        if (id >= 0) {
+            if (*io_n >= cap) return KVMIX_ERR_BUFFER_TOO_SMALL;
+            ids[(*io_n)++] = id;
+            continue;
+        }
+        if (t->byte_level) return KVMIX_ERR_NOT_FOUND;
+        for (size_t b = starts[i]; b < starts[i + 1]; b++) { /* byte fallback: <0xXX> */
+            char piece[8];
+            snprintf(piece, sizeof piece, "<0x%02X>", (unsigned)(unsigned char)buf[b]);
+            if ((id = table_get(&t->vocab, piece, 6, NULL, 0)) < 0) return KVMIX_ERR_NOT_FOUND;
+            if (*io_n >= cap) return KVMIX_ERR_BUFFER_TOO_SMALL;
+            ids[(*io_n)++] = id;
+        }
     }
     return KVMIX_SUCCESS;
 }
 
 int32_t hf_tokenizer_vocab_id(const hf_tokenizer *tok, const char *bytes, size_t n_bytes) {
-    char buf[512];
+    char buf[1024];
     size_t len = 0;
     if (tok == NULL || bytes == NULL || n_bytes > 200) return -1;
     for (size_t i = 0; i < n_bytes; i++) {
@@ -425,7 +463,7 @@ kvmix_result hf_tokenizer_encode(const hf_tokenizer *tok, const char *text, size
             continue;
         }
         while (plain < i) { /* the text before the special token (or the end) */
-            size_t len = pretoken(s + plain, i - plain);
+            size_t len = pretoken(tok, s + plain, i - plain);
             kvmix_result r = bpe(tok, s + plain, len, ids, cap, &n);
             if (r != KVMIX_SUCCESS) return r;
             plain += len;
@@ -440,6 +478,28 @@ kvmix_result hf_tokenizer_encode(const hf_tokenizer *tok, const char *text, size
     return KVMIX_SUCCESS;
 }
 
+/* A metaspace vocabulary entry: "\u2581" is a space, "<0xXX>" one byte, the rest as it is. */
+static int32_t decode_metaspace(const char *s, char *out, size_t cap) {
+    size_t n = 0, len = strlen(s);
+    unsigned byte;
+    char tail;
+    if (len == 6 && sscanf(s, "<0x%2X%c", &byte, &tail) == 2 && tail == '>') {
+        if (cap < 1) return -1;
+        out[0] = (char)byte;
+        return 1;
+    }
+    for (size_t i = 0; i < len; n++) {
+        if (n >= cap) return -1;
+        if (strncmp(s + i, "\xE2\x96\x81", 3) == 0) {
+            out[n] = ' ';
+            i += 3;
+        } else {
+            out[n] = s[i++];
+        }
+    }
+    return (int32_t)n;
+}
+
 int32_t hf_tokenizer_decode(const hf_tokenizer *tok, int32_t id, char *out, size_t cap) {
     if (tok == NULL || id < 0 || id >= tok->n_ids || tok->by_id[id] == NULL || out == NULL)
         return -1;
@@ -451,6 +511,7 @@ int32_t hf_tokenizer_decode(const hf_tokenizer *tok, int32_t id, char *out, size
         memcpy(out, s, n);
         return (int32_t)n;
     }
+    if (!tok->byte_level) return decode_metaspace((const char *)s, out, cap);
     while (*s) {
         unsigned cp;
         if (*s < 0x80)
@@ -467,54 +528,221 @@ int32_t hf_tokenizer_decode(const hf_tokenizer *tok, int32_t id, char *out, size
 }
 
 /* ---- template specs ------------------------------------------------------------------------ */
+/* A template family is data: which marker each special token or text is, the role words (or
+   role-naming special tokens) and channel names, and the special token that identifies it. */
+typedef enum piece_kind {
+    P_SPECIAL,     /* an added token, then `text` encoded (when not NULL); required */
+    P_SPECIAL_OPT, /* the same, left out when the tokenizer lacks the token */
+    P_TEXT,        /* `text` encoded through the vocabulary */
+    P_VOCAB_OPT    /* `text` as one vocabulary entry, left out when there is none */
+} piece_kind;
+
+typedef struct piece {
+    size_t marker; /* offsetof(kvmix_tag_spec, ...): each piece is one alternative of it */
+    piece_kind kind;
+    const char *special, *text;
+} piece;
+
+typedef struct named {
+    const char *name;    /* the role word or channel name, encoded unless `special` is given */
+    kvmix_tag_role role; /* the role its content gets */
+    const char *special; /* a role start's added token */
+} named;
+
+typedef struct family {
+    const char *name, *detect; /* detect: an added token that only this family has */
+    const piece *pieces;
+    const named *roles, *channels, *starts; /* each ends with a NULL name */
+} family;
+
+#define AT(f) offsetof(kvmix_tag_spec, f)
+static const piece CHATML[] = {
+    {AT(message_start), P_SPECIAL, "<|im_start|>", NULL},
+    {AT(message_end), P_SPECIAL, "<|im_end|>", NULL},
+    {AT(header_end), P_TEXT, NULL, "\n"},
+    /* content that starts with a newline merges with the header's: "\n\n" ends it too */
+    {AT(header_end), P_VOCAB_OPT, NULL, "\n\n"},
+    {AT(reasoning_open), P_SPECIAL_OPT, "<think>", NULL},
+    {AT(reasoning_close), P_SPECIAL_OPT, "</think>", NULL},
+    {AT(tool_call_open), P_SPECIAL_OPT, "<tool_call>", NULL},
+    {AT(tool_call_close), P_SPECIAL_OPT, "</tool_call>", NULL},
+    {AT(tool_response_open), P_SPECIAL_OPT, "<tool_response>", NULL},
+    {AT(tool_response_close), P_SPECIAL_OPT, "</tool_response>", NULL},
+    {AT(vision_open), P_SPECIAL_OPT, "<|vision_start|>", NULL},
+    {AT(vision_close), P_SPECIAL_OPT, "<|vision_end|>", NULL},
+    {AT(image_pad), P_SPECIAL_OPT, "<|image_pad|>", NULL},
+    {AT(image_pad), P_SPECIAL_OPT, "<|video_pad|>", NULL},
+    {0, P_TEXT, NULL, NULL}};
+static const named CHATML_ROLES[] = {{"system", KVMIX_ROLE_INSTRUCTION, NULL},
+                                     {"user", KVMIX_ROLE_USER, NULL},
+                                     {"assistant", KVMIX_ROLE_ASSISTANT, NULL},
+                                     {"tool", KVMIX_ROLE_OBSERVATION, NULL},
+                                     {NULL, KVMIX_ROLE_USER, NULL}};
+
+static const piece HARMONY[] = {
+    {AT(message_start), P_SPECIAL, "<|start|>", NULL},
+    {AT(message_end), P_SPECIAL, "<|end|>", NULL},
+    {AT(message_end), P_SPECIAL, "<|call|>", NULL},
+    {AT(message_end), P_SPECIAL, "<|return|>", NULL},
+    {AT(header_end), P_SPECIAL, "<|message|>", NULL},
+    {AT(channel), P_SPECIAL, "<|channel|>", NULL},
+    /* a message to a tool names it after the role or the channel: " to=functions.NAME" */
+    {AT(recipient), P_TEXT, NULL, " to="},
+    {0, P_TEXT, NULL, NULL}};
+static const named HARMONY_ROLES[] = {
+    {"system", KVMIX_ROLE_INSTRUCTION, NULL},
+    {"developer", KVMIX_ROLE_INSTRUCTION, NULL},
+    {"user", KVMIX_ROLE_USER, NULL},
+    {"assistant", KVMIX_ROLE_ASSISTANT, NULL},
+    /* a tool's message has the tool's name as its role: functions.NAME, browser.*, python */
+    {"functions", KVMIX_ROLE_OBSERVATION, NULL},
+    {"browser", KVMIX_ROLE_OBSERVATION, NULL},
+    {"python", KVMIX_ROLE_OBSERVATION, NULL},
+    {NULL, KVMIX_ROLE_USER, NULL}};
+static const named HARMONY_CHANNELS[] = {
+    {"analysis", KVMIX_ROLE_REASONING, NULL},
+    /* commentary without a recipient is a preamble shown to the user */
+    {"commentary", KVMIX_ROLE_ASSISTANT, NULL},
+    {"final", KVMIX_ROLE_ASSISTANT, NULL},
+    {NULL, KVMIX_ROLE_USER, NULL}};
+
+/* Llama 3.x: <|start_header_id|>ROLE<|end_header_id|>\n\n ... <|eot_id|>; 3.1 adds <|eom_id|>
+   (a built-in tool call ends there) and <|python_tag|>, which opens a tool call that runs to the
+   message end. */
+static const piece LLAMA3[] = {{AT(message_start), P_SPECIAL, "<|start_header_id|>", NULL},
+                               {AT(message_end), P_SPECIAL, "<|eot_id|>", NULL},
+                               {AT(message_end), P_SPECIAL_OPT, "<|eom_id|>", NULL},
+                               {AT(header_end), P_SPECIAL, "<|end_header_id|>", "\n\n"},
+                               {AT(tool_call_open), P_SPECIAL_OPT, "<|python_tag|>", NULL},
+                               {0, P_TEXT, NULL, NULL}};
+static const named LLAMA3_ROLES[] = {{"system", KVMIX_ROLE_INSTRUCTION, NULL},
+                                     {"user", KVMIX_ROLE_USER, NULL},
+                                     {"assistant", KVMIX_ROLE_ASSISTANT, NULL},
+                                     {"ipython", KVMIX_ROLE_OBSERVATION, NULL}, /* tool results */
+                                     {"tool", KVMIX_ROLE_OBSERVATION, NULL},
+                                     {NULL, KVMIX_ROLE_USER, NULL}};
+
+/* Gemma 3: <start_of_turn>user|model\n ... <end_of_turn>; no system turn (its template writes the
+   system prompt into the first user turn). An image is "\n\n<start_of_image>" 256 soft tokens
+   "<end_of_image>\n\n": one at a turn's head makes the header's newline a longer run. */
+static const piece GEMMA3[] = {{AT(message_start), P_SPECIAL, "<start_of_turn>", NULL},
+                               {AT(message_end), P_SPECIAL, "<end_of_turn>", NULL},
+                               {AT(header_end), P_TEXT, NULL, "\n"},
+                               {AT(header_end), P_VOCAB_OPT, NULL, "\n\n"},
+                               {AT(header_end), P_VOCAB_OPT, NULL, "\n\n\n"},
+                               {AT(vision_open), P_SPECIAL_OPT, "<start_of_image>", NULL},
+                               {AT(vision_close), P_SPECIAL_OPT, "<end_of_image>", NULL},
+                               {AT(image_pad), P_SPECIAL_OPT, "<image_soft_token>", NULL},
+                               {0, P_TEXT, NULL, NULL}};
+static const named GEMMA3_ROLES[] = {{"user", KVMIX_ROLE_USER, NULL},
+                                     {"model", KVMIX_ROLE_ASSISTANT, NULL},
+                                     {NULL, KVMIX_ROLE_USER, NULL}};
+
+/* DeepSeek V3: role-naming tokens, no headers. The system prompt follows <｜begin▁of▁sentence｜>;
+   a user message ends at <｜Assistant｜>; tool results sit between <｜tool▁outputs▁begin｜> and
+   <｜tool▁outputs▁end｜>, after which the assistant answers. */
+static const piece DEEPSEEK_V3[] = {
+    {AT(message_end), P_SPECIAL, "<｜end▁of▁sentence｜>", NULL},
+    {AT(reasoning_open), P_SPECIAL_OPT, "<think>", NULL},
+    {AT(reasoning_close), P_SPECIAL_OPT, "</think>", NULL},
+    {AT(tool_call_open), P_SPECIAL, "<｜tool▁call▁begin｜>", NULL},
+    {AT(tool_call_close), P_SPECIAL, "<｜tool▁call▁end｜>", NULL},
+    {AT(tool_response_open), P_SPECIAL, "<｜tool▁output▁begin｜>", NULL},
+    {AT(tool_response_close), P_SPECIAL, "<｜tool▁output▁end｜>", NULL},
+    {0, P_TEXT, NULL, NULL}};
+static const named DEEPSEEK_V3_STARTS[] = {
+    {"system", KVMIX_ROLE_INSTRUCTION, "<｜begin▁of▁sentence｜>"},
+    {"user", KVMIX_ROLE_USER, "<｜User｜>"},
+    {"assistant", KVMIX_ROLE_ASSISTANT, "<｜Assistant｜>"},
+    {"tool outputs", KVMIX_ROLE_OBSERVATION, "<｜tool▁outputs▁begin｜>"},
+    {"answer", KVMIX_ROLE_ASSISTANT, "<｜tool▁outputs▁end｜>"},
+    {NULL, KVMIX_ROLE_USER, NULL}};
+static const named NONE[] = {{NULL, KVMIX_ROLE_USER, NULL}};
+#undef AT
+
+static const family FAMILIES[] = {
+    {"chatml", "<|im_start|>", CHATML, CHATML_ROLES, NONE, NONE},
+    {"harmony", "<|channel|>", HARMONY, HARMONY_ROLES, HARMONY_CHANNELS, NONE},
+    {"llama3", "<|start_header_id|>", LLAMA3, LLAMA3_ROLES, NONE, NONE},
+    {"gemma3", "<start_of_turn>", GEMMA3, GEMMA3_ROLES, NONE, NONE},
+    {"deepseek-v3", "<｜User｜>", DEEPSEEK_V3, NONE, NONE, DEEPSEEK_V3_STARTS}};
+enum { N_FAMILIES = sizeof FAMILIES / sizeof FAMILIES[0] };
+
 typedef struct gen {
     const hf_tokenizer *tok;
-    tag_spec_doc *doc;
     char *err;
     size_t err_bytes;
     kvmix_result r;
 } gen;
 
-/* Adds special token `content` as an alternative of marker m; required ones fail when missing. */
-static void special(gen *g, kvmix_tag_marker *m, const char *content, bool required) {
+/* Appends the id of added token `content` to q; a missing one fails when required. */
+static bool add_special(gen *g, kvmix_tag_seq *q, const char *content, bool required) {
     int32_t id = hf_tokenizer_special(g->tok, content);
-    if (g->r != KVMIX_SUCCESS) return;
+    if (g->r != KVMIX_SUCCESS) return false;
     if (id < 0) {
         if (required)
             g->r = tag_spec_fail(g->err, g->err_bytes, KVMIX_ERR_NOT_FOUND,
                                  "tokenizer: special token %s is missing", content);
-        return;
+        return false;
     }
-    for (int a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
-        if (m->alts[a].n_ids == 0) {
-            m->alts[a].n_ids = 1;
-            m->alts[a].ids[0] = id;
-            return;
-        }
+    q->ids[q->n_ids++] = id;
+    return true;
 }
 
-/* Encodes text through the vocabulary into q. */
-static void encode_seq(gen *g, const char *text, kvmix_tag_seq *q) {
+/* Appends text encoded through the vocabulary to q. */
+static void add_text(gen *g, kvmix_tag_seq *q, const char *text) {
     int32_t n = 0;
     if (g->r != KVMIX_SUCCESS) return;
-    memset(q, 0, sizeof *q);
-    if (hf_tokenizer_encode(g->tok, text, strlen(text), q->ids, KVMIX_TAG_MAX_IDS, &n) !=
-            KVMIX_SUCCESS ||
+    if (hf_tokenizer_encode(g->tok, text, strlen(text), q->ids + q->n_ids,
+                            KVMIX_TAG_MAX_IDS - q->n_ids, &n) != KVMIX_SUCCESS ||
         n == 0) {
         g->r = tag_spec_fail(g->err, g->err_bytes, KVMIX_ERR_NOT_FOUND,
                              "tokenizer: \"%s\" does not encode in at most %d ids", text,
                              KVMIX_TAG_MAX_IDS);
         return;
     }
-    q->n_ids = n;
+    q->n_ids += n;
 }
 
-static void name(gen *g, kvmix_tag_name *names, int32_t *n, const char *text, kvmix_tag_role r) {
-    kvmix_tag_name *x = &names[(*n)++];
-    memset(x, 0, sizeof *x);
-    snprintf(x->text, sizeof x->text, "%s", text);
-    x->role = (int32_t)r;
-    encode_seq(g, text, &x->seq);
+/* One alternative of a marker from a piece (none when an optional piece is missing). */
+static void add_piece(gen *g, kvmix_tag_spec *s, const piece *p) {
+    kvmix_tag_marker *m = (kvmix_tag_marker *)(void *)((char *)s + p->marker);
+    kvmix_tag_seq q;
+    int a = 0;
+    memset(&q, 0, sizeof q);
+    if (p->kind == P_VOCAB_OPT) {
+        int32_t id = hf_tokenizer_vocab_id(g->tok, p->text, strlen(p->text));
+        if (id < 0) return;
+        q.ids[q.n_ids++] = id;
+    } else if (p->kind == P_TEXT) {
+        add_text(g, &q, p->text);
+    } else if (add_special(g, &q, p->special, p->kind == P_SPECIAL) && p->text != NULL) {
+        add_text(g, &q, p->text);
+    }
+    while (a < KVMIX_TAG_MAX_ALTS && m->alts[a].n_ids > 0) a++;
+    if (g->r == KVMIX_SUCCESS && q.n_ids > 0 && a < KVMIX_TAG_MAX_ALTS) m->alts[a] = q;
+}
+
+static void add_names(gen *g, kvmix_tag_name *out, int32_t *out_n, const named *names) {
+    for (; names->name != NULL && g->r == KVMIX_SUCCESS; names++) {
+        kvmix_tag_name *x = &out[*out_n];
+        memset(x, 0, sizeof *x);
+        snprintf(x->text, sizeof x->text, "%s", names->name);
+        x->role = (int32_t)names->role;
+        if (names->special != NULL)
+            add_special(g, &x->seq, names->special, true);
+        else
+            add_text(g, &x->seq, names->name);
+        ++*out_n;
+    }
+}
+
+static const family *find_family(const hf_tokenizer *tok, const char *name) {
+    for (int i = 0; i < N_FAMILIES; i++)
+        if (name != NULL ? strcmp(name, FAMILIES[i].name) == 0
+                         : hf_tokenizer_special(tok, FAMILIES[i].detect) >= 0)
+            return &FAMILIES[i];
+    return NULL;
 }
 
 kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_name,
@@ -522,70 +750,28 @@ kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_
                                   char *err, size_t err_bytes) {
     if (tok == NULL || out == NULL || doc_name == NULL)
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_NULL_POINTER, "spec: NULL argument");
-    if (template_name == NULL)
-        template_name = hf_tokenizer_special(tok, "<|im_start|>") >= 0  ? "chatml"
-                        : hf_tokenizer_special(tok, "<|channel|>") >= 0 ? "harmony"
-                                                                        : "unknown";
+    const family *f = find_family(tok, template_name);
+    if (f == NULL)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_INVALID_ARGUMENT,
+                             "spec: unknown template \"%.32s\" (chatml, harmony, llama3, gemma3, "
+                             "deepseek-v3)",
+                             template_name != NULL ? template_name : "(none detected)");
     tag_spec_doc *d = (tag_spec_doc *)calloc(1, sizeof *d);
     if (d == NULL)
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_OUT_OF_MEMORY, "spec: out of memory");
-    gen g = {tok, d, err, err_bytes, KVMIX_SUCCESS};
+    gen g = {tok, err, err_bytes, KVMIX_SUCCESS};
     kvmix_tag_spec *s = &d->spec;
     snprintf(d->name, sizeof d->name, "%s", doc_name);
     if (description != NULL)
         snprintf(d->description, sizeof d->description, "%s", description);
     else
         snprintf(d->description, sizeof d->description,
-                 "%s template; written by kvmix-tagspec from a tokenizer.json", template_name);
-    if (strcmp(template_name, "chatml") == 0) {
-        special(&g, &s->message_start, "<|im_start|>", true);
-        special(&g, &s->message_end, "<|im_end|>", true);
-        encode_seq(&g, "\n", &s->header_end.alts[0]);
-        /* content that starts with a newline merges with the header's: "\n\n" ends it too */
-        int32_t nn = hf_tokenizer_vocab_id(tok, "\n\n", 2);
-        if (nn >= 0) {
-            s->header_end.alts[1].n_ids = 1;
-            s->header_end.alts[1].ids[0] = nn;
-        }
-        special(&g, &s->reasoning_open, "<think>", false);
-        special(&g, &s->reasoning_close, "</think>", false);
-        special(&g, &s->tool_call_open, "<tool_call>", false);
-        special(&g, &s->tool_call_close, "</tool_call>", false);
-        special(&g, &s->tool_response_open, "<tool_response>", false);
-        special(&g, &s->tool_response_close, "</tool_response>", false);
-        special(&g, &s->vision_open, "<|vision_start|>", false);
-        special(&g, &s->vision_close, "<|vision_end|>", false);
-        special(&g, &s->image_pad, "<|image_pad|>", false);
-        special(&g, &s->image_pad, "<|video_pad|>", false);
-        name(&g, s->roles, &s->n_roles, "system", KVMIX_ROLE_INSTRUCTION);
-        name(&g, s->roles, &s->n_roles, "user", KVMIX_ROLE_USER);
-        name(&g, s->roles, &s->n_roles, "assistant", KVMIX_ROLE_ASSISTANT);
-        name(&g, s->roles, &s->n_roles, "tool", KVMIX_ROLE_OBSERVATION);
-    } else if (strcmp(template_name, "harmony") == 0) {
-        special(&g, &s->message_start, "<|start|>", true);
-        special(&g, &s->message_end, "<|end|>", true);
-        special(&g, &s->message_end, "<|call|>", true);
-        special(&g, &s->message_end, "<|return|>", true);
-        special(&g, &s->header_end, "<|message|>", true);
-        special(&g, &s->channel, "<|channel|>", true);
-        /* a message to a tool names it after the role or the channel: " to=functions.NAME" */
-        encode_seq(&g, " to=", &s->recipient.alts[0]);
-        name(&g, s->roles, &s->n_roles, "system", KVMIX_ROLE_INSTRUCTION);
-        name(&g, s->roles, &s->n_roles, "developer", KVMIX_ROLE_INSTRUCTION);
-        name(&g, s->roles, &s->n_roles, "user", KVMIX_ROLE_USER);
-        name(&g, s->roles, &s->n_roles, "assistant", KVMIX_ROLE_ASSISTANT);
-        /* a tool's message has the tool's name as its role: functions.NAME, browser.*, python */
-        name(&g, s->roles, &s->n_roles, "functions", KVMIX_ROLE_OBSERVATION);
-        name(&g, s->roles, &s->n_roles, "browser", KVMIX_ROLE_OBSERVATION);
-        name(&g, s->roles, &s->n_roles, "python", KVMIX_ROLE_OBSERVATION);
-        name(&g, s->channels, &s->n_channels, "analysis", KVMIX_ROLE_REASONING);
-        /* commentary without a recipient is a preamble shown to the user */
-        name(&g, s->channels, &s->n_channels, "commentary", KVMIX_ROLE_ASSISTANT);
-        name(&g, s->channels, &s->n_channels, "final", KVMIX_ROLE_ASSISTANT);
-    } else {
-        g.r = tag_spec_fail(err, err_bytes, KVMIX_ERR_INVALID_ARGUMENT,
-                            "spec: unknown template \"%.32s\" (chatml or harmony)", template_name);
-    }
+                 "%s template; written by kvmix-tagspec from a tokenizer.json", f->name);
+    for (const piece *p = f->pieces; p->special != NULL || p->text != NULL; p++)
+        add_piece(&g, s, p);
+    add_names(&g, s->roles, &s->n_roles, f->roles);
+    add_names(&g, s->channels, &s->n_channels, f->channels);
+    add_names(&g, s->role_starts, &s->n_role_starts, f->starts);
     if (g.r == KVMIX_SUCCESS && (g.r = kvmix_tag_spec_check(s)) != KVMIX_SUCCESS)
         tag_spec_fail(err, err_bytes, g.r, "spec: kvmix_tag_spec_check refused it (%s)",
                       kvmix_result_string(g.r));

@@ -45,7 +45,7 @@ static const marker_field MARKERS[] = {MARKER(message_start),       MARKER(messa
 enum { N_MARKERS = sizeof MARKERS / sizeof MARKERS[0], N_REQUIRED_MARKERS = 3 };
 /* "recipient" came with version 2: a version 1 document has none, and a document without one is
    written as version 1, so that readers of version 1 still read it. */
-enum { F_RECIPIENT = 4 };
+enum { F_END = 1, F_RECIPIENT = 4 };
 
 static kvmix_tag_marker *marker_at(kvmix_tag_spec *s, int i) {
     return (kvmix_tag_marker *)(void *)((char *)s + MARKERS[i].offset);
@@ -114,9 +114,10 @@ static kvmix_result take_text(const cJSON *item, const char *field, char *out, s
     return KVMIX_SUCCESS;
 }
 
-/* "roles" / "channels": [{"name": ..., "role": ..., "ids": [...]}, ...] */
+/* "roles" / "channels" / "role_starts": [{"name": ..., "role": ..., "ids": [...]}, ...], at most
+   max entries. */
 static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_name *out,
-                               int32_t *out_n, char *err, size_t err_bytes) {
+                               int32_t max, int32_t *out_n, char *err, size_t err_bytes) {
     int32_t n = 0;
     char where[64];
     if (!cJSON_IsArray(item))
@@ -125,10 +126,9 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
     for (const cJSON *x = item->child; x != NULL; x = x->next) {
         bool seen[3] = {false, false, false};
         kvmix_tag_name *e = &out[n];
-        if (n == KVMIX_TAG_MAX_NAMES)
+        if (n == max)
             return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
-                                 "spec field \"%s\": more than %d entries", field,
-                                 KVMIX_TAG_MAX_NAMES);
+                                 "spec field \"%s\": more than %d entries", field, (int)max);
         snprintf(where, sizeof where, "%s[%d]", field, (int)n);
         if (!cJSON_IsObject(x))
             return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
@@ -180,7 +180,15 @@ static kvmix_result take_names(const cJSON *item, const char *field, kvmix_tag_n
 }
 
 static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, size_t err_bytes) {
-    enum { F_VERSION = N_MARKERS, F_NAME, F_DESCRIPTION, F_ROLES, F_CHANNELS, N_FIELDS };
+    enum {
+        F_VERSION = N_MARKERS,
+        F_NAME,
+        F_DESCRIPTION,
+        F_ROLES,
+        F_CHANNELS,
+        F_ROLE_STARTS,
+        N_FIELDS
+    };
     bool seen[N_FIELDS] = {false};
     int version = 0;
     for (const cJSON *item = root->child; item != NULL; item = item->next) {
@@ -199,6 +207,8 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
                 f = F_ROLES;
             else if (strcmp(key, "channels") == 0)
                 f = F_CHANNELS;
+            else if (strcmp(key, "role_starts") == 0)
+                f = F_ROLE_STARTS;
             else
                 return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                                      "spec field \"%.64s\": unknown", key);
@@ -227,9 +237,14 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
         } else if (f == F_DESCRIPTION) {
             r = take_text(item, key, d->description, sizeof d->description, 0, err, err_bytes);
         } else if (f == F_ROLES) {
-            r = take_names(item, key, d->spec.roles, &d->spec.n_roles, err, err_bytes);
+            r = take_names(item, key, d->spec.roles, KVMIX_TAG_MAX_NAMES, &d->spec.n_roles, err,
+                           err_bytes);
+        } else if (f == F_CHANNELS) {
+            r = take_names(item, key, d->spec.channels, KVMIX_TAG_MAX_NAMES, &d->spec.n_channels,
+                           err, err_bytes);
         } else {
-            r = take_names(item, key, d->spec.channels, &d->spec.n_channels, err, err_bytes);
+            r = take_names(item, key, d->spec.role_starts, KVMIX_TAG_MAX_STARTS,
+                           &d->spec.n_role_starts, err, err_bytes);
         }
         if (r != KVMIX_SUCCESS) return r;
     }
@@ -242,11 +257,21 @@ static kvmix_result take_fields(const cJSON *root, tag_spec_doc *d, char *err, s
         return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
                              "spec field \"recipient\": needs version 2 (the document says %d)",
                              version);
-    for (int f = 0; f < N_REQUIRED_MARKERS; f++)
-        if (!seen[f] || marker_at(&d->spec, f)->alts[0].n_ids == 0)
-            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
-                                 "spec field \"%s\": required, with at least one sequence",
+    if (seen[F_ROLE_STARTS] && version < 3)
+        return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                             "spec field \"role_starts\": needs version 3 (the document says %d)",
+                             version);
+    for (int f = 0; f < N_REQUIRED_MARKERS; f++) {
+        if (!seen[f])
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED, "spec field \"%s\": required",
                                  MARKERS[f].name);
+        /* a template of role starts (DeepSeek V3) needs no message start or header end */
+        if (marker_at(&d->spec, f)->alts[0].n_ids == 0 &&
+            (f == F_END || d->spec.n_role_starts == 0))
+            return tag_spec_fail(err, err_bytes, KVMIX_ERR_MALFORMED,
+                                 "spec field \"%s\": needs a sequence%s", MARKERS[f].name,
+                                 f == F_END ? "" : " (or role_starts)");
+    }
     return KVMIX_SUCCESS;
 }
 
@@ -404,7 +429,8 @@ char *tag_spec_json(const tag_spec_doc *doc) {
     bool recipient = false;
     for (int a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
         if (doc->spec.recipient.alts[a].n_ids > 0) recipient = true;
-    put(&t, "{\n  \"version\": %d,\n  \"name\": ", recipient ? 2 : 1);
+    bool role_starts = doc->spec.n_role_starts > 0;
+    put(&t, "{\n  \"version\": %d,\n  \"name\": ", role_starts ? 3 : recipient ? 2 : 1);
     put_string(&t, doc->name);
     put(&t, ",\n  \"description\": ");
     put_string(&t, doc->description);
@@ -423,7 +449,9 @@ char *tag_spec_json(const tag_spec_doc *doc) {
         put(&t, "],\n");
     }
     put_names(&t, "roles", doc->spec.roles, doc->spec.n_roles, false);
-    put_names(&t, "channels", doc->spec.channels, doc->spec.n_channels, true);
+    put_names(&t, "channels", doc->spec.channels, doc->spec.n_channels, !role_starts);
+    if (role_starts)
+        put_names(&t, "role_starts", doc->spec.role_starts, doc->spec.n_role_starts, true);
     put(&t, "}\n");
     if (t.failed) {
         free(t.p);
@@ -465,5 +493,8 @@ int tag_spec_equal(const tag_spec_doc *a, const tag_spec_doc *b) {
     for (int f = 0; f < N_MARKERS; f++)
         if (!marker_equal(marker_at_const(&a->spec, f), marker_at_const(&b->spec, f))) return 0;
     return names_equal(a->spec.roles, a->spec.n_roles, b->spec.roles, b->spec.n_roles) &&
-           names_equal(a->spec.channels, a->spec.n_channels, b->spec.channels, b->spec.n_channels);
+           names_equal(a->spec.channels, a->spec.n_channels, b->spec.channels,
+                       b->spec.n_channels) &&
+           names_equal(a->spec.role_starts, a->spec.n_role_starts, b->spec.role_starts,
+                       b->spec.n_role_starts);
 }

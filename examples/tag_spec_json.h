@@ -1,7 +1,7 @@
 /* tag_spec_json.h - the JSON form of a kvmix template spec (kvmix_tag_spec, kvmix.h "Template
  * tags"), for the tools in examples/: kvmix-tag reads it, kvmix-tagspec writes it.
  *
- * A document is one JSON object, version 1 or 2; README.md ("Template tags") has the schema
+ * A document is one JSON object, version 1, 2 or 3; README.md ("Template tags") has the schema
  * table:
  *
  *   {"version": 1, "name": "qwen3", "description": "...",
@@ -12,8 +12,10 @@
  *
  * Version 2 adds the optional "recipient" marker after "channel" (harmony's " to=": an assistant
  * message whose header holds it is a tool call); version 1 has no other difference and still
- * loads. The writer writes version 1 when the spec has no recipient marker, so that a reader of
- * version 1 reads what it can.
+ * loads. Version 3 adds the optional "role_starts" after "channels" (entries as in "roles":
+ * special tokens that start a headless message of their role, DeepSeek V3's <｜User｜>). The
+ * writer writes the lowest version that holds the spec (1 without a recipient marker or role
+ * starts, 2 without role starts), so that older readers read what they can.
  *
  * Every marker is a list of alternative id sequences. The reader is strict: unknown or repeated
  * fields, wrong types, ids out of range and too many entries are errors whose message names the
@@ -29,7 +31,7 @@
 
 #include "kvmix.h"
 
-#define TAG_SPEC_VERSION 2 /* the newest version read; 1 still loads */
+#define TAG_SPEC_VERSION 3 /* the newest version read; 1 and 2 still load */
 
 #if defined(__GNUC__)
 #define TAG_SPEC_PRINTF_LIKE(fmt, args) __attribute__((format(printf, fmt, args)))

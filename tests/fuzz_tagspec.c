@@ -5,7 +5,7 @@
  * libFuzzer:  clang -fsanitize=fuzzer,address,undefined -I. -Iexamples tests/fuzz_tagspec.c \
  *                 examples/tag_spec_json.c -lcjson -lm
  * Driver (-DFUZZ_DRIVER, any compiler; tests/fuzz_seed_driver.h): `fuzz_tagspec_run [N] [FILE...]`
- * runs each file, then N (default 4000) seeded mutations of the seeds (the three shipped spec
+ * runs each file, then N (default 4000) seeded mutations of the seeds (the shipped spec
  * documents' shapes, written by tag_spec_json) and the files. `--write-seeds DIR` writes them.
  */
 #ifdef FUZZ_DRIVER
@@ -140,6 +140,18 @@ int main(int argc, char **argv) {
     name(d.spec.channels, &d.spec.n_channels, "analysis", KVMIX_ROLE_REASONING, 35644, -1);
     name(d.spec.channels, &d.spec.n_channels, "commentary", KVMIX_ROLE_ASSISTANT, 12606, 815);
     name(d.spec.channels, &d.spec.n_channels, "final", KVMIX_ROLE_ASSISTANT, 17196, -1);
+    add_seed(seeds, &n_seeds, &d);
+    /* role starts, no header (the shape of deepseek-v3.json; version 3) */
+    memset(&d, 0, sizeof d);
+    snprintf(d.name, sizeof d.name, "deepseek-v3");
+    set1(&d.spec.message_end, 0, 1);
+    set1(&d.spec.tool_call_open, 0, 128808), set1(&d.spec.tool_call_close, 0, 128809);
+    set1(&d.spec.tool_response_open, 0, 128812), set1(&d.spec.tool_response_close, 0, 128813);
+    name(d.spec.role_starts, &d.spec.n_role_starts, "system", KVMIX_ROLE_INSTRUCTION, 0, -1);
+    name(d.spec.role_starts, &d.spec.n_role_starts, "user", KVMIX_ROLE_USER, 128803, -1);
+    name(d.spec.role_starts, &d.spec.n_role_starts, "assistant", KVMIX_ROLE_ASSISTANT, 128804, -1);
+    name(d.spec.role_starts, &d.spec.n_role_starts, "tool outputs", KVMIX_ROLE_OBSERVATION, 128810,
+         -1);
     add_seed(seeds, &n_seeds, &d);
     return fuzz_seed_main(argc, argv, seeds, n_seeds, MAX_SEEDS, 0x7a6b5c4d3e2f1a0bu, mutate);
 }

@@ -329,9 +329,99 @@ static void test_tokenizer(const char *shared, const char *dir, const char *spec
     hf_tokenizer_free(tok);
 }
 
+static char *run_capture(const char *cmd);
+
+/* ---- template fixtures (tests/templates) ---------------------------------------------------- */
+#ifndef TEMPLATES_DIR
+#define TEMPLATES_DIR "tests/templates"
+#endif
+
+/* The int array `key` of a fixture conversation, n entries, or NULL. */
+static int32_t *fixture_ints(const cJSON *conv, const char *key, int32_t n) {
+    const cJSON *a = cJSON_GetObjectItemCaseSensitive(conv, key);
+    if (!cJSON_IsArray(a) || cJSON_GetArraySize(a) != n) return NULL;
+    int32_t *v = (int32_t *)malloc(sizeof(int32_t) * (size_t)(n + 1)), i = 0;
+    if (v == NULL) abort();
+    for (const cJSON *x = a->child; x != NULL; x = x->next) v[i++] = (int32_t)x->valuedouble;
+    return v;
+}
+
+/* One conversation: every content token (truth not "-", template text, or "*", a token across
+   template text and content) gets its truth's role, turn and modality. */
+static void check_fixture_conversation(const kvmix_tag_spec *spec, const cJSON *conv) {
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(conv, "name");
+    const cJSON *ids_json = cJSON_GetObjectItemCaseSensitive(conv, "ids");
+    const cJSON *truth = cJSON_GetObjectItemCaseSensitive(conv, "truth");
+    int32_t n = cJSON_GetArraySize(ids_json), n_content = 0, bad = 0, turn;
+    int32_t *ids = fixture_ints(conv, "ids", n), *turns = fixture_ints(conv, "turn", n);
+    int32_t *image = fixture_ints(conv, "image", n);
+    if (!CHECK(cJSON_IsString(name) && n > 0 && ids && turns && image &&
+               cJSON_GetArraySize(truth) == n)) {
+        free(ids);
+        free(turns);
+        free(image);
+        return;
+    }
+    kvmix_tag *tags = tag_all(spec, ids, n, &turn);
+    const cJSON *t = truth->child;
+    for (int32_t i = 0; i < n; i++, t = t->next) {
+        kvmix_tag_role role;
+        if (strcmp(t->valuestring, "-") == 0 || strcmp(t->valuestring, "*") == 0) continue;
+        n_content++;
+        if (!CHECK(kvmix_tag_role_from_name(t->valuestring, &role) == KVMIX_SUCCESS)) break;
+        if ((tags[i].role == role && tags[i].turn == turns[i] && tags[i].flags == 0 &&
+             tags[i].modality == (image[i] ? KVMIX_MODALITY_IMAGE : KVMIX_MODALITY_TEXT)) ||
+            bad++ >= 5)
+            continue;
+        printf("  %s token %d (id %d): got %s turn %d modality %d flags %d, want %s turn %d "
+               "modality %d\n",
+               name->valuestring, (int)i, (int)ids[i],
+               kvmix_tag_role_name((kvmix_tag_role)tags[i].role), tags[i].turn, tags[i].modality,
+               tags[i].flags, t->valuestring, turns[i], image[i]);
+    }
+    CHECK_MSG(bad == 0 && n_content > 0, "every content token gets its truth's tag");
+    printf("%s: %d ids, %d content tokens, %d mismatches\n", name->valuestring, (int)n,
+           (int)n_content, (int)bad);
+    free(tags);
+    free(ids);
+    free(turns);
+    free(image);
+}
+
+/* A family's fixtures against its shipped spec, and kvmix-tagspec on the trimmed tokenizer.json
+   writes that spec. */
+static void test_fixture(const char *family) {
+    char path[1024], spec_path[1024], cmd[2048], err[512];
+    size_t n = 0;
+    snprintf(path, sizeof path, "%s/%s.fixture.json", TEMPLATES_DIR, family);
+    snprintf(spec_path, sizeof spec_path, "%s/%s.json", SPECS_DIR, family);
+    char *text = read_file(path, &n);
+    cJSON *root = text != NULL ? cJSON_ParseWithLength(text, n) : NULL;
+    tag_spec_doc spec;
+    free(text);
+    if (!CHECK_MSG(root != NULL, "the fixture file reads") ||
+        !CHECK(tag_spec_load(spec_path, &spec, err, sizeof err) == KVMIX_SUCCESS)) {
+        cJSON_Delete(root);
+        return;
+    }
+    const cJSON *convs = cJSON_GetObjectItemCaseSensitive(root, "conversations");
+    CHECK(cJSON_GetArraySize(convs) > 0);
+    for (const cJSON *c = convs != NULL ? convs->child : NULL; c != NULL; c = c->next)
+        check_fixture_conversation(&spec.spec, c);
+    cJSON_Delete(root);
+    snprintf(cmd, sizeof cmd, "%s/kvmix-tagspec --tokenizer %s/%s.tokenizer.json --name %s",
+             BUILD_DIR, TEMPLATES_DIR, family, family);
+    char *out = run_capture(cmd), *file = read_file(spec_path, &n);
+    CHECK_MSG(out != NULL && file != NULL && strcmp(out, file) == 0,
+              "kvmix-tagspec on the trimmed tokenizer.json writes the shipped spec");
+    free(out);
+    free(file);
+}
+
 /* ---- document versions ----------------------------------------------------------------------- */
 /* A version 1 document (gpt-oss.json as it was: no recipient marker, commentary a tool call)
-   still loads and writes back as version 1; "recipient" needs version 2; version 3 is refused. */
+   still loads and writes back as version 1; "recipient" needs version 2, "role_starts" version 3;
+   version 4 is refused. */
 static void test_versions(void) {
     static const char *const V1 =
         "{\"version\": 1, \"name\": \"h\", \"message_start\": [[200006]], \"message_end\": "
@@ -364,8 +454,28 @@ static void test_versions(void) {
     doc[12] = '1';
     CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_ERR_MALFORMED &&
           strstr(err, "\"recipient\": needs version 2") != NULL);
-    doc[12] = '3';
+    doc[12] = '4';
     CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_ERR_VERSION);
+    /* role starts need version 3, and then make the message start and header end optional */
+    snprintf(doc, sizeof doc,
+             "{\"version\": 2, \"name\": \"d\", \"message_start\": [], \"message_end\": [[1]], "
+             "\"header_end\": [], \"role_starts\": [{\"name\": \"user\", \"role\": \"user\", "
+             "\"ids\": [128803]}]}");
+    CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_ERR_MALFORMED &&
+          strstr(err, "\"role_starts\": needs version 3") != NULL);
+    doc[12] = '3';
+    CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_SUCCESS &&
+          d.spec.n_role_starts == 1 && d.spec.role_starts[0].seq.ids[0] == 128803);
+    text = tag_spec_json(&d);
+    CHECK_MSG(text != NULL && strstr(text, "\"version\": 3,") != NULL &&
+                  tag_spec_parse(text, strlen(text), &back, err, sizeof err) == KVMIX_SUCCESS &&
+                  tag_spec_equal(&d, &back),
+              "a spec with role starts writes as version 3 and reads back");
+    free(text);
+    char *no_start = strstr(doc, ", \"role_starts\"");
+    snprintf(no_start, 4, "}");
+    CHECK(tag_spec_parse(doc, strlen(doc), &d, err, sizeof err) == KVMIX_ERR_MALFORMED &&
+          strstr(err, "(or role_starts)") != NULL);
     /* the recipient marker must differ from the header end and the channel marker */
     snprintf(doc, sizeof doc, "%.*s, \"recipient\": [[200005]]}", (int)strlen(V1) - 1, V1);
     doc[12] = '2';
@@ -453,6 +563,9 @@ int main(int argc, char **argv) {
                        (int)(sizeof GPT_OSS / sizeof GPT_OSS[0]));
     }
     test_tools(shared, have_tokenizers);
+    test_fixture("llama3");
+    test_fixture("gemma3");
+    test_fixture("deepseek-v3");
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed != 0;
 }
