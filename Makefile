@@ -70,12 +70,15 @@ TRANSFER_SRC := examples/transfer_plan.c
 # evict_gpu.c and transfer_gpu.c add the GPU's).
 EVICT_SRC := examples/evict_driver.c
 HANDOVER_SRC := examples/transfer_driver.c
+# answers scored by question distance (long-session traces)
+QUESTION_SRC := examples/question_score.c
 $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(TRANSFER_SRC) \
-		$(EVICT_SRC) $(HANDOVER_SRC) examples/evict_driver.h examples/transfer_driver.h \
-		examples/tag_allocation.h examples/tag_spec_json.h | $(BUILD)
+		$(EVICT_SRC) $(HANDOVER_SRC) $(QUESTION_SRC) examples/evict_driver.h \
+		examples/transfer_driver.h examples/question_score.h examples/tag_allocation.h \
+		examples/tag_spec_json.h | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_eval.c \
 		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) $(TRANSFER_SRC) $(EVICT_SRC) \
-		$(HANDOVER_SRC) -o $@ $(EVAL_LDLIBS)
+		$(HANDOVER_SRC) $(QUESTION_SRC) -o $@ $(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
 
@@ -242,8 +245,9 @@ $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_
 $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o examples/evict_driver.c examples/evict_driver.h examples/evict_gpu.c \
 		$(TRANSFER_SRC) examples/transfer_driver.c examples/transfer_driver.h examples/transfer_gpu.c \
-		examples/transfer_plan.h | $(BUILD)
+		examples/transfer_plan.h $(QUESTION_SRC) examples/question_score.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_EVAL_CUDA -I. -Iexamples -c examples/kvmix_eval.c -o $(BUILD)/eval_cuda_main.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c $(QUESTION_SRC) -o $(BUILD)/eval_cuda_question.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_driver.c -o $(BUILD)/eval_cuda_evict.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_gpu.c -o $(BUILD)/eval_cuda_evict_gpu.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/transfer_driver.c -o $(BUILD)/eval_cuda_transfer.o
@@ -257,8 +261,8 @@ $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TA
 	$(NVCC) $(BUILD)/eval_cuda_main.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
 		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/eval_cuda_evict.o \
 		$(BUILD)/eval_cuda_evict_gpu.o $(BUILD)/eval_cuda_transfer.o \
-		$(BUILD)/eval_cuda_transfer_gpu.o $(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o \
-		$(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
+		$(BUILD)/eval_cuda_transfer_gpu.o $(BUILD)/eval_cuda_plan.o $(BUILD)/eval_cuda_question.o \
+		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
 # It runs build/kvmix-eval and build/kvmix-eval-cuda as the CPU and GPU runners' whole-trace oracle.
 $(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda \

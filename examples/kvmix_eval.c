@@ -86,6 +86,7 @@
 #define _POSIX_C_SOURCE 200809L /* opendir */
 #include "kvmix_kv.h"
 #include "llama.h"
+#include "question_score.h"
 #include "tag_allocation.h"
 #include "tag_spec_json.h"
 
@@ -251,14 +252,18 @@ static bool parse_options(int argc, char **argv, options *o) {
  * order. */
 typedef struct texts {
     char **items;
+    question_list *questions; /* [n]: each text's questions (long-session traces), else empty */
     int64_t n;
 } texts;
 
 static void texts_free(texts *t) {
-    for (int64_t i = 0; i < t->n; i++) free(t->items[i]);
+    for (int64_t i = 0; i < t->n; i++) {
+        free(t->items[i]);
+        questions_free(&t->questions[i]);
+    }
     free(t->items);
-    t->items = NULL;
-    t->n = 0;
+    free(t->questions);
+    *t = (texts){NULL, NULL, 0};
 }
 
 /* --policy: a built-in name, else the path of a policy document (schema in README.md). */
@@ -284,21 +289,38 @@ static bool load_policy(const char *arg, kvmix_policy *out, char *err) {
     return ok;
 }
 
-/* Appends the text of one JSONL line when its kind matches. Returns false on a malformed line. */
-static bool take_line(const char *line, size_t n_bytes, const char *kind, texts *out) {
+/* Room for one more text. */
+static bool texts_grow(texts *out) {
+    char **items = realloc(out->items, (size_t)(out->n + 1) * sizeof *out->items);
+    if (items != NULL) out->items = items;
+    question_list *questions = realloc(out->questions, (size_t)(out->n + 1) * sizeof *questions);
+    if (questions != NULL) out->questions = questions;
+    return items != NULL && questions != NULL;
+}
+
+/* Appends the text of one JSONL line, and its questions, when its kind matches. Returns false,
+   with why in err, on a malformed line. */
+static bool take_line(const char *line, size_t n_bytes, const char *kind, texts *out, char *err,
+                      size_t err_bytes) {
     const char *end = line;
     cJSON *root = cJSON_ParseWithLengthOpts(line, n_bytes, &end, 0);
     const cJSON *k = cJSON_GetObjectItemCaseSensitive(root, "kind");
     const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "text");
     bool ok = cJSON_IsString(k) && cJSON_IsString(text);
+    if (!ok) snprintf(err, err_bytes, "needs {\"kind\": string, \"text\": string}");
     if (ok && (kind == NULL || strcmp(k->valuestring, kind) == 0)) {
-        char **grown = realloc(out->items, (size_t)(out->n + 1) * sizeof *out->items);
+        question_list questions;
         size_t len = strlen(text->valuestring);
         char *copy = malloc(len + 1);
-        ok = grown != NULL && copy != NULL;
-        if (grown != NULL) out->items = grown;
+        ok = questions_from_json(root, &questions, err, err_bytes);
+        if (ok && (copy == NULL || !texts_grow(out))) {
+            snprintf(err, err_bytes, "cannot allocate a text of %zu bytes", len);
+            questions_free(&questions);
+            ok = false;
+        }
         if (ok) {
             memcpy(copy, text->valuestring, len + 1);
+            out->questions[out->n] = questions;
             out->items[out->n++] = copy;
         } else {
             free(copy);
@@ -309,7 +331,7 @@ static bool take_line(const char *line, size_t n_bytes, const char *kind, texts 
 }
 
 static bool load_texts(const options *o, texts *out, char *err) {
-    *out = (texts){NULL, 0};
+    *out = (texts){NULL, NULL, 0};
     size_t n_bytes;
     char *data = llama_read_text(o->data_path, &n_bytes);
     if (data == NULL) {
@@ -322,13 +344,14 @@ static bool load_texts(const options *o, texts *out, char *err) {
         char *newline = memchr(line, '\n', (size_t)(data + n_bytes - line));
         size_t len = newline != NULL ? (size_t)(newline - line) : (size_t)(data + n_bytes - line);
         line_no++;
-        if (len > 0 && !take_line(line, len, o->kind, out)) {
-            snprintf(err, ERR_BYTES, "%s:%lld: needs {\"kind\": string, \"text\": string}",
-                     o->data_path, (long long)line_no);
+        char why[ERR_BYTES - 64];
+        if (len > 0 && !take_line(line, len, o->kind, out, why, sizeof why)) {
+            snprintf(err, ERR_BYTES, "%s:%lld: %s", o->data_path, (long long)line_no, why);
             ok = false;
         }
         if (ok && out->n > 0 && skipped < o->offset) { /* drop it: still inside the offset */
             free(out->items[--out->n]);
+            questions_free(&out->questions[out->n]);
             skipped++;
         }
         line += len + 1;
@@ -356,6 +379,7 @@ typedef struct totals {
     bool transferring;
     transfer_stats transfer;
     llama_score after; /* the positions after the hand-over */
+    distance_scores by_distance; /* the answers of questions that record their distance */
 } totals;
 
 typedef struct eval {
@@ -382,6 +406,7 @@ typedef struct eval {
     evict_seq evict_seq;     /* the text running */
     evict_request *requests; /* [context + 1]: its user turns' messages */
     int64_t text_index;      /* of the text running, in the selection */
+    const question_list *questions; /* the running text's */
     FILE *evict_log;         /* --evict-log */
     int64_t transfer_at;     /* --transfer on the CPU: where the text running is handed over */
     llama_score *score;      /* the totals the text running adds to */
@@ -549,6 +574,7 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
     if (r != LLAMA_OK) return r;
     if (e->transferring) add_after(&t->after, &t->score, &e->score_at_transfer);
     if (!write_tops(e, own_argmax, n - 1)) return LLAMA_ERR_FORMAT;
+    distance_scores_add(&t->by_distance, e->questions, e->ids, own_argmax, e->ref_argmax, n);
     if (e->evict) {
         evict_backend b = evict_backend_cpu(&e->cache);
         evict_seq_end(e->evict, &e->evict_seq, &b);
@@ -631,6 +657,7 @@ static llama_result run_texts(eval *e, const texts *list, totals *t) {
         }
         if (n < 2) continue; /* an empty text has nothing to predict */
         e->text_index = i;
+        e->questions = &list->questions[i];
         llama_result r =
             e->opt->capture_dir != NULL ? capture_text(e, i, n, t) : score_text(e, &e->cache, n, t);
         if (r != LLAMA_OK) return r;
@@ -929,6 +956,8 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
         const gpu_text *x = &texts[i];
         if (x->n < 2) continue;
         if (!write_tops(e, x->tops, x->n - 1)) r = LLAMA_ERR_FORMAT;
+        distance_scores_add(&t->by_distance, &list->questions[i], x->ids, x->tops, x->ref_argmax,
+                            x->n);
         t->score.bits += x->score.bits;
         t->score.n_scored += x->score.n_scored;
         t->score.n_answer += x->score.n_answer;
@@ -1071,6 +1100,7 @@ static bool print_report(const options *o, const llama_model *m, const kvmix_pol
     if (t->gpu) add_gpu_figures(obj, t);
     if (t->transferring) add_transfer_figures(obj, t);
     if (t->evicting) add_eviction_figures(obj, t);
+    distance_scores_to_json(&t->by_distance, obj);
     cJSON_AddNumberToObject(obj, "threads", o->n_threads);
     cJSON_AddNumberToObject(obj, "seconds", seconds);
     cJSON_AddNumberToObject(obj, "tokens_per_second",
@@ -1267,7 +1297,7 @@ static int run(const options *o) {
         fprintf(stderr, "kvmix-eval: %s\n", e.err);
         return 2;
     }
-    texts list = {NULL, 0};
+    texts list = {NULL, NULL, 0};
     totals t = {0};
     double start = now_seconds();
     llama_result r = llama_model_load(o->model_path, &model, e.err, sizeof e.err);

@@ -5,13 +5,17 @@
  *   - --transfer tiered:0.5 keeps to its budget with all three tiers of the kvm-small probe;
  *   - a policy that evicts half of each request's history evicts ("eviction" object) and
  *     --evict-log holds a line per eviction;
- *   - --transfer refuses an evicting policy and an allocation.
+ *   - --transfer refuses an evicting policy and an allocation;
+ *   - a long-session trace (bench/refmodel/eval-dev-long.jsonl) gets "by_distance": the answers of
+ *     its questions that fit kvm-small's context, per distance (fp32 agrees with itself), and a
+ *     malformed "questions" array is refused naming it.
  * The GPU runner's figures against these are tests/test_gpu_llama.c's.
  * Usage: test_eval SHARED_DIR (from the repository root). Prints "N passed, N failed". */
 #define _POSIX_C_SOURCE 200809L
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,6 +104,72 @@ static void check_eviction(const char *shared) {
     remove(LOG);
 }
 
+#define LONG_DATA "bench/refmodel/eval-dev-long.jsonl"
+#define BAD_DATA  BUILD_DIR "/.test-eval-questions.jsonl"
+
+/* The answer tokens of the first long trace's questions that end inside `n` tokens, per distance
+   (distances < 64), from the data file itself. */
+static void expected_answers(int64_t n, int64_t tokens[64], int64_t questions[64]) {
+    char *data = read_file(LONG_DATA, NULL);
+    char *newline = data ? strchr(data, '\n') : NULL;
+    if (newline) *newline = 0;
+    cJSON *line = data ? cJSON_Parse(data) : NULL;
+    const cJSON *q;
+    cJSON_ArrayForEach(q, cJSON_GetObjectItemCaseSensitive(line, "questions")) {
+        int d = (int)number(q, NULL, "distance");
+        int64_t start = (int64_t)number(q, NULL, "token_start"),
+                end = (int64_t)number(q, NULL, "token_end");
+        if (end < n && d > 0 && d < 64) tokens[d] += end - start, questions[d]++;
+    }
+    cJSON_Delete(line);
+    free(data);
+}
+
+static void check_questions(const char *shared) {
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             TOOL " --model %s/models/kvm-small.safetensors --data " LONG_DATA
+                  " --kind trace --limit 1 --policy fp32 2>/dev/null",
+             shared);
+    int status = run_command_exit(cmd, &out);
+    cJSON *doc = status == 0 && out ? cJSON_Parse(out) : NULL;
+    free(out);
+    CHECK_MSG(doc, "a long-session trace runs");
+    int64_t tokens[64] = {0}, questions[64] = {0}, seen = 0;
+    expected_answers((int64_t)number(doc, NULL, "n_tokens") + 1, tokens, questions);
+    const cJSON *bin;
+    cJSON_ArrayForEach(bin, cJSON_GetObjectItemCaseSensitive(doc, "by_distance")) {
+        int d = (int)number(bin, NULL, "distance");
+        CHECK(d > 0 && d < 64 && number(bin, NULL, "n_answer_tokens") == (double)tokens[d] &&
+              number(bin, NULL, "n_questions") == (double)questions[d]);
+        CHECK(number(bin, NULL, "answer_agreement") == 1.0 &&
+              number(bin, NULL, "question_agreement") == 1.0);
+        seen += (int64_t)number(bin, NULL, "n_questions");
+    }
+    int64_t expected = 0;
+    for (int d = 1; d < 64; d++) expected += questions[d];
+    CHECK_MSG(expected > 0 && seen == expected, "every question inside the context is counted");
+    cJSON_Delete(doc);
+
+    FILE *f = fopen(BAD_DATA, "w");
+    if (f) {
+        fputs("{\"kind\": \"trace\", \"text\": \"x\", \"questions\": [{\"token_start\": 3, "
+              "\"token_end\": 2, \"distance\": 1}]}\n",
+              f);
+        fclose(f);
+    }
+    snprintf(cmd, sizeof cmd,
+             TOOL " --model %s/models/kvm-small.safetensors --data " BAD_DATA
+                  " --kind trace --policy fp32 2>&1",
+             shared);
+    out = NULL;
+    status = run_command_exit(cmd, &out);
+    CHECK_MSG(status != 0 && out && strstr(out, "questions[0]") != NULL,
+              "a malformed questions array is refused naming it");
+    free(out);
+    remove(BAD_DATA);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: test_eval SHARED_DIR\n");
@@ -107,6 +177,7 @@ int main(int argc, char **argv) {
     }
     check_transfers(argv[1]);
     check_eviction(argv[1]);
+    check_questions(argv[1]);
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed == 0 ? 0 : 1;
 }
