@@ -211,14 +211,16 @@ typedef struct kvmix_attention_desc {
 
 /* One decode step: out[h] = softmax(scale * q[h] . K^T) V over every live token of every span,
    lse[h] = log(sum over live tokens of exp(scale * q[h] . k)) (natural log). With no live token,
-   out[h] is zero and lse[h] is -INFINITY. q, out: [n_q_heads][head_dim] floats; lse: [n_q_heads].
-   Validates everything (including the packed bytes) before writing. Thread-safe. */
+   out[h] is zero and lse[h] is -INFINITY. q, out: [n_q_heads][head_dim] floats; lse: [n_q_heads],
+   or NULL when not wanted (out is the same either way). Validates everything (including the
+   packed bytes) before writing. Thread-safe. */
 KVMIXDEF kvmix_result kvmix_ref_attention_decode(const kvmix_attention_desc *desc, const float *q,
                                                  const kvmix_span *spans, int32_t n_spans,
                                                  float *out, float *lse);
 
 /* Merges two partial results over disjoint token sets into the result over their union.
-   out_*: [n_heads][head_dim], lse_*: [n_heads]. out/lse may alias a or b. */
+   out_*: [n_heads][head_dim], lse_*: [n_heads]; lse (the union's) may be NULL when not wanted.
+   out/lse may alias a or b. */
 KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_dim,
                                                 const float *out_a, const float *lse_a,
                                                 const float *out_b, const float *lse_b, float *out,
@@ -265,8 +267,8 @@ typedef struct kvmix_view {
 KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view);
 
 /* Decode attention for every sequence of a host view: q, out [n_seqs][n_q_heads][head_dim],
-   lse [n_seqs][n_q_heads], as kvmix_ref_attention_decode per sequence; scale 0 = 1/sqrt(D).
-   Validates the view and every packed block before writing. */
+   lse [n_seqs][n_q_heads] or NULL when not wanted, as kvmix_ref_attention_decode per sequence;
+   scale 0 = 1/sqrt(D). Validates the view and every packed block before writing. */
 KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads, float scale,
                                             const float *q, float *out, float *lse);
 
@@ -814,7 +816,8 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_des
 
 /* CPU reference decode step of layer `layer` over cached sequences: builds the view in
    `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
-   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim).
+   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads] or NULL when not wanted; scale 0 =
+   1/sqrt(head_dim).
    It changes nothing in the cache but records why it failed (kvmix_cache_last_error), so it
    takes a non-const cache and must not overlap other calls on it; to decode on many threads at
    once, build views (kvmix_cache_view) and run kvmix_ref_view_decode on them. */
@@ -2715,14 +2718,15 @@ static void kvmix__heads_begin(kvmix__softmax_state *states, float *acc, int32_t
     }
 }
 
-/* Normalizes the accumulated outputs and writes the log-sum-exp; no live token gives 0, -inf. */
+/* Normalizes the accumulated outputs and writes the log-sum-exp when lse is not NULL; no live
+   token gives 0, -inf. */
 static void kvmix__heads_finish(const kvmix__softmax_state *states, float *out, float *lse,
                                 int32_t n_q, int32_t dim) {
     int32_t g, c;
     for (g = 0; g < n_q; g++) {
         float inv = states[g].sum > 0.0f ? 1.0f / states[g].sum : 0.0f;
         for (c = 0; c < dim; c++) out[(size_t)g * dim + c] *= inv;
-        lse[g] = states[g].sum > 0.0f ? states[g].max + logf(states[g].sum) : -INFINITY;
+        if (lse) lse[g] = states[g].sum > 0.0f ? states[g].max + logf(states[g].sum) : -INFINITY;
     }
 }
 
@@ -2795,7 +2799,7 @@ static void kvmix__attend_sequence(const kvmix_attention_desc *d, const kvmix__s
             int32_t first = h * group + g0;
             int32_t n_q = group - g0 < KVMIX__HEADS_PER_PASS ? group - g0 : KVMIX__HEADS_PER_PASS;
             kvmix__attend_heads(list, h, q + (size_t)first * dim, n_q, dim, scale,
-                                out + (size_t)first * dim, lse + first);
+                                out + (size_t)first * dim, lse ? lse + first : NULL);
         }
 }
 
@@ -2824,7 +2828,7 @@ KVMIXDEF kvmix_result kvmix_ref_attention_decode(const kvmix_attention_desc *des
                                                  float *out, float *lse) {
     kvmix__span_list list;
     kvmix_result r;
-    if (!desc || !q || !out || !lse) return KVMIX_ERR_NULL_POINTER;
+    if (!desc || !q || !out) return KVMIX_ERR_NULL_POINTER;
     if (n_spans < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     if (n_spans > 0 && !spans) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__check_desc(desc)) != KVMIX_SUCCESS) return r;
@@ -2842,13 +2846,13 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
                                                 const float *out_b, const float *lse_b, float *out,
                                                 float *lse) {
     int32_t h, c;
-    if (!out_a || !lse_a || !out_b || !lse_b || !out || !lse) return KVMIX_ERR_NULL_POINTER;
+    if (!out_a || !lse_a || !out_b || !lse_b || !out) return KVMIX_ERR_NULL_POINTER;
     if (n_heads < 0 || head_dim < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     for (h = 0; h < n_heads; h++) {
         float la = lse_a[h], lb = lse_b[h], m = la > lb ? la : lb, wa, wb, total;
         if (m == -INFINITY) { /* both empty */
             for (c = 0; c < head_dim; c++) out[(size_t)h * head_dim + c] = 0.0f;
-            lse[h] = -INFINITY;
+            if (lse) lse[h] = -INFINITY;
             continue;
         }
         wa = expf(la - m);
@@ -2858,7 +2862,7 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
             size_t i = (size_t)h * head_dim + c;
             out[i] = (wa * out_a[i] + wb * out_b[i]) / total;
         }
-        lse[h] = m + logf(total);
+        if (lse) lse[h] = m + logf(total);
     }
     return KVMIX_SUCCESS;
 }
@@ -2916,7 +2920,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
     kvmix_attention_desc desc;
     kvmix_result r;
     int32_t s;
-    if (!q || !out || !lse) return KVMIX_ERR_NULL_POINTER;
+    if (!q || !out) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix_view_check(view)) != KVMIX_SUCCESS) return r;
     desc.n_q_heads = n_q_heads;
     desc.n_kv_heads = view->n_kv_heads;
@@ -2931,7 +2935,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
         kvmix__span_list list = kvmix__view_sequence(view, s);
         size_t first = (size_t)s * (size_t)n_q_heads;
         kvmix__attend_sequence(&desc, &list, q + first * view->head_dim,
-                               out + first * view->head_dim, lse + first);
+                               out + first * view->head_dim, lse ? lse + first : NULL);
     }
     return KVMIX_SUCCESS;
 }
@@ -6143,11 +6147,10 @@ static kvmix__why kvmix__ref_decode(const kvmix_cache *cache, const int32_t *seq
     uint8_t *w = (uint8_t *)workspace;
     kvmix_view view;
     kvmix__why why;
-    if (!q || !out || !lse || !workspace)
+    if (!q || !out || !workspace)
         return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
                               !q     ? "q"
                               : !out ? "out"
-                              : !lse ? "lse"
                                      : "workspace",
                               "NULL");
     why = kvmix__ref_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, workspace);

@@ -375,6 +375,16 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     CHECK_RESULT(
         kvmix_cache_ref_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes),
         KVMIX_SUCCESS);
+    { /* an lse not wanted (NULL): the same out, bit for bit */
+        size_t out_bytes = (size_t)n * nq * d * sizeof(float);
+        float *out_no = (float *)test_alloc(out_bytes);
+        test_poison(out_no, out_bytes, 5);
+        CHECK_RESULT(kvmix_cache_ref_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out_no, NULL,
+                                            ws, ws_bytes),
+                     KVMIX_SUCCESS);
+        CHECK_MEM_EQ(out_no, out, out_bytes);
+        free(out_no);
+    }
     for (i = 0; i < n; i++) {
         const ct_seq *cs = &m->seqs[seqs[i]];
         for (h = 0; h < nq; h++) {
@@ -1606,6 +1616,11 @@ static void test_bad_inputs(void) {
                      KVMIX_ERR_BUFFER_TOO_SMALL);
         CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 3, 0.0f, q, o, l, ws, sizeof ws),
                      KVMIX_ERR_INVALID_ARGUMENT);
+        /* an lse not wanted (NULL): the rest is still checked */
+        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 3, 0.0f, q, o, NULL, ws, sizeof ws),
+                     KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 4, 0.0f, q, o, NULL, ws, 8),
+                     KVMIX_ERR_BUFFER_TOO_SMALL);
     }
     ct_unchanged(&m);
     /* sequences run out */
