@@ -699,6 +699,31 @@ KVMIXDEF kvmix_result kvmix_cache_seq_set_run(kvmix_cache *cache, int32_t seq, u
 KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
                                         int32_t n_positions);
 
+/* Rewinds a sequence: keeps positions 0 .. n_tokens - 1 and drops the rest (a loop that
+   regenerates from a position, a chat that edits its last turn, rejected speculative tokens),
+   as if they had never been reserved; the next reserve continues at position n_tokens. Pages
+   holding only dropped positions are released (returned to the arena when no one else
+   references them). The page that holds position n_tokens - 1 and later ones is cut there:
+     - shared with another sequence (a fork's prefix): never written; this sequence uses fewer
+       of its rows, and a later reserve copies those (copy on write) as after a fork;
+     - an FP16 buffer (the sink page, the page being filled, the window): it forgets the rows
+       past the cut and takes new rows there;
+     - sealed FP16 (sealed by flag: its bytes are still rows): it reopens as the buffer;
+     - sealed in a packed format (or its keys sealed in a values-only window): its rows stay
+       and the cut ones are dead in views, as a fork's inside a sealed page; new positions start
+       a new page. Packed rows cannot take more rows, and reopening would dequantize and later
+       requantize the kept rows, changing what attention saw.
+   Positions stay where they were (rotary phases hold). The FP16 rows of a fresh sequence fed
+   the same tokens are the same bits, so are per-token formats once their pages are sealed
+   alike; per-channel key blocks (INT2_CHANNEL, BOOSTED) keep the scales of the rows they were
+   sealed with. A page keeps the highest precision its rows asked for, the dropped ones'
+   included, and sealed pages stay sealed: the window refills as tokens come. Views report the
+   cut entry on (kvmix_cache_view_changes). Never allocates, never moves a byte (a device arena
+   queues no job), so it cannot run out of memory. n_tokens equal to the sequence's does
+   nothing. Returns NULL_POINTER or INVALID_ARGUMENT (seq, n_tokens not in 0 .. the sequence's
+   positions), changing nothing. */
+KVMIXDEF kvmix_result kvmix_cache_seq_truncate(kvmix_cache *cache, int32_t seq, int32_t n_tokens);
+
 /* Gives back what scattered evictions hold: the sequence's sealed pages that no one else
    references (shared pages never move; nor do the sinks' page and FP16 buffers) and whose live
    rows are at most max_live_fraction (0, 1] of their rows are compacted. Runs of consecutive such
@@ -4276,6 +4301,15 @@ static int kvmix__entry_live(const kvmix_cache *c, int32_t seq, const kvmix_cach
            0;
 }
 
+/* Whether entry e (last: the last one) has no row in use and may go: any but the buffer page
+   still being filled. */
+static int kvmix__entry_dead(const kvmix_cache *c, int32_t seq, const kvmix_cache_entry *e,
+                             int last) {
+    const kvmix_cache_page *p = &c->pages[e->page];
+    int filling = last && !p->sealed && e->n_rows < p->capacity;
+    return !filling && !kvmix__entry_live(c, seq, e);
+}
+
 /* Releases the pages of entries with no row in use, except a buffer page still being filled;
    compacts the page table. */
 static void kvmix__drop_dead_entries(kvmix_cache *c, int32_t seq) {
@@ -4283,9 +4317,7 @@ static void kvmix__drop_dead_entries(kvmix_cache *c, int32_t seq) {
     kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
     int32_t i, kept = 0;
     for (i = 0; i < s->n_entries; i++) {
-        const kvmix_cache_page *p = &c->pages[e[i].page];
-        int filling = i == s->n_entries - 1 && !p->sealed && e[i].n_rows < p->capacity;
-        if (!filling && !kvmix__entry_live(c, seq, &e[i])) {
+        if (kvmix__entry_dead(c, seq, &e[i], i == s->n_entries - 1)) {
             kvmix__page_release(c, e[i].page);
             continue;
         }
@@ -4349,20 +4381,24 @@ KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, i
     return kvmix__record(cache, kvmix__seq_fork(cache, parent, n_prefix, out_seq));
 }
 
-static kvmix__why kvmix__seq_free(kvmix_cache *cache, int32_t seq) {
-    kvmix_cache_seq *s;
-    kvmix_cache_entry *e;
-    kvmix__why w;
+/* Releases the pages of entries [from, n_entries) and shortens the page table to `from`. */
+static void kvmix__entries_release(kvmix_cache *c, int32_t seq, int32_t from) {
+    kvmix_cache_seq *s = &c->seqs[seq];
+    kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
     int32_t i;
-    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
-    s = &cache->seqs[seq];
-    e = kvmix__seq_entries(cache, seq);
-    for (i = 0; i < s->n_entries; i++) {
-        kvmix__page_release(cache, e[i].page);
+    for (i = from; i < s->n_entries; i++) {
+        kvmix__page_release(c, e[i].page);
         memset(&e[i], 0, sizeof e[i]);
     }
+    s->n_entries = from;
+}
+
+static kvmix__why kvmix__seq_free(kvmix_cache *cache, int32_t seq) {
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    kvmix__entries_release(cache, seq, 0);
     kvmix__seq_set_written(cache, seq, 0);
-    memset(s, 0, sizeof *s);
+    memset(&cache->seqs[seq], 0, sizeof cache->seqs[seq]);
     return kvmix__why_ok();
 }
 
@@ -4401,6 +4437,73 @@ KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const i
                                         int32_t n_positions) {
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     return kvmix__record(cache, kvmix__evict(cache, seq, positions, n_positions));
+}
+
+/* Entry e, which covers position n - 1 and later ones, keeps the positions below n. Only a page
+   the sequence holds alone changes: an FP16 one forgets its rows past the cut and is (again) the
+   buffer; a packed one keeps its rows, dead past the cut (kvmix_cache_seq_truncate says why). */
+static void kvmix__entry_cut(kvmix_cache *c, kvmix_cache_entry *e, int32_t n) {
+    kvmix_cache_page *p = &c->pages[e->page];
+    if (e->n_positions > 0) { /* compacted: its rows stay, found through the slot map */
+        e->n_positions = n - e->first_pos;
+        return;
+    }
+    e->n_rows = n - e->first_pos;
+    if (p->refcount > 1 || p->key_format != KVMIX_FORMAT_FP16 ||
+        p->value_format != KVMIX_FORMAT_FP16)
+        return;
+    p->n_rows = e->n_rows;
+    p->sealed = 0;
+    /* device arena: queued writes of the cut rows run before the writes that reuse them */
+    if (c->desc.device_arena) c->priv.page_segment[2 * e->page + 1] = c->priv.segment;
+}
+
+/* Positions [n, n_tokens) leave the slot map; returns how many of them were live. */
+static int32_t kvmix__slots_cut(kvmix_cache *c, int32_t seq, int32_t n) {
+    uint32_t *slots = kvmix__seq_slots(c, seq);
+    int32_t pos, live = 0;
+    for (pos = n; pos < c->seqs[seq].n_tokens; pos++) {
+        live += slots[pos] != KVMIX_CACHE_DEAD_SLOT;
+        slots[pos] = KVMIX_CACHE_DEAD_SLOT;
+    }
+    return live;
+}
+
+static kvmix__why kvmix__seq_truncate(kvmix_cache *cache, int32_t seq, int32_t n_tokens) {
+    kvmix_cache_seq *s;
+    kvmix_cache_entry *e;
+    int32_t *written;
+    int32_t keep, layer;
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    s = &cache->seqs[seq];
+    if (n_tokens < 0 || n_tokens > s->n_tokens)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens",
+                              "must be in 0 .. the sequence's positions");
+    if (n_tokens == s->n_tokens) return kvmix__why_ok();
+    e = kvmix__seq_entries(cache, seq);
+    for (keep = 0; keep < s->n_entries && e[keep].first_pos < n_tokens; keep++) continue;
+    kvmix__entries_release(cache, seq, keep);
+    kvmix__view_touch(cache, seq, keep);
+    if (keep > 0 && kvmix__entry_end(&e[keep - 1]) > n_tokens) {
+        kvmix__entry_cut(cache, &e[keep - 1], n_tokens);
+        kvmix__view_touch(cache, seq, keep - 1);
+    }
+    s->n_live -= kvmix__slots_cut(cache, seq, n_tokens);
+    s->n_tokens = n_tokens;
+    written = kvmix__seq_written(cache, seq);
+    for (layer = 0; layer < cache->desc.n_layers; layer++)
+        if (written[layer] > n_tokens) written[layer] = n_tokens;
+    if (s->n_written > n_tokens) s->n_written = n_tokens;
+    /* the cut page may hold no live row now: it goes as after an eviction */
+    if (keep > 0 && kvmix__entry_dead(cache, seq, &e[keep - 1], 1))
+        kvmix__entries_release(cache, seq, keep - 1);
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_truncate(kvmix_cache *cache, int32_t seq, int32_t n_tokens) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_truncate(cache, seq, n_tokens));
 }
 
 /* ---- writes: plan, then commit ------------------------------------------------------------- */
