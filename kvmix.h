@@ -211,14 +211,16 @@ typedef struct kvmix_attention_desc {
 
 /* One decode step: out[h] = softmax(scale * q[h] . K^T) V over every live token of every span,
    lse[h] = log(sum over live tokens of exp(scale * q[h] . k)) (natural log). With no live token,
-   out[h] is zero and lse[h] is -INFINITY. q, out: [n_q_heads][head_dim] floats; lse: [n_q_heads].
-   Validates everything (including the packed bytes) before writing. Thread-safe. */
+   out[h] is zero and lse[h] is -INFINITY. q, out: [n_q_heads][head_dim] floats; lse: [n_q_heads],
+   or NULL when not wanted (out is the same either way). Validates everything (including the
+   packed bytes) before writing. Thread-safe. */
 KVMIXDEF kvmix_result kvmix_ref_attention_decode(const kvmix_attention_desc *desc, const float *q,
                                                  const kvmix_span *spans, int32_t n_spans,
                                                  float *out, float *lse);
 
 /* Merges two partial results over disjoint token sets into the result over their union.
-   out_*: [n_heads][head_dim], lse_*: [n_heads]. out/lse may alias a or b. */
+   out_*: [n_heads][head_dim], lse_*: [n_heads]; lse (the union's) may be NULL when not wanted.
+   out/lse may alias a or b. */
 KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_dim,
                                                 const float *out_a, const float *lse_a,
                                                 const float *out_b, const float *lse_b, float *out,
@@ -265,8 +267,8 @@ typedef struct kvmix_view {
 KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view);
 
 /* Decode attention for every sequence of a host view: q, out [n_seqs][n_q_heads][head_dim],
-   lse [n_seqs][n_q_heads], as kvmix_ref_attention_decode per sequence; scale 0 = 1/sqrt(D).
-   Validates the view and every packed block before writing. */
+   lse [n_seqs][n_q_heads] or NULL when not wanted, as kvmix_ref_attention_decode per sequence;
+   scale 0 = 1/sqrt(D). Validates the view and every packed block before writing. */
 KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads, float scale,
                                             const float *q, float *out, float *lse);
 
@@ -697,6 +699,31 @@ KVMIXDEF kvmix_result kvmix_cache_seq_set_run(kvmix_cache *cache, int32_t seq, u
 KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const int32_t *positions,
                                         int32_t n_positions);
 
+/* Rewinds a sequence: keeps positions 0 .. n_tokens - 1 and drops the rest (a loop that
+   regenerates from a position, a chat that edits its last turn, rejected speculative tokens),
+   as if they had never been reserved; the next reserve continues at position n_tokens. Pages
+   holding only dropped positions are released (returned to the arena when no one else
+   references them). The page that holds position n_tokens - 1 and later ones is cut there:
+     - shared with another sequence (a fork's prefix): never written; this sequence uses fewer
+       of its rows, and a later reserve copies those (copy on write) as after a fork;
+     - an FP16 buffer (the sink page, the page being filled, the window): it forgets the rows
+       past the cut and takes new rows there;
+     - sealed FP16 (sealed by flag: its bytes are still rows): it reopens as the buffer;
+     - sealed in a packed format (or its keys sealed in a values-only window): its rows stay
+       and the cut ones are dead in views, as a fork's inside a sealed page; new positions start
+       a new page. Packed rows cannot take more rows, and reopening would dequantize and later
+       requantize the kept rows, changing what attention saw.
+   Positions stay where they were (rotary phases hold). The FP16 rows of a fresh sequence fed
+   the same tokens are the same bits, so are per-token formats once their pages are sealed
+   alike; per-channel key blocks (INT2_CHANNEL, BOOSTED) keep the scales of the rows they were
+   sealed with. A page keeps the highest precision its rows asked for, the dropped ones'
+   included, and sealed pages stay sealed: the window refills as tokens come. Views report the
+   cut entry on (kvmix_cache_view_changes). Never allocates, never moves a byte (a device arena
+   queues no job), so it cannot run out of memory. n_tokens equal to the sequence's does
+   nothing. Returns NULL_POINTER or INVALID_ARGUMENT (seq, n_tokens not in 0 .. the sequence's
+   positions), changing nothing. */
+KVMIXDEF kvmix_result kvmix_cache_seq_truncate(kvmix_cache *cache, int32_t seq, int32_t n_tokens);
+
 /* Gives back what scattered evictions hold: the sequence's sealed pages that no one else
    references (shared pages never move; nor do the sinks' page and FP16 buffers) and whose live
    rows are at most max_live_fraction (0, 1] of their rows are compacted. Runs of consecutive such
@@ -837,7 +864,8 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_des
 
 /* CPU reference decode step of layer `layer` over cached sequences: builds the view in
    `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
-   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads]; scale 0 = 1/sqrt(head_dim).
+   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads] or NULL when not wanted; scale 0 =
+   1/sqrt(head_dim).
    It changes nothing in the cache but records why it failed (kvmix_cache_last_error), so it
    takes a non-const cache and must not overlap other calls on it; to decode on many threads at
    once, build views (kvmix_cache_view) and run kvmix_ref_view_decode on them. */
@@ -2749,14 +2777,15 @@ static void kvmix__heads_begin(kvmix__softmax_state *states, float *acc, int32_t
     }
 }
 
-/* Normalizes the accumulated outputs and writes the log-sum-exp; no live token gives 0, -inf. */
+/* Normalizes the accumulated outputs and writes the log-sum-exp when lse is not NULL; no live
+   token gives 0, -inf. */
 static void kvmix__heads_finish(const kvmix__softmax_state *states, float *out, float *lse,
                                 int32_t n_q, int32_t dim) {
     int32_t g, c;
     for (g = 0; g < n_q; g++) {
         float inv = states[g].sum > 0.0f ? 1.0f / states[g].sum : 0.0f;
         for (c = 0; c < dim; c++) out[(size_t)g * dim + c] *= inv;
-        lse[g] = states[g].sum > 0.0f ? states[g].max + logf(states[g].sum) : -INFINITY;
+        if (lse) lse[g] = states[g].sum > 0.0f ? states[g].max + logf(states[g].sum) : -INFINITY;
     }
 }
 
@@ -2840,7 +2869,7 @@ static void kvmix__attend_sequence(const kvmix_attention_desc *d, const kvmix__s
             int32_t first = h * group + g0;
             int32_t n_q = group - g0 < KVMIX__HEADS_PER_PASS ? group - g0 : KVMIX__HEADS_PER_PASS;
             kvmix__attend_heads(list, h, q + (size_t)first * dim, n_q, dim, scale,
-                                out + (size_t)first * dim, lse + first);
+                                out + (size_t)first * dim, lse ? lse + first : NULL);
         }
 }
 
@@ -2869,7 +2898,7 @@ KVMIXDEF kvmix_result kvmix_ref_attention_decode(const kvmix_attention_desc *des
                                                  float *out, float *lse) {
     kvmix__span_list list;
     kvmix_result r;
-    if (!desc || !q || !out || !lse) return KVMIX_ERR_NULL_POINTER;
+    if (!desc || !q || !out) return KVMIX_ERR_NULL_POINTER;
     if (n_spans < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     if (n_spans > 0 && !spans) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix__check_desc(desc)) != KVMIX_SUCCESS) return r;
@@ -2887,13 +2916,13 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
                                                 const float *out_b, const float *lse_b, float *out,
                                                 float *lse) {
     int32_t h, c;
-    if (!out_a || !lse_a || !out_b || !lse_b || !out || !lse) return KVMIX_ERR_NULL_POINTER;
+    if (!out_a || !lse_a || !out_b || !lse_b || !out) return KVMIX_ERR_NULL_POINTER;
     if (n_heads < 0 || head_dim < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     for (h = 0; h < n_heads; h++) {
         float la = lse_a[h], lb = lse_b[h], m = la > lb ? la : lb, wa, wb, total;
         if (m == -INFINITY) { /* both empty */
             for (c = 0; c < head_dim; c++) out[(size_t)h * head_dim + c] = 0.0f;
-            lse[h] = -INFINITY;
+            if (lse) lse[h] = -INFINITY;
             continue;
         }
         wa = expf(la - m);
@@ -2903,7 +2932,7 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
             size_t i = (size_t)h * head_dim + c;
             out[i] = (wa * out_a[i] + wb * out_b[i]) / total;
         }
-        lse[h] = m + logf(total);
+        if (lse) lse[h] = m + logf(total);
     }
     return KVMIX_SUCCESS;
 }
@@ -2961,7 +2990,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
     kvmix_attention_desc desc;
     kvmix_result r;
     int32_t s;
-    if (!q || !out || !lse) return KVMIX_ERR_NULL_POINTER;
+    if (!q || !out) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix_view_check(view)) != KVMIX_SUCCESS) return r;
     desc.n_q_heads = n_q_heads;
     desc.n_kv_heads = view->n_kv_heads;
@@ -2976,7 +3005,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
         kvmix__span_list list = kvmix__view_sequence(view, s);
         size_t first = (size_t)s * (size_t)n_q_heads;
         kvmix__attend_sequence(&desc, &list, q + first * view->head_dim,
-                               out + first * view->head_dim, lse + first);
+                               out + first * view->head_dim, lse ? lse + first : NULL);
     }
     return KVMIX_SUCCESS;
 }
@@ -4308,6 +4337,15 @@ static int kvmix__entry_live(const kvmix_cache *c, int32_t seq, const kvmix_cach
            0;
 }
 
+/* Whether entry e (last: the last one) has no row in use and may go: any but the buffer page
+   still being filled. */
+static int kvmix__entry_dead(const kvmix_cache *c, int32_t seq, const kvmix_cache_entry *e,
+                             int last) {
+    const kvmix_cache_page *p = &c->pages[e->page];
+    int filling = last && !p->sealed && e->n_rows < p->capacity;
+    return !filling && !kvmix__entry_live(c, seq, e);
+}
+
 /* Releases the pages of entries with no row in use, except a buffer page still being filled;
    compacts the page table. */
 static void kvmix__drop_dead_entries(kvmix_cache *c, int32_t seq) {
@@ -4315,9 +4353,7 @@ static void kvmix__drop_dead_entries(kvmix_cache *c, int32_t seq) {
     kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
     int32_t i, kept = 0;
     for (i = 0; i < s->n_entries; i++) {
-        const kvmix_cache_page *p = &c->pages[e[i].page];
-        int filling = i == s->n_entries - 1 && !p->sealed && e[i].n_rows < p->capacity;
-        if (!filling && !kvmix__entry_live(c, seq, &e[i])) {
+        if (kvmix__entry_dead(c, seq, &e[i], i == s->n_entries - 1)) {
             kvmix__page_release(c, e[i].page);
             continue;
         }
@@ -4381,20 +4417,24 @@ KVMIXDEF kvmix_result kvmix_cache_seq_fork(kvmix_cache *cache, int32_t parent, i
     return kvmix__record(cache, kvmix__seq_fork(cache, parent, n_prefix, out_seq));
 }
 
-static kvmix__why kvmix__seq_free(kvmix_cache *cache, int32_t seq) {
-    kvmix_cache_seq *s;
-    kvmix_cache_entry *e;
-    kvmix__why w;
+/* Releases the pages of entries [from, n_entries) and shortens the page table to `from`. */
+static void kvmix__entries_release(kvmix_cache *c, int32_t seq, int32_t from) {
+    kvmix_cache_seq *s = &c->seqs[seq];
+    kvmix_cache_entry *e = kvmix__seq_entries(c, seq);
     int32_t i;
-    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
-    s = &cache->seqs[seq];
-    e = kvmix__seq_entries(cache, seq);
-    for (i = 0; i < s->n_entries; i++) {
-        kvmix__page_release(cache, e[i].page);
+    for (i = from; i < s->n_entries; i++) {
+        kvmix__page_release(c, e[i].page);
         memset(&e[i], 0, sizeof e[i]);
     }
+    s->n_entries = from;
+}
+
+static kvmix__why kvmix__seq_free(kvmix_cache *cache, int32_t seq) {
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    kvmix__entries_release(cache, seq, 0);
     kvmix__seq_set_written(cache, seq, 0);
-    memset(s, 0, sizeof *s);
+    memset(&cache->seqs[seq], 0, sizeof cache->seqs[seq]);
     return kvmix__why_ok();
 }
 
@@ -4433,6 +4473,73 @@ KVMIXDEF kvmix_result kvmix_cache_evict(kvmix_cache *cache, int32_t seq, const i
                                         int32_t n_positions) {
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     return kvmix__record(cache, kvmix__evict(cache, seq, positions, n_positions));
+}
+
+/* Entry e, which covers position n - 1 and later ones, keeps the positions below n. Only a page
+   the sequence holds alone changes: an FP16 one forgets its rows past the cut and is (again) the
+   buffer; a packed one keeps its rows, dead past the cut (kvmix_cache_seq_truncate says why). */
+static void kvmix__entry_cut(kvmix_cache *c, kvmix_cache_entry *e, int32_t n) {
+    kvmix_cache_page *p = &c->pages[e->page];
+    if (e->n_positions > 0) { /* compacted: its rows stay, found through the slot map */
+        e->n_positions = n - e->first_pos;
+        return;
+    }
+    e->n_rows = n - e->first_pos;
+    if (p->refcount > 1 || p->key_format != KVMIX_FORMAT_FP16 ||
+        p->value_format != KVMIX_FORMAT_FP16)
+        return;
+    p->n_rows = e->n_rows;
+    p->sealed = 0;
+    /* device arena: queued writes of the cut rows run before the writes that reuse them */
+    if (c->desc.device_arena) c->priv.page_segment[2 * e->page + 1] = c->priv.segment;
+}
+
+/* Positions [n, n_tokens) leave the slot map; returns how many of them were live. */
+static int32_t kvmix__slots_cut(kvmix_cache *c, int32_t seq, int32_t n) {
+    uint32_t *slots = kvmix__seq_slots(c, seq);
+    int32_t pos, live = 0;
+    for (pos = n; pos < c->seqs[seq].n_tokens; pos++) {
+        live += slots[pos] != KVMIX_CACHE_DEAD_SLOT;
+        slots[pos] = KVMIX_CACHE_DEAD_SLOT;
+    }
+    return live;
+}
+
+static kvmix__why kvmix__seq_truncate(kvmix_cache *cache, int32_t seq, int32_t n_tokens) {
+    kvmix_cache_seq *s;
+    kvmix_cache_entry *e;
+    int32_t *written;
+    int32_t keep, layer;
+    kvmix__why w;
+    if ((w = kvmix__cache_seq_ok(cache, seq)).result != KVMIX_SUCCESS) return w;
+    s = &cache->seqs[seq];
+    if (n_tokens < 0 || n_tokens > s->n_tokens)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens",
+                              "must be in 0 .. the sequence's positions");
+    if (n_tokens == s->n_tokens) return kvmix__why_ok();
+    e = kvmix__seq_entries(cache, seq);
+    for (keep = 0; keep < s->n_entries && e[keep].first_pos < n_tokens; keep++) continue;
+    kvmix__entries_release(cache, seq, keep);
+    kvmix__view_touch(cache, seq, keep);
+    if (keep > 0 && kvmix__entry_end(&e[keep - 1]) > n_tokens) {
+        kvmix__entry_cut(cache, &e[keep - 1], n_tokens);
+        kvmix__view_touch(cache, seq, keep - 1);
+    }
+    s->n_live -= kvmix__slots_cut(cache, seq, n_tokens);
+    s->n_tokens = n_tokens;
+    written = kvmix__seq_written(cache, seq);
+    for (layer = 0; layer < cache->desc.n_layers; layer++)
+        if (written[layer] > n_tokens) written[layer] = n_tokens;
+    if (s->n_written > n_tokens) s->n_written = n_tokens;
+    /* the cut page may hold no live row now: it goes as after an eviction */
+    if (keep > 0 && kvmix__entry_dead(cache, seq, &e[keep - 1], 1))
+        kvmix__entries_release(cache, seq, keep - 1);
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_seq_truncate(kvmix_cache *cache, int32_t seq, int32_t n_tokens) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__seq_truncate(cache, seq, n_tokens));
 }
 
 /* ---- writes: plan, then commit ------------------------------------------------------------- */
@@ -6293,11 +6400,10 @@ static kvmix__why kvmix__ref_decode(const kvmix_cache *cache, const int32_t *seq
     uint8_t *w = (uint8_t *)workspace;
     kvmix_view view;
     kvmix__why why;
-    if (!q || !out || !lse || !workspace)
+    if (!q || !out || !workspace)
         return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
                               !q     ? "q"
                               : !out ? "out"
-                              : !lse ? "lse"
                                      : "workspace",
                               "NULL");
     why = kvmix__ref_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, workspace);

@@ -2662,6 +2662,7 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     p.part_out = (float *)workspace;
     p.part_lse = p.part_out + (size_t)view->n_seqs * desc->n_splits * desc->n_q_heads * d;
     const bool one_split = desc->n_splits == 1;
+    /* lse NULL: not wanted; both kernels test it before writing */
     p.out = one_split ? (uint16_t *)out : nullptr, p.lse = one_split ? lse : nullptr;
 
     dim3 grid((unsigned)desc->n_splits, (unsigned)grid_y, (unsigned)view->n_seqs);

@@ -109,8 +109,9 @@ kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvm
 /* to complete; with one split the first kernel writes out and lse itself).                      */
 /*   q, out: [n_seqs][n_q_heads][head_dim] of dtype; lse: [n_seqs][n_q_heads] float (natural log, */
 /*   as kvmix_ref_view_decode; -INFINITY and a zero row for a sequence with no live token), or   */
-/*   NULL. Query heads i*g .. i*g+g-1 read kv head i (g = n_q_heads / n_kv_heads) and share each */
-/*   K/V load. Each sequence's spans are cut into n_splits ranges of equal span counts (a split's */
+/*   NULL when not wanted: no kernel writes it then, and out is the same. Query heads            */
+/*   i*g .. i*g+g-1 read kv head i (g = n_q_heads / n_kv_heads) and share each K/V load. Each    */
+/*   sequence's spans are cut into n_splits ranges of equal span counts (a split's               */
 /*   first span is known without reading the spans before it); a split walks its spans.          */
 /* Supported: head_dim 64, 128, 256; group_size (per-token blocks) a multiple of 16, values in    */
 /* the same groups as keys (a view whose value_group_size differs is UNSUPPORTED, by every        */
@@ -152,7 +153,8 @@ kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads,
                                              int32_t head_dim, int64_t max_seq_tokens,
                                              int32_t n_sms, int32_t *out_splits);
 
-/* Enqueues decode attention. view: host struct whose pointers are device pointers. workspace:
+/* Enqueues decode attention. view: host struct whose pointers are device pointers. lse may be
+   NULL (not wanted); q, out and workspace may not. workspace:
    device memory of workspace_bytes >= kvmix_cuda_decode_workspace_bytes (256-byte aligned).
    Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, BUFFER_TOO_SMALL (workspace),
    UNSUPPORTED (head_dim, group_size, dtype), CUDA. */

@@ -1,7 +1,7 @@
 /* device_arena_scenario.h: one random workload run on two caches of the same desc, one with a host
    arena and one with a device arena whose jobs an executor runs (the CPU reference in
    unit_device_arena.c, the GPU in test_cuda.cu). Creates, forks, reserves, writes layer by layer,
-   finishes, evicts and frees sequences the same way on both, takes the device cache's jobs at
+   finishes, evicts, truncates and frees sequences the same way on both, takes the device cache's jobs at
    random points, and checks after each take that every view of every live sequence describes the
    same bytes: same spans, formats, dead flags and block bytes (the device cache's blocks may sit
    elsewhere in its arena: it holds released bytes until the take). Compiles as C and C++. */
@@ -344,6 +344,11 @@ static void da_step(da_state *s) {
         rh = kvmix_cache_seq_fork(&s->host, seq, prefix, &child_h);
         rd = kvmix_cache_seq_fork(&s->device, seq, prefix, &child_d);
         da_same(s, rh, rd, "fork");
+    } else if (op < 80) { /* a rewind: the rows it cuts may still have queued writes */
+        int32_t n = (int32_t)da_rand(s, (uint32_t)s->host.seqs[seq].n_tokens + 1);
+        rh = kvmix_cache_seq_truncate(&s->host, seq, n);
+        rd = kvmix_cache_seq_truncate(&s->device, seq, n);
+        da_same(s, rh, rd, "truncate");
     } else if (op < 85) {
         int32_t positions[8], n = s->host.seqs[seq].n_written, i;
         for (i = 0; i < 8 && n > 0; i++) positions[i] = (int32_t)da_rand(s, (uint32_t)n);

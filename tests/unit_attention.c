@@ -623,15 +623,49 @@ static void test_merge(void) {
                  KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_ref_attention_merge(n_q, d, oa, la, ob, lb, NULL, lm),
                  KVMIX_ERR_NULL_POINTER);
-    CHECK_RESULT(kvmix_ref_attention_merge(n_q, d, oa, la, ob, lb, om, NULL),
-                 KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_ref_attention_merge(-1, d, oa, la, ob, lb, om, lm),
                  KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_ref_attention_merge(n_q, -1, oa, la, ob, lb, om, lm),
                  KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_attention_merge(-1, d, oa, la, ob, lb, om, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT); /* an lse not wanted: the rest still checked */
     CHECK_RESULT(kvmix_ref_attention_merge(0, d, oa, la, ob, lb, om, lm), KVMIX_SUCCESS);
     CHECK(test_is_poisoned(om, sizeof om, 18));
     CHECK(test_is_poisoned(lm, sizeof lm, 19));
+    for (i = 0; i < 7; i++) free_span(&b[i]);
+    test_context(NULL);
+}
+
+/* ---- lse not wanted -------------------------------------------------------------------------- */
+/* A NULL lse means "not wanted": decode and merge write the same out, bit for bit, as with one. */
+static void test_lse_not_wanted(void) {
+    test_rng rng;
+    const int32_t d = 64, n_kv = 2, n_q = 4;
+    kvmix_attention_desc desc = make_desc(n_q, n_kv, d, 0.0f);
+    float q[4 * 64], out[4 * 64], lse[4], out_no[4 * 64], oa[4 * 64], la[4], ob[4 * 64], lb[4];
+    span_desc sd[7];
+    built_span b[7];
+    kvmix_span spans[7];
+    int32_t i;
+    test_rng_init(&rng, "attention/lse not wanted");
+    test_context("lse not wanted");
+    mixed_sequence(&rng, sd, d, 40);
+    for (i = 0; i < 7; i++) {
+        build_span(&rng, &b[i], &sd[i], n_kv, d);
+        spans[i] = b[i].span;
+    }
+    random_q(&rng, q, n_q * d);
+    test_poison(out_no, sizeof out_no, 24);
+    CHECK_RESULT(kvmix_ref_attention_decode(&desc, q, spans, 7, out, lse), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_ref_attention_decode(&desc, q, spans, 7, out_no, NULL), KVMIX_SUCCESS);
+    CHECK_MEM_EQ(out_no, out, sizeof out);
+    /* merge: the halves' union without its lse is the union's out */
+    CHECK_RESULT(kvmix_ref_attention_decode(&desc, q, spans, 3, oa, la), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_ref_attention_decode(&desc, q, spans + 3, 4, ob, lb), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_ref_attention_merge(n_q, d, oa, la, ob, lb, out, lse), KVMIX_SUCCESS);
+    test_poison(out_no, sizeof out_no, 25);
+    CHECK_RESULT(kvmix_ref_attention_merge(n_q, d, oa, la, ob, lb, out_no, NULL), KVMIX_SUCCESS);
+    CHECK_MEM_EQ(out_no, out, sizeof out);
     for (i = 0; i < 7; i++) free_span(&b[i]);
     test_context(NULL);
 }
@@ -684,8 +718,11 @@ static void test_decode_bad_input(void) {
     test_poison(lse, sizeof lse, 22);
     CHECK_RESULT(kvmix_ref_attention_decode(&desc, q, spans, 2, NULL, lse), KVMIX_ERR_NULL_POINTER);
     CHECK(test_is_poisoned(lse, sizeof lse, 22));
-    test_poison(out, sizeof out, 23);
-    CHECK_RESULT(kvmix_ref_attention_decode(&desc, q, spans, 2, out, NULL), KVMIX_ERR_NULL_POINTER);
+    test_poison(out, sizeof out, 23); /* an lse not wanted: the rest is still checked */
+    CHECK_RESULT(kvmix_ref_attention_decode(&desc, q, spans, -1, out, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_attention_decode(&desc, NULL, spans, 2, out, NULL),
+                 KVMIX_ERR_NULL_POINTER);
     CHECK(test_is_poisoned(out, sizeof out, 23));
     expect_decode(KVMIX_ERR_INVALID_ARGUMENT, &desc, q, spans, -1, "n_spans -1");
     bad = desc;
@@ -828,6 +865,7 @@ void unit_attention(void) {
     test_head_strides();
     test_scale();
     test_merge();
+    test_lse_not_wanted();
     test_decode_bad_input();
     CHECK_MSG(worst_nmse < NMSE_BOUND, "largest output NMSE seen %.3g", worst_nmse);
     printf("unit_attention: largest output NMSE against the double reference %.3g (bound %.0e)\n",

@@ -375,6 +375,16 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     CHECK_RESULT(
         kvmix_cache_ref_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes),
         KVMIX_SUCCESS);
+    { /* an lse not wanted (NULL): the same out, bit for bit */
+        size_t out_bytes = (size_t)n * nq * d * sizeof(float);
+        float *out_no = (float *)test_alloc(out_bytes);
+        test_poison(out_no, out_bytes, 5);
+        CHECK_RESULT(kvmix_cache_ref_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out_no, NULL,
+                                            ws, ws_bytes),
+                     KVMIX_SUCCESS);
+        CHECK_MEM_EQ(out_no, out, out_bytes);
+        free(out_no);
+    }
     for (i = 0; i < n; i++) {
         const ct_seq *cs = &m->seqs[seqs[i]];
         for (h = 0; h < nq; h++) {
@@ -582,6 +592,33 @@ static void ct_op_free(ct_model *m, int32_t s) {
     m->seqs[s].in_use = 0;
     m->seqs[s].len = 0;
     ct_set_written(m, s, 0);
+}
+
+/* Keeps a sequence's first n positions (the model forgets the rest). Sealed pages stay sealed,
+   so the kept positions lose the window promise. */
+static void ct_truncate(ct_model *m, int32_t s, int32_t n) {
+    ct_seq *q = &m->seqs[s];
+    int32_t layer, i;
+    if (!CHECK_RESULT(kvmix_cache_seq_truncate(&m->cache, s, n), KVMIX_SUCCESS)) return;
+    q->len = n;
+    for (layer = 0; layer < CT_MAX_LAYERS; layer++)
+        if (q->written[layer] > n) q->written[layer] = n;
+    for (i = 0; i < n; i++) q->exempt[i] = 1;
+}
+
+/* A truncation to a random length, or (one time in six) past it or below 0: refused, nothing
+   changed. */
+static void ct_op_truncate(ct_model *m, int32_t s) {
+    int32_t len = m->seqs[s].len;
+    if (test_rng_range(&m->rng, 0, 5) == 0) {
+        ct_snapshot(m);
+        CHECK_RESULT(
+            kvmix_cache_seq_truncate(&m->cache, s, test_rng_range(&m->rng, 0, 1) ? -1 : len + 1),
+            KVMIX_ERR_INVALID_ARGUMENT);
+        ct_refused(m);
+        return;
+    }
+    ct_truncate(m, s, test_rng_range(&m->rng, 0, len));
 }
 
 /* Reserves n positions with new pool tokens for their rows, all asking for *as, or (as NULL)
@@ -926,7 +963,7 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
     ct_open(&m, &desc, stream);
     ct_kept_open(&kept, &m.cache);
     for (op = 0; op < n_ops; op++) {
-        int32_t kind = test_rng_range(&m.rng, 0, 123);
+        int32_t kind = test_rng_range(&m.rng, 0, 131);
         s = ct_pick_seq(&m);
         test_context("config %d op %d kind %d seq %d", (int)config, (int)op, (int)kind, (int)s);
         if (s < 0 || kind < 6)
@@ -955,8 +992,10 @@ static void ct_random_run(int32_t config, int32_t n_ops) {
             ct_reserve(&m, s, test_rng_range(&m.rng, 1, 16), NULL);
         else if (kind < 112)
             ct_op_write(&m, s);
-        else
+        else if (kind < 124)
             ct_op_append_layers(&m, s, test_rng_range(&m.rng, 1, 3));
+        else
+            ct_op_truncate(&m, s);
         ct_verify(&m);
         for (s = 0; s < CT_MAX_SEQS; s++) /* a loop's kept views, some steps apart */
             if (m.seqs[s].in_use && test_rng_range(&m.rng, 0, 2) == 0) ct_kept_step(&m, &kept, s);
@@ -992,10 +1031,12 @@ static void ct_small_desc(kvmix_cache_desc *d) {
     d->arena_bytes = 1 << 20;
 }
 
-static void ct_fill(ct_model *m, int32_t s, int32_t n, uint8_t kf, uint8_t vf) {
+/* Appends pool tokens toks[0 .. n - 1] to s, each asking for (kf, vf). */
+static void ct_feed(ct_model *m, int32_t s, const int32_t *toks, int32_t n, uint8_t kf,
+                    uint8_t vf) {
     int32_t t, hd = m->desc.n_kv_heads * m->desc.head_dim, layer;
     for (t = 0; t < n; t++) {
-        int32_t tok = ct_new_token(m), pos = m->seqs[s].len;
+        int32_t tok = toks[t], pos = m->seqs[s].len;
         kvmix_cache_precision p;
         float *keys = (float *)test_alloc((size_t)m->token_floats * sizeof(float));
         float *values = (float *)test_alloc((size_t)m->token_floats * sizeof(float));
@@ -1016,6 +1057,14 @@ static void ct_fill(ct_model *m, int32_t s, int32_t n, uint8_t kf, uint8_t vf) {
         ct_set_written(m, s, m->seqs[s].len);
         free(keys);
         free(values);
+    }
+}
+
+static void ct_fill(ct_model *m, int32_t s, int32_t n, uint8_t kf, uint8_t vf) {
+    int32_t t;
+    for (t = 0; t < n; t++) {
+        int32_t tok = ct_new_token(m);
+        ct_feed(m, s, &tok, 1, kf, vf);
     }
 }
 
@@ -1606,6 +1655,11 @@ static void test_bad_inputs(void) {
                      KVMIX_ERR_BUFFER_TOO_SMALL);
         CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 3, 0.0f, q, o, l, ws, sizeof ws),
                      KVMIX_ERR_INVALID_ARGUMENT);
+        /* an lse not wanted (NULL): the rest is still checked */
+        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 3, 0.0f, q, o, NULL, ws, sizeof ws),
+                     KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_RESULT(kvmix_cache_ref_decode(&m.cache, &s, 1, 0, 4, 0.0f, q, o, NULL, ws, 8),
+                     KVMIX_ERR_BUFFER_TOO_SMALL);
     }
     ct_unchanged(&m);
     /* sequences run out */
@@ -2270,6 +2324,297 @@ static void test_view_changes(void) {
     test_context(NULL);
 }
 
+/* ---- truncation ---------------------------------------------------------------------------- */
+
+/* Every byte that sequence s is: its record, page table, slot map, written counts, and each
+   referenced page's descriptor and arena bytes; *out_bytes its size. Left out: what other
+   sequences change by design (reference counts) and the view tracking a loop's calls move. */
+static uint8_t *ct_seq_image(const ct_model *m, int32_t s, size_t *out_bytes) {
+    const kvmix_cache *c = &m->cache;
+    const kvmix_cache_entry *e = c->entries + (size_t)s * c->desc.max_pages_per_seq;
+    int32_t n = c->seqs[s].n_entries, j;
+    size_t at = 0, bytes = sizeof c->seqs[s] + (size_t)n * sizeof *e +
+                           (size_t)c->seqs[s].n_tokens * sizeof(uint32_t) +
+                           (size_t)c->desc.n_layers * sizeof(int32_t);
+    uint8_t *img;
+    for (j = 0; j < n; j++)
+        bytes += sizeof(kvmix_cache_page) +
+                 (size_t)c->pages[e[j].page].n_granules * c->desc.granule_bytes;
+    img = (uint8_t *)test_alloc(bytes);
+#define CT_PUT(p, n)                                                                               \
+    do {                                                                                           \
+        memcpy(img + at, (p), (n));                                                                \
+        at += (n);                                                                                 \
+    } while (0)
+    {
+        kvmix_cache_seq record = c->seqs[s];
+        record.view_from = 0;
+        record.view_epoch = 0;
+        CT_PUT(&record, sizeof record);
+    }
+    CT_PUT(e, (size_t)n * sizeof *e);
+    CT_PUT(c->slots + (size_t)s * c->desc.max_tokens_per_seq,
+           (size_t)c->seqs[s].n_tokens * sizeof(uint32_t));
+    CT_PUT(c->written + (size_t)s * c->desc.n_layers, (size_t)c->desc.n_layers * sizeof(int32_t));
+    for (j = 0; j < n; j++) {
+        kvmix_cache_page p = c->pages[e[j].page];
+        CT_PUT(c->arena + p.offset, (size_t)p.n_granules * c->desc.granule_bytes);
+        p.refcount = 0;
+        CT_PUT(&p, sizeof p);
+    }
+#undef CT_PUT
+    *out_bytes = bytes;
+    return img;
+}
+
+/* Decode of sequence a alone and of b alone on every layer: the same bits, lse included. */
+static void ct_same_decode(ct_model *m, int32_t a, int32_t b) {
+    int32_t nh = m->desc.n_kv_heads, d = m->desc.head_dim, layer, i;
+    float q[4 * 64], oa[4 * 64], ob[4 * 64], la[4], lb[4];
+    for (i = 0; i < nh * d; i++) q[i] = (float)(2.0 * test_rng_unit(&m->rng) - 1.0);
+    for (layer = 0; layer < m->desc.n_layers; layer++) {
+        ct_decode_one(m, a, layer, q, oa, la);
+        ct_decode_one(m, b, layer, q, ob, lb);
+        CHECK_MEM_EQ(oa, ob, (size_t)nh * d * sizeof(float));
+        CHECK_MEM_EQ(la, lb, (size_t)nh * sizeof(float));
+    }
+}
+
+/* Every position of a and b reads back the same bits in the same formats (evicted in both). */
+static void ct_same_rows(ct_model *m, int32_t a, int32_t b) {
+    const kvmix_cache *c = &m->cache;
+    int32_t layer, pos, hd = c->desc.n_kv_heads * c->desc.head_dim;
+    float ka[4 * 64], va[4 * 64], kb[4 * 64], vb[4 * 64];
+    kvmix_cache_precision fa, fb;
+    CHECK_EQ_INT(c->seqs[a].n_tokens, c->seqs[b].n_tokens);
+    for (layer = 0; layer < c->desc.n_layers; layer++)
+        for (pos = 0; pos < c->seqs[a].n_tokens; pos++) {
+            kvmix_result ra = kvmix_cache_read(c, a, layer, pos, ka, va, &fa);
+            kvmix_result rb = kvmix_cache_read(c, b, layer, pos, kb, vb, &fb);
+            CHECK_EQ_INT(ra, rb);
+            if (ra != KVMIX_SUCCESS) continue;
+            CHECK_EQ_INT(fa.key_format, fb.key_format);
+            CHECK_EQ_INT(fa.value_format, fb.value_format);
+            CHECK_MEM_EQ(ka, kb, (size_t)hd * sizeof(float));
+            CHECK_MEM_EQ(va, vb, (size_t)hd * sizeof(float));
+        }
+}
+
+/* Opens a cache of the small desc with sinks and partial pages sealed at finish, and a sequence
+   in it. */
+static int32_t ct_truncate_open(ct_model *m, const char *stream) {
+    kvmix_cache_desc d;
+    int32_t s = -1;
+    ct_small_desc(&d);
+    d.n_sink = 4;
+    d.partial = KVMIX_CACHE_PARTIAL_QUANTIZE;
+    ct_open(m, &d, stream);
+    CHECK_RESULT(kvmix_cache_seq_create(&m->cache, &s), KVMIX_SUCCESS);
+    m->seqs[s].in_use = 1;
+    return s;
+}
+
+static int32_t ct_create(ct_model *m) {
+    int32_t s = -1;
+    CHECK_RESULT(kvmix_cache_seq_create(&m->cache, &s), KVMIX_SUCCESS);
+    m->seqs[s].in_use = 1;
+    return s;
+}
+
+/* Truncated, then fed more tokens, a sequence is a fresh one fed the kept and the new tokens:
+   to 0, inside the sink page, inside the page being filled, at a page boundary, inside a sealed
+   page. FP16 and per-token formats read and decode the same bits (once both sealed their pages:
+   finish); per-channel keys keep the scales they were sealed with, and hold what every format
+   holds (reads within bounds, decode equal to attention over the rows read back). */
+static void test_truncate_matches_fresh(void) {
+    static const uint8_t formats[3][2] = {{KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16},
+                                          {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT8},
+                                          {KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2}};
+    /* pages: sink [0,4), [4,20), [20,36), [36,44) filling */
+    static const int32_t cuts[6] = {0, 2, 4, 41, 20, 27};
+    int32_t f, k;
+    for (f = 0; f < 3; f++)
+        for (k = 0; k < 6; k++) {
+            ct_model m;
+            int32_t a, b, more[13], t;
+            uint8_t kf = formats[f][0], vf = formats[f][1];
+            a = ct_truncate_open(&m, "cache truncate fresh");
+            test_context("truncate: formats %d/%d, to %d", kf, vf, (int)cuts[k]);
+            ct_fill(&m, a, 44, kf, vf);
+            ct_truncate(&m, a, cuts[k]);
+            ct_verify(&m);
+            CHECK_EQ_INT(m.cache.seqs[a].n_tokens, cuts[k]);
+            for (t = 0; t < 13; t++) more[t] = ct_new_token(&m);
+            ct_feed(&m, a, more, 13, kf, vf);
+            b = ct_create(&m);
+            ct_feed(&m, b, m.seqs[a].tok, cuts[k], kf, vf);
+            ct_feed(&m, b, more, 13, kf, vf);
+            CHECK_RESULT(kvmix_cache_seq_finish(&m.cache, a), KVMIX_SUCCESS);
+            CHECK_RESULT(kvmix_cache_seq_finish(&m.cache, b), KVMIX_SUCCESS);
+            memset(m.seqs[a].exempt, 1, (size_t)m.seqs[a].len);
+            memset(m.seqs[b].exempt, 1, (size_t)m.seqs[b].len);
+            ct_verify(&m);
+            ct_verify_decode(&m, 1);
+            if (kf != KVMIX_FORMAT_INT2_CHANNEL) {
+                ct_same_rows(&m, a, b);
+                ct_same_decode(&m, a, b);
+            }
+            ct_close(&m);
+        }
+    test_context(NULL);
+}
+
+/* A fork and its parent share pages: truncating either, inside a shared sealed page or the
+   shared buffer page, and growing again leaves the other byte for byte as it was (its page
+   table, slot map and every byte of its pages) and decoding the same bits. Kept views see each
+   change. */
+static void test_truncate_forks(void) {
+    ct_model m;
+    ct_kept_view kept;
+    int32_t p, c, i;
+    float q[2 * 64], o0[2 * 64], l0[2], o1[2 * 64], l1[2];
+    uint8_t *before, *after;
+    size_t n_before, n_after;
+    p = ct_truncate_open(&m, "cache truncate forks");
+    ct_kept_open(&kept, &m.cache);
+    for (i = 0; i < 2 * 64; i++) q[i] = (float)(2.0 * test_rng_unit(&m.rng) - 1.0);
+    ct_fill(&m, p, 40, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4); /* [0,4) [4,20) [20,36) [36,40) */
+    c = ct_fork_at(&m, p, 38);
+    ct_kept_step(&m, &kept, p);
+    ct_kept_step(&m, &kept, c);
+    /* the child cuts inside a shared sealed page, then grows: the parent stays */
+    test_context("truncate the child");
+    ct_decode_one(&m, p, 1, q, o0, l0);
+    before = ct_seq_image(&m, p, &n_before);
+    ct_truncate(&m, c, 25);
+    ct_verify(&m);
+    ct_kept_step(&m, &kept, c);
+    ct_fill(&m, c, 30, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8);
+    ct_verify(&m);
+    ct_kept_step(&m, &kept, c);
+    after = ct_seq_image(&m, p, &n_after);
+    if (CHECK_EQ_INT((int)n_after, (int)n_before)) CHECK_MEM_EQ(after, before, n_before);
+    free(after);
+    ct_decode_one(&m, p, 1, q, o1, l1);
+    CHECK_MEM_EQ(o1, o0, sizeof o0);
+    CHECK_MEM_EQ(l1, l0, sizeof l0);
+    free(before);
+    /* a second child shares the parent's buffer page; the parent cuts inside it and grows: the
+       child stays */
+    test_context("truncate the parent");
+    c = ct_fork_at(&m, p, 40);
+    ct_kept_step(&m, &kept, p);
+    ct_decode_one(&m, c, 0, q, o0, l0);
+    before = ct_seq_image(&m, c, &n_before);
+    ct_truncate(&m, p, 37);
+    ct_verify(&m);
+    ct_kept_step(&m, &kept, p);
+    ct_fill(&m, p, 20, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4);
+    ct_verify(&m);
+    ct_kept_step(&m, &kept, p);
+    ct_kept_step(&m, &kept, c);
+    after = ct_seq_image(&m, c, &n_after);
+    if (CHECK_EQ_INT((int)n_after, (int)n_before)) CHECK_MEM_EQ(after, before, n_before);
+    free(after);
+    ct_decode_one(&m, c, 0, q, o1, l1);
+    CHECK_MEM_EQ(o1, o0, sizeof o0);
+    CHECK_MEM_EQ(l1, l0, sizeof l0);
+    free(before);
+    /* to 0: every page released or left to its sharers; the sequence grows from position 0 */
+    test_context("truncate to 0");
+    ct_truncate(&m, p, 0);
+    ct_verify(&m);
+    CHECK_EQ_INT(m.cache.seqs[p].n_entries, 0);
+    CHECK_EQ_INT(m.cache.seqs[p].n_live, 0);
+    ct_kept_step(&m, &kept, p);
+    ct_fill(&m, p, 5, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4);
+    ct_verify(&m);
+    ct_verify_decode(&m, 1);
+    ct_kept_step(&m, &kept, p);
+    ct_kept_step(&m, &kept, c);
+    test_context(NULL);
+    ct_kept_close(&kept);
+    ct_close(&m);
+}
+
+/* Truncation after eviction and compaction: inside a compacted page, the survivors past the cut
+   leave; a page whose kept positions are all evicted is released. Then the sequence reads and
+   decodes as a fresh one fed the kept tokens, the same evictions and the new tokens. */
+static void test_truncate_evicted(void) {
+    ct_model m;
+    int32_t a, b, pos, n_gone = 0, gone[64], more[10], t, cut = 30;
+    size_t freed = 0;
+    int compacted = 0;
+    a = ct_truncate_open(&m, "cache truncate evicted");
+    ct_fill(&m, a, 60, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4); /* [0,4) [4,20) [20,36) ... */
+    for (pos = 4; pos < 52; pos++)
+        if (pos % 3 != 0) gone[n_gone++] = pos;
+    CHECK_RESULT(kvmix_cache_evict(&m.cache, a, gone, n_gone), KVMIX_SUCCESS);
+    for (t = 0; t < n_gone; t++) m.seqs[a].alive[gone[t]] = 0;
+    CHECK_RESULT(kvmix_cache_compact(&m.cache, a, 0.5, &freed), KVMIX_SUCCESS);
+    for (t = 0; t < m.cache.seqs[a].n_entries; t++)
+        compacted +=
+            m.cache.entries[(size_t)a * m.cache.desc.max_pages_per_seq + t].n_positions > 0;
+    CHECK(compacted > 0 && freed > 0);
+    ct_verify(&m);
+    ct_truncate(&m, a, cut);
+    ct_verify(&m);
+    for (t = 0; t < 10; t++) more[t] = ct_new_token(&m);
+    ct_feed(&m, a, more, 10, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4);
+    b = ct_create(&m);
+    ct_feed(&m, b, m.seqs[a].tok, cut, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4);
+    for (n_gone = 0, pos = 4; pos < cut; pos++)
+        if (pos % 3 != 0) gone[n_gone++] = pos;
+    CHECK_RESULT(kvmix_cache_evict(&m.cache, b, gone, n_gone), KVMIX_SUCCESS);
+    for (t = 0; t < n_gone; t++) m.seqs[b].alive[gone[t]] = 0;
+    ct_feed(&m, b, more, 10, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4);
+    CHECK_RESULT(kvmix_cache_seq_finish(&m.cache, a), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_finish(&m.cache, b), KVMIX_SUCCESS);
+    memset(m.seqs[a].exempt, 1, (size_t)m.seqs[a].len);
+    memset(m.seqs[b].exempt, 1, (size_t)m.seqs[b].len);
+    ct_verify(&m);
+    ct_same_rows(&m, a, b);
+    ct_same_decode(&m, a, b);
+    /* a cut that leaves a page only evicted positions releases it */
+    ct_truncate(&m, a, 6); /* positions 4 and 5 are evicted: the page after the sinks goes */
+    ct_verify(&m);
+    CHECK_EQ_INT(m.cache.seqs[a].n_entries, 1); /* the sink page alone */
+    ct_close(&m);
+}
+
+/* Refused truncations name their argument and change nothing; a truncation to the length does
+   nothing, and kvmix_cache_view_changes reports the entry a cut changes. */
+static void test_truncate_bad_inputs(void) {
+    ct_model m;
+    int32_t s, from = -1;
+    s = ct_truncate_open(&m, "cache truncate bad");
+    ct_fill(&m, s, 40, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4); /* [0,4) [4,20) [20,36) [36,40) */
+    CHECK_RESULT(kvmix_cache_seq_truncate(NULL, s, 0), KVMIX_ERR_NULL_POINTER);
+    ct_snapshot(&m);
+    CHECK_RESULT(kvmix_cache_seq_truncate(&m.cache, s, 41), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_refused(&m);
+    CHECK(strstr(kvmix_cache_last_error(&m.cache), "n_tokens") != NULL);
+    CHECK_RESULT(kvmix_cache_seq_truncate(&m.cache, s, -1), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_refused(&m);
+    CHECK_RESULT(kvmix_cache_seq_truncate(&m.cache, s + 1, 0), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_refused(&m);
+    CHECK(strstr(kvmix_cache_last_error(&m.cache), "seq") != NULL);
+    CHECK_RESULT(kvmix_cache_seq_truncate(&m.cache, -1, 0), KVMIX_ERR_INVALID_ARGUMENT);
+    ct_refused(&m);
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    ct_snapshot(&m);
+    CHECK_RESULT(kvmix_cache_seq_truncate(&m.cache, s, 40), KVMIX_SUCCESS);
+    ct_unchanged(&m);
+    ct_truncate(&m, s, 20); /* at a page boundary: entries from 2 go */
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 2);
+    ct_truncate(&m, s, 10); /* inside entry 1 */
+    CHECK_RESULT(kvmix_cache_view_changes(&m.cache, s, &from), KVMIX_SUCCESS);
+    CHECK_EQ_INT(from, 1);
+    ct_verify(&m);
+    ct_close(&m);
+}
+
 void unit_cache(void) {
     int32_t config;
     test_bad_inputs();
@@ -2290,5 +2635,9 @@ void unit_cache(void) {
     test_runs_fork_unwritten();
     test_fork_keys_sealed();
     test_view_changes();
+    test_truncate_bad_inputs();
+    test_truncate_matches_fresh();
+    test_truncate_forks();
+    test_truncate_evicted();
     for (config = 0; config < 24 && test_failed_count() == 0; config++) ct_random_run(config, 480);
 }

@@ -156,6 +156,13 @@ static void check_decode(test_rng *rng, test_view *tv, int32_t n_q) {
     int32_t i, c;
     for (i = 0; i < n * d; i++) q[i] = (float)test_rng_normal(rng);
     CHECK_RESULT(kvmix_ref_view_decode(&tv->view, n_q, 0.0f, q, out, lse), KVMIX_SUCCESS);
+    { /* an lse not wanted (NULL): the same out, bit for bit */
+        float *out_no = (float *)test_alloc((size_t)n * d * sizeof(float));
+        test_poison(out_no, (size_t)n * d * sizeof(float), 4);
+        CHECK_RESULT(kvmix_ref_view_decode(&tv->view, n_q, 0.0f, q, out_no, NULL), KVMIX_SUCCESS);
+        CHECK_MEM_EQ(out_no, out, (size_t)n * d * sizeof(float));
+        free(out_no);
+    }
     for (i = 0; i < n; i++) {
         int32_t s = i / n_q, h = (i % n_q) / group;
         double err = 0.0, norm = 0.0;
@@ -231,6 +238,7 @@ static void check_bad_views(test_rng *rng, test_view *tv) {
         test_poison(scores, sizeof scores, 3);                                                     \
         CHECK_RESULT(kvmix_view_check(&tv->view), code);                                           \
         CHECK_RESULT(kvmix_ref_view_decode(&tv->view, N_Q, 0.0f, q, out, lse), code);              \
+        CHECK_RESULT(kvmix_ref_view_decode(&tv->view, N_Q, 0.0f, q, out, NULL), code);             \
         CHECK_RESULT(kvmix_ref_view_score(&tv->view, 0, N_Q, memory, scores, 8), code);            \
         CHECK(test_is_poisoned(out, sizeof out, 1) && test_is_poisoned(lse, sizeof lse, 2));       \
         CHECK(test_is_poisoned(scores, sizeof scores, 3));                                         \
