@@ -102,7 +102,8 @@ void distance_scores_to_json(const distance_scores *s, cJSON *obj) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddNumberToObject(o, "distance", b->distance);
         cJSON_AddNumberToObject(o, "n_questions", (double)b->n_questions);
-        cJSON_AddNumberToObject(o, "question_accuracy", (double)b->n_exact / (double)b->n_questions);
+        cJSON_AddNumberToObject(o, "question_accuracy",
+                                (double)b->n_exact / (double)b->n_questions);
         cJSON_AddNumberToObject(o, "question_agreement",
                                 (double)b->n_exact_agree / (double)b->n_questions);
         cJSON_AddNumberToObject(o, "n_answer_tokens", (double)b->n_tokens);
