@@ -3301,6 +3301,8 @@ KVMIXDEF const char *kvmix_cache_last_error(const kvmix_cache *cache) {
     return cache ? cache->priv.error : "cache: NULL";
 }
 
+/* ---- the write plan's state ------------------------------------------------------------------ */
+
 /* One unsealed page of the sequence a plan works on, oldest first. */
 typedef struct kvmix__sim_page {
     int32_t entry; /* index in the sequence's page table */
@@ -3355,6 +3357,8 @@ static kvmix_result kvmix__plan_fail(kvmix__plan *plan, const char *argument, co
 
 #define KVMIX__HELD_DESCRIPTORS "released pages hold them until kvmix_cache_jobs_take"
 #define KVMIX__NO_RUN           "no free run of granules for "
+
+/* ---- jobs, page geometry and format order ---------------------------------------------------- */
 
 /* A queued job of a device arena, with what decides its batch. */
 typedef struct kvmix__job {
@@ -3481,6 +3485,8 @@ static size_t kvmix__block_offset(const kvmix_cache *c, const kvmix__geom *g, in
 static int64_t kvmix__granules_of(const kvmix_cache *c, size_t bytes) {
     return (int64_t)((bytes + c->desc.granule_bytes - 1) / c->desc.granule_bytes);
 }
+
+/* ---- a sequence's records: page table, slot map, written counts ------------------------------ */
 
 static kvmix_cache_entry *kvmix__seq_entries(const kvmix_cache *c, int32_t seq) {
     return c->entries + (size_t)seq * (size_t)c->desc.max_pages_per_seq;
@@ -5636,7 +5642,7 @@ KVMIXDEF kvmix_result kvmix_cache_retier(kvmix_cache *cache, int32_t seq, int32_
     return kvmix__record(cache, kvmix__retier(cache, seq, position, precision, keys, values, rows));
 }
 
-/* ---- aging a sequence (kvmix_cache_seq_age) ----------------------------------------------- */
+/* ---- aging a sequence (kvmix_cache_seq_age) -------------------------------------------------- */
 
 /* The formats entry e's live positions ask for, per side the highest (answers checked first). */
 static kvmix_cache_precision kvmix__entry_wants(const kvmix_cache *c, int32_t seq,
