@@ -66,6 +66,8 @@ $(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 # ---- reference-model runner and quality harness ----------------------------------------------
 EVAL_TAG_SRC := examples/tag_spec_json.c examples/tag_allocation.c
 TRANSFER_SRC := examples/transfer_plan.c
+# examples/pd_nccl's host-side rules (roles, the sender's schedule, frames), unit-tested on the CPU
+PD_NCCL_PLAN_SRC := examples/pd_nccl_plan.c
 # The budgeted-eviction driver and the hand-over's runner-free parts (over the CPU runner here;
 # evict_gpu.c and transfer_gpu.c add the GPU's).
 EVICT_SRC := examples/evict_driver.c
@@ -130,10 +132,10 @@ $(BUILD)/warn_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -$(word 3,$(subst _, ,$*)) -c $< -o $@
 header-checks: $(HEADER_CHECKS) $(WARN_CHECKS)
 
-$(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) tests/harness.h tests/device_arena_scenario.h \
-		examples/transfer_plan.h kvmix.h | $(BUILD)
+$(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harness.h \
+		tests/device_arena_scenario.h examples/transfer_plan.h examples/pd_nccl_plan.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples $(UNIT_SRC) $(TRANSFER_SRC) \
-		-o $@ $(LDLIBS)
+		$(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
 # The cache example runs as a test too, under the sanitizers.
 $(BUILD)/example_cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
