@@ -45,9 +45,9 @@ MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model
 	$(BUILD)/model_test_probe $(BUILD)/model_test_evict $(BUILD)/model_test_eval
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
-	pd-transfer refmodel-check
+	pd-transfer pd-nccl refmodel-check
 
-all: cuda-build pd-transfer $(BUILD)/kvmix-probe $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
+all: cuda-build pd-transfer pd-nccl $(BUILD)/kvmix-probe $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
 
 $(BUILD):
@@ -280,6 +280,24 @@ $(BUILD)/bench_serve: bench/bench_serve.c $(BUILD)/kvmix-eval-cuda | $(BUILD)
 	$(NVCC) $(BUILD)/bench_serve.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
 		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
+# Prefill on some GPUs, decode on others over NCCL (examples/pd_nccl.cu), where the toolkit has
+# NCCL; bench/pd_nccl_check.sh runs it on a machine with two GPUs.
+NCCL_HEADER := $(wildcard $(dir $(NVCC))../include/nccl.h)
+ifeq ($(strip $(NCCL_HEADER)),)
+pd-nccl:
+	@echo "NCCL not found (nccl.h beside nvcc): examples/pd_nccl not built"
+else
+pd-nccl: $(BUILD)/pd_nccl
+$(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.h \
+		$(BUILD)/kvmix-eval-cuda | $(BUILD)
+	$(CC) $(CFLAGS) -I. -c $(PD_NCCL_PLAN_SRC) -o $(BUILD)/pd_nccl_plan.o
+	$(NVCC) $(NVCCFLAGS) -I. -Iexamples -c examples/pd_nccl.cu -o $(BUILD)/pd_nccl.o
+	$(NVCC) $(BUILD)/pd_nccl.o $(BUILD)/pd_nccl_plan.o $(BUILD)/eval_cuda_llama.o \
+		$(BUILD)/eval_cuda_kv.o $(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o \
+		$(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas \
+		-lnccl $(EVAL_LDLIBS)
+endif
+
 test-gpu-model: $(BUILD)/test_gpu_llama
 	./$(BUILD)/test_gpu_llama $(SHARED)
 
@@ -289,7 +307,7 @@ $(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 endif
 
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
-	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer refmodel-check
+	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer pd-nccl refmodel-check
 	@FUZZ_TIMEOUT=$(FUZZ_TIMEOUT) FUZZ_RSS_MB=$(FUZZ_RSS_MB) sh tests/run_all.sh "$(BUILD)" \
 		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
