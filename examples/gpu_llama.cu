@@ -1621,9 +1621,9 @@ extern "C" llama_result gpu_llama_rows_read_device(gpu_llama *g, int32_t seq, vo
                            kvmix_result_string(kr));
         if (r != LLAMA_OK || ce != cudaSuccess || n == 0) continue;
         scatter_rows_kernel<<<64, THREADS, 0, g->stream>>>((const __half *)dk, d_positions, n, row,
-                                                            k);
+                                                           k);
         scatter_rows_kernel<<<64, THREADS, 0, g->stream>>>((const __half *)dv, d_positions, n, row,
-                                                            v);
+                                                           v);
         ce = cudaGetLastError();
     }
     if (ce == cudaSuccess) ce = cudaStreamSynchronize(g->stream); /* the caller's streams read */
@@ -1702,7 +1702,8 @@ extern "C" llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t
     if (ce == cudaSuccess) ce = device_alloc(&dv, halves);
     if (ce == cudaSuccess) ce = cudaMemcpy(dk, hk.data(), halves * 2, cudaMemcpyHostToDevice);
     if (ce == cudaSuccess) ce = cudaMemcpy(dv, hv.data(), halves * 2, cudaMemcpyHostToDevice);
-    if (ce == cudaSuccess) r = gpu_llama_rows_ingest_device(g, seq, n_tokens, dk, dv, err, err_bytes);
+    if (ce == cudaSuccess)
+        r = gpu_llama_rows_ingest_device(g, seq, n_tokens, dk, dv, err, err_bytes);
     cudaFree(dk), cudaFree(dv); /* after the jobs that read them: flush_jobs synchronized */
     if (ce != cudaSuccess) r = cuda_fail(err, err_bytes, ce, "ingesting rows");
     return r;

@@ -197,7 +197,14 @@ struct layer_payloads {
 kvmix_payload_desc layer_desc(const llama_config *c, kvmix_payload_kind kind, int32_t text,
                               int32_t l, int32_t n) {
     uint64_t id = ((uint64_t)text << 20) + (uint64_t)l * 2 + 1;
-    return kvmix_payload_desc{kind, c->head_dim, c->n_kv_heads, 0, l, 1, n, 0,
+    return kvmix_payload_desc{kind,
+                              c->head_dim,
+                              c->n_kv_heads,
+                              0,
+                              l,
+                              1,
+                              n,
+                              0,
                               kind == KVMIX_PAYLOAD_ROWS ? id : id + 1,
                               kind == KVMIX_PAYLOAD_ROWS ? 0 : id};
 }
@@ -223,7 +230,12 @@ bool pack_layer(worker *w, const layer_payloads *p, int32_t l, uint8_t *dst, cud
 bool send_payload(worker *w, layer_payloads *p, int32_t l, const uint8_t *src, uint64_t bytes,
                   int32_t peer, cudaStream_t s) {
     pd_frame f = {p->kind == KVMIX_PAYLOAD_ROWS ? PD_FRAME_LAYER : PD_FRAME_RESIDUAL,
-                  p->text, l, 0, 0, 0, bytes};
+                  p->text,
+                  l,
+                  0,
+                  0,
+                  0,
+                  bytes};
     if (!send_frame(w, &f, peer, s)) return false;
     CUDA_OK(cudaEventRecord(p->send_start[l], s), "timing");
     NCCL_OK(ncclSend(src, bytes, ncclUint8, peer, w->comm, s), "sending a payload");
@@ -243,17 +255,24 @@ bool send_layers(worker *w, layer_payloads *p, int32_t peer, bool overlap) {
         const pd_op &o = ops[(size_t)i];
         uint8_t *slot = p->slots[o.slot];
         switch (o.kind) {
-        case PD_OP_WAIT_SENT: ok = cudaStreamWaitEvent(w->pack, p->sent[o.slot], 0) == cudaSuccess; break;
+        case PD_OP_WAIT_SENT:
+            ok = cudaStreamWaitEvent(w->pack, p->sent[o.slot], 0) == cudaSuccess;
+            break;
         case PD_OP_PACK: ok = pack_layer(w, p, o.layer, slot, w->pack); break;
         case PD_OP_PACKED: ok = cudaEventRecord(p->packed[o.slot], w->pack) == cudaSuccess; break;
-        case PD_OP_WAIT_PACKED: ok = cudaStreamWaitEvent(w->send, p->packed[o.slot], 0) == cudaSuccess; break;
-        case PD_OP_SEND: ok = send_payload(w, p, o.layer, slot, p->info.total_bytes, peer, w->send); break;
+        case PD_OP_WAIT_PACKED:
+            ok = cudaStreamWaitEvent(w->send, p->packed[o.slot], 0) == cudaSuccess;
+            break;
+        case PD_OP_SEND:
+            ok = send_payload(w, p, o.layer, slot, p->info.total_bytes, peer, w->send);
+            break;
         case PD_OP_SENT: ok = cudaEventRecord(p->sent[o.slot], w->send) == cudaSuccess; break;
         case PD_OP_HOST_WAIT_PACK: ok = cudaStreamSynchronize(w->pack) == cudaSuccess; break;
         case PD_OP_HOST_WAIT_SEND: ok = cudaStreamSynchronize(w->send) == cudaSuccess; break;
         default: ok = false;
         }
-        if (!ok && !w->err[0]) fail(w->err, sizeof w->err, "schedule op %d of layer %d failed", o.kind, o.layer);
+        if (!ok && !w->err[0])
+            fail(w->err, sizeof w->err, "schedule op %d of layer %d failed", o.kind, o.layer);
     }
     CUDA_OK(cudaStreamSynchronize(w->send), "sending layers");
     return ok;
@@ -358,7 +377,8 @@ bool choose_tiers(worker *w, prefilled *s, double budget) {
     CUDA_OK(cudaMemcpy(hk.data(), s->keys, all * sizeof(__half), cudaMemcpyDeviceToHost), "rows");
     CUDA_OK(cudaMemcpy(hv.data(), s->values, all * sizeof(__half), cudaMemcpyDeviceToHost), "rows");
     for (size_t i = 0; i < all; i++) fk[i] = __half2float(hk[i]), fv[i] = __half2float(hv[i]);
-    transfer_setup setup = {TRANSFER_NORMS, budget, LAMBDA, N_SINKS < s->n ? N_SINKS : s->n, 1, 0, 0};
+    transfer_setup setup = {
+        TRANSFER_NORMS, budget, LAMBDA, N_SINKS < s->n ? N_SINKS : s->n, 1, 0, 0};
     s->tiers.assign((size_t)s->n, 0);
     if (transfer_choose(&setup, NULL, fk.data(), fv.data(), c->n_layers, s->n, c->n_kv_heads,
                         c->head_dim, s->tiers.data(), &s->plan, w->err,
@@ -376,7 +396,8 @@ bool send_broken(worker *w, layer_payloads *p, int32_t peer) {
     if (w->run->o->inject == INJECT_TRUNCATE)
         bytes /= 2;
     else /* token 0's tier: no format */
-        CUDA_OK(cudaMemsetAsync(p->slots[0] + KVMIX_PAYLOAD_HEADER_BYTES, 0x7f, 1, w->send), "inject");
+        CUDA_OK(cudaMemsetAsync(p->slots[0] + KVMIX_PAYLOAD_HEADER_BYTES, 0x7f, 1, w->send),
+                "inject");
     if (!send_payload(w, p, 0, p->slots[0], bytes, peer, w->send)) return false;
     CUDA_OK(cudaStreamSynchronize(w->send), "inject");
     printf("prefill %d: text %d: layer 0 sent %s\n", w->rank, p->text,
@@ -390,8 +411,8 @@ bool send_sequence(worker *w, const prefilled *s, int32_t peer, bool overlap, bo
     layer_payloads p = {};
     bool ok = payloads_init(w, &p, KVMIX_PAYLOAD_ROWS, s->text, s->n, s->tiers.data(), s->keys,
                             s->values);
-    pd_frame head = {PD_FRAME_SEQUENCE, s->text, 0, config_of(w)->n_layers, s->n, s->first_token,
-                     p.info.total_bytes};
+    pd_frame head = {PD_FRAME_SEQUENCE, s->text,           0, config_of(w)->n_layers, s->n,
+                     s->first_token,    p.info.total_bytes};
     ok = ok && send_frame(w, &head, peer, w->send);
     ok = ok && (!inject || send_broken(w, &p, peer));
     ok = ok && send_layers(w, &p, peer, overlap) && flags_clear(w, "packing");
@@ -407,8 +428,9 @@ bool residual_rows(worker *w, const prefilled *s, __half *rk, __half *rv) {
     size_t layer = (size_t)s->n * row_halves(c);
     layer_payloads p = {};
     __half *dk = halves(layer), *dv = halves(layer);
-    bool ok = dk && dv && payloads_init(w, &p, KVMIX_PAYLOAD_ROWS, s->text, s->n, s->tiers.data(),
-                                        s->keys, s->values);
+    bool ok = dk && dv &&
+              payloads_init(w, &p, KVMIX_PAYLOAD_ROWS, s->text, s->n, s->tiers.data(), s->keys,
+                            s->values);
     for (int32_t l = 0; ok && l < c->n_layers; l++) {
         ok = pack_layer(w, &p, l, p.slots[0], w->pack);
         kvmix_payload_desc d = layer_desc(c, KVMIX_PAYLOAD_ROWS, s->text, l, s->n);
@@ -514,8 +536,8 @@ std::vector<llama_kv_stats> cache_mark(const worker *w, const std::vector<runnin
 
 /* Whether a payload's head is the one expected: 0 or a kvmix_result; *info on success. */
 int32_t check_payload(const worker *w, const uint8_t *d_payload, uint64_t bytes,
-                      kvmix_payload_kind kind, int32_t layer, int32_t n,
-                      kvmix_payload_info *info, std::vector<uint8_t> *tiers) {
+                      kvmix_payload_kind kind, int32_t layer, int32_t n, kvmix_payload_info *info,
+                      std::vector<uint8_t> *tiers) {
     const llama_config *c = config_of(w);
     std::vector<uint8_t> head((size_t)(bytes < KVMIX_PAYLOAD_HEADER_BYTES + (uint64_t)n + 16
                                            ? bytes
@@ -552,20 +574,21 @@ bool receive_layers(worker *w, const std::vector<running> &live, int32_t text, i
         int32_t want = kind == KVMIX_PAYLOAD_ROWS ? PD_FRAME_LAYER : PD_FRAME_RESIDUAL;
         if (ok && (f.kind != want || f.text != text || f.layer != l))
             ok = fail(w->err, sizeof w->err, "text %d layer %d: an unexpected frame", text, l);
-        ok = ok && ncclRecv(d_payload, f.payload_bytes, ncclUint8, peer, w->comm, w->send) ==
-                       ncclSuccess &&
+        ok = ok &&
+             ncclRecv(d_payload, f.payload_bytes, ncclUint8, peer, w->comm, w->send) ==
+                 ncclSuccess &&
              cudaStreamSynchronize(w->send) == cudaSuccess;
         if (!ok) break;
         std::vector<llama_kv_stats> before = cache_mark(w, live);
-        int32_t r = check_payload(w, d_payload, f.payload_bytes, kind, l, n, &info,
-                                  l == 0 ? tiers : NULL);
-        if (r == 0 &&
-            kvmix_cuda_payload_unpack(&info, d_payload, KVMIX_CUDA_FP16, keys + l * layer,
-                                      values + l * layer, w->work, w->work_bytes, w->d_flags,
-                                      w->send) != KVMIX_SUCCESS)
+        int32_t r =
+            check_payload(w, d_payload, f.payload_bytes, kind, l, n, &info, l == 0 ? tiers : NULL);
+        if (r == 0 && kvmix_cuda_payload_unpack(&info, d_payload, KVMIX_CUDA_FP16, keys + l * layer,
+                                                values + l * layer, w->work, w->work_bytes,
+                                                w->d_flags, w->send) != KVMIX_SUCCESS)
             r = KVMIX_ERR_CUDA;
         int32_t flags = 0;
-        if (r == 0 && cudaMemcpy(&flags, w->d_flags, sizeof flags, cudaMemcpyDeviceToHost) != cudaSuccess)
+        if (r == 0 &&
+            cudaMemcpy(&flags, w->d_flags, sizeof flags, cudaMemcpyDeviceToHost) != cudaSuccess)
             r = KVMIX_ERR_CUDA;
         if (r == 0 && flags != 0) r = KVMIX_ERR_CORRUPT_DATA;
         cudaMemset(w->d_flags, 0, sizeof flags);
@@ -615,10 +638,11 @@ bool reingest(worker *w, running *r, const __half *sk, const __half *sv) {
     bool ok = ak && av &&
               gpu_llama_rows_read_device(w->g, r->seq, ak, av, w->err, sizeof w->err) == LLAMA_OK;
     size_t pitch = (size_t)n_pos * row * sizeof(__half), width = (size_t)r->n_prompt * row * 2;
-    ok = ok && cudaMemcpy2D(ak, pitch, sk, width, width, (size_t)c->n_layers,
-                            cudaMemcpyDeviceToDevice) == cudaSuccess &&
-         cudaMemcpy2D(av, pitch, sv, width, width, (size_t)c->n_layers,
-                      cudaMemcpyDeviceToDevice) == cudaSuccess;
+    ok = ok &&
+         cudaMemcpy2D(ak, pitch, sk, width, width, (size_t)c->n_layers, cudaMemcpyDeviceToDevice) ==
+             cudaSuccess &&
+         cudaMemcpy2D(av, pitch, sv, width, width, (size_t)c->n_layers, cudaMemcpyDeviceToDevice) ==
+             cudaSuccess;
     if (ok) gpu_llama_seq_end(w->g, r->seq);
     ok = ok && gpu_llama_seq_start(w->g, &next, w->err, sizeof w->err) == LLAMA_OK &&
          gpu_llama_rows_ingest_device(w->g, next, n_pos, ak, av, w->err, sizeof w->err) == LLAMA_OK;
@@ -638,14 +662,16 @@ bool upgrade(worker *w, const std::vector<running> &live, running *r, __half *sk
     if (asked.empty()) return true;
     int32_t *d_asked = NULL;
     CUDA_OK(cudaMalloc(&d_asked, asked.size() * sizeof(int32_t)), "asked positions");
-    bool ok = cudaMemcpy(d_asked, asked.data(), asked.size() * sizeof(int32_t),
-                         cudaMemcpyHostToDevice) == cudaSuccess &&
-              ncclSend(d_asked, asked.size(), ncclInt32, r->peer, w->comm, w->send) == ncclSuccess &&
-              cudaStreamSynchronize(w->send) == cudaSuccess;
+    bool ok =
+        cudaMemcpy(d_asked, asked.data(), asked.size() * sizeof(int32_t), cudaMemcpyHostToDevice) ==
+            cudaSuccess &&
+        ncclSend(d_asked, asked.size(), ncclInt32, r->peer, w->comm, w->send) == ncclSuccess &&
+        cudaStreamSynchronize(w->send) == cudaSuccess;
     cudaFree(d_asked);
     double start = now();
-    ok = ok && receive_layers(w, live, r->text, r->peer, r->n_prompt, KVMIX_PAYLOAD_RESIDUAL, sk,
-                              sv, NULL) &&
+    ok = ok &&
+         receive_layers(w, live, r->text, r->peer, r->n_prompt, KVMIX_PAYLOAD_RESIDUAL, sk, sv,
+                        NULL) &&
          reingest(w, r, sk, sv);
     if (ok)
         printf("decode %d: text %d: %zu cold tokens upgraded after %d steps (%.2f ms)\n", w->rank,
@@ -677,7 +703,9 @@ void finish(worker *w, const running &r) {
         return;
     }
     int32_t first = -1, n = (int32_t)r.tokens.size();
-    int32_t same = want.size() == r.tokens.size() ? pd_tokens_same(want.data(), r.tokens.data(), n, &first) : 0;
+    int32_t same = want.size() == r.tokens.size()
+                       ? pd_tokens_same(want.data(), r.tokens.data(), n, &first)
+                       : 0;
     w->same += same, w->compared += n;
     printf("decode %d: text %d: %d of %d tokens as the single-GPU run (first difference %d)\n",
            w->rank, r.text, same, n, first);
@@ -771,8 +799,7 @@ bool plain_sends(worker *w, uint64_t bytes, int32_t peer, bool sender, double *o
         ok = cudaEventRecord(a, w->send) == cudaSuccess &&
              (sender ? ncclSend(buf, bytes, ncclUint8, peer, w->comm, w->send)
                      : ncclRecv(buf, bytes, ncclUint8, peer, w->comm, w->send)) == ncclSuccess &&
-             cudaEventRecord(b, w->send) == cudaSuccess &&
-             cudaEventSynchronize(b) == cudaSuccess &&
+             cudaEventRecord(b, w->send) == cudaSuccess && cudaEventSynchronize(b) == cudaSuccess &&
              cudaEventElapsedTime(&ms, a, b) == cudaSuccess;
         *out_seconds += 1e-3 * ms;
     }
@@ -891,8 +918,8 @@ bool worker_init(worker *w, bool with_nccl) {
     CUDA_OK(cudaMalloc(&w->work, w->work_bytes), "workspace");
     if (with_nccl)
         NCCL_OK(ncclCommInitRank(&w->comm, o->ranks, w->run->id, w->rank), "ncclCommInitRank");
-    LLAMA_OK_(gpu_llama_create(w->run->model, kvmix_kv_policy_builtin("fp16"), max_seqs,
-                               max_tokens, 0, &w->g, w->err, sizeof w->err));
+    LLAMA_OK_(gpu_llama_create(w->run->model, kvmix_kv_policy_builtin("fp16"), max_seqs, max_tokens,
+                               0, &w->g, w->err, sizeof w->err));
     LLAMA_OK_(gpu_llama_batch_invariant(w->g, true, w->err, sizeof w->err));
     return true;
 }
@@ -923,7 +950,8 @@ void *rank_main(void *arg) {
 bool prompt_ids(const options *o, const llama_model *m, int32_t index, std::vector<int32_t> *out) {
     size_t bytes = 0;
     char *data = llama_read_text(o->data, &bytes), *line = data;
-    for (int32_t i = 0; line && i < index; i++) line = (line = strchr(line, '\n')) ? line + 1 : NULL;
+    for (int32_t i = 0; line && i < index; i++)
+        line = (line = strchr(line, '\n')) ? line + 1 : NULL;
     const char *end = line ? strchr(line, '\n') : NULL;
     size_t n_line = line ? (end ? (size_t)(end - line) : strlen(line)) : 0;
     cJSON *doc = line ? cJSON_ParseWithLengthOpts(line, n_line, NULL, 0) : NULL;
@@ -964,31 +992,43 @@ bool load_expected(const char *path, shared_run *run) {
 }
 
 bool parse_options(int argc, char **argv, options *o) {
-    *o = options{NULL, NULL, NULL, NULL, 0, 1, 4, 256, 32, 4, 5, INJECT_NONE, 1.0, 1.0, true, false};
+    *o =
+        options{NULL, NULL, NULL, NULL, 0, 1, 4, 256, 32, 4, 5, INJECT_NONE, 1.0, 1.0, true, false};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end = NULL;
-        if (strcmp(a, "--no-overlap") == 0) o->overlap = false;
-        else if (strcmp(a, "--bench") == 0) o->bench = true;
-        else if (!v) return false;
-        else if (strcmp(a, "--model") == 0) o->model = v, i++;
-        else if (strcmp(a, "--data") == 0) o->data = v, i++;
-        else if (strcmp(a, "--expect") == 0) o->expect = v, i++;
-        else if (strcmp(a, "--reference") == 0) o->reference = v, i++;
+        if (strcmp(a, "--no-overlap") == 0)
+            o->overlap = false;
+        else if (strcmp(a, "--bench") == 0)
+            o->bench = true;
+        else if (!v)
+            return false;
+        else if (strcmp(a, "--model") == 0)
+            o->model = v, i++;
+        else if (strcmp(a, "--data") == 0)
+            o->data = v, i++;
+        else if (strcmp(a, "--expect") == 0)
+            o->expect = v, i++;
+        else if (strcmp(a, "--reference") == 0)
+            o->reference = v, i++;
         else if (strcmp(a, "--inject") == 0) {
-            o->inject = strcmp(v, "truncate") == 0 ? INJECT_TRUNCATE
-                        : strcmp(v, "corrupt") == 0 ? INJECT_CORRUPT : -1;
+            o->inject = strcmp(v, "truncate") == 0  ? INJECT_TRUNCATE
+                        : strcmp(v, "corrupt") == 0 ? INJECT_CORRUPT
+                                                    : -1;
             i++;
-        } else if (strcmp(a, "--budget") == 0) o->budget = strtod(v, &end), i++;
-        else if (strcmp(a, "--min-agreement") == 0) o->min_agreement = strtod(v, &end), i++;
+        } else if (strcmp(a, "--budget") == 0)
+            o->budget = strtod(v, &end), i++;
+        else if (strcmp(a, "--min-agreement") == 0)
+            o->min_agreement = strtod(v, &end), i++;
         else {
-            int32_t *field = strcmp(a, "--ranks") == 0 ? &o->ranks
-                             : strcmp(a, "--prefill") == 0 ? &o->prefill
-                             : strcmp(a, "--texts") == 0 ? &o->texts
+            int32_t *field = strcmp(a, "--ranks") == 0           ? &o->ranks
+                             : strcmp(a, "--prefill") == 0       ? &o->prefill
+                             : strcmp(a, "--texts") == 0         ? &o->texts
                              : strcmp(a, "--prompt-tokens") == 0 ? &o->prompt_tokens
-                             : strcmp(a, "--generate") == 0 ? &o->generate
+                             : strcmp(a, "--generate") == 0      ? &o->generate
                              : strcmp(a, "--upgrade-after") == 0 ? &o->upgrade_after
-                             : strcmp(a, "--repeat") == 0 ? &o->repeat : NULL;
+                             : strcmp(a, "--repeat") == 0        ? &o->repeat
+                                                                 : NULL;
             if (!field) return false;
             *field = (int32_t)strtol(v, &end, 10), i++;
         }
@@ -1006,13 +1046,14 @@ int main(int argc, char **argv) {
     llama_model model;
     char err[256];
     if (!parse_options(argc, argv, &o)) {
-        fprintf(stderr,
-                "usage: pd_nccl --model M --data D [--ranks N] [--prefill P] [--texts K]\n"
-                "               [--prompt-tokens N] [--generate G] [--budget B] [--upgrade-after U]\n"
-                "               [--expect FILE] [--min-agreement A] [--inject truncate|corrupt]\n"
-                "               [--no-overlap]\n"
-                "       pd_nccl --reference FILE --model M --data D [--texts K] ...\n"
-                "       pd_nccl --bench --model M --data D [--prompt-tokens N] [--repeat R]\n");
+        fprintf(
+            stderr,
+            "usage: pd_nccl --model M --data D [--ranks N] [--prefill P] [--texts K]\n"
+            "               [--prompt-tokens N] [--generate G] [--budget B] [--upgrade-after U]\n"
+            "               [--expect FILE] [--min-agreement A] [--inject truncate|corrupt]\n"
+            "               [--no-overlap]\n"
+            "       pd_nccl --reference FILE --model M --data D [--texts K] ...\n"
+            "       pd_nccl --bench --model M --data D [--prompt-tokens N] [--repeat R]\n");
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -1030,7 +1071,9 @@ int main(int argc, char **argv) {
     if (!o.reference && (pd_layout_check(&layout, err, sizeof err) != KVMIX_SUCCESS ||
                          o.ranks > devices || (o.bench && o.ranks != 2))) {
         fprintf(stderr, "pd_nccl: %s\n",
-                o.ranks > devices ? "more ranks than devices" : o.bench ? "--bench takes 2 ranks" : err);
+                o.ranks > devices ? "more ranks than devices"
+                : o.bench         ? "--bench takes 2 ranks"
+                                  : err);
         return 1;
     }
     if (llama_model_load(o.model, &model, err, sizeof err) != LLAMA_OK) {
@@ -1041,7 +1084,8 @@ int main(int argc, char **argv) {
     run.o = &o, run.model = &model;
     run.prompts.resize((size_t)o.texts), run.expected.resize((size_t)o.texts);
     bool ok = true;
-    for (int32_t t = 0; ok && t < o.texts; t++) ok = prompt_ids(&o, &model, t, &run.prompts[(size_t)t]);
+    for (int32_t t = 0; ok && t < o.texts; t++)
+        ok = prompt_ids(&o, &model, t, &run.prompts[(size_t)t]);
     if (!ok) fprintf(stderr, "pd_nccl: %s has fewer than %d texts\n", o.data, o.texts);
     if (ok && o.expect && !(ok = load_expected(o.expect, &run)))
         fprintf(stderr, "pd_nccl: %s: not %d lines of %d tokens\n", o.expect, o.texts, o.generate);
@@ -1083,7 +1127,8 @@ int main(int argc, char **argv) {
     llama_model_free(&model);
     if (o.bench) return rc;
     double agreement = compared > 0 ? (double)same / (double)compared : 0.0;
-    bool refusals_ok = o.inject == INJECT_NONE ? refused == 0 : refused >= 1 && unchanged == refused;
+    bool refusals_ok =
+        o.inject == INJECT_NONE ? refused == 0 : refused >= 1 && unchanged == refused;
     if (o.expect)
         printf("pd_nccl: agreement with the single-GPU run at budget %.2f: %.4f (%lld of %lld "
                "tokens)\n",

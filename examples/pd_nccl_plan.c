@@ -10,8 +10,9 @@
 kvmix_result pd_layout_check(const pd_layout *l, char *err, size_t err_bytes) {
     if (l && l->n_prefill >= 1 && l->n_ranks - l->n_prefill >= 1) return KVMIX_SUCCESS;
     if (err && err_bytes > 0)
-        snprintf(err, err_bytes, "%d ranks with %d prefilling: at least one prefill and one "
-                                 "decode rank are needed",
+        snprintf(err, err_bytes,
+                 "%d ranks with %d prefilling: at least one prefill and one "
+                 "decode rank are needed",
                  l ? l->n_ranks : 0, l ? l->n_prefill : 0);
     return KVMIX_ERR_INVALID_ARGUMENT;
 }
@@ -36,8 +37,7 @@ int32_t pd_rank_texts(const pd_layout *l, int32_t rank, int32_t n_texts, int32_t
     return n;
 }
 
-static void put_op(pd_op *out, int32_t cap, int32_t *n, int32_t kind, int32_t layer,
-                   int32_t slot) {
+static void put_op(pd_op *out, int32_t cap, int32_t *n, int32_t kind, int32_t layer, int32_t slot) {
     if (*n < cap) out[*n] = (pd_op){kind, layer, slot};
     (*n)++;
 }

@@ -38,12 +38,12 @@ int32_t pd_rank_texts(const pd_layout *layout, int32_t rank, int32_t n_texts, in
 /* ---- the sender's per-layer schedule ------------------------------------------------------- */
 
 typedef enum pd_op_kind {
-    PD_OP_WAIT_SENT = 1, /* the pack stream waits until the slot's previous payload was sent */
-    PD_OP_PACK,          /* head copied and body packed into the slot (pack stream) */
-    PD_OP_PACKED,        /* event recorded on the pack stream */
-    PD_OP_WAIT_PACKED,   /* the send stream waits for it */
-    PD_OP_SEND,          /* frame and payload sent (send stream) */
-    PD_OP_SENT,          /* event recorded on the send stream */
+    PD_OP_WAIT_SENT = 1,  /* the pack stream waits until the slot's previous payload was sent */
+    PD_OP_PACK,           /* head copied and body packed into the slot (pack stream) */
+    PD_OP_PACKED,         /* event recorded on the pack stream */
+    PD_OP_WAIT_PACKED,    /* the send stream waits for it */
+    PD_OP_SEND,           /* frame and payload sent (send stream) */
+    PD_OP_SENT,           /* event recorded on the send stream */
     PD_OP_HOST_WAIT_PACK, /* without overlap: the host waits for the pack stream */
     PD_OP_HOST_WAIT_SEND  /* without overlap: the host waits for the send stream */
 } pd_op_kind;
@@ -64,17 +64,17 @@ enum { PD_FRAME_BYTES = 64, PD_FRAME_VERSION = 1 };
 typedef enum pd_frame_kind {
     PD_FRAME_SEQUENCE = 1, /* prefill -> decode: a text's n_tokens positions and n_layers follow */
     PD_FRAME_LAYER,        /* a ROWS payload of `layer`, payload_bytes long, follows */
-    PD_FRAME_ASK,          /* decode -> prefill: n_tokens positions (int32) whose residuals it wants */
-    PD_FRAME_RESIDUAL      /* a RESIDUAL payload of `layer`, payload_bytes long, follows */
+    PD_FRAME_ASK,     /* decode -> prefill: n_tokens positions (int32) whose residuals it wants */
+    PD_FRAME_RESIDUAL /* a RESIDUAL payload of `layer`, payload_bytes long, follows */
 } pd_frame_kind;
 
 typedef struct pd_frame {
-    int32_t kind;          /* pd_frame_kind */
-    int32_t text;          /* the text's index in the run */
-    int32_t layer;         /* LAYER, RESIDUAL */
-    int32_t n_layers;      /* SEQUENCE */
-    int32_t n_tokens;      /* SEQUENCE: positions; ASK: positions asked */
-    int32_t first_token;   /* SEQUENCE: the prefill's greedy next token */
+    int32_t kind;           /* pd_frame_kind */
+    int32_t text;           /* the text's index in the run */
+    int32_t layer;          /* LAYER, RESIDUAL */
+    int32_t n_layers;       /* SEQUENCE */
+    int32_t n_tokens;       /* SEQUENCE: positions; ASK: positions asked */
+    int32_t first_token;    /* SEQUENCE: the prefill's greedy next token */
     uint64_t payload_bytes; /* LAYER, RESIDUAL: bytes of the payload that follows */
 } pd_frame;
 
@@ -89,7 +89,8 @@ kvmix_result pd_frame_decode(const uint8_t *bytes, size_t n_bytes, uint64_t max_
 /* ---- checks ---------------------------------------------------------------------------------- */
 
 /* Tokens equal at the same index over n, *out_first_difference the first that differs (-1). */
-int32_t pd_tokens_same(const int32_t *a, const int32_t *b, int32_t n, int32_t *out_first_difference);
+int32_t pd_tokens_same(const int32_t *a, const int32_t *b, int32_t n,
+                       int32_t *out_first_difference);
 
 /* A line "TEXT: t0 t1 ..." of the reference tokens file: the text's index and up to cap tokens
    into tokens, *out_n of them. INVALID_ARGUMENT for anything else. */

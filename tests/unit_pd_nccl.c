@@ -118,8 +118,7 @@ static void test_frames(void) {
         CHECK(out.kind == 0); /* nothing written */
     }
     CHECK_RESULT(pd_frame_decode(b, sizeof b - 1, UINT64_MAX, &g), KVMIX_ERR_MALFORMED);
-    CHECK_RESULT(pd_frame_decode(b, sizeof b, f.payload_bytes - 1, &g),
-                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(pd_frame_decode(b, sizeof b, f.payload_bytes - 1, &g), KVMIX_ERR_INVALID_ARGUMENT);
     f.kind = 9;
     pd_frame_encode(&f, b);
     CHECK_RESULT(pd_frame_decode(b, sizeof b, UINT64_MAX, &g), KVMIX_ERR_MALFORMED);
