@@ -280,12 +280,20 @@ $(BUILD)/bench_serve: bench/bench_serve.c $(BUILD)/kvmix-eval-cuda | $(BUILD)
 	$(NVCC) $(BUILD)/bench_serve.o $(BUILD)/eval_cuda_llama.o $(BUILD)/eval_cuda_kv.o \
 		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
 
+test-gpu-model: $(BUILD)/test_gpu_llama
+	./$(BUILD)/test_gpu_llama $(SHARED)
+
+$(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
+	$(NVCC) $(NVCCFLAGS) -c kvmix_cuda.cu -o $@
+	$(CC) -std=c99 $(WARN) -fsyntax-only -x c kvmix_cuda.h
+endif
+
 # Prefill on some GPUs, decode on others over NCCL (examples/pd_nccl.cu), where the toolkit has
 # NCCL; bench/pd_nccl_check.sh runs it on a machine with two GPUs.
-NCCL_HEADER := $(wildcard $(dir $(NVCC))../include/nccl.h)
+NCCL_HEADER := $(if $(strip $(NVCC)),$(wildcard $(dir $(NVCC))../include/nccl.h))
 ifeq ($(strip $(NCCL_HEADER)),)
 pd-nccl:
-	@echo "NCCL not found (nccl.h beside nvcc): examples/pd_nccl not built"
+	@echo "nvcc or NCCL not found (nccl.h beside nvcc): examples/pd_nccl not built"
 else
 pd-nccl: $(BUILD)/pd_nccl
 $(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.h \
@@ -296,14 +304,6 @@ $(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.
 		$(BUILD)/eval_cuda_kv.o $(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o \
 		$(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas \
 		-lnccl $(EVAL_LDLIBS)
-endif
-
-test-gpu-model: $(BUILD)/test_gpu_llama
-	./$(BUILD)/test_gpu_llama $(SHARED)
-
-$(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
-	$(NVCC) $(NVCCFLAGS) -c kvmix_cuda.cu -o $@
-	$(CC) -std=c99 $(WARN) -fsyntax-only -x c kvmix_cuda.h
 endif
 
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
