@@ -45,9 +45,9 @@ MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model
 	$(BUILD)/model_test_probe $(BUILD)/model_test_evict $(BUILD)/model_test_eval
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
-	pd-transfer refmodel-check
+	pd-transfer pd-nccl refmodel-check
 
-all: cuda-build pd-transfer $(BUILD)/kvmix-probe $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
+all: cuda-build pd-transfer pd-nccl $(BUILD)/kvmix-probe $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
 
 $(BUILD):
@@ -66,6 +66,8 @@ $(BUILD)/cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 # ---- reference-model runner and quality harness ----------------------------------------------
 EVAL_TAG_SRC := examples/tag_spec_json.c examples/tag_allocation.c
 TRANSFER_SRC := examples/transfer_plan.c
+# examples/pd_nccl's host-side rules (roles, the sender's schedule, frames), unit-tested on the CPU
+PD_NCCL_PLAN_SRC := examples/pd_nccl_plan.c
 # The budgeted-eviction driver and the hand-over's runner-free parts (over the CPU runner here;
 # evict_gpu.c and transfer_gpu.c add the GPU's).
 EVICT_SRC := examples/evict_driver.c
@@ -130,10 +132,10 @@ $(BUILD)/warn_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -$(word 3,$(subst _, ,$*)) -c $< -o $@
 header-checks: $(HEADER_CHECKS) $(WARN_CHECKS)
 
-$(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) tests/harness.h tests/device_arena_scenario.h \
-		examples/transfer_plan.h kvmix.h | $(BUILD)
+$(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harness.h \
+		tests/device_arena_scenario.h examples/transfer_plan.h examples/pd_nccl_plan.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples $(UNIT_SRC) $(TRANSFER_SRC) \
-		-o $@ $(LDLIBS)
+		$(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
 # The cache example runs as a test too, under the sanitizers.
 $(BUILD)/example_cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
@@ -286,8 +288,26 @@ $(BUILD)/kvmix_cuda.o: kvmix_cuda.cu kvmix_cuda.h kvmix.h | $(BUILD)
 	$(CC) -std=c99 $(WARN) -fsyntax-only -x c kvmix_cuda.h
 endif
 
+# Prefill on some GPUs, decode on others over NCCL (examples/pd_nccl.cu), where the toolkit has
+# NCCL; bench/pd_nccl_check.sh runs it on a machine with two GPUs.
+NCCL_HEADER := $(if $(strip $(NVCC)),$(wildcard $(dir $(NVCC))../include/nccl.h))
+ifeq ($(strip $(NCCL_HEADER)),)
+pd-nccl:
+	@echo "nvcc or NCCL not found (nccl.h beside nvcc): examples/pd_nccl not built"
+else
+pd-nccl: $(BUILD)/pd_nccl
+$(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.h \
+		$(BUILD)/kvmix-eval-cuda | $(BUILD)
+	$(CC) $(CFLAGS) -I. -c $(PD_NCCL_PLAN_SRC) -o $(BUILD)/pd_nccl_plan.o
+	$(NVCC) $(NVCCFLAGS) -I. -Iexamples -c examples/pd_nccl.cu -o $(BUILD)/pd_nccl.o
+	$(NVCC) $(BUILD)/pd_nccl.o $(BUILD)/pd_nccl_plan.o $(BUILD)/eval_cuda_llama.o \
+		$(BUILD)/eval_cuda_kv.o $(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o \
+		$(BUILD)/eval_cuda_plan.o $(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas \
+		-lnccl $(EVAL_LDLIBS)
+endif
+
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
-	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer refmodel-check
+	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer pd-nccl refmodel-check
 	@FUZZ_TIMEOUT=$(FUZZ_TIMEOUT) FUZZ_RSS_MB=$(FUZZ_RSS_MB) sh tests/run_all.sh "$(BUILD)" \
 		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
 		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)

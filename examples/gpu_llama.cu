@@ -304,6 +304,17 @@ __global__ void fill_rows_kernel(__half *rows, size_t n, uint32_t salt) {
     }
 }
 
+/* View rows to position rows: row t of src ([n][row] halves) to row positions[t] of dst, rows of
+   dead view tokens (position -1) dropped. */
+__global__ void scatter_rows_kernel(const __half *src, const int32_t *positions, int32_t n,
+                                    size_t row, __half *dst) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (size_t)n * row;
+         i += (size_t)gridDim.x * blockDim.x) {
+        int32_t pos = positions[i / row];
+        if (pos >= 0) dst[(size_t)pos * row + i % row] = src[i];
+    }
+}
+
 struct ref_params {
     float *k, *v;        /* the fp32 reference cache */
     const float *qkv;    /* [n][row_floats] */
@@ -1568,55 +1579,80 @@ extern "C" llama_result gpu_llama_fill(gpu_llama *g, int32_t seq, int32_t n_toke
                        "filling a sequence", err, err_bytes);
 }
 
+/* Positions of a sequence's view tokens on the device (-1 dead), *out_n of them, into a buffer
+   the caller frees. */
+static llama_result upload_view_positions(gpu_llama *g, int32_t seq, int32_t **out, int32_t *out_n,
+                                          char *err, size_t err_bytes) {
+    llama_result r = observation_create(g, err, err_bytes); /* the positions buffer */
+    if (r == LLAMA_OK && g->cache.n_jobs > 0) r = flush_jobs(g, g->k16, g->v16, err, err_bytes);
+    if (r == LLAMA_OK)
+        r = upload_seq_view(g, g->kv_seq[seq], g->obs.positions, g->obs.view_capacity, out_n, err,
+                            err_bytes);
+    if (r != LLAMA_OK) return r;
+    TRY_CUDA(device_alloc(out, (size_t)*out_n), "view positions");
+    TRY_CUDA(cudaMemcpyAsync(*out, g->obs.positions, (size_t)*out_n * sizeof(int32_t),
+                             cudaMemcpyHostToDevice, g->stream),
+             "view positions");
+    return LLAMA_OK;
+}
+
+extern "C" llama_result gpu_llama_rows_read_device(gpu_llama *g, int32_t seq, void *keys,
+                                                   void *values, char *err, size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_rows_read_device", err, err_bytes);
+    if (r == LLAMA_OK && (!keys || !values))
+        r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_rows_read_device: NULL rows");
+    int32_t *d_positions = NULL, n = 0;
+    if (r == LLAMA_OK) r = upload_view_positions(g, seq, &d_positions, &n, err, err_bytes);
+    const llama_config *c = &g->c;
+    size_t row = (size_t)c->n_kv_heads * c->head_dim, layer = (size_t)g->next_pos[seq] * row;
+    uint16_t *dk = NULL, *dv = NULL;
+    cudaError_t ce = r == LLAMA_OK ? device_alloc(&dk, (size_t)n * row) : cudaSuccess;
+    if (r == LLAMA_OK && ce == cudaSuccess) ce = device_alloc(&dv, (size_t)n * row);
+    for (int32_t l = 0; r == LLAMA_OK && ce == cudaSuccess && l < c->n_layers; l++) {
+        __half *k = (__half *)keys + l * layer, *v = (__half *)values + l * layer;
+        kvmix_view view;
+        kvmix_result kr = KVMIX_SUCCESS;
+        ce = cudaMemsetAsync(k, 0, layer * sizeof(__half), g->stream);
+        if (ce == cudaSuccess) ce = cudaMemsetAsync(v, 0, layer * sizeof(__half), g->stream);
+        if (ce == cudaSuccess && (r = layer_view(g, l, &view, err, err_bytes)) == LLAMA_OK)
+            kr = kvmix_cuda_view_dequantize(&view, 0, KVMIX_CUDA_FP16, dk, dv, n, g->stream);
+        if (kr != KVMIX_SUCCESS)
+            r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "reading rows: %s",
+                           kvmix_result_string(kr));
+        if (r != LLAMA_OK || ce != cudaSuccess || n == 0) continue;
+        scatter_rows_kernel<<<64, THREADS, 0, g->stream>>>((const __half *)dk, d_positions, n, row,
+                                                           k);
+        scatter_rows_kernel<<<64, THREADS, 0, g->stream>>>((const __half *)dv, d_positions, n, row,
+                                                           v);
+        ce = cudaGetLastError();
+    }
+    if (ce == cudaSuccess) ce = cudaStreamSynchronize(g->stream); /* the caller's streams read */
+    cudaFree(dk), cudaFree(dv), cudaFree(d_positions);
+    if (r == LLAMA_OK && ce != cudaSuccess) r = cuda_fail(err, err_bytes, ce, "reading rows");
+    return r;
+}
+
 extern "C" llama_result gpu_llama_rows_read(gpu_llama *g, int32_t seq, float *keys, float *values,
                                             char *err, size_t err_bytes) {
     llama_result r = running_kvmix(g, seq, "gpu_llama_rows_read", err, err_bytes);
     if (r == LLAMA_OK && (!keys || !values))
         r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_rows_read: NULL rows");
-    if (r == LLAMA_OK) r = observation_create(g, err, err_bytes); /* the positions buffer */
-    if (r == LLAMA_OK && g->cache.n_jobs > 0) r = flush_jobs(g, g->k16, g->v16, err, err_bytes);
     if (r != LLAMA_OK) return r;
     const llama_config *c = &g->c;
-    size_t row = (size_t)c->n_kv_heads * c->head_dim, n_pos = (size_t)g->next_pos[seq];
-    int32_t n = 0;
-    if ((r = upload_seq_view(g, g->kv_seq[seq], g->obs.positions, g->obs.view_capacity, &n, err,
-                             err_bytes)) != LLAMA_OK)
-        return r;
-    memset(keys, 0, (size_t)c->n_layers * n_pos * row * sizeof(float));
-    memset(values, 0, (size_t)c->n_layers * n_pos * row * sizeof(float));
-    std::vector<uint16_t> hk((size_t)n * row), hv((size_t)n * row);
+    size_t halves = (size_t)c->n_layers * g->next_pos[seq] * c->n_kv_heads * c->head_dim;
+    std::vector<uint16_t> hk(halves), hv(halves);
     uint16_t *dk = NULL, *dv = NULL;
-    cudaError_t ce = device_alloc(&dk, (size_t)n * row);
-    if (ce == cudaSuccess) ce = device_alloc(&dv, (size_t)n * row);
-    for (int32_t l = 0; l < c->n_layers && ce == cudaSuccess && r == LLAMA_OK; l++) {
-        kvmix_view view;
-        if ((r = layer_view(g, l, &view, err, err_bytes)) != LLAMA_OK) break;
-        kvmix_result k =
-            kvmix_cuda_view_dequantize(&view, 0, KVMIX_CUDA_FP16, dk, dv, n, g->stream);
-        if (k != KVMIX_SUCCESS) {
-            r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "reading rows: %s",
-                           kvmix_result_string(k));
-            break;
-        }
-        ce = cudaMemcpyAsync(hk.data(), dk, hk.size() * 2, cudaMemcpyDeviceToHost, g->stream);
-        if (ce == cudaSuccess)
-            ce = cudaMemcpyAsync(hv.data(), dv, hv.size() * 2, cudaMemcpyDeviceToHost, g->stream);
-        if (ce == cudaSuccess) ce = cudaStreamSynchronize(g->stream);
-        for (int32_t t = 0; ce == cudaSuccess && t < n; t++) {
-            int32_t pos = g->obs.positions[t];
-            float *kr = keys + ((size_t)l * n_pos + (size_t)pos) * row;
-            float *vr = values + ((size_t)l * n_pos + (size_t)pos) * row;
-            if (pos < 0 || (size_t)pos >= n_pos) continue;
-            for (size_t i = 0; i < row; i++) {
-                kr[i] = kvmix_fp16_to_fp32(hk[(size_t)t * row + i]);
-                vr[i] = kvmix_fp16_to_fp32(hv[(size_t)t * row + i]);
-            }
-        }
-    }
+    cudaError_t ce = device_alloc(&dk, halves);
+    if (ce == cudaSuccess) ce = device_alloc(&dv, halves);
+    if (ce == cudaSuccess) r = gpu_llama_rows_read_device(g, seq, dk, dv, err, err_bytes);
+    if (ce == cudaSuccess && r == LLAMA_OK)
+        ce = cudaMemcpy(hk.data(), dk, halves * 2, cudaMemcpyDeviceToHost);
+    if (ce == cudaSuccess && r == LLAMA_OK)
+        ce = cudaMemcpy(hv.data(), dv, halves * 2, cudaMemcpyDeviceToHost);
     cudaFree(dk), cudaFree(dv);
-    if (ce != cudaSuccess)
-        r = llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "reading rows: %s",
-                       cudaGetErrorString(ce));
+    if (r == LLAMA_OK && ce != cudaSuccess) r = cuda_fail(err, err_bytes, ce, "reading rows");
+    for (size_t i = 0; r == LLAMA_OK && i < halves; i++)
+        keys[i] = kvmix_fp16_to_fp32(hk[i]), values[i] = kvmix_fp16_to_fp32(hv[i]);
     return r;
 }
 
@@ -1629,9 +1665,9 @@ static bool rows_to_fp16(const float *rows, size_t n, uint16_t *out) {
     return true;
 }
 
-extern "C" llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t n_tokens,
-                                              const float *keys, const float *values, char *err,
-                                              size_t err_bytes) {
+extern "C" llama_result gpu_llama_rows_ingest_device(gpu_llama *g, int32_t seq, int32_t n_tokens,
+                                                     const void *keys, const void *values,
+                                                     char *err, size_t err_bytes) {
     llama_result r = running_kvmix(g, seq, "gpu_llama_rows_ingest", err, err_bytes);
     if (r == LLAMA_OK && (!keys || !values || n_tokens < 0 || g->next_pos[seq] != 0))
         r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
@@ -1640,28 +1676,36 @@ extern "C" llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t
     if (r == LLAMA_OK && n_tokens > g->max_tokens)
         r = llama_fail(err, err_bytes, LLAMA_ERR_CAPACITY, "sequence %d is full", seq);
     if (r != LLAMA_OK) return r;
+    /* the caller's rows are ready on any of its streams; the jobs run on this one */
+    TRY_CUDA(cudaDeviceSynchronize(), "ingesting rows");
+    /* layer l's rows are source rows l * n_tokens .. */
+    return append_rows(g, seq, n_tokens, NULL, keys, values, n_tokens, true, "ingesting rows", err,
+                       err_bytes);
+}
+
+extern "C" llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t n_tokens,
+                                              const float *keys, const float *values, char *err,
+                                              size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_rows_ingest", err, err_bytes);
+    if (r == LLAMA_OK && (!keys || !values || n_tokens < 0))
+        r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                       "gpu_llama_rows_ingest: NULL rows or a negative count");
+    if (r != LLAMA_OK) return r;
     const llama_config *c = &g->c;
-    size_t row = (size_t)c->n_kv_heads * c->head_dim, layer = (size_t)n_tokens * row;
-    std::vector<uint16_t> hk(c->n_layers * layer), hv(c->n_layers * layer);
-    if (!rows_to_fp16(keys, hk.size(), hk.data()) || !rows_to_fp16(values, hv.size(), hv.data()))
+    size_t halves = (size_t)c->n_layers * n_tokens * c->n_kv_heads * c->head_dim;
+    std::vector<uint16_t> hk(halves), hv(halves);
+    if (!rows_to_fp16(keys, halves, hk.data()) || !rows_to_fp16(values, halves, hv.data()))
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
                           "gpu_llama_rows_ingest: a row is not a finite FP16");
     uint16_t *dk = NULL, *dv = NULL;
-    cudaError_t ce = device_alloc(&dk, hk.size());
-    if (ce == cudaSuccess) ce = device_alloc(&dv, hv.size());
+    cudaError_t ce = device_alloc(&dk, halves);
+    if (ce == cudaSuccess) ce = device_alloc(&dv, halves);
+    if (ce == cudaSuccess) ce = cudaMemcpy(dk, hk.data(), halves * 2, cudaMemcpyHostToDevice);
+    if (ce == cudaSuccess) ce = cudaMemcpy(dv, hv.data(), halves * 2, cudaMemcpyHostToDevice);
     if (ce == cudaSuccess)
-        ce = cudaMemcpyAsync(dk, hk.data(), hk.size() * 2, cudaMemcpyHostToDevice, g->stream);
-    if (ce == cudaSuccess)
-        ce = cudaMemcpyAsync(dv, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice, g->stream);
-    if (ce != cudaSuccess) {
-        cudaFree(dk), cudaFree(dv);
-        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "ingesting rows: %s",
-                          cudaGetErrorString(ce));
-    }
-    /* layer l's rows are source rows l * n_tokens .. */
-    r = append_rows(g, seq, n_tokens, NULL, dk, dv, n_tokens, true, "ingesting rows", err,
-                    err_bytes);
+        r = gpu_llama_rows_ingest_device(g, seq, n_tokens, dk, dv, err, err_bytes);
     cudaFree(dk), cudaFree(dv); /* after the jobs that read them: flush_jobs synchronized */
+    if (ce != cudaSuccess) r = cuda_fail(err, err_bytes, ce, "ingesting rows");
     return r;
 }
 

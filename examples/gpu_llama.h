@@ -140,6 +140,17 @@ llama_result gpu_llama_rows_read(gpu_llama *g, int32_t seq, float *keys, float *
 llama_result gpu_llama_rows_ingest(gpu_llama *g, int32_t seq, int32_t n_tokens, const float *keys,
                                    const float *values, char *err, size_t err_bytes);
 
+/* gpu_llama_rows_read and gpu_llama_rows_ingest with device rows: keys, values are FP16 (device,
+ * [n_layers][n_positions][n_kv_heads][head_dim] halves, 16-byte aligned), what a GPU sender packs
+ * into payloads and a GPU receiver unpacks them into. The read is complete when it returns (the
+ * caller's streams may read the rows); the ingest waits for the device first, so rows written on
+ * any stream are taken. Errors as the host versions'. */
+llama_result gpu_llama_rows_read_device(gpu_llama *g, int32_t seq, void *keys, void *values,
+                                        char *err, size_t err_bytes);
+llama_result gpu_llama_rows_ingest_device(gpu_llama *g, int32_t seq, int32_t n_tokens,
+                                          const void *keys, const void *values, char *err,
+                                          size_t err_bytes);
+
 /* Time spent since gpu_llama_profile_start: steps and tokens run, wall seconds inside
  * gpu_llama_step, host seconds of the cache's bookkeeping in them (reserve, row writes, taking
  * jobs, the view), and GPU seconds of attention (rows to FP16, jobs, decode, output), measured

@@ -33,6 +33,7 @@ static const test_unit test_units[] = {
     {"unit_intent", unit_intent},
     {"unit_tiers", unit_tiers},
     {"unit_transfer_plan", unit_transfer_plan},
+    {"unit_pd_nccl", unit_pd_nccl},
 };
 
 #define TEST_N_UNITS              (sizeof test_units / sizeof test_units[0])

@@ -31,6 +31,7 @@ void unit_tags(void);
 void unit_intent(void);
 void unit_tiers(void);
 void unit_transfer_plan(void);
+void unit_pd_nccl(void);
 
 /* ---- checks ------------------------------------------------------------------------------- */
 #if defined(__GNUC__) || defined(__clang__)
