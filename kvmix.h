@@ -143,8 +143,9 @@ KVMIXDEF const char *kvmix_format_name(kvmix_format format);
 #define KVMIX_BOOST_NONE         0xFF /* channel-to-slot index entry of a channel that is not boosted */
 
 /* The shape of one block. Zero fields take defaults: group_size 0 means 32 (per-token formats).
-   Constraints: head_dim a positive multiple of 32, at most KVMIX_MAX_HEAD_DIM; n_tokens >= 0;
-   group_size (per-token integer formats) a multiple of 8 that divides head_dim;
+   Constraints: head_dim a positive multiple of 8, at most KVMIX_MAX_HEAD_DIM; n_tokens >= 0;
+   group_size (per-token integer formats) a multiple of 8 that divides head_dim (so the default
+   32 needs a head_dim 32 divides: at 48 or 80 pass 16, or head_dim for one group a row);
    n_boost (BOOSTED only, else 0) a multiple of 4, at most head_dim and at most KVMIX_MAX_BOOST;
    0 means none boosted (every channel at 2 bits, with the index), as everywhere else. */
 typedef struct kvmix_layout {
@@ -342,7 +343,8 @@ typedef struct kvmix_cache_precision {
 typedef struct kvmix_cache_desc {
     int32_t n_layers;            /* 1 .. 4096 */
     int32_t n_kv_heads;          /* 1 .. 4096 */
-    int32_t head_dim;            /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
+    int32_t head_dim;            /* a multiple of 8, at most KVMIX_MAX_HEAD_DIM; group_size and
+                                    value_group_size must divide it */
     int32_t page_tokens;         /* 0 = 32, the built-in policies' page; a multiple of 8 in
                                     8 .. 1024: tokens per page, over which per-channel keys
                                     take their statistics, and the FP16 buffer's size */
@@ -1049,7 +1051,7 @@ KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_polic
    group_size, KVMIX_GROUP_HEAD_DIM made head_dim), n_boost resolved from boost_fraction (and
    boost_fraction from n_boost), groups and n_boost checked against head_dim. A resolved
    policy resolves to itself. Returns kvmix_policy_check's errors and BAD_SHAPE (head_dim not a
-   multiple of 32 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
+   multiple of 8 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
    fraction that gives no multiple of 4) with *out_error; *out is written only on success. */
 KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
                                            kvmix_policy *out, kvmix_policy_error *out_error);
@@ -1085,7 +1087,8 @@ typedef enum kvmix_payload_kind {
    tiers, not here. */
 typedef struct kvmix_payload_desc {
     kvmix_payload_kind kind;
-    int32_t head_dim;       /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
+    int32_t head_dim;       /* a multiple of 8, at most KVMIX_MAX_HEAD_DIM, that group_size
+                               divides */
     int32_t n_kv_heads;     /* 1 .. 65535 */
     int32_t group_size;     /* of the INT8/INT4 rows; 0 = KVMIX_GROUP_SIZE_DEFAULT */
     int32_t first_layer;    /* >= 0 */
@@ -1907,14 +1910,21 @@ KVMIX__RULE int kvmix__boost_count_ok(int32_t n_boost, int32_t head_dim) {
     return n_boost >= 0 && n_boost % 4 == 0 && n_boost <= head_dim && n_boost <= KVMIX_MAX_BOOST;
 }
 
+/* A head_dim every format can take where its groups divide it: a multiple of 8, so that a
+   per-channel block's 2-bit rows fill whole bytes and the reference's dot product runs in 8
+   lanes, at most KVMIX_MAX_HEAD_DIM (the decoders' row buffers). */
+#define KVMIX__HEAD_DIM_RULE "must be a positive multiple of 8 up to KVMIX_MAX_HEAD_DIM"
+KVMIX__RULE int kvmix__head_dim_ok(int64_t head_dim) {
+    return head_dim > 0 && head_dim % 8 == 0 && head_dim <= KVMIX_MAX_HEAD_DIM;
+}
+
 /* kvmix_layout's constraints; *group_size 0 resolves to KVMIX_GROUP_SIZE_DEFAULT for the
    per-token integer formats. */
 KVMIX__RULE kvmix_result kvmix__layout_check(int format, int64_t n_tokens, int32_t head_dim,
                                              int32_t *group_size, int32_t n_boost) {
     if (kvmix__format_bits(format) == 0) return KVMIX_ERR_UNKNOWN_FORMAT;
     if (n_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (head_dim <= 0 || head_dim % 32 != 0 || head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
+    if (!kvmix__head_dim_ok(head_dim)) return KVMIX_ERR_BAD_SHAPE;
     if (kvmix__is_per_token_int(format)) {
         if (*group_size == 0) *group_size = KVMIX_GROUP_SIZE_DEFAULT;
         if (*group_size < 0 || *group_size % 8 != 0 || head_dim % *group_size != 0)
@@ -2099,8 +2109,7 @@ KVMIX__RULE kvmix_result kvmix__view_shape_check(const kvmix_view *v) {
     int i;
     if (v->n_seqs < 0 || v->n_kv_heads <= 0 || v->n_spans < 0 || v->n_dead_flags < 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (v->head_dim <= 0 || v->head_dim % 32 != 0 || v->head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
+    if (!kvmix__head_dim_ok(v->head_dim)) return KVMIX_ERR_BAD_SHAPE;
     groups[0] = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
     groups[1] = kvmix__view_group(v->group_size, v->value_group_size, 1, KVMIX_FORMAT_INT4);
     for (i = 0; i < 2; i++)
@@ -2653,7 +2662,7 @@ static void kvmix__softmax_add(kvmix__softmax_state *st, float *acc, int32_t dim
     }
 }
 
-/* q . k over dim channels (a multiple of 32) in 8 interleaved partial sums, added pairwise: a
+/* q . k over dim channels (a multiple of 8) in 8 interleaved partial sums, added pairwise: a
    fixed order, so every build gives the same bits, that a compiler can vectorize. */
 static float kvmix__dot(const float *q, const float *k, int32_t dim) {
     float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -2803,8 +2812,7 @@ static kvmix_result kvmix__check_desc(const kvmix_attention_desc *d) {
     if (d->n_kv_heads <= 0 || d->n_q_heads <= 0 || d->n_q_heads % d->n_kv_heads != 0 ||
         !(d->scale >= 0.0f) || isinf(d->scale))
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d->head_dim <= 0 || d->head_dim % 32 != 0 || d->head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
+    if (!kvmix__head_dim_ok(d->head_dim)) return KVMIX_ERR_BAD_SHAPE;
     return KVMIX_SUCCESS;
 }
 
@@ -3945,9 +3953,8 @@ static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_layers", "must be in 1 .. 4096");
     if (!kvmix__int_in(d.n_kv_heads, 1, KVMIX__CACHE_MAX_HEADS, 1))
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads", "must be in 1 .. 4096");
-    if (!kvmix__int_in(d.head_dim, 32, KVMIX_MAX_HEAD_DIM, 32))
-        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "head_dim",
-                              "must be a multiple of 32 up to KVMIX_MAX_HEAD_DIM");
+    if (!kvmix__head_dim_ok(d.head_dim))
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "head_dim", KVMIX__HEAD_DIM_RULE);
     if (!kvmix__int_in(d.device_arena, 0, 1, 1))
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena", "must be 0 or 1");
     if (!kvmix__int_in(d.max_jobs, 0, 1 << 24, 1))
@@ -6722,9 +6729,8 @@ KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t h
     if (!policy || !out) return KVMIX_ERR_NULL_POINTER;
     if ((r = kvmix_policy_check(policy, out_error)) != KVMIX_SUCCESS) return r;
     p = *policy;
-    if (head_dim < 32 || head_dim > KVMIX_MAX_HEAD_DIM || head_dim % 32 != 0)
-        return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim",
-                                  "kvmix needs head_dim a multiple of 32 up to 512");
+    if (!kvmix__head_dim_ok(head_dim))
+        return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim", KVMIX__HEAD_DIM_RULE);
     if (p.value_group_size == 0) p.value_group_size = p.group_size;
     if (p.evict.scorer != 0) kvmix_evict_policy_resolve(&p.evict, NULL);
     if (p.group_size == KVMIX_GROUP_HEAD_DIM) p.group_size = head_dim;

@@ -1470,7 +1470,7 @@ static void test_bad_inputs(void) {
     bad.n_layers = 0;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
-    bad.head_dim = 48;
+    bad.head_dim = 44;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_BAD_SHAPE);
     bad = d;
     bad.page_tokens = 12;

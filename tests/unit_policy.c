@@ -137,8 +137,10 @@ static void test_resolve(void) {
     CHECK(out.n_boost == 16);
     memset(&before, 0x33, sizeof before);
     out = before;
-    CHECK_RESULT(kvmix_policy_resolve(&p, 40, &out, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_policy_resolve(&p, 36, &out, &why), KVMIX_ERR_BAD_SHAPE);
     CHECK(strcmp(why.field, "head_dim") == 0);
+    CHECK_RESULT(kvmix_policy_resolve(&p, 40, &out, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK(strcmp(why.field, "group_size") == 0); /* 32 does not divide 40 */
     CHECK_RESULT(kvmix_policy_resolve(&p, 32, &out, &why), KVMIX_SUCCESS); /* 4 of 32 */
     CHECK(out.n_boost == 4);
     p.boost_fraction = 0.1; /* 6.4 channels of 64 */

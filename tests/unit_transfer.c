@@ -22,12 +22,16 @@ typedef struct payload_case {
 static size_t round16(size_t n) { return (n + 15u) & ~(size_t)15u; }
 
 static void random_case(test_rng *rng, payload_case *pc, kvmix_payload_kind kind) {
-    static const int32_t dims[] = {32, 64, 96, 128};
+    static const int32_t dims[] = {32, 48, 64, 80, 96, 128};
     int32_t i, mix = test_rng_range(rng, 0, 3);
     memset(pc, 0, sizeof *pc);
     pc->desc.kind = kind;
-    pc->desc.head_dim = dims[test_rng_range(rng, 0, 3)];
-    pc->desc.group_size = pc->desc.head_dim % 64 == 0 && test_rng_range(rng, 0, 1) ? 16 : 0;
+    pc->desc.head_dim = dims[test_rng_range(rng, 0, 5)];
+    /* 48 and 80: groups of 16, as the default 32 does not divide them */
+    pc->desc.group_size =
+        pc->desc.head_dim % 32 != 0 || (pc->desc.head_dim % 64 == 0 && test_rng_range(rng, 0, 1))
+            ? 16
+            : 0;
     pc->desc.n_kv_heads = test_rng_range(rng, 1, 3);
     pc->desc.first_layer = test_rng_range(rng, 0, 5);
     pc->desc.n_layers = test_rng_range(rng, 1, 3);
@@ -358,7 +362,7 @@ static void test_bad_heads(void) {
     MUTATE(0, 'X', KVMIX_ERR_MALFORMED, "magic");
     MUTATE(4, 2, KVMIX_ERR_VERSION, "version 2");
     MUTATE(6, 3, KVMIX_ERR_INVALID_ARGUMENT, "kind 3");
-    MUTATE(8, 33, KVMIX_ERR_BAD_SHAPE, "head_dim not a multiple of 32");
+    MUTATE(8, 33, KVMIX_ERR_BAD_SHAPE, "head_dim not a multiple of 8");
     MUTATE(15, 0x80, KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads beyond int32");
     MUTATE(16, 0, KVMIX_ERR_INVALID_ARGUMENT, "group_size 0");
     MUTATE(16, 7, KVMIX_ERR_BAD_SHAPE, "group_size 7");
@@ -461,7 +465,7 @@ static void test_bad_packs(void) {
     CHECK(test_is_poisoned(dst, info.total_bytes, 9));
     CHECK_EQ_UINT(bytes, 0);
     d = pc.desc;
-    d.head_dim = 48;
+    d.head_dim = 44;
     CHECK_RESULT(kvmix_payload_describe(&d, pc.tiers, &info), KVMIX_ERR_BAD_SHAPE);
     d = pc.desc;
     d.base_id = 1;
@@ -511,6 +515,7 @@ static void test_into_cache(void) {
     cd.n_layers = pc.desc.n_layers;
     cd.n_kv_heads = pc.desc.n_kv_heads;
     cd.head_dim = pc.desc.head_dim;
+    cd.group_size = pc.desc.group_size; /* 16 where 32 does not divide head_dim */
     cd.page_tokens = 16;
     cd.max_seqs = 2;
     cd.max_tokens_per_seq = 256;
