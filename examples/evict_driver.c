@@ -31,7 +31,7 @@ llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t 
     kvmix_tagger tagger;
     int32_t n = 0, turn = -1;
     *out_n = 0;
-    if (kvmix_tagger_init(&tagger, spec) != KVMIX_SUCCESS)
+    if (kvmix_tagger_init(&tagger, spec, NULL) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: a bad tag spec");
     for (int64_t t = 0; t < n_ids; t++) {
         kvmix_tag tag;
@@ -54,7 +54,7 @@ llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t 
 llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_config *config,
                                  int32_t max_seqs, int32_t max_tokens, evict_driver **out,
                                  char *err, size_t err_bytes) {
-    kvmix_policy_error why = {"", ""};
+    kvmix_error why = {"", ""};
     evict_driver *d = (evict_driver *)calloc(1, sizeof *d);
     size_t q_floats = (size_t)config->n_layers * config->n_heads * config->head_dim;
     size_t t = (size_t)max_tokens, store_bytes = 0;

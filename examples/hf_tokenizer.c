@@ -586,9 +586,10 @@ kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_
         g.r = tag_spec_fail(err, err_bytes, KVMIX_ERR_INVALID_ARGUMENT,
                             "spec: unknown template \"%.32s\" (chatml or harmony)", template_name);
     }
-    if (g.r == KVMIX_SUCCESS && (g.r = kvmix_tag_spec_check(s)) != KVMIX_SUCCESS)
-        tag_spec_fail(err, err_bytes, g.r, "spec: kvmix_tag_spec_check refused it (%s)",
-                      kvmix_result_string(g.r));
+    kvmix_error why;
+    if (g.r == KVMIX_SUCCESS && (g.r = kvmix_tag_spec_check(s, &why)) != KVMIX_SUCCESS)
+        tag_spec_fail(err, err_bytes, g.r, "spec: kvmix_tag_spec_check refused it: %s %s",
+                      why.field, why.reason);
     if (g.r == KVMIX_SUCCESS) *out = *d;
     free(d);
     return g.r;

@@ -257,7 +257,7 @@ static void test_intent_scores(void) {
     d.default_precision.value_format = KVMIX_FORMAT_FP16;
     for (t = 0; t < N * KV * D; t++) keys[t] = (float)((t * 7) % 13 - 6) / 8.0f;
     for (t = 0; t < QH * D; t++) memory[t] = (float)((t * 5) % 11 - 5) / 16.0f;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&cache, seq, N, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_write(&cache, seq, 0, 0, N, keys, values), KVMIX_SUCCESS);
@@ -324,10 +324,11 @@ static kvmix_evict_policy evict_policy(int32_t scorer, double fraction) {
 /* Budget and forced set: the fraction rounds up, tokens win over it; prefix and span forced. */
 static void test_evict_budget_and_forced(void) {
     kvmix_evict_policy p = evict_policy(KVMIX_EVICT_INTENT, 0.25);
-    kvmix_policy_error why;
+    kvmix_error why = {NULL, NULL};
     uint8_t forced[10];
     int32_t keep = -1, t;
     CHECK_RESULT(kvmix_evict_policy_resolve(&p, &why), KVMIX_SUCCESS);
+    CHECK(why.field != NULL && strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
     CHECK_EQ_INT(p.observe_tokens, 32);
     CHECK_EQ_INT(p.pool_tokens, 1); /* pooling is SnapKV's by default */
     {
@@ -367,7 +368,7 @@ static void test_evict_bad_policy(void) {
     size_t i;
     for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvmix_evict_policy p = evict_policy(bad[i].scorer, bad[i].fraction), before;
-        kvmix_policy_error why = {NULL, NULL};
+        kvmix_error why = {NULL, NULL};
         int32_t keep = 77;
         p.budget_tokens = bad[i].budget_tokens;
         p.pool_tokens = bad[i].pool;
@@ -527,7 +528,7 @@ static void test_view_positions(void) {
     d.default_precision.key_format = KVMIX_FORMAT_INT8;
     d.default_precision.value_format = KVMIX_FORMAT_INT8;
     for (t = 0; t < N * KV * D; t++) rows[t] = (float)(t % 9) / 8.0f;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&cache, seq, N, NULL, NULL), KVMIX_SUCCESS);
     for (layer = 0; layer < 2; layer++)
@@ -568,7 +569,7 @@ static void compaction_cache(kvmix_cache *cache, kvmix_format key, kvmix_format 
     d.max_tokens_per_seq = 256, d.arena_bytes = 1 << 22, d.max_seqs = seqs, d.n_boost = 8;
     d.default_precision.key_format = (uint8_t)key;
     d.default_precision.value_format = (uint8_t)value;
-    CHECK_RESULT(kvmix_cache_init_allocator(cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(cache, &d, NULL, NULL), KVMIX_SUCCESS);
 }
 
 /* Every position's rows on every layer: [CN][CL][CKV * CD] keys then values; NAN when evicted or

@@ -521,7 +521,7 @@ static void test_into_cache(void) {
     cd.max_tokens_per_seq = 256;
     cd.n_window = 256; /* stays FP16: the read-back is the written row rounded to FP16 */
     cd.arena_bytes = 1u << 20;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &cd, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &cd, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&cache, seq, pc.desc.n_tokens, NULL, &first), KVMIX_SUCCESS);
     layer_floats = pc.n_floats / (size_t)pc.desc.n_layers;
