@@ -94,7 +94,7 @@ KVMIXDEF const char *kvmix_result_string(kvmix_result result);
 KVMIXDEF const char *kvmix_version_string(void);
 
 /* What a call that checks a caller's description (a cache desc, a policy, an eviction policy, a
-   tag spec, a tag precision table) or a size query's arguments found wrong: the field as the
+   tag spec, a session store desc, an allocation problem) or a size query's arguments found wrong: the field as the
    struct or the call spells it ("n_sink", "group_size", "n_tokens_per_seq"; "desc" for a NULL
    desc) and why, both static strings. Every such call takes a kvmix_error *out_error as its
    last parameter (NULL: not wanted) and fills it on every return: "" and "" on success. */
@@ -1229,6 +1229,14 @@ typedef struct kvmix_alloc_summary {
                                   costs, see there); 0: greedy */
 } kvmix_alloc_summary;
 
+/* Checks a problem as every allocation call below does first: counts in range, arrays given,
+   token counts >= 0 with a sum in 1 .. 2^53, bits and tag_bits in (0, 65536], distortions and
+   budget_bits finite and >= 0 (> 0). Returns KVMIX_SUCCESS, NULL_POINTER, INVALID_ARGUMENT or
+   BAD_VALUE, the result those calls give for it, and *out_error naming the member ("tokens",
+   "budget_bits"). Pure, thread-safe. */
+KVMIXDEF kvmix_result kvmix_alloc_problem_check(const kvmix_alloc_problem *problem,
+                                                kvmix_error *out_error);
+
 /* Workspace bytes kvmix_alloc_two_level needs for n_tags tags with this method: 32 * n_tags when
    it runs greedy (GREEDY, or AUTO with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS), 0 when it runs the
    exhaustive search. Returns KVMIX_ERR_NULL_POINTER or KVMIX_ERR_INVALID_ARGUMENT (n_tags out
@@ -1612,16 +1620,17 @@ typedef struct kvmix_session_store {
     float *memories;              /* [capacity][memory_floats] */
 } kvmix_session_store;
 
-/* Bytes of caller memory a store of this desc needs. Returns NULL_POINTER, INVALID_ARGUMENT. */
+/* Bytes of caller memory a store of this desc needs. Returns NULL_POINTER, INVALID_ARGUMENT
+   (*out_error naming the desc field). */
 KVMIXDEF kvmix_result kvmix_session_store_memory_bytes(const kvmix_session_store_desc *desc,
-                                                       size_t *out_bytes);
+                                                       size_t *out_bytes, kvmix_error *out_error);
 
 /* Initializes an empty store in `memory` (16-byte aligned, of kvmix_session_store_memory_bytes;
    the store keeps pointers into it). Returns NULL_POINTER, INVALID_ARGUMENT (desc, alignment),
-   BUFFER_TOO_SMALL. */
+   BUFFER_TOO_SMALL, *out_error naming the desc field or the argument. */
 KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
                                                const kvmix_session_store_desc *desc, void *memory,
-                                               size_t memory_bytes);
+                                               size_t memory_bytes, kvmix_error *out_error);
 
 /* The memory of `key`'s session: its own when the store holds the session (*out_found 1), else
    a free entry's or the least recently used one's (an O(capacity) search), zeroed and now the
@@ -7144,41 +7153,59 @@ typedef struct kvmix__alloc_item {
     int32_t reserved;
 } kvmix__alloc_item;
 
-static kvmix_result kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__alloc_info *info) {
+static kvmix__why kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__alloc_info *info) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT, bad_value = KVMIX_ERR_BAD_VALUE;
     int64_t total = 0;
     double worst = 0.0;
     int32_t t, k;
-    if (!p) return KVMIX_ERR_NULL_POINTER;
-    if (p->n_tags < 1 || p->n_tags > KVMIX_ALLOC_MAX_TAGS || p->n_precisions < 1 ||
-        p->n_precisions > KVMIX_ALLOC_MAX_PRECISIONS)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!p->tokens || !p->distortion || !p->bits) return KVMIX_ERR_NULL_POINTER;
+    if (!p) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "problem", "NULL");
+    if (!kvmix__int_in(p->n_tags, 1, KVMIX_ALLOC_MAX_TAGS, 1))
+        return kvmix__why_not(bad, "n_tags", "must be in 1 .. KVMIX_ALLOC_MAX_TAGS");
+    if (!kvmix__int_in(p->n_precisions, 1, KVMIX_ALLOC_MAX_PRECISIONS, 1))
+        return kvmix__why_not(bad, "n_precisions", "must be in 1 .. KVMIX_ALLOC_MAX_PRECISIONS");
+    if (!p->tokens || !p->distortion || !p->bits)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                              !p->tokens       ? "tokens"
+                              : !p->distortion ? "distortion"
+                                               : "bits",
+                              "NULL");
     for (t = 0; t < p->n_tags; t++) {
         if (p->tokens[t] < 0 || p->tokens[t] > KVMIX__ALLOC_MAX_TOTAL_TOKENS - total)
-            return KVMIX_ERR_INVALID_ARGUMENT;
+            return kvmix__why_not(bad, "tokens", "a count below 0, or a sum past 2^53");
         total += p->tokens[t];
     }
-    if (total == 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (total == 0) return kvmix__why_not(bad, "tokens", "sum to 0");
     for (k = 0; k < p->n_precisions; k++)
-        if (!(p->bits[k] > 0.0 && p->bits[k] <= KVMIX_ALLOC_MAX_BITS)) return KVMIX_ERR_BAD_VALUE;
+        if (!(p->bits[k] > 0.0 && p->bits[k] <= KVMIX_ALLOC_MAX_BITS))
+            return kvmix__why_not(bad_value, "bits", "a value not in (0, 65536]");
     for (k = 0; p->tag_bits && k < p->n_tags * p->n_precisions; k++)
         if (!(p->tag_bits[k] > 0.0 && p->tag_bits[k] <= KVMIX_ALLOC_MAX_BITS))
-            return KVMIX_ERR_BAD_VALUE;
-    if (!(p->budget_bits > 0.0 && p->budget_bits <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+            return kvmix__why_not(bad_value, "tag_bits", "a value not in (0, 65536]");
+    if (!(p->budget_bits > 0.0 && p->budget_bits <= DBL_MAX))
+        return kvmix__why_not(bad_value, "budget_bits", "not finite and > 0");
     for (t = 0; t < p->n_tags; t++) {
         const double *row = p->distortion + (size_t)t * (size_t)p->n_precisions;
         double most = 0.0;
         for (k = 0; k < p->n_precisions; k++) {
-            if (!(row[k] >= 0.0 && row[k] <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+            if (!(row[k] >= 0.0 && row[k] <= DBL_MAX))
+                return kvmix__why_not(bad_value, "distortion", "a value not finite and >= 0");
             if (row[k] > most) most = row[k];
         }
         worst += most;
     }
-    if (!(worst <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+    if (!(worst <= DBL_MAX))
+        return kvmix__why_not(bad_value, "distortion", "the tags' largest sum past DBL_MAX");
     info->total_tokens = (double)total;
     info->limit = p->budget_bits * info->total_tokens;
-    if (!(info->limit <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
-    return KVMIX_SUCCESS;
+    if (!(info->limit <= DBL_MAX))
+        return kvmix__why_not(bad_value, "budget_bits", "times the tokens, past DBL_MAX");
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_problem_check(const kvmix_alloc_problem *problem,
+                                                kvmix_error *out_error) {
+    kvmix__alloc_info info;
+    return kvmix__report(out_error, kvmix__alloc_check(problem, &info));
 }
 
 /* Tag t's tokens at precision k, in token-bits. */
@@ -7377,7 +7404,7 @@ KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, 
     double cost = 0.0;
     kvmix_result r;
     int32_t t;
-    if ((r = kvmix__alloc_check(problem, &info)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__alloc_check(problem, &info).result) != KVMIX_SUCCESS) return r;
     if (!choice) return KVMIX_ERR_NULL_POINTER;
     if (low < 0 || low >= problem->n_precisions || high < 0 || high >= problem->n_precisions ||
         !(problem->bits[low] < problem->bits[high]))
@@ -7456,7 +7483,7 @@ static kvmix_result kvmix__alloc_grid_init(const kvmix_alloc_problem *problem, i
     size_t need = 0;
     kvmix_result r;
     int32_t t;
-    if ((r = kvmix__alloc_check(problem, &g->info)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__alloc_check(problem, &g->info).result) != KVMIX_SUCCESS) return r;
     if ((r = kvmix_alloc_knapsack_workspace_bytes(problem, budget_steps, &need)) != KVMIX_SUCCESS)
         return r;
     if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
@@ -8353,14 +8380,18 @@ KVMIXDEF kvmix_result kvmix_session_key_resolve(const uint64_t *session_id, cons
 }
 
 /* The desc with defaults, or INVALID_ARGUMENT. */
-static kvmix_result kvmix__session_desc_resolve(const kvmix_session_store_desc *in,
-                                                kvmix_session_store_desc *out) {
+static kvmix__why kvmix__session_desc_resolve(const kvmix_session_store_desc *in,
+                                              kvmix_session_store_desc *out) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
     *out = *in;
     if (out->max_key_ids == 0) out->max_key_ids = 256;
-    if (out->capacity < 1 || out->capacity > (1 << 20) || out->memory_floats < 1 ||
-        out->memory_floats > (1 << 28) || out->max_key_ids < 1 || out->max_key_ids > (1 << 16))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    return KVMIX_SUCCESS;
+    if (!kvmix__int_in(out->capacity, 1, 1 << 20, 1))
+        return kvmix__why_not(bad, "capacity", "must be in 1 .. 2^20");
+    if (!kvmix__int_in(out->memory_floats, 1, 1 << 28, 1))
+        return kvmix__why_not(bad, "memory_floats", "must be in 1 .. 2^28");
+    if (!kvmix__int_in(out->max_key_ids, 1, 1 << 16, 1))
+        return kvmix__why_not(bad, "max_key_ids", "must be in 0 .. 2^16");
+    return kvmix__why_ok();
 }
 
 static int32_t kvmix__session_buckets(int32_t capacity) {
@@ -8380,31 +8411,42 @@ static void kvmix__session_regions(const kvmix_session_store_desc *d, size_t siz
 }
 
 KVMIXDEF kvmix_result kvmix_session_store_memory_bytes(const kvmix_session_store_desc *desc,
-                                                       size_t *out_bytes) {
+                                                       size_t *out_bytes, kvmix_error *out_error) {
     kvmix_session_store_desc d;
     size_t sizes[4];
-    kvmix_result r;
-    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__session_desc_resolve(desc, &d)) != KVMIX_SUCCESS) return r;
+    kvmix__why w;
+    if (!desc || !out_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !desc ? "desc" : "out_bytes", "NULL");
+    if ((w = kvmix__session_desc_resolve(desc, &d)).result != KVMIX_SUCCESS)
+        return kvmix__report(out_error, w);
     kvmix__session_regions(&d, sizes);
     *out_bytes = sizes[0] + sizes[1] + sizes[2] + sizes[3];
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
                                                const kvmix_session_store_desc *desc, void *memory,
-                                               size_t memory_bytes) {
+                                               size_t memory_bytes, kvmix_error *out_error) {
     kvmix_session_store s;
     size_t sizes[4];
     uint8_t *m = (uint8_t *)memory;
     int32_t i;
-    kvmix_result r;
-    if (!store || !desc || !memory) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!store || !desc || !memory)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER,
+                           !store  ? "store"
+                           : !desc ? "desc"
+                                   : "memory",
+                           "NULL");
     memset(&s, 0, sizeof s);
-    if ((r = kvmix__session_desc_resolve(desc, &s.desc)) != KVMIX_SUCCESS) return r;
-    if (((uintptr_t)memory & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((w = kvmix__session_desc_resolve(desc, &s.desc)).result != KVMIX_SUCCESS)
+        return kvmix__report(out_error, w);
+    if (((uintptr_t)memory & 15u) != 0)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "memory", "not 16-byte aligned");
     kvmix__session_regions(&s.desc, sizes);
-    if (memory_bytes < sizes[0] + sizes[1] + sizes[2] + sizes[3]) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if (memory_bytes < sizes[0] + sizes[1] + sizes[2] + sizes[3])
+        return kvmix__fail(out_error, KVMIX_ERR_BUFFER_TOO_SMALL, "memory_bytes",
+                           "less than kvmix_session_store_memory_bytes");
     s.n_buckets = kvmix__session_buckets(s.desc.capacity);
     s.entries = (kvmix_session_entry *)(void *)m;
     s.buckets = (int32_t *)(void *)(m + sizes[0]);
@@ -8414,7 +8456,7 @@ KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
     for (i = 0; i < s.n_buckets; i++) s.buckets[i] = -1;
     for (i = 0; i < s.desc.capacity; i++) s.entries[i].next = -1;
     *store = s;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 static int32_t *kvmix__session_ids(const kvmix_session_store *s, int32_t e) {

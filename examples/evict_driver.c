@@ -69,7 +69,7 @@ llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_c
     d->c = *config;
     d->max_tokens = max_tokens;
     kvmix_session_store_desc sd = {max_seqs, (int32_t)q_floats, MAX_KEY_IDS};
-    if (kvmix_session_store_memory_bytes(&sd, &store_bytes) == KVMIX_SUCCESS)
+    if (kvmix_session_store_memory_bytes(&sd, &store_bytes, NULL) == KVMIX_SUCCESS)
         d->store_memory = aligned_alloc(16, (store_bytes + 15) / 16 * 16);
     d->query_sum = (float *)malloc(q_floats * sizeof(float));
     d->fresh = (float *)malloc(q_floats * sizeof(float));
@@ -80,7 +80,8 @@ llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_c
     d->evict = (int32_t *)malloc(t * sizeof(int32_t));
     if (!d->store_memory || !d->query_sum || !d->fresh || !d->scores || !d->scratch || !d->live ||
         !d->forced || !d->evict ||
-        kvmix_session_store_init(&d->store, &sd, d->store_memory, store_bytes) != KVMIX_SUCCESS) {
+        kvmix_session_store_init(&d->store, &sd, d->store_memory, store_bytes, NULL) !=
+            KVMIX_SUCCESS) {
         evict_driver_free(d);
         return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     }

@@ -62,16 +62,19 @@ typedef struct store_fixture {
 static store_fixture make_store(int32_t capacity, int32_t memory_floats) {
     store_fixture f;
     kvmix_session_store_desc d;
+    kvmix_error why = {NULL, NULL};
     size_t bytes = 0;
     memset(&f, 0, sizeof f);
     d.capacity = capacity;
     d.memory_floats = memory_floats;
     d.max_key_ids = 0; /* 256 */
-    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes, NULL), KVMIX_SUCCESS);
     f.memory = test_alloc(bytes);
-    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, f.memory, bytes - 16),
+    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, f.memory, bytes - 16, &why),
                  KVMIX_ERR_BUFFER_TOO_SMALL);
-    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, f.memory, bytes), KVMIX_SUCCESS);
+    CHECK(strcmp(why.field, "memory_bytes") == 0);
+    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, f.memory, bytes, &why), KVMIX_SUCCESS);
+    CHECK(strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
     CHECK_EQ_INT(f.store.desc.max_key_ids, 256);
     return f;
 }
@@ -164,6 +167,7 @@ static void test_local_and_bad(void) {
     store_fixture f = make_store(2, 2);
     kvmix_session_key local, bad;
     kvmix_session_store_desc d = {0, 4, 0};
+    kvmix_error why = {NULL, NULL};
     float *m = (float *)&f;
     int32_t found = 7;
     size_t bytes;
@@ -181,11 +185,18 @@ static void test_local_and_bad(void) {
     CHECK_RESULT(kvmix_session_store_acquire(&f.store, &bad, &m, &found),
                  KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_EQ_INT(f.store.n_used, 0);
-    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes, &why), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(why.field, "capacity") == 0);
     d.capacity = 2, d.max_key_ids = (1 << 16) + 1;
-    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, (char *)f.memory + 4, 1024),
+    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes, &why), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(why.field, "max_key_ids") == 0);
+    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, (char *)f.memory + 4, 1024, &why),
                  KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(why.field, "max_key_ids") == 0);
+    d.max_key_ids = 0;
+    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, (char *)f.memory + 4, 1024, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(why.field, "memory") == 0);
     free(f.memory);
 }
 
