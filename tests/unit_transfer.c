@@ -240,6 +240,50 @@ static void test_unpack_rows(void) {
     test_context(NULL);
 }
 
+/* head_dim 48, 80 (groups of 16) and 96: packed bytes as the layouts say, unpacked rows as the
+   blocks decode. */
+static void test_head_dims_of_8(void) {
+    static const int32_t dims[] = {48, 80, 96};
+    test_rng rng;
+    size_t di;
+    test_rng_init(&rng, "transfer.head dims of 8");
+    for (di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+        payload_case pc;
+        uint8_t *got, *want;
+        size_t got_bytes, want_bytes, layer_floats;
+        int32_t layer, kv;
+        do { /* a ROWS case of this head_dim with tokens at every tier */
+            random_case(&rng, &pc, KVMIX_PAYLOAD_ROWS);
+            if (pc.desc.head_dim == dims[di] && pc.desc.n_tokens >= 3) break;
+            free_case(&pc);
+        } while (1);
+        pc.tiers[0] = KVMIX_FORMAT_FP16, pc.tiers[1] = KVMIX_FORMAT_INT8;
+        pc.tiers[2] = KVMIX_FORMAT_INT4;
+        test_context("head_dim %d, group %d, %d tokens", dims[di], group_of(&pc), pc.desc.n_tokens);
+        got = pack_case(&pc, &got_bytes);
+        want_bytes = expected_payload(&pc, &want);
+        if (CHECK_EQ_UINT(got_bytes, want_bytes)) CHECK_MEM_EQ(got, want, got_bytes);
+        layer_floats = pc.n_floats / (size_t)pc.desc.n_layers;
+        for (layer = 0; layer < pc.desc.n_layers; layer++)
+            for (kv = 0; kv < 2; kv++) {
+                float *rows = (float *)test_alloc(layer_floats * sizeof(float));
+                float *rows_want = (float *)test_alloc(layer_floats * sizeof(float));
+                test_poison(rows, layer_floats * sizeof(float), 7);
+                CHECK_RESULT(kvmix_payload_unpack(got, got_bytes, pc.desc.first_layer + layer,
+                                                  kv ? NULL : rows, kv ? rows : NULL),
+                             KVMIX_SUCCESS);
+                expected_rows(&pc, got, layer, kv, rows_want);
+                CHECK_MEM_EQ(rows, rows_want, layer_floats * sizeof(float));
+                free(rows);
+                free(rows_want);
+            }
+        free(got);
+        free(want);
+        free_case(&pc);
+    }
+    test_context(NULL);
+}
+
 /* A cold-tier upgrade: rows sent at INT4, then a RESIDUAL payload at INT8 for some tokens. */
 static void test_residual_upgrade(void) {
     test_rng rng;
@@ -560,6 +604,7 @@ static void test_into_cache(void) {
 void unit_transfer(void) {
     test_pack_matches_layout();
     test_unpack_rows();
+    test_head_dims_of_8();
     test_residual_upgrade();
     test_bad_heads();
     test_bad_bodies();
