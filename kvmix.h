@@ -16,6 +16,7 @@
    success, so a failed call leaves everything as it was (a cache only notes why:
    kvmix_cache_last_error). Sizes in bytes are size_t; counts are int32_t. In descs, zero means
    the default: none for a count of things kept, the documented value for a size or capacity.
+   Calls that check a caller's description say what is wrong through a kvmix_error.
    There is no mutable global state: calls on distinct objects may run on any threads.
 
    Rooms (search for the marker):
@@ -92,6 +93,16 @@ KVMIXDEF const char *kvmix_result_string(kvmix_result result);
 /* Library version as "MAJOR.MINOR.PATCH" of the implementation that was compiled. */
 KVMIXDEF const char *kvmix_version_string(void);
 
+/* What a call that checks a caller's description (a cache desc, a policy, an eviction policy, a
+   tag spec, a session store desc, an allocation problem) or a size query's arguments found wrong: the field as the
+   struct or the call spells it ("n_sink", "group_size", "n_tokens_per_seq"; "desc" for a NULL
+   desc) and why, both static strings. Every such call takes a kvmix_error *out_error as its
+   last parameter (NULL: not wanted) and fills it on every return: "" and "" on success. */
+typedef struct kvmix_error {
+    const char *field;
+    const char *reason;
+} kvmix_error;
+
 /* ------------------------------------------------------------------------------------------- */
 /* Allocator hooks: every object that needs memory has an init into caller memory and an init    */
 /* with an allocator. A NULL allocator, or NULL functions in it, mean KVMIX_MALLOC/KVMIX_FREE.     */
@@ -143,8 +154,9 @@ KVMIXDEF const char *kvmix_format_name(kvmix_format format);
 #define KVMIX_BOOST_NONE         0xFF /* channel-to-slot index entry of a channel that is not boosted */
 
 /* The shape of one block. Zero fields take defaults: group_size 0 means 32 (per-token formats).
-   Constraints: head_dim a positive multiple of 32, at most KVMIX_MAX_HEAD_DIM; n_tokens >= 0;
-   group_size (per-token integer formats) a multiple of 8 that divides head_dim;
+   Constraints: head_dim a positive multiple of 8, at most KVMIX_MAX_HEAD_DIM; n_tokens >= 0;
+   group_size (per-token integer formats) a multiple of 8 that divides head_dim (so the default
+   32 needs a head_dim 32 divides: at 48 or 80 pass 16, or head_dim for one group a row);
    n_boost (BOOSTED only, else 0) a multiple of 4, at most head_dim and at most KVMIX_MAX_BOOST;
    0 means none boosted (every channel at 2 bits, with the index), as everywhere else. */
 typedef struct kvmix_layout {
@@ -332,7 +344,7 @@ typedef struct kvmix_cache_precision {
 /* What a cache holds. Zero fields take defaults, and kvmix_cache_desc_resolve and the inits write
    the resolved values back. A zero count of things kept (n_sink, n_window, n_boost) means none;
    a zero size or capacity means the value its comment gives. Required: n_layers, n_kv_heads,
-   head_dim, arena_bytes. The defaults store like the built-in "int4" policy (pages of 32
+   head_dim. The defaults store like the built-in "int4" policy (pages of 32
    tokens, INT4 keys and values in groups of 32 channels, no sinks, no window) for one sequence
    of up to 4096 positions; kvmix_policy_apply writes another policy in.
 
@@ -344,7 +356,8 @@ typedef struct kvmix_cache_precision {
 typedef struct kvmix_cache_desc {
     int32_t n_layers;            /* 1 .. 4096 */
     int32_t n_kv_heads;          /* 1 .. 4096 */
-    int32_t head_dim;            /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
+    int32_t head_dim;            /* a multiple of 8, at most KVMIX_MAX_HEAD_DIM; group_size and
+                                    value_group_size must divide it */
     int32_t page_tokens;         /* 0 = 32, the built-in policies' page; a multiple of 8 in
                                     8 .. 1024: tokens per page, over which per-channel keys
                                     take their statistics, and the FP16 buffer's size */
@@ -369,8 +382,9 @@ typedef struct kvmix_cache_desc {
     kvmix_cache_precision
         default_precision; /* for NULL precisions and zero formats; {0, 0} = INT4 keys,
                               INT4 values */
-    size_t arena_bytes;    /* bytes of the page arena (required; a multiple of granule_bytes
-                              is used, the rest ignored); kvmix_cache_arena_bytes_for sizes it */
+    size_t arena_bytes;    /* bytes of the page arena (a multiple of granule_bytes is used, the
+                              rest ignored); 0 = kvmix_cache_arena_bytes_for of max_seqs
+                              sequences of max_tokens_per_seq positions */
     size_t granule_bytes;  /* 0 = 256; allocation unit of the arena, a power of two 64 .. 2^20 */
     int32_t device_arena;  /* 0: the arena is host memory that the calls write; 1: it is device
                               memory the host never touches: calls that move row bytes queue
@@ -530,23 +544,20 @@ typedef struct kvmix_cache_seq_stats {
     size_t format_bytes[8];         /* of the referenced pages, as in kvmix_cache_stats */
 } kvmix_cache_seq_stats;
 
-/* What kvmix_cache_desc_resolve found wrong: the field as kvmix_cache_desc spells it ("n_sink")
-   and why, both static strings (as kvmix_policy_error for policies). */
-typedef struct kvmix_cache_desc_error {
-    const char *field;
-    const char *reason;
-} kvmix_cache_desc_error;
-
 /* Checks a desc and writes it back with defaults resolved; on failure *desc is unchanged and
-   *out_error (may be NULL) names the field and says why. Returns KVMIX_ERR_NULL_POINTER,
+   *out_error names the field and says why. arena_bytes 0 resolves to
+   kvmix_cache_arena_bytes_for(desc, max_seqs, max_tokens_per_seq): every sequence at its
+   longest in default_precision, so a desc can be sized before its arena is chosen (resolve,
+   allocate desc.arena_bytes, init with the resolved desc). Returns KVMIX_ERR_NULL_POINTER,
    INVALID_ARGUMENT (a count or option out of range, sizes that overflow), BAD_SHAPE (head_dim,
    group_size, n_boost) or UNKNOWN_FORMAT (default_precision). Pure, thread-safe. */
-KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc,
-                                               kvmix_cache_desc_error *out_error);
+KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc, kvmix_error *out_error);
 
-/* Bytes of metadata memory a cache of this desc needs (the arena is separate: desc.arena_bytes).
-   Returns NULL_POINTER or kvmix_cache_desc_resolve's errors (which says why). */
-KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes);
+/* Bytes of metadata memory a cache of this desc needs (the arena is separate: desc.arena_bytes,
+   0 resolved as kvmix_cache_desc_resolve does). Returns NULL_POINTER or
+   kvmix_cache_desc_resolve's errors, *out_error naming the field. */
+KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes,
+                                               kvmix_error *out_error);
 
 /* Arena bytes (for desc.arena_bytes, which is not read) that hold n_seqs sequences of
    n_tokens_per_seq positions each, stored in desc.default_precision, from the first reserve to
@@ -563,22 +574,28 @@ KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, siz
    pages sealed at a request boundary and re-tiering need more. A device arena holds what its
    jobs free until kvmix_cache_jobs_take: take them after every reserve. Returns NULL_POINTER,
    kvmix_cache_desc_resolve's errors or INVALID_ARGUMENT (n_seqs beyond max_seqs,
-   n_tokens_per_seq beyond max_tokens_per_seq, more bytes than size_t counts). */
+   n_tokens_per_seq beyond max_tokens_per_seq, more bytes than size_t counts), *out_error
+   naming the desc field or the argument ("n_seqs", "n_tokens_per_seq"). */
 KVMIXDEF kvmix_result kvmix_cache_arena_bytes_for(const kvmix_cache_desc *desc, int32_t n_seqs,
-                                                  int32_t n_tokens_per_seq, size_t *out_bytes);
+                                                  int32_t n_tokens_per_seq, size_t *out_bytes,
+                                                  kvmix_error *out_error);
 
 /* Initializes a cache into caller memory: `memory` (8-byte aligned, memory_bytes at least the
    size query) for all bookkeeping and `arena` (desc->arena_bytes) for pages. Both stay owned by
    the caller and must outlive the cache; nothing else is allocated, ever. Writes the resolved
-   desc back. Returns desc errors, NULL_POINTER, INVALID_ARGUMENT (misaligned memory) or
-   BUFFER_TOO_SMALL. */
+   desc back (with arena_bytes 0, the arena must hold what kvmix_cache_desc_resolve resolves it
+   to). Returns desc errors, NULL_POINTER, INVALID_ARGUMENT (misaligned memory) or
+   BUFFER_TOO_SMALL; *out_error names the desc field ("n_sink") or the argument ("memory_bytes"),
+   as the cache's last error does ("desc.n_sink: ..."). */
 KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *desc, void *memory,
-                                       size_t memory_bytes, void *arena);
+                                       size_t memory_bytes, void *arena, kvmix_error *out_error);
 
 /* As kvmix_cache_init, with the metadata memory and the arena taken from `allocator` (NULL =
-   KVMIX_MALLOC). Returns OUT_OF_MEMORY when the allocator fails. */
+   KVMIX_MALLOC); arena_bytes 0 allocates what kvmix_cache_desc_resolve resolves it to. Returns
+   OUT_OF_MEMORY when the allocator fails (field "allocator"). */
 KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache_desc *desc,
-                                                 const kvmix_allocator *allocator);
+                                                 const kvmix_allocator *allocator,
+                                                 kvmix_error *out_error);
 
 /* Releases what kvmix_cache_init_allocator allocated (nothing for kvmix_cache_init) and zeroes
    the struct. NULL is ignored. */
@@ -858,9 +875,11 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
    cache of this desc, whatever they hold: a sequence's view has at most max_pages_per_seq spans
    and page_tokens dead flags per span. It is at least kvmix_cache_ref_decode_workspace of any
    n_seqs sequences of such a cache, so a loop allocates it once. Returns NULL_POINTER,
-   kvmix_cache_desc_resolve's errors or INVALID_ARGUMENT (n_seqs, more than size_t bytes). */
+   kvmix_cache_desc_resolve's errors or INVALID_ARGUMENT (n_seqs, more than size_t bytes), with
+   *out_error naming the field. */
 KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_desc *desc,
-                                                           int32_t n_seqs, size_t *out_bytes);
+                                                           int32_t n_seqs, size_t *out_bytes,
+                                                           kvmix_error *out_error);
 
 /* CPU reference decode step of layer `layer` over cached sequences: builds the view in
    `workspace` (8-byte aligned) and runs kvmix_ref_view_decode. q, out
@@ -1075,13 +1094,6 @@ typedef struct kvmix_policy {
                                  prompt ran (the cache itself evicts nothing on its own) */
 } kvmix_policy;
 
-/* What a policy check found wrong: the field as policy documents spell it ("group_size") and
-   why, both static strings. Written by the functions below only when they fail. */
-typedef struct kvmix_policy_error {
-    const char *field;
-    const char *reason;
-} kvmix_policy_error;
-
 /* The built-in policies, by index 0 .. kvmix_policy_count() - 1: fp16, int8, int4, kivi2,
    kivi2-sink, kitty-12, kitty-25, kitty-paper-12, kitty-paper-25 (README.md, "Policies"). NULL
    for an index out of range. */
@@ -1094,16 +1106,16 @@ KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name);
    page, boost settings present where the formats are BOOSTED, a NUL-terminated non-empty name and
    a NUL-terminated description. Returns KVMIX_SUCCESS, NULL_POINTER (policy) or
    INVALID_ARGUMENT / UNKNOWN_FORMAT with *out_error (may be NULL) naming the field. */
-KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_policy_error *out_error);
+KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_error *out_error);
 
 /* The policy for a model of this head_dim: checked, groups resolved (value_group_size 0 made
    group_size, KVMIX_GROUP_HEAD_DIM made head_dim), n_boost resolved from boost_fraction (and
    boost_fraction from n_boost), groups and n_boost checked against head_dim. A resolved
    policy resolves to itself. Returns kvmix_policy_check's errors and BAD_SHAPE (head_dim not a
-   multiple of 32 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
+   multiple of 8 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
    fraction that gives no multiple of 4) with *out_error; *out is written only on success. */
 KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
-                                           kvmix_policy *out, kvmix_policy_error *out_error);
+                                           kvmix_policy *out, kvmix_error *out_error);
 
 /* Writes the policy, resolved for desc->head_dim, into a cache desc: page_tokens, n_sink,
    n_window (at most desc->max_tokens_per_seq when that is set), window_values_only, group_size,
@@ -1111,7 +1123,7 @@ KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t h
    initialized from the desc then stores every token reserved with NULL precisions as the policy
    says. Returns kvmix_policy_resolve's errors (desc untouched then) or NULL_POINTER. */
 KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
-                                         kvmix_policy_error *out_error);
+                                         kvmix_error *out_error);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Transfer payload: the K/V rows of n_tokens consecutive positions of layers [first_layer,      */
@@ -1136,7 +1148,8 @@ typedef enum kvmix_payload_kind {
    tiers, not here. */
 typedef struct kvmix_payload_desc {
     kvmix_payload_kind kind;
-    int32_t head_dim;       /* a multiple of 32, at most KVMIX_MAX_HEAD_DIM */
+    int32_t head_dim;       /* a multiple of 8, at most KVMIX_MAX_HEAD_DIM, that group_size
+                               divides */
     int32_t n_kv_heads;     /* 1 .. 65535 */
     int32_t group_size;     /* of the INT8/INT4 rows; 0 = KVMIX_GROUP_SIZE_DEFAULT */
     int32_t first_layer;    /* >= 0 */
@@ -1266,6 +1279,14 @@ typedef struct kvmix_alloc_summary {
                                   (exhaustive; knapsack: among choices of the discretized
                                   costs, see there); 0: greedy */
 } kvmix_alloc_summary;
+
+/* Checks a problem as every allocation call below does first: counts in range, arrays given,
+   token counts >= 0 with a sum in 1 .. 2^53, bits and tag_bits in (0, 65536], distortions and
+   budget_bits finite and >= 0 (> 0). Returns KVMIX_SUCCESS, NULL_POINTER, INVALID_ARGUMENT or
+   BAD_VALUE, the result those calls give for it, and *out_error naming the member ("tokens",
+   "budget_bits"). Pure, thread-safe. */
+KVMIXDEF kvmix_result kvmix_alloc_problem_check(const kvmix_alloc_problem *problem,
+                                                kvmix_error *out_error);
 
 /* Workspace bytes kvmix_alloc_two_level needs for n_tags tags with this method: 32 * n_tags when
    it runs greedy (GREEDY, or AUTO with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS), 0 when it runs the
@@ -1508,13 +1529,15 @@ typedef struct kvmix_tagger {
 /* Checks a spec: counts and lengths in range, ids >= 0, name roles valid and not SCAFFOLD, the
    required markers present, image pads one id each, content markers distinct from each other
    and header markers (header_end, channel, recipient) distinct from each other. Returns
-   KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER or KVMIX_ERR_INVALID_ARGUMENT. Thread-safe. */
-KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec);
+   KVMIX_SUCCESS, KVMIX_ERR_NULL_POINTER or KVMIX_ERR_INVALID_ARGUMENT, *out_error naming the
+   spec member ("message_start", "roles"). Thread-safe. */
+KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec, kvmix_error *out_error);
 
 /* Initializes a tagger for a new stream: copies the spec (which the caller may then free) and
-   starts outside any message at turn 0. Returns kvmix_tag_spec_check's errors; on error
-   *tagger is unchanged. */
-KVMIXDEF kvmix_result kvmix_tagger_init(kvmix_tagger *tagger, const kvmix_tag_spec *spec);
+   starts outside any message at turn 0. Returns kvmix_tag_spec_check's errors (with its
+   *out_error); on error *tagger is unchanged. */
+KVMIXDEF kvmix_result kvmix_tagger_init(kvmix_tagger *tagger, const kvmix_tag_spec *spec,
+                                        kvmix_error *out_error);
 
 /* Starts a new stream with the same spec. Returns KVMIX_ERR_NULL_POINTER or
    KVMIX_ERR_INVALID_ARGUMENT (a tagger whose spec no longer checks). */
@@ -1659,16 +1682,17 @@ typedef struct kvmix_session_store {
     float *memories;              /* [capacity][memory_floats] */
 } kvmix_session_store;
 
-/* Bytes of caller memory a store of this desc needs. Returns NULL_POINTER, INVALID_ARGUMENT. */
+/* Bytes of caller memory a store of this desc needs. Returns NULL_POINTER, INVALID_ARGUMENT
+   (*out_error naming the desc field). */
 KVMIXDEF kvmix_result kvmix_session_store_memory_bytes(const kvmix_session_store_desc *desc,
-                                                       size_t *out_bytes);
+                                                       size_t *out_bytes, kvmix_error *out_error);
 
 /* Initializes an empty store in `memory` (16-byte aligned, of kvmix_session_store_memory_bytes;
    the store keeps pointers into it). Returns NULL_POINTER, INVALID_ARGUMENT (desc, alignment),
-   BUFFER_TOO_SMALL. */
+   BUFFER_TOO_SMALL, *out_error naming the desc field or the argument. */
 KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
                                                const kvmix_session_store_desc *desc, void *memory,
-                                               size_t memory_bytes);
+                                               size_t memory_bytes, kvmix_error *out_error);
 
 /* The memory of `key`'s session: its own when the store holds the session (*out_found 1), else
    a free entry's or the least recently used one's (an O(capacity) search), zeroed and now the
@@ -1704,7 +1728,7 @@ KVMIXDEF const char *kvmix_evict_scorer_name(int32_t scorer);
 /* Checks a policy and writes it back with defaults resolved (on failure *policy is unchanged and
    *out_error, may be NULL, names the field). Returns NULL_POINTER, INVALID_ARGUMENT. Pure. */
 KVMIXDEF kvmix_result kvmix_evict_policy_resolve(kvmix_evict_policy *policy,
-                                                 kvmix_policy_error *out_error);
+                                                 kvmix_error *out_error);
 
 /* The live positions a sequence of n_positions positions keeps: budget_tokens, or
    ceil(budget_fraction * n_positions), at least 1. Returns NULL_POINTER, INVALID_ARGUMENT
@@ -1969,14 +1993,21 @@ KVMIX__RULE int kvmix__boost_count_ok(int32_t n_boost, int32_t head_dim) {
     return n_boost >= 0 && n_boost % 4 == 0 && n_boost <= head_dim && n_boost <= KVMIX_MAX_BOOST;
 }
 
+/* A head_dim every format can take where its groups divide it: a multiple of 8, so that a
+   per-channel block's 2-bit rows fill whole bytes and the reference's dot product runs in 8
+   lanes, at most KVMIX_MAX_HEAD_DIM (the decoders' row buffers). */
+#define KVMIX__HEAD_DIM_RULE "must be a positive multiple of 8 up to KVMIX_MAX_HEAD_DIM"
+KVMIX__RULE int kvmix__head_dim_ok(int64_t head_dim) {
+    return head_dim > 0 && head_dim % 8 == 0 && head_dim <= KVMIX_MAX_HEAD_DIM;
+}
+
 /* kvmix_layout's constraints; *group_size 0 resolves to KVMIX_GROUP_SIZE_DEFAULT for the
    per-token integer formats. */
 KVMIX__RULE kvmix_result kvmix__layout_check(int format, int64_t n_tokens, int32_t head_dim,
                                              int32_t *group_size, int32_t n_boost) {
     if (kvmix__format_bits(format) == 0) return KVMIX_ERR_UNKNOWN_FORMAT;
     if (n_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (head_dim <= 0 || head_dim % 32 != 0 || head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
+    if (!kvmix__head_dim_ok(head_dim)) return KVMIX_ERR_BAD_SHAPE;
     if (kvmix__is_per_token_int(format)) {
         if (*group_size == 0) *group_size = KVMIX_GROUP_SIZE_DEFAULT;
         if (*group_size < 0 || *group_size % 8 != 0 || head_dim % *group_size != 0)
@@ -2161,8 +2192,7 @@ KVMIX__RULE kvmix_result kvmix__view_shape_check(const kvmix_view *v) {
     int i;
     if (v->n_seqs < 0 || v->n_kv_heads <= 0 || v->n_spans < 0 || v->n_dead_flags < 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (v->head_dim <= 0 || v->head_dim % 32 != 0 || v->head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
+    if (!kvmix__head_dim_ok(v->head_dim)) return KVMIX_ERR_BAD_SHAPE;
     groups[0] = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
     groups[1] = kvmix__view_group(v->group_size, v->value_group_size, 1, KVMIX_FORMAT_INT4);
     for (i = 0; i < 2; i++)
@@ -2322,6 +2352,20 @@ KVMIXDEF const char *kvmix_result_string(kvmix_result result) {
 }
 
 KVMIXDEF const char *kvmix_version_string(void) { return KVMIX_VERSION_STRING; }
+
+/* Fills a caller's kvmix_error (NULL: not wanted) and passes the result on. */
+static kvmix_result kvmix__fail(kvmix_error *out_error, kvmix_result result, const char *field,
+                                const char *reason) {
+    if (out_error) {
+        out_error->field = field;
+        out_error->reason = reason;
+    }
+    return result;
+}
+
+static kvmix_result kvmix__succeed(kvmix_error *out_error) {
+    return kvmix__fail(out_error, KVMIX_SUCCESS, "", "");
+}
 
 KVMIXDEF uint16_t kvmix_fp32_to_fp16(float value) { return kvmix__f2h(value); }
 
@@ -2715,7 +2759,7 @@ static void kvmix__softmax_add(kvmix__softmax_state *st, float *acc, int32_t dim
     }
 }
 
-/* q . k over dim channels (a multiple of 32) in 8 interleaved partial sums, added pairwise: a
+/* q . k over dim channels (a multiple of 8) in 8 interleaved partial sums, added pairwise: a
    fixed order, so every build gives the same bits, that a compiler can vectorize. */
 static float kvmix__dot(const float *q, const float *k, int32_t dim) {
     float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -2877,8 +2921,7 @@ static kvmix_result kvmix__check_desc(const kvmix_attention_desc *d) {
     if (d->n_kv_heads <= 0 || d->n_q_heads <= 0 || d->n_q_heads % d->n_kv_heads != 0 ||
         !(d->scale >= 0.0f) || isinf(d->scale))
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d->head_dim <= 0 || d->head_dim % 32 != 0 || d->head_dim > KVMIX_MAX_HEAD_DIM)
-        return KVMIX_ERR_BAD_SHAPE;
+    if (!kvmix__head_dim_ok(d->head_dim)) return KVMIX_ERR_BAD_SHAPE;
     return KVMIX_SUCCESS;
 }
 
@@ -3972,8 +4015,8 @@ static kvmix__why kvmix__desc_counts_ok(const kvmix_cache_desc *d) {
     if (d->granule_bytes < 64 || d->granule_bytes > ((size_t)1 << 20) ||
         (d->granule_bytes & (d->granule_bytes - 1)) != 0)
         return kvmix__why_not(bad, "granule_bytes", "must be a power of two in 64 .. 2^20");
-    if (d->arena_bytes < d->granule_bytes)
-        return kvmix__why_not(bad, "arena_bytes", "must be at least granule_bytes");
+    if (d->arena_bytes != 0 && d->arena_bytes < d->granule_bytes)
+        return kvmix__why_not(bad, "arena_bytes", "must be 0 or at least granule_bytes");
     return kvmix__why_ok();
 }
 
@@ -4006,6 +4049,9 @@ static kvmix__why kvmix__desc_formats_ok(const kvmix_cache_desc *d) {
     return kvmix__why_ok();
 }
 
+static kvmix__why kvmix__arena_bytes_for(const kvmix_cache_desc *resolved, int32_t n_seqs,
+                                         int32_t n_tokens_per_seq, size_t *out_bytes);
+
 /* Checks a desc and writes it back with defaults resolved (unchanged on failure). */
 static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
     kvmix_cache_desc d = *desc;
@@ -4016,9 +4062,8 @@ static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_layers", "must be in 1 .. 4096");
     if (!kvmix__int_in(d.n_kv_heads, 1, KVMIX__CACHE_MAX_HEADS, 1))
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads", "must be in 1 .. 4096");
-    if (!kvmix__int_in(d.head_dim, 32, KVMIX_MAX_HEAD_DIM, 32))
-        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "head_dim",
-                              "must be a multiple of 32 up to KVMIX_MAX_HEAD_DIM");
+    if (!kvmix__head_dim_ok(d.head_dim))
+        return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "head_dim", KVMIX__HEAD_DIM_RULE);
     if (!kvmix__int_in(d.device_arena, 0, 1, 1))
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena", "must be 0 or 1");
     if (!kvmix__int_in(d.max_jobs, 0, 1 << 24, 1))
@@ -4046,6 +4091,12 @@ static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
     if (fp16_page_bytes / (double)d.granule_bytes > 2147483647.0)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "granule_bytes",
                               "too small: an FP16 page needs more than 2^31 granules");
+    if (d.arena_bytes == 0 &&
+        kvmix__arena_bytes_for(&d, d.max_seqs, d.max_tokens_per_seq, &d.arena_bytes).result !=
+            KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "arena_bytes",
+                              "0 sizes max_seqs sequences of max_tokens_per_seq positions: more "
+                              "bytes than size_t counts");
     if (!kvmix__cache_regions_of(&d, &regions))
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "max_seqs",
                               "with max_tokens_per_seq and max_pages_per_seq, more metadata "
@@ -4054,28 +4105,29 @@ static kvmix__why kvmix__desc_resolve(kvmix_cache_desc *desc) {
     return kvmix__why_ok();
 }
 
-KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc,
-                                               kvmix_cache_desc_error *out_error) {
-    kvmix__why w;
-    if (!desc) return KVMIX_ERR_NULL_POINTER;
-    w = kvmix__desc_resolve(desc);
-    if (w.result != KVMIX_SUCCESS && out_error) {
-        out_error->field = w.argument;
-        out_error->reason = w.reason;
-    }
-    return w.result;
+/* Fills a caller's kvmix_error from a verdict and passes its result on. */
+static kvmix_result kvmix__report(kvmix_error *out_error, kvmix__why w) {
+    if (w.result == KVMIX_SUCCESS) return kvmix__succeed(out_error);
+    return kvmix__fail(out_error, w.result, w.argument, w.reason);
 }
 
-KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes) {
+KVMIXDEF kvmix_result kvmix_cache_desc_resolve(kvmix_cache_desc *desc, kvmix_error *out_error) {
+    if (!desc) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "desc", "NULL");
+    return kvmix__report(out_error, kvmix__desc_resolve(desc));
+}
+
+KVMIXDEF kvmix_result kvmix_cache_memory_bytes(const kvmix_cache_desc *desc, size_t *out_bytes,
+                                               kvmix_error *out_error) {
     kvmix_cache_desc d;
     kvmix__cache_regions regions;
-    kvmix_result r;
-    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!desc || !out_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !desc ? "desc" : "out_bytes", "NULL");
     d = *desc;
-    if ((r = kvmix__desc_resolve(&d).result) != KVMIX_SUCCESS) return r;
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__report(out_error, w);
     kvmix__cache_regions_of(&d, &regions);
     *out_bytes = regions.total;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 /* The most granules one sequence holds while it grows to n positions stored in
@@ -4132,21 +4184,20 @@ static void kvmix__seq_granules(const kvmix_cache *c, int32_t n, int32_t lag, in
     }
 }
 
-KVMIXDEF kvmix_result kvmix_cache_arena_bytes_for(const kvmix_cache_desc *desc, int32_t n_seqs,
-                                                  int32_t n_tokens_per_seq, size_t *out_bytes) {
+/* kvmix_cache_arena_bytes_for of a resolved desc. */
+static kvmix__why kvmix__arena_bytes_for(const kvmix_cache_desc *resolved, int32_t n_seqs,
+                                         int32_t n_tokens_per_seq, size_t *out_bytes) {
     kvmix_cache c;
     int64_t settled = 0, peak = 0, lag_settled, lag_peak;
     double granules;
     int32_t lag;
-    kvmix_result r;
-    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if (n_seqs < 0 || n_seqs > resolved->max_seqs)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_seqs", "must be in 0 .. max_seqs");
+    if (n_tokens_per_seq < 0 || n_tokens_per_seq > resolved->max_tokens_per_seq)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens_per_seq",
+                              "must be in 0 .. max_tokens_per_seq");
     memset(&c, 0, sizeof c);
-    c.desc = *desc;
-    c.desc.arena_bytes = (size_t)1 << 20; /* not read: any size that resolves */
-    if ((r = kvmix__desc_resolve(&c.desc).result) != KVMIX_SUCCESS) return r;
-    if (n_seqs < 0 || n_seqs > c.desc.max_seqs || n_tokens_per_seq < 0 ||
-        n_tokens_per_seq > c.desc.max_tokens_per_seq)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    c.desc = *resolved;
     for (lag = 0; lag <= 1; lag++) {
         kvmix__seq_granules(&c, n_tokens_per_seq, lag, &lag_settled, &lag_peak);
         if (lag_settled > settled) settled = lag_settled;
@@ -4156,9 +4207,24 @@ KVMIXDEF kvmix_result kvmix_cache_arena_bytes_for(const kvmix_cache_desc *desc, 
     granules = n_seqs > 0 ? (double)(n_seqs - 1) * (double)settled + (double)peak : 0.0;
     if (granules < 1.0) granules = 1.0; /* a valid desc.arena_bytes */
     if (granules * (double)c.desc.granule_bytes >= (double)(size_t)-1)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_seqs",
+                              "with n_tokens_per_seq, more bytes than size_t counts");
     *out_bytes = (size_t)granules * c.desc.granule_bytes;
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_arena_bytes_for(const kvmix_cache_desc *desc, int32_t n_seqs,
+                                                  int32_t n_tokens_per_seq, size_t *out_bytes,
+                                                  kvmix_error *out_error) {
+    kvmix_cache_desc d;
+    kvmix__why w;
+    if (!desc || !out_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !desc ? "desc" : "out_bytes", "NULL");
+    d = *desc;
+    d.arena_bytes = (size_t)1 << 20; /* not read: any size that resolves */
+    if ((w = kvmix__desc_resolve(&d)).result == KVMIX_SUCCESS)
+        w = kvmix__arena_bytes_for(&d, n_seqs, n_tokens_per_seq, out_bytes);
+    return kvmix__report(out_error, w);
 }
 
 /* kvmix_cache_init's work once the desc is resolved. */
@@ -4207,35 +4273,47 @@ static void kvmix__cache_setup(kvmix_cache *cache, const kvmix_cache_desc *d, ui
     cache->priv.n_free_pages = g->max_pages - 1;
 }
 
+/* A refused init: the cache records "<prefix><field>: <reason>" and *out_error gets the field. */
+static kvmix_result kvmix__init_fail(kvmix_cache *cache, kvmix_error *out_error, const char *prefix,
+                                     kvmix__why w) {
+    kvmix__report(out_error, w);
+    return kvmix__record_as(cache, prefix, w);
+}
+
 /* Records a refused desc as "desc.<field>: <reason>". */
-static kvmix_result kvmix__record_desc(kvmix_cache *cache, kvmix__why w) {
-    return kvmix__record_as(cache, "desc.", w);
+static kvmix_result kvmix__init_fail_desc(kvmix_cache *cache, kvmix_error *out_error,
+                                          kvmix__why w) {
+    return kvmix__init_fail(cache, out_error, "desc.", w);
 }
 
 KVMIXDEF kvmix_result kvmix_cache_init(kvmix_cache *cache, kvmix_cache_desc *desc, void *memory,
-                                       size_t memory_bytes, void *arena) {
+                                       size_t memory_bytes, void *arena, kvmix_error *out_error) {
     kvmix_cache_desc d;
     kvmix__cache_regions g;
     kvmix__why w;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    if (!cache) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "cache", "NULL");
     if (!desc || !memory || !arena)
-        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_NULL_POINTER,
-                                                   !desc     ? "desc"
-                                                   : !memory ? "memory"
-                                                             : "arena",
-                                                   "NULL"));
+        return kvmix__init_fail(cache, out_error, "",
+                                kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                                               !desc     ? "desc"
+                                               : !memory ? "memory"
+                                                         : "arena",
+                                               "NULL"));
     d = *desc;
-    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__record_desc(cache, w);
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS)
+        return kvmix__init_fail_desc(cache, out_error, w);
     if (((uintptr_t)memory & 7u) != 0)
-        return kvmix__record(
-            cache, kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "memory", "not 8-byte aligned"));
+        return kvmix__init_fail(
+            cache, out_error, "",
+            kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "memory", "not 8-byte aligned"));
     kvmix__cache_regions_of(&d, &g);
     if (memory_bytes < g.total)
-        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "memory_bytes",
-                                                   "less than kvmix_cache_memory_bytes"));
+        return kvmix__init_fail(cache, out_error, "",
+                                kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "memory_bytes",
+                                               "less than kvmix_cache_memory_bytes"));
     kvmix__cache_setup(cache, &d, (uint8_t *)memory, &g, arena);
     *desc = d;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 /* Returns memory taken from the allocator (NULL functions: KVMIX_FREE). */
@@ -4247,21 +4325,26 @@ static void kvmix__allocator_free(const kvmix_allocator *a, void *ptr) {
 }
 
 KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache_desc *desc,
-                                                 const kvmix_allocator *allocator) {
+                                                 const kvmix_allocator *allocator,
+                                                 kvmix_error *out_error) {
     kvmix_allocator a;
     kvmix_cache_desc d;
     kvmix__cache_regions g;
     void *memory, *arena;
     kvmix_result r;
     kvmix__why w;
-    if (!cache) return KVMIX_ERR_NULL_POINTER;
-    if (!desc) return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_NULL_POINTER, "desc", "NULL"));
+    if (!cache) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "cache", "NULL");
+    if (!desc)
+        return kvmix__init_fail(cache, out_error, "",
+                                kvmix__why_not(KVMIX_ERR_NULL_POINTER, "desc", "NULL"));
     d = *desc;
-    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__record_desc(cache, w);
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS)
+        return kvmix__init_fail_desc(cache, out_error, w);
     if (d.device_arena)
-        return kvmix__record_desc(
-            cache, kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena",
-                                  "a device arena is the caller's: kvmix_cache_init takes it"));
+        return kvmix__init_fail_desc(
+            cache, out_error,
+            kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "device_arena",
+                           "a device arena is the caller's: kvmix_cache_init takes it"));
     kvmix__cache_regions_of(&d, &g); /* resolved: it fits */
     memset(&a, 0, sizeof a);
     if (allocator && allocator->alloc_fn && allocator->free_fn) a = *allocator;
@@ -4270,10 +4353,11 @@ KVMIXDEF kvmix_result kvmix_cache_init_allocator(kvmix_cache *cache, kvmix_cache
     if (!memory || !arena) {
         if (memory) kvmix__allocator_free(&a, memory);
         if (arena) kvmix__allocator_free(&a, arena);
-        return kvmix__record(cache, kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "allocator",
-                                                   !memory ? "no metadata memory" : "no arena"));
+        return kvmix__init_fail(cache, out_error, "",
+                                kvmix__why_not(KVMIX_ERR_OUT_OF_MEMORY, "allocator",
+                                               !memory ? "no metadata memory" : "no arena"));
     }
-    r = kvmix_cache_init(cache, &d, memory, g.total, arena);
+    r = kvmix_cache_init(cache, &d, memory, g.total, arena, out_error);
     if (r != KVMIX_SUCCESS) {
         kvmix__allocator_free(&a, arena);
         kvmix__allocator_free(&a, memory);
@@ -6357,21 +6441,26 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace(const kvmix_cache *cache,
 }
 
 KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_desc *desc,
-                                                           int32_t n_seqs, size_t *out_bytes) {
+                                                           int32_t n_seqs, size_t *out_bytes,
+                                                           kvmix_error *out_error) {
     kvmix_cache_desc d;
     int64_t n_spans;
     size_t bytes;
-    kvmix_result r;
-    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!desc || !out_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !desc ? "desc" : "out_bytes", "NULL");
     d = *desc;
-    if ((r = kvmix__desc_resolve(&d).result) != KVMIX_SUCCESS) return r;
-    if (n_seqs < 0 || n_seqs > d.max_seqs) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__report(out_error, w);
+    if (n_seqs < 0 || n_seqs > d.max_seqs)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_seqs",
+                           "must be in 0 .. max_seqs");
     /* a span per page-table entry, and at most a dead flag per row of each */
     n_spans = (int64_t)n_seqs * d.max_pages_per_seq;
     if ((bytes = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_spans * d.page_tokens)) == 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_seqs",
+                           "more workspace than size_t counts");
     *out_bytes = bytes;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 /* The checks of a reference decode that kvmix_ref_view_decode would make without saying why. */
@@ -6868,146 +6957,133 @@ KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name) {
     return NULL;
 }
 
-/* Records what failed (when the caller asked) and passes the result on. */
-static kvmix_result kvmix__policy_fail(kvmix_policy_error *out_error, kvmix_result result,
-                                       const char *field, const char *reason) {
-    if (out_error) {
-        out_error->field = field;
-        out_error->reason = reason;
-    }
-    return result;
-}
-
 static int kvmix__text_ok(const char *text, size_t bytes, int allow_empty) {
     return memchr(text, 0, bytes) != NULL && (allow_empty || text[0] != 0);
 }
 
 /* The numeric fields, each within its documented range. */
-static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_policy_error *e) {
+static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_error *e) {
     const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
     if (p->group_size != KVMIX_GROUP_HEAD_DIM && !kvmix__int_in(p->group_size, 8, 512, 8))
-        return kvmix__policy_fail(e, bad, "group_size",
-                                  "must be a multiple of 8 in 8 .. 512, or head_dim");
+        return kvmix__fail(e, bad, "group_size",
+                           "must be a multiple of 8 in 8 .. 512, or head_dim");
     if (p->value_group_size != 0 && p->value_group_size != KVMIX_GROUP_HEAD_DIM &&
         !kvmix__int_in(p->value_group_size, 8, 512, 8))
-        return kvmix__policy_fail(
-            e, bad, "value_group_size",
-            "must be 0 (group_size), a multiple of 8 in 8 .. 512, or head_dim");
+        return kvmix__fail(e, bad, "value_group_size",
+                           "must be 0 (group_size), a multiple of 8 in 8 .. 512, or head_dim");
     if (!kvmix__int_in(p->n_boost, 0, 252, 4))
-        return kvmix__policy_fail(e, bad, "n_boost", "must be a multiple of 4 in 0 .. 252");
+        return kvmix__fail(e, bad, "n_boost", "must be a multiple of 4 in 0 .. 252");
     if (!(p->boost_fraction >= 0.0 && p->boost_fraction <= 1.0))
-        return kvmix__policy_fail(e, bad, "boost_fraction", "must be a number in 0 .. 1");
+        return kvmix__fail(e, bad, "boost_fraction", "must be a number in 0 .. 1");
     if (!kvmix__int_in(p->page_tokens, 8, 1024, 8))
-        return kvmix__policy_fail(e, bad, "page_tokens", "must be a multiple of 8 in 8 .. 1024");
+        return kvmix__fail(e, bad, "page_tokens", "must be a multiple of 8 in 8 .. 1024");
     if (!kvmix__int_in(p->sink_tokens, 0, p->page_tokens, 1))
-        return kvmix__policy_fail(e, bad, "sink_tokens", "must be in 0 .. page_tokens");
+        return kvmix__fail(e, bad, "sink_tokens", "must be in 0 .. page_tokens");
     if (!kvmix__int_in(p->window_tokens, 0, 1 << 26, 1))
-        return kvmix__policy_fail(e, bad, "window_tokens", "must be in 0 .. 2^26");
+        return kvmix__fail(e, bad, "window_tokens", "must be in 0 .. 2^26");
     if (!kvmix__int_in(p->window_values_only, 0, 1, 1))
-        return kvmix__policy_fail(e, bad, "window_values_only", "must be 0 or 1");
+        return kvmix__fail(e, bad, "window_values_only", "must be 0 or 1");
     if (p->partial_page < KVMIX_CACHE_PARTIAL_DEFAULT ||
         p->partial_page > KVMIX_CACHE_PARTIAL_QUANTIZE)
-        return kvmix__policy_fail(e, bad, "partial_page", "must be a kvmix_cache_partial");
+        return kvmix__fail(e, bad, "partial_page", "must be a kvmix_cache_partial");
     if (p->request_boundary != KVMIX_POLICY_BOUNDARY_FINISH &&
         p->request_boundary != KVMIX_POLICY_BOUNDARY_CONTINUE)
-        return kvmix__policy_fail(e, bad, "request_boundary", "must be a kvmix_policy_boundary");
+        return kvmix__fail(e, bad, "request_boundary", "must be a kvmix_policy_boundary");
     if (p->tag_precision && kvmix_tag_precision_check(p->tag_precision) != KVMIX_SUCCESS)
-        return kvmix__policy_fail(e, KVMIX_ERR_UNKNOWN_FORMAT, "tag_precision",
-                                  "holds a format that is not a kvmix_format");
+        return kvmix__fail(e, KVMIX_ERR_UNKNOWN_FORMAT, "tag_precision",
+                           "holds a format that is not a kvmix_format");
     return KVMIX_SUCCESS;
 }
 
-static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_policy_error *out_error);
+static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_error *out_error);
 
 /* No eviction (scorer 0, every other field 0 too), or a checked one. */
 static kvmix_result kvmix__policy_check_evict(const kvmix_evict_policy *ev,
-                                              kvmix_policy_error *out_error) {
+                                              kvmix_error *out_error) {
     kvmix_evict_policy none;
     memset(&none, 0, sizeof none);
     if (ev->scorer == 0 && memcmp(ev, &none, sizeof none) != 0)
-        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "evict",
-                                  "has settings but no scorer");
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "evict",
+                           "has settings but no scorer");
     if (ev->scorer != 0 && !kvmix__evict_policy_ok(ev, out_error))
         return KVMIX_ERR_INVALID_ARGUMENT;
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *p, kvmix_policy_error *out_error) {
+KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *p, kvmix_error *out_error) {
     int boosted;
     kvmix_result r;
-    if (!p) return KVMIX_ERR_NULL_POINTER;
+    if (!p) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "policy", "NULL");
     if (!kvmix__text_ok(p->name, sizeof p->name, 0))
-        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "name",
-                                  "must be non-empty and NUL-terminated");
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "name",
+                           "must be non-empty and NUL-terminated");
     if (!kvmix__text_ok(p->description, sizeof p->description, 1))
-        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "description",
-                                  "must be NUL-terminated");
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "description",
+                           "must be NUL-terminated");
     if (!kvmix__format_known(p->key_format))
-        return kvmix__policy_fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "key_format",
-                                  "is not a kvmix_format");
+        return kvmix__fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "key_format",
+                           "is not a kvmix_format");
     if (!kvmix__format_known(p->value_format))
-        return kvmix__policy_fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "value_format",
-                                  "is not a kvmix_format");
+        return kvmix__fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "value_format",
+                           "is not a kvmix_format");
     if ((r = kvmix__policy_check_ranges(p, out_error)) != KVMIX_SUCCESS) return r;
     boosted = p->key_format == KVMIX_FORMAT_BOOSTED || p->value_format == KVMIX_FORMAT_BOOSTED;
     if (boosted && p->n_boost == 0 && p->boost_fraction == 0.0)
-        return kvmix__policy_fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_boost",
-                                  "a boosted format needs n_boost or boost_fraction");
-    return kvmix__policy_check_evict(&p->evict, out_error);
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_boost",
+                           "a boosted format needs n_boost or boost_fraction");
+    if ((r = kvmix__policy_check_evict(&p->evict, out_error)) != KVMIX_SUCCESS) return r;
+    return kvmix__succeed(out_error);
 }
 
 /* n_boost and boost_fraction of a checked boosted policy made to agree for head_dim. */
-static kvmix_result kvmix__policy_resolve_boost(kvmix_policy *p, int32_t head_dim,
-                                                kvmix_policy_error *e) {
+static kvmix_result kvmix__policy_resolve_boost(kvmix_policy *p, int32_t head_dim, kvmix_error *e) {
     if (p->n_boost != 0 && p->boost_fraction != 0.0 &&
         p->boost_fraction * head_dim != (double)p->n_boost)
-        return kvmix__policy_fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
-                                  "disagrees with n_boost for the model's head_dim");
+        return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
+                           "disagrees with n_boost for the model's head_dim");
     if (p->n_boost == 0) {
         double n = p->boost_fraction * head_dim;
         if (n != floor(n) || !kvmix__int_in((int32_t)n, 4, 252, 4))
-            return kvmix__policy_fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
-                                      "of the model's head_dim is not a multiple of 4 in 4 .. 252");
+            return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
+                               "of the model's head_dim is not a multiple of 4 in 4 .. 252");
         p->n_boost = (int32_t)n;
     }
     if (p->n_boost > head_dim)
-        return kvmix__policy_fail(e, KVMIX_ERR_BAD_SHAPE, "n_boost",
-                                  "exceeds the model's head_dim");
+        return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "n_boost", "exceeds the model's head_dim");
     p->boost_fraction = (double)p->n_boost / head_dim;
     return KVMIX_SUCCESS;
 }
 
 KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
-                                           kvmix_policy *out, kvmix_policy_error *out_error) {
+                                           kvmix_policy *out, kvmix_error *out_error) {
     kvmix_policy p;
     kvmix_result r;
-    if (!policy || !out) return KVMIX_ERR_NULL_POINTER;
+    if (!out) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "out", "NULL");
     if ((r = kvmix_policy_check(policy, out_error)) != KVMIX_SUCCESS) return r;
     p = *policy;
-    if (head_dim < 32 || head_dim > KVMIX_MAX_HEAD_DIM || head_dim % 32 != 0)
-        return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim",
-                                  "kvmix needs head_dim a multiple of 32 up to 512");
+    if (!kvmix__head_dim_ok(head_dim))
+        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim", KVMIX__HEAD_DIM_RULE);
     if (p.value_group_size == 0) p.value_group_size = p.group_size;
     if (p.evict.scorer != 0) kvmix_evict_policy_resolve(&p.evict, NULL);
     if (p.group_size == KVMIX_GROUP_HEAD_DIM) p.group_size = head_dim;
     if (p.value_group_size == KVMIX_GROUP_HEAD_DIM) p.value_group_size = head_dim;
     if (head_dim % p.group_size != 0)
-        return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "group_size",
-                                  "does not divide the model's head_dim");
+        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "group_size",
+                           "does not divide the model's head_dim");
     if (head_dim % p.value_group_size != 0)
-        return kvmix__policy_fail(out_error, KVMIX_ERR_BAD_SHAPE, "value_group_size",
-                                  "does not divide the model's head_dim");
+        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "value_group_size",
+                           "does not divide the model's head_dim");
     if (p.n_boost != 0 || p.boost_fraction != 0.0)
         if ((r = kvmix__policy_resolve_boost(&p, head_dim, out_error)) != KVMIX_SUCCESS) return r;
     *out = p;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
-                                         kvmix_policy_error *out_error) {
+                                         kvmix_error *out_error) {
     kvmix_policy p;
     kvmix_result r;
-    if (!policy || !desc) return KVMIX_ERR_NULL_POINTER;
+    if (!desc) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "desc", "NULL");
     if ((r = kvmix_policy_resolve(policy, desc->head_dim, &p, out_error)) != KVMIX_SUCCESS)
         return r;
     desc->page_tokens = p.page_tokens;
@@ -7339,41 +7415,59 @@ typedef struct kvmix__alloc_item {
     int32_t reserved;
 } kvmix__alloc_item;
 
-static kvmix_result kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__alloc_info *info) {
+static kvmix__why kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__alloc_info *info) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT, bad_value = KVMIX_ERR_BAD_VALUE;
     int64_t total = 0;
     double worst = 0.0;
     int32_t t, k;
-    if (!p) return KVMIX_ERR_NULL_POINTER;
-    if (p->n_tags < 1 || p->n_tags > KVMIX_ALLOC_MAX_TAGS || p->n_precisions < 1 ||
-        p->n_precisions > KVMIX_ALLOC_MAX_PRECISIONS)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!p->tokens || !p->distortion || !p->bits) return KVMIX_ERR_NULL_POINTER;
+    if (!p) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "problem", "NULL");
+    if (!kvmix__int_in(p->n_tags, 1, KVMIX_ALLOC_MAX_TAGS, 1))
+        return kvmix__why_not(bad, "n_tags", "must be in 1 .. KVMIX_ALLOC_MAX_TAGS");
+    if (!kvmix__int_in(p->n_precisions, 1, KVMIX_ALLOC_MAX_PRECISIONS, 1))
+        return kvmix__why_not(bad, "n_precisions", "must be in 1 .. KVMIX_ALLOC_MAX_PRECISIONS");
+    if (!p->tokens || !p->distortion || !p->bits)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                              !p->tokens       ? "tokens"
+                              : !p->distortion ? "distortion"
+                                               : "bits",
+                              "NULL");
     for (t = 0; t < p->n_tags; t++) {
         if (p->tokens[t] < 0 || p->tokens[t] > KVMIX__ALLOC_MAX_TOTAL_TOKENS - total)
-            return KVMIX_ERR_INVALID_ARGUMENT;
+            return kvmix__why_not(bad, "tokens", "a count below 0, or a sum past 2^53");
         total += p->tokens[t];
     }
-    if (total == 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (total == 0) return kvmix__why_not(bad, "tokens", "sum to 0");
     for (k = 0; k < p->n_precisions; k++)
-        if (!(p->bits[k] > 0.0 && p->bits[k] <= KVMIX_ALLOC_MAX_BITS)) return KVMIX_ERR_BAD_VALUE;
+        if (!(p->bits[k] > 0.0 && p->bits[k] <= KVMIX_ALLOC_MAX_BITS))
+            return kvmix__why_not(bad_value, "bits", "a value not in (0, 65536]");
     for (k = 0; p->tag_bits && k < p->n_tags * p->n_precisions; k++)
         if (!(p->tag_bits[k] > 0.0 && p->tag_bits[k] <= KVMIX_ALLOC_MAX_BITS))
-            return KVMIX_ERR_BAD_VALUE;
-    if (!(p->budget_bits > 0.0 && p->budget_bits <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+            return kvmix__why_not(bad_value, "tag_bits", "a value not in (0, 65536]");
+    if (!(p->budget_bits > 0.0 && p->budget_bits <= DBL_MAX))
+        return kvmix__why_not(bad_value, "budget_bits", "not finite and > 0");
     for (t = 0; t < p->n_tags; t++) {
         const double *row = p->distortion + (size_t)t * (size_t)p->n_precisions;
         double most = 0.0;
         for (k = 0; k < p->n_precisions; k++) {
-            if (!(row[k] >= 0.0 && row[k] <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+            if (!(row[k] >= 0.0 && row[k] <= DBL_MAX))
+                return kvmix__why_not(bad_value, "distortion", "a value not finite and >= 0");
             if (row[k] > most) most = row[k];
         }
         worst += most;
     }
-    if (!(worst <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
+    if (!(worst <= DBL_MAX))
+        return kvmix__why_not(bad_value, "distortion", "the tags' largest sum past DBL_MAX");
     info->total_tokens = (double)total;
     info->limit = p->budget_bits * info->total_tokens;
-    if (!(info->limit <= DBL_MAX)) return KVMIX_ERR_BAD_VALUE;
-    return KVMIX_SUCCESS;
+    if (!(info->limit <= DBL_MAX))
+        return kvmix__why_not(bad_value, "budget_bits", "times the tokens, past DBL_MAX");
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_problem_check(const kvmix_alloc_problem *problem,
+                                                kvmix_error *out_error) {
+    kvmix__alloc_info info;
+    return kvmix__report(out_error, kvmix__alloc_check(problem, &info));
 }
 
 /* Tag t's tokens at precision k, in token-bits. */
@@ -7572,7 +7666,7 @@ KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, 
     double cost = 0.0;
     kvmix_result r;
     int32_t t;
-    if ((r = kvmix__alloc_check(problem, &info)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__alloc_check(problem, &info).result) != KVMIX_SUCCESS) return r;
     if (!choice) return KVMIX_ERR_NULL_POINTER;
     if (low < 0 || low >= problem->n_precisions || high < 0 || high >= problem->n_precisions ||
         !(problem->bits[low] < problem->bits[high]))
@@ -7651,7 +7745,7 @@ static kvmix_result kvmix__alloc_grid_init(const kvmix_alloc_problem *problem, i
     size_t need = 0;
     kvmix_result r;
     int32_t t;
-    if ((r = kvmix__alloc_check(problem, &g->info)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__alloc_check(problem, &g->info).result) != KVMIX_SUCCESS) return r;
     if ((r = kvmix_alloc_knapsack_workspace_bytes(problem, budget_steps, &need)) != KVMIX_SUCCESS)
         return r;
     if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
@@ -7804,6 +7898,23 @@ static const kvmix_tag_marker *kvmix__tag_content_marker(const kvmix_tag_spec *s
     }
 }
 
+/* The member of kvmix_tag_spec that holds a content marker, as kvmix_error names it. */
+static const char *kvmix__tag_content_name(int kind) {
+    static const char *const names[] = {"",
+                                        "message_start",
+                                        "message_end",
+                                        "reasoning_open",
+                                        "reasoning_close",
+                                        "tool_call_open",
+                                        "tool_call_close",
+                                        "tool_response_open",
+                                        "tool_response_close",
+                                        "vision_open",
+                                        "vision_close",
+                                        "image_pad"};
+    return names[kind];
+}
+
 static int kvmix__tag_seq_ok(const kvmix_tag_seq *q) {
     int32_t i;
     if (q->n_ids < 0 || q->n_ids > KVMIX_TAG_MAX_IDS) return 0;
@@ -7827,6 +7938,9 @@ static int kvmix__tag_marker_used(const kvmix_tag_marker *m) {
     return 0;
 }
 
+#define KVMIX__TAG_NAMES_RULE                                                                      \
+    "a count past its maximum, a name of no ids or an id < 0, or a role that is SCAFFOLD or not a " \
+    "kvmix_tag_role"
 static int kvmix__tag_names_ok(const kvmix_tag_name *names, int32_t n, int32_t max) {
     int32_t i;
     if (n < 0 || n > max) return 0;
@@ -7838,63 +7952,81 @@ static int kvmix__tag_names_ok(const kvmix_tag_name *names, int32_t n, int32_t m
 }
 
 /* Role starts are content markers too: each differs from the others and from every marker. */
-static kvmix_result kvmix__tag_role_starts_distinct(const kvmix_tag_spec *spec) {
+static int kvmix__tag_role_starts_distinct(const kvmix_tag_spec *spec) {
     int32_t r, r2;
     int k, a;
     for (r = 0; r < spec->n_role_starts; r++) {
         const kvmix_tag_seq *q = &spec->role_starts[r].seq;
         for (r2 = 0; r2 < r; r2++)
-            if (kvmix__tag_seq_equal(q, &spec->role_starts[r2].seq))
-                return KVMIX_ERR_INVALID_ARGUMENT;
+            if (kvmix__tag_seq_equal(q, &spec->role_starts[r2].seq)) return 0;
         for (k = KVMIX__TAG_K_START; k < KVMIX__TAG_N_KINDS; k++)
             for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++)
-                if (kvmix__tag_seq_equal(q, &kvmix__tag_content_marker(spec, k)->alts[a]))
-                    return KVMIX_ERR_INVALID_ARGUMENT;
+                if (kvmix__tag_seq_equal(q, &kvmix__tag_content_marker(spec, k)->alts[a])) return 0;
     }
-    return KVMIX_SUCCESS;
+    return 1;
 }
 
-KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec) {
-    int k, k2, a, a2;
-    if (!spec) return KVMIX_ERR_NULL_POINTER;
+/* A marker's alternatives: ids in range, and none equal to an alternative of the `n_before`
+   markers before it (others[]) or, when `distinct`, to an earlier one of its own. */
+static const char *kvmix__tag_marker_fault(const kvmix_tag_marker *m,
+                                           const kvmix_tag_marker *const *others, int n_before,
+                                           int distinct) {
+    int a, a2, k2;
+    for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
+        const kvmix_tag_seq *q = &m->alts[a];
+        if (!kvmix__tag_seq_ok(q)) return "an alternative with an id < 0 or past KVMIX_TAG_MAX_IDS";
+        if (q->n_ids == 0) continue;
+        for (a2 = 0; distinct && a2 < a; a2++)
+            if (kvmix__tag_seq_equal(q, &m->alts[a2])) return "repeats one of its alternatives";
+        for (k2 = 0; k2 < n_before; k2++)
+            for (a2 = 0; a2 < KVMIX_TAG_MAX_ALTS; a2++)
+                if (kvmix__tag_seq_equal(q, &others[k2]->alts[a2]))
+                    return "equals an alternative of another marker of its kind";
+    }
+    return NULL;
+}
+
+KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec, kvmix_error *out_error) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
+    const kvmix_tag_marker *seen[KVMIX__TAG_N_KINDS] = {0}; /* read only once written */
+    const char *fault;
+    int k, a;
+    if (!spec) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "spec", "NULL");
     for (k = KVMIX__TAG_K_START; k < KVMIX__TAG_N_KINDS; k++) {
         const kvmix_tag_marker *m = kvmix__tag_content_marker(spec, k);
-        for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
-            const kvmix_tag_seq *q = &m->alts[a];
-            if (!kvmix__tag_seq_ok(q)) return KVMIX_ERR_INVALID_ARGUMENT;
-            if (q->n_ids == 0) continue;
-            if (k == KVMIX__TAG_K_IMAGE_PAD && q->n_ids != 1) return KVMIX_ERR_INVALID_ARGUMENT;
-            for (k2 = KVMIX__TAG_K_START; k2 <= k; k2++) {
-                const kvmix_tag_marker *m2 = kvmix__tag_content_marker(spec, k2);
-                for (a2 = 0; a2 < (k2 == k ? a : KVMIX_TAG_MAX_ALTS); a2++)
-                    if (kvmix__tag_seq_equal(q, &m2->alts[a2])) return KVMIX_ERR_INVALID_ARGUMENT;
-            }
-        }
+        if ((fault = kvmix__tag_marker_fault(m, seen, k - KVMIX__TAG_K_START, 1)) != NULL)
+            return kvmix__fail(out_error, bad, kvmix__tag_content_name(k), fault);
+        for (a = 0; k == KVMIX__TAG_K_IMAGE_PAD && a < KVMIX_TAG_MAX_ALTS; a++)
+            if (m->alts[a].n_ids > 1)
+                return kvmix__fail(out_error, bad, "image_pad", "an alternative of more than 1 id");
+        seen[k - KVMIX__TAG_K_START] = m;
     }
-    for (k = 0; k < 3; k++) { /* the header markers: header_end, channel, recipient */
-        const kvmix_tag_marker *m = k == 0   ? &spec->header_end
-                                    : k == 1 ? &spec->channel
-                                             : &spec->recipient;
-        for (a = 0; a < KVMIX_TAG_MAX_ALTS; a++) {
-            const kvmix_tag_seq *q = &m->alts[a];
-            if (!kvmix__tag_seq_ok(q)) return KVMIX_ERR_INVALID_ARGUMENT;
-            if (q->n_ids == 0) continue;
-            for (k2 = 0; k2 < k; k2++) {
-                const kvmix_tag_marker *m2 = k2 == 0 ? &spec->header_end : &spec->channel;
-                for (a2 = 0; a2 < KVMIX_TAG_MAX_ALTS; a2++)
-                    if (kvmix__tag_seq_equal(q, &m2->alts[a2])) return KVMIX_ERR_INVALID_ARGUMENT;
-            }
-        }
-    }
-    if (!kvmix__tag_marker_used(&spec->message_end)) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (spec->n_role_starts == 0 && (!kvmix__tag_marker_used(&spec->message_start) ||
-                                     !kvmix__tag_marker_used(&spec->header_end)))
-        return KVMIX_ERR_INVALID_ARGUMENT; /* no way into a message */
-    if (!kvmix__tag_names_ok(spec->roles, spec->n_roles, KVMIX_TAG_MAX_NAMES) ||
-        !kvmix__tag_names_ok(spec->channels, spec->n_channels, KVMIX_TAG_MAX_NAMES) ||
-        !kvmix__tag_names_ok(spec->role_starts, spec->n_role_starts, KVMIX_TAG_MAX_STARTS))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    return kvmix__tag_role_starts_distinct(spec);
+    seen[0] = &spec->header_end, seen[1] = &spec->channel, seen[2] = &spec->recipient;
+    for (k = 0; k < 3; k++) /* the header markers, distinct from each other */
+        if ((fault = kvmix__tag_marker_fault(seen[k], seen, k, 0)) != NULL)
+            return kvmix__fail(out_error, bad,
+                               k == 0   ? "header_end"
+                               : k == 1 ? "channel"
+                                        : "recipient",
+                               fault);
+    if (!kvmix__tag_marker_used(&spec->message_end))
+        return kvmix__fail(out_error, bad, "message_end", "required: has no alternative");
+    if (spec->n_role_starts == 0 && !kvmix__tag_marker_used(&spec->message_start))
+        return kvmix__fail(out_error, bad, "message_start",
+                           "required without role_starts: has no alternative");
+    if (spec->n_role_starts == 0 && !kvmix__tag_marker_used(&spec->header_end))
+        return kvmix__fail(out_error, bad, "header_end",
+                           "required without role_starts: has no alternative");
+    if (!kvmix__tag_names_ok(spec->roles, spec->n_roles, KVMIX_TAG_MAX_NAMES))
+        return kvmix__fail(out_error, bad, "roles", KVMIX__TAG_NAMES_RULE);
+    if (!kvmix__tag_names_ok(spec->channels, spec->n_channels, KVMIX_TAG_MAX_NAMES))
+        return kvmix__fail(out_error, bad, "channels", KVMIX__TAG_NAMES_RULE);
+    if (!kvmix__tag_names_ok(spec->role_starts, spec->n_role_starts, KVMIX_TAG_MAX_STARTS))
+        return kvmix__fail(out_error, bad, "role_starts", KVMIX__TAG_NAMES_RULE);
+    if (!kvmix__tag_role_starts_distinct(spec))
+        return kvmix__fail(out_error, bad, "role_starts",
+                           "equals another role start or a content marker");
+    return kvmix__succeed(out_error);
 }
 
 static void kvmix__tagger_update(kvmix_tagger *t) {
@@ -7924,7 +8056,8 @@ static void kvmix__tagger_update(kvmix_tagger *t) {
 KVMIXDEF kvmix_result kvmix_tagger_reset(kvmix_tagger *tagger) {
     int k, a;
     if (!tagger) return KVMIX_ERR_NULL_POINTER;
-    if (kvmix_tag_spec_check(&tagger->spec) != KVMIX_SUCCESS) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (kvmix_tag_spec_check(&tagger->spec, NULL) != KVMIX_SUCCESS)
+        return KVMIX_ERR_INVALID_ARGUMENT;
     memset(tagger->filter, 0, sizeof tagger->filter);
     for (k = KVMIX__TAG_K_START; k < KVMIX__TAG_N_KINDS; k++) {
         const kvmix_tag_marker *m = kvmix__tag_content_marker(&tagger->spec, k);
@@ -7981,10 +8114,11 @@ KVMIXDEF kvmix_result kvmix_tagger_reset(kvmix_tagger *tagger) {
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_tagger_init(kvmix_tagger *tagger, const kvmix_tag_spec *spec) {
+KVMIXDEF kvmix_result kvmix_tagger_init(kvmix_tagger *tagger, const kvmix_tag_spec *spec,
+                                        kvmix_error *out_error) {
     kvmix_result r;
-    if (!tagger || !spec) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_tag_spec_check(spec)) != KVMIX_SUCCESS) return r;
+    if (!tagger) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "tagger", "NULL");
+    if ((r = kvmix_tag_spec_check(spec, out_error)) != KVMIX_SUCCESS) return r;
     if (&tagger->spec != spec) memmove(&tagger->spec, spec, sizeof *spec);
     return kvmix_tagger_reset(tagger);
 }
@@ -8493,14 +8627,18 @@ KVMIXDEF kvmix_result kvmix_session_key_resolve(const uint64_t *session_id, cons
 }
 
 /* The desc with defaults, or INVALID_ARGUMENT. */
-static kvmix_result kvmix__session_desc_resolve(const kvmix_session_store_desc *in,
-                                                kvmix_session_store_desc *out) {
+static kvmix__why kvmix__session_desc_resolve(const kvmix_session_store_desc *in,
+                                              kvmix_session_store_desc *out) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
     *out = *in;
     if (out->max_key_ids == 0) out->max_key_ids = 256;
-    if (out->capacity < 1 || out->capacity > (1 << 20) || out->memory_floats < 1 ||
-        out->memory_floats > (1 << 28) || out->max_key_ids < 1 || out->max_key_ids > (1 << 16))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    return KVMIX_SUCCESS;
+    if (!kvmix__int_in(out->capacity, 1, 1 << 20, 1))
+        return kvmix__why_not(bad, "capacity", "must be in 1 .. 2^20");
+    if (!kvmix__int_in(out->memory_floats, 1, 1 << 28, 1))
+        return kvmix__why_not(bad, "memory_floats", "must be in 1 .. 2^28");
+    if (!kvmix__int_in(out->max_key_ids, 1, 1 << 16, 1))
+        return kvmix__why_not(bad, "max_key_ids", "must be in 0 .. 2^16");
+    return kvmix__why_ok();
 }
 
 static int32_t kvmix__session_buckets(int32_t capacity) {
@@ -8520,31 +8658,42 @@ static void kvmix__session_regions(const kvmix_session_store_desc *d, size_t siz
 }
 
 KVMIXDEF kvmix_result kvmix_session_store_memory_bytes(const kvmix_session_store_desc *desc,
-                                                       size_t *out_bytes) {
+                                                       size_t *out_bytes, kvmix_error *out_error) {
     kvmix_session_store_desc d;
     size_t sizes[4];
-    kvmix_result r;
-    if (!desc || !out_bytes) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__session_desc_resolve(desc, &d)) != KVMIX_SUCCESS) return r;
+    kvmix__why w;
+    if (!desc || !out_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !desc ? "desc" : "out_bytes", "NULL");
+    if ((w = kvmix__session_desc_resolve(desc, &d)).result != KVMIX_SUCCESS)
+        return kvmix__report(out_error, w);
     kvmix__session_regions(&d, sizes);
     *out_bytes = sizes[0] + sizes[1] + sizes[2] + sizes[3];
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
                                                const kvmix_session_store_desc *desc, void *memory,
-                                               size_t memory_bytes) {
+                                               size_t memory_bytes, kvmix_error *out_error) {
     kvmix_session_store s;
     size_t sizes[4];
     uint8_t *m = (uint8_t *)memory;
     int32_t i;
-    kvmix_result r;
-    if (!store || !desc || !memory) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!store || !desc || !memory)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER,
+                           !store  ? "store"
+                           : !desc ? "desc"
+                                   : "memory",
+                           "NULL");
     memset(&s, 0, sizeof s);
-    if ((r = kvmix__session_desc_resolve(desc, &s.desc)) != KVMIX_SUCCESS) return r;
-    if (((uintptr_t)memory & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((w = kvmix__session_desc_resolve(desc, &s.desc)).result != KVMIX_SUCCESS)
+        return kvmix__report(out_error, w);
+    if (((uintptr_t)memory & 15u) != 0)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "memory", "not 16-byte aligned");
     kvmix__session_regions(&s.desc, sizes);
-    if (memory_bytes < sizes[0] + sizes[1] + sizes[2] + sizes[3]) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if (memory_bytes < sizes[0] + sizes[1] + sizes[2] + sizes[3])
+        return kvmix__fail(out_error, KVMIX_ERR_BUFFER_TOO_SMALL, "memory_bytes",
+                           "less than kvmix_session_store_memory_bytes");
     s.n_buckets = kvmix__session_buckets(s.desc.capacity);
     s.entries = (kvmix_session_entry *)(void *)m;
     s.buckets = (int32_t *)(void *)(m + sizes[0]);
@@ -8554,7 +8703,7 @@ KVMIXDEF kvmix_result kvmix_session_store_init(kvmix_session_store *store,
     for (i = 0; i < s.n_buckets; i++) s.buckets[i] = -1;
     for (i = 0; i < s.desc.capacity; i++) s.entries[i].next = -1;
     *store = s;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 static int32_t *kvmix__session_ids(const kvmix_session_store *s, int32_t e) {
@@ -8670,15 +8819,12 @@ KVMIXDEF kvmix_result kvmix_query_memory_update(float *memory, int32_t n_layers,
 
 /* ---- budgeted eviction --------------------------------------------------------------------- */
 
-static int kvmix__evict_fail(kvmix_policy_error *out_error, const char *field, const char *reason) {
-    if (out_error) {
-        out_error->field = field;
-        out_error->reason = reason;
-    }
+static int kvmix__evict_fail(kvmix_error *out_error, const char *field, const char *reason) {
+    kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, field, reason);
     return 0;
 }
 
-static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_policy_error *out_error) {
+static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_error *out_error) {
     if (p->scorer < KVMIX_EVICT_INTENT || p->scorer > KVMIX_EVICT_SNAPKV)
         return kvmix__evict_fail(out_error, "scorer", "not a kvmix_evict_scorer");
     if (p->budget_tokens < 0) return kvmix__evict_fail(out_error, "budget_tokens", "negative");
@@ -8709,12 +8855,12 @@ static int32_t kvmix__evict_pool_tokens(const kvmix_evict_policy *p) {
 }
 
 KVMIXDEF kvmix_result kvmix_evict_policy_resolve(kvmix_evict_policy *policy,
-                                                 kvmix_policy_error *out_error) {
-    if (!policy) return KVMIX_ERR_NULL_POINTER;
+                                                 kvmix_error *out_error) {
+    if (!policy) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "policy", "NULL");
     if (!kvmix__evict_policy_ok(policy, out_error)) return KVMIX_ERR_INVALID_ARGUMENT;
     if (policy->observe_tokens == 0) policy->observe_tokens = 32;
     if (policy->pool_tokens == 0) policy->pool_tokens = kvmix__evict_pool_tokens(policy);
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 KVMIXDEF kvmix_result kvmix_evict_budget(const kvmix_evict_policy *policy, int32_t n_positions,

@@ -2297,6 +2297,11 @@ static kvmix_result kvmix__launch_status(void) {
     return cudaGetLastError() == cudaSuccess ? KVMIX_SUCCESS : KVMIX_ERR_CUDA;
 }
 
+/* The head_dims this pack has run at: multiples of 32 (decode narrows them further). kvmix.h
+   takes any multiple of 8; the quantize, view and payload kernels index channels without
+   assuming more, but no GPU test has run them at 48 or 80, so those are UNSUPPORTED for now. */
+static bool kvmix__head_dim_run(int32_t head_dim) { return head_dim % 32 == 0; }
+
 /* Resolves and checks a layout as kvmix_layout_resolve does. */
 static kvmix_result kvmix__resolve(kvmix_layout *l) {
     return kvmix__layout_check(l->format, l->n_tokens, l->head_dim, &l->group_size, l->n_boost);
@@ -2310,6 +2315,7 @@ extern "C" kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const vo
     kvmix_layout l = *layout;
     kvmix_result r = kvmix__resolve(&l);
     if (r != KVMIX_SUCCESS) return r;
+    if (!kvmix__head_dim_run(l.head_dim)) return KVMIX_ERR_UNSUPPORTED;
     if (n_jobs < 0 || l.n_tokens < 1 || src_row_stride < l.head_dim)
         return KVMIX_ERR_INVALID_ARGUMENT;
     if (n_jobs == 0) return KVMIX_SUCCESS;
@@ -2342,6 +2348,7 @@ static kvmix_result kvmix__dequantize_jobs(const kvmix_layout *layout, void *are
     kvmix_layout l = *layout;
     kvmix_result r = kvmix__resolve(&l);
     if (r != KVMIX_SUCCESS) return r;
+    if (!kvmix__head_dim_run(l.head_dim)) return KVMIX_ERR_UNSUPPORTED;
     if (n_jobs == 0) return KVMIX_SUCCESS;
     kvmix__dequantize_params p;
     p.format = l.format, p.n_tokens = l.n_tokens, p.head_dim = l.head_dim;
@@ -2399,6 +2406,7 @@ static kvmix_result kvmix__check_device_view(const kvmix_view *v) {
     if ((r = kvmix__view_shape_check(v)) != KVMIX_SUCCESS ||
         (r = kvmix__view_arrays_check(v)) != KVMIX_SUCCESS)
         return r;
+    if (!kvmix__head_dim_run(v->head_dim)) return KVMIX_ERR_UNSUPPORTED;
     /* the kernels read every per-token block with one group: values in groups of their own are
        not supported yet */
     if (kvmix__view_group(v->group_size, v->value_group_size, 1, KVMIX_FORMAT_INT4) !=
@@ -2767,6 +2775,7 @@ static kvmix_result kvmix__payload_setup(const kvmix_payload_info *info, kvmix_c
         kvmix__payload_sizes(&check) != KVMIX_SUCCESS || check.head_bytes != info->head_bytes ||
         check.total_bytes != info->total_bytes)
         return KVMIX_ERR_INVALID_ARGUMENT;
+    if (!kvmix__head_dim_run(d.head_dim)) return KVMIX_ERR_UNSUPPORTED;
     p->tier_offset[0] = 0;
     for (int i = 0; i < 3; i++) {
         p->sec[i] = kvmix__tier_sections(info, i);

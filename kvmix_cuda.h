@@ -12,6 +12,9 @@
    jobs, dead flags) cannot be read on the host; what the kernels find wrong in them is reported
    on the device as documented per launcher. Launchers are thread-safe (no global state).
 
+   head_dim: every launcher takes the multiples of 32 that kvmix.h accepts (decode: 64, 128 and
+   256 only); a head_dim kvmix.h accepts that 32 does not divide (48, 80) is UNSUPPORTED here.
+
    Alignment: every block a kernel reads or writes as a whole (view spans' key and value blocks,
    their head strides, quantize destinations) must start at a multiple of 16 bytes of a base that
    is itself 16-byte aligned (cudaMalloc gives 256). Decode treats a misaligned span as corrupt.
@@ -51,8 +54,8 @@ typedef kvmix_quantize_job kvmix_cuda_quantize_job;
 
 /* Quantizes jobs[0 .. n_jobs) (device array) of FP16 rows src (device; row r of a job at
    src + job.src_offset + r * src_row_stride, head_dim used) into dst (device).
-   layout: format, n_tokens (rows of each destination block), head_dim (a multiple of 32, at most
-   KVMIX_MAX_HEAD_DIM), group_size, n_boost, as kvmix_layout_resolve accepts them.
+   layout: format, n_tokens (rows of each destination block), head_dim, group_size, n_boost, as
+   kvmix_layout_resolve accepts them (UNSUPPORTED: a head_dim 32 does not divide).
    A job whose input holds inf or NaN, or whose row range does not fit the block, writes nothing
    and ORs its bit into *error_flags (device int32, may be NULL); other jobs are unaffected.
    Returns NULL_POINTER, INVALID_ARGUMENT (n_jobs < 0, src_row_stride < head_dim, n_tokens < 1),
@@ -97,7 +100,7 @@ kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, int32_t n_ba
 /* The device checks each span as decode does: a bad span's rows are NaN. A sequence whose span   */
 /* range lies outside [0, n_spans] gets NaN in every row up to capacity_tokens (no span read).    */
 /* Returns NULL_POINTER, INVALID_ARGUMENT (seq out of range, capacity_tokens < 0), BAD_SHAPE,     */
-/* UNSUPPORTED (dtype), CUDA. */
+/* UNSUPPORTED (dtype, head_dim), CUDA. */
 kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvmix_cuda_dtype dtype,
                                         void *keys_out, void *values_out, int32_t capacity_tokens,
                                         kvmix_stream stream);
@@ -177,7 +180,7 @@ kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
 /*   memory: [n_q_heads][head_dim] float (device); scores: [capacity_tokens] float (device).     */
 /* Tokens past capacity_tokens are not scored; entries past the sequence's length are left. A bad */
 /* span's tokens score NaN; a span range outside [0, n_spans] gives NaN up to capacity_tokens.    */
-/* Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, CUDA. */
+/* Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, UNSUPPORTED (head_dim), CUDA. */
 kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
                                    const float *memory, float *scores, int32_t capacity_tokens,
                                    kvmix_stream stream);
@@ -188,7 +191,8 @@ kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq, int32_t 
    sequence's length get -INFINITY; a bad span makes every score NaN. scale 0 = 1/sqrt(head_dim).
    memory [n_q_heads][head_dim], scores [capacity_tokens], workspace of
    kvmix_cuda_view_intent_workspace_bytes: device memory. Four launches on `stream`.
-   Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, BUFFER_TOO_SMALL, CUDA. */
+   Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, BUFFER_TOO_SMALL, UNSUPPORTED (head_dim),
+   CUDA. */
 kvmix_result kvmix_cuda_view_intent_workspace_bytes(int32_t n_q_heads, int32_t capacity_tokens,
                                                     size_t *out_bytes);
 kvmix_result kvmix_cuda_view_intent_score(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
@@ -219,8 +223,8 @@ kvmix_result kvmix_cuda_payload_workspace_bytes(int32_t n_tokens, size_t *out_by
    Rows of NO_ROW tokens (RESIDUAL) are not read. If an input row is not representable in FP16
    or the head disagrees with info, the matching bit is ORed into *error_flags (device int32,
    may be NULL) and no body byte is written. Returns NULL_POINTER, INVALID_ARGUMENT (info not a
-   valid description, n_tokens 0 with rows), BUFFER_TOO_SMALL (workspace), UNSUPPORTED (dtype),
-   CUDA. A payload of 0 tokens enqueues nothing. */
+   valid description, n_tokens 0 with rows), BUFFER_TOO_SMALL (workspace), UNSUPPORTED (dtype,
+   head_dim), CUDA. A payload of 0 tokens enqueues nothing. */
 kvmix_result kvmix_cuda_payload_pack(const kvmix_payload_info *info, const void *keys,
                                      const void *values, kvmix_cuda_dtype dtype, void *payload,
                                      void *workspace, size_t workspace_bytes, int32_t *error_flags,

@@ -85,7 +85,7 @@ static int run(const kvmix_policy *policy, int32_t head_dim, int64_t L) {
     d.max_tokens_per_seq = (int32_t)L;
     d.arena_bytes = (size_t)L * LAYERS * token_floats * 2 * 2 * 2 + ((size_t)64 << 20);
     if (kvmix_policy_apply(&p, &d, NULL) != KVMIX_SUCCESS ||
-        kvmix_cache_init_allocator(&cache, &d, NULL) != KVMIX_SUCCESS)
+        kvmix_cache_init_allocator(&cache, &d, NULL, NULL) != KVMIX_SUCCESS)
         return 1;
     kvmix_cache_seq_create(&cache, &seq);
     for (done = 0; done < L; done += CHUNK) {

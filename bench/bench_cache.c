@@ -89,7 +89,7 @@ static int bench_run(const bench_config *bc, int32_t n_seqs, int32_t steps, int 
         (size_t)n_seqs *
         (fp16_page * (size_t)(2 + (bc->n_window + bc->page_tokens - 1) / bc->page_tokens) +
          fp16_page / 4 * (size_t)((bc->prefill + steps) / bc->page_tokens + 1));
-    r = kvmix_cache_init_allocator(&cache, &d, NULL);
+    r = kvmix_cache_init_allocator(&cache, &d, NULL, NULL);
     if (r != KVMIX_SUCCESS) {
         printf("init: %s\n", kvmix_result_string(r));
         return 1;
@@ -201,11 +201,11 @@ static int bench_device_step(int32_t n_seqs, int32_t context, int32_t steps) {
     d.granule_bytes = 4096;
     d.arena_bytes = arena_granules * d.granule_bytes;
     d.device_arena = 1;
-    if (kvmix_cache_memory_bytes(&d, &bytes) != KVMIX_SUCCESS) return 1;
+    if (kvmix_cache_memory_bytes(&d, &bytes, NULL) != KVMIX_SUCCESS) return 1;
     memory = malloc(bytes);
     /* a device pointer the host never dereferences: any aligned value does */
     if (!memory ||
-        kvmix_cache_init(&cache, &d, memory, bytes, (void *)(uintptr_t)4096) != KVMIX_SUCCESS)
+        kvmix_cache_init(&cache, &d, memory, bytes, (void *)(uintptr_t)4096, NULL) != KVMIX_SUCCESS)
         return 1;
     jobs = (kvmix_quantize_job *)malloc((size_t)d.max_jobs * sizeof *jobs);
     batches = (kvmix_cache_batch *)malloc((size_t)d.max_jobs * sizeof *batches);

@@ -142,7 +142,7 @@ static double time_feed(const kvmix_tag_spec *spec, const int32_t *ids, int64_t 
     static kvmix_tagger t;
     double times[MAX_REPS], c0 = cpu_seconds(), wall = 0;
     for (int r = 0; r < reps; r++) {
-        kvmix_tagger_init(&t, spec);
+        kvmix_tagger_init(&t, spec, NULL);
         double t0 = now_seconds();
         if (run == 0)
             kvmix_tagger_feed(&t, ids, (int32_t)n, tags);

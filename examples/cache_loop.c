@@ -93,13 +93,13 @@ int main(void) {
     desc.default_precision.value_format = KVMIX_FORMAT_INT2;
     /* the arena: as if the prompt and both sessions each held all their tokens (the sessions
        share the prompt's pages, which leaves room for their copies on write) */
-    TRY(&cache, kvmix_cache_arena_bytes_for(&desc, 3, PROMPT + STEPS, &desc.arena_bytes));
-    TRY(&cache, kvmix_cache_init_allocator(&cache, &desc, NULL));
+    TRY(&cache, kvmix_cache_arena_bytes_for(&desc, 3, PROMPT + STEPS, &desc.arena_bytes, NULL));
+    TRY(&cache, kvmix_cache_init_allocator(&cache, &desc, NULL, NULL));
     printf("cache: %d layers, %d kv heads, head_dim %d, pages of %d, %d sinks, window %d, "
            "arena %zu bytes\n",
            desc.n_layers, desc.n_kv_heads, desc.head_dim, desc.page_tokens, desc.n_sink,
            desc.n_window, desc.arena_bytes);
-    TRY(&cache, kvmix_cache_ref_decode_workspace_max(&desc, 1, &w.bytes));
+    TRY(&cache, kvmix_cache_ref_decode_workspace_max(&desc, 1, &w.bytes, NULL));
     if (!(w.memory = malloc(w.bytes))) return 1;
 
     /* prefill the shared prompt once ([layer][token][head][dim] rows), then fork two sessions */

@@ -31,7 +31,7 @@ llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t 
     kvmix_tagger tagger;
     int32_t n = 0, turn = -1;
     *out_n = 0;
-    if (kvmix_tagger_init(&tagger, spec) != KVMIX_SUCCESS)
+    if (kvmix_tagger_init(&tagger, spec, NULL) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: a bad tag spec");
     for (int64_t t = 0; t < n_ids; t++) {
         kvmix_tag tag;
@@ -54,7 +54,7 @@ llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t 
 llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_config *config,
                                  int32_t max_seqs, int32_t max_tokens, evict_driver **out,
                                  char *err, size_t err_bytes) {
-    kvmix_policy_error why = {"", ""};
+    kvmix_error why = {"", ""};
     evict_driver *d = (evict_driver *)calloc(1, sizeof *d);
     size_t q_floats = (size_t)config->n_layers * config->n_heads * config->head_dim;
     size_t t = (size_t)max_tokens, store_bytes = 0;
@@ -69,7 +69,7 @@ llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_c
     d->c = *config;
     d->max_tokens = max_tokens;
     kvmix_session_store_desc sd = {max_seqs, (int32_t)q_floats, MAX_KEY_IDS};
-    if (kvmix_session_store_memory_bytes(&sd, &store_bytes) == KVMIX_SUCCESS)
+    if (kvmix_session_store_memory_bytes(&sd, &store_bytes, NULL) == KVMIX_SUCCESS)
         d->store_memory = aligned_alloc(16, (store_bytes + 15) / 16 * 16);
     d->query_sum = (float *)malloc(q_floats * sizeof(float));
     d->fresh = (float *)malloc(q_floats * sizeof(float));
@@ -80,7 +80,8 @@ llama_result evict_driver_create(const kvmix_evict_policy *policy, const llama_c
     d->evict = (int32_t *)malloc(t * sizeof(int32_t));
     if (!d->store_memory || !d->query_sum || !d->fresh || !d->scores || !d->scratch || !d->live ||
         !d->forced || !d->evict ||
-        kvmix_session_store_init(&d->store, &sd, d->store_memory, store_bytes) != KVMIX_SUCCESS) {
+        kvmix_session_store_init(&d->store, &sd, d->store_memory, store_bytes, NULL) !=
+            KVMIX_SUCCESS) {
         evict_driver_free(d);
         return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     }

@@ -616,11 +616,12 @@ llama_result create_cache(gpu_llama *g, size_t arena_bytes, char *err, size_t er
         return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED,
                           "policy %s: the decode kernel reads values in the keys' groups only",
                           g->policy.name);
-    TRY_KVMIX(kvmix_cache_memory_bytes(&d, &memory_bytes), "cache desc");
+    TRY_KVMIX(kvmix_cache_memory_bytes(&d, &memory_bytes, NULL), "cache desc");
     g->cache_memory = malloc(memory_bytes);
     if (!g->cache_memory) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     TRY_CUDA(device_alloc(&g->arena, d.arena_bytes), "the cache arena");
-    TRY_KVMIX(kvmix_cache_init(&g->cache, &d, g->cache_memory, memory_bytes, g->arena), "cache");
+    TRY_KVMIX(kvmix_cache_init(&g->cache, &d, g->cache_memory, memory_bytes, g->arena, NULL),
+              "cache");
     g->kv_seq = (int32_t *)malloc((size_t)g->max_seqs * sizeof(int32_t));
     g->step_kv_seqs = (int32_t *)malloc((size_t)g->max_seqs * sizeof(int32_t));
     g->batches = (kvmix_cache_batch *)malloc((size_t)d.max_jobs * sizeof(kvmix_cache_batch));
@@ -1272,7 +1273,7 @@ extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char
                           g->max_seqs);
     if (!g->fp32) TRY_KVMIX(kvmix_cache_seq_create(&g->cache, &g->kv_seq[s]), "new sequence");
     if (g->tagged) { /* a new stream */
-        kvmix_tagger_init(&g->taggers[s], &g->tag_spec);
+        kvmix_tagger_init(&g->taggers[s], &g->tag_spec, NULL);
         g->turns[s] = 0;
     }
     if (!g->fp32) {
@@ -1721,8 +1722,10 @@ extern "C" llama_result gpu_llama_tag(gpu_llama *g, const kvmix_tag_spec *spec,
         if (g->in_use[s])
             return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
                               "gpu_llama_tag: sequences are running");
-    if (kvmix_tag_spec_check(spec) != KVMIX_SUCCESS)
-        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: bad spec");
+    kvmix_error why;
+    if (kvmix_tag_spec_check(spec, &why) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_tag: bad spec: %s %s",
+                          why.field, why.reason);
     if (!g->taggers) {
         g->taggers = (kvmix_tagger *)calloc((size_t)g->max_seqs, sizeof *g->taggers);
         g->by_tag = (kvmix_cache_precision *)calloc((size_t)g->max_seqs, sizeof *g->by_tag);

@@ -772,9 +772,10 @@ kvmix_result hf_tag_spec_generate(const hf_tokenizer *tok, const char *template_
     add_names(&g, s->roles, &s->n_roles, f->roles);
     add_names(&g, s->channels, &s->n_channels, f->channels);
     add_names(&g, s->role_starts, &s->n_role_starts, f->starts);
-    if (g.r == KVMIX_SUCCESS && (g.r = kvmix_tag_spec_check(s)) != KVMIX_SUCCESS)
-        tag_spec_fail(err, err_bytes, g.r, "spec: kvmix_tag_spec_check refused it (%s)",
-                      kvmix_result_string(g.r));
+    kvmix_error why;
+    if (g.r == KVMIX_SUCCESS && (g.r = kvmix_tag_spec_check(s, &why)) != KVMIX_SUCCESS)
+        tag_spec_fail(err, err_bytes, g.r, "spec: kvmix_tag_spec_check refused it: %s %s",
+                      why.field, why.reason);
     if (g.r == KVMIX_SUCCESS) *out = *d;
     free(d);
     return g.r;

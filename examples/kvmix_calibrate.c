@@ -710,7 +710,7 @@ static void run_job(capture_job *job) {
         ok = tags != NULL && job->dist != NULL && job->pages != NULL;
         if (!ok) snprintf(job->err, sizeof job->err, "out of memory");
     }
-    if (ok && (kvmix_tagger_init(&tagger, job->spec) != KVMIX_SUCCESS ||
+    if (ok && (kvmix_tagger_init(&tagger, job->spec, NULL) != KVMIX_SUCCESS ||
                kvmix_tagger_feed(&tagger, cap.token_ids, cap.n_tokens, tags) != KVMIX_SUCCESS)) {
         snprintf(job->err, sizeof job->err, "the tagger refused the spec or the ids");
         ok = false;
@@ -1376,7 +1376,7 @@ done:
    of one FP16 page, to price pages with kvmix_cache_page_bits. */
 static bool pricing_cache(const table *t, kvmix_cache *c, char *err) {
     kvmix_policy policy = *kvmix_policy_find("int4");
-    kvmix_policy_error why = {"", ""};
+    kvmix_error why = {"", ""};
     kvmix_cache_desc d;
     memset(&d, 0, sizeof d);
     policy.page_tokens = t->geo.page_tokens;
@@ -1394,7 +1394,7 @@ static bool pricing_cache(const table *t, kvmix_cache *c, char *err) {
                      255) /
                     256 * 256;
     kvmix_result r = kvmix_policy_apply(&policy, &d, &why);
-    if (r == KVMIX_SUCCESS) r = kvmix_cache_init_allocator(c, &d, NULL);
+    if (r == KVMIX_SUCCESS) r = kvmix_cache_init_allocator(c, &d, NULL, NULL);
     if (r != KVMIX_SUCCESS)
         snprintf(err, ERR_BYTES, "a cache of this geometry: %s (%s: %s)", kvmix_result_string(r),
                  why.field, why.reason);

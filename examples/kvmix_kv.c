@@ -161,7 +161,7 @@ static llama_result policy_check(const kvmix_policy *p, char *err, size_t err_by
                                     : "boost_fraction");
     kvmix_policy stored = *p; /* fp32's other fields obey the rules of a stored policy */
     if (fp32_key) stored.key_format = stored.value_format = KVMIX_FORMAT_FP16;
-    kvmix_policy_error why;
+    kvmix_error why;
     if (kvmix_policy_check(&stored, &why) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy field \"%s\": %s", why.field,
                           why.reason);
@@ -402,7 +402,7 @@ llama_result kvmix_kv_policy_resolve(const kvmix_policy *policy, int32_t head_di
         *out = *policy;
         return LLAMA_OK;
     }
-    kvmix_policy_error why;
+    kvmix_error why;
     if (kvmix_policy_resolve(policy, head_dim, out, &why) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
                           "policy %s, field \"%s\": %s (the model's head_dim is %d)", policy->name,
@@ -734,7 +734,7 @@ static kvmix_result init_cache(kv_kvmix *kv, const kvmix_policy *p, const llama_
     size_t granule = 256, n_pages = (size_t)(kv->capacity / desc.page_tokens) + 4;
     desc.arena_bytes = n_pages * ((page_bytes + granule - 1) / granule * granule);
     desc.granule_bytes = granule;
-    r = kvmix_cache_init_allocator(&kv->cache, &desc, NULL);
+    r = kvmix_cache_init_allocator(&kv->cache, &desc, NULL, NULL);
     if (r == KVMIX_SUCCESS) r = kvmix_cache_seq_create(&kv->cache, &kv->seq);
     return r;
 }
@@ -802,7 +802,7 @@ llama_result kvmix_kv_create(const kvmix_policy *policy, const llama_config *con
 llama_result kvmix_kv_policy_tagged(const kvmix_policy *policy, const kvmix_tag_precision *table,
                                     kvmix_tag_precision *table_copy, kvmix_policy *out_policy,
                                     const char *who, char *err, size_t err_bytes) {
-    kvmix_policy_error why;
+    kvmix_error why;
     kvmix_policy p = *policy;
     p.tag_precision = table;
     if (kvmix_policy_check(&p, &why) != KVMIX_SUCCESS)
@@ -824,7 +824,7 @@ llama_result kvmix_kv_tag(llama_kv_cache *cache, const kvmix_tag_spec *spec,
                           "kv tags: the fp32 cache keeps every token in fp32");
     kv_kvmix *kv = cache->state;
     kvmix_tagger tagger;
-    if (kvmix_tagger_init(&tagger, spec) != KVMIX_SUCCESS)
+    if (kvmix_tagger_init(&tagger, spec, NULL) != KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "kv tags: the spec does not check");
     llama_result r = kvmix_kv_policy_tagged(&kv->policy, table, &kv->table, &kv->policy, "kv tags",
                                             err, err_bytes);

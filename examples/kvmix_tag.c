@@ -175,7 +175,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     static kvmix_tagger tagger;
-    kvmix_tagger_init(&tagger, &doc.spec); /* the spec passed kvmix_tag_spec_check */
+    kvmix_tagger_init(&tagger, &doc.spec, NULL); /* the spec passed kvmix_tag_spec_check */
     if (color) {
         fputs("legend:", stdout);
         for (int r = 0; r < KVMIX_TAG_N_ROLES; r++)

@@ -300,12 +300,10 @@ kvmix_result tag_spec_parse(const char *json, size_t json_bytes, tag_spec_doc *o
                           "spec: the document must be a JSON object");
     else
         r = take_fields(root, d, err, err_bytes);
-    if (r == KVMIX_SUCCESS && (r = kvmix_tag_spec_check(&d->spec)) != KVMIX_SUCCESS)
-        tag_spec_fail(
-            err, err_bytes, r,
-            "spec: refused by kvmix_tag_spec_check (%s): markers must differ from each other, "
-            "image pads are one id each",
-            kvmix_result_string(r));
+    kvmix_error why;
+    if (r == KVMIX_SUCCESS && (r = kvmix_tag_spec_check(&d->spec, &why)) != KVMIX_SUCCESS)
+        tag_spec_fail(err, err_bytes, r, "spec: refused by kvmix_tag_spec_check: %s %s", why.field,
+                      why.reason);
     if (r == KVMIX_SUCCESS) *out = *d;
     free(d);
     cJSON_Delete(root);

@@ -23,11 +23,12 @@ static int check_cache_loop(void) {
     desc.n_kv_heads = CHECK_HEADS;
     desc.head_dim = CHECK_DIM;
     desc.max_tokens_per_seq = CHECK_STEPS;
-    if (kvmix_cache_arena_bytes_for(&desc, 1, CHECK_STEPS, &desc.arena_bytes) != KVMIX_SUCCESS ||
-        kvmix_cache_init_allocator(&cache, &desc, NULL) != KVMIX_SUCCESS)
+    if (kvmix_cache_arena_bytes_for(&desc, 1, CHECK_STEPS, &desc.arena_bytes, NULL) !=
+            KVMIX_SUCCESS ||
+        kvmix_cache_init_allocator(&cache, &desc, NULL, NULL) != KVMIX_SUCCESS)
         return 1;
     failed |= kvmix_cache_seq_create(&cache, &seq) != KVMIX_SUCCESS;
-    failed |= kvmix_cache_ref_decode_workspace_max(&desc, 1, &bound) != KVMIX_SUCCESS ||
+    failed |= kvmix_cache_ref_decode_workspace_max(&desc, 1, &bound, NULL) != KVMIX_SUCCESS ||
               bound > sizeof workspace;
     for (step = 0; step < CHECK_STEPS && !failed; step++) {
         failed |= kvmix_cache_reserve(&cache, seq, 1, NULL, &pos) != KVMIX_SUCCESS;

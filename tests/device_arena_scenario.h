@@ -392,14 +392,14 @@ static int da_scenario(const kvmix_cache_desc *desc, uint64_t seed, int steps,
     s.why_bytes = why_bytes;
     if (why_bytes) why[0] = 0;
     dd.device_arena = 1;
-    if (kvmix_cache_init_allocator(&s.host, &hd, NULL) != KVMIX_SUCCESS ||
-        kvmix_cache_memory_bytes(&dd, &memory_bytes) != KVMIX_SUCCESS) {
+    if (kvmix_cache_init_allocator(&s.host, &hd, NULL, NULL) != KVMIX_SUCCESS ||
+        kvmix_cache_memory_bytes(&dd, &memory_bytes, NULL) != KVMIX_SUCCESS) {
         da_fail(&s, "cache init", 0, 0);
         return s.failures;
     }
     s.device_memory = malloc(memory_bytes);
     if (!s.device_memory || kvmix_cache_init(&s.device, &dd, s.device_memory, memory_bytes,
-                                             ex->arena) != KVMIX_SUCCESS) {
+                                             ex->arena, NULL) != KVMIX_SUCCESS) {
         da_fail(&s, "device cache init", 0, 0);
         kvmix_cache_deinit(&s.host);
         free(s.device_memory);

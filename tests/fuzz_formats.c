@@ -7,7 +7,7 @@
 
    Input: a 12-byte header, then the payload (packed bytes).
      0  key format            b % 8 (0 and 7 are not formats)
-     1  head_dim              b < 0xF0: 32 * (1 + b % 16); else (b - 0xF0) * 7 - 1 (invalid)
+     1  head_dim              b < 0xF0: 32 * (1 + b % 16); else (b - 0xF0) * 7 - 1 (invalid but 48, 104)
      2  n_tokens              b < 0xFC: b % 72; else 0xFB - b (negative)
      3  group sizes, dead     key group GROUPS[b % 8], value group GROUPS[(b >> 3) % 8],
                               dead flags b >> 6 (0 none, 1 random, 2 all dead, 3 all live)

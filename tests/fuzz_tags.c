@@ -96,13 +96,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memset(&whole, 0, sizeof whole);
     memset(&single, 0, sizeof single);
     memset(&runs, 0, sizeof runs);
-    if (kvmix_tag_spec_check(&spec) != KVMIX_SUCCESS) {
+    if (kvmix_tag_spec_check(&spec, NULL) != KVMIX_SUCCESS) {
         memset(&untouched, POISON, sizeof untouched);
-        require(kvmix_tagger_init(&untouched, &spec) != KVMIX_SUCCESS, "refused spec refused");
+        require(kvmix_tagger_init(&untouched, &spec, NULL) != KVMIX_SUCCESS,
+                "refused spec refused");
         require(all_poisoned(&untouched, sizeof untouched), "refused init writes nothing");
         return 0;
     }
-    require(kvmix_tagger_init(&whole, &spec) == KVMIX_SUCCESS, "init");
+    require(kvmix_tagger_init(&whole, &spec, NULL) == KVMIX_SUCCESS, "init");
     single = whole;
     runs = whole;
     n = (int32_t)(size - 4);

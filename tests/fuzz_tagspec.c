@@ -31,7 +31,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         return 0;
     }
     doc = untouched;
-    if (kvmix_tag_spec_check(&doc.spec) != KVMIX_SUCCESS) abort();
+    if (kvmix_tag_spec_check(&doc.spec, NULL) != KVMIX_SUCCESS) abort();
     char *text = tag_spec_json(&doc);
     if (text == NULL) return 0;
     if (tag_spec_parse(text, strlen(text), &back, err, sizeof err) != KVMIX_SUCCESS ||

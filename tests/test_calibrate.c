@@ -216,7 +216,7 @@ static bool run_prices(const cJSON *t, const cJSON *tag, double out[5]) {
     d.n_boost = (int32_t)num(geo, "n_boost");
     d.max_seqs = 1;
     d.arena_bytes = 1 << 22;
-    if (kvmix_cache_init_allocator(&c, &d, NULL) != KVMIX_SUCCESS) return false;
+    if (kvmix_cache_init_allocator(&c, &d, NULL, NULL) != KVMIX_SUCCESS) return false;
     bool ok = true;
     for (int p = 0; p < 5; p++) {
         kvmix_cache_precision want = {(uint8_t)KEYS[p], (uint8_t)VALUES[p]};

@@ -747,7 +747,7 @@ static void stored_formats(llama_runner *runner, const llama_model *m, const tex
     if (tagged) CHECK(kvmix_kv_tag(&cache, &doc.spec, &table, NULL, err, sizeof err) == LLAMA_OK);
     CHECK(llama_score_sequence(runner, &cache, s->ids[0], s->n[0], NULL, NULL, NULL, &score, err,
                                sizeof err) == LLAMA_OK);
-    CHECK(kvmix_tagger_init(&tagger, &doc.spec) == KVMIX_SUCCESS);
+    CHECK(kvmix_tagger_init(&tagger, &doc.spec, NULL) == KVMIX_SUCCESS);
     int32_t seq;
     const kvmix_cache *kc = kvmix_kv_inner(&cache, &seq);
     *n_int2 = *n_user_low = 0;

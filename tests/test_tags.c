@@ -42,8 +42,8 @@ static kvmix_tag *tag_all(const kvmix_tag_spec *spec, const int32_t *ids, int32_
     kvmix_tag *whole = (kvmix_tag *)malloc(sizeof(kvmix_tag) * (size_t)(n + 1));
     kvmix_tag *runs = (kvmix_tag *)malloc(sizeof(kvmix_tag) * (size_t)(n + 1));
     if (whole == NULL || runs == NULL) abort();
-    CHECK(kvmix_tagger_init(&a, spec) == KVMIX_SUCCESS);
-    CHECK(kvmix_tagger_init(&b, spec) == KVMIX_SUCCESS);
+    CHECK(kvmix_tagger_init(&a, spec, NULL) == KVMIX_SUCCESS);
+    CHECK(kvmix_tagger_init(&b, spec, NULL) == KVMIX_SUCCESS);
     CHECK(kvmix_tagger_feed(&a, ids, n, whole) == KVMIX_SUCCESS);
     for (int32_t i = 0, k = 0; i < n; k++) {
         int32_t run = 1 + (k * 7) % 37;

@@ -901,13 +901,21 @@ static void test_edges(void) {
 /* ---- argument checks ---------------------------------------------------------------------- */
 
 /* Runs both allocators (two-level greedy and exhaustive, knapsack) on a broken instance and
-   checks the result and that nothing was written. */
+   checks the result and that nothing was written; with a field, kvmix_alloc_problem_check gives
+   the same result and names it. */
 static void expect_error(const instance *in, int32_t low, int32_t high, int knapsack_too,
-                         kvmix_result want, const char *what) {
+                         kvmix_result want, const char *field, const char *what) {
     static double ws[4096];
     int32_t choice[MAX_TAGS];
     kvmix_alloc_summary s;
+    kvmix_error why = {NULL, NULL};
     test_context("bad input: %s", what);
+    if (field) {
+        CHECK_RESULT(kvmix_alloc_problem_check(&in->problem, &why), want);
+        CHECK_MSG(why.field != NULL && strcmp(why.field, field) == 0, "field %s, expected %s",
+                  why.field ? why.field : "(null)", field);
+        CHECK(why.reason != NULL && why.reason[0] != '\0');
+    }
     test_poison(choice, sizeof choice, POISON_ID);
     test_poison(&s, sizeof s, POISON_ID);
     CHECK_RESULT(kvmix_alloc_two_level(&in->problem, low, high, KVMIX_ALLOC_GREEDY, ws, sizeof ws,
@@ -934,50 +942,59 @@ static void test_bad_input(void) {
     good.budget = good.bits[1];
     instance_bind(&good);
 
-#define BAD(stmt, want, what)                                                                      \
+#define BAD(stmt, want, field, what)                                                               \
     do {                                                                                           \
         in = good;                                                                                 \
         instance_bind(&in);                                                                        \
         stmt;                                                                                      \
-        expect_error(&in, 0, 2, 1, want, what);                                                    \
+        expect_error(&in, 0, 2, 1, want, field, what);                                             \
     } while (0)
-    BAD(in.problem.n_tags = 0, KVMIX_ERR_INVALID_ARGUMENT, "n_tags 0");
-    BAD(in.problem.n_tags = -3, KVMIX_ERR_INVALID_ARGUMENT, "n_tags negative");
-    BAD(in.problem.n_tags = KVMIX_ALLOC_MAX_TAGS + 1, KVMIX_ERR_INVALID_ARGUMENT, "n_tags big");
-    BAD(in.problem.n_precisions = 0, KVMIX_ERR_INVALID_ARGUMENT, "n_precisions 0");
+    {
+        kvmix_error why = {NULL, NULL};
+        CHECK_RESULT(kvmix_alloc_problem_check(&good.problem, &why), KVMIX_SUCCESS);
+        CHECK(why.field != NULL && strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
+        CHECK_RESULT(kvmix_alloc_problem_check(NULL, &why), KVMIX_ERR_NULL_POINTER);
+        CHECK(strcmp(why.field, "problem") == 0);
+    }
+    BAD(in.problem.n_tags = 0, KVMIX_ERR_INVALID_ARGUMENT, "n_tags", "n_tags 0");
+    BAD(in.problem.n_tags = -3, KVMIX_ERR_INVALID_ARGUMENT, "n_tags", "n_tags negative");
+    BAD(in.problem.n_tags = KVMIX_ALLOC_MAX_TAGS + 1, KVMIX_ERR_INVALID_ARGUMENT, "n_tags",
+        "n_tags big");
+    BAD(in.problem.n_precisions = 0, KVMIX_ERR_INVALID_ARGUMENT, "n_precisions", "n_precisions 0");
     BAD(in.problem.n_precisions = KVMIX_ALLOC_MAX_PRECISIONS + 1, KVMIX_ERR_INVALID_ARGUMENT,
-        "n_precisions big");
-    BAD(in.problem.tokens = NULL, KVMIX_ERR_NULL_POINTER, "tokens NULL");
-    BAD(in.problem.distortion = NULL, KVMIX_ERR_NULL_POINTER, "distortion NULL");
-    BAD(in.problem.bits = NULL, KVMIX_ERR_NULL_POINTER, "bits NULL");
-    BAD(in.tokens[2] = -1, KVMIX_ERR_INVALID_ARGUMENT, "negative tokens");
-    BAD(memset(in.tokens, 0, sizeof in.tokens), KVMIX_ERR_INVALID_ARGUMENT, "no tokens");
+        "n_precisions", "n_precisions big");
+    BAD(in.problem.tokens = NULL, KVMIX_ERR_NULL_POINTER, "tokens", "tokens NULL");
+    BAD(in.problem.distortion = NULL, KVMIX_ERR_NULL_POINTER, "distortion", "distortion NULL");
+    BAD(in.problem.bits = NULL, KVMIX_ERR_NULL_POINTER, "bits", "bits NULL");
+    BAD(in.tokens[2] = -1, KVMIX_ERR_INVALID_ARGUMENT, "tokens", "negative tokens");
+    BAD(memset(in.tokens, 0, sizeof in.tokens), KVMIX_ERR_INVALID_ARGUMENT, "tokens", "no tokens");
     BAD((in.tokens[0] = INT64_MAX / 2, in.tokens[1] = INT64_MAX / 2), KVMIX_ERR_INVALID_ARGUMENT,
-        "tokens beyond 2^53");
-    BAD(in.distortion[4] = NAN, KVMIX_ERR_BAD_VALUE, "NaN distortion");
-    BAD(in.distortion[4] = -1e-300, KVMIX_ERR_BAD_VALUE, "negative distortion");
-    BAD(in.distortion[0] = HUGE_VAL, KVMIX_ERR_BAD_VALUE, "infinite distortion");
-    BAD((in.distortion[0] = 1.5e308, in.distortion[3] = 1.5e308), KVMIX_ERR_BAD_VALUE,
+        "tokens", "tokens beyond 2^53");
+    BAD(in.distortion[4] = NAN, KVMIX_ERR_BAD_VALUE, "distortion", "NaN distortion");
+    BAD(in.distortion[4] = -1e-300, KVMIX_ERR_BAD_VALUE, "distortion", "negative distortion");
+    BAD(in.distortion[0] = HUGE_VAL, KVMIX_ERR_BAD_VALUE, "distortion", "infinite distortion");
+    BAD((in.distortion[0] = 1.5e308, in.distortion[3] = 1.5e308), KVMIX_ERR_BAD_VALUE, "distortion",
         "distortion sum overflows");
-    BAD(in.bits[1] = NAN, KVMIX_ERR_BAD_VALUE, "NaN bits");
-    BAD(in.bits[0] = 0.0, KVMIX_ERR_BAD_VALUE, "zero bits");
-    BAD(in.bits[2] = -4.0, KVMIX_ERR_BAD_VALUE, "negative bits");
-    BAD(in.bits[2] = 70000.0, KVMIX_ERR_BAD_VALUE, "bits too large");
-    BAD(in.problem.budget_bits = NAN, KVMIX_ERR_BAD_VALUE, "NaN budget");
-    BAD(in.problem.budget_bits = 0.0, KVMIX_ERR_BAD_VALUE, "zero budget");
-    BAD(in.problem.budget_bits = -3.0, KVMIX_ERR_BAD_VALUE, "negative budget");
-    BAD(in.problem.budget_bits = HUGE_VAL, KVMIX_ERR_BAD_VALUE, "infinite budget");
-    BAD(in.problem.budget_bits = 1e308, KVMIX_ERR_BAD_VALUE, "budget times tokens overflows");
+    BAD(in.bits[1] = NAN, KVMIX_ERR_BAD_VALUE, "bits", "NaN bits");
+    BAD(in.bits[0] = 0.0, KVMIX_ERR_BAD_VALUE, "bits", "zero bits");
+    BAD(in.bits[2] = -4.0, KVMIX_ERR_BAD_VALUE, "bits", "negative bits");
+    BAD(in.bits[2] = 70000.0, KVMIX_ERR_BAD_VALUE, "bits", "bits too large");
+    BAD(in.problem.budget_bits = NAN, KVMIX_ERR_BAD_VALUE, "budget_bits", "NaN budget");
+    BAD(in.problem.budget_bits = 0.0, KVMIX_ERR_BAD_VALUE, "budget_bits", "zero budget");
+    BAD(in.problem.budget_bits = -3.0, KVMIX_ERR_BAD_VALUE, "budget_bits", "negative budget");
+    BAD(in.problem.budget_bits = HUGE_VAL, KVMIX_ERR_BAD_VALUE, "budget_bits", "infinite budget");
+    BAD(in.problem.budget_bits = 1e308, KVMIX_ERR_BAD_VALUE, "budget_bits",
+        "budget times tokens overflows");
 #undef BAD
 
     in = good;
     instance_bind(&in);
-    expect_error(&in, 1, 1, 0, KVMIX_ERR_INVALID_ARGUMENT, "low == high");
-    expect_error(&in, 2, 0, 0, KVMIX_ERR_INVALID_ARGUMENT, "bits[low] > bits[high]");
-    expect_error(&in, -1, 2, 0, KVMIX_ERR_INVALID_ARGUMENT, "low negative");
-    expect_error(&in, 0, 3, 0, KVMIX_ERR_INVALID_ARGUMENT, "high out of range");
+    expect_error(&in, 1, 1, 0, KVMIX_ERR_INVALID_ARGUMENT, NULL, "low == high");
+    expect_error(&in, 2, 0, 0, KVMIX_ERR_INVALID_ARGUMENT, NULL, "bits[low] > bits[high]");
+    expect_error(&in, -1, 2, 0, KVMIX_ERR_INVALID_ARGUMENT, NULL, "low negative");
+    expect_error(&in, 0, 3, 0, KVMIX_ERR_INVALID_ARGUMENT, NULL, "high out of range");
     in.bits[2] = in.bits[0];
-    expect_error(&in, 0, 2, 0, KVMIX_ERR_INVALID_ARGUMENT, "bits[low] == bits[high]");
+    expect_error(&in, 0, 2, 0, KVMIX_ERR_INVALID_ARGUMENT, NULL, "bits[low] == bits[high]");
 
     in = good;
     instance_bind(&in);

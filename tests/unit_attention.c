@@ -332,6 +332,43 @@ static void test_each_format_pair(void) {
     test_context(NULL);
 }
 
+/* head_dims 48, 80 and 96 (multiples of 8 that 64 does not divide): every key and value format,
+   in groups of 16, against the double reference. */
+static void test_head_dims_of_8(void) {
+    static const int32_t dims[] = {48, 80, 96};
+    test_rng rng;
+    size_t di;
+    int32_t kf, vf, i;
+    test_rng_init(&rng, "attention/head dims of 8");
+    for (di = 0; di < N_ELEMS(dims); di++)
+        for (kf = KVMIX_FORMAT_FP16; kf <= KVMIX_FORMAT_BOOSTED; kf++)
+            for (vf = KVMIX_FORMAT_FP16; vf <= KVMIX_FORMAT_BOOSTED; vf++) {
+                int32_t d = dims[di], n_kv = 2;
+                span_desc sd[2];
+                built_span b[2];
+                kvmix_attention_desc desc = make_desc(4, n_kv, d, 0.0f);
+                float q[4 * 96];
+                memset(sd, 0, sizeof sd);
+                for (i = 0; i < 2; i++) {
+                    sd[i].key_format = (kvmix_format)kf;
+                    sd[i].value_format = (kvmix_format)vf;
+                    sd[i].key_boost = kf == KVMIX_FORMAT_BOOSTED ? 8 : 0;
+                    sd[i].value_boost = vf == KVMIX_FORMAT_BOOSTED ? 4 : 0;
+                    sd[i].key_group = kf >= KVMIX_FORMAT_INT8 && kf <= KVMIX_FORMAT_INT2 ? 16 : 0;
+                    sd[i].value_group = vf >= KVMIX_FORMAT_INT8 && vf <= KVMIX_FORMAT_INT2 ? 16 : 0;
+                    sd[i].n_tokens = i ? 17 : 32;
+                    sd[i].dead_mode = i;
+                    build_span(&rng, &b[i], &sd[i], n_kv, d);
+                }
+                test_context("D=%d keys %s values %s", (int)d, kvmix_format_name((kvmix_format)kf),
+                             kvmix_format_name((kvmix_format)vf));
+                random_q(&rng, q, 4 * d);
+                run_and_compare(&desc, q, b, 2);
+                for (i = 0; i < 2; i++) free_span(&b[i]);
+            }
+    test_context(NULL);
+}
+
 /* ---- structural properties ------------------------------------------------------------------- */
 static int run_decode(const kvmix_attention_desc *desc, const float *q, const built_span *b,
                       int32_t n_spans, float *out, float *lse) {
@@ -861,6 +898,7 @@ static void test_decode_bad_input(void) {
 void unit_attention(void) {
     test_mixed_sequences();
     test_each_format_pair();
+    test_head_dims_of_8();
     test_empty_and_dead();
     test_head_strides();
     test_scale();

@@ -76,13 +76,13 @@ static void ct_open(ct_model *m, const kvmix_cache_desc *desc, const char *strea
     memset(m, 0, sizeof *m);
     test_rng_init(&m->rng, stream);
     m->desc = *desc;
-    CHECK_RESULT(kvmix_cache_memory_bytes(&m->desc, &m->memory_bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_memory_bytes(&m->desc, &m->memory_bytes, NULL), KVMIX_SUCCESS);
     m->memory = test_alloc(m->memory_bytes);
     m->arena_bytes = desc->arena_bytes;
     m->arena = test_alloc(m->arena_bytes);
     test_poison(m->memory, m->memory_bytes, 1);
     test_poison(m->arena, m->arena_bytes, 2);
-    CHECK_RESULT(kvmix_cache_init(&m->cache, &m->desc, m->memory, m->memory_bytes, m->arena),
+    CHECK_RESULT(kvmix_cache_init(&m->cache, &m->desc, m->memory, m->memory_bytes, m->arena, NULL),
                  KVMIX_SUCCESS);
     m->snap_struct = (uint8_t *)test_alloc(sizeof m->cache);
     m->snap_memory = (uint8_t *)test_alloc(m->memory_bytes);
@@ -368,7 +368,8 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
     values = (float *)test_alloc((size_t)c->desc.n_kv_heads * d * sizeof(float));
     for (i = 0; i < n * nq * d; i++) q[i] = (float)(2.0 * test_rng_unit(&m->rng) - 1.0);
     CHECK_RESULT(kvmix_cache_ref_decode_workspace(c, seqs, n, &ws_bytes), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_ref_decode_workspace_max(&c->desc, n, &max_bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_ref_decode_workspace_max(&c->desc, n, &max_bytes, NULL),
+                 KVMIX_SUCCESS);
     CHECK_MSG(ws_bytes <= max_bytes, "decode workspace %zu above its bound %zu", ws_bytes,
               max_bytes);
     ws = test_alloc(ws_bytes + 8);
@@ -1519,7 +1520,7 @@ static void test_bad_inputs(void) {
     bad.n_layers = 0;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
-    bad.head_dim = 48;
+    bad.head_dim = 44;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_BAD_SHAPE);
     bad = d;
     bad.page_tokens = 12;
@@ -1537,7 +1538,7 @@ static void test_bad_inputs(void) {
     bad.granule_bytes = 100;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
-    bad.arena_bytes = 0;
+    bad.arena_bytes = 100; /* under a granule; 0 is a size query (test_desc_arena_sizing) */
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     bad.partial = (kvmix_cache_partial)7;
@@ -1548,7 +1549,7 @@ static void test_bad_inputs(void) {
     bad = d;
     bad.max_seqs = 1 << 20;
     bad.max_tokens_per_seq = 1 << 26;
-    CHECK_RESULT(kvmix_cache_memory_bytes(&bad, &bytes),
+    CHECK_RESULT(kvmix_cache_memory_bytes(&bad, &bytes, NULL),
                  sizeof(size_t) >= 8 ? KVMIX_ERR_INVALID_ARGUMENT : KVMIX_ERR_INVALID_ARGUMENT);
     bad = d;
     CHECK_RESULT(kvmix_cache_desc_resolve(&bad, NULL), KVMIX_SUCCESS);
@@ -1558,12 +1559,12 @@ static void test_bad_inputs(void) {
     ct_open(&m, &d, "cache bad inputs");
     {
         kvmix_cache other;
-        CHECK_RESULT(kvmix_cache_init(&other, &bad, m.memory, m.memory_bytes - 1, m.arena),
+        CHECK_RESULT(kvmix_cache_init(&other, &bad, m.memory, m.memory_bytes - 1, m.arena, NULL),
                      KVMIX_ERR_BUFFER_TOO_SMALL);
         CHECK_RESULT(
-            kvmix_cache_init(&other, &bad, (uint8_t *)m.memory + 1, m.memory_bytes, m.arena),
+            kvmix_cache_init(&other, &bad, (uint8_t *)m.memory + 1, m.memory_bytes, m.arena, NULL),
             KVMIX_ERR_INVALID_ARGUMENT);
-        CHECK_RESULT(kvmix_cache_init(&other, &bad, NULL, m.memory_bytes, m.arena),
+        CHECK_RESULT(kvmix_cache_init(&other, &bad, NULL, m.memory_bytes, m.arena, NULL),
                      KVMIX_ERR_NULL_POINTER);
     }
     CHECK_RESULT(kvmix_cache_seq_create(&m.cache, &s), KVMIX_SUCCESS);
@@ -1701,7 +1702,7 @@ static void test_allocator_init(void) {
     a.alloc_fn = ct_alloc;
     a.free_fn = ct_free;
     a.user = &count;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, &a), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, &a, NULL), KVMIX_SUCCESS);
     CHECK_EQ_INT(count.live, 2);
     CHECK_EQ_INT(d.page_tokens, 16); /* resolved values written back */
     CHECK_EQ_INT(d.group_size, 32);
@@ -1715,7 +1716,7 @@ static void test_allocator_init(void) {
     kvmix_cache_deinit(&cache);
     CHECK_EQ_INT(count.live, 0);
     kvmix_cache_deinit(NULL);
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
     kvmix_cache_deinit(&cache);
 }
 
@@ -1769,7 +1770,7 @@ static int ct_says(const kvmix_cache *cache, const char *argument) {
    sequence holds one whole FP16 page until the page fills. */
 static void test_desc_defaults(void) {
     kvmix_cache_desc zero, int4;
-    kvmix_cache_desc_error why = {NULL, NULL};
+    kvmix_error why = {NULL, NULL};
     kvmix_cache cache;
     kvmix_cache_seq_stats st;
     kvmix_cache_precision boosted = {KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2};
@@ -1801,7 +1802,7 @@ static void test_desc_defaults(void) {
     CHECK_RESULT(kvmix_cache_desc_resolve(&int4, &why), KVMIX_ERR_BAD_SHAPE);
     CHECK(why.field != NULL && strcmp(why.field, "n_boost") == 0);
     for (i = 0; i < 2 * 2 * 64; i++) rows[i] = (float)(i % 9) / 8.0f;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &zero, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &zero, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &pos), KVMIX_ERR_OUT_OF_MEMORY); /* one sequence */
     CHECK_RESULT(kvmix_cache_reserve(&cache, s, 1, &boosted, &pos), KVMIX_ERR_BAD_SHAPE);
@@ -1856,7 +1857,7 @@ static int ct_sized_run(kvmix_cache_desc d, size_t arena_bytes, int32_t n_seqs, 
     int ok = 1;
     for (i = 0; i < 2 * 2 * 64 * 2; i++) rows[i] = (float)(i % 11) / 16.0f - 0.25f;
     d.arena_bytes = arena_bytes;
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS)) return 0;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS)) return 0;
     for (i = 0; i < n_seqs; i++)
         CHECK_RESULT(kvmix_cache_seq_create(&cache, &seqs[i]), KVMIX_SUCCESS);
     for (total = 0; ok && total < n_seqs * n; total++) {
@@ -1897,7 +1898,7 @@ static void test_arena_bytes_for(void) {
     int4.n_layers = 2;
     int4.n_kv_heads = 2;
     int4.head_dim = 64; /* the defaults: int4, pages of 32 */
-    CHECK_RESULT(kvmix_cache_arena_bytes_for(&int4, 1, 65, &bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_arena_bytes_for(&int4, 1, 65, &bytes, NULL), KVMIX_SUCCESS);
     CHECK(ct_sized_run(int4, bytes, 1, 65, CT_TURNS, 0, &rng, &steady));
     CHECK(steady < bytes); /* two sealed pages and a buffer, held before the last seal with two */
     CHECK(!ct_sized_run(int4, steady, 1, 65, CT_TURNS, 0, &rng, NULL));
@@ -1917,7 +1918,7 @@ static void test_arena_bytes_for(void) {
         for (n_seqs = 1; n_seqs <= 3; n_seqs += 2)
             for (li = 0; li < (int32_t)(sizeof lengths / sizeof lengths[0]); li++) {
                 int32_t n = lengths[li], tight = 0;
-                if (!CHECK_RESULT(kvmix_cache_arena_bytes_for(&d, n_seqs, n, &bytes),
+                if (!CHECK_RESULT(kvmix_cache_arena_bytes_for(&d, n_seqs, n, &bytes, NULL),
                                   KVMIX_SUCCESS))
                     continue;
                 for (order = CT_TURNS; order <= CT_RANDOM; order++)
@@ -1936,6 +1937,135 @@ static void test_arena_bytes_for(void) {
             }
     }
     test_context(NULL);
+}
+
+/* arena_bytes 0 is a size query: kvmix_cache_desc_resolve writes what
+   kvmix_cache_arena_bytes_for gives for max_seqs sequences of max_tokens_per_seq positions,
+   kvmix_cache_init_allocator allocates it, and those sequences fit it to their last position. */
+static void test_desc_arena_sizing(void) {
+    kvmix_cache_desc d, sized;
+    kvmix_cache cache;
+    kvmix_error why = {NULL, NULL};
+    size_t bytes = 0, memory_zero = 0, memory_sized = 0;
+    int32_t head_dim;
+    test_rng rng;
+    test_rng_init(&rng, "desc arena sizing");
+    memset(&d, 0, sizeof d);
+    d.n_layers = 2;
+    d.n_kv_heads = 2;
+    d.head_dim = 64;
+    d.max_seqs = 3;
+    d.max_tokens_per_seq = 161;
+    CHECK_RESULT(kvmix_policy_apply(kvmix_policy_find("kivi2-sink"), &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_arena_bytes_for(&d, 3, 161, &bytes, &why), KVMIX_SUCCESS);
+    sized = d;
+    CHECK_RESULT(kvmix_cache_desc_resolve(&sized, &why), KVMIX_SUCCESS);
+    CHECK(strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
+    CHECK(sized.arena_bytes == bytes && bytes > 0);
+    CHECK_RESULT(kvmix_cache_memory_bytes(&d, &memory_zero, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_memory_bytes(&sized, &memory_sized, NULL), KVMIX_SUCCESS);
+    CHECK(memory_zero == memory_sized); /* the bitmap of the arena it resolves to */
+    CHECK(ct_sized_run(d, 0, 3, 161, CT_TURNS, 0, &rng, NULL));
+    CHECK(ct_sized_run(d, 0, 3, 161, CT_ONE_AFTER_ANOTHER, 1, &rng, NULL));
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, &why), KVMIX_SUCCESS);
+    CHECK(cache.desc.arena_bytes == bytes && d.arena_bytes == bytes);
+    kvmix_cache_deinit(&cache);
+    /* head_dim 48 and 80 with groups that divide them: INT8 and FP16 pages, and the sizing */
+    for (head_dim = 48; head_dim <= 80; head_dim += 32) {
+        memset(&d, 0, sizeof d);
+        d.n_layers = d.n_kv_heads = 2;
+        d.head_dim = head_dim;
+        d.max_seqs = 3;
+        d.max_tokens_per_seq = 161;
+        d.group_size = 16;
+        d.default_precision.key_format = d.default_precision.value_format = KVMIX_FORMAT_INT8;
+        CHECK(ct_sized_run(d, 0, 3, 161, CT_TURNS, 0, &rng, NULL));
+        d.default_precision.key_format = d.default_precision.value_format = KVMIX_FORMAT_FP16;
+        CHECK(ct_sized_run(d, 0, 2, 100, CT_RANDOM, 1, &rng, NULL));
+    }
+    /* an arena too large to count: refused, naming arena_bytes */
+    d.arena_bytes = 0;
+    d.max_seqs = 1 << 20;
+    d.max_tokens_per_seq = 1 << 26;
+    d.n_layers = d.n_kv_heads = 4096;
+    sized = d;
+    if (CHECK_RESULT(kvmix_cache_desc_resolve(&sized, &why), KVMIX_ERR_INVALID_ARGUMENT)) {
+        CHECK(strcmp(why.field, "arena_bytes") == 0);
+        CHECK_MEM_EQ(&sized, &d, sizeof d);
+    }
+}
+
+/* Every call that checks a desc or sizes from one says which field or argument is wrong, and
+   "" when nothing is. */
+static void test_desc_error_fields(void) {
+    kvmix_cache_desc d, bad;
+    kvmix_cache cache;
+    kvmix_error why;
+    size_t bytes = 0, memory_bytes = 0;
+    uint64_t *memory;
+    uint8_t arena[4096];
+    ct_small_desc(&d);
+    d.arena_bytes = sizeof arena;
+#define EXPECT_FIELD(call, want, name)                                                             \
+    do {                                                                                           \
+        why.field = why.reason = NULL;                                                             \
+        CHECK_RESULT(call, want);                                                                  \
+        CHECK_MSG(why.field != NULL && strcmp(why.field, name) == 0,                               \
+                  "%s: field \"%s\", expected \"%s\"", #call, why.field ? why.field : "(null)",    \
+                  name);                                                                           \
+        CHECK(why.reason != NULL && (want == KVMIX_SUCCESS) == (why.reason[0] == '\0'));           \
+    } while (0)
+    bad = d;
+    bad.head_dim = 44;
+    EXPECT_FIELD(kvmix_cache_desc_resolve(&bad, &why), KVMIX_ERR_BAD_SHAPE, "head_dim");
+    bad.head_dim = 48; /* a multiple of 8, but the default group of 32 does not divide it */
+    EXPECT_FIELD(kvmix_cache_desc_resolve(&bad, &why), KVMIX_ERR_BAD_SHAPE, "group_size");
+    bad.group_size = 16;
+    bad.n_boost = 0;
+    EXPECT_FIELD(kvmix_cache_desc_resolve(&bad, &why), KVMIX_SUCCESS, "");
+    EXPECT_FIELD(kvmix_cache_desc_resolve(NULL, &why), KVMIX_ERR_NULL_POINTER, "desc");
+    bad = d;
+    bad.granule_bytes = 100;
+    EXPECT_FIELD(kvmix_cache_memory_bytes(&bad, &bytes, &why), KVMIX_ERR_INVALID_ARGUMENT,
+                 "granule_bytes");
+    EXPECT_FIELD(kvmix_cache_memory_bytes(&d, NULL, &why), KVMIX_ERR_NULL_POINTER, "out_bytes");
+    EXPECT_FIELD(kvmix_cache_memory_bytes(&d, &memory_bytes, &why), KVMIX_SUCCESS, "");
+    EXPECT_FIELD(kvmix_cache_arena_bytes_for(&d, d.max_seqs + 1, 1, &bytes, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT, "n_seqs");
+    EXPECT_FIELD(kvmix_cache_arena_bytes_for(&d, 1, -1, &bytes, &why), KVMIX_ERR_INVALID_ARGUMENT,
+                 "n_tokens_per_seq");
+    EXPECT_FIELD(kvmix_cache_arena_bytes_for(&bad, 1, 1, &bytes, &why), KVMIX_ERR_INVALID_ARGUMENT,
+                 "granule_bytes");
+    EXPECT_FIELD(kvmix_cache_arena_bytes_for(&d, 1, 1, &bytes, &why), KVMIX_SUCCESS, "");
+    EXPECT_FIELD(kvmix_cache_ref_decode_workspace_max(&d, -1, &bytes, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT, "n_seqs");
+    EXPECT_FIELD(kvmix_cache_ref_decode_workspace_max(&d, 1, &bytes, &why), KVMIX_SUCCESS, "");
+    /* the inits name a desc field as the desc spells it, and their own arguments */
+    memory = (uint64_t *)test_alloc(memory_bytes + 8);
+    bad = d;
+    bad.n_sink = bad.page_tokens + 1;
+    EXPECT_FIELD(kvmix_cache_init(&cache, &bad, memory, memory_bytes, arena, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT, "n_sink");
+    ct_says(&cache, "desc.n_sink");
+    EXPECT_FIELD(kvmix_cache_init(&cache, &d, (uint8_t *)memory + 4, memory_bytes, arena, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT, "memory");
+    EXPECT_FIELD(kvmix_cache_init(&cache, &d, memory, memory_bytes - 8, arena, &why),
+                 KVMIX_ERR_BUFFER_TOO_SMALL, "memory_bytes");
+    EXPECT_FIELD(kvmix_cache_init(&cache, &d, memory, memory_bytes, NULL, &why),
+                 KVMIX_ERR_NULL_POINTER, "arena");
+    EXPECT_FIELD(kvmix_cache_init(&cache, &d, memory, memory_bytes, arena, &why), KVMIX_SUCCESS,
+                 "");
+    kvmix_cache_deinit(&cache);
+    EXPECT_FIELD(kvmix_cache_init_allocator(&cache, &bad, NULL, &why), KVMIX_ERR_INVALID_ARGUMENT,
+                 "n_sink");
+    bad = d;
+    bad.device_arena = 1;
+    EXPECT_FIELD(kvmix_cache_init_allocator(&cache, &bad, NULL, &why), KVMIX_ERR_INVALID_ARGUMENT,
+                 "device_arena");
+    EXPECT_FIELD(kvmix_cache_init_allocator(&cache, &d, NULL, &why), KVMIX_SUCCESS, "");
+    kvmix_cache_deinit(&cache);
+#undef EXPECT_FIELD
+    free(memory);
 }
 
 /* Row value of token t, layer l, channel i (FP16-exact, varied per channel). */
@@ -1957,7 +2087,7 @@ static void test_zero_precision_is_default(void) {
     ct_small_desc(&d);
     d.default_precision.key_format = KVMIX_FORMAT_INT2_CHANNEL;
     d.default_precision.value_format = KVMIX_FORMAT_INT8;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
     hd = d.n_kv_heads * d.head_dim;
     per_token = d.n_layers * hd;
     prompt_k = (float *)test_alloc((size_t)N * per_token * sizeof(float));
@@ -2036,7 +2166,7 @@ static void test_zero_precision_is_default(void) {
 static void test_error_messages(void) {
     kvmix_cache cache;
     kvmix_cache_desc d, bad;
-    kvmix_cache_desc_error why = {NULL, NULL};
+    kvmix_error why = {NULL, NULL};
     float rows[2 * 64], q[3 * 64], out[3 * 64], lse[3];
     uint64_t ws[256];
     uint32_t slot;
@@ -2052,10 +2182,10 @@ static void test_error_messages(void) {
     CHECK(why.field != NULL && strcmp(why.field, "n_sink") == 0);
     CHECK(why.reason != NULL && why.reason[0] != '\0');
     CHECK_EQ_INT(bad.n_sink, d.page_tokens + 1); /* unchanged */
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &bad, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &bad, NULL, NULL), KVMIX_ERR_INVALID_ARGUMENT);
     ct_says(&cache, "desc.n_sink");
     d.n_kv_heads = 2;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
     CHECK_EQ_INT(kvmix_cache_last_error(&cache)[0], '\0');
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
     /* a write before its positions are reserved */
@@ -2114,8 +2244,8 @@ static void test_runs(void) {
     ct_small_desc(&d);
     d.n_window = 32;
     for (i = 0; i < 2 * 2 * 64; i++) rows[i] = (float)(i % 13) / 8.0f - 0.75f;
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&with, &d, NULL), KVMIX_SUCCESS)) return;
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&without, &d, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&with, &d, NULL, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&without, &d, NULL, NULL), KVMIX_SUCCESS)) return;
     CHECK_RESULT(kvmix_cache_seq_create(&with, &s), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&without, &t), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_set_run(&with, 3, 1), KVMIX_ERR_INVALID_ARGUMENT);
@@ -2184,7 +2314,7 @@ static void test_runs_fork_unwritten(void) {
     test_context("runs: fork inside a closed page");
     ct_small_desc(&d);
     for (i = 0; i < 9 * 2 * 64; i++) rows[i] = (float)(i % 11) / 8.0f - 0.5f;
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS)) return;
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &s), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_set_run(&cache, s, 1), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&cache, s, 9, NULL, &pos), KVMIX_SUCCESS);
@@ -2223,7 +2353,7 @@ static void test_runs_values_window(void) {
     d.n_window = 32;
     d.window_values_only = 1;
     for (i = 0; i < 2 * 2 * 64; i++) rows[i] = (float)(i % 11) / 8.0f - 0.5f;
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&c, &d, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&c, &d, NULL, NULL), KVMIX_SUCCESS)) return;
     CHECK_RESULT(kvmix_cache_seq_create(&c, &seq[0]), KVMIX_SUCCESS);
     for (pos = 0; pos < 45; pos++) { /* runs of 5: every page closes at 5 rows */
         CHECK_RESULT(kvmix_cache_seq_set_run(&c, seq[0], (uint32_t)(pos / 5)), KVMIX_SUCCESS);
@@ -2622,6 +2752,8 @@ void unit_cache(void) {
     test_zero_precision_is_default();
     test_desc_defaults();
     test_arena_bytes_for();
+    test_desc_arena_sizing();
+    test_desc_error_fields();
     test_allocator_init();
     test_decode_reaches_2bit();
     test_values_only_window();

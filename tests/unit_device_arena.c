@@ -156,9 +156,9 @@ static void test_write_after_release(void) {
     kvmix_view view;
     for (i = 0; i < 28 * per; i++) rows[i] = kvmix_fp32_to_fp16((float)(i % 251) / 64.0f);
     d.device_arena = 1;
-    CHECK_RESULT(kvmix_cache_memory_bytes(&d, &bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_memory_bytes(&d, &bytes, NULL), KVMIX_SUCCESS);
     memory = test_alloc(bytes);
-    CHECK_RESULT(kvmix_cache_init(&cache, &d, memory, bytes, arena), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init(&cache, &d, memory, bytes, arena, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &parent), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&cache, parent, 13, NULL, NULL), KVMIX_SUCCESS);
     for (layer = 0; layer < 2; layer++) /* staged rows 0-12 and 13-25 */
@@ -202,10 +202,10 @@ static void test_device_arena_rules(void) {
     int32_t seq, n_jobs, n_batches;
     d.device_arena = 1;
     d.max_jobs = 12;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_cache_memory_bytes(&d, &bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_memory_bytes(&d, &bytes, NULL), KVMIX_SUCCESS);
     memory = test_alloc(bytes);
-    CHECK_RESULT(kvmix_cache_init(&cache, &d, memory, bytes, arena), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init(&cache, &d, memory, bytes, arena, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_append(&cache, seq, rows, rows, d.default_precision),
                  KVMIX_ERR_INVALID_ARGUMENT);
@@ -252,7 +252,7 @@ static void test_seal_ready(void) {
     float *rows = (float *)test_alloc(48 * 2 * 64 * sizeof(float));
     int32_t seq, layer, i;
     for (i = 0; i < 48 * 2 * 64; i++) rows[i] = (float)(i % 97) / 50.0f - 1.0f;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seal_ready(&cache, seq + 1), KVMIX_ERR_INVALID_ARGUMENT);
     /* 48 positions, pages of 16, a window of 16: the first two pages may be sealed */

@@ -406,7 +406,7 @@ static void roundtrip_case(test_rng *rng, kvmix_format format, int32_t d, int32_
     compact = (float *)test_alloc(sizeof(float) * (size_t)n * (size_t)d);
     gen_data(rng, x, n, d, stride,
              is_per_token(format)          ? s.g
-             : format == KVMIX_FORMAT_FP16 ? 32
+             : format == KVMIX_FORMAT_FP16 ? (d % 32 == 0 ? 32 : 8)
                                            : 0);
     for (t = 0; t < n; t++)
         memcpy(compact + (size_t)t * d, x + (size_t)t * stride, sizeof(float) * (size_t)d);
@@ -517,6 +517,33 @@ static void test_roundtrip_all_shapes(void) {
     roundtrip_case(&rng, KVMIX_FORMAT_BOOSTED, 256, 33, 0, 252);
     roundtrip_case(&rng, KVMIX_FORMAT_BOOSTED, 512, 17, 0, 252);
     roundtrip_case(&rng, KVMIX_FORMAT_BOOSTED, 32, 9, 0, 32); /* every channel boosted */
+}
+
+/* head_dims that are multiples of 8 but not of 32 (48, 80, as 96 is not of 64): every format,
+   with each group that divides them; the default group of 32 does not divide 48 or 80. */
+static void test_roundtrip_head_dims_of_8(void) {
+    static const int32_t dims[] = {8, 48, 80, 96};
+    static const int32_t counts[] = {1, 17, 32};
+    static const kvmix_format per_token[] = {KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT4,
+                                             KVMIX_FORMAT_INT2};
+    test_rng rng;
+    size_t di, ni, fi;
+    test_rng_init(&rng, "formats/head dims of 8");
+    for (di = 0; di < N_ELEMS(dims); di++)
+        for (ni = 0; ni < N_ELEMS(counts); ni++) {
+            int32_t d = dims[di], n = counts[ni], g, k;
+            kvmix_layout l = test_layout(KVMIX_FORMAT_INT8, n, d, 0, 0);
+            CHECK_RESULT(kvmix_layout_resolve(&l),
+                         d % 32 == 0 ? KVMIX_SUCCESS : KVMIX_ERR_BAD_SHAPE);
+            roundtrip_case(&rng, KVMIX_FORMAT_FP16, d, n, 0, 0);
+            roundtrip_case(&rng, KVMIX_FORMAT_INT2_CHANNEL, d, n, 0, 0);
+            for (k = 0; k <= 8 && k <= d; k += 4)
+                roundtrip_case(&rng, KVMIX_FORMAT_BOOSTED, d, n, 0, k);
+            for (fi = 0; fi < N_ELEMS(per_token); fi++)
+                for (g = 8; g <= d; g += 8)
+                    if (d % g == 0 && (g <= 16 || g == d))
+                        roundtrip_case(&rng, per_token[fi], d, n, g, 0);
+        }
 }
 
 /* ---- sizes and bits ------------------------------------------------------------------------ */
@@ -1075,7 +1102,7 @@ static void test_quantize_bad_input(void) {
         expect_quantize(KVMIX_ERR_INVALID_ARGUMENT, &l, src, BAD_STRIDE, bytes,
                         "n_tokens INT32_MIN");
         {
-            static const int32_t dims[] = {0, 31, 33, 544, -32, 1024, 48, INT32_MIN};
+            static const int32_t dims[] = {0, 31, 33, 544, -32, 1024, 44, INT32_MIN};
             for (i = 0; i < N_ELEMS(dims); i++) {
                 char what[64];
                 l = base;
@@ -1440,4 +1467,5 @@ void unit_formats(void) {
     test_dequantize_bad_input();
     test_corrupt_data();
     test_roundtrip_all_shapes();
+    test_roundtrip_head_dims_of_8();
 }

@@ -62,16 +62,19 @@ typedef struct store_fixture {
 static store_fixture make_store(int32_t capacity, int32_t memory_floats) {
     store_fixture f;
     kvmix_session_store_desc d;
+    kvmix_error why = {NULL, NULL};
     size_t bytes = 0;
     memset(&f, 0, sizeof f);
     d.capacity = capacity;
     d.memory_floats = memory_floats;
     d.max_key_ids = 0; /* 256 */
-    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes, NULL), KVMIX_SUCCESS);
     f.memory = test_alloc(bytes);
-    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, f.memory, bytes - 16),
+    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, f.memory, bytes - 16, &why),
                  KVMIX_ERR_BUFFER_TOO_SMALL);
-    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, f.memory, bytes), KVMIX_SUCCESS);
+    CHECK(strcmp(why.field, "memory_bytes") == 0);
+    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, f.memory, bytes, &why), KVMIX_SUCCESS);
+    CHECK(strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
     CHECK_EQ_INT(f.store.desc.max_key_ids, 256);
     return f;
 }
@@ -164,6 +167,7 @@ static void test_local_and_bad(void) {
     store_fixture f = make_store(2, 2);
     kvmix_session_key local, bad;
     kvmix_session_store_desc d = {0, 4, 0};
+    kvmix_error why = {NULL, NULL};
     float *m = (float *)&f;
     int32_t found = 7;
     size_t bytes;
@@ -181,11 +185,18 @@ static void test_local_and_bad(void) {
     CHECK_RESULT(kvmix_session_store_acquire(&f.store, &bad, &m, &found),
                  KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_EQ_INT(f.store.n_used, 0);
-    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes, &why), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(why.field, "capacity") == 0);
     d.capacity = 2, d.max_key_ids = (1 << 16) + 1;
-    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, (char *)f.memory + 4, 1024),
+    CHECK_RESULT(kvmix_session_store_memory_bytes(&d, &bytes, &why), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(why.field, "max_key_ids") == 0);
+    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, (char *)f.memory + 4, 1024, &why),
                  KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(why.field, "max_key_ids") == 0);
+    d.max_key_ids = 0;
+    CHECK_RESULT(kvmix_session_store_init(&f.store, &d, (char *)f.memory + 4, 1024, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strcmp(why.field, "memory") == 0);
     free(f.memory);
 }
 
@@ -257,7 +268,7 @@ static void test_intent_scores(void) {
     d.default_precision.value_format = KVMIX_FORMAT_FP16;
     for (t = 0; t < N * KV * D; t++) keys[t] = (float)((t * 7) % 13 - 6) / 8.0f;
     for (t = 0; t < QH * D; t++) memory[t] = (float)((t * 5) % 11 - 5) / 16.0f;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&cache, seq, N, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_write(&cache, seq, 0, 0, N, keys, values), KVMIX_SUCCESS);
@@ -324,10 +335,11 @@ static kvmix_evict_policy evict_policy(int32_t scorer, double fraction) {
 /* Budget and forced set: the fraction rounds up, tokens win over it; prefix and span forced. */
 static void test_evict_budget_and_forced(void) {
     kvmix_evict_policy p = evict_policy(KVMIX_EVICT_INTENT, 0.25);
-    kvmix_policy_error why;
+    kvmix_error why = {NULL, NULL};
     uint8_t forced[10];
     int32_t keep = -1, t;
     CHECK_RESULT(kvmix_evict_policy_resolve(&p, &why), KVMIX_SUCCESS);
+    CHECK(why.field != NULL && strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
     CHECK_EQ_INT(p.observe_tokens, 32);
     CHECK_EQ_INT(p.pool_tokens, 1); /* pooling is SnapKV's by default */
     {
@@ -367,7 +379,7 @@ static void test_evict_bad_policy(void) {
     size_t i;
     for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvmix_evict_policy p = evict_policy(bad[i].scorer, bad[i].fraction), before;
-        kvmix_policy_error why = {NULL, NULL};
+        kvmix_error why = {NULL, NULL};
         int32_t keep = 77;
         p.budget_tokens = bad[i].budget_tokens;
         p.pool_tokens = bad[i].pool;
@@ -527,7 +539,7 @@ static void test_view_positions(void) {
     d.default_precision.key_format = KVMIX_FORMAT_INT8;
     d.default_precision.value_format = KVMIX_FORMAT_INT8;
     for (t = 0; t < N * KV * D; t++) rows[t] = (float)(t % 9) / 8.0f;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&cache, seq, N, NULL, NULL), KVMIX_SUCCESS);
     for (layer = 0; layer < 2; layer++)
@@ -568,7 +580,7 @@ static void compaction_cache(kvmix_cache *cache, kvmix_format key, kvmix_format 
     d.max_tokens_per_seq = 256, d.arena_bytes = 1 << 22, d.max_seqs = seqs, d.n_boost = 8;
     d.default_precision.key_format = (uint8_t)key;
     d.default_precision.value_format = (uint8_t)value;
-    CHECK_RESULT(kvmix_cache_init_allocator(cache, &d, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(cache, &d, NULL, NULL), KVMIX_SUCCESS);
 }
 
 /* Every position's rows on every layer: [CN][CL][CKV * CD] keys then values; NAN when evicted or

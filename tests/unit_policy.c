@@ -103,9 +103,21 @@ static void test_check_errors(void) {
     size_t i;
     kvmix_policy good = valid_policy(), out, before;
     kvmix_cache_desc desc, desc_before;
-    kvmix_policy_error why;
-    CHECK_RESULT(kvmix_policy_check(&good, NULL), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_policy_check(NULL, NULL), KVMIX_ERR_NULL_POINTER);
+    kvmix_error why = {NULL, NULL};
+    CHECK_RESULT(kvmix_policy_check(&good, &why), KVMIX_SUCCESS);
+    CHECK(strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
+    CHECK_RESULT(kvmix_policy_check(NULL, &why), KVMIX_ERR_NULL_POINTER);
+    CHECK(strcmp(why.field, "policy") == 0);
+    why.field = NULL;
+    CHECK_RESULT(kvmix_policy_resolve(&good, 64, &out, &why), KVMIX_SUCCESS);
+    CHECK(why.field != NULL && strcmp(why.field, "") == 0);
+    memset(&desc, 0, sizeof desc);
+    desc.head_dim = 64;
+    why.field = NULL;
+    CHECK_RESULT(kvmix_policy_apply(&good, &desc, &why), KVMIX_SUCCESS);
+    CHECK(why.field != NULL && strcmp(why.field, "") == 0);
+    CHECK_RESULT(kvmix_policy_apply(&good, NULL, &why), KVMIX_ERR_NULL_POINTER);
+    CHECK(strcmp(why.field, "desc") == 0);
     for (i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         kvmix_policy p = valid_policy();
         cases[i].spoil(&p);
@@ -129,7 +141,7 @@ static void test_check_errors(void) {
 
 static void test_resolve(void) {
     kvmix_policy p = *kvmix_policy_find("kitty-12"), out, before;
-    kvmix_policy_error why;
+    kvmix_error why;
     test_context("kvmix_policy_resolve");
     CHECK_RESULT(kvmix_policy_resolve(&p, 64, &out, NULL), KVMIX_SUCCESS);
     CHECK(out.n_boost == 8 && out.boost_fraction == 0.125);
@@ -137,8 +149,10 @@ static void test_resolve(void) {
     CHECK(out.n_boost == 16);
     memset(&before, 0x33, sizeof before);
     out = before;
-    CHECK_RESULT(kvmix_policy_resolve(&p, 40, &out, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_policy_resolve(&p, 36, &out, &why), KVMIX_ERR_BAD_SHAPE);
     CHECK(strcmp(why.field, "head_dim") == 0);
+    CHECK_RESULT(kvmix_policy_resolve(&p, 40, &out, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK(strcmp(why.field, "group_size") == 0); /* 32 does not divide 40 */
     CHECK_RESULT(kvmix_policy_resolve(&p, 32, &out, &why), KVMIX_SUCCESS); /* 4 of 32 */
     CHECK(out.n_boost == 4);
     p.boost_fraction = 0.1; /* 6.4 channels of 64 */
@@ -211,7 +225,7 @@ static void test_apply(void) {
           desc.default_precision.value_format == KVMIX_FORMAT_INT4);
     CHECK_RESULT(kvmix_policy_apply(&p, NULL, NULL), KVMIX_ERR_NULL_POINTER);
     desc.n_window = 0; /* a window of no tokens, so that full pages seal */
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &desc, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &desc, NULL, NULL), KVMIX_SUCCESS)) return;
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     for (pos = 0; pos < 24; pos++) {
         for (i = 0; i < 2 * 64; i++) {
@@ -236,7 +250,7 @@ static void test_tag_precision(void) {
     kvmix_cache_precision got, int4 = {KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4}, bad = {9, 1};
     kvmix_cache_precision zero_keys = {0, KVMIX_FORMAT_INT8};
     kvmix_tag tag;
-    kvmix_policy_error why;
+    kvmix_error why;
     test_context("tag precision");
     memset(&tag, 0, sizeof tag);
     tag.turn = 2;
@@ -404,7 +418,7 @@ static void test_retier_runs(const kvmix_policy *p, const kvmix_cache_desc *desc
     CHECK_RESULT(kvmix_policy_token_run(p, user, &a), KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_policy_token_run(kvmix_policy_find("int4"), obs, &a), KVMIX_SUCCESS);
     CHECK(a == 0); /* no tags: one run */
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS)) return;
     kvmix_cache_seq_create(&cache, &seq);
     for (pos = 0; pos < N; pos++) tags[pos] = retier_tag(pos);
     test_rng_init(&rng, "retier runs");
@@ -499,8 +513,8 @@ static void test_retier_turn(void) {
     desc.max_tokens_per_seq = N + 16;
     desc.arena_bytes = (size_t)1 << 21;
     CHECK_RESULT(kvmix_policy_apply(&p, &desc, NULL), KVMIX_SUCCESS);
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &desc, NULL), KVMIX_SUCCESS)) return;
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&twin, &desc, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &desc, NULL, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&twin, &desc, NULL, NULL), KVMIX_SUCCESS)) return;
     for (pos = 0; pos < N + 16; pos++) tags[pos] = retier_tag(pos);
     kvmix_cache_seq_create(&cache, &seq);
     kvmix_cache_seq_create(&twin, &twin_seq);
@@ -633,7 +647,7 @@ static void test_seq_age(void) {
     desc.max_tokens_per_seq = N;
     desc.arena_bytes = (size_t)1 << 20;
     CHECK_RESULT(kvmix_policy_apply(&p, &desc, NULL), KVMIX_SUCCESS);
-    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &desc, NULL), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&cache, &desc, NULL, NULL), KVMIX_SUCCESS)) return;
     kvmix_cache_seq_create(&cache, &seq);
     test_rng_init(&rng, "seq age");
     retier_append(&cache, seq, &p, 0, N, -1, 0, &rng);

@@ -228,7 +228,7 @@ static void check_stream(const kvmix_tag_spec *spec, const stream *s, const char
                      : way == 1 ? "one at a time"
                                 : "in runs");
         test_poison(got, sizeof got, 7);
-        if (!CHECK_RESULT(kvmix_tagger_init(&t, spec), KVMIX_SUCCESS)) return;
+        if (!CHECK_RESULT(kvmix_tagger_init(&t, spec, NULL), KVMIX_SUCCESS)) return;
         while (i < s->n) {
             int32_t n = way == 0 ? s->n : way == 1 ? 1 : test_rng_range(&rng, 0, 40);
             if (n > s->n - i) n = s->n - i;
@@ -449,7 +449,7 @@ static void test_buckets(void) {
     CHECK_EQ_INT(kvmix_tag_bucket_of(-0x7fffffff - 1, 0x7fffffff), KVMIX_BUCKET_OLDER);
     CHECK_EQ_INT(kvmix_tag_bucket_of(0x7fffffff, -0x7fffffff - 1), KVMIX_BUCKET_CURRENT);
     spec_qwen3(&spec);
-    CHECK_RESULT(kvmix_tagger_init(&t, &spec), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_tagger_init(&t, &spec, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_tagger_feed(&t, head, 3, tags), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_tagger_feed(&t, &word, 1, &first), KVMIX_SUCCESS);
     CHECK_EQ_INT(first.turn, 1);
@@ -622,18 +622,26 @@ static void test_multi_id_markers(void) {
 
 /* ---- argument errors and spec checks ---------------------------------------------------------- */
 static void test_errors(void) {
+    /* the spec member each case below spoils, as kvmix_error names it */
+    static const char *const fields[12] = {"message_start",  "header_end", "reasoning_open",
+                                           "roles",          "roles",      "image_pad",
+                                           "reasoning_open", "channel",    "roles",
+                                           "tool_call_open", "recipient",  "recipient"};
     kvmix_tag_spec spec, bad;
     kvmix_tagger t, before;
     kvmix_tag tag;
     kvmix_tag_role role;
+    kvmix_error why = {NULL, NULL};
     int32_t id = 5;
     int i;
     test_context("errors");
     spec_byte(&spec);
-    CHECK_RESULT(kvmix_tag_spec_check(NULL), KVMIX_ERR_NULL_POINTER);
-    CHECK_RESULT(kvmix_tag_spec_check(&spec), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_tagger_init(NULL, &spec), KVMIX_ERR_NULL_POINTER);
-    CHECK_RESULT(kvmix_tagger_init(&t, NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_tag_spec_check(NULL, &why), KVMIX_ERR_NULL_POINTER);
+    CHECK(why.field != NULL && strcmp(why.field, "spec") == 0);
+    CHECK_RESULT(kvmix_tag_spec_check(&spec, &why), KVMIX_SUCCESS);
+    CHECK(strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
+    CHECK_RESULT(kvmix_tagger_init(NULL, &spec, NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_tagger_init(&t, NULL, NULL), KVMIX_ERR_NULL_POINTER);
     for (i = 0; i < 12; i++) {
         bad = spec;
         switch (i) {
@@ -653,12 +661,19 @@ static void test_errors(void) {
             break;
         default: bad.tool_call_open.alts[3].n_ids = KVMIX_TAG_MAX_IDS + 1; break;
         }
-        CHECK_RESULT(kvmix_tag_spec_check(&bad), KVMIX_ERR_INVALID_ARGUMENT);
+        why.field = why.reason = NULL;
+        CHECK_RESULT(kvmix_tag_spec_check(&bad, &why), KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK_MSG(why.field != NULL && strcmp(why.field, fields[i]) == 0,
+                  "case %d: field %s, expected %s", i, why.field ? why.field : "(null)", fields[i]);
+        CHECK(why.reason != NULL && why.reason[0] != '\0');
         test_poison(&t, sizeof t, 3);
-        CHECK_RESULT(kvmix_tagger_init(&t, &bad), KVMIX_ERR_INVALID_ARGUMENT);
+        why.field = NULL;
+        CHECK_RESULT(kvmix_tagger_init(&t, &bad, &why), KVMIX_ERR_INVALID_ARGUMENT);
+        CHECK(why.field != NULL && strcmp(why.field, fields[i]) == 0);
         CHECK(test_is_poisoned(&t, sizeof t, 3));
     }
-    CHECK_RESULT(kvmix_tagger_init(&t, &spec), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_tagger_init(&t, &spec, &why), KVMIX_SUCCESS);
+    CHECK(strcmp(why.field, "") == 0);
     before = t;
     CHECK_RESULT(kvmix_tagger_feed(NULL, &id, 1, &tag), KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_tagger_feed(&t, NULL, 1, &tag), KVMIX_ERR_NULL_POINTER);

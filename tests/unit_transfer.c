@@ -22,12 +22,16 @@ typedef struct payload_case {
 static size_t round16(size_t n) { return (n + 15u) & ~(size_t)15u; }
 
 static void random_case(test_rng *rng, payload_case *pc, kvmix_payload_kind kind) {
-    static const int32_t dims[] = {32, 64, 96, 128};
+    static const int32_t dims[] = {32, 48, 64, 80, 96, 128};
     int32_t i, mix = test_rng_range(rng, 0, 3);
     memset(pc, 0, sizeof *pc);
     pc->desc.kind = kind;
-    pc->desc.head_dim = dims[test_rng_range(rng, 0, 3)];
-    pc->desc.group_size = pc->desc.head_dim % 64 == 0 && test_rng_range(rng, 0, 1) ? 16 : 0;
+    pc->desc.head_dim = dims[test_rng_range(rng, 0, 5)];
+    /* 48 and 80: groups of 16, as the default 32 does not divide them */
+    pc->desc.group_size =
+        pc->desc.head_dim % 32 != 0 || (pc->desc.head_dim % 64 == 0 && test_rng_range(rng, 0, 1))
+            ? 16
+            : 0;
     pc->desc.n_kv_heads = test_rng_range(rng, 1, 3);
     pc->desc.first_layer = test_rng_range(rng, 0, 5);
     pc->desc.n_layers = test_rng_range(rng, 1, 3);
@@ -236,6 +240,50 @@ static void test_unpack_rows(void) {
     test_context(NULL);
 }
 
+/* head_dim 48, 80 (groups of 16) and 96: packed bytes as the layouts say, unpacked rows as the
+   blocks decode. */
+static void test_head_dims_of_8(void) {
+    static const int32_t dims[] = {48, 80, 96};
+    test_rng rng;
+    size_t di;
+    test_rng_init(&rng, "transfer.head dims of 8");
+    for (di = 0; di < sizeof dims / sizeof dims[0]; di++) {
+        payload_case pc;
+        uint8_t *got, *want;
+        size_t got_bytes, want_bytes, layer_floats;
+        int32_t layer, kv;
+        do { /* a ROWS case of this head_dim with tokens at every tier */
+            random_case(&rng, &pc, KVMIX_PAYLOAD_ROWS);
+            if (pc.desc.head_dim == dims[di] && pc.desc.n_tokens >= 3) break;
+            free_case(&pc);
+        } while (1);
+        pc.tiers[0] = KVMIX_FORMAT_FP16, pc.tiers[1] = KVMIX_FORMAT_INT8;
+        pc.tiers[2] = KVMIX_FORMAT_INT4;
+        test_context("head_dim %d, group %d, %d tokens", dims[di], group_of(&pc), pc.desc.n_tokens);
+        got = pack_case(&pc, &got_bytes);
+        want_bytes = expected_payload(&pc, &want);
+        if (CHECK_EQ_UINT(got_bytes, want_bytes)) CHECK_MEM_EQ(got, want, got_bytes);
+        layer_floats = pc.n_floats / (size_t)pc.desc.n_layers;
+        for (layer = 0; layer < pc.desc.n_layers; layer++)
+            for (kv = 0; kv < 2; kv++) {
+                float *rows = (float *)test_alloc(layer_floats * sizeof(float));
+                float *rows_want = (float *)test_alloc(layer_floats * sizeof(float));
+                test_poison(rows, layer_floats * sizeof(float), 7);
+                CHECK_RESULT(kvmix_payload_unpack(got, got_bytes, pc.desc.first_layer + layer,
+                                                  kv ? NULL : rows, kv ? rows : NULL),
+                             KVMIX_SUCCESS);
+                expected_rows(&pc, got, layer, kv, rows_want);
+                CHECK_MEM_EQ(rows, rows_want, layer_floats * sizeof(float));
+                free(rows);
+                free(rows_want);
+            }
+        free(got);
+        free(want);
+        free_case(&pc);
+    }
+    test_context(NULL);
+}
+
 /* A cold-tier upgrade: rows sent at INT4, then a RESIDUAL payload at INT8 for some tokens. */
 static void test_residual_upgrade(void) {
     test_rng rng;
@@ -358,7 +406,7 @@ static void test_bad_heads(void) {
     MUTATE(0, 'X', KVMIX_ERR_MALFORMED, "magic");
     MUTATE(4, 2, KVMIX_ERR_VERSION, "version 2");
     MUTATE(6, 3, KVMIX_ERR_INVALID_ARGUMENT, "kind 3");
-    MUTATE(8, 33, KVMIX_ERR_BAD_SHAPE, "head_dim not a multiple of 32");
+    MUTATE(8, 33, KVMIX_ERR_BAD_SHAPE, "head_dim not a multiple of 8");
     MUTATE(15, 0x80, KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads beyond int32");
     MUTATE(16, 0, KVMIX_ERR_INVALID_ARGUMENT, "group_size 0");
     MUTATE(16, 7, KVMIX_ERR_BAD_SHAPE, "group_size 7");
@@ -461,7 +509,7 @@ static void test_bad_packs(void) {
     CHECK(test_is_poisoned(dst, info.total_bytes, 9));
     CHECK_EQ_UINT(bytes, 0);
     d = pc.desc;
-    d.head_dim = 48;
+    d.head_dim = 44;
     CHECK_RESULT(kvmix_payload_describe(&d, pc.tiers, &info), KVMIX_ERR_BAD_SHAPE);
     d = pc.desc;
     d.base_id = 1;
@@ -511,12 +559,13 @@ static void test_into_cache(void) {
     cd.n_layers = pc.desc.n_layers;
     cd.n_kv_heads = pc.desc.n_kv_heads;
     cd.head_dim = pc.desc.head_dim;
+    cd.group_size = pc.desc.group_size; /* 16 where 32 does not divide head_dim */
     cd.page_tokens = 16;
     cd.max_seqs = 2;
     cd.max_tokens_per_seq = 256;
     cd.n_window = 256; /* stays FP16: the read-back is the written row rounded to FP16 */
     cd.arena_bytes = 1u << 20;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &cd, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &cd, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&cache, seq, pc.desc.n_tokens, NULL, &first), KVMIX_SUCCESS);
     layer_floats = pc.n_floats / (size_t)pc.desc.n_layers;
@@ -555,6 +604,7 @@ static void test_into_cache(void) {
 void unit_transfer(void) {
     test_pack_matches_layout();
     test_unpack_rows();
+    test_head_dims_of_8();
     test_residual_upgrade();
     test_bad_heads();
     test_bad_bodies();
