@@ -41,9 +41,9 @@
 #include <stdint.h>
 
 #define KVMIX_VERSION_MAJOR  0
-#define KVMIX_VERSION_MINOR  1
+#define KVMIX_VERSION_MINOR  2
 #define KVMIX_VERSION_PATCH  0
-#define KVMIX_VERSION_STRING "0.1.0"
+#define KVMIX_VERSION_STRING "0.2.0"
 
 #ifndef KVMIXDEF
 #ifdef KVMIX_STATIC
