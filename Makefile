@@ -114,8 +114,14 @@ $(BUILD)/check_cpp: tests/compile_check.c kvmix.h | $(BUILD)
 	$(CXX) -std=c++11 $(WARN) -x c++ $< -o $@ $(LDLIBS)
 $(BUILD)/check_static: tests/compile_check.c kvmix.h | $(BUILD)
 	$(CC) -std=c99 $(WARN) -DKVMIX_STATIC $< -o $@ $(LDLIBS)
+# the core alone (KVMIX_NO_POLICY), as C and as C++
+$(BUILD)/check_core: tests/compile_check.c kvmix.h | $(BUILD)
+	$(CC) -std=c99 $(WARN) -DKVMIX_NO_POLICY -DKVMIX_STATIC $< -o $@ $(LDLIBS)
+$(BUILD)/check_core_cpp: tests/compile_check.c kvmix.h | $(BUILD)
+	$(CXX) -std=c++11 $(WARN) -x c++ -DKVMIX_NO_POLICY $< -o $@ $(LDLIBS)
 
-HEADER_CHECKS := $(BUILD)/check_c99 $(BUILD)/check_c11 $(BUILD)/check_cpp $(BUILD)/check_static
+HEADER_CHECKS := $(BUILD)/check_c99 $(BUILD)/check_c11 $(BUILD)/check_cpp $(BUILD)/check_static \
+	$(BUILD)/check_core $(BUILD)/check_core_cpp
 
 # ... and build warning-free at every optimization level with gcc and clang: flow warnings such
 # as maybe-uninitialized appear only once the optimizer inlines (compile_check.c calls the cache).

@@ -11,6 +11,8 @@
    Options (define before the implementing include):
      KVMIX_MALLOC(bytes) / KVMIX_FREE(ptr)  the default allocator (all or none; malloc/free)
      KVMIX_ASSERT(cond)                     internal invariants only (default: assert)
+     KVMIX_NO_POLICY                        the core alone: formats, reference, views, the
+                                            cache and the payload (before every include)
 
    Conventions: every function that can fail returns a kvmix_result and writes its outputs only on
    success, so a failed call leaves everything as it was (a cache only notes why:
@@ -19,18 +21,26 @@
    Calls that check a caller's description say what is wrong through a kvmix_error.
    There is no mutable global state: calls on distinct objects may run on any threads.
 
-   Rooms (search for the marker):
+   Rooms (search for the marker). The core:
      // >>rules     the formats' pure rules, shared with kvmix_cuda.cu (in the declarations: no
                     KVMIX_IMPLEMENTATION needed; __host__ __device__ under nvcc)
      // >>core      results, allocator, fp16/bf16
      // >>formats   packed byte formats and their CPU reference (the spec of every GPU kernel)
      // >>ref       reference decode attention and the partial-result merge
      // >>view      cache views: many sequences' spans in one region, for CPU or GPU attention
-     // >>cache     the paged mixed-precision cache: arena, sequences, eviction, sharing, views
-     // >>policy    policies: what a cache applies per token; the built-ins
+     // >>cache     the paged mixed-precision cache. Its sub-sections ("---- name ----"):
+                    why a call failed; the write plan's state; jobs, page geometry and format
+                    order; a sequence's records; the granule bitmap (the arena); page
+                    descriptors; desc, memory layout, init; sequences (create, fork, truncate,
+                    evict, free); writes: plan, then commit; re-tiering; aging a sequence;
+                    compaction; reading; views; accounting; invariants
      // >>transfer  the transfer payload: tiered rows for prefill-to-decode transfer, residuals
-     // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
+   The policy layer, built on the core's public calls alone (define KVMIX_NO_POLICY to leave it
+   out):
      // >>tags      template specs and the streaming tagger: per token a turn, a modality, a role
+     // >>policy    policies: what a cache applies per token, the built-ins, a token's formats
+                    and run, aging a sequence's pages as its turns age
+     // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
      // >>intent    intent-aware eviction: the session store, QueryMemory, budgeted selection
      // >>tiers     transfer tiers: per-token FP16 / INT8 / INT4 under a byte budget, INT4 probe
 */
@@ -1010,122 +1020,6 @@ KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int3
 KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache);
 
 /* ------------------------------------------------------------------------------------------- */
-/* Policies: how a cache stores tokens. A policy names the formats of sealed key and value blocks, */
-/* the channel group of per-token integer formats, the boosted channels of BOOSTED keys, the page  */
-/* size (the span of per-channel key statistics), the FP16 sinks and window, and what a request   */
-/* boundary does to a partial page. kvmix_policy_apply writes a policy into a cache desc, so the   */
-/* cache built from that desc applies it; built-ins (KIVI, Kitty, INT4 ...) come from             */
-/* kvmix_policy_at. Policies are plain data: pure functions, thread-safe.                        */
-
-#define KVMIX_POLICY_NAME_BYTES        64   /* a name, its terminating NUL included */
-#define KVMIX_GROUP_HEAD_DIM           (-1) /* a policy's group: one group per head (head_dim) */
-#define KVMIX_POLICY_DESCRIPTION_BYTES 256  /* a description, its terminating NUL included */
-
-/* What an inference loop does at a request boundary (a new user turn of a session). */
-typedef enum kvmix_policy_boundary {
-    KVMIX_POLICY_BOUNDARY_FINISH = 0,  /* kvmix_cache_seq_finish: seal every full page, window
-                                          included, and apply partial_page */
-    KVMIX_POLICY_BOUNDARY_CONTINUE = 1 /* nothing: a continuing session keeps its FP16 window */
-} kvmix_policy_boundary;
-
-/* Budgeted eviction (a loop's, after each request's prompt: kvmix_evict_select and the calls
-   next to it, // >>intent): which scorer ranks the history, and how much of it stays. */
-typedef enum kvmix_evict_scorer {
-    KVMIX_EVICT_INTENT = 1,    /* the session's QueryMemory: kvmix_ref_view_intent_score summed
-                                  over layers */
-    KVMIX_EVICT_QUERY = 2,     /* the same over the request's own actionable queries alone (no
-                                  memory: what the session's memory adds is measured on it) */
-    KVMIX_EVICT_STREAMING = 3, /* StreamingLLM: the prefix (sinks) and the most recent positions */
-    KVMIX_EVICT_H2O = 4,       /* H2O: attention mass accumulated over every query so far */
-    KVMIX_EVICT_SNAPKV = 5     /* SnapKV: attention mass of the prompt's last observe_tokens
-                                  queries, max-pooled over pool_tokens neighbours */
-} kvmix_evict_scorer;
-
-/* The widest pool: a neighbourhood, not a window over the history (pooling costs
-   n_positions * pool_tokens). */
-#define KVMIX_EVICT_MAX_POOL 1023
-
-typedef struct kvmix_evict_policy {
-    int32_t scorer;         /* a kvmix_evict_scorer */
-    int32_t budget_tokens;  /* live positions a sequence keeps at most; 0 = budget_fraction */
-    double budget_fraction; /* else of the positions it has, in (0, 1] */
-    double decay;           /* INTENT: QueryMemory decay, [0, 1) (kvmix_query_memory_update) */
-    int32_t prefix_tokens;  /* first positions always kept (the protected system prefix); 0 =
-                               none */
-    int32_t recent_tokens;  /* most recent positions always kept, a floor under every scorer but
-                               STREAMING (whose score is recency); 0 = none */
-    int32_t observe_tokens; /* SNAPKV: queries observed at the prompt's end; 0 = 32 */
-    int32_t pool_tokens;    /* max-pool width of the scores of every scorer but STREAMING (a
-                               kept position keeps its neighbours: a copied word needs its
-                               bytes), odd, at most KVMIX_EVICT_MAX_POOL; 0 = 7 for SNAPKV, 1
-                               (none) for the others */
-} kvmix_evict_policy;
-
-typedef struct kvmix_policy {
-    char name[KVMIX_POLICY_NAME_BYTES]; /* non-empty, NUL-terminated */
-    char description[KVMIX_POLICY_DESCRIPTION_BYTES];
-    int32_t key_format;         /* kvmix_format of sealed key blocks */
-    int32_t value_format;       /* kvmix_format of sealed value blocks */
-    int32_t group_size;         /* channels per scale of INT8/INT4/INT2 key blocks (and value
-                                   blocks unless value_group_size says otherwise): a multiple of 8
-                                   in 8 .. 512 that divides head_dim, or KVMIX_GROUP_HEAD_DIM */
-    int32_t value_group_size;   /* of INT8/INT4/INT2 value blocks, as group_size; 0 = group_size */
-    int32_t n_boost;            /* channels BOOSTED keys keep at 4 bits, whether the policy's own
-                                   formats or its tag_precision (a tag allocation) ask for BOOSTED:
-                                   a multiple of 4 in 0 .. 252; 0 = given by boost_fraction
-                                   instead; both 0 = none, which a policy whose own formats are
-                                   BOOSTED may not have */
-    double boost_fraction;      /* n_boost as a fraction of head_dim, in [0, 1]; when both are set
-                                   they must agree for the model's head_dim */
-    int32_t page_tokens;        /* tokens per page, a multiple of 8 in 8 .. 1024 (no default: 0 is
-                                   refused) */
-    int32_t sink_tokens;        /* first positions kept FP16 for good, 0 .. page_tokens; 0 = none */
-    int32_t window_tokens;      /* most recent positions kept FP16, 0 .. 2^26; 0 = none */
-    int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
-    int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page;
-                                   0 = KEEP_FP16 */
-    int32_t request_boundary;   /* a kvmix_policy_boundary: what the loop does when a request
-                                   (a user turn) begins; 0 = FINISH */
-    const struct kvmix_tag_precision *tag_precision; /* NULL: every token is stored in
-                                   key_format / value_format; else each token's formats by its
-                                   template tag (kvmix_policy_token_precision); caller memory
-                                   that must outlive the policy's use */
-    kvmix_evict_policy evict; /* scorer 0: none; else what the loop evicts once each request's
-                                 prompt ran (the cache itself evicts nothing on its own) */
-} kvmix_policy;
-
-/* The built-in policies, by index 0 .. kvmix_policy_count() - 1: fp16, int8, int4, kivi2,
-   kivi2-sink, kitty-12, kitty-25, kitty-paper-12, kitty-paper-25 (README.md, "Policies"). NULL
-   for an index out of range. */
-KVMIXDEF int32_t kvmix_policy_count(void);
-KVMIXDEF const kvmix_policy *kvmix_policy_at(int32_t index);
-/* The built-in of this name, or NULL (also for a NULL name). */
-KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name);
-
-/* Checks the rules that hold whatever the model: formats, ranges, multiples, sinks within a
-   page, boost settings present where the formats are BOOSTED, a NUL-terminated non-empty name and
-   a NUL-terminated description. Returns KVMIX_SUCCESS, NULL_POINTER (policy) or
-   INVALID_ARGUMENT / UNKNOWN_FORMAT with *out_error (may be NULL) naming the field. */
-KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_error *out_error);
-
-/* The policy for a model of this head_dim: checked, groups resolved (value_group_size 0 made
-   group_size, KVMIX_GROUP_HEAD_DIM made head_dim), n_boost resolved from boost_fraction (and
-   boost_fraction from n_boost), groups and n_boost checked against head_dim. A resolved
-   policy resolves to itself. Returns kvmix_policy_check's errors and BAD_SHAPE (head_dim not a
-   multiple of 8 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
-   fraction that gives no multiple of 4) with *out_error; *out is written only on success. */
-KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
-                                           kvmix_policy *out, kvmix_error *out_error);
-
-/* Writes the policy, resolved for desc->head_dim, into a cache desc: page_tokens, n_sink,
-   n_window (at most desc->max_tokens_per_seq when that is set), window_values_only, group_size,
-   value_group_size, n_boost, partial and default_precision; the caller's shape, capacity and arena fields are left alone. A cache
-   initialized from the desc then stores every token reserved with NULL precisions as the policy
-   says. Returns kvmix_policy_resolve's errors (desc untouched then) or NULL_POINTER. */
-KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
-                                         kvmix_error *out_error);
-
-/* ------------------------------------------------------------------------------------------- */
 /* Transfer payload: the K/V rows of n_tokens consecutive positions of layers [first_layer,      */
 /* first_layer + n_layers), each token at its own tier (FP16, INT8 or INT4 per token), to move a  */
 /* prefill's cache to a decode worker. A payload per layer lets the sender stream layers as they  */
@@ -1208,163 +1102,7 @@ KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
 KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, int32_t layer,
                                            float *keys, float *values);
 
-/* ------------------------------------------------------------------------------------------- */
-/* Bit allocation: which precision each token tag gets under a memory budget. Calibration gives,  */
-/* for every active tag t (e.g. "current turn / text / user") and every candidate precision p    */
-/* (e.g. INT2 keys + INT2 values, boosted keys + INT2 values, INT4, INT8, FP16), a distortion     */
-/* D[t][p] (the attention-output MSE when only t's tokens are stored at p) and t's token count.  */
-/* The allocators choose one precision per tag:                                                 */
-/*                                                                                               */
-/*   minimize   sum_t D[t][choice[t]]                                                            */
-/*   subject to sum_t tokens[t] * bits[choice[t]] <= budget_bits * sum_t tokens[t]               */
-/*   (with tag_bits: tag_bits[t][choice[t]] in place of bits[choice[t]])                         */
-/*                                                                                               */
-/* bits[p] is precision p's cost in effective bits per cached element with every byte of         */
-/* metadata included (for keys + values, the mean of both layouts' kvmix_layout_bits at a full   */
-/* page), so a budget in bits per element is what memory will hold. D[t][p] is taken as it is:   */
-/* the total is the plain sum over tags, no weighting by tokens; a caller whose distortion is a  */
-/* per-token mean multiplies it by the tag's tokens first. The constraint is evaluated in double, */
-/* each side summed in tag order; every allocator returns a choice that satisfies it exactly so. */
-/*                                                                                               */
-/*   kvmix_alloc_two_level  two precisions (low, high): exhaustive and optimal for n_tags <= 22   */
-/*                          (KVMIX_ALLOC_EXACT_MAX_TAGS), greedy by distortion gain per bit above */
-/*   kvmix_alloc_knapsack   every precision: exact multiple-choice knapsack by dynamic            */
-/*                          programming over a discretized budget                                 */
-/*   kvmix_alloc_knapsack_sweep  the same program's least distortion at every budget of the grid  */
-/*                                                                                               */
-/* Both read only the problem and write only the caller's outputs and workspace: no allocation,  */
-/* no state, thread-safe for distinct outputs and workspaces.                                    */
-
-#define KVMIX_ALLOC_EXACT_MAX_TAGS 22      /* two-level exhaustive search up to this many tags */
-#define KVMIX_ALLOC_MAX_TAGS       1048576 /* 2^20 */
-#define KVMIX_ALLOC_MAX_PRECISIONS 64
-#define KVMIX_ALLOC_MAX_BITS       65536.0  /* largest bits[p] accepted */
-#define KVMIX_ALLOC_STEPS_DEFAULT  4096     /* knapsack budget grid when budget_steps is 0 */
-#define KVMIX_ALLOC_MAX_STEPS      16777216 /* 2^24 */
-
-/* A calibration table and a budget. Pointers are borrowed for the call only. Zero-initialize it
-   (= {0}) before setting members, so that a member a later version adds keeps its default. */
-typedef struct kvmix_alloc_problem {
-    int32_t n_tags;           /* active tags, 1 .. KVMIX_ALLOC_MAX_TAGS */
-    int32_t n_precisions;     /* candidate precisions, 1 .. KVMIX_ALLOC_MAX_PRECISIONS */
-    const int64_t *tokens;    /* [n_tags] token count of each tag, >= 0 (0 is allowed: such a tag
-                                 costs nothing); the sum must be in 1 .. 2^53 */
-    const double *distortion; /* [n_tags][n_precisions] row-major, finite, >= 0, any unit (the
-                                 sum over tags of each tag's largest must be finite) */
-    const double *bits;       /* [n_precisions] effective bits per element, in (0, 65536] */
-    double budget_bits;       /* B: average bits per element over all tokens, finite, > 0 */
-    const double *tag_bits;   /* NULL: every tag's tokens cost bits[p]; else [n_tags][n_precisions]
-                                 row-major, in (0, 65536]: what tag t's tokens cost at p, e.g.
-                                 priced by the runs they come in (kvmix_cache_page_bits), which
-                                 replaces bits[p] in every cost below (bits still orders the two
-                                 levels of kvmix_alloc_two_level) */
-} kvmix_alloc_problem;
-
-typedef enum kvmix_alloc_method {
-    KVMIX_ALLOC_AUTO = 0,       /* two-level: exhaustive when n_tags <= 22, else greedy */
-    KVMIX_ALLOC_EXHAUSTIVE = 1, /* two-level, n_tags <= KVMIX_ALLOC_EXACT_MAX_TAGS: optimal */
-    KVMIX_ALLOC_GREEDY = 2,     /* two-level, any n_tags: by distortion gain per bit */
-    KVMIX_ALLOC_KNAPSACK = 3    /* what kvmix_alloc_knapsack reports */
-} kvmix_alloc_method;
-
-/* What an allocation achieved. */
-typedef struct kvmix_alloc_summary {
-    double distortion;         /* sum_t D[t][choice[t]], summed in tag order */
-    double bits;               /* sum_t tokens[t] * cost / sum_t tokens[t] (cost: tag_bits or
-                                  bits of choice[t]): at most
-                                  B (up to the rounding of this division; the budget test
-                                  itself is on the cost, see above) */
-    kvmix_alloc_method method; /* the method that ran (AUTO resolved) */
-    int32_t optimal;           /* 1: no choice within the budget has a smaller distortion
-                                  (exhaustive; knapsack: among choices of the discretized
-                                  costs, see there); 0: greedy */
-} kvmix_alloc_summary;
-
-/* Checks a problem as every allocation call below does first: counts in range, arrays given,
-   token counts >= 0 with a sum in 1 .. 2^53, bits and tag_bits in (0, 65536], distortions and
-   budget_bits finite and >= 0 (> 0). Returns KVMIX_SUCCESS, NULL_POINTER, INVALID_ARGUMENT or
-   BAD_VALUE, the result those calls give for it, and *out_error naming the member ("tokens",
-   "budget_bits"). Pure, thread-safe. */
-KVMIXDEF kvmix_result kvmix_alloc_problem_check(const kvmix_alloc_problem *problem,
-                                                kvmix_error *out_error);
-
-/* Workspace bytes kvmix_alloc_two_level needs for n_tags tags with this method: 32 * n_tags when
-   it runs greedy (GREEDY, or AUTO with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS), 0 when it runs the
-   exhaustive search. Returns KVMIX_ERR_NULL_POINTER or KVMIX_ERR_INVALID_ARGUMENT (n_tags out
-   of range, an unknown method, EXHAUSTIVE with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS). */
-KVMIXDEF kvmix_result kvmix_alloc_two_level_workspace_bytes(int32_t n_tags,
-                                                            kvmix_alloc_method method,
-                                                            size_t *out_bytes);
-
-/* Two-level allocation: every tag gets precision `low` or `high` (indices into bits and the
-   distortion rows; bits[low] < bits[high]).
-   - EXHAUSTIVE (AUTO when n_tags <= 22): the minimum over all 2^n_tags assignments within the
-     budget, up to rounding of the distortion sums (about 1e-14 of the total). Among
-     assignments of equal distortion one is kept deterministically. Time O(2^n_tags): a table of
-     the first 8 tags' 256 subset sums (on the stack, 4 KiB), an outer loop over the other tags'
-     subsets; about 4M steps of two additions at n_tags = 22, a few ms. No workspace.
-   - GREEDY (AUTO when n_tags > 22): starts with every tag at low and upgrades tags to high in
-     decreasing order of (D[t][low] - D[t][high]) / (tokens[t] * (bits[high] - bits[low]))
-     (ties: lower tag index first; zero-token tags first), skipping a tag whose upgrade does
-     not fit and going on with the next; tags whose distortion does not drop are never
-     upgraded. So its distortion is never above all-low. Time O(n log n) (merge sort).
-   workspace: kvmix_alloc_two_level_workspace_bytes for the method (8-byte aligned; NULL is fine
-   when that is 0).
-   choice: [n_tags] receives low or high per tag; out: the summary (may be NULL).
-   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts, indices, bits[low] >=
-   bits[high], a negative token count, zero tokens in all, EXHAUSTIVE with n_tags > 22, an
-   unknown method, misaligned workspace), KVMIX_ERR_BAD_VALUE (a distortion, bits or budget
-   that is NaN, infinite, negative or out of range), KVMIX_ERR_BUFFER_TOO_SMALL (workspace),
-   KVMIX_ERR_OUT_OF_MEMORY (infeasible: the budget cannot hold every tag at low). Nothing is
-   written on error. Thread-safe. */
-KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, int32_t low,
-                                            int32_t high, kvmix_alloc_method method,
-                                            void *workspace, size_t workspace_bytes,
-                                            int32_t *choice, kvmix_alloc_summary *out);
-
-/* Workspace bytes of kvmix_alloc_knapsack for this problem and grid: (budget_steps + 1) *
-   (n_tags + 16), about n_tags * budget_steps bytes (a choice table and two rows of doubles).
-   Reads only n_tags and n_precisions of the problem; budget_steps 0 = KVMIX_ALLOC_STEPS_DEFAULT.
-   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts or budget_steps out of
-   range, more than SIZE_MAX bytes). */
-KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_problem *problem,
-                                                           int32_t budget_steps, size_t *out_bytes);
-
-/* Multiple-choice knapsack over every precision, by dynamic programming over a discretized
-   budget. Let c[t][p] = tokens[t] * bits[p] (or tag_bits[t][p]), m[t] = min_p c[t][p], C =
-   sum_t m[t] and S = budget_bits * sum_t tokens[t] - C, the room above the cheapest choice. The
-   grid has budget_steps cells (0 = KVMIX_ALLOC_STEPS_DEFAULT, at most KVMIX_ALLOC_MAX_STEPS) of
-   q = S / budget_steps; each tag's extra cost c[t][p] - m[t] is rounded UP to whole cells (one
-   within a relative 2^-40 of a whole number of cells counts as that number). The result is
-   the least distortion among choices whose rounded extra costs fit in budget_steps cells
-   (optimal = 1), and it always satisfies the real, undiscretized budget. When every extra cost
-   is a multiple of q, discretization loses nothing and the result is the exact optimum;
-   otherwise a choice may be missed only if its real cost is within n_tags * q of the budget.
-   Among choices of equal distortion one is kept deterministically. Time O(n_tags *
-   n_precisions * budget_steps).
-   workspace: kvmix_alloc_knapsack_workspace_bytes (8-byte aligned). choice: [n_tags]
-   precision indices; out: the summary (may be NULL).
-   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts, budget_steps, token
-   counts, misaligned workspace), KVMIX_ERR_BAD_VALUE (as kvmix_alloc_two_level),
-   KVMIX_ERR_BUFFER_TOO_SMALL (workspace), KVMIX_ERR_OUT_OF_MEMORY (infeasible: the budget
-   cannot hold every tag at its cheapest precision). Nothing is written on error. Thread-safe. */
-KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
-                                           void *workspace, size_t workspace_bytes, int32_t *choice,
-                                           kvmix_alloc_summary *out);
-
-/* Budget sweep: the least distortion at every budget of a knapsack grid, from one dynamic
-   program. With C, S and q as for kvmix_alloc_knapsack (problem->budget_bits is the largest
-   budget of the sweep), for w = 0 .. budget_steps: out_budget_bits[w] = (C + w * q) /
-   sum_t tokens[t], and out_distortion[w] = the least distortion among choices whose rounded
-   extra costs fit in w cells (so such a choice holds out_budget_bits[w], up to the rounding of
-   that division); non-increasing in w. Each output has budget_steps + 1 entries
-   (KVMIX_ALLOC_STEPS_DEFAULT + 1 when budget_steps is 0); either may be NULL. To get the
-   choice at one of these budgets, call kvmix_alloc_knapsack with it. Workspace, time, returns
-   and thread safety as kvmix_alloc_knapsack. */
-KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *problem,
-                                                 int32_t budget_steps, void *workspace,
-                                                 size_t workspace_bytes, double *out_budget_bits,
-                                                 double *out_distortion);
+#ifndef KVMIX_NO_POLICY /* the policy layer: the core above never calls it */
 
 /* ------------------------------------------------------------------------------------------- */
 /* Template tags: a streaming tagger that reads the token ids of a chat template as an inference  */
@@ -1589,6 +1327,122 @@ KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
 /* Checks that every entry holds known formats or 0. Returns NULL_POINTER or UNKNOWN_FORMAT. Pure. */
 KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table);
 
+/* ------------------------------------------------------------------------------------------- */
+/* Policies: how a cache stores tokens. A policy names the formats of sealed key and value blocks, */
+/* the channel group of per-token integer formats, the boosted channels of BOOSTED keys, the page  */
+/* size (the span of per-channel key statistics), the FP16 sinks and window, and what a request   */
+/* boundary does to a partial page. kvmix_policy_apply writes a policy into a cache desc, so the   */
+/* cache built from that desc applies it; built-ins (KIVI, Kitty, INT4 ...) come from             */
+/* kvmix_policy_at. Policies are plain data: pure functions, thread-safe.                        */
+
+#define KVMIX_POLICY_NAME_BYTES        64   /* a name, its terminating NUL included */
+#define KVMIX_GROUP_HEAD_DIM           (-1) /* a policy's group: one group per head (head_dim) */
+#define KVMIX_POLICY_DESCRIPTION_BYTES 256  /* a description, its terminating NUL included */
+
+/* What an inference loop does at a request boundary (a new user turn of a session). */
+typedef enum kvmix_policy_boundary {
+    KVMIX_POLICY_BOUNDARY_FINISH = 0,  /* kvmix_cache_seq_finish: seal every full page, window
+                                          included, and apply partial_page */
+    KVMIX_POLICY_BOUNDARY_CONTINUE = 1 /* nothing: a continuing session keeps its FP16 window */
+} kvmix_policy_boundary;
+
+/* Budgeted eviction (a loop's, after each request's prompt: kvmix_evict_select and the calls
+   next to it, // >>intent): which scorer ranks the history, and how much of it stays. */
+typedef enum kvmix_evict_scorer {
+    KVMIX_EVICT_INTENT = 1,    /* the session's QueryMemory: kvmix_ref_view_intent_score summed
+                                  over layers */
+    KVMIX_EVICT_QUERY = 2,     /* the same over the request's own actionable queries alone (no
+                                  memory: what the session's memory adds is measured on it) */
+    KVMIX_EVICT_STREAMING = 3, /* StreamingLLM: the prefix (sinks) and the most recent positions */
+    KVMIX_EVICT_H2O = 4,       /* H2O: attention mass accumulated over every query so far */
+    KVMIX_EVICT_SNAPKV = 5     /* SnapKV: attention mass of the prompt's last observe_tokens
+                                  queries, max-pooled over pool_tokens neighbours */
+} kvmix_evict_scorer;
+
+/* The widest pool: a neighbourhood, not a window over the history (pooling costs
+   n_positions * pool_tokens). */
+#define KVMIX_EVICT_MAX_POOL 1023
+
+typedef struct kvmix_evict_policy {
+    int32_t scorer;         /* a kvmix_evict_scorer */
+    int32_t budget_tokens;  /* live positions a sequence keeps at most; 0 = budget_fraction */
+    double budget_fraction; /* else of the positions it has, in (0, 1] */
+    double decay;           /* INTENT: QueryMemory decay, [0, 1) (kvmix_query_memory_update) */
+    int32_t prefix_tokens;  /* first positions always kept (the protected system prefix); 0 =
+                               none */
+    int32_t recent_tokens;  /* most recent positions always kept, a floor under every scorer but
+                               STREAMING (whose score is recency); 0 = none */
+    int32_t observe_tokens; /* SNAPKV: queries observed at the prompt's end; 0 = 32 */
+    int32_t pool_tokens;    /* max-pool width of the scores of every scorer but STREAMING (a
+                               kept position keeps its neighbours: a copied word needs its
+                               bytes), odd, at most KVMIX_EVICT_MAX_POOL; 0 = 7 for SNAPKV, 1
+                               (none) for the others */
+} kvmix_evict_policy;
+
+typedef struct kvmix_policy {
+    char name[KVMIX_POLICY_NAME_BYTES]; /* non-empty, NUL-terminated */
+    char description[KVMIX_POLICY_DESCRIPTION_BYTES];
+    int32_t key_format;         /* kvmix_format of sealed key blocks */
+    int32_t value_format;       /* kvmix_format of sealed value blocks */
+    int32_t group_size;         /* channels per scale of INT8/INT4/INT2 key blocks (and value
+                                   blocks unless value_group_size says otherwise): a multiple of 8
+                                   in 8 .. 512 that divides head_dim, or KVMIX_GROUP_HEAD_DIM */
+    int32_t value_group_size;   /* of INT8/INT4/INT2 value blocks, as group_size; 0 = group_size */
+    int32_t n_boost;            /* channels BOOSTED keys keep at 4 bits, whether the policy's own
+                                   formats or its tag_precision (a tag allocation) ask for BOOSTED:
+                                   a multiple of 4 in 0 .. 252; 0 = given by boost_fraction
+                                   instead; both 0 = none, which a policy whose own formats are
+                                   BOOSTED may not have */
+    double boost_fraction;      /* n_boost as a fraction of head_dim, in [0, 1]; when both are set
+                                   they must agree for the model's head_dim */
+    int32_t page_tokens;        /* tokens per page, a multiple of 8 in 8 .. 1024 (no default: 0 is
+                                   refused) */
+    int32_t sink_tokens;        /* first positions kept FP16 for good, 0 .. page_tokens; 0 = none */
+    int32_t window_tokens;      /* most recent positions kept FP16, 0 .. 2^26; 0 = none */
+    int32_t window_values_only; /* 1: the window keeps values only (kvmix_cache_desc) */
+    int32_t partial_page;       /* a kvmix_cache_partial: a request boundary's partial last page;
+                                   0 = KEEP_FP16 */
+    int32_t request_boundary;   /* a kvmix_policy_boundary: what the loop does when a request
+                                   (a user turn) begins; 0 = FINISH */
+    const struct kvmix_tag_precision *tag_precision; /* NULL: every token is stored in
+                                   key_format / value_format; else each token's formats by its
+                                   template tag (kvmix_policy_token_precision); caller memory
+                                   that must outlive the policy's use */
+    kvmix_evict_policy evict; /* scorer 0: none; else what the loop evicts once each request's
+                                 prompt ran (the cache itself evicts nothing on its own) */
+} kvmix_policy;
+
+/* The built-in policies, by index 0 .. kvmix_policy_count() - 1: fp16, int8, int4, kivi2,
+   kivi2-sink, kitty-12, kitty-25, kitty-paper-12, kitty-paper-25 (README.md, "Policies"). NULL
+   for an index out of range. */
+KVMIXDEF int32_t kvmix_policy_count(void);
+KVMIXDEF const kvmix_policy *kvmix_policy_at(int32_t index);
+/* The built-in of this name, or NULL (also for a NULL name). */
+KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name);
+
+/* Checks the rules that hold whatever the model: formats, ranges, multiples, sinks within a
+   page, boost settings present where the formats are BOOSTED, a NUL-terminated non-empty name and
+   a NUL-terminated description. Returns KVMIX_SUCCESS, NULL_POINTER (policy) or
+   INVALID_ARGUMENT / UNKNOWN_FORMAT with *out_error (may be NULL) naming the field. */
+KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *policy, kvmix_error *out_error);
+
+/* The policy for a model of this head_dim: checked, groups resolved (value_group_size 0 made
+   group_size, KVMIX_GROUP_HEAD_DIM made head_dim), n_boost resolved from boost_fraction (and
+   boost_fraction from n_boost), groups and n_boost checked against head_dim. A resolved
+   policy resolves to itself. Returns kvmix_policy_check's errors and BAD_SHAPE (head_dim not a
+   multiple of 8 up to KVMIX_MAX_HEAD_DIM, group_size not dividing it, n_boost beyond it, a
+   fraction that gives no multiple of 4) with *out_error; *out is written only on success. */
+KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
+                                           kvmix_policy *out, kvmix_error *out_error);
+
+/* Writes the policy, resolved for desc->head_dim, into a cache desc: page_tokens, n_sink,
+   n_window (at most desc->max_tokens_per_seq when that is set), window_values_only, group_size,
+   value_group_size, n_boost, partial and default_precision; the caller's shape, capacity and arena fields are left alone. A cache
+   initialized from the desc then stores every token reserved with NULL precisions as the policy
+   says. Returns kvmix_policy_resolve's errors (desc untouched then) or NULL_POINTER. */
+KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
+                                         kvmix_error *out_error);
+
 /* The formats a policy stores a token of tag `tag` in while the stream is at `current_turn`:
    the policy's key_format / value_format when it has no tag_precision, else
    tag_precision->formats[kvmix_tag_bucket_of(tag.turn, current_turn)][tag.role][tag.modality]
@@ -1622,6 +1476,164 @@ KVMIXDEF kvmix_result kvmix_policy_token_run(const kvmix_policy *policy, kvmix_t
 KVMIXDEF kvmix_result kvmix_policy_retier_turn(const kvmix_policy *policy, kvmix_cache *cache,
                                                int32_t seq, const kvmix_tag *tags, int32_t n_tags,
                                                int32_t current_turn, int32_t *out_pages);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Bit allocation: which precision each token tag gets under a memory budget. Calibration gives,  */
+/* for every active tag t (e.g. "current turn / text / user") and every candidate precision p    */
+/* (e.g. INT2 keys + INT2 values, boosted keys + INT2 values, INT4, INT8, FP16), a distortion     */
+/* D[t][p] (the attention-output MSE when only t's tokens are stored at p) and t's token count.  */
+/* The allocators choose one precision per tag:                                                 */
+/*                                                                                               */
+/*   minimize   sum_t D[t][choice[t]]                                                            */
+/*   subject to sum_t tokens[t] * bits[choice[t]] <= budget_bits * sum_t tokens[t]               */
+/*   (with tag_bits: tag_bits[t][choice[t]] in place of bits[choice[t]])                         */
+/*                                                                                               */
+/* bits[p] is precision p's cost in effective bits per cached element with every byte of         */
+/* metadata included (for keys + values, the mean of both layouts' kvmix_layout_bits at a full   */
+/* page), so a budget in bits per element is what memory will hold. D[t][p] is taken as it is:   */
+/* the total is the plain sum over tags, no weighting by tokens; a caller whose distortion is a  */
+/* per-token mean multiplies it by the tag's tokens first. The constraint is evaluated in double, */
+/* each side summed in tag order; every allocator returns a choice that satisfies it exactly so. */
+/*                                                                                               */
+/*   kvmix_alloc_two_level  two precisions (low, high): exhaustive and optimal for n_tags <= 22   */
+/*                          (KVMIX_ALLOC_EXACT_MAX_TAGS), greedy by distortion gain per bit above */
+/*   kvmix_alloc_knapsack   every precision: exact multiple-choice knapsack by dynamic            */
+/*                          programming over a discretized budget                                 */
+/*   kvmix_alloc_knapsack_sweep  the same program's least distortion at every budget of the grid  */
+/*                                                                                               */
+/* Both read only the problem and write only the caller's outputs and workspace: no allocation,  */
+/* no state, thread-safe for distinct outputs and workspaces.                                    */
+
+#define KVMIX_ALLOC_EXACT_MAX_TAGS 22      /* two-level exhaustive search up to this many tags */
+#define KVMIX_ALLOC_MAX_TAGS       1048576 /* 2^20 */
+#define KVMIX_ALLOC_MAX_PRECISIONS 64
+#define KVMIX_ALLOC_MAX_BITS       65536.0  /* largest bits[p] accepted */
+#define KVMIX_ALLOC_STEPS_DEFAULT  4096     /* knapsack budget grid when budget_steps is 0 */
+#define KVMIX_ALLOC_MAX_STEPS      16777216 /* 2^24 */
+
+/* A calibration table and a budget. Pointers are borrowed for the call only. Zero-initialize it
+   (= {0}) before setting members, so that a member a later version adds keeps its default. */
+typedef struct kvmix_alloc_problem {
+    int32_t n_tags;           /* active tags, 1 .. KVMIX_ALLOC_MAX_TAGS */
+    int32_t n_precisions;     /* candidate precisions, 1 .. KVMIX_ALLOC_MAX_PRECISIONS */
+    const int64_t *tokens;    /* [n_tags] token count of each tag, >= 0 (0 is allowed: such a tag
+                                 costs nothing); the sum must be in 1 .. 2^53 */
+    const double *distortion; /* [n_tags][n_precisions] row-major, finite, >= 0, any unit (the
+                                 sum over tags of each tag's largest must be finite) */
+    const double *bits;       /* [n_precisions] effective bits per element, in (0, 65536] */
+    double budget_bits;       /* B: average bits per element over all tokens, finite, > 0 */
+    const double *tag_bits;   /* NULL: every tag's tokens cost bits[p]; else [n_tags][n_precisions]
+                                 row-major, in (0, 65536]: what tag t's tokens cost at p, e.g.
+                                 priced by the runs they come in (kvmix_cache_page_bits), which
+                                 replaces bits[p] in every cost below (bits still orders the two
+                                 levels of kvmix_alloc_two_level) */
+} kvmix_alloc_problem;
+
+typedef enum kvmix_alloc_method {
+    KVMIX_ALLOC_AUTO = 0,       /* two-level: exhaustive when n_tags <= 22, else greedy */
+    KVMIX_ALLOC_EXHAUSTIVE = 1, /* two-level, n_tags <= KVMIX_ALLOC_EXACT_MAX_TAGS: optimal */
+    KVMIX_ALLOC_GREEDY = 2,     /* two-level, any n_tags: by distortion gain per bit */
+    KVMIX_ALLOC_KNAPSACK = 3    /* what kvmix_alloc_knapsack reports */
+} kvmix_alloc_method;
+
+/* What an allocation achieved. */
+typedef struct kvmix_alloc_summary {
+    double distortion;         /* sum_t D[t][choice[t]], summed in tag order */
+    double bits;               /* sum_t tokens[t] * cost / sum_t tokens[t] (cost: tag_bits or
+                                  bits of choice[t]): at most
+                                  B (up to the rounding of this division; the budget test
+                                  itself is on the cost, see above) */
+    kvmix_alloc_method method; /* the method that ran (AUTO resolved) */
+    int32_t optimal;           /* 1: no choice within the budget has a smaller distortion
+                                  (exhaustive; knapsack: among choices of the discretized
+                                  costs, see there); 0: greedy */
+} kvmix_alloc_summary;
+
+/* Checks a problem as every allocation call below does first: counts in range, arrays given,
+   token counts >= 0 with a sum in 1 .. 2^53, bits and tag_bits in (0, 65536], distortions and
+   budget_bits finite and >= 0 (> 0). Returns KVMIX_SUCCESS, NULL_POINTER, INVALID_ARGUMENT or
+   BAD_VALUE, the result those calls give for it, and *out_error naming the member ("tokens",
+   "budget_bits"). Pure, thread-safe. */
+KVMIXDEF kvmix_result kvmix_alloc_problem_check(const kvmix_alloc_problem *problem,
+                                                kvmix_error *out_error);
+
+/* Workspace bytes kvmix_alloc_two_level needs for n_tags tags with this method: 32 * n_tags when
+   it runs greedy (GREEDY, or AUTO with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS), 0 when it runs the
+   exhaustive search. Returns KVMIX_ERR_NULL_POINTER or KVMIX_ERR_INVALID_ARGUMENT (n_tags out
+   of range, an unknown method, EXHAUSTIVE with n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS). */
+KVMIXDEF kvmix_result kvmix_alloc_two_level_workspace_bytes(int32_t n_tags,
+                                                            kvmix_alloc_method method,
+                                                            size_t *out_bytes);
+
+/* Two-level allocation: every tag gets precision `low` or `high` (indices into bits and the
+   distortion rows; bits[low] < bits[high]).
+   - EXHAUSTIVE (AUTO when n_tags <= 22): the minimum over all 2^n_tags assignments within the
+     budget, up to rounding of the distortion sums (about 1e-14 of the total). Among
+     assignments of equal distortion one is kept deterministically. Time O(2^n_tags): a table of
+     the first 8 tags' 256 subset sums (on the stack, 4 KiB), an outer loop over the other tags'
+     subsets; about 4M steps of two additions at n_tags = 22, a few ms. No workspace.
+   - GREEDY (AUTO when n_tags > 22): starts with every tag at low and upgrades tags to high in
+     decreasing order of (D[t][low] - D[t][high]) / (tokens[t] * (bits[high] - bits[low]))
+     (ties: lower tag index first; zero-token tags first), skipping a tag whose upgrade does
+     not fit and going on with the next; tags whose distortion does not drop are never
+     upgraded. So its distortion is never above all-low. Time O(n log n) (merge sort).
+   workspace: kvmix_alloc_two_level_workspace_bytes for the method (8-byte aligned; NULL is fine
+   when that is 0).
+   choice: [n_tags] receives low or high per tag; out: the summary (may be NULL).
+   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts, indices, bits[low] >=
+   bits[high], a negative token count, zero tokens in all, EXHAUSTIVE with n_tags > 22, an
+   unknown method, misaligned workspace), KVMIX_ERR_BAD_VALUE (a distortion, bits or budget
+   that is NaN, infinite, negative or out of range), KVMIX_ERR_BUFFER_TOO_SMALL (workspace),
+   KVMIX_ERR_OUT_OF_MEMORY (infeasible: the budget cannot hold every tag at low). Nothing is
+   written on error. Thread-safe. */
+KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, int32_t low,
+                                            int32_t high, kvmix_alloc_method method,
+                                            void *workspace, size_t workspace_bytes,
+                                            int32_t *choice, kvmix_alloc_summary *out);
+
+/* Workspace bytes of kvmix_alloc_knapsack for this problem and grid: (budget_steps + 1) *
+   (n_tags + 16), about n_tags * budget_steps bytes (a choice table and two rows of doubles).
+   Reads only n_tags and n_precisions of the problem; budget_steps 0 = KVMIX_ALLOC_STEPS_DEFAULT.
+   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts or budget_steps out of
+   range, more than SIZE_MAX bytes). */
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_problem *problem,
+                                                           int32_t budget_steps, size_t *out_bytes);
+
+/* Multiple-choice knapsack over every precision, by dynamic programming over a discretized
+   budget. Let c[t][p] = tokens[t] * bits[p] (or tag_bits[t][p]), m[t] = min_p c[t][p], C =
+   sum_t m[t] and S = budget_bits * sum_t tokens[t] - C, the room above the cheapest choice. The
+   grid has budget_steps cells (0 = KVMIX_ALLOC_STEPS_DEFAULT, at most KVMIX_ALLOC_MAX_STEPS) of
+   q = S / budget_steps; each tag's extra cost c[t][p] - m[t] is rounded UP to whole cells (one
+   within a relative 2^-40 of a whole number of cells counts as that number). The result is
+   the least distortion among choices whose rounded extra costs fit in budget_steps cells
+   (optimal = 1), and it always satisfies the real, undiscretized budget. When every extra cost
+   is a multiple of q, discretization loses nothing and the result is the exact optimum;
+   otherwise a choice may be missed only if its real cost is within n_tags * q of the budget.
+   Among choices of equal distortion one is kept deterministically. Time O(n_tags *
+   n_precisions * budget_steps).
+   workspace: kvmix_alloc_knapsack_workspace_bytes (8-byte aligned). choice: [n_tags]
+   precision indices; out: the summary (may be NULL).
+   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_INVALID_ARGUMENT (counts, budget_steps, token
+   counts, misaligned workspace), KVMIX_ERR_BAD_VALUE (as kvmix_alloc_two_level),
+   KVMIX_ERR_BUFFER_TOO_SMALL (workspace), KVMIX_ERR_OUT_OF_MEMORY (infeasible: the budget
+   cannot hold every tag at its cheapest precision). Nothing is written on error. Thread-safe. */
+KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
+                                           void *workspace, size_t workspace_bytes, int32_t *choice,
+                                           kvmix_alloc_summary *out);
+
+/* Budget sweep: the least distortion at every budget of a knapsack grid, from one dynamic
+   program. With C, S and q as for kvmix_alloc_knapsack (problem->budget_bits is the largest
+   budget of the sweep), for w = 0 .. budget_steps: out_budget_bits[w] = (C + w * q) /
+   sum_t tokens[t], and out_distortion[w] = the least distortion among choices whose rounded
+   extra costs fit in w cells (so such a choice holds out_budget_bits[w], up to the rounding of
+   that division); non-increasing in w. Each output has budget_steps + 1 entries
+   (KVMIX_ALLOC_STEPS_DEFAULT + 1 when budget_steps is 0); either may be NULL. To get the
+   choice at one of these budgets, call kvmix_alloc_knapsack with it. Workspace, time, returns
+   and thread safety as kvmix_alloc_knapsack. */
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *problem,
+                                                 int32_t budget_steps, void *workspace,
+                                                 size_t workspace_bytes, double *out_budget_bits,
+                                                 double *out_distortion);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Session store: per-session memories (the intent policy's QueryMemory) in caller memory,     */
@@ -1829,6 +1841,8 @@ typedef kvmix_result (*kvmix_tier_trial_fn)(void *ctx, int32_t index, double bud
 KVMIXDEF kvmix_result kvmix_tier_probe(kvmix_tier_trial_fn trial, void *ctx, int32_t n_trials,
                                        int32_t n_pass, double budget, int32_t *out_allow_int4,
                                        int32_t *out_n_passed);
+
+#endif /* KVMIX_NO_POLICY */
 
 // >>rules
 /* ------------------------------------------------------------------------------------------- */
@@ -6890,217 +6904,6 @@ KVMIXDEF kvmix_result kvmix_cache_check(const kvmix_cache *cache) {
     return KVMIX_SUCCESS;
 }
 
-// >>policy
-
-#define KVMIX__KEEP KVMIX_CACHE_PARTIAL_KEEP_FP16
-
-#define KVMIX__NO_EVICT                                                                            \
-    { 0, 0, 0.0, 0.0, 0, 0, 0, 0 }
-static const kvmix_policy kvmix__builtin_policies[] = {
-    {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
-     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
-    {"int8", "INT8 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT8,
-     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
-    {"int4", "INT4 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT4,
-     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
-    {"kivi2",
-     "KIVI-2: INT2 per-channel keys over pages of 32 tokens, INT2 per-token values (groups of "
-     "32), the 128 most recent tokens FP16 (the residual)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP, 0,
-     NULL, KVMIX__NO_EVICT},
-    {"kivi2-sink",
-     "kivi2 (INT2 per-channel keys over pages of 32 tokens, INT2 per-token values, the 128 most "
-     "recent tokens FP16) plus the first 32 tokens kept FP16 (attention sinks)",
-     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP, 0,
-     NULL, KVMIX__NO_EVICT},
-    {"kitty-12",
-     "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/8 channels of "
-     "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
-     "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP, 0, NULL,
-     KVMIX__NO_EVICT},
-    {"kitty-25",
-     "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/4 channels of "
-     "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
-     "the 128 most recent tokens FP16",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP, 0, NULL,
-     KVMIX__NO_EVICT},
-    {"kitty-paper-12",
-     "Kitty as its paper lays it out: BOOSTED keys (head_dim/8 channels at 4 bits) over pages of "
-     "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
-     "128 most recent tokens FP16 (keys wait in the page being filled)",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.125, 128, 32, 128, 1,
-     KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
-    {"kitty-paper-25",
-     "Kitty as its paper lays it out: BOOSTED keys (head_dim/4 channels at 4 bits) over pages of "
-     "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
-     "128 most recent tokens FP16 (keys wait in the page being filled)",
-     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.25, 128, 32, 128, 1,
-     KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
-};
-
-#undef KVMIX__KEEP
-#undef KVMIX__NO_EVICT
-
-KVMIXDEF int32_t kvmix_policy_count(void) {
-    return (int32_t)(sizeof kvmix__builtin_policies / sizeof kvmix__builtin_policies[0]);
-}
-
-KVMIXDEF const kvmix_policy *kvmix_policy_at(int32_t index) {
-    return index >= 0 && index < kvmix_policy_count() ? &kvmix__builtin_policies[index] : NULL;
-}
-
-KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name) {
-    int32_t i;
-    for (i = 0; name && i < kvmix_policy_count(); i++)
-        if (strcmp(kvmix__builtin_policies[i].name, name) == 0) return &kvmix__builtin_policies[i];
-    return NULL;
-}
-
-static int kvmix__text_ok(const char *text, size_t bytes, int allow_empty) {
-    return memchr(text, 0, bytes) != NULL && (allow_empty || text[0] != 0);
-}
-
-/* The numeric fields, each within its documented range. */
-static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_error *e) {
-    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
-    if (p->group_size != KVMIX_GROUP_HEAD_DIM && !kvmix__int_in(p->group_size, 8, 512, 8))
-        return kvmix__fail(e, bad, "group_size",
-                           "must be a multiple of 8 in 8 .. 512, or head_dim");
-    if (p->value_group_size != 0 && p->value_group_size != KVMIX_GROUP_HEAD_DIM &&
-        !kvmix__int_in(p->value_group_size, 8, 512, 8))
-        return kvmix__fail(e, bad, "value_group_size",
-                           "must be 0 (group_size), a multiple of 8 in 8 .. 512, or head_dim");
-    if (!kvmix__int_in(p->n_boost, 0, 252, 4))
-        return kvmix__fail(e, bad, "n_boost", "must be a multiple of 4 in 0 .. 252");
-    if (!(p->boost_fraction >= 0.0 && p->boost_fraction <= 1.0))
-        return kvmix__fail(e, bad, "boost_fraction", "must be a number in 0 .. 1");
-    if (!kvmix__int_in(p->page_tokens, 8, 1024, 8))
-        return kvmix__fail(e, bad, "page_tokens", "must be a multiple of 8 in 8 .. 1024");
-    if (!kvmix__int_in(p->sink_tokens, 0, p->page_tokens, 1))
-        return kvmix__fail(e, bad, "sink_tokens", "must be in 0 .. page_tokens");
-    if (!kvmix__int_in(p->window_tokens, 0, 1 << 26, 1))
-        return kvmix__fail(e, bad, "window_tokens", "must be in 0 .. 2^26");
-    if (!kvmix__int_in(p->window_values_only, 0, 1, 1))
-        return kvmix__fail(e, bad, "window_values_only", "must be 0 or 1");
-    if (p->partial_page < KVMIX_CACHE_PARTIAL_DEFAULT ||
-        p->partial_page > KVMIX_CACHE_PARTIAL_QUANTIZE)
-        return kvmix__fail(e, bad, "partial_page", "must be a kvmix_cache_partial");
-    if (p->request_boundary != KVMIX_POLICY_BOUNDARY_FINISH &&
-        p->request_boundary != KVMIX_POLICY_BOUNDARY_CONTINUE)
-        return kvmix__fail(e, bad, "request_boundary", "must be a kvmix_policy_boundary");
-    if (p->tag_precision && kvmix_tag_precision_check(p->tag_precision) != KVMIX_SUCCESS)
-        return kvmix__fail(e, KVMIX_ERR_UNKNOWN_FORMAT, "tag_precision",
-                           "holds a format that is not a kvmix_format");
-    return KVMIX_SUCCESS;
-}
-
-static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_error *out_error);
-
-/* No eviction (scorer 0, every other field 0 too), or a checked one. */
-static kvmix_result kvmix__policy_check_evict(const kvmix_evict_policy *ev,
-                                              kvmix_error *out_error) {
-    kvmix_evict_policy none;
-    memset(&none, 0, sizeof none);
-    if (ev->scorer == 0 && memcmp(ev, &none, sizeof none) != 0)
-        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "evict",
-                           "has settings but no scorer");
-    if (ev->scorer != 0 && !kvmix__evict_policy_ok(ev, out_error))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    return KVMIX_SUCCESS;
-}
-
-KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *p, kvmix_error *out_error) {
-    int boosted;
-    kvmix_result r;
-    if (!p) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "policy", "NULL");
-    if (!kvmix__text_ok(p->name, sizeof p->name, 0))
-        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "name",
-                           "must be non-empty and NUL-terminated");
-    if (!kvmix__text_ok(p->description, sizeof p->description, 1))
-        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "description",
-                           "must be NUL-terminated");
-    if (!kvmix__format_known(p->key_format))
-        return kvmix__fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "key_format",
-                           "is not a kvmix_format");
-    if (!kvmix__format_known(p->value_format))
-        return kvmix__fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "value_format",
-                           "is not a kvmix_format");
-    if ((r = kvmix__policy_check_ranges(p, out_error)) != KVMIX_SUCCESS) return r;
-    boosted = p->key_format == KVMIX_FORMAT_BOOSTED || p->value_format == KVMIX_FORMAT_BOOSTED;
-    if (boosted && p->n_boost == 0 && p->boost_fraction == 0.0)
-        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_boost",
-                           "a boosted format needs n_boost or boost_fraction");
-    if ((r = kvmix__policy_check_evict(&p->evict, out_error)) != KVMIX_SUCCESS) return r;
-    return kvmix__succeed(out_error);
-}
-
-/* n_boost and boost_fraction of a checked boosted policy made to agree for head_dim. */
-static kvmix_result kvmix__policy_resolve_boost(kvmix_policy *p, int32_t head_dim, kvmix_error *e) {
-    if (p->n_boost != 0 && p->boost_fraction != 0.0 &&
-        p->boost_fraction * head_dim != (double)p->n_boost)
-        return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
-                           "disagrees with n_boost for the model's head_dim");
-    if (p->n_boost == 0) {
-        double n = p->boost_fraction * head_dim;
-        if (n != floor(n) || !kvmix__int_in((int32_t)n, 4, 252, 4))
-            return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
-                               "of the model's head_dim is not a multiple of 4 in 4 .. 252");
-        p->n_boost = (int32_t)n;
-    }
-    if (p->n_boost > head_dim)
-        return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "n_boost", "exceeds the model's head_dim");
-    p->boost_fraction = (double)p->n_boost / head_dim;
-    return KVMIX_SUCCESS;
-}
-
-KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
-                                           kvmix_policy *out, kvmix_error *out_error) {
-    kvmix_policy p;
-    kvmix_result r;
-    if (!out) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "out", "NULL");
-    if ((r = kvmix_policy_check(policy, out_error)) != KVMIX_SUCCESS) return r;
-    p = *policy;
-    if (!kvmix__head_dim_ok(head_dim))
-        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim", KVMIX__HEAD_DIM_RULE);
-    if (p.value_group_size == 0) p.value_group_size = p.group_size;
-    if (p.evict.scorer != 0) kvmix_evict_policy_resolve(&p.evict, NULL);
-    if (p.group_size == KVMIX_GROUP_HEAD_DIM) p.group_size = head_dim;
-    if (p.value_group_size == KVMIX_GROUP_HEAD_DIM) p.value_group_size = head_dim;
-    if (head_dim % p.group_size != 0)
-        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "group_size",
-                           "does not divide the model's head_dim");
-    if (head_dim % p.value_group_size != 0)
-        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "value_group_size",
-                           "does not divide the model's head_dim");
-    if (p.n_boost != 0 || p.boost_fraction != 0.0)
-        if ((r = kvmix__policy_resolve_boost(&p, head_dim, out_error)) != KVMIX_SUCCESS) return r;
-    *out = p;
-    return kvmix__succeed(out_error);
-}
-
-KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
-                                         kvmix_error *out_error) {
-    kvmix_policy p;
-    kvmix_result r;
-    if (!desc) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "desc", "NULL");
-    if ((r = kvmix_policy_resolve(policy, desc->head_dim, &p, out_error)) != KVMIX_SUCCESS)
-        return r;
-    desc->page_tokens = p.page_tokens;
-    desc->n_sink = p.sink_tokens;
-    desc->n_window = desc->max_tokens_per_seq > 0 && p.window_tokens > desc->max_tokens_per_seq
-                         ? desc->max_tokens_per_seq
-                         : p.window_tokens;
-    desc->window_values_only = p.window_values_only;
-    desc->group_size = p.group_size;
-    desc->value_group_size = p.value_group_size;
-    desc->n_boost = p.n_boost; /* 0: the policy stores no BOOSTED block */
-    desc->partial = (kvmix_cache_partial)p.partial_page;
-    desc->default_precision.key_format = (uint8_t)p.key_format;
-    desc->default_precision.value_format = (uint8_t)p.value_format;
-    return KVMIX_SUCCESS;
-}
-
 // >>transfer
 /*
    Transfer payload, version 1. Little-endian; offsets from the payload's first byte.
@@ -7365,491 +7168,7 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
     return KVMIX_SUCCESS;
 }
 
-// >>alloc
-/*
-   Bit allocation. Every allocator validates the whole problem first (kvmix__alloc_check), then
-   checks that the cheapest choice fits the budget; from there on nothing can fail, so the
-   caller's `choice` array serves as the working assignment.
-
-   Costs are in token-bits: c[t][p] = tokens[t] * bits[p] (tag_bits[t][p] when given) in
-   double, and the budget is limit = budget_bits * T with T = sum of tokens (exact: an int64 sum
-   of at most 2^53). The canonical test of a choice is kvmix__alloc_cost(choice) <= limit, summed in tag order. The
-   fast paths add costs in other orders (subset-sum tables, running sums), which may differ from
-   the canonical sum by rounding. So a fast-path cost above limit + tol rejects, one at most
-   limit - tol accepts, and one in between is summed canonically before the choice is kept; tol
-   bounds the rounding error of the fast sums (a few dozen ulps of the largest possible cost).
-   With integer token counts and bits that are multiples of 2^-k (every kvmix format's are) all
-   sums are exact, and the band only catches choices exactly at the budget; tag_bits priced by
-   runs are any doubles, and the band is what keeps their sums honest.
-
-   Two-level exhaustive: tags 0..7 form an inner set whose 256 subset sums of (cost, distortion)
-   increments are tabulated; an outer loop runs over the subsets of the other tags (up to 2^14),
-   summing their increments directly, and the inner loop adds the table: two additions, one
-   compare per assignment, no drift (a Gray-code walk over all n bits would do one addition per
-   state but accumulate rounding over 4M steps, and branch on which bit flips).
-
-   Knapsack: costs relative to each tag's cheapest precision, so the grid spans only the room
-   above the cheapest choice (S = limit - C) and the all-cheapest choice is always on it.
-   dp[t][w] = the least distortion of tags 0..t with rounded extra cost at most w cells;
-   dp[t][w] = min_p dp[t-1][w - u[t][p]] + D[t][p], dp[-1][w] = 0. Two rows of doubles and a
-   byte per (tag, cell) for the argmin p; the choice is read back from w = budget_steps. Rounding
-   every u up keeps the real extra cost at most w * q <= S; should rounding of q itself let the
-   canonical sum exceed the limit, the read-back restarts from w - 1 (then optimal = 0).
-*/
-#include <float.h>
-
-#define KVMIX__ALLOC_MAX_TOTAL_TOKENS 9007199254740992LL /* 2^53 */
-#define KVMIX__ALLOC_INNER_BITS       8
-#define KVMIX__ALLOC_2_POW_M40        9.094947017729282379e-13 /* 2^-40 */
-#define KVMIX__ALLOC_2_POW_M50        8.881784197001252323e-16 /* 2^-50 */
-
-typedef struct kvmix__alloc_info {
-    double total_tokens; /* T */
-    double limit;        /* budget_bits * T, in token-bits */
-} kvmix__alloc_info;
-
-/* A greedy candidate: its gain per bit and its tag. */
-typedef struct kvmix__alloc_item {
-    double key;
-    int32_t tag;
-    int32_t reserved;
-} kvmix__alloc_item;
-
-static kvmix__why kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__alloc_info *info) {
-    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT, bad_value = KVMIX_ERR_BAD_VALUE;
-    int64_t total = 0;
-    double worst = 0.0;
-    int32_t t, k;
-    if (!p) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "problem", "NULL");
-    if (!kvmix__int_in(p->n_tags, 1, KVMIX_ALLOC_MAX_TAGS, 1))
-        return kvmix__why_not(bad, "n_tags", "must be in 1 .. KVMIX_ALLOC_MAX_TAGS");
-    if (!kvmix__int_in(p->n_precisions, 1, KVMIX_ALLOC_MAX_PRECISIONS, 1))
-        return kvmix__why_not(bad, "n_precisions", "must be in 1 .. KVMIX_ALLOC_MAX_PRECISIONS");
-    if (!p->tokens || !p->distortion || !p->bits)
-        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
-                              !p->tokens       ? "tokens"
-                              : !p->distortion ? "distortion"
-                                               : "bits",
-                              "NULL");
-    for (t = 0; t < p->n_tags; t++) {
-        if (p->tokens[t] < 0 || p->tokens[t] > KVMIX__ALLOC_MAX_TOTAL_TOKENS - total)
-            return kvmix__why_not(bad, "tokens", "a count below 0, or a sum past 2^53");
-        total += p->tokens[t];
-    }
-    if (total == 0) return kvmix__why_not(bad, "tokens", "sum to 0");
-    for (k = 0; k < p->n_precisions; k++)
-        if (!(p->bits[k] > 0.0 && p->bits[k] <= KVMIX_ALLOC_MAX_BITS))
-            return kvmix__why_not(bad_value, "bits", "a value not in (0, 65536]");
-    for (k = 0; p->tag_bits && k < p->n_tags * p->n_precisions; k++)
-        if (!(p->tag_bits[k] > 0.0 && p->tag_bits[k] <= KVMIX_ALLOC_MAX_BITS))
-            return kvmix__why_not(bad_value, "tag_bits", "a value not in (0, 65536]");
-    if (!(p->budget_bits > 0.0 && p->budget_bits <= DBL_MAX))
-        return kvmix__why_not(bad_value, "budget_bits", "not finite and > 0");
-    for (t = 0; t < p->n_tags; t++) {
-        const double *row = p->distortion + (size_t)t * (size_t)p->n_precisions;
-        double most = 0.0;
-        for (k = 0; k < p->n_precisions; k++) {
-            if (!(row[k] >= 0.0 && row[k] <= DBL_MAX))
-                return kvmix__why_not(bad_value, "distortion", "a value not finite and >= 0");
-            if (row[k] > most) most = row[k];
-        }
-        worst += most;
-    }
-    if (!(worst <= DBL_MAX))
-        return kvmix__why_not(bad_value, "distortion", "the tags' largest sum past DBL_MAX");
-    info->total_tokens = (double)total;
-    info->limit = p->budget_bits * info->total_tokens;
-    if (!(info->limit <= DBL_MAX))
-        return kvmix__why_not(bad_value, "budget_bits", "times the tokens, past DBL_MAX");
-    return kvmix__why_ok();
-}
-
-KVMIXDEF kvmix_result kvmix_alloc_problem_check(const kvmix_alloc_problem *problem,
-                                                kvmix_error *out_error) {
-    kvmix__alloc_info info;
-    return kvmix__report(out_error, kvmix__alloc_check(problem, &info));
-}
-
-/* Tag t's tokens at precision k, in token-bits. */
-static double kvmix__alloc_tag_cost(const kvmix_alloc_problem *p, int32_t t, int32_t k) {
-    return (double)p->tokens[t] *
-           (p->tag_bits ? p->tag_bits[(size_t)t * (size_t)p->n_precisions + (size_t)k]
-                        : p->bits[k]);
-}
-
-/* The canonical cost of a choice, in token-bits, summed in tag order. */
-static double kvmix__alloc_cost(const kvmix_alloc_problem *p, const int32_t *choice) {
-    double cost = 0.0;
-    int32_t t;
-    for (t = 0; t < p->n_tags; t++) cost += kvmix__alloc_tag_cost(p, t, choice[t]);
-    return cost;
-}
-
-/* The same for the two-level assignment `mask` (bit t set = tag t at high). */
-static double kvmix__alloc_mask_cost(const kvmix_alloc_problem *p, int32_t low, int32_t high,
-                                     uint32_t mask) {
-    double cost = 0.0;
-    int32_t t;
-    for (t = 0; t < p->n_tags; t++)
-        cost += kvmix__alloc_tag_cost(p, t, (mask >> t) & 1u ? high : low);
-    return cost;
-}
-
-static void kvmix__alloc_summarize(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
-                                   const int32_t *choice, kvmix_alloc_method method,
-                                   int32_t optimal, kvmix_alloc_summary *out) {
-    double distortion = 0.0;
-    int32_t t;
-    if (!out) return;
-    for (t = 0; t < p->n_tags; t++)
-        distortion += p->distortion[(size_t)t * (size_t)p->n_precisions + (size_t)choice[t]];
-    out->distortion = distortion;
-    out->bits = kvmix__alloc_cost(p, choice) / info->total_tokens;
-    out->method = method;
-    out->optimal = optimal;
-}
-
-static kvmix_result kvmix__alloc_resolve(int32_t n_tags, kvmix_alloc_method method,
-                                         kvmix_alloc_method *out) {
-    if (n_tags < 1 || n_tags > KVMIX_ALLOC_MAX_TAGS) return KVMIX_ERR_INVALID_ARGUMENT;
-    switch (method) {
-    case KVMIX_ALLOC_AUTO:
-        *out = n_tags <= KVMIX_ALLOC_EXACT_MAX_TAGS ? KVMIX_ALLOC_EXHAUSTIVE : KVMIX_ALLOC_GREEDY;
-        return KVMIX_SUCCESS;
-    case KVMIX_ALLOC_EXHAUSTIVE:
-        if (n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS) return KVMIX_ERR_INVALID_ARGUMENT;
-        *out = method;
-        return KVMIX_SUCCESS;
-    case KVMIX_ALLOC_GREEDY: *out = method; return KVMIX_SUCCESS;
-    case KVMIX_ALLOC_KNAPSACK: break;
-    }
-    return KVMIX_ERR_INVALID_ARGUMENT;
-}
-
-KVMIXDEF kvmix_result kvmix_alloc_two_level_workspace_bytes(int32_t n_tags,
-                                                            kvmix_alloc_method method,
-                                                            size_t *out_bytes) {
-    kvmix_alloc_method resolved = KVMIX_ALLOC_AUTO;
-    kvmix_result r;
-    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__alloc_resolve(n_tags, method, &resolved)) != KVMIX_SUCCESS) return r;
-    *out_bytes =
-        resolved == KVMIX_ALLOC_GREEDY ? (size_t)n_tags * 2 * sizeof(kvmix__alloc_item) : 0;
-    return KVMIX_SUCCESS;
-}
-
-/* Exhaustive two-level search; writes the best assignment into choice. */
-static void kvmix__alloc_exhaustive(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
-                                    int32_t low, int32_t high, int32_t *choice) {
-    double dc[KVMIX_ALLOC_EXACT_MAX_TAGS], dd[KVMIX_ALLOC_EXACT_MAX_TAGS];
-    double tc[1 << KVMIX__ALLOC_INNER_BITS], td[1 << KVMIX__ALLOC_INNER_BITS];
-    double base_c = 0.0, base_d = 0.0, most = 0.0, tol, limit_hi, limit_lo, best_d = HUGE_VAL;
-    const size_t np = (size_t)p->n_precisions;
-    const int32_t n = p->n_tags;
-    const int32_t n_in = n < KVMIX__ALLOC_INNER_BITS ? n : KVMIX__ALLOC_INNER_BITS;
-    const uint32_t n_inner = 1u << n_in, n_outer = 1u << (n - n_in);
-    uint32_t best = 0, j, om;
-    int32_t t;
-    for (t = 0; t < n; t++) {
-        double lo = kvmix__alloc_tag_cost(p, t, low);
-        double hi = kvmix__alloc_tag_cost(p, t, high);
-        base_c += lo;
-        most += hi > lo ? hi : lo;
-        dc[t] = hi - lo;
-        base_d += p->distortion[(size_t)t * np + (size_t)low];
-        dd[t] = p->distortion[(size_t)t * np + (size_t)high] -
-                p->distortion[(size_t)t * np + (size_t)low];
-    }
-    tc[0] = td[0] = 0.0;
-    for (j = 1; j < n_inner; j++) {
-        int32_t b = 0;
-        while (!((j >> b) & 1u)) b++;
-        tc[j] = tc[j & (j - 1u)] + dc[b];
-        td[j] = td[j & (j - 1u)] + dd[b];
-    }
-    tol = most * KVMIX__ALLOC_2_POW_M40; /* at most 2 * 22 + 2 roundings of <= 2^-53 most */
-    limit_hi = info->limit + tol;
-    limit_lo = info->limit - tol;
-    for (om = 0; om < n_outer; om++) {
-        double oc = base_c, od = base_d;
-        int32_t b;
-        for (b = 0; b < n - n_in; b++)
-            if ((om >> b) & 1u) {
-                oc += dc[n_in + b];
-                od += dd[n_in + b];
-            }
-        for (j = 0; j < n_inner; j++) {
-            double c = oc + tc[j], d = od + td[j];
-            if ((c <= limit_hi) & (d < best_d)) {
-                uint32_t mask = (om << n_in) | j;
-                if (c > limit_lo && kvmix__alloc_mask_cost(p, low, high, mask) > info->limit)
-                    continue;
-                best_d = d;
-                best = mask;
-            }
-        }
-    }
-    for (t = 0; t < n; t++) choice[t] = (best >> t) & 1u ? high : low;
-}
-
-/* Stable bottom-up merge sort of a[0..n) by decreasing key, ping-ponging with b; returns the
-   array that holds the result. Stable, so equal keys keep increasing tag order. */
-static kvmix__alloc_item *kvmix__alloc_sort(kvmix__alloc_item *a, kvmix__alloc_item *b, size_t n) {
-    size_t width, lo;
-    for (width = 1; width < n; width *= 2) {
-        kvmix__alloc_item *swap;
-        for (lo = 0; lo < n; lo += 2 * width) {
-            size_t mid = n - lo > width ? lo + width : n;
-            size_t hi = n - mid > width ? mid + width : n;
-            size_t i = lo, j = mid, k = lo;
-            while (i < mid && j < hi) b[k++] = a[j].key > a[i].key ? a[j++] : a[i++];
-            while (i < mid) b[k++] = a[i++];
-            while (j < hi) b[k++] = a[j++];
-        }
-        swap = a;
-        a = b;
-        b = swap;
-    }
-    return a;
-}
-
-/* Greedy two-level allocation. workspace: two arrays of [n_tags] items. */
-static void kvmix__alloc_greedy(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
-                                int32_t low, int32_t high, void *workspace, int32_t *choice) {
-    kvmix__alloc_item *items = (kvmix__alloc_item *)workspace;
-    const size_t np = (size_t)p->n_precisions;
-    double cost = 0.0, most = 0.0, tol;
-    size_t m = 0, i;
-    int32_t t;
-    for (t = 0; t < p->n_tags; t++) {
-        double lo = kvmix__alloc_tag_cost(p, t, low);
-        double hi = kvmix__alloc_tag_cost(p, t, high);
-        double gain = p->distortion[(size_t)t * np + (size_t)low] -
-                      p->distortion[(size_t)t * np + (size_t)high];
-        choice[t] = low;
-        cost += lo;
-        most += hi > lo ? hi : lo;
-        if (gain > 0.0) {
-            items[m].key = hi - lo > 0.0 ? gain / (hi - lo) : HUGE_VAL;
-            items[m].tag = t;
-            items[m].reserved = 0;
-            m++;
-        }
-    }
-    items = kvmix__alloc_sort(items, items + p->n_tags, m);
-    /* the running sum has at most n_tags + 1 more roundings than the canonical one */
-    tol = most * ((double)p->n_tags + 16.0) * KVMIX__ALLOC_2_POW_M50;
-    for (i = 0; i < m; i++) {
-        double next;
-        t = items[i].tag;
-        next = cost + (kvmix__alloc_tag_cost(p, t, high) - kvmix__alloc_tag_cost(p, t, low));
-        if (next > info->limit + tol) continue;
-        choice[t] = high;
-        if (next > info->limit - tol) {
-            next = kvmix__alloc_cost(p, choice);
-            if (next > info->limit) {
-                choice[t] = low;
-                continue;
-            }
-        }
-        cost = next;
-    }
-}
-
-KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, int32_t low,
-                                            int32_t high, kvmix_alloc_method method,
-                                            void *workspace, size_t workspace_bytes,
-                                            int32_t *choice, kvmix_alloc_summary *out) {
-    kvmix__alloc_info info;
-    kvmix_alloc_method resolved = KVMIX_ALLOC_AUTO;
-    size_t need = 0;
-    double cost = 0.0;
-    kvmix_result r;
-    int32_t t;
-    if ((r = kvmix__alloc_check(problem, &info).result) != KVMIX_SUCCESS) return r;
-    if (!choice) return KVMIX_ERR_NULL_POINTER;
-    if (low < 0 || low >= problem->n_precisions || high < 0 || high >= problem->n_precisions ||
-        !(problem->bits[low] < problem->bits[high]))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((r = kvmix_alloc_two_level_workspace_bytes(problem->n_tags, method, &need)) !=
-        KVMIX_SUCCESS)
-        return r;
-    (void)kvmix__alloc_resolve(problem->n_tags, method, &resolved);
-    if (need > 0) {
-        if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
-        if (!workspace) return KVMIX_ERR_NULL_POINTER;
-        if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    }
-    for (t = 0; t < problem->n_tags; t++) cost += kvmix__alloc_tag_cost(problem, t, low);
-    if (cost > info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
-    if (resolved == KVMIX_ALLOC_EXHAUSTIVE)
-        kvmix__alloc_exhaustive(problem, &info, low, high, choice);
-    else
-        kvmix__alloc_greedy(problem, &info, low, high, workspace, choice);
-    kvmix__alloc_summarize(problem, &info, choice, resolved, resolved == KVMIX_ALLOC_EXHAUSTIVE,
-                           out);
-    return KVMIX_SUCCESS;
-}
-
-KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_problem *problem,
-                                                           int32_t budget_steps,
-                                                           size_t *out_bytes) {
-    size_t cells;
-    if (!problem || !out_bytes) return KVMIX_ERR_NULL_POINTER;
-    if (problem->n_tags < 1 || problem->n_tags > KVMIX_ALLOC_MAX_TAGS ||
-        problem->n_precisions < 1 || problem->n_precisions > KVMIX_ALLOC_MAX_PRECISIONS ||
-        budget_steps < 0 || budget_steps > KVMIX_ALLOC_MAX_STEPS)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    cells = (size_t)(budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps) + 1;
-    if (cells > (size_t)-1 / ((size_t)problem->n_tags + 16)) return KVMIX_ERR_INVALID_ARGUMENT;
-    *out_bytes = cells * ((size_t)problem->n_tags + 16);
-    return KVMIX_SUCCESS;
-}
-
-/* Tag t's cost at its cheapest precision, in token-bits. */
-static double kvmix__alloc_tag_cheapest(const kvmix_alloc_problem *p, int32_t t) {
-    double least = kvmix__alloc_tag_cost(p, t, 0), c;
-    int32_t k;
-    for (k = 1; k < p->n_precisions; k++)
-        if ((c = kvmix__alloc_tag_cost(p, t, k)) < least) least = c;
-    return least;
-}
-
-/* Cells of tag t's extra cost at precision k over its cheapest cost `cheapest`, rounded up (a
-   value within 2^-40 relative of a whole number of cells counts as that number, so that a cost
-   meant to lie on the grid is not pushed a cell up by rounding; the canonical check of the result
-   covers the difference); steps + 1 (never fits) when above steps. */
-static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32_t k,
-                                  double cheapest, double room, int32_t steps) {
-    double extra = kvmix__alloc_tag_cost(p, t, k) - cheapest;
-    double x;
-    if (!(extra > 0.0)) return 0;
-    x = extra * (double)steps / room; /* +inf when room is 0 */
-    if (!(x <= (double)steps + 1.0)) return steps + 1;
-    x = ceil(x - x * KVMIX__ALLOC_2_POW_M40);
-    return x > (double)steps ? steps + 1 : (int32_t)x;
-}
-
-/* The grid of one knapsack call: the cheapest choice's cost, the room above it (limit -
-   cheapest) and the number of cells. */
-typedef struct kvmix__alloc_grid {
-    kvmix__alloc_info info;
-    int32_t steps;
-    double cheapest, room;
-} kvmix__alloc_grid;
-
-/* Checks a knapsack call's arguments and sets up its grid. */
-static kvmix_result kvmix__alloc_grid_init(const kvmix_alloc_problem *problem, int32_t budget_steps,
-                                           const void *workspace, size_t workspace_bytes,
-                                           kvmix__alloc_grid *g) {
-    size_t need = 0;
-    kvmix_result r;
-    int32_t t;
-    if ((r = kvmix__alloc_check(problem, &g->info).result) != KVMIX_SUCCESS) return r;
-    if ((r = kvmix_alloc_knapsack_workspace_bytes(problem, budget_steps, &need)) != KVMIX_SUCCESS)
-        return r;
-    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
-    if (!workspace) return KVMIX_ERR_NULL_POINTER;
-    if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    g->cheapest = 0.0;
-    for (t = 0; t < problem->n_tags; t++) g->cheapest += kvmix__alloc_tag_cheapest(problem, t);
-    if (g->cheapest > g->info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
-    g->steps = budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps;
-    g->room = g->info.limit - g->cheapest;
-    return KVMIX_SUCCESS;
-}
-
-/* The dynamic program over the grid. workspace: two rows of [steps + 1] doubles, then the argmin
-   table [n_tags][steps + 1] bytes. Returns the final row: the least distortion of all tags with
-   rounded extra cost at most w cells, for every w. */
-static const double *kvmix__alloc_dp(const kvmix_alloc_problem *problem, const kvmix__alloc_grid *g,
-                                     void *workspace) {
-    const int32_t steps = g->steps;
-    const size_t cells = (size_t)steps + 1;
-    double *prev = (double *)workspace, *next = prev + cells;
-    uint8_t *table = (uint8_t *)(next + cells);
-    int32_t units[KVMIX_ALLOC_MAX_PRECISIONS];
-    int32_t t, k, w;
-    for (w = 0; w <= steps; w++) prev[w] = 0.0;
-    for (t = 0; t < problem->n_tags; t++) {
-        const double *row = problem->distortion + (size_t)t * (size_t)problem->n_precisions;
-        uint8_t *arg = table + (size_t)t * cells;
-        const double cheapest = kvmix__alloc_tag_cheapest(problem, t);
-        double *swap;
-        for (k = 0; k < problem->n_precisions; k++)
-            units[k] = kvmix__alloc_units(problem, t, k, cheapest, g->room, steps);
-        for (w = 0; w <= steps; w++) next[w] = HUGE_VAL;
-        for (k = 0; k < problem->n_precisions; k++) {
-            const double d = row[k];
-            const int32_t u = units[k];
-            if (u > steps) continue;
-            for (w = u; w <= steps; w++) {
-                double v = prev[w - u] + d;
-                if (v < next[w]) {
-                    next[w] = v;
-                    arg[w] = (uint8_t)k;
-                }
-            }
-        }
-        swap = prev;
-        prev = next;
-        next = swap;
-    }
-    return prev;
-}
-
-KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
-                                           void *workspace, size_t workspace_bytes, int32_t *choice,
-                                           kvmix_alloc_summary *out) {
-    kvmix__alloc_grid g;
-    const uint8_t *table;
-    size_t cells;
-    int32_t t, k, w, capacity;
-    kvmix_result r;
-    if (problem && !choice) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__alloc_grid_init(problem, budget_steps, workspace, workspace_bytes, &g)) !=
-        KVMIX_SUCCESS)
-        return r;
-    (void)kvmix__alloc_dp(problem, &g, workspace);
-    cells = (size_t)g.steps + 1;
-    table = (const uint8_t *)((double *)workspace + 2 * cells);
-    /* read the choice back; restart one cell lower if rounding let the real sum overspend */
-    for (capacity = g.steps;; capacity--) {
-        w = capacity;
-        for (t = problem->n_tags; t-- > 0;) {
-            k = table[(size_t)t * cells + (size_t)w];
-            choice[t] = k;
-            w -= kvmix__alloc_units(problem, t, k, kvmix__alloc_tag_cheapest(problem, t), g.room,
-                                    g.steps);
-        }
-        KVMIX_ASSERT(w >= 0);
-        if (capacity == 0 || kvmix__alloc_cost(problem, choice) <= g.info.limit) break;
-    }
-    kvmix__alloc_summarize(problem, &g.info, choice, KVMIX_ALLOC_KNAPSACK, capacity == g.steps,
-                           out);
-    return KVMIX_SUCCESS;
-}
-
-KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *problem,
-                                                 int32_t budget_steps, void *workspace,
-                                                 size_t workspace_bytes, double *out_budget_bits,
-                                                 double *out_distortion) {
-    kvmix__alloc_grid g;
-    const double *last;
-    int32_t w;
-    kvmix_result r;
-    if ((r = kvmix__alloc_grid_init(problem, budget_steps, workspace, workspace_bytes, &g)) !=
-        KVMIX_SUCCESS)
-        return r;
-    last = kvmix__alloc_dp(problem, &g, workspace);
-    for (w = 0; w <= g.steps; w++) {
-        if (out_budget_bits)
-            out_budget_bits[w] =
-                (g.cheapest + g.room * ((double)w / (double)g.steps)) / g.info.total_tokens;
-        if (out_distortion) out_distortion[w] = last[w];
-    }
-    return KVMIX_SUCCESS;
-}
+#ifndef KVMIX_NO_POLICY
 
 // >>tags
 /* The streaming tagger. The hot path (kvmix_tagger_feed's inner loop) runs while the state is
@@ -8486,6 +7805,219 @@ KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table
     return KVMIX_SUCCESS;
 }
 
+// >>policy
+
+#define KVMIX__KEEP KVMIX_CACHE_PARTIAL_KEEP_FP16
+
+#define KVMIX__NO_EVICT                                                                            \
+    { 0, 0, 0.0, 0.0, 0, 0, 0, 0 }
+static const kvmix_policy kvmix__builtin_policies[] = {
+    {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
+     0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
+    {"int8", "INT8 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT8,
+     KVMIX_FORMAT_INT8, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
+    {"int4", "INT4 keys and values, per token, groups of 32 channels", KVMIX_FORMAT_INT4,
+     KVMIX_FORMAT_INT4, 32, 0, 0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
+    {"kivi2",
+     "KIVI-2: INT2 per-channel keys over pages of 32 tokens, INT2 per-token values (groups of "
+     "32), the 128 most recent tokens FP16 (the residual)",
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 0, 128, 0, KVMIX__KEEP, 0,
+     NULL, KVMIX__NO_EVICT},
+    {"kivi2-sink",
+     "kivi2 (INT2 per-channel keys over pages of 32 tokens, INT2 per-token values, the 128 most "
+     "recent tokens FP16) plus the first 32 tokens kept FP16 (attention sinks)",
+     KVMIX_FORMAT_INT2_CHANNEL, KVMIX_FORMAT_INT2, 32, 0, 0, 0.0, 32, 32, 128, 0, KVMIX__KEEP, 0,
+     NULL, KVMIX__NO_EVICT},
+    {"kitty-12",
+     "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/8 channels of "
+     "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
+     "the 128 most recent tokens FP16",
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.125, 32, 32, 128, 0, KVMIX__KEEP, 0, NULL,
+     KVMIX__NO_EVICT},
+    {"kitty-25",
+     "Kitty: 2-bit per-channel keys over pages of 32 tokens with the head_dim/4 channels of "
+     "largest mean |k| boosted to 4 bits, INT2 per-token values (groups of 32), 32 FP16 sinks, "
+     "the 128 most recent tokens FP16",
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, 32, 0, 0, 0.25, 32, 32, 128, 0, KVMIX__KEEP, 0, NULL,
+     KVMIX__NO_EVICT},
+    {"kitty-paper-12",
+     "Kitty as its paper lays it out: BOOSTED keys (head_dim/8 channels at 4 bits) over pages of "
+     "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
+     "128 most recent tokens FP16 (keys wait in the page being filled)",
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.125, 128, 32, 128, 1,
+     KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
+    {"kitty-paper-25",
+     "Kitty as its paper lays it out: BOOSTED keys (head_dim/4 channels at 4 bits) over pages of "
+     "128 tokens, INT2 per-token values in one group per head, 32 FP16 sinks, the values of the "
+     "128 most recent tokens FP16 (keys wait in the page being filled)",
+     KVMIX_FORMAT_BOOSTED, KVMIX_FORMAT_INT2, KVMIX_GROUP_HEAD_DIM, 0, 0, 0.25, 128, 32, 128, 1,
+     KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
+};
+
+#undef KVMIX__KEEP
+#undef KVMIX__NO_EVICT
+
+KVMIXDEF int32_t kvmix_policy_count(void) {
+    return (int32_t)(sizeof kvmix__builtin_policies / sizeof kvmix__builtin_policies[0]);
+}
+
+KVMIXDEF const kvmix_policy *kvmix_policy_at(int32_t index) {
+    return index >= 0 && index < kvmix_policy_count() ? &kvmix__builtin_policies[index] : NULL;
+}
+
+KVMIXDEF const kvmix_policy *kvmix_policy_find(const char *name) {
+    int32_t i;
+    for (i = 0; name && i < kvmix_policy_count(); i++)
+        if (strcmp(kvmix__builtin_policies[i].name, name) == 0) return &kvmix__builtin_policies[i];
+    return NULL;
+}
+
+static int kvmix__text_ok(const char *text, size_t bytes, int allow_empty) {
+    return memchr(text, 0, bytes) != NULL && (allow_empty || text[0] != 0);
+}
+
+/* The numeric fields, each within its documented range. */
+static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_error *e) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
+    if (p->group_size != KVMIX_GROUP_HEAD_DIM && !kvmix__int_in(p->group_size, 8, 512, 8))
+        return kvmix__fail(e, bad, "group_size",
+                           "must be a multiple of 8 in 8 .. 512, or head_dim");
+    if (p->value_group_size != 0 && p->value_group_size != KVMIX_GROUP_HEAD_DIM &&
+        !kvmix__int_in(p->value_group_size, 8, 512, 8))
+        return kvmix__fail(e, bad, "value_group_size",
+                           "must be 0 (group_size), a multiple of 8 in 8 .. 512, or head_dim");
+    if (!kvmix__int_in(p->n_boost, 0, 252, 4))
+        return kvmix__fail(e, bad, "n_boost", "must be a multiple of 4 in 0 .. 252");
+    if (!(p->boost_fraction >= 0.0 && p->boost_fraction <= 1.0))
+        return kvmix__fail(e, bad, "boost_fraction", "must be a number in 0 .. 1");
+    if (!kvmix__int_in(p->page_tokens, 8, 1024, 8))
+        return kvmix__fail(e, bad, "page_tokens", "must be a multiple of 8 in 8 .. 1024");
+    if (!kvmix__int_in(p->sink_tokens, 0, p->page_tokens, 1))
+        return kvmix__fail(e, bad, "sink_tokens", "must be in 0 .. page_tokens");
+    if (!kvmix__int_in(p->window_tokens, 0, 1 << 26, 1))
+        return kvmix__fail(e, bad, "window_tokens", "must be in 0 .. 2^26");
+    if (!kvmix__int_in(p->window_values_only, 0, 1, 1))
+        return kvmix__fail(e, bad, "window_values_only", "must be 0 or 1");
+    if (p->partial_page < KVMIX_CACHE_PARTIAL_DEFAULT ||
+        p->partial_page > KVMIX_CACHE_PARTIAL_QUANTIZE)
+        return kvmix__fail(e, bad, "partial_page", "must be a kvmix_cache_partial");
+    if (p->request_boundary != KVMIX_POLICY_BOUNDARY_FINISH &&
+        p->request_boundary != KVMIX_POLICY_BOUNDARY_CONTINUE)
+        return kvmix__fail(e, bad, "request_boundary", "must be a kvmix_policy_boundary");
+    if (p->tag_precision && kvmix_tag_precision_check(p->tag_precision) != KVMIX_SUCCESS)
+        return kvmix__fail(e, KVMIX_ERR_UNKNOWN_FORMAT, "tag_precision",
+                           "holds a format that is not a kvmix_format");
+    return KVMIX_SUCCESS;
+}
+
+static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_error *out_error);
+
+/* No eviction (scorer 0, every other field 0 too), or a checked one. */
+static kvmix_result kvmix__policy_check_evict(const kvmix_evict_policy *ev,
+                                              kvmix_error *out_error) {
+    kvmix_evict_policy none;
+    memset(&none, 0, sizeof none);
+    if (ev->scorer == 0 && memcmp(ev, &none, sizeof none) != 0)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "evict",
+                           "has settings but no scorer");
+    if (ev->scorer != 0 && !kvmix__evict_policy_ok(ev, out_error))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_policy_check(const kvmix_policy *p, kvmix_error *out_error) {
+    int boosted;
+    kvmix_result r;
+    if (!p) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "policy", "NULL");
+    if (!kvmix__text_ok(p->name, sizeof p->name, 0))
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "name",
+                           "must be non-empty and NUL-terminated");
+    if (!kvmix__text_ok(p->description, sizeof p->description, 1))
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "description",
+                           "must be NUL-terminated");
+    if (!kvmix__format_known(p->key_format))
+        return kvmix__fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "key_format",
+                           "is not a kvmix_format");
+    if (!kvmix__format_known(p->value_format))
+        return kvmix__fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT, "value_format",
+                           "is not a kvmix_format");
+    if ((r = kvmix__policy_check_ranges(p, out_error)) != KVMIX_SUCCESS) return r;
+    boosted = p->key_format == KVMIX_FORMAT_BOOSTED || p->value_format == KVMIX_FORMAT_BOOSTED;
+    if (boosted && p->n_boost == 0 && p->boost_fraction == 0.0)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_boost",
+                           "a boosted format needs n_boost or boost_fraction");
+    if ((r = kvmix__policy_check_evict(&p->evict, out_error)) != KVMIX_SUCCESS) return r;
+    return kvmix__succeed(out_error);
+}
+
+/* n_boost and boost_fraction of a checked boosted policy made to agree for head_dim. */
+static kvmix_result kvmix__policy_resolve_boost(kvmix_policy *p, int32_t head_dim, kvmix_error *e) {
+    if (p->n_boost != 0 && p->boost_fraction != 0.0 &&
+        p->boost_fraction * head_dim != (double)p->n_boost)
+        return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
+                           "disagrees with n_boost for the model's head_dim");
+    if (p->n_boost == 0) {
+        double n = p->boost_fraction * head_dim;
+        if (n != floor(n) || !kvmix__int_in((int32_t)n, 4, 252, 4))
+            return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "boost_fraction",
+                               "of the model's head_dim is not a multiple of 4 in 4 .. 252");
+        p->n_boost = (int32_t)n;
+    }
+    if (p->n_boost > head_dim)
+        return kvmix__fail(e, KVMIX_ERR_BAD_SHAPE, "n_boost", "exceeds the model's head_dim");
+    p->boost_fraction = (double)p->n_boost / head_dim;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_policy_resolve(const kvmix_policy *policy, int32_t head_dim,
+                                           kvmix_policy *out, kvmix_error *out_error) {
+    kvmix_policy p;
+    kvmix_result r;
+    if (!out) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "out", "NULL");
+    if ((r = kvmix_policy_check(policy, out_error)) != KVMIX_SUCCESS) return r;
+    p = *policy;
+    if (!kvmix__head_dim_ok(head_dim))
+        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "head_dim", KVMIX__HEAD_DIM_RULE);
+    if (p.value_group_size == 0) p.value_group_size = p.group_size;
+    if (p.evict.scorer != 0) kvmix_evict_policy_resolve(&p.evict, NULL);
+    if (p.group_size == KVMIX_GROUP_HEAD_DIM) p.group_size = head_dim;
+    if (p.value_group_size == KVMIX_GROUP_HEAD_DIM) p.value_group_size = head_dim;
+    if (head_dim % p.group_size != 0)
+        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "group_size",
+                           "does not divide the model's head_dim");
+    if (head_dim % p.value_group_size != 0)
+        return kvmix__fail(out_error, KVMIX_ERR_BAD_SHAPE, "value_group_size",
+                           "does not divide the model's head_dim");
+    if (p.n_boost != 0 || p.boost_fraction != 0.0)
+        if ((r = kvmix__policy_resolve_boost(&p, head_dim, out_error)) != KVMIX_SUCCESS) return r;
+    *out = p;
+    return kvmix__succeed(out_error);
+}
+
+KVMIXDEF kvmix_result kvmix_policy_apply(const kvmix_policy *policy, kvmix_cache_desc *desc,
+                                         kvmix_error *out_error) {
+    kvmix_policy p;
+    kvmix_result r;
+    if (!desc) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "desc", "NULL");
+    if ((r = kvmix_policy_resolve(policy, desc->head_dim, &p, out_error)) != KVMIX_SUCCESS)
+        return r;
+    desc->page_tokens = p.page_tokens;
+    desc->n_sink = p.sink_tokens;
+    desc->n_window = desc->max_tokens_per_seq > 0 && p.window_tokens > desc->max_tokens_per_seq
+                         ? desc->max_tokens_per_seq
+                         : p.window_tokens;
+    desc->window_values_only = p.window_values_only;
+    desc->group_size = p.group_size;
+    desc->value_group_size = p.value_group_size;
+    desc->n_boost = p.n_boost; /* 0: the policy stores no BOOSTED block */
+    desc->partial = (kvmix_cache_partial)p.partial_page;
+    desc->default_precision.key_format = (uint8_t)p.key_format;
+    desc->default_precision.value_format = (uint8_t)p.value_format;
+    return KVMIX_SUCCESS;
+}
+
+/* ---- a token's formats and run under a policy ---------------------------------------------- */
+
 /* A token's run (kvmix_cache_seq_set_run): its turn and its tag's formats in every bucket,
    FNV-1a hashed (0 made 1), so that tokens that will age alike share pages. */
 static uint32_t kvmix__tag_run(const kvmix_tag_precision *table, kvmix_tag tag) {
@@ -8572,6 +8104,492 @@ KVMIXDEF kvmix_result kvmix_policy_retier_turn(const kvmix_policy *policy, kvmix
     t.n_tags = n_tags;
     t.current_turn = current_turn;
     return kvmix_cache_seq_age(cache, seq, kvmix__turn_wants_of, &t, out_pages);
+}
+
+// >>alloc
+/*
+   Bit allocation. Every allocator validates the whole problem first (kvmix__alloc_check), then
+   checks that the cheapest choice fits the budget; from there on nothing can fail, so the
+   caller's `choice` array serves as the working assignment.
+
+   Costs are in token-bits: c[t][p] = tokens[t] * bits[p] (tag_bits[t][p] when given) in
+   double, and the budget is limit = budget_bits * T with T = sum of tokens (exact: an int64 sum
+   of at most 2^53). The canonical test of a choice is kvmix__alloc_cost(choice) <= limit, summed in tag order. The
+   fast paths add costs in other orders (subset-sum tables, running sums), which may differ from
+   the canonical sum by rounding. So a fast-path cost above limit + tol rejects, one at most
+   limit - tol accepts, and one in between is summed canonically before the choice is kept; tol
+   bounds the rounding error of the fast sums (a few dozen ulps of the largest possible cost).
+   With integer token counts and bits that are multiples of 2^-k (every kvmix format's are) all
+   sums are exact, and the band only catches choices exactly at the budget; tag_bits priced by
+   runs are any doubles, and the band is what keeps their sums honest.
+
+   Two-level exhaustive: tags 0..7 form an inner set whose 256 subset sums of (cost, distortion)
+   increments are tabulated; an outer loop runs over the subsets of the other tags (up to 2^14),
+   summing their increments directly, and the inner loop adds the table: two additions, one
+   compare per assignment, no drift (a Gray-code walk over all n bits would do one addition per
+   state but accumulate rounding over 4M steps, and branch on which bit flips).
+
+   Knapsack: costs relative to each tag's cheapest precision, so the grid spans only the room
+   above the cheapest choice (S = limit - C) and the all-cheapest choice is always on it.
+   dp[t][w] = the least distortion of tags 0..t with rounded extra cost at most w cells;
+   dp[t][w] = min_p dp[t-1][w - u[t][p]] + D[t][p], dp[-1][w] = 0. Two rows of doubles and a
+   byte per (tag, cell) for the argmin p; the choice is read back from w = budget_steps. Rounding
+   every u up keeps the real extra cost at most w * q <= S; should rounding of q itself let the
+   canonical sum exceed the limit, the read-back restarts from w - 1 (then optimal = 0).
+*/
+#include <float.h>
+
+#define KVMIX__ALLOC_MAX_TOTAL_TOKENS 9007199254740992LL /* 2^53 */
+#define KVMIX__ALLOC_INNER_BITS       8
+#define KVMIX__ALLOC_2_POW_M40        9.094947017729282379e-13 /* 2^-40 */
+#define KVMIX__ALLOC_2_POW_M50        8.881784197001252323e-16 /* 2^-50 */
+
+typedef struct kvmix__alloc_info {
+    double total_tokens; /* T */
+    double limit;        /* budget_bits * T, in token-bits */
+} kvmix__alloc_info;
+
+/* A greedy candidate: its gain per bit and its tag. */
+typedef struct kvmix__alloc_item {
+    double key;
+    int32_t tag;
+    int32_t reserved;
+} kvmix__alloc_item;
+
+static kvmix__why kvmix__alloc_check(const kvmix_alloc_problem *p, kvmix__alloc_info *info) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT, bad_value = KVMIX_ERR_BAD_VALUE;
+    int64_t total = 0;
+    double worst = 0.0;
+    int32_t t, k;
+    if (!p) return kvmix__why_not(KVMIX_ERR_NULL_POINTER, "problem", "NULL");
+    if (!kvmix__int_in(p->n_tags, 1, KVMIX_ALLOC_MAX_TAGS, 1))
+        return kvmix__why_not(bad, "n_tags", "must be in 1 .. KVMIX_ALLOC_MAX_TAGS");
+    if (!kvmix__int_in(p->n_precisions, 1, KVMIX_ALLOC_MAX_PRECISIONS, 1))
+        return kvmix__why_not(bad, "n_precisions", "must be in 1 .. KVMIX_ALLOC_MAX_PRECISIONS");
+    if (!p->tokens || !p->distortion || !p->bits)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                              !p->tokens       ? "tokens"
+                              : !p->distortion ? "distortion"
+                                               : "bits",
+                              "NULL");
+    for (t = 0; t < p->n_tags; t++) {
+        if (p->tokens[t] < 0 || p->tokens[t] > KVMIX__ALLOC_MAX_TOTAL_TOKENS - total)
+            return kvmix__why_not(bad, "tokens", "a count below 0, or a sum past 2^53");
+        total += p->tokens[t];
+    }
+    if (total == 0) return kvmix__why_not(bad, "tokens", "sum to 0");
+    for (k = 0; k < p->n_precisions; k++)
+        if (!(p->bits[k] > 0.0 && p->bits[k] <= KVMIX_ALLOC_MAX_BITS))
+            return kvmix__why_not(bad_value, "bits", "a value not in (0, 65536]");
+    for (k = 0; p->tag_bits && k < p->n_tags * p->n_precisions; k++)
+        if (!(p->tag_bits[k] > 0.0 && p->tag_bits[k] <= KVMIX_ALLOC_MAX_BITS))
+            return kvmix__why_not(bad_value, "tag_bits", "a value not in (0, 65536]");
+    if (!(p->budget_bits > 0.0 && p->budget_bits <= DBL_MAX))
+        return kvmix__why_not(bad_value, "budget_bits", "not finite and > 0");
+    for (t = 0; t < p->n_tags; t++) {
+        const double *row = p->distortion + (size_t)t * (size_t)p->n_precisions;
+        double most = 0.0;
+        for (k = 0; k < p->n_precisions; k++) {
+            if (!(row[k] >= 0.0 && row[k] <= DBL_MAX))
+                return kvmix__why_not(bad_value, "distortion", "a value not finite and >= 0");
+            if (row[k] > most) most = row[k];
+        }
+        worst += most;
+    }
+    if (!(worst <= DBL_MAX))
+        return kvmix__why_not(bad_value, "distortion", "the tags' largest sum past DBL_MAX");
+    info->total_tokens = (double)total;
+    info->limit = p->budget_bits * info->total_tokens;
+    if (!(info->limit <= DBL_MAX))
+        return kvmix__why_not(bad_value, "budget_bits", "times the tokens, past DBL_MAX");
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_problem_check(const kvmix_alloc_problem *problem,
+                                                kvmix_error *out_error) {
+    kvmix__alloc_info info;
+    return kvmix__report(out_error, kvmix__alloc_check(problem, &info));
+}
+
+/* Tag t's tokens at precision k, in token-bits. */
+static double kvmix__alloc_tag_cost(const kvmix_alloc_problem *p, int32_t t, int32_t k) {
+    return (double)p->tokens[t] *
+           (p->tag_bits ? p->tag_bits[(size_t)t * (size_t)p->n_precisions + (size_t)k]
+                        : p->bits[k]);
+}
+
+/* The canonical cost of a choice, in token-bits, summed in tag order. */
+static double kvmix__alloc_cost(const kvmix_alloc_problem *p, const int32_t *choice) {
+    double cost = 0.0;
+    int32_t t;
+    for (t = 0; t < p->n_tags; t++) cost += kvmix__alloc_tag_cost(p, t, choice[t]);
+    return cost;
+}
+
+/* The same for the two-level assignment `mask` (bit t set = tag t at high). */
+static double kvmix__alloc_mask_cost(const kvmix_alloc_problem *p, int32_t low, int32_t high,
+                                     uint32_t mask) {
+    double cost = 0.0;
+    int32_t t;
+    for (t = 0; t < p->n_tags; t++)
+        cost += kvmix__alloc_tag_cost(p, t, (mask >> t) & 1u ? high : low);
+    return cost;
+}
+
+static void kvmix__alloc_summarize(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
+                                   const int32_t *choice, kvmix_alloc_method method,
+                                   int32_t optimal, kvmix_alloc_summary *out) {
+    double distortion = 0.0;
+    int32_t t;
+    if (!out) return;
+    for (t = 0; t < p->n_tags; t++)
+        distortion += p->distortion[(size_t)t * (size_t)p->n_precisions + (size_t)choice[t]];
+    out->distortion = distortion;
+    out->bits = kvmix__alloc_cost(p, choice) / info->total_tokens;
+    out->method = method;
+    out->optimal = optimal;
+}
+
+static kvmix_result kvmix__alloc_resolve(int32_t n_tags, kvmix_alloc_method method,
+                                         kvmix_alloc_method *out) {
+    if (n_tags < 1 || n_tags > KVMIX_ALLOC_MAX_TAGS) return KVMIX_ERR_INVALID_ARGUMENT;
+    switch (method) {
+    case KVMIX_ALLOC_AUTO:
+        *out = n_tags <= KVMIX_ALLOC_EXACT_MAX_TAGS ? KVMIX_ALLOC_EXHAUSTIVE : KVMIX_ALLOC_GREEDY;
+        return KVMIX_SUCCESS;
+    case KVMIX_ALLOC_EXHAUSTIVE:
+        if (n_tags > KVMIX_ALLOC_EXACT_MAX_TAGS) return KVMIX_ERR_INVALID_ARGUMENT;
+        *out = method;
+        return KVMIX_SUCCESS;
+    case KVMIX_ALLOC_GREEDY: *out = method; return KVMIX_SUCCESS;
+    case KVMIX_ALLOC_KNAPSACK: break;
+    }
+    return KVMIX_ERR_INVALID_ARGUMENT;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_two_level_workspace_bytes(int32_t n_tags,
+                                                            kvmix_alloc_method method,
+                                                            size_t *out_bytes) {
+    kvmix_alloc_method resolved = KVMIX_ALLOC_AUTO;
+    kvmix_result r;
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__alloc_resolve(n_tags, method, &resolved)) != KVMIX_SUCCESS) return r;
+    *out_bytes =
+        resolved == KVMIX_ALLOC_GREEDY ? (size_t)n_tags * 2 * sizeof(kvmix__alloc_item) : 0;
+    return KVMIX_SUCCESS;
+}
+
+/* Exhaustive two-level search; writes the best assignment into choice. */
+static void kvmix__alloc_exhaustive(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
+                                    int32_t low, int32_t high, int32_t *choice) {
+    double dc[KVMIX_ALLOC_EXACT_MAX_TAGS], dd[KVMIX_ALLOC_EXACT_MAX_TAGS];
+    double tc[1 << KVMIX__ALLOC_INNER_BITS], td[1 << KVMIX__ALLOC_INNER_BITS];
+    double base_c = 0.0, base_d = 0.0, most = 0.0, tol, limit_hi, limit_lo, best_d = HUGE_VAL;
+    const size_t np = (size_t)p->n_precisions;
+    const int32_t n = p->n_tags;
+    const int32_t n_in = n < KVMIX__ALLOC_INNER_BITS ? n : KVMIX__ALLOC_INNER_BITS;
+    const uint32_t n_inner = 1u << n_in, n_outer = 1u << (n - n_in);
+    uint32_t best = 0, j, om;
+    int32_t t;
+    for (t = 0; t < n; t++) {
+        double lo = kvmix__alloc_tag_cost(p, t, low);
+        double hi = kvmix__alloc_tag_cost(p, t, high);
+        base_c += lo;
+        most += hi > lo ? hi : lo;
+        dc[t] = hi - lo;
+        base_d += p->distortion[(size_t)t * np + (size_t)low];
+        dd[t] = p->distortion[(size_t)t * np + (size_t)high] -
+                p->distortion[(size_t)t * np + (size_t)low];
+    }
+    tc[0] = td[0] = 0.0;
+    for (j = 1; j < n_inner; j++) {
+        int32_t b = 0;
+        while (!((j >> b) & 1u)) b++;
+        tc[j] = tc[j & (j - 1u)] + dc[b];
+        td[j] = td[j & (j - 1u)] + dd[b];
+    }
+    tol = most * KVMIX__ALLOC_2_POW_M40; /* at most 2 * 22 + 2 roundings of <= 2^-53 most */
+    limit_hi = info->limit + tol;
+    limit_lo = info->limit - tol;
+    for (om = 0; om < n_outer; om++) {
+        double oc = base_c, od = base_d;
+        int32_t b;
+        for (b = 0; b < n - n_in; b++)
+            if ((om >> b) & 1u) {
+                oc += dc[n_in + b];
+                od += dd[n_in + b];
+            }
+        for (j = 0; j < n_inner; j++) {
+            double c = oc + tc[j], d = od + td[j];
+            if ((c <= limit_hi) & (d < best_d)) {
+                uint32_t mask = (om << n_in) | j;
+                if (c > limit_lo && kvmix__alloc_mask_cost(p, low, high, mask) > info->limit)
+                    continue;
+                best_d = d;
+                best = mask;
+            }
+        }
+    }
+    for (t = 0; t < n; t++) choice[t] = (best >> t) & 1u ? high : low;
+}
+
+/* Stable bottom-up merge sort of a[0..n) by decreasing key, ping-ponging with b; returns the
+   array that holds the result. Stable, so equal keys keep increasing tag order. */
+static kvmix__alloc_item *kvmix__alloc_sort(kvmix__alloc_item *a, kvmix__alloc_item *b, size_t n) {
+    size_t width, lo;
+    for (width = 1; width < n; width *= 2) {
+        kvmix__alloc_item *swap;
+        for (lo = 0; lo < n; lo += 2 * width) {
+            size_t mid = n - lo > width ? lo + width : n;
+            size_t hi = n - mid > width ? mid + width : n;
+            size_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) b[k++] = a[j].key > a[i].key ? a[j++] : a[i++];
+            while (i < mid) b[k++] = a[i++];
+            while (j < hi) b[k++] = a[j++];
+        }
+        swap = a;
+        a = b;
+        b = swap;
+    }
+    return a;
+}
+
+/* Greedy two-level allocation. workspace: two arrays of [n_tags] items. */
+static void kvmix__alloc_greedy(const kvmix_alloc_problem *p, const kvmix__alloc_info *info,
+                                int32_t low, int32_t high, void *workspace, int32_t *choice) {
+    kvmix__alloc_item *items = (kvmix__alloc_item *)workspace;
+    const size_t np = (size_t)p->n_precisions;
+    double cost = 0.0, most = 0.0, tol;
+    size_t m = 0, i;
+    int32_t t;
+    for (t = 0; t < p->n_tags; t++) {
+        double lo = kvmix__alloc_tag_cost(p, t, low);
+        double hi = kvmix__alloc_tag_cost(p, t, high);
+        double gain = p->distortion[(size_t)t * np + (size_t)low] -
+                      p->distortion[(size_t)t * np + (size_t)high];
+        choice[t] = low;
+        cost += lo;
+        most += hi > lo ? hi : lo;
+        if (gain > 0.0) {
+            items[m].key = hi - lo > 0.0 ? gain / (hi - lo) : HUGE_VAL;
+            items[m].tag = t;
+            items[m].reserved = 0;
+            m++;
+        }
+    }
+    items = kvmix__alloc_sort(items, items + p->n_tags, m);
+    /* the running sum has at most n_tags + 1 more roundings than the canonical one */
+    tol = most * ((double)p->n_tags + 16.0) * KVMIX__ALLOC_2_POW_M50;
+    for (i = 0; i < m; i++) {
+        double next;
+        t = items[i].tag;
+        next = cost + (kvmix__alloc_tag_cost(p, t, high) - kvmix__alloc_tag_cost(p, t, low));
+        if (next > info->limit + tol) continue;
+        choice[t] = high;
+        if (next > info->limit - tol) {
+            next = kvmix__alloc_cost(p, choice);
+            if (next > info->limit) {
+                choice[t] = low;
+                continue;
+            }
+        }
+        cost = next;
+    }
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_two_level(const kvmix_alloc_problem *problem, int32_t low,
+                                            int32_t high, kvmix_alloc_method method,
+                                            void *workspace, size_t workspace_bytes,
+                                            int32_t *choice, kvmix_alloc_summary *out) {
+    kvmix__alloc_info info;
+    kvmix_alloc_method resolved = KVMIX_ALLOC_AUTO;
+    size_t need = 0;
+    double cost = 0.0;
+    kvmix_result r;
+    int32_t t;
+    if ((r = kvmix__alloc_check(problem, &info).result) != KVMIX_SUCCESS) return r;
+    if (!choice) return KVMIX_ERR_NULL_POINTER;
+    if (low < 0 || low >= problem->n_precisions || high < 0 || high >= problem->n_precisions ||
+        !(problem->bits[low] < problem->bits[high]))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((r = kvmix_alloc_two_level_workspace_bytes(problem->n_tags, method, &need)) !=
+        KVMIX_SUCCESS)
+        return r;
+    (void)kvmix__alloc_resolve(problem->n_tags, method, &resolved);
+    if (need > 0) {
+        if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+        if (!workspace) return KVMIX_ERR_NULL_POINTER;
+        if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    }
+    for (t = 0; t < problem->n_tags; t++) cost += kvmix__alloc_tag_cost(problem, t, low);
+    if (cost > info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
+    if (resolved == KVMIX_ALLOC_EXHAUSTIVE)
+        kvmix__alloc_exhaustive(problem, &info, low, high, choice);
+    else
+        kvmix__alloc_greedy(problem, &info, low, high, workspace, choice);
+    kvmix__alloc_summarize(problem, &info, choice, resolved, resolved == KVMIX_ALLOC_EXHAUSTIVE,
+                           out);
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_workspace_bytes(const kvmix_alloc_problem *problem,
+                                                           int32_t budget_steps,
+                                                           size_t *out_bytes) {
+    size_t cells;
+    if (!problem || !out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if (problem->n_tags < 1 || problem->n_tags > KVMIX_ALLOC_MAX_TAGS ||
+        problem->n_precisions < 1 || problem->n_precisions > KVMIX_ALLOC_MAX_PRECISIONS ||
+        budget_steps < 0 || budget_steps > KVMIX_ALLOC_MAX_STEPS)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    cells = (size_t)(budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps) + 1;
+    if (cells > (size_t)-1 / ((size_t)problem->n_tags + 16)) return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = cells * ((size_t)problem->n_tags + 16);
+    return KVMIX_SUCCESS;
+}
+
+/* Tag t's cost at its cheapest precision, in token-bits. */
+static double kvmix__alloc_tag_cheapest(const kvmix_alloc_problem *p, int32_t t) {
+    double least = kvmix__alloc_tag_cost(p, t, 0), c;
+    int32_t k;
+    for (k = 1; k < p->n_precisions; k++)
+        if ((c = kvmix__alloc_tag_cost(p, t, k)) < least) least = c;
+    return least;
+}
+
+/* Cells of tag t's extra cost at precision k over its cheapest cost `cheapest`, rounded up (a
+   value within 2^-40 relative of a whole number of cells counts as that number, so that a cost
+   meant to lie on the grid is not pushed a cell up by rounding; the canonical check of the result
+   covers the difference); steps + 1 (never fits) when above steps. */
+static int32_t kvmix__alloc_units(const kvmix_alloc_problem *p, int32_t t, int32_t k,
+                                  double cheapest, double room, int32_t steps) {
+    double extra = kvmix__alloc_tag_cost(p, t, k) - cheapest;
+    double x;
+    if (!(extra > 0.0)) return 0;
+    x = extra * (double)steps / room; /* +inf when room is 0 */
+    if (!(x <= (double)steps + 1.0)) return steps + 1;
+    x = ceil(x - x * KVMIX__ALLOC_2_POW_M40);
+    return x > (double)steps ? steps + 1 : (int32_t)x;
+}
+
+/* The grid of one knapsack call: the cheapest choice's cost, the room above it (limit -
+   cheapest) and the number of cells. */
+typedef struct kvmix__alloc_grid {
+    kvmix__alloc_info info;
+    int32_t steps;
+    double cheapest, room;
+} kvmix__alloc_grid;
+
+/* Checks a knapsack call's arguments and sets up its grid. */
+static kvmix_result kvmix__alloc_grid_init(const kvmix_alloc_problem *problem, int32_t budget_steps,
+                                           const void *workspace, size_t workspace_bytes,
+                                           kvmix__alloc_grid *g) {
+    size_t need = 0;
+    kvmix_result r;
+    int32_t t;
+    if ((r = kvmix__alloc_check(problem, &g->info).result) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_alloc_knapsack_workspace_bytes(problem, budget_steps, &need)) != KVMIX_SUCCESS)
+        return r;
+    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if (!workspace) return KVMIX_ERR_NULL_POINTER;
+    if (((uintptr_t)workspace & 7u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    g->cheapest = 0.0;
+    for (t = 0; t < problem->n_tags; t++) g->cheapest += kvmix__alloc_tag_cheapest(problem, t);
+    if (g->cheapest > g->info.limit) return KVMIX_ERR_OUT_OF_MEMORY;
+    g->steps = budget_steps == 0 ? KVMIX_ALLOC_STEPS_DEFAULT : budget_steps;
+    g->room = g->info.limit - g->cheapest;
+    return KVMIX_SUCCESS;
+}
+
+/* The dynamic program over the grid. workspace: two rows of [steps + 1] doubles, then the argmin
+   table [n_tags][steps + 1] bytes. Returns the final row: the least distortion of all tags with
+   rounded extra cost at most w cells, for every w. */
+static const double *kvmix__alloc_dp(const kvmix_alloc_problem *problem, const kvmix__alloc_grid *g,
+                                     void *workspace) {
+    const int32_t steps = g->steps;
+    const size_t cells = (size_t)steps + 1;
+    double *prev = (double *)workspace, *next = prev + cells;
+    uint8_t *table = (uint8_t *)(next + cells);
+    int32_t units[KVMIX_ALLOC_MAX_PRECISIONS];
+    int32_t t, k, w;
+    for (w = 0; w <= steps; w++) prev[w] = 0.0;
+    for (t = 0; t < problem->n_tags; t++) {
+        const double *row = problem->distortion + (size_t)t * (size_t)problem->n_precisions;
+        uint8_t *arg = table + (size_t)t * cells;
+        const double cheapest = kvmix__alloc_tag_cheapest(problem, t);
+        double *swap;
+        for (k = 0; k < problem->n_precisions; k++)
+            units[k] = kvmix__alloc_units(problem, t, k, cheapest, g->room, steps);
+        for (w = 0; w <= steps; w++) next[w] = HUGE_VAL;
+        for (k = 0; k < problem->n_precisions; k++) {
+            const double d = row[k];
+            const int32_t u = units[k];
+            if (u > steps) continue;
+            for (w = u; w <= steps; w++) {
+                double v = prev[w - u] + d;
+                if (v < next[w]) {
+                    next[w] = v;
+                    arg[w] = (uint8_t)k;
+                }
+            }
+        }
+        swap = prev;
+        prev = next;
+        next = swap;
+    }
+    return prev;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_knapsack(const kvmix_alloc_problem *problem, int32_t budget_steps,
+                                           void *workspace, size_t workspace_bytes, int32_t *choice,
+                                           kvmix_alloc_summary *out) {
+    kvmix__alloc_grid g;
+    const uint8_t *table;
+    size_t cells;
+    int32_t t, k, w, capacity;
+    kvmix_result r;
+    if (problem && !choice) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__alloc_grid_init(problem, budget_steps, workspace, workspace_bytes, &g)) !=
+        KVMIX_SUCCESS)
+        return r;
+    (void)kvmix__alloc_dp(problem, &g, workspace);
+    cells = (size_t)g.steps + 1;
+    table = (const uint8_t *)((double *)workspace + 2 * cells);
+    /* read the choice back; restart one cell lower if rounding let the real sum overspend */
+    for (capacity = g.steps;; capacity--) {
+        w = capacity;
+        for (t = problem->n_tags; t-- > 0;) {
+            k = table[(size_t)t * cells + (size_t)w];
+            choice[t] = k;
+            w -= kvmix__alloc_units(problem, t, k, kvmix__alloc_tag_cheapest(problem, t), g.room,
+                                    g.steps);
+        }
+        KVMIX_ASSERT(w >= 0);
+        if (capacity == 0 || kvmix__alloc_cost(problem, choice) <= g.info.limit) break;
+    }
+    kvmix__alloc_summarize(problem, &g.info, choice, KVMIX_ALLOC_KNAPSACK, capacity == g.steps,
+                           out);
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_alloc_knapsack_sweep(const kvmix_alloc_problem *problem,
+                                                 int32_t budget_steps, void *workspace,
+                                                 size_t workspace_bytes, double *out_budget_bits,
+                                                 double *out_distortion) {
+    kvmix__alloc_grid g;
+    const double *last;
+    int32_t w;
+    kvmix_result r;
+    if ((r = kvmix__alloc_grid_init(problem, budget_steps, workspace, workspace_bytes, &g)) !=
+        KVMIX_SUCCESS)
+        return r;
+    last = kvmix__alloc_dp(problem, &g, workspace);
+    for (w = 0; w <= g.steps; w++) {
+        if (out_budget_bits)
+            out_budget_bits[w] =
+                (g.cheapest + g.room * ((double)w / (double)g.steps)) / g.info.total_tokens;
+        if (out_distortion) out_distortion[w] = last[w];
+    }
+    return KVMIX_SUCCESS;
 }
 
 // >>intent
@@ -9103,6 +9121,8 @@ KVMIXDEF kvmix_result kvmix_tier_probe(kvmix_tier_trial_fn trial, void *ctx, int
     if (out_n_passed) *out_n_passed = passed;
     return KVMIX_SUCCESS;
 }
+
+#endif /* KVMIX_NO_POLICY */
 
 #endif /* KVMIX_IMPLEMENTATION_DONE */
 #endif /* KVMIX_IMPLEMENTATION */

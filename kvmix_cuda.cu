@@ -1,11 +1,18 @@
 /* kvmix_cuda.cu - CUDA kernel pack for kvmix (see kvmix_cuda.h). MIT licensed (see LICENSE).
 
-   Rooms:
-     // >>helpers   fp16/bf16, block sections, exact quantize arithmetic, warp/block scans,
-                    the span walker every view kernel uses
-     // >>kernels   quantize, view dequantize, QueryMemory scoring, decode attention + merge,
-                    transfer payload body pack/unpack
-     // >>launch    argument checks, grid choice, dispatch
+   Rooms, one kernel family each after the shared helpers; a family's launchers follow its
+   kernels:
+     // >>helpers         fp16/bf16, block sections, exact quantize arithmetic, warp/block scans,
+                          the span walker every view kernel uses
+     // >>launch-common   what every launcher checks (launch status, head_dim, layouts)
+     // >>quantize        packing FP16/BF16/float rows into blocks (kvmix_cuda_quantize)
+     // >>copies          the cache's jobs: byte copies and dequantize, and their runner
+                          (kvmix_cuda_copy_blocks, kvmix_cuda_cache_run)
+     // >>views           view dequantize, scores and QueryMemory scoring (kvmix_cuda_view_*)
+     // >>decode          decode attention on tensor cores and the merge of splits
+                          (kvmix_cuda_decode*)
+     // >>payload         the transfer payload's body, packed and unpacked on the device
+                          (kvmix_cuda_payload_*)
 
    The byte formats and the float arithmetic of quantize/dequantize are the ones documented in
    kvmix.h's >>formats room; kernels here use __fsub_rn/__fdiv_rn/__fmul_rn/__fadd_rn (never a
@@ -188,11 +195,25 @@ __device__ inline bool kvmix__block_ok(int format, int n, uint64_t offset, uint3
 
 } // namespace
 
-// >>kernels
+// >>launch-common  what every launcher checks
+
+static kvmix_result kvmix__launch_status(void) {
+    return cudaGetLastError() == cudaSuccess ? KVMIX_SUCCESS : KVMIX_ERR_CUDA;
+}
+
+/* The head_dims this pack has run at: multiples of 32 (decode narrows them further). kvmix.h
+   takes any multiple of 8; the quantize, view and payload kernels index channels without
+   assuming more, but no GPU test has run them at 48 or 80, so those are UNSUPPORTED for now. */
+static bool kvmix__head_dim_run(int32_t head_dim) { return head_dim % 32 == 0; }
+
+/* Resolves and checks a layout as kvmix_layout_resolve does. */
+static kvmix_result kvmix__resolve(kvmix_layout *l) {
+    return kvmix__layout_check(l->format, l->n_tokens, l->head_dim, &l->group_size, l->n_boost);
+}
+
+// >>quantize  packing rows into blocks
 
 namespace {
-
-/* ---- quantize ---------------------------------------------------------------------------- */
 
 struct kvmix__quantize_params {
     int format, n_tokens, head_dim, group_size, n_boost;
@@ -323,7 +344,153 @@ static __global__ void __launch_bounds__(256) kvmix__quantize_kernel(kvmix__quan
     }
 }
 
-/* ---- view dequantize and QueryMemory scoring --------------------------------------------- */
+} // namespace
+
+extern "C" kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const void *src,
+                                            int64_t src_row_stride, void *dst,
+                                            const kvmix_cuda_quantize_job *jobs, int32_t n_jobs,
+                                            int32_t *error_flags, kvmix_stream stream) {
+    if (!layout) return KVMIX_ERR_NULL_POINTER;
+    kvmix_layout l = *layout;
+    kvmix_result r = kvmix__resolve(&l);
+    if (r != KVMIX_SUCCESS) return r;
+    if (!kvmix__head_dim_run(l.head_dim)) return KVMIX_ERR_UNSUPPORTED;
+    if (n_jobs < 0 || l.n_tokens < 1 || src_row_stride < l.head_dim)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_jobs == 0) return KVMIX_SUCCESS;
+    if (!src || !dst || !jobs) return KVMIX_ERR_NULL_POINTER;
+    kvmix__quantize_params p;
+    p.format = l.format, p.n_tokens = l.n_tokens, p.head_dim = l.head_dim;
+    p.group_size = l.group_size, p.n_boost = l.n_boost;
+    p.sec = kvmix__block_sections(l.format, l.n_tokens, l.head_dim, l.group_size, l.n_boost);
+    p.src = (const uint16_t *)src, p.src_row_stride = src_row_stride, p.dst = (uint8_t *)dst;
+    p.jobs = jobs, p.error_flags = error_flags;
+    kvmix__quantize_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(p);
+    return kvmix__launch_status();
+}
+
+// >>copies  the cache's jobs: byte copies, dequantize, and their runner
+
+namespace {
+
+/* One block per job: n_rows bytes from src + src_offset to dst + dst_offset, in 16-byte vectors
+   when both ends and the length allow. */
+static __global__ void __launch_bounds__(256)
+    kvmix__copy_kernel(const uint8_t *src, uint8_t *dst, const kvmix_quantize_job *jobs) {
+    const kvmix_quantize_job job = jobs[blockIdx.x];
+    const uint8_t *from = src + job.src_offset;
+    uint8_t *to = dst + job.dst_offset;
+    const int64_t n = job.n_rows;
+    if (((job.src_offset | job.dst_offset | (uint64_t)n) & 15u) == 0) {
+        for (int64_t i = threadIdx.x; i < n / 16; i += blockDim.x)
+            ((uint4 *)to)[i] = ((const uint4 *)from)[i];
+        return;
+    }
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) to[i] = from[i];
+}
+
+/* One block per DEQUANTIZE job: rows first_row .. + n_rows of the block at src_offset of the
+   arena (format, n_tokens rows, sections s) to FP16 rows from dst_offset; a job whose rows are
+   not in the block writes nothing and raises KVMIX_CUDA_QUANTIZE_BAD_VALUE. */
+struct kvmix__dequantize_params {
+    int format, n_tokens, head_dim, group_size;
+    kvmix__sections sec;
+    uint8_t *arena;
+    const kvmix_quantize_job *jobs;
+    int32_t *error_flags;
+};
+
+static __global__ void __launch_bounds__(256)
+    kvmix__dequantize_job_kernel(kvmix__dequantize_params p) {
+    const kvmix_quantize_job job = p.jobs[blockIdx.x];
+    if (job.first_row < 0 || job.n_rows < 1 || job.n_rows > p.n_tokens - job.first_row) {
+        if (threadIdx.x == 0 && p.error_flags)
+            atomicOr(p.error_flags, KVMIX_CUDA_QUANTIZE_BAD_VALUE);
+        return;
+    }
+    const uint8_t *block = p.arena + job.src_offset;
+    uint16_t *out = (uint16_t *)(p.arena + job.dst_offset);
+    const int64_t n = (int64_t)job.n_rows * p.head_dim;
+    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+        const int64_t r = e / p.head_dim;
+        const int c = (int)(e % p.head_dim);
+        float v = kvmix__decode_value(p.format, block, p.sec, job.first_row + r, c, p.group_size);
+        out[e] = kvmix__f2h(v);
+    }
+}
+
+} // namespace
+
+extern "C" kvmix_result kvmix_cuda_copy_blocks(const void *src, void *dst,
+                                               const kvmix_quantize_job *jobs, int32_t n_jobs,
+                                               kvmix_stream stream) {
+    if (n_jobs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_jobs == 0) return KVMIX_SUCCESS;
+    if (!src || !dst || !jobs) return KVMIX_ERR_NULL_POINTER;
+    kvmix__copy_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>((const uint8_t *)src,
+                                                                           (uint8_t *)dst, jobs);
+    return kvmix__launch_status();
+}
+
+/* The DEQUANTIZE jobs of one batch (layout of their source blocks). */
+static kvmix_result kvmix__dequantize_jobs(const kvmix_layout *layout, void *arena,
+                                           const kvmix_quantize_job *jobs, int32_t n_jobs,
+                                           int32_t *error_flags, kvmix_stream stream) {
+    kvmix_layout l = *layout;
+    kvmix_result r = kvmix__resolve(&l);
+    if (r != KVMIX_SUCCESS) return r;
+    if (!kvmix__head_dim_run(l.head_dim)) return KVMIX_ERR_UNSUPPORTED;
+    if (n_jobs == 0) return KVMIX_SUCCESS;
+    kvmix__dequantize_params p;
+    p.format = l.format, p.n_tokens = l.n_tokens, p.head_dim = l.head_dim;
+    p.group_size = l.group_size;
+    p.sec = kvmix__block_sections(l.format, l.n_tokens, l.head_dim, l.group_size, l.n_boost);
+    p.arena = (uint8_t *)arena, p.jobs = jobs, p.error_flags = error_flags;
+    kvmix__dequantize_job_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(p);
+    return kvmix__launch_status();
+}
+
+extern "C" kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
+                                             const kvmix_quantize_job *jobs, const void *key_rows,
+                                             const void *value_rows, void *arena,
+                                             int32_t *error_flags, kvmix_stream stream) {
+    if (n_batches < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (n_batches > 0 && (!batches || !jobs || !arena)) return KVMIX_ERR_NULL_POINTER;
+    for (int32_t b = 0; b < n_batches; b++) { /* every batch checked before any is enqueued */
+        const kvmix_cache_batch *batch = &batches[b];
+        bool quantize = batch->kind == KVMIX_CACHE_BATCH_QUANTIZE;
+        if (batch->first_job < 0 || batch->n_jobs < 0 ||
+            (!quantize && batch->kind != KVMIX_CACHE_BATCH_COPY &&
+             batch->kind != KVMIX_CACHE_BATCH_DEQUANTIZE))
+            return KVMIX_ERR_INVALID_ARGUMENT;
+        if (quantize && ((batch->source == KVMIX_CACHE_SOURCE_KEYS && !key_rows) ||
+                         (batch->source == KVMIX_CACHE_SOURCE_VALUES && !value_rows)))
+            return KVMIX_ERR_NULL_POINTER;
+    }
+    for (int32_t b = 0; b < n_batches; b++) {
+        const kvmix_cache_batch *batch = &batches[b];
+        const kvmix_quantize_job *first = jobs + batch->first_job;
+        kvmix_result r;
+        if (batch->kind == KVMIX_CACHE_BATCH_COPY) {
+            r = kvmix_cuda_copy_blocks(arena, arena, first, batch->n_jobs, stream);
+        } else if (batch->kind == KVMIX_CACHE_BATCH_DEQUANTIZE) {
+            r = kvmix__dequantize_jobs(&batch->layout, arena, first, batch->n_jobs, error_flags,
+                                       stream);
+        } else {
+            const void *src = batch->source == KVMIX_CACHE_SOURCE_KEYS     ? key_rows
+                              : batch->source == KVMIX_CACHE_SOURCE_VALUES ? value_rows
+                                                                           : arena;
+            r = kvmix_cuda_quantize(&batch->layout, src, batch->src_row_stride, arena, first,
+                                    batch->n_jobs, error_flags, stream);
+        }
+        if (r != KVMIX_SUCCESS) return r;
+    }
+    return KVMIX_SUCCESS;
+}
+
+// >>views  view dequantize and QueryMemory scoring
+
+namespace {
 
 struct kvmix__view_params {
     const uint8_t *base;
@@ -531,7 +698,121 @@ static __global__ void kvmix__intent_sum_kernel(const float *logits, const float
     scores[t] = live ? sum : -INFINITY;
 }
 
-/* ---- decode attention -------------------------------------------------------------------- */
+} // namespace
+
+/* Host-side checks of a view whose arrays are on the device: its shape and arrays
+   (kvmix_view_check's first steps; the kernels check every span they read), a 16-byte aligned
+   base, and one group for keys and values. */
+static kvmix_result kvmix__check_device_view(const kvmix_view *v) {
+    if (!v) return KVMIX_ERR_NULL_POINTER;
+    kvmix_result r;
+    if ((r = kvmix__view_shape_check(v)) != KVMIX_SUCCESS ||
+        (r = kvmix__view_arrays_check(v)) != KVMIX_SUCCESS)
+        return r;
+    if (!kvmix__head_dim_run(v->head_dim)) return KVMIX_ERR_UNSUPPORTED;
+    /* the kernels read every per-token block with one group: values in groups of their own are
+       not supported yet */
+    if (kvmix__view_group(v->group_size, v->value_group_size, 1, KVMIX_FORMAT_INT4) !=
+        kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4))
+        return KVMIX_ERR_UNSUPPORTED;
+    if (((uintptr_t)v->base & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    return KVMIX_SUCCESS;
+}
+
+static kvmix__view_params kvmix__view_params_of(const kvmix_view *v, int32_t seq) {
+    kvmix__view_params p;
+    p.base = v->base, p.base_bytes = v->base_bytes, p.spans = v->spans;
+    p.seq_first_span = v->seq_first_span, p.dead = v->dead, p.n_spans = v->n_spans;
+    p.n_dead_flags = v->n_dead_flags;
+    p.n_kv_heads = v->n_kv_heads, p.head_dim = v->head_dim;
+    p.group_size = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
+    p.n_boost = v->n_boost, p.seq = seq, p.capacity = 0, p.dtype = KVMIX_CUDA_FP16;
+    p.n_q_heads = v->n_kv_heads, p.keys_out = p.values_out = nullptr;
+    p.memory = nullptr, p.scores = nullptr;
+    return p;
+}
+
+extern "C" kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq,
+                                                   kvmix_cuda_dtype dtype, void *keys_out,
+                                                   void *values_out, int32_t capacity_tokens,
+                                                   kvmix_stream stream) {
+    kvmix_result r = kvmix__check_device_view(view);
+    if (r != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (dtype != KVMIX_CUDA_FP16 && dtype != KVMIX_CUDA_BF16) return KVMIX_ERR_UNSUPPORTED;
+    if (capacity_tokens == 0 || (!keys_out && !values_out)) return KVMIX_SUCCESS;
+    kvmix__view_params p = kvmix__view_params_of(view, seq);
+    p.capacity = capacity_tokens, p.dtype = dtype;
+    p.keys_out = (uint16_t *)keys_out, p.values_out = (uint16_t *)values_out;
+    unsigned blocks =
+        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
+    kvmix__view_dequantize_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p);
+    return kvmix__launch_status();
+}
+
+extern "C" kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq,
+                                              int32_t n_q_heads, const float *memory, float *scores,
+                                              int32_t capacity_tokens, kvmix_stream stream) {
+    kvmix_result r = kvmix__check_device_view(view);
+    if (r != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || n_q_heads <= 0 ||
+        n_q_heads % view->n_kv_heads != 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (capacity_tokens == 0) return KVMIX_SUCCESS;
+    if (!memory || !scores) return KVMIX_ERR_NULL_POINTER;
+    kvmix__view_params p = kvmix__view_params_of(view, seq);
+    p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory = memory, p.scores = scores;
+    unsigned blocks =
+        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
+    kvmix__view_score_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p);
+    return kvmix__launch_status();
+}
+
+/* Intent workspace: logits [n_q_heads][capacity_tokens], then (max, sum) per head. */
+extern "C" kvmix_result kvmix_cuda_view_intent_workspace_bytes(int32_t n_q_heads,
+                                                               int32_t capacity_tokens,
+                                                               size_t *out_bytes) {
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if (n_q_heads <= 0 || capacity_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = (((size_t)n_q_heads * ((size_t)capacity_tokens + 2) * 4) + 255) & ~(size_t)255;
+    return KVMIX_SUCCESS;
+}
+
+extern "C" kvmix_result kvmix_cuda_view_intent_score(const kvmix_view *view, int32_t seq,
+                                                     int32_t n_q_heads, float scale,
+                                                     const float *memory, float *scores,
+                                                     int32_t capacity_tokens, void *workspace,
+                                                     size_t workspace_bytes, kvmix_stream stream) {
+    kvmix_result r = kvmix__check_device_view(view);
+    if (r != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || n_q_heads <= 0 ||
+        n_q_heads % view->n_kv_heads != 0 || !(scale >= 0.0f) || isinf(scale))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (capacity_tokens == 0) return KVMIX_SUCCESS;
+    if (!memory || !scores || !workspace) return KVMIX_ERR_NULL_POINTER;
+    size_t need;
+    kvmix_cuda_view_intent_workspace_bytes(n_q_heads, capacity_tokens, &need);
+    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    cudaStream_t st = (cudaStream_t)stream;
+    float *logits = (float *)workspace, *ml = logits + (size_t)n_q_heads * capacity_tokens;
+    kvmix__view_params p = kvmix__view_params_of(view, seq);
+    p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory = memory, p.scores = logits;
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
+    const int64_t n_logits = (int64_t)n_q_heads * capacity_tokens;
+    const unsigned fill_blocks = (unsigned)(n_logits / 256 + 1 < 4096 ? n_logits / 256 + 1 : 4096);
+    kvmix__fill_kernel<<<fill_blocks, 256, 0, st>>>(logits, n_logits, -INFINITY);
+    unsigned blocks =
+        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
+    kvmix__intent_logits_kernel<<<blocks, 256, 0, st>>>(p, scale);
+    kvmix__intent_norm_kernel<<<(unsigned)n_q_heads, 256, 0, st>>>(logits, capacity_tokens, ml);
+    kvmix__intent_sum_kernel<<<(unsigned)((capacity_tokens + 255) / 256), 256, 0, st>>>(
+        logits, ml, n_q_heads, capacity_tokens, scores);
+    return kvmix__launch_status();
+}
+
+// >>decode  decode attention on tensor cores, and the merge of splits
+
+namespace {
 
 struct kvmix__decode_params {
     const uint8_t *base;
@@ -1925,7 +2206,243 @@ static __global__ void __launch_bounds__(kvmix__merge_threads)
                         : (sum > 0.0f ? (mx + log2f(sum)) * kvmix__ln2 : -INFINITY);
 }
 
-/* ---- transfer payload body --------------------------------------------------------------- */
+} // namespace
+
+extern "C" kvmix_result kvmix_cuda_decode_workspace_bytes(int32_t n_seqs, int32_t n_q_heads,
+                                                          int32_t head_dim, int32_t n_splits,
+                                                          size_t *out_bytes) {
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if (n_seqs < 0 || n_q_heads <= 0 || head_dim <= 0 || n_splits < 1 ||
+        n_splits > KVMIX_CUDA_MAX_SPLITS)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = (size_t)n_seqs * (size_t)n_splits * (size_t)n_q_heads * ((size_t)head_dim + 1) * 4;
+    return KVMIX_SUCCESS;
+}
+
+/* The share of the block slots that `blocks` blocks keep busy over the waves they take. */
+static double kvmix__wave_fill(int64_t blocks, int64_t slots) {
+    int64_t waves = (blocks + slots - 1) / slots;
+    return (double)blocks / (double)(waves * slots);
+}
+
+extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads,
+                                                        int32_t n_q_heads, int32_t head_dim,
+                                                        int64_t max_seq_tokens, int32_t n_sms,
+                                                        int32_t *out_splits) {
+    if (!out_splits) return KVMIX_ERR_NULL_POINTER;
+    if (n_seqs < 0 || n_kv_heads <= 0 || n_q_heads <= 0 || n_q_heads % n_kv_heads != 0 ||
+        max_seq_tokens < 0 || n_sms <= 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
+    const int g = n_q_heads / n_kv_heads;
+    const int per_sm =
+        head_dim == 256 ? kvmix__tc_cfg<256>::min_blocks : kvmix__tc_cfg<128>::min_blocks;
+    /* one block per (sequence, kv head, 4 query heads, split); per_sm fit on an SM: fill the
+       machine in one wave, with at least ~256 tokens per split */
+    int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
+    int64_t slots = (int64_t)per_sm * n_sms;
+    int64_t want = kvmix__split_waves * slots / blocks;
+    int64_t most = max_seq_tokens / 256;
+    if (most > KVMIX_CUDA_MAX_SPLITS) most = KVMIX_CUDA_MAX_SPLITS;
+    if (want > most) want = most;
+    if (want < 1) want = 1;
+    /* a last wave that is partly empty idles the rest of the machine (304 blocks on 264 slots
+       take two waves): more splits, up to the first whose waves are 90% full, else the fullest */
+    int64_t best = want;
+    for (int64_t s = want + 1; kvmix__wave_fill(blocks * best, slots) < 0.9 && s <= most; s++)
+        if (kvmix__wave_fill(blocks * s, slots) > kvmix__wave_fill(blocks * best, slots)) best = s;
+    *out_splits = (int32_t)best;
+    return KVMIX_SUCCESS;
+}
+
+/* Whether the device's block holds a decode block of this configuration: its static shared
+   memory (as compiled for the device) and its stages. */
+template <int D, bool SMALL> static cudaError_t kvmix__tc_fits(int device, bool *out) {
+    static int known[2][64]; /* per device: 0 unknown, 1 fits, 2 does not */
+    cudaFuncAttributes fa;
+    int optin = 0;
+    if (device >= 0 && device < 64 && known[SMALL][device]) {
+        *out = known[SMALL][device] == 1;
+        return cudaSuccess;
+    }
+    cudaError_t e = cudaFuncGetAttributes(&fa, kvmix__tc_decode_kernel<D, SMALL>);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (e != cudaSuccess) return e;
+    *out = fa.sharedSizeBytes + (size_t)kvmix__tc_cfg<D, SMALL>::dyn_bytes <= (size_t)optin;
+    if (device >= 0 && device < 64) known[SMALL][device] = *out ? 1 : 2;
+    return cudaSuccess;
+}
+
+/* Allows the decode kernel of these stages its dynamic shared memory. Asked before every launch
+   and occupancy query, not once per device: a device reset forgets it. */
+template <int D, bool SMALL> static cudaError_t kvmix__tc_allow_stages() {
+    return cudaFuncSetAttribute(kvmix__tc_decode_kernel<D, SMALL>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                kvmix__tc_cfg<D, SMALL>::dyn_bytes);
+}
+
+template <int D, bool SMALL>
+static cudaError_t kvmix__tc_launch_as(dim3 grid, cudaStream_t stream,
+                                       const kvmix__decode_params &p) {
+    constexpr int bytes = kvmix__tc_cfg<D, SMALL>::dyn_bytes;
+    cudaError_t e = kvmix__tc_allow_stages<D, SMALL>();
+    if (e != cudaSuccess) return e;
+    kvmix__tc_decode_kernel<D, SMALL><<<grid, kvmix__tc_threads, bytes, stream>>>(p);
+    return cudaSuccess;
+}
+
+/* Which stages a decode at head_dim D takes on the current device: the Hopper-size ones where the
+   device's block holds them and small ones were not asked for, else the small ones; *fits false
+   where neither fits. */
+template <int D> static cudaError_t kvmix__tc_choose(bool ask_small, bool *small, bool *fits) {
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    *small = ask_small;
+    if (e == cudaSuccess && !ask_small) e = kvmix__tc_fits<D, false>(device, fits);
+    if (e != cudaSuccess || (!ask_small && *fits)) return e;
+    *small = true;
+    return kvmix__tc_fits<D, true>(device, fits);
+}
+
+/* The decode grid in the stages kvmix__tc_choose gives; nothing launched where none fits. */
+template <int D>
+static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p,
+                                    bool ask_small, bool *fits) {
+    bool small = false;
+    cudaError_t e = kvmix__tc_choose<D>(ask_small, &small, fits);
+    if (e != cudaSuccess || !*fits) return e;
+    return small ? kvmix__tc_launch_as<D, true>(grid, stream, p)
+                 : kvmix__tc_launch_as<D, false>(grid, stream, p);
+}
+
+/* Whether the merge kernel the device runs is the Hopper build (compiled from compute_90, with
+   griddepcontrol), not the portable one (any other target, or compute_80 PTX that a Hopper
+   device runs when the driver is told to compile PTX). Asked once: the build does not change. */
+static bool kvmix__merge_is_dependent() {
+    static int known = -1;
+    if (known < 0) {
+        cudaFuncAttributes fa;
+        known = cudaFuncGetAttributes(&fa, kvmix__decode_merge_kernel) == cudaSuccess &&
+                fa.ptxVersion == 90;
+    }
+    return known == 1;
+}
+
+extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
+                                          const kvmix_cuda_decode_desc *desc, const void *q,
+                                          void *out, float *lse, void *workspace,
+                                          size_t workspace_bytes, kvmix_stream stream) {
+    if (!desc) return KVMIX_ERR_NULL_POINTER;
+    kvmix_result r = kvmix__check_device_view(view);
+    if (r != KVMIX_SUCCESS) return r;
+    const int d = view->head_dim;
+    if (desc->n_q_heads <= 0 || desc->n_q_heads % view->n_kv_heads != 0 || !(desc->scale >= 0.0f) ||
+        isinf(desc->scale) || desc->n_splits < 1 || desc->n_splits > KVMIX_CUDA_MAX_SPLITS ||
+        (desc->stages != KVMIX_CUDA_STAGES_AUTO && desc->stages != KVMIX_CUDA_STAGES_SMALL))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (d != 64 && d != 128 && d != 256) return KVMIX_ERR_UNSUPPORTED;
+    int group = kvmix__view_group(view->group_size, view->value_group_size, 0, KVMIX_FORMAT_INT4);
+    if (group % kvmix__tc_min_group != 0) return KVMIX_ERR_UNSUPPORTED;
+    if (desc->dtype != KVMIX_CUDA_FP16 && desc->dtype != KVMIX_CUDA_BF16)
+        return KVMIX_ERR_UNSUPPORTED;
+    if (view->n_seqs == 0) return KVMIX_SUCCESS;
+    if (!q || !out || !workspace) return KVMIX_ERR_NULL_POINTER;
+    size_t need;
+    r = kvmix_cuda_decode_workspace_bytes(view->n_seqs, desc->n_q_heads, d, desc->n_splits, &need);
+    if (r != KVMIX_SUCCESS) return r;
+    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    if (((uintptr_t)workspace & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    const int q_per_kv = desc->n_q_heads / view->n_kv_heads;
+    const int q_chunks = (q_per_kv + 3) / 4; /* blocks of up to 4 query heads per kv head */
+    const int64_t grid_y = (int64_t)view->n_kv_heads * q_chunks;
+    if (grid_y > 65535 || view->n_seqs > 65535) return KVMIX_ERR_UNSUPPORTED;
+
+    kvmix__decode_params p;
+    p.base = view->base, p.base_bytes = view->base_bytes, p.spans = view->spans;
+    p.seq_first_span = view->seq_first_span, p.dead = view->dead, p.n_spans = view->n_spans;
+    p.n_dead_flags = view->n_dead_flags, p.n_seqs = view->n_seqs, p.n_kv_heads = view->n_kv_heads;
+    p.n_q_heads = desc->n_q_heads, p.q_per_kv = q_per_kv, p.q_chunks = q_chunks;
+    p.group_size = group, p.n_boost = view->n_boost, p.n_splits = desc->n_splits;
+    p.dtype = desc->dtype;
+    float scale = desc->scale > 0.0f ? desc->scale : 1.0f / sqrtf((float)d);
+    p.scale_log2 = scale * 1.4426950408889634f;
+    p.q = (const uint16_t *)q;
+    p.part_out = (float *)workspace;
+    p.part_lse = p.part_out + (size_t)view->n_seqs * desc->n_splits * desc->n_q_heads * d;
+    const bool one_split = desc->n_splits == 1;
+    /* lse NULL: not wanted; both kernels test it before writing */
+    p.out = one_split ? (uint16_t *)out : nullptr, p.lse = one_split ? lse : nullptr;
+
+    dim3 grid((unsigned)desc->n_splits, (unsigned)grid_y, (unsigned)view->n_seqs);
+    cudaStream_t s = (cudaStream_t)stream;
+    cudaError_t ce;
+    bool small = desc->stages == KVMIX_CUDA_STAGES_SMALL, fits = false;
+    switch (d) {
+    case 64: ce = kvmix__tc_launch<64>(grid, s, p, small, &fits); break;
+    case 128: ce = kvmix__tc_launch<128>(grid, s, p, small, &fits); break;
+    default: ce = kvmix__tc_launch<256>(grid, s, p, small, &fits); break;
+    }
+    if (ce != cudaSuccess) return KVMIX_ERR_CUDA;
+    if (!fits) return KVMIX_ERR_UNSUPPORTED; /* D 256 where a block holds less than 163 KiB */
+    if ((r = kvmix__launch_status()) != KVMIX_SUCCESS || one_split) return r;
+
+    kvmix__merge_params m;
+    m.part_out = p.part_out, m.part_lse = p.part_lse, m.n_splits = desc->n_splits;
+    m.n_q_heads = desc->n_q_heads, m.head_dim = d, m.dtype = desc->dtype;
+    m.out = (uint16_t *)out, m.lse = lse;
+    /* on the Hopper path, launched as a programmatic dependent of the decode grid: its launch
+       overlaps that grid's last blocks instead of following its completion; the portable path's
+       merge (no griddepcontrol) is an ordinary launch after it */
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)(view->n_seqs * desc->n_q_heads));
+    cfg.blockDim = dim3((unsigned)d);
+    cfg.stream = s;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr, cfg.numAttrs = kvmix__merge_is_dependent() ? 1 : 0;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kvmix__decode_merge_kernel, m);
+    r = kvmix__launch_status(); /* also clears a failed launch's error */
+    return e == cudaSuccess ? r : KVMIX_ERR_CUDA;
+}
+
+template <int D, bool SMALL> static cudaError_t kvmix__tc_blocks_as(int *blocks) {
+    cudaError_t e = kvmix__tc_allow_stages<D, SMALL>();
+    return e == cudaSuccess ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                  blocks, kvmix__tc_decode_kernel<D, SMALL>, kvmix__tc_threads,
+                                  kvmix__tc_cfg<D, SMALL>::dyn_bytes)
+                            : e;
+}
+
+/* Blocks per SM of the configuration kvmix_cuda_decode launches on this device by default;
+   *fits false where none fits. */
+template <int D> static cudaError_t kvmix__tc_blocks(int *blocks, bool *fits) {
+    bool small = false;
+    cudaError_t e = kvmix__tc_choose<D>(false, &small, fits);
+    if (e != cudaSuccess || !*fits) return e;
+    return small ? kvmix__tc_blocks_as<D, true>(blocks) : kvmix__tc_blocks_as<D, false>(blocks);
+}
+
+extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
+                                                        int32_t *out_blocks) {
+    if (!out_blocks) return KVMIX_ERR_NULL_POINTER;
+    if (q_per_kv <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
+    int blocks = 0;
+    bool fits = false;
+    cudaError_t e = head_dim == 64    ? kvmix__tc_blocks<64>(&blocks, &fits)
+                    : head_dim == 128 ? kvmix__tc_blocks<128>(&blocks, &fits)
+                                      : kvmix__tc_blocks<256>(&blocks, &fits);
+    if (e != cudaSuccess) return KVMIX_ERR_CUDA;
+    if (!fits) return KVMIX_ERR_UNSUPPORTED; /* as kvmix_cuda_decode there */
+    *out_blocks = blocks;
+    return KVMIX_SUCCESS;
+}
+
+// >>payload  the transfer payload's body, packed and unpacked
+
+namespace {
 
 /* A call runs up to three kernels in stream order: tiers (checks the device head against info and
    lists the token of every body row in the workspace), a check (pack: the input rows are
@@ -2241,505 +2758,7 @@ static __global__ void __launch_bounds__(256)
     }
 }
 
-/* ---- byte copies of the cache's jobs ------------------------------------------------------- */
-
-/* One block per job: n_rows bytes from src + src_offset to dst + dst_offset, in 16-byte vectors
-   when both ends and the length allow. */
-static __global__ void __launch_bounds__(256)
-    kvmix__copy_kernel(const uint8_t *src, uint8_t *dst, const kvmix_quantize_job *jobs) {
-    const kvmix_quantize_job job = jobs[blockIdx.x];
-    const uint8_t *from = src + job.src_offset;
-    uint8_t *to = dst + job.dst_offset;
-    const int64_t n = job.n_rows;
-    if (((job.src_offset | job.dst_offset | (uint64_t)n) & 15u) == 0) {
-        for (int64_t i = threadIdx.x; i < n / 16; i += blockDim.x)
-            ((uint4 *)to)[i] = ((const uint4 *)from)[i];
-        return;
-    }
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) to[i] = from[i];
-}
-
-/* One block per DEQUANTIZE job: rows first_row .. + n_rows of the block at src_offset of the
-   arena (format, n_tokens rows, sections s) to FP16 rows from dst_offset; a job whose rows are
-   not in the block writes nothing and raises KVMIX_CUDA_QUANTIZE_BAD_VALUE. */
-struct kvmix__dequantize_params {
-    int format, n_tokens, head_dim, group_size;
-    kvmix__sections sec;
-    uint8_t *arena;
-    const kvmix_quantize_job *jobs;
-    int32_t *error_flags;
-};
-
-static __global__ void __launch_bounds__(256)
-    kvmix__dequantize_job_kernel(kvmix__dequantize_params p) {
-    const kvmix_quantize_job job = p.jobs[blockIdx.x];
-    if (job.first_row < 0 || job.n_rows < 1 || job.n_rows > p.n_tokens - job.first_row) {
-        if (threadIdx.x == 0 && p.error_flags)
-            atomicOr(p.error_flags, KVMIX_CUDA_QUANTIZE_BAD_VALUE);
-        return;
-    }
-    const uint8_t *block = p.arena + job.src_offset;
-    uint16_t *out = (uint16_t *)(p.arena + job.dst_offset);
-    const int64_t n = (int64_t)job.n_rows * p.head_dim;
-    for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
-        const int64_t r = e / p.head_dim;
-        const int c = (int)(e % p.head_dim);
-        float v = kvmix__decode_value(p.format, block, p.sec, job.first_row + r, c, p.group_size);
-        out[e] = kvmix__f2h(v);
-    }
-}
-
 } // namespace
-
-// >>launch
-
-static kvmix_result kvmix__launch_status(void) {
-    return cudaGetLastError() == cudaSuccess ? KVMIX_SUCCESS : KVMIX_ERR_CUDA;
-}
-
-/* The head_dims this pack has run at: multiples of 32 (decode narrows them further). kvmix.h
-   takes any multiple of 8; the quantize, view and payload kernels index channels without
-   assuming more, but no GPU test has run them at 48 or 80, so those are UNSUPPORTED for now. */
-static bool kvmix__head_dim_run(int32_t head_dim) { return head_dim % 32 == 0; }
-
-/* Resolves and checks a layout as kvmix_layout_resolve does. */
-static kvmix_result kvmix__resolve(kvmix_layout *l) {
-    return kvmix__layout_check(l->format, l->n_tokens, l->head_dim, &l->group_size, l->n_boost);
-}
-
-extern "C" kvmix_result kvmix_cuda_quantize(const kvmix_layout *layout, const void *src,
-                                            int64_t src_row_stride, void *dst,
-                                            const kvmix_cuda_quantize_job *jobs, int32_t n_jobs,
-                                            int32_t *error_flags, kvmix_stream stream) {
-    if (!layout) return KVMIX_ERR_NULL_POINTER;
-    kvmix_layout l = *layout;
-    kvmix_result r = kvmix__resolve(&l);
-    if (r != KVMIX_SUCCESS) return r;
-    if (!kvmix__head_dim_run(l.head_dim)) return KVMIX_ERR_UNSUPPORTED;
-    if (n_jobs < 0 || l.n_tokens < 1 || src_row_stride < l.head_dim)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_jobs == 0) return KVMIX_SUCCESS;
-    if (!src || !dst || !jobs) return KVMIX_ERR_NULL_POINTER;
-    kvmix__quantize_params p;
-    p.format = l.format, p.n_tokens = l.n_tokens, p.head_dim = l.head_dim;
-    p.group_size = l.group_size, p.n_boost = l.n_boost;
-    p.sec = kvmix__block_sections(l.format, l.n_tokens, l.head_dim, l.group_size, l.n_boost);
-    p.src = (const uint16_t *)src, p.src_row_stride = src_row_stride, p.dst = (uint8_t *)dst;
-    p.jobs = jobs, p.error_flags = error_flags;
-    kvmix__quantize_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(p);
-    return kvmix__launch_status();
-}
-
-extern "C" kvmix_result kvmix_cuda_copy_blocks(const void *src, void *dst,
-                                               const kvmix_quantize_job *jobs, int32_t n_jobs,
-                                               kvmix_stream stream) {
-    if (n_jobs < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_jobs == 0) return KVMIX_SUCCESS;
-    if (!src || !dst || !jobs) return KVMIX_ERR_NULL_POINTER;
-    kvmix__copy_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>((const uint8_t *)src,
-                                                                           (uint8_t *)dst, jobs);
-    return kvmix__launch_status();
-}
-
-/* The DEQUANTIZE jobs of one batch (layout of their source blocks). */
-static kvmix_result kvmix__dequantize_jobs(const kvmix_layout *layout, void *arena,
-                                           const kvmix_quantize_job *jobs, int32_t n_jobs,
-                                           int32_t *error_flags, kvmix_stream stream) {
-    kvmix_layout l = *layout;
-    kvmix_result r = kvmix__resolve(&l);
-    if (r != KVMIX_SUCCESS) return r;
-    if (!kvmix__head_dim_run(l.head_dim)) return KVMIX_ERR_UNSUPPORTED;
-    if (n_jobs == 0) return KVMIX_SUCCESS;
-    kvmix__dequantize_params p;
-    p.format = l.format, p.n_tokens = l.n_tokens, p.head_dim = l.head_dim;
-    p.group_size = l.group_size;
-    p.sec = kvmix__block_sections(l.format, l.n_tokens, l.head_dim, l.group_size, l.n_boost);
-    p.arena = (uint8_t *)arena, p.jobs = jobs, p.error_flags = error_flags;
-    kvmix__dequantize_job_kernel<<<(unsigned)n_jobs, 256, 0, (cudaStream_t)stream>>>(p);
-    return kvmix__launch_status();
-}
-
-extern "C" kvmix_result kvmix_cuda_cache_run(const kvmix_cache_batch *batches, int32_t n_batches,
-                                             const kvmix_quantize_job *jobs, const void *key_rows,
-                                             const void *value_rows, void *arena,
-                                             int32_t *error_flags, kvmix_stream stream) {
-    if (n_batches < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (n_batches > 0 && (!batches || !jobs || !arena)) return KVMIX_ERR_NULL_POINTER;
-    for (int32_t b = 0; b < n_batches; b++) { /* every batch checked before any is enqueued */
-        const kvmix_cache_batch *batch = &batches[b];
-        bool quantize = batch->kind == KVMIX_CACHE_BATCH_QUANTIZE;
-        if (batch->first_job < 0 || batch->n_jobs < 0 ||
-            (!quantize && batch->kind != KVMIX_CACHE_BATCH_COPY &&
-             batch->kind != KVMIX_CACHE_BATCH_DEQUANTIZE))
-            return KVMIX_ERR_INVALID_ARGUMENT;
-        if (quantize && ((batch->source == KVMIX_CACHE_SOURCE_KEYS && !key_rows) ||
-                         (batch->source == KVMIX_CACHE_SOURCE_VALUES && !value_rows)))
-            return KVMIX_ERR_NULL_POINTER;
-    }
-    for (int32_t b = 0; b < n_batches; b++) {
-        const kvmix_cache_batch *batch = &batches[b];
-        const kvmix_quantize_job *first = jobs + batch->first_job;
-        kvmix_result r;
-        if (batch->kind == KVMIX_CACHE_BATCH_COPY) {
-            r = kvmix_cuda_copy_blocks(arena, arena, first, batch->n_jobs, stream);
-        } else if (batch->kind == KVMIX_CACHE_BATCH_DEQUANTIZE) {
-            r = kvmix__dequantize_jobs(&batch->layout, arena, first, batch->n_jobs, error_flags,
-                                       stream);
-        } else {
-            const void *src = batch->source == KVMIX_CACHE_SOURCE_KEYS     ? key_rows
-                              : batch->source == KVMIX_CACHE_SOURCE_VALUES ? value_rows
-                                                                           : arena;
-            r = kvmix_cuda_quantize(&batch->layout, src, batch->src_row_stride, arena, first,
-                                    batch->n_jobs, error_flags, stream);
-        }
-        if (r != KVMIX_SUCCESS) return r;
-    }
-    return KVMIX_SUCCESS;
-}
-
-/* Host-side checks of a view whose arrays are on the device: its shape and arrays
-   (kvmix_view_check's first steps; the kernels check every span they read), a 16-byte aligned
-   base, and one group for keys and values. */
-static kvmix_result kvmix__check_device_view(const kvmix_view *v) {
-    if (!v) return KVMIX_ERR_NULL_POINTER;
-    kvmix_result r;
-    if ((r = kvmix__view_shape_check(v)) != KVMIX_SUCCESS ||
-        (r = kvmix__view_arrays_check(v)) != KVMIX_SUCCESS)
-        return r;
-    if (!kvmix__head_dim_run(v->head_dim)) return KVMIX_ERR_UNSUPPORTED;
-    /* the kernels read every per-token block with one group: values in groups of their own are
-       not supported yet */
-    if (kvmix__view_group(v->group_size, v->value_group_size, 1, KVMIX_FORMAT_INT4) !=
-        kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4))
-        return KVMIX_ERR_UNSUPPORTED;
-    if (((uintptr_t)v->base & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    return KVMIX_SUCCESS;
-}
-
-static kvmix__view_params kvmix__view_params_of(const kvmix_view *v, int32_t seq) {
-    kvmix__view_params p;
-    p.base = v->base, p.base_bytes = v->base_bytes, p.spans = v->spans;
-    p.seq_first_span = v->seq_first_span, p.dead = v->dead, p.n_spans = v->n_spans;
-    p.n_dead_flags = v->n_dead_flags;
-    p.n_kv_heads = v->n_kv_heads, p.head_dim = v->head_dim;
-    p.group_size = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
-    p.n_boost = v->n_boost, p.seq = seq, p.capacity = 0, p.dtype = KVMIX_CUDA_FP16;
-    p.n_q_heads = v->n_kv_heads, p.keys_out = p.values_out = nullptr;
-    p.memory = nullptr, p.scores = nullptr;
-    return p;
-}
-
-extern "C" kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq,
-                                                   kvmix_cuda_dtype dtype, void *keys_out,
-                                                   void *values_out, int32_t capacity_tokens,
-                                                   kvmix_stream stream) {
-    kvmix_result r = kvmix__check_device_view(view);
-    if (r != KVMIX_SUCCESS) return r;
-    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (dtype != KVMIX_CUDA_FP16 && dtype != KVMIX_CUDA_BF16) return KVMIX_ERR_UNSUPPORTED;
-    if (capacity_tokens == 0 || (!keys_out && !values_out)) return KVMIX_SUCCESS;
-    kvmix__view_params p = kvmix__view_params_of(view, seq);
-    p.capacity = capacity_tokens, p.dtype = dtype;
-    p.keys_out = (uint16_t *)keys_out, p.values_out = (uint16_t *)values_out;
-    unsigned blocks =
-        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
-    kvmix__view_dequantize_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p);
-    return kvmix__launch_status();
-}
-
-extern "C" kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t seq,
-                                              int32_t n_q_heads, const float *memory, float *scores,
-                                              int32_t capacity_tokens, kvmix_stream stream) {
-    kvmix_result r = kvmix__check_device_view(view);
-    if (r != KVMIX_SUCCESS) return r;
-    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || n_q_heads <= 0 ||
-        n_q_heads % view->n_kv_heads != 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (capacity_tokens == 0) return KVMIX_SUCCESS;
-    if (!memory || !scores) return KVMIX_ERR_NULL_POINTER;
-    kvmix__view_params p = kvmix__view_params_of(view, seq);
-    p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory = memory, p.scores = scores;
-    unsigned blocks =
-        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
-    kvmix__view_score_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p);
-    return kvmix__launch_status();
-}
-
-/* Intent workspace: logits [n_q_heads][capacity_tokens], then (max, sum) per head. */
-extern "C" kvmix_result kvmix_cuda_view_intent_workspace_bytes(int32_t n_q_heads,
-                                                               int32_t capacity_tokens,
-                                                               size_t *out_bytes) {
-    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
-    if (n_q_heads <= 0 || capacity_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    *out_bytes = (((size_t)n_q_heads * ((size_t)capacity_tokens + 2) * 4) + 255) & ~(size_t)255;
-    return KVMIX_SUCCESS;
-}
-
-extern "C" kvmix_result kvmix_cuda_view_intent_score(const kvmix_view *view, int32_t seq,
-                                                     int32_t n_q_heads, float scale,
-                                                     const float *memory, float *scores,
-                                                     int32_t capacity_tokens, void *workspace,
-                                                     size_t workspace_bytes, kvmix_stream stream) {
-    kvmix_result r = kvmix__check_device_view(view);
-    if (r != KVMIX_SUCCESS) return r;
-    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || n_q_heads <= 0 ||
-        n_q_heads % view->n_kv_heads != 0 || !(scale >= 0.0f) || isinf(scale))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (capacity_tokens == 0) return KVMIX_SUCCESS;
-    if (!memory || !scores || !workspace) return KVMIX_ERR_NULL_POINTER;
-    size_t need;
-    kvmix_cuda_view_intent_workspace_bytes(n_q_heads, capacity_tokens, &need);
-    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
-    cudaStream_t st = (cudaStream_t)stream;
-    float *logits = (float *)workspace, *ml = logits + (size_t)n_q_heads * capacity_tokens;
-    kvmix__view_params p = kvmix__view_params_of(view, seq);
-    p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory = memory, p.scores = logits;
-    if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
-    const int64_t n_logits = (int64_t)n_q_heads * capacity_tokens;
-    const unsigned fill_blocks = (unsigned)(n_logits / 256 + 1 < 4096 ? n_logits / 256 + 1 : 4096);
-    kvmix__fill_kernel<<<fill_blocks, 256, 0, st>>>(logits, n_logits, -INFINITY);
-    unsigned blocks =
-        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
-    kvmix__intent_logits_kernel<<<blocks, 256, 0, st>>>(p, scale);
-    kvmix__intent_norm_kernel<<<(unsigned)n_q_heads, 256, 0, st>>>(logits, capacity_tokens, ml);
-    kvmix__intent_sum_kernel<<<(unsigned)((capacity_tokens + 255) / 256), 256, 0, st>>>(
-        logits, ml, n_q_heads, capacity_tokens, scores);
-    return kvmix__launch_status();
-}
-
-extern "C" kvmix_result kvmix_cuda_decode_workspace_bytes(int32_t n_seqs, int32_t n_q_heads,
-                                                          int32_t head_dim, int32_t n_splits,
-                                                          size_t *out_bytes) {
-    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
-    if (n_seqs < 0 || n_q_heads <= 0 || head_dim <= 0 || n_splits < 1 ||
-        n_splits > KVMIX_CUDA_MAX_SPLITS)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    *out_bytes = (size_t)n_seqs * (size_t)n_splits * (size_t)n_q_heads * ((size_t)head_dim + 1) * 4;
-    return KVMIX_SUCCESS;
-}
-
-/* The share of the block slots that `blocks` blocks keep busy over the waves they take. */
-static double kvmix__wave_fill(int64_t blocks, int64_t slots) {
-    int64_t waves = (blocks + slots - 1) / slots;
-    return (double)blocks / (double)(waves * slots);
-}
-
-extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t n_kv_heads,
-                                                        int32_t n_q_heads, int32_t head_dim,
-                                                        int64_t max_seq_tokens, int32_t n_sms,
-                                                        int32_t *out_splits) {
-    if (!out_splits) return KVMIX_ERR_NULL_POINTER;
-    if (n_seqs < 0 || n_kv_heads <= 0 || n_q_heads <= 0 || n_q_heads % n_kv_heads != 0 ||
-        max_seq_tokens < 0 || n_sms <= 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
-    const int g = n_q_heads / n_kv_heads;
-    const int per_sm =
-        head_dim == 256 ? kvmix__tc_cfg<256>::min_blocks : kvmix__tc_cfg<128>::min_blocks;
-    /* one block per (sequence, kv head, 4 query heads, split); per_sm fit on an SM: fill the
-       machine in one wave, with at least ~256 tokens per split */
-    int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
-    int64_t slots = (int64_t)per_sm * n_sms;
-    int64_t want = kvmix__split_waves * slots / blocks;
-    int64_t most = max_seq_tokens / 256;
-    if (most > KVMIX_CUDA_MAX_SPLITS) most = KVMIX_CUDA_MAX_SPLITS;
-    if (want > most) want = most;
-    if (want < 1) want = 1;
-    /* a last wave that is partly empty idles the rest of the machine (304 blocks on 264 slots
-       take two waves): more splits, up to the first whose waves are 90% full, else the fullest */
-    int64_t best = want;
-    for (int64_t s = want + 1; kvmix__wave_fill(blocks * best, slots) < 0.9 && s <= most; s++)
-        if (kvmix__wave_fill(blocks * s, slots) > kvmix__wave_fill(blocks * best, slots)) best = s;
-    *out_splits = (int32_t)best;
-    return KVMIX_SUCCESS;
-}
-
-/* Whether the device's block holds a decode block of this configuration: its static shared
-   memory (as compiled for the device) and its stages. */
-template <int D, bool SMALL> static cudaError_t kvmix__tc_fits(int device, bool *out) {
-    static int known[2][64]; /* per device: 0 unknown, 1 fits, 2 does not */
-    cudaFuncAttributes fa;
-    int optin = 0;
-    if (device >= 0 && device < 64 && known[SMALL][device]) {
-        *out = known[SMALL][device] == 1;
-        return cudaSuccess;
-    }
-    cudaError_t e = cudaFuncGetAttributes(&fa, kvmix__tc_decode_kernel<D, SMALL>);
-    if (e == cudaSuccess)
-        e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (e != cudaSuccess) return e;
-    *out = fa.sharedSizeBytes + (size_t)kvmix__tc_cfg<D, SMALL>::dyn_bytes <= (size_t)optin;
-    if (device >= 0 && device < 64) known[SMALL][device] = *out ? 1 : 2;
-    return cudaSuccess;
-}
-
-/* Allows the decode kernel of these stages its dynamic shared memory. Asked before every launch
-   and occupancy query, not once per device: a device reset forgets it. */
-template <int D, bool SMALL> static cudaError_t kvmix__tc_allow_stages() {
-    return cudaFuncSetAttribute(kvmix__tc_decode_kernel<D, SMALL>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                kvmix__tc_cfg<D, SMALL>::dyn_bytes);
-}
-
-template <int D, bool SMALL>
-static cudaError_t kvmix__tc_launch_as(dim3 grid, cudaStream_t stream,
-                                       const kvmix__decode_params &p) {
-    constexpr int bytes = kvmix__tc_cfg<D, SMALL>::dyn_bytes;
-    cudaError_t e = kvmix__tc_allow_stages<D, SMALL>();
-    if (e != cudaSuccess) return e;
-    kvmix__tc_decode_kernel<D, SMALL><<<grid, kvmix__tc_threads, bytes, stream>>>(p);
-    return cudaSuccess;
-}
-
-/* Which stages a decode at head_dim D takes on the current device: the Hopper-size ones where the
-   device's block holds them and small ones were not asked for, else the small ones; *fits false
-   where neither fits. */
-template <int D> static cudaError_t kvmix__tc_choose(bool ask_small, bool *small, bool *fits) {
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    *small = ask_small;
-    if (e == cudaSuccess && !ask_small) e = kvmix__tc_fits<D, false>(device, fits);
-    if (e != cudaSuccess || (!ask_small && *fits)) return e;
-    *small = true;
-    return kvmix__tc_fits<D, true>(device, fits);
-}
-
-/* The decode grid in the stages kvmix__tc_choose gives; nothing launched where none fits. */
-template <int D>
-static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix__decode_params &p,
-                                    bool ask_small, bool *fits) {
-    bool small = false;
-    cudaError_t e = kvmix__tc_choose<D>(ask_small, &small, fits);
-    if (e != cudaSuccess || !*fits) return e;
-    return small ? kvmix__tc_launch_as<D, true>(grid, stream, p)
-                 : kvmix__tc_launch_as<D, false>(grid, stream, p);
-}
-
-/* Whether the merge kernel the device runs is the Hopper build (compiled from compute_90, with
-   griddepcontrol), not the portable one (any other target, or compute_80 PTX that a Hopper
-   device runs when the driver is told to compile PTX). Asked once: the build does not change. */
-static bool kvmix__merge_is_dependent() {
-    static int known = -1;
-    if (known < 0) {
-        cudaFuncAttributes fa;
-        known = cudaFuncGetAttributes(&fa, kvmix__decode_merge_kernel) == cudaSuccess &&
-                fa.ptxVersion == 90;
-    }
-    return known == 1;
-}
-
-extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
-                                          const kvmix_cuda_decode_desc *desc, const void *q,
-                                          void *out, float *lse, void *workspace,
-                                          size_t workspace_bytes, kvmix_stream stream) {
-    if (!desc) return KVMIX_ERR_NULL_POINTER;
-    kvmix_result r = kvmix__check_device_view(view);
-    if (r != KVMIX_SUCCESS) return r;
-    const int d = view->head_dim;
-    if (desc->n_q_heads <= 0 || desc->n_q_heads % view->n_kv_heads != 0 || !(desc->scale >= 0.0f) ||
-        isinf(desc->scale) || desc->n_splits < 1 || desc->n_splits > KVMIX_CUDA_MAX_SPLITS ||
-        (desc->stages != KVMIX_CUDA_STAGES_AUTO && desc->stages != KVMIX_CUDA_STAGES_SMALL))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d != 64 && d != 128 && d != 256) return KVMIX_ERR_UNSUPPORTED;
-    int group = kvmix__view_group(view->group_size, view->value_group_size, 0, KVMIX_FORMAT_INT4);
-    if (group % kvmix__tc_min_group != 0) return KVMIX_ERR_UNSUPPORTED;
-    if (desc->dtype != KVMIX_CUDA_FP16 && desc->dtype != KVMIX_CUDA_BF16)
-        return KVMIX_ERR_UNSUPPORTED;
-    if (view->n_seqs == 0) return KVMIX_SUCCESS;
-    if (!q || !out || !workspace) return KVMIX_ERR_NULL_POINTER;
-    size_t need;
-    r = kvmix_cuda_decode_workspace_bytes(view->n_seqs, desc->n_q_heads, d, desc->n_splits, &need);
-    if (r != KVMIX_SUCCESS) return r;
-    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
-    if (((uintptr_t)workspace & 15u) != 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    const int q_per_kv = desc->n_q_heads / view->n_kv_heads;
-    const int q_chunks = (q_per_kv + 3) / 4; /* blocks of up to 4 query heads per kv head */
-    const int64_t grid_y = (int64_t)view->n_kv_heads * q_chunks;
-    if (grid_y > 65535 || view->n_seqs > 65535) return KVMIX_ERR_UNSUPPORTED;
-
-    kvmix__decode_params p;
-    p.base = view->base, p.base_bytes = view->base_bytes, p.spans = view->spans;
-    p.seq_first_span = view->seq_first_span, p.dead = view->dead, p.n_spans = view->n_spans;
-    p.n_dead_flags = view->n_dead_flags, p.n_seqs = view->n_seqs, p.n_kv_heads = view->n_kv_heads;
-    p.n_q_heads = desc->n_q_heads, p.q_per_kv = q_per_kv, p.q_chunks = q_chunks;
-    p.group_size = group, p.n_boost = view->n_boost, p.n_splits = desc->n_splits;
-    p.dtype = desc->dtype;
-    float scale = desc->scale > 0.0f ? desc->scale : 1.0f / sqrtf((float)d);
-    p.scale_log2 = scale * 1.4426950408889634f;
-    p.q = (const uint16_t *)q;
-    p.part_out = (float *)workspace;
-    p.part_lse = p.part_out + (size_t)view->n_seqs * desc->n_splits * desc->n_q_heads * d;
-    const bool one_split = desc->n_splits == 1;
-    /* lse NULL: not wanted; both kernels test it before writing */
-    p.out = one_split ? (uint16_t *)out : nullptr, p.lse = one_split ? lse : nullptr;
-
-    dim3 grid((unsigned)desc->n_splits, (unsigned)grid_y, (unsigned)view->n_seqs);
-    cudaStream_t s = (cudaStream_t)stream;
-    cudaError_t ce;
-    bool small = desc->stages == KVMIX_CUDA_STAGES_SMALL, fits = false;
-    switch (d) {
-    case 64: ce = kvmix__tc_launch<64>(grid, s, p, small, &fits); break;
-    case 128: ce = kvmix__tc_launch<128>(grid, s, p, small, &fits); break;
-    default: ce = kvmix__tc_launch<256>(grid, s, p, small, &fits); break;
-    }
-    if (ce != cudaSuccess) return KVMIX_ERR_CUDA;
-    if (!fits) return KVMIX_ERR_UNSUPPORTED; /* D 256 where a block holds less than 163 KiB */
-    if ((r = kvmix__launch_status()) != KVMIX_SUCCESS || one_split) return r;
-
-    kvmix__merge_params m;
-    m.part_out = p.part_out, m.part_lse = p.part_lse, m.n_splits = desc->n_splits;
-    m.n_q_heads = desc->n_q_heads, m.head_dim = d, m.dtype = desc->dtype;
-    m.out = (uint16_t *)out, m.lse = lse;
-    /* on the Hopper path, launched as a programmatic dependent of the decode grid: its launch
-       overlaps that grid's last blocks instead of following its completion; the portable path's
-       merge (no griddepcontrol) is an ordinary launch after it */
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)(view->n_seqs * desc->n_q_heads));
-    cfg.blockDim = dim3((unsigned)d);
-    cfg.stream = s;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr, cfg.numAttrs = kvmix__merge_is_dependent() ? 1 : 0;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, kvmix__decode_merge_kernel, m);
-    r = kvmix__launch_status(); /* also clears a failed launch's error */
-    return e == cudaSuccess ? r : KVMIX_ERR_CUDA;
-}
-
-template <int D, bool SMALL> static cudaError_t kvmix__tc_blocks_as(int *blocks) {
-    cudaError_t e = kvmix__tc_allow_stages<D, SMALL>();
-    return e == cudaSuccess ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                                  blocks, kvmix__tc_decode_kernel<D, SMALL>, kvmix__tc_threads,
-                                  kvmix__tc_cfg<D, SMALL>::dyn_bytes)
-                            : e;
-}
-
-/* Blocks per SM of the configuration kvmix_cuda_decode launches on this device by default;
-   *fits false where none fits. */
-template <int D> static cudaError_t kvmix__tc_blocks(int *blocks, bool *fits) {
-    bool small = false;
-    cudaError_t e = kvmix__tc_choose<D>(false, &small, fits);
-    if (e != cudaSuccess || !*fits) return e;
-    return small ? kvmix__tc_blocks_as<D, true>(blocks) : kvmix__tc_blocks_as<D, false>(blocks);
-}
-
-extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
-                                                        int32_t *out_blocks) {
-    if (!out_blocks) return KVMIX_ERR_NULL_POINTER;
-    if (q_per_kv <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
-    int blocks = 0;
-    bool fits = false;
-    cudaError_t e = head_dim == 64    ? kvmix__tc_blocks<64>(&blocks, &fits)
-                    : head_dim == 128 ? kvmix__tc_blocks<128>(&blocks, &fits)
-                                      : kvmix__tc_blocks<256>(&blocks, &fits);
-    if (e != cudaSuccess) return KVMIX_ERR_CUDA;
-    if (!fits) return KVMIX_ERR_UNSUPPORTED; /* as kvmix_cuda_decode there */
-    *out_blocks = blocks;
-    return KVMIX_SUCCESS;
-}
-
-/* ---- transfer payload -------------------------------------------------------------------- */
 
 /* Payload workspace: the status word (int32 at byte 0: 0, or the KVMIX_CUDA_PAYLOAD_* bits the
    kernels found), then from byte 256 the row list (int32 per body row: the token of each FP16

@@ -1,10 +1,17 @@
 /* Compiles the header as the Makefile's language, mode and optimization level (C99, C11, C++,
-   KVMIX_STATIC; -O0 .. -O3, -Os): included twice, implementation and all, and a few calls so
-   KVMIX_STATIC functions are referenced. The cache calls run a short decode loop so that the
+   KVMIX_STATIC, KVMIX_NO_POLICY for the core alone; -O0 .. -O3, -Os): included twice,
+   implementation and all, and a few calls so KVMIX_STATIC functions are referenced. The cache calls run a short decode loop so that the
    optimizer inlines them into a caller, where gcc's flow warnings (maybe-uninitialized) look. */
 #define KVMIX_IMPLEMENTATION
 #include "../kvmix.h"
 #include "../kvmix.h"
+
+#if defined(KVMIX_NO_POLICY) && defined(KVMIX_TAG_MAX_ALTS)
+#error "KVMIX_NO_POLICY leaves the policy layer (tags, policies, allocation, intent, tiers) out"
+#endif
+#if !defined(KVMIX_NO_POLICY) && !defined(KVMIX_TAG_MAX_ALTS)
+#error "the policy layer is missing"
+#endif
 
 enum { CHECK_LAYERS = 2, CHECK_HEADS = 2, CHECK_DIM = 32, CHECK_STEPS = 40 };
 #define CHECK_ROW (CHECK_HEADS * CHECK_DIM)
