@@ -5803,7 +5803,8 @@ static kvmix__why kvmix__seq_age_ok(const kvmix_cache *c, int32_t seq,
         if ((r = wants(ctx, pos, &p)) != KVMIX_SUCCESS)
             return kvmix__why_not(r, "wants", "refused a position");
         if (!kvmix__precision_known(p))
-            return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "wants", "a format the cache cannot store");
+            return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "wants",
+                                  "a format the cache cannot store");
     }
     return kvmix__why_ok();
 }
@@ -7258,7 +7259,8 @@ static int kvmix__tag_marker_used(const kvmix_tag_marker *m) {
 }
 
 #define KVMIX__TAG_NAMES_RULE                                                                      \
-    "a count past its maximum, a name of no ids or an id < 0, or a role that is SCAFFOLD or not a " \
+    "a count past its maximum, a name of no ids or an id < 0, or a role that is SCAFFOLD or not "  \
+    "a "                                                                                           \
     "kvmix_tag_role"
 static int kvmix__tag_names_ok(const kvmix_tag_name *names, int32_t n, int32_t max) {
     int32_t i;

@@ -378,7 +378,7 @@ typedef struct totals {
     evict_stats eviction;
     bool transferring;
     transfer_stats transfer;
-    llama_score after; /* the positions after the hand-over */
+    llama_score after;           /* the positions after the hand-over */
     distance_scores by_distance; /* the answers of questions that record their distance */
 } totals;
 
@@ -402,14 +402,14 @@ typedef struct eval {
     bool transferring;     /* --transfer */
     transfer_setup transfer;
     transfer_stats transfer_stats;
-    evict_driver *evict;     /* the CPU runner's, when the policy evicts */
-    evict_seq evict_seq;     /* the text running */
-    evict_request *requests; /* [context + 1]: its user turns' messages */
-    int64_t text_index;      /* of the text running, in the selection */
+    evict_driver *evict;            /* the CPU runner's, when the policy evicts */
+    evict_seq evict_seq;            /* the text running */
+    evict_request *requests;        /* [context + 1]: its user turns' messages */
+    int64_t text_index;             /* of the text running, in the selection */
     const question_list *questions; /* the running text's */
-    FILE *evict_log;         /* --evict-log */
-    int64_t transfer_at;     /* --transfer on the CPU: where the text running is handed over */
-    llama_score *score;      /* the totals the text running adds to */
+    FILE *evict_log;                /* --evict-log */
+    int64_t transfer_at; /* --transfer on the CPU: where the text running is handed over */
+    llama_score *score;  /* the totals the text running adds to */
     llama_score score_at_transfer; /* *score when it was handed over */
     char err[ERR_BYTES];
 } eval;
