@@ -618,8 +618,10 @@ typedef struct age_wants {
 static kvmix_result age_wants_of(void *ctx, int32_t position, kvmix_cache_precision *out) {
     const age_wants *a = (const age_wants *)ctx;
     if (position == a->bad && a->refusal != KVMIX_SUCCESS) return a->refusal;
-    if (position == a->bad) out->key_format = 99;
-    else if (position < a->until) *out = a->want;
+    if (position == a->bad)
+        out->key_format = 99;
+    else if (position < a->until)
+        *out = a->want;
     return KVMIX_SUCCESS;
 }
 
@@ -679,8 +681,9 @@ static void test_seq_age(void) {
     for (pos = 0; pos < N; pos++) {
         test_context("kvmix_cache_seq_age position %d", pos);
         CHECK(after[pos].value_format == before[pos].value_format);
-        CHECK(after[pos].key_format ==
-              (pos < 32 && cache.pages[pages[pos]].sealed ? KVMIX_FORMAT_INT2 : before[pos].key_format));
+        CHECK(after[pos].key_format == (pos < 32 && cache.pages[pages[pos]].sealed
+                                            ? KVMIX_FORMAT_INT2
+                                            : before[pos].key_format));
     }
     test_context("kvmix_cache_seq_age");
     CHECK_RESULT(kvmix_cache_check(&cache), KVMIX_SUCCESS);
