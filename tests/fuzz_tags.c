@@ -6,8 +6,9 @@
  *
  * Input: bytes 0-3 seed a generator that builds the spec: every marker gets 0-4 alternative
  * sequences of 1-3 ids (sometimes up to KVMIX_TAG_MAX_IDS + 1), roles and channels 0-17 names of
- * 1-4 ids with random roles (sometimes invalid), ids from a small alphabet (0-39) so that markers
- * overlap and repeat; a few specs are made invalid on purpose. The rest of the input is the
+ * 1-4 ids with random roles (sometimes invalid), half the specs role starts (then message_start
+ * and header_end are each dropped half the time), ids from a small alphabet (0-39) so that
+ * markers overlap and repeat; a few specs are made invalid on purpose. The rest of the input is the
  * stream: each byte an id of the same alphabet, or (byte >= 0xF0) an id far outside it.
  *
  * Invariants (abort on violation): a refused spec leaves the tagger untouched; every tag has a
@@ -40,6 +41,24 @@ static void random_seq(kvmix_tag_seq *q, int32_t min_len) {
     if (next_random() % 128 == 0 && n > 0) q->ids[0] = -1 - (int32_t)(next_random() % 5);
 }
 
+/* Role starts (DeepSeek V3's User and Assistant tokens): 1-4 names, at times up to 8, 0 or one
+   past the maximum. They make message_start and header_end optional: each is dropped half the
+   time, so streams start messages by role starts alone, by both, or have no header end. */
+static void random_role_starts(kvmix_tag_spec *s) {
+    int32_t i;
+    s->n_role_starts =
+        1 + (int32_t)(next_random() % (next_random() % 4 ? 4 : KVMIX_TAG_MAX_STARTS));
+    if (next_random() % 32 == 0)
+        s->n_role_starts = (next_random() % 2) * (KVMIX_TAG_MAX_STARTS + 1);
+    for (i = 0; i < KVMIX_TAG_MAX_STARTS; i++) {
+        random_seq(&s->role_starts[i].seq, 1);
+        if (next_random() % 2) s->role_starts[i].seq.n_ids = 1;
+        s->role_starts[i].role = (int32_t)(next_random() % (next_random() % 32 ? 6 : 9));
+    }
+    if (next_random() % 2) memset(&s->message_start, 0, sizeof s->message_start);
+    if (next_random() % 2) memset(&s->header_end, 0, sizeof s->header_end);
+}
+
 static void random_spec(kvmix_tag_spec *s) {
     kvmix_tag_marker *markers[14];
     int m, a, i;
@@ -70,6 +89,7 @@ static void random_spec(kvmix_tag_spec *s) {
         s->channels[i].role = (int32_t)(next_random() % 6);
         if (next_random() % 2) s->roles[i].seq.n_ids = 1;
     }
+    if (next_random() % 2) random_role_starts(s);
 }
 
 static void check_tags(const kvmix_tag *tags, int32_t n, const kvmix_tagger *t) {

@@ -1,8 +1,9 @@
-/* unit_tags: template specs and the streaming tagger on hand-built streams of three templates
+/* unit_tags: template specs and the streaming tagger on hand-built streams of four templates
    (the reference models' byte-level ChatML, Qwen3's ChatML ids, gpt-oss's harmony ids with a
-   channel name of two tokens and a recipient marker): system prompts with tool schemas, user
-   turns, reasoning, tool calls and responses, harmony preambles and recipients, images, turn
-   aging, run feeding against one id at a time, broken streams. */
+   channel name of two tokens and a recipient marker, Llama 3.1's ids with a tool call bracket
+   that has no close): system prompts with tool schemas, user turns, reasoning, tool calls and
+   responses, harmony preambles and recipients, images, turn aging, run feeding against one id at
+   a time, broken streams. */
 #include "harness.h"
 
 #include <stdio.h>
@@ -620,6 +621,115 @@ static void test_multi_id_markers(void) {
     check_stream(&spec, &s, "multi-id markers");
 }
 
+/* ---- Llama 3.1: an open-ended tool call ------------------------------------------------------ */
+enum {
+    L_BEGIN = 900,    /* <|begin_of_text|>: no marker, outside any message */
+    L_START = 901,    /* <|start_header_id|> */
+    L_HEAD_END = 902, /* <|end_header_id|>, then "\n\n": the header end */
+    L_NL2 = 903,
+    L_EOT = 904,
+    L_EOM = 905,      /* ends a message that called a tool */
+    L_PYTHON = 906,   /* <|python_tag|>: opens a tool call that runs to the message end */
+    L_CALL_END = 907, /* a close marker Llama lacks, for the contrast */
+    L_SYSTEM = 10,
+    L_USER = 11,
+    L_ASSISTANT = 12,
+    L_IPYTHON = 13,
+    L_CONTENT_MAX = 899
+};
+
+static void spec_llama3(kvmix_tag_spec *s) {
+    int32_t id, head_end[2] = {L_HEAD_END, L_NL2};
+    memset(s, 0, sizeof *s);
+    set1(&s->message_start, 0, L_START);
+    set_seq(&s->header_end.alts[0], head_end, 2);
+    set1(&s->message_end, 0, L_EOT);
+    set1(&s->message_end, 1, L_EOM);
+    set1(&s->tool_call_open, 0, L_PYTHON); /* no tool_call_close */
+    id = L_SYSTEM, add_name(s->roles, &s->n_roles, "system", INS, &id, 1);
+    id = L_USER, add_name(s->roles, &s->n_roles, "user", USR, &id, 1);
+    id = L_ASSISTANT, add_name(s->roles, &s->n_roles, "assistant", AST, &id, 1);
+    id = L_IPYTHON, add_name(s->roles, &s->n_roles, "ipython", OBS, &id, 1);
+}
+
+static void llama_head(stream *s, int32_t role) {
+    put1(s, L_START, SCF);
+    put1(s, role, SCF);
+    put1(s, L_HEAD_END, SCF);
+    put1(s, L_NL2, SCF);
+}
+
+/* An assistant message: text, then <|python_tag|> and a call that <|eom_id|> ends. */
+static void llama_call(stream *s, int end_flags) {
+    llama_head(s, L_ASSISTANT);
+    put_random(s, 6, 0, L_CONTENT_MAX, AST, 0);
+    put1(s, L_PYTHON, SCF);
+    put_random(s, 12, 0, L_CONTENT_MAX, CALL, 0);
+    put1(s, L_NL2, CALL); /* header_end's ids are content outside a header */
+    put1f(s, L_EOM, SCF, end_flags);
+}
+
+/* The tool result and the answer after a call: tagged as if no bracket had been open. */
+static void llama_after_call(stream *s) {
+    llama_head(s, L_IPYTHON);
+    put_random(s, 10, 0, L_CONTENT_MAX, OBS, 0);
+    put1(s, L_EOT, SCF);
+    llama_head(s, L_ASSISTANT);
+    put_random(s, 8, 0, L_CONTENT_MAX, AST, 0);
+    put1(s, L_EOT, SCF);
+}
+
+/* Feeds the whole stream once more and checks the breaks the tagger counted. */
+static void check_breaks(const kvmix_tag_spec *spec, const stream *s, int64_t want) {
+    static kvmix_tag got[MAX_STREAM];
+    kvmix_tagger t;
+    if (!CHECK_RESULT(kvmix_tagger_init(&t, spec, NULL), KVMIX_SUCCESS)) return;
+    CHECK_RESULT(kvmix_tagger_feed(&t, s->ids, s->n, got), KVMIX_SUCCESS);
+    CHECK_EQ_INT(t.n_breaks, want);
+}
+
+/* Llama 3.1's <|python_tag|> has no close: the tool call runs to <|eom_id|> (or <|eot_id|>),
+   which ends it without a break. The same stream under a spec that does give the bracket a close
+   marker is broken at the end: the fallback flag and a break. */
+static void test_llama_open_bracket(void) {
+    static stream s;
+    kvmix_tag_spec spec;
+    int pass;
+    for (pass = 0; pass < 2; pass++) {
+        const int closed = pass == 1, end_flags = closed ? FB : 0;
+        spec_llama3(&spec);
+        if (closed) set1(&spec.tool_call_close, 0, L_CALL_END);
+        memset(&s, 0, sizeof s);
+        test_rng_init(&s.rng, "tags llama");
+        put1(&s, L_BEGIN, SCF);
+        llama_head(&s, L_SYSTEM);
+        put_random(&s, 20, 0, L_CONTENT_MAX, INS, 0);
+        put1(&s, L_PYTHON, INS); /* the system prompt names the tag: content */
+        put1(&s, L_EOT, SCF);
+        llama_head(&s, L_USER);
+        s.turn = 1;
+        put_random(&s, 10, 0, L_CONTENT_MAX, USR, 0);
+        put1(&s, L_EOT, SCF);
+        llama_call(&s, end_flags);
+        llama_after_call(&s);
+        /* a call that <|eot_id|> ends, then the next turn */
+        llama_head(&s, L_ASSISTANT);
+        put1(&s, L_PYTHON, SCF);
+        put_random(&s, 5, 0, L_CONTENT_MAX, CALL, 0);
+        put1f(&s, L_EOT, SCF, end_flags);
+        llama_head(&s, L_USER);
+        s.turn = 2;
+        put_random(&s, 4, 0, L_CONTENT_MAX, USR, 0);
+        put1(&s, L_EOT, SCF);
+        llama_call(&s, end_flags);
+        llama_after_call(&s);
+        check_stream(&spec, &s, closed ? "Llama 3.1, tool call with a close" : "Llama 3.1");
+        test_context(closed ? "Llama 3.1 breaks, tool call with a close" : "Llama 3.1 breaks");
+        check_breaks(&spec, &s, closed ? 3 : 0);
+        test_context(NULL);
+    }
+}
+
 /* ---- argument errors and spec checks ---------------------------------------------------------- */
 static void test_errors(void) {
     /* the spec member each case below spoils, as kvmix_error names it */
@@ -709,5 +819,6 @@ void unit_tags(void) {
     test_buckets();
     test_broken();
     test_multi_id_markers();
+    test_llama_open_bracket();
     test_errors();
 }
