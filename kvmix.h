@@ -7335,9 +7335,10 @@ KVMIXDEF kvmix_result kvmix_tag_spec_check(const kvmix_tag_spec *spec, kvmix_err
     if (spec->n_role_starts == 0 && !kvmix__tag_marker_used(&spec->message_start))
         return kvmix__fail(out_error, bad, "message_start",
                            "required without role_starts: has no alternative");
-    if (spec->n_role_starts == 0 && !kvmix__tag_marker_used(&spec->header_end))
+    if (kvmix__tag_marker_used(&spec->message_start) && !kvmix__tag_marker_used(&spec->header_end))
         return kvmix__fail(out_error, bad, "header_end",
-                           "required without role_starts: has no alternative");
+                           "required with message_start (its messages end their header there): "
+                           "has no alternative");
     if (!kvmix__tag_names_ok(spec->roles, spec->n_roles, KVMIX_TAG_MAX_NAMES))
         return kvmix__fail(out_error, bad, "roles", KVMIX__TAG_NAMES_RULE);
     if (!kvmix__tag_names_ok(spec->channels, spec->n_channels, KVMIX_TAG_MAX_NAMES))

@@ -42,8 +42,9 @@ static void random_seq(kvmix_tag_seq *q, int32_t min_len) {
 }
 
 /* Role starts (DeepSeek V3's User and Assistant tokens): 1-4 names, at times up to 8, 0 or one
-   past the maximum. They make message_start and header_end optional: each is dropped half the
-   time, so streams start messages by role starts alone, by both, or have no header end. */
+   past the maximum. They make message_start optional (dropped half the time, and then the
+   header end too, half the time), so streams start messages by role starts alone or by both; a
+   message start without a header end, dropped as often, is a spec the check refuses. */
 static void random_role_starts(kvmix_tag_spec *s) {
     int32_t i;
     s->n_role_starts =

@@ -733,10 +733,10 @@ static void test_llama_open_bracket(void) {
 /* ---- argument errors and spec checks ---------------------------------------------------------- */
 static void test_errors(void) {
     /* the spec member each case below spoils, as kvmix_error names it */
-    static const char *const fields[12] = {"message_start",  "header_end", "reasoning_open",
-                                           "roles",          "roles",      "image_pad",
-                                           "reasoning_open", "channel",    "roles",
-                                           "tool_call_open", "recipient",  "recipient"};
+    static const char *const fields[13] = {
+        "message_start", "header_end",     "reasoning_open", "roles", "roles",
+        "image_pad",     "reasoning_open", "channel",        "roles", "tool_call_open",
+        "recipient",     "recipient",      "header_end"};
     kvmix_tag_spec spec, bad;
     kvmix_tagger t, before;
     kvmix_tag tag;
@@ -752,7 +752,7 @@ static void test_errors(void) {
     CHECK(strcmp(why.field, "") == 0 && strcmp(why.reason, "") == 0);
     CHECK_RESULT(kvmix_tagger_init(NULL, &spec, NULL), KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_tagger_init(&t, NULL, NULL), KVMIX_ERR_NULL_POINTER);
-    for (i = 0; i < 12; i++) {
+    for (i = 0; i < 13; i++) {
         bad = spec;
         switch (i) {
         case 0: memset(&bad.message_start, 0, sizeof bad.message_start); break;
@@ -768,6 +768,13 @@ static void test_errors(void) {
         case 11:
             set1(&bad.channel, 0, 300);
             set1(&bad.recipient, 1, 300);
+            break;
+        case 12: /* role starts, and a message start whose messages could not end a header */
+            bad.n_role_starts = 1;
+            bad.role_starts[0].seq.n_ids = 1;
+            bad.role_starts[0].seq.ids[0] = 301;
+            bad.role_starts[0].role = KVMIX_ROLE_USER;
+            memset(&bad.header_end, 0, sizeof bad.header_end);
             break;
         default: bad.tool_call_open.alts[3].n_ids = KVMIX_TAG_MAX_IDS + 1; break;
         }
