@@ -177,10 +177,11 @@ typedef struct kvmix_layout {
     int32_t n_boost;
 } kvmix_layout;
 
-/* Checks a layout and writes it back with defaults resolved.
-   Returns KVMIX_ERR_NULL_POINTER, KVMIX_ERR_UNKNOWN_FORMAT, KVMIX_ERR_INVALID_ARGUMENT
-   (negative n_tokens) or KVMIX_ERR_BAD_SHAPE. */
-KVMIXDEF kvmix_result kvmix_layout_resolve(kvmix_layout *layout);
+/* Checks a layout and writes it back with defaults resolved; *out_error (NULL: not wanted) names
+   the field at fault ("layout" when NULL). Returns KVMIX_ERR_NULL_POINTER,
+   KVMIX_ERR_UNKNOWN_FORMAT, KVMIX_ERR_INVALID_ARGUMENT (negative n_tokens) or
+   KVMIX_ERR_BAD_SHAPE. */
+KVMIXDEF kvmix_result kvmix_layout_resolve(kvmix_layout *layout, kvmix_error *out_error);
 
 /* Size in bytes of one block of this layout (0 for 0 tokens). */
 KVMIXDEF kvmix_result kvmix_layout_bytes(const kvmix_layout *layout, size_t *out_bytes);
@@ -284,9 +285,11 @@ typedef struct kvmix_view {
 
 /* Checks a host view's structure: counts, formats, sequence boundaries, block extents inside
    base_bytes, dead flag ranges. It reads spans, seq_first_span (not the blocks), so it needs
-   host pointers. Returns KVMIX_ERR_NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE, UNKNOWN_FORMAT or
-   BUFFER_TOO_SMALL (a block outside the base region). */
-KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view);
+   host pointers. *out_error (NULL: not wanted) names the field of kvmix_view, or of the
+   kvmix_view_span, at fault ("view" when NULL). Returns KVMIX_ERR_NULL_POINTER,
+   INVALID_ARGUMENT, BAD_SHAPE, UNKNOWN_FORMAT or BUFFER_TOO_SMALL (a block outside the base
+   region). */
+KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view, kvmix_error *out_error);
 
 /* Decode attention for every sequence of a host view: q, out [n_seqs][n_q_heads][head_dim],
    lse [n_seqs][n_q_heads] or NULL when not wanted, as kvmix_ref_attention_decode per sequence;
@@ -1063,10 +1066,12 @@ typedef struct kvmix_payload_info {
 } kvmix_payload_info;
 
 /* Shape and size of the payload of these tiers ([desc->n_tokens] bytes; may be NULL when
-   n_tokens is 0). Returns NULL_POINTER, INVALID_ARGUMENT (kind, ranges, ids, a tier not allowed
-   for the kind), BAD_SHAPE (head_dim, group_size, or a payload beyond 2^62 bytes). */
+   n_tokens is 0). *out_error (NULL: not wanted) names the field of kvmix_payload_desc at fault,
+   "tiers" or the NULL argument. Returns NULL_POINTER, INVALID_ARGUMENT (kind, ranges, ids, a
+   tier not allowed for the kind), BAD_SHAPE (head_dim, group_size, or a payload beyond 2^62
+   bytes). */
 KVMIXDEF kvmix_result kvmix_payload_describe(const kvmix_payload_desc *desc, const uint8_t *tiers,
-                                             kvmix_payload_info *out_info);
+                                             kvmix_payload_info *out_info, kvmix_error *out_error);
 
 /* Writes the header and tier table (info->head_bytes bytes) of the payload that `info` describes
    (from kvmix_payload_describe with the same tiers) into dst. A GPU sender copies them to the
@@ -1078,29 +1083,34 @@ KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, c
 /* Packs a whole payload: head, then every layer's blocks quantized by the >>formats CPU
    reference. keys, values: [n_layers][n_tokens][n_kv_heads][head_dim] floats (the residuals for
    a RESIDUAL payload; rows of NO_ROW tokens are not read), finite with |x| <= 65504.
-   *out_bytes (may be NULL) receives info.total_bytes. Returns describe's errors, BUFFER_TOO_SMALL,
-   BAD_VALUE; nothing is written on error. */
+   *out_bytes (may be NULL) receives info.total_bytes. *out_error (NULL: not wanted): as
+   describe's, or the argument at fault. Returns describe's errors, BUFFER_TOO_SMALL, BAD_VALUE;
+   nothing is written on error. */
 KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const uint8_t *tiers,
                                          const float *keys, const float *values, void *dst,
-                                         size_t dst_bytes, size_t *out_bytes);
+                                         size_t dst_bytes, size_t *out_bytes,
+                                         kvmix_error *out_error);
 
 /* Reads and checks a payload's header and tier table from the first src_bytes bytes (at least
    the head; the body need not be there yet). *out_tiers (may be NULL) points into src.
-   Returns NULL_POINTER, MALFORMED (not a payload, truncated head, reserved bytes set, tier table
-   that disagrees with the header's counts), VERSION (a version this build does not read),
-   INVALID_ARGUMENT / BAD_SHAPE (fields out of range). Never reads past src_bytes. */
+   *out_error (NULL: not wanted) names the header field at fault as the >>transfer layout spells
+   it ("magic", "version", "n_tokens", "reserved", "total_bytes" ...), "tiers" for the tier table,
+   or the argument. Returns NULL_POINTER, MALFORMED (not a payload, truncated head, reserved bytes
+   set, tier table that disagrees with the header's counts), VERSION (a version this build does
+   not read), INVALID_ARGUMENT / BAD_SHAPE (fields out of range). Never reads past src_bytes. */
 KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
                                               kvmix_payload_info *out_info,
-                                              const uint8_t **out_tiers);
+                                              const uint8_t **out_tiers, kvmix_error *out_error);
 
 /* Decodes layer `layer` (absolute: first_layer <= layer < first_layer + n_layers) of a whole
    payload into keys, values: [n_tokens][n_kv_heads][head_dim] floats (either may be NULL).
    ROWS: every token's rows are written. RESIDUAL: each carried residual is added in float to the
    row already there; rows of NO_ROW tokens are left. Every block of the layer is checked before
-   anything is written. Returns read_head's errors, INVALID_ARGUMENT (layer), BUFFER_TOO_SMALL
+   anything is written. *out_error (NULL: not wanted): as read_head's, or "layer", "src_bytes",
+   "src" (a corrupt block). Returns read_head's errors, INVALID_ARGUMENT (layer), BUFFER_TOO_SMALL
    (src_bytes < total_bytes), CORRUPT_DATA (a block no quantize call could have written). */
 KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, int32_t layer,
-                                           float *keys, float *values);
+                                           float *keys, float *values, kvmix_error *out_error);
 
 #ifndef KVMIX_NO_POLICY /* the policy layer: the core above never calls it */
 
@@ -1324,8 +1334,11 @@ typedef struct kvmix_tag_precision {
 KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
                                                kvmix_cache_precision precision);
 
-/* Checks that every entry holds known formats or 0. Returns NULL_POINTER or UNKNOWN_FORMAT. Pure. */
-KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table);
+/* Checks that every entry holds known formats or 0. *out_error (NULL: not wanted) names the first
+   bad entry by bucket, role and modality name ("formats[previous][user][image]"; "table" when
+   NULL) and its side. Returns NULL_POINTER or UNKNOWN_FORMAT. Pure. */
+KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table,
+                                                kvmix_error *out_error);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Policies: how a cache stores tokens. A policy names the formats of sealed key and value blocks, */
@@ -1825,9 +1838,11 @@ typedef struct kvmix_tier_plan {
    kvmix_payload_pack. Sorts a work array of n_tokens indices (KVMIX_MALLOC). Returns
    NULL_POINTER, INVALID_ARGUMENT (counts, budget, reserved, allow_int4 not 0 or 1), BAD_SHAPE
    (head_dim, group_size), BAD_VALUE (an importance that is NaN), OUT_OF_MEMORY; nothing is
-   written on error. Thread-safe. */
+   written on error. *out_error (NULL: not wanted) names the field of kvmix_tier_desc or the
+   argument at fault. Thread-safe. */
 KVMIXDEF kvmix_result kvmix_tier_choose(const kvmix_tier_desc *desc, const float *importance,
-                                        uint8_t *tiers, kvmix_tier_plan *out_plan);
+                                        uint8_t *tiers, kvmix_tier_plan *out_plan,
+                                        kvmix_error *out_error);
 
 /* The INT4 tolerance probe: runs trial(ctx, index, budget, &passed) for index 0 .. n_trials - 1
    at an aggressive budget and sets *out_allow_int4 when at least n_pass of them passed (the
@@ -2015,26 +2030,56 @@ KVMIX__RULE int kvmix__head_dim_ok(int64_t head_dim) {
     return head_dim > 0 && head_dim % 8 == 0 && head_dim <= KVMIX_MAX_HEAD_DIM;
 }
 
+/* A check's verdict: the result and, when it failed, the argument and why (static strings), as
+   a kvmix_error reports them. */
+typedef struct kvmix__why {
+    kvmix_result result;
+    const char *argument;
+    const char *reason;
+} kvmix__why;
+
+KVMIX__RULE kvmix__why kvmix__why_not(kvmix_result result, const char *argument,
+                                      const char *reason) {
+    kvmix__why w;
+    w.result = result;
+    w.argument = argument;
+    w.reason = reason;
+    return w;
+}
+
+KVMIX__RULE kvmix__why kvmix__why_ok(void) { return kvmix__why_not(KVMIX_SUCCESS, NULL, NULL); }
+
 /* kvmix_layout's constraints; *group_size 0 resolves to KVMIX_GROUP_SIZE_DEFAULT for the
-   per-token integer formats. */
-KVMIX__RULE kvmix_result kvmix__layout_check(int format, int64_t n_tokens, int32_t head_dim,
-                                             int32_t *group_size, int32_t n_boost) {
-    if (kvmix__format_bits(format) == 0) return KVMIX_ERR_UNKNOWN_FORMAT;
-    if (n_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!kvmix__head_dim_ok(head_dim)) return KVMIX_ERR_BAD_SHAPE;
+   per-token integer formats. Fields as kvmix_layout spells them. */
+#define KVMIX__GROUP_RULE "must be a multiple of 8 that divides head_dim"
+#define KVMIX__BOOST_RULE "must be a multiple of 4, at most head_dim and KVMIX_MAX_BOOST"
+KVMIX__RULE kvmix__why kvmix__layout_why(int format, int64_t n_tokens, int32_t head_dim,
+                                         int32_t *group_size, int32_t n_boost) {
+    const kvmix_result shape = KVMIX_ERR_BAD_SHAPE;
+    if (kvmix__format_bits(format) == 0)
+        return kvmix__why_not(KVMIX_ERR_UNKNOWN_FORMAT, "format", "not a kvmix_format");
+    if (n_tokens < 0) return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens", "negative");
+    if (!kvmix__head_dim_ok(head_dim))
+        return kvmix__why_not(shape, "head_dim", KVMIX__HEAD_DIM_RULE);
     if (kvmix__is_per_token_int(format)) {
         if (*group_size == 0) *group_size = KVMIX_GROUP_SIZE_DEFAULT;
         if (*group_size < 0 || *group_size % 8 != 0 || head_dim % *group_size != 0)
-            return KVMIX_ERR_BAD_SHAPE;
+            return kvmix__why_not(shape, "group_size", KVMIX__GROUP_RULE);
     } else if (*group_size != 0) {
-        return KVMIX_ERR_BAD_SHAPE;
+        return kvmix__why_not(shape, "group_size", "must be 0: the format has no groups");
     }
     if (format == KVMIX_FORMAT_BOOSTED) {
-        if (!kvmix__boost_count_ok(n_boost, head_dim)) return KVMIX_ERR_BAD_SHAPE;
+        if (!kvmix__boost_count_ok(n_boost, head_dim))
+            return kvmix__why_not(shape, "n_boost", KVMIX__BOOST_RULE);
     } else if (n_boost != 0) {
-        return KVMIX_ERR_BAD_SHAPE;
+        return kvmix__why_not(shape, "n_boost", "must be 0: only BOOSTED boosts channels");
     }
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
+}
+
+KVMIX__RULE kvmix_result kvmix__layout_check(int format, int64_t n_tokens, int32_t head_dim,
+                                             int32_t *group_size, int32_t n_boost) {
+    return kvmix__layout_why(format, n_tokens, head_dim, group_size, n_boost).result;
 }
 
 /* Sections of one block of a checked layout; offsets from the block start. */
@@ -2200,28 +2245,45 @@ KVMIX__RULE int kvmix__view_range_ok(int32_t first, int32_t last, int32_t n_span
     return first >= 0 && last >= first && last <= n_spans;
 }
 
-/* The view's own fields (>>view): counts, head_dim, groups, boost count. */
-KVMIX__RULE kvmix_result kvmix__view_shape_check(const kvmix_view *v) {
+/* The view's own fields (>>view): counts, head_dim, groups, boost count. Fields as kvmix_view
+   spells them. */
+KVMIX__RULE kvmix__why kvmix__view_shape_why(const kvmix_view *v) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT, shape = KVMIX_ERR_BAD_SHAPE;
     int32_t groups[2];
     int i;
-    if (v->n_seqs < 0 || v->n_kv_heads <= 0 || v->n_spans < 0 || v->n_dead_flags < 0)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (!kvmix__head_dim_ok(v->head_dim)) return KVMIX_ERR_BAD_SHAPE;
+    if (v->n_seqs < 0) return kvmix__why_not(bad, "n_seqs", "negative");
+    if (v->n_kv_heads <= 0) return kvmix__why_not(bad, "n_kv_heads", "must be at least 1");
+    if (v->n_spans < 0) return kvmix__why_not(bad, "n_spans", "negative");
+    if (v->n_dead_flags < 0) return kvmix__why_not(bad, "n_dead_flags", "negative");
+    if (!kvmix__head_dim_ok(v->head_dim))
+        return kvmix__why_not(shape, "head_dim", KVMIX__HEAD_DIM_RULE);
     groups[0] = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
     groups[1] = kvmix__view_group(v->group_size, v->value_group_size, 1, KVMIX_FORMAT_INT4);
-    for (i = 0; i < 2; i++)
+    for (i = 0; i < 2; i++) /* a value group of 0 is group_size's: named there first */
         if (groups[i] < 0 || groups[i] % 8 != 0 || v->head_dim % groups[i] != 0)
-            return KVMIX_ERR_BAD_SHAPE;
-    if (!kvmix__boost_count_ok(v->n_boost, v->head_dim)) return KVMIX_ERR_BAD_SHAPE;
-    return KVMIX_SUCCESS;
+            return kvmix__why_not(shape, i ? "value_group_size" : "group_size", KVMIX__GROUP_RULE);
+    if (!kvmix__boost_count_ok(v->n_boost, v->head_dim))
+        return kvmix__why_not(shape, "n_boost", KVMIX__BOOST_RULE);
+    return kvmix__why_ok();
+}
+
+KVMIX__RULE kvmix_result kvmix__view_shape_check(const kvmix_view *v) {
+    return kvmix__view_shape_why(v).result;
 }
 
 /* The view's arrays are given where its counts need them. */
+KVMIX__RULE kvmix__why kvmix__view_arrays_why(const kvmix_view *v) {
+    const kvmix_result null = KVMIX_ERR_NULL_POINTER;
+    if (!v->seq_first_span) return kvmix__why_not(null, "seq_first_span", "NULL");
+    if (v->n_spans > 0 && !v->spans) return kvmix__why_not(null, "spans", "NULL with n_spans > 0");
+    if (v->n_spans > 0 && !v->base) return kvmix__why_not(null, "base", "NULL with n_spans > 0");
+    if (v->n_dead_flags > 0 && !v->dead)
+        return kvmix__why_not(null, "dead", "NULL with n_dead_flags > 0");
+    return kvmix__why_ok();
+}
+
 KVMIX__RULE kvmix_result kvmix__view_arrays_check(const kvmix_view *v) {
-    if (!v->seq_first_span || (v->n_spans > 0 && (!v->spans || !v->base)) ||
-        (v->n_dead_flags > 0 && !v->dead))
-        return KVMIX_ERR_NULL_POINTER;
-    return KVMIX_SUCCESS;
+    return kvmix__view_arrays_why(v).result;
 }
 
 /* ---- the transfer payload (>>transfer) ---- */
@@ -2271,15 +2333,28 @@ KVMIX__RULE uint64_t kvmix__payload_slice(const kvmix_payload_info *info) {
     return kvmix__tier_bytes(info, 0) + kvmix__tier_bytes(info, 1) + kvmix__tier_bytes(info, 2);
 }
 
-/* Range checks of a description; writes it back with group_size resolved. */
-KVMIX__RULE kvmix_result kvmix__payload_check_desc(kvmix_payload_desc *d) {
+/* Range checks of a description; writes it back with group_size resolved. Fields as
+   kvmix_payload_desc spells them. */
+KVMIX__RULE kvmix__why kvmix__payload_desc_why(kvmix_payload_desc *d) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
     if (d->kind != KVMIX_PAYLOAD_ROWS && d->kind != KVMIX_PAYLOAD_RESIDUAL)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d->n_kv_heads < 1 || d->n_kv_heads > 65535 || d->n_layers < 1 || d->n_layers > 65535 ||
-        d->first_layer < 0 || d->first_layer > 0x7fffffff - d->n_layers || d->n_tokens < 0 ||
-        d->first_position < 0 || (d->kind == KVMIX_PAYLOAD_ROWS && d->base_id != 0))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    return kvmix__layout_check(KVMIX_FORMAT_INT8, 0, d->head_dim, &d->group_size, 0);
+        return kvmix__why_not(bad, "kind", "not a kvmix_payload_kind");
+    if (d->n_kv_heads < 1 || d->n_kv_heads > 65535)
+        return kvmix__why_not(bad, "n_kv_heads", "must be in 1 .. 65535");
+    if (d->n_layers < 1 || d->n_layers > 65535)
+        return kvmix__why_not(bad, "n_layers", "must be in 1 .. 65535");
+    if (d->first_layer < 0 || d->first_layer > 0x7fffffff - d->n_layers)
+        return kvmix__why_not(bad, "first_layer",
+                              "must be >= 0, first_layer + n_layers an int32_t");
+    if (d->n_tokens < 0) return kvmix__why_not(bad, "n_tokens", "negative");
+    if (d->first_position < 0) return kvmix__why_not(bad, "first_position", "negative");
+    if (d->kind == KVMIX_PAYLOAD_ROWS && d->base_id != 0)
+        return kvmix__why_not(bad, "base_id", "must be 0 in a ROWS payload");
+    return kvmix__layout_why(KVMIX_FORMAT_INT8, 0, d->head_dim, &d->group_size, 0);
+}
+
+KVMIX__RULE kvmix_result kvmix__payload_check_desc(kvmix_payload_desc *d) {
+    return kvmix__payload_desc_why(d).result;
 }
 
 /* Head and total sizes of info (desc checked, counts set); BAD_SHAPE beyond 2^62 bytes or
@@ -2441,16 +2516,16 @@ KVMIXDEF const char *kvmix_format_name(kvmix_format format) {
     return "unknown";
 }
 
-KVMIXDEF kvmix_result kvmix_layout_resolve(kvmix_layout *layout) {
+KVMIXDEF kvmix_result kvmix_layout_resolve(kvmix_layout *layout, kvmix_error *out_error) {
     kvmix_layout resolved;
-    kvmix_result r;
-    if (!layout) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!layout) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "layout", "NULL");
     resolved = *layout;
-    r = kvmix__layout_check(resolved.format, resolved.n_tokens, resolved.head_dim,
-                            &resolved.group_size, resolved.n_boost);
-    if (r != KVMIX_SUCCESS) return r;
+    w = kvmix__layout_why(resolved.format, resolved.n_tokens, resolved.head_dim,
+                          &resolved.group_size, resolved.n_boost);
+    if (w.result != KVMIX_SUCCESS) return kvmix__fail(out_error, w.result, w.argument, w.reason);
     *layout = resolved;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 /* Section sizes of a resolved layout. */
@@ -2464,7 +2539,7 @@ KVMIXDEF kvmix_result kvmix_layout_bytes(const kvmix_layout *layout, size_t *out
     kvmix_result r;
     if (!layout || !out_bytes) return KVMIX_ERR_NULL_POINTER;
     resolved = *layout;
-    if ((r = kvmix_layout_resolve(&resolved)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_layout_resolve(&resolved, NULL)) != KVMIX_SUCCESS) return r;
     *out_bytes = kvmix__layout_sections(&resolved).total_bytes;
     return KVMIX_SUCCESS;
 }
@@ -2474,7 +2549,7 @@ KVMIXDEF kvmix_result kvmix_layout_bits(const kvmix_layout *layout, double *out_
     kvmix_result r;
     if (!layout || !out_bits) return KVMIX_ERR_NULL_POINTER;
     resolved = *layout;
-    if ((r = kvmix_layout_resolve(&resolved)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_layout_resolve(&resolved, NULL)) != KVMIX_SUCCESS) return r;
     if (resolved.n_tokens == 0) return KVMIX_ERR_INVALID_ARGUMENT;
     *out_bits = (double)kvmix__layout_sections(&resolved).total_bytes * 8.0 /
                 ((double)resolved.n_tokens * (double)resolved.head_dim);
@@ -2570,7 +2645,7 @@ KVMIXDEF kvmix_result kvmix_ref_quantize(const kvmix_layout *layout, const float
     int32_t t, c;
     if (!layout) return KVMIX_ERR_NULL_POINTER;
     l = *layout;
-    if ((r = kvmix_layout_resolve(&l)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_layout_resolve(&l, NULL)) != KVMIX_SUCCESS) return r;
     if (row_stride == 0) row_stride = l.head_dim;
     if (row_stride < l.head_dim) return KVMIX_ERR_INVALID_ARGUMENT;
     if (l.n_tokens == 0) return KVMIX_SUCCESS;
@@ -2672,7 +2747,7 @@ static kvmix_result kvmix__open_block(const kvmix_layout *layout, const void *sr
     kvmix_result r;
     if (!layout) return KVMIX_ERR_NULL_POINTER;
     *l = *layout;
-    if ((r = kvmix_layout_resolve(l)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_layout_resolve(l, NULL)) != KVMIX_SUCCESS) return r;
     *s = kvmix__layout_sections(l);
     if (l->n_tokens == 0) return KVMIX_SUCCESS;
     if (!src) return KVMIX_ERR_NULL_POINTER;
@@ -2733,7 +2808,7 @@ static kvmix_result kvmix__check_span(const kvmix_attention_desc *d, const kvmix
         kvmix_result r;
         int32_t h;
         l = *layouts[i];
-        if ((r = kvmix_layout_resolve(&l)) != KVMIX_SUCCESS) return r;
+        if ((r = kvmix_layout_resolve(&l, NULL)) != KVMIX_SUCCESS) return r;
         s = kvmix__layout_sections(&l);
         if (l.n_tokens == 0) continue;
         if (!blocks[i]) return KVMIX_ERR_NULL_POINTER;
@@ -2802,8 +2877,8 @@ static void kvmix__attend_span(const kvmix_span *span, int32_t h, const float *q
     float key[KVMIX_MAX_HEAD_DIM], value[KVMIX_MAX_HEAD_DIM];
     float key_scale[KVMIX_MAX_HEAD_DIM], key_min[KVMIX_MAX_HEAD_DIM];
     int32_t dim, t, g, channel_keys;
-    kvmix_layout_resolve(&kl);
-    kvmix_layout_resolve(&vl);
+    kvmix_layout_resolve(&kl, NULL);
+    kvmix_layout_resolve(&vl, NULL);
     dim = kl.head_dim;
     ks = kvmix__layout_sections(&kl);
     vs = kvmix__layout_sections(&vl);
@@ -2996,13 +3071,16 @@ KVMIXDEF kvmix_result kvmix_ref_attention_merge(int32_t n_heads, int32_t head_di
 
 // >>view
 
-/* A view span of a view whose shape is checked: its dead flags and both blocks. */
-static kvmix_result kvmix__check_view_span(const kvmix_view *view, const kvmix_view_span *vs) {
+/* A view span of a view whose shape is checked: its dead flags and both blocks. Fields as
+   kvmix_view_span spells them. */
+static kvmix__why kvmix__view_span_why(const kvmix_view *view, const kvmix_view_span *vs) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
     kvmix__sections unused;
     kvmix_result r;
     int kv;
-    if (vs->n_tokens <= 0 || !kvmix__view_dead_ok(vs->dead_index, vs->n_tokens, view->n_dead_flags))
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (vs->n_tokens <= 0) return kvmix__why_not(bad, "n_tokens", "a span's must be at least 1");
+    if (!kvmix__view_dead_ok(vs->dead_index, vs->n_tokens, view->n_dead_flags))
+        return kvmix__why_not(bad, "dead_index", "a span's flags must lie in n_dead_flags (or -1)");
     for (kv = 0; kv < 2; kv++) {
         int format = kv ? vs->value_format : vs->key_format;
         r = kvmix__view_block_extent(
@@ -3010,27 +3088,45 @@ static kvmix_result kvmix__check_view_span(const kvmix_view *view, const kvmix_v
             kv ? vs->value_head_bytes : vs->key_head_bytes, view->n_kv_heads, view->head_dim,
             kvmix__view_group(view->group_size, view->value_group_size, kv, format), view->n_boost,
             view->base_bytes, &unused);
-        if (r != KVMIX_SUCCESS) return r;
+        /* with n_tokens checked, each of the extent's failures has one cause */
+        if (r == KVMIX_ERR_UNKNOWN_FORMAT)
+            return kvmix__why_not(r, kv ? "value_format" : "key_format", "not a kvmix_format");
+        if (r == KVMIX_ERR_BUFFER_TOO_SMALL)
+            return kvmix__why_not(r, kv ? "value_offset" : "key_offset",
+                                  "the heads' blocks end past base_bytes");
+        if (r != KVMIX_SUCCESS)
+            return kvmix__why_not(r, kv ? "value_head_bytes" : "key_head_bytes",
+                                  "less than one head's block");
     }
-    return KVMIX_SUCCESS;
+    return kvmix__why_ok();
 }
 
-KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view) {
-    int32_t s, i;
-    kvmix_result r;
-    if (!view) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix__view_shape_check(view)) != KVMIX_SUCCESS ||
-        (r = kvmix__view_arrays_check(view)) != KVMIX_SUCCESS)
-        return r;
+/* The view's sequence boundaries: from 0 to n_spans, never decreasing. */
+static kvmix__why kvmix__view_sequences_why(const kvmix_view *view) {
+    int32_t s;
     if (view->seq_first_span[0] != 0 || view->seq_first_span[view->n_seqs] != view->n_spans)
-        return KVMIX_ERR_INVALID_ARGUMENT;
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seq_first_span",
+                              "must start at 0 and end at n_spans");
     for (s = 0; s < view->n_seqs; s++)
         if (!kvmix__view_range_ok(view->seq_first_span[s], view->seq_first_span[s + 1],
                                   view->n_spans))
-            return KVMIX_ERR_INVALID_ARGUMENT;
+            return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seq_first_span",
+                                  "must not decrease, within 0 .. n_spans");
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view, kvmix_error *out_error) {
+    kvmix__why w;
+    int32_t i;
+    if (!view) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "view", "NULL");
+    if ((w = kvmix__view_shape_why(view)).result != KVMIX_SUCCESS ||
+        (w = kvmix__view_arrays_why(view)).result != KVMIX_SUCCESS ||
+        (w = kvmix__view_sequences_why(view)).result != KVMIX_SUCCESS)
+        return kvmix__fail(out_error, w.result, w.argument, w.reason);
     for (i = 0; i < view->n_spans; i++)
-        if ((r = kvmix__check_view_span(view, &view->spans[i])) != KVMIX_SUCCESS) return r;
-    return KVMIX_SUCCESS;
+        if ((w = kvmix__view_span_why(view, &view->spans[i])).result != KVMIX_SUCCESS)
+            return kvmix__fail(out_error, w.result, w.argument, w.reason);
+    return kvmix__succeed(out_error);
 }
 
 static kvmix__span_list kvmix__view_sequence(const kvmix_view *view, int32_t s) {
@@ -3048,7 +3144,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
     kvmix_result r;
     int32_t s;
     if (!q || !out) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_view_check(view)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_view_check(view, NULL)) != KVMIX_SUCCESS) return r;
     desc.n_q_heads = n_q_heads;
     desc.n_kv_heads = view->n_kv_heads;
     desc.head_dim = view->head_dim;
@@ -3090,7 +3186,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
     kvmix_result r;
     int32_t pos = 0, i, t;
     if (!memory || !scores) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_view_check(view)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_view_check(view, NULL)) != KVMIX_SUCCESS) return r;
     if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     desc.n_q_heads = n_q_heads;
     desc.n_kv_heads = view->n_kv_heads;
@@ -3103,7 +3199,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_score(const kvmix_view *view, int32_t seq, 
         kvmix_span span = kvmix__span_at(&list, i);
         kvmix_layout kl = span.key_layout;
         kvmix__sections ks;
-        kvmix_layout_resolve(&kl);
+        kvmix_layout_resolve(&kl, NULL);
         ks = kvmix__layout_sections(&kl);
         for (t = 0; t < kl.n_tokens && pos < capacity_tokens; t++, pos++)
             scores[pos] = span.dead && span.dead[t]
@@ -3136,7 +3232,7 @@ static void kvmix__intent_pass(const kvmix__span_list *list, int32_t kv_head, co
         kvmix_span span = kvmix__span_at(list, i);
         kvmix_layout kl = span.key_layout;
         kvmix__sections ks;
-        kvmix_layout_resolve(&kl);
+        kvmix_layout_resolve(&kl, NULL);
         ks = kvmix__layout_sections(&kl);
         for (t = 0; t < kl.n_tokens && pos < capacity; t++, pos++) {
             float x;
@@ -3163,7 +3259,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_
     kvmix_result r;
     int32_t h, i, t, pos = 0, group;
     if (!memory || !scores) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_view_check(view)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_view_check(view, NULL)) != KVMIX_SUCCESS) return r;
     if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || !(scale >= 0.0f) ||
         scale == INFINITY)
         return KVMIX_ERR_INVALID_ARGUMENT;
@@ -3314,22 +3410,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_
 
 /* ---- why a call failed ----------------------------------------------------------------------- */
 
-/* A check's verdict: the result and, when it failed, the argument and why (static strings). */
-typedef struct kvmix__why {
-    kvmix_result result;
-    const char *argument;
-    const char *reason;
-} kvmix__why;
-
-static kvmix__why kvmix__why_not(kvmix_result result, const char *argument, const char *reason) {
-    kvmix__why w;
-    w.result = result;
-    w.argument = argument;
-    w.reason = reason;
-    return w;
-}
-
-static kvmix__why kvmix__why_ok(void) { return kvmix__why_not(KVMIX_SUCCESS, NULL, NULL); }
+/* kvmix__why, a check's verdict, is with the rules (>>rules): they give it too. */
 
 /* Appends text to the cache's message at *at, truncating it to the buffer. */
 static void kvmix__error_append(kvmix_cache *c, size_t *at, const char *text) {
@@ -4041,17 +4122,17 @@ static kvmix__why kvmix__desc_formats_ok(const kvmix_cache_desc *d) {
     probe.format = KVMIX_FORMAT_INT4;
     probe.head_dim = d->head_dim;
     probe.group_size = d->group_size;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+    if (kvmix_layout_resolve(&probe, NULL) != KVMIX_SUCCESS)
         return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "group_size",
                               "must be a multiple of 8 that divides head_dim");
     probe.group_size = d->value_group_size;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+    if (kvmix_layout_resolve(&probe, NULL) != KVMIX_SUCCESS)
         return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "value_group_size",
                               "must be a multiple of 8 that divides head_dim");
     probe.format = KVMIX_FORMAT_BOOSTED;
     probe.group_size = 0;
     probe.n_boost = d->n_boost;
-    if (kvmix_layout_resolve(&probe) != KVMIX_SUCCESS)
+    if (kvmix_layout_resolve(&probe, NULL) != KVMIX_SUCCESS)
         return kvmix__why_not(KVMIX_ERR_BAD_SHAPE, "n_boost",
                               "must be a multiple of 4, at most head_dim and 252");
     if (!kvmix__format_known(d->default_precision.key_format) ||
@@ -5356,7 +5437,7 @@ static int32_t kvmix__group_jobs(kvmix_cache *c, kvmix_quantize_job *jobs,
                 b->first_job = n_out;
                 if (q[k].kind != KVMIX_CACHE_BATCH_COPY) {
                     b->layout = kvmix__cache_layout(c, q[k].is_value, q[k].format, q[k].block_rows);
-                    kvmix_layout_resolve(&b->layout);
+                    kvmix_layout_resolve(&b->layout, NULL);
                     b->src_row_stride = q[k].source == KVMIX_CACHE_SOURCE_ARENA
                                             ? c->desc.head_dim
                                             : (int64_t)c->desc.n_kv_heads * c->desc.head_dim;
@@ -6748,7 +6829,7 @@ static kvmix_result kvmix__batches_ok(const kvmix_cache_batch *batches, int32_t 
         if (batch->kind == KVMIX_CACHE_BATCH_COPY) continue;
         if (quantize && !kvmix__batch_source(batch, key_rows, value_rows, arena))
             return KVMIX_ERR_NULL_POINTER;
-        if (kvmix_layout_resolve(&l) != KVMIX_SUCCESS ||
+        if (kvmix_layout_resolve(&l, NULL) != KVMIX_SUCCESS ||
             (quantize && batch->src_row_stride < l.head_dim))
             return KVMIX_ERR_INVALID_ARGUMENT;
         if ((size_t)l.n_tokens * (size_t)l.head_dim > *max_floats)
@@ -6775,7 +6856,7 @@ KVMIXDEF kvmix_result kvmix_ref_cache_run(const kvmix_cache_batch *batches, int3
         const kvmix_cache_batch *batch = &batches[b];
         const uint16_t *src = kvmix__batch_source(batch, key_rows, value_rows, arena);
         kvmix_layout l = batch->layout;
-        kvmix_layout_resolve(&l);
+        kvmix_layout_resolve(&l, NULL);
         for (i = 0; i < batch->n_jobs; i++) {
             const kvmix_quantize_job *j = &jobs[batch->first_job + i];
             if (batch->kind == KVMIX_CACHE_BATCH_COPY)
@@ -6978,25 +7059,36 @@ static kvmix__tier_blocks kvmix__payload_blocks(const kvmix_payload_info *info, 
     return b;
 }
 
+/* Why kvmix__payload_sizes refused a payload (BAD_SHAPE: its bytes do not fit). */
+#define KVMIX__PAYLOAD_TOO_BIG "with n_kv_heads, head_dim and n_tokens: beyond 2^62 bytes or size_t"
+
 KVMIXDEF kvmix_result kvmix_payload_describe(const kvmix_payload_desc *desc, const uint8_t *tiers,
-                                             kvmix_payload_info *out_info) {
+                                             kvmix_payload_info *out_info, kvmix_error *out_error) {
+    const kvmix_result null = KVMIX_ERR_NULL_POINTER;
     kvmix_payload_info info;
     int32_t counts[3] = {0, 0, 0}, t;
     kvmix_result r;
-    if (!desc || !out_info || (!tiers && desc->n_tokens > 0)) return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!desc) return kvmix__fail(out_error, null, "desc", "NULL");
+    if (!out_info) return kvmix__fail(out_error, null, "out_info", "NULL");
+    if (!tiers && desc->n_tokens > 0) return kvmix__fail(out_error, null, "tiers", "NULL");
     memset(&info, 0, sizeof info);
     info.desc = *desc;
-    if ((r = kvmix__payload_check_desc(&info.desc)) != KVMIX_SUCCESS) return r;
+    if ((w = kvmix__payload_desc_why(&info.desc)).result != KVMIX_SUCCESS)
+        return kvmix__fail(out_error, w.result, w.argument, w.reason);
     for (t = 0; t < info.desc.n_tokens; t++) {
-        if (!kvmix__tier_allowed(info.desc.kind, tiers[t])) return KVMIX_ERR_INVALID_ARGUMENT;
+        if (!kvmix__tier_allowed(info.desc.kind, tiers[t]))
+            return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "tiers",
+                               "a tier not FP16, INT8 or INT4 (or NO_ROW, RESIDUAL only)");
         if (kvmix__tier_index(tiers[t]) >= 0) counts[kvmix__tier_index(tiers[t])]++;
     }
     info.n_fp16 = counts[0];
     info.n_int8 = counts[1];
     info.n_int4 = counts[2];
-    if ((r = kvmix__payload_sizes(&info)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__payload_sizes(&info)) != KVMIX_SUCCESS)
+        return kvmix__fail(out_error, r, "n_layers", KVMIX__PAYLOAD_TOO_BIG);
     *out_info = info;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, const uint8_t *tiers,
@@ -7006,7 +7098,7 @@ KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, c
     uint8_t *p = (uint8_t *)dst;
     kvmix_result r;
     if (!info || !dst) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_payload_describe(&info->desc, tiers, &check)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_payload_describe(&info->desc, tiers, &check, NULL)) != KVMIX_SUCCESS) return r;
     if (memcmp(&check.desc, &info->desc, sizeof check.desc) != 0 || check.n_fp16 != info->n_fp16 ||
         check.n_int8 != info->n_int8 || check.n_int4 != info->n_int4 ||
         check.head_bytes != info->head_bytes || check.total_bytes != info->total_bytes)
@@ -7028,16 +7120,20 @@ static const float *kvmix__payload_rows(const kvmix_payload_info *info, const fl
 
 KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const uint8_t *tiers,
                                          const float *keys, const float *values, void *dst,
-                                         size_t dst_bytes, size_t *out_bytes) {
+                                         size_t dst_bytes, size_t *out_bytes,
+                                         kvmix_error *out_error) {
+    const kvmix_result null = KVMIX_ERR_NULL_POINTER;
     kvmix_payload_info info;
     kvmix_result r;
     const size_t row_floats = desc ? (size_t)desc->n_kv_heads * (size_t)desc->head_dim : 0;
     int32_t layer, kv, h, t, c;
-    if ((r = kvmix_payload_describe(desc, tiers, &info)) != KVMIX_SUCCESS) return r;
-    if (!dst) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_payload_describe(desc, tiers, &info, out_error)) != KVMIX_SUCCESS) return r;
+    if (!dst) return kvmix__fail(out_error, null, "dst", "NULL");
     if (info.n_fp16 + info.n_int8 + info.n_int4 > 0 && (!keys || !values))
-        return KVMIX_ERR_NULL_POINTER;
-    if (dst_bytes < info.total_bytes) return KVMIX_ERR_BUFFER_TOO_SMALL;
+        return kvmix__fail(out_error, null, !keys ? "keys" : "values", "NULL with rows to send");
+    if (dst_bytes < info.total_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_BUFFER_TOO_SMALL, "dst_bytes",
+                           "less than the payload's total_bytes");
     for (layer = 0; layer < info.desc.n_layers; layer++)
         for (kv = 0; kv < 2; kv++) {
             const float *rows = kvmix__payload_rows(&info, kv ? values : keys, layer);
@@ -7045,7 +7141,8 @@ KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const u
                 if (kvmix__tier_index(tiers[t]) < 0) continue;
                 for (c = 0; c < (int32_t)row_floats; c++)
                     if (!kvmix__representable(rows[(size_t)t * row_floats + (size_t)c]))
-                        return KVMIX_ERR_BAD_VALUE;
+                        return kvmix__fail(out_error, KVMIX_ERR_BAD_VALUE, kv ? "values" : "keys",
+                                           "a value not finite or beyond FP16's +-65504");
             }
         }
     kvmix_payload_write_head(&info, tiers, dst, dst_bytes);
@@ -7066,7 +7163,7 @@ KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const u
                 }
             }
     if (out_bytes) *out_bytes = info.total_bytes;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 /* A u32 header field that must fit an int32_t. */
@@ -7077,78 +7174,124 @@ static int kvmix__field_i32(const uint8_t *p, int32_t *out) {
     return 1;
 }
 
+/* The header's u32 fields that must fit an int32_t, into d and counts [n_fp16, n_int8, n_int4];
+   one that does not is named as the >>transfer layout spells it. */
+static kvmix__why kvmix__payload_head_ints(const uint8_t *p, kvmix_payload_desc *d,
+                                           int32_t counts[3]) {
+    static const int at[9] = {8, 12, 16, 20, 24, 28, 56, 60, 64};
+    static const char *const name[9] = {"head_dim",    "n_kv_heads", "group_size",
+                                        "first_layer", "n_layers",   "n_tokens",
+                                        "n_fp16",      "n_int8",     "n_int4"};
+    int32_t *field[9];
+    int i;
+    field[0] = &d->head_dim, field[1] = &d->n_kv_heads, field[2] = &d->group_size;
+    field[3] = &d->first_layer, field[4] = &d->n_layers, field[5] = &d->n_tokens;
+    field[6] = &counts[0], field[7] = &counts[1], field[8] = &counts[2];
+    for (i = 0; i < 9; i++)
+        if (!kvmix__field_i32(p + at[i], field[i]))
+            return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, name[i], "beyond int32_t");
+    return kvmix__why_ok();
+}
+
+/* The tier table of a head whose header is checked: tiers the kind allows, as many at each tier
+   as the header counts, zero padding up to head_bytes. */
+static kvmix__why kvmix__payload_table_why(const uint8_t *p, const kvmix_payload_info *info) {
+    const kvmix_result malformed = KVMIX_ERR_MALFORMED;
+    int32_t counts[3] = {0, 0, 0}, t;
+    size_t i;
+    for (t = 0; t < info->desc.n_tokens; t++) {
+        uint8_t tier = p[KVMIX_PAYLOAD_HEADER_BYTES + t];
+        if (!kvmix__tier_allowed(info->desc.kind, tier))
+            return kvmix__why_not(malformed, "tiers", "a tier the kind does not allow");
+        if (kvmix__tier_index(tier) >= 0) counts[kvmix__tier_index(tier)]++;
+    }
+    if (counts[0] != info->n_fp16 || counts[1] != info->n_int8 || counts[2] != info->n_int4)
+        return kvmix__why_not(malformed, "tiers", "disagrees with n_fp16, n_int8 and n_int4");
+    for (i = KVMIX_PAYLOAD_HEADER_BYTES + (size_t)info->desc.n_tokens; i < info->head_bytes; i++)
+        if (p[i] != 0) return kvmix__why_not(malformed, "tiers", "padding after it not zero");
+    return kvmix__why_ok();
+}
+
 KVMIXDEF kvmix_result kvmix_payload_read_head(const void *src, size_t src_bytes,
                                               kvmix_payload_info *out_info,
-                                              const uint8_t **out_tiers) {
+                                              const uint8_t **out_tiers, kvmix_error *out_error) {
+    const kvmix_result malformed = KVMIX_ERR_MALFORMED, bad = KVMIX_ERR_INVALID_ARGUMENT;
     const uint8_t *p = (const uint8_t *)src;
     kvmix_payload_info info;
     kvmix_payload_desc d;
-    int32_t counts[3], t;
+    int32_t counts[3];
     uint64_t pos;
-    size_t i;
     kvmix_result r;
-    if (!src || !out_info) return KVMIX_ERR_NULL_POINTER;
-    if (src_bytes < KVMIX_PAYLOAD_HEADER_BYTES || memcmp(p, "KVMP", 4) != 0)
-        return KVMIX_ERR_MALFORMED;
-    if (kvmix__load_u16(p + 4) != KVMIX_PAYLOAD_VERSION) return KVMIX_ERR_VERSION;
-    if (kvmix__load_u32(p + 68) != 0) return KVMIX_ERR_MALFORMED;
+    kvmix__why w;
+    if (!src) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "src", "NULL");
+    if (!out_info) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "out_info", "NULL");
+    if (src_bytes < KVMIX_PAYLOAD_HEADER_BYTES)
+        return kvmix__fail(out_error, malformed, "src_bytes", "less than the 80-byte header");
+    if (memcmp(p, "KVMP", 4) != 0)
+        return kvmix__fail(out_error, malformed, "magic", "not \"KVMP\": not a payload");
+    if (kvmix__load_u16(p + 4) != KVMIX_PAYLOAD_VERSION)
+        return kvmix__fail(out_error, KVMIX_ERR_VERSION, "version", "not KVMIX_PAYLOAD_VERSION");
+    if (kvmix__load_u32(p + 68) != 0)
+        return kvmix__fail(out_error, malformed, "reserved", "must be 0");
     memset(&d, 0, sizeof d);
     d.kind = (kvmix_payload_kind)kvmix__load_u16(p + 6);
     pos = kvmix__load_u64(p + 32);
-    if (!kvmix__field_i32(p + 8, &d.head_dim) || !kvmix__field_i32(p + 12, &d.n_kv_heads) ||
-        !kvmix__field_i32(p + 16, &d.group_size) || !kvmix__field_i32(p + 20, &d.first_layer) ||
-        !kvmix__field_i32(p + 24, &d.n_layers) || !kvmix__field_i32(p + 28, &d.n_tokens) ||
-        !kvmix__field_i32(p + 56, &counts[0]) || !kvmix__field_i32(p + 60, &counts[1]) ||
-        !kvmix__field_i32(p + 64, &counts[2]) || pos > (uint64_t)INT64_MAX ||
-        d.group_size == 0) /* written resolved; 0 would mean a default */
-        return KVMIX_ERR_INVALID_ARGUMENT;
+    if ((w = kvmix__payload_head_ints(p, &d, counts)).result != KVMIX_SUCCESS)
+        return kvmix__fail(out_error, w.result, w.argument, w.reason);
+    if (pos > (uint64_t)INT64_MAX)
+        return kvmix__fail(out_error, bad, "first_position", "beyond int64_t");
+    if (d.group_size == 0) /* written resolved; 0 would mean a default */
+        return kvmix__fail(out_error, bad, "group_size", "0: a payload's is written resolved");
     d.first_position = (int64_t)pos;
     d.id = kvmix__load_u64(p + 40);
     d.base_id = kvmix__load_u64(p + 48);
     memset(&info, 0, sizeof info);
     info.desc = d;
-    if ((r = kvmix__payload_check_desc(&info.desc)) != KVMIX_SUCCESS) return r;
-    if ((int64_t)counts[0] + counts[1] + counts[2] > d.n_tokens) return KVMIX_ERR_MALFORMED;
+    if ((w = kvmix__payload_desc_why(&info.desc)).result != KVMIX_SUCCESS)
+        return kvmix__fail(out_error, w.result, w.argument, w.reason);
+    if ((int64_t)counts[0] + counts[1] + counts[2] > d.n_tokens)
+        return kvmix__fail(out_error, malformed, "n_fp16", "n_fp16 + n_int8 + n_int4 > n_tokens");
     info.n_fp16 = counts[0];
     info.n_int8 = counts[1];
     info.n_int4 = counts[2];
-    if ((r = kvmix__payload_sizes(&info)) != KVMIX_SUCCESS) return r;
-    if (src_bytes < info.head_bytes || kvmix__load_u64(p + 72) != (uint64_t)info.total_bytes)
-        return KVMIX_ERR_MALFORMED;
-    counts[0] = counts[1] = counts[2] = 0;
-    for (t = 0; t < d.n_tokens; t++) {
-        uint8_t tier = p[KVMIX_PAYLOAD_HEADER_BYTES + t];
-        if (!kvmix__tier_allowed(d.kind, tier)) return KVMIX_ERR_MALFORMED;
-        if (kvmix__tier_index(tier) >= 0) counts[kvmix__tier_index(tier)]++;
-    }
-    if (counts[0] != info.n_fp16 || counts[1] != info.n_int8 || counts[2] != info.n_int4)
-        return KVMIX_ERR_MALFORMED;
-    for (i = KVMIX_PAYLOAD_HEADER_BYTES + (size_t)d.n_tokens; i < info.head_bytes; i++)
-        if (p[i] != 0) return KVMIX_ERR_MALFORMED;
+    if ((r = kvmix__payload_sizes(&info)) != KVMIX_SUCCESS)
+        return kvmix__fail(out_error, r, "n_layers", KVMIX__PAYLOAD_TOO_BIG);
+    if (src_bytes < info.head_bytes)
+        return kvmix__fail(out_error, malformed, "src_bytes",
+                           "less than the header and tier table");
+    if (kvmix__load_u64(p + 72) != (uint64_t)info.total_bytes)
+        return kvmix__fail(out_error, malformed, "total_bytes", "not what the other fields give");
+    if ((w = kvmix__payload_table_why(p, &info)).result != KVMIX_SUCCESS)
+        return kvmix__fail(out_error, w.result, w.argument, w.reason);
     *out_info = info;
     if (out_tiers) *out_tiers = p + KVMIX_PAYLOAD_HEADER_BYTES;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, int32_t layer,
-                                           float *keys, float *values) {
+                                           float *keys, float *values, kvmix_error *out_error) {
     kvmix_payload_info info;
     const uint8_t *tiers, *p = (const uint8_t *)src;
     float row[KVMIX_MAX_HEAD_DIM];
     kvmix_result r;
     int32_t l, kv, h, t, c;
     int i;
-    if ((r = kvmix_payload_read_head(src, src_bytes, &info, &tiers)) != KVMIX_SUCCESS) return r;
+    r = kvmix_payload_read_head(src, src_bytes, &info, &tiers, out_error);
+    if (r != KVMIX_SUCCESS) return r;
     if (layer < info.desc.first_layer || layer - info.desc.first_layer >= info.desc.n_layers)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (src_bytes < info.total_bytes) return KVMIX_ERR_BUFFER_TOO_SMALL;
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "layer",
+                           "outside first_layer .. first_layer + n_layers - 1");
+    if (src_bytes < info.total_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_BUFFER_TOO_SMALL, "src_bytes",
+                           "less than the payload's total_bytes");
     l = layer - info.desc.first_layer;
     for (kv = 0; kv < 2; kv++)
         for (h = 0; h < info.desc.n_kv_heads; h++) {
             kvmix__tier_blocks b = kvmix__payload_blocks(&info, l, kv, h);
             for (i = 0; i < 3; i++)
                 if ((r = kvmix__check_block(&b.layout[i], p + b.offset[i])) != KVMIX_SUCCESS)
-                    return r;
+                    return kvmix__fail(out_error, r, "src",
+                                       "a block of the layer no quantize call could write");
         }
     for (kv = 0; kv < 2; kv++) {
         float *out = kv ? values : keys;
@@ -7166,7 +7309,7 @@ KVMIXDEF kvmix_result kvmix_payload_unpack(const void *src, size_t src_bytes, in
             }
         }
     }
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 #ifndef KVMIX_NO_POLICY
@@ -7797,15 +7940,38 @@ KVMIXDEF kvmix_result kvmix_tag_precision_fill(kvmix_tag_precision *table,
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table) {
+/* Each entry of kvmix_tag_precision.formats by its bucket, role and modality names, for a
+   kvmix_error: its strings are static, so every entry's name is spelled out here. */
+#define KVMIX__TAG_ENTRY(b, r)                                                                     \
+    { "formats[" b "][" r "][text]", "formats[" b "][" r "][image]" }
+#define KVMIX__TAG_BUCKET(b)                                                                       \
+    {                                                                                              \
+        KVMIX__TAG_ENTRY(b, "instruction"), KVMIX__TAG_ENTRY(b, "user"),                           \
+            KVMIX__TAG_ENTRY(b, "assistant"), KVMIX__TAG_ENTRY(b, "reasoning"),                    \
+            KVMIX__TAG_ENTRY(b, "tool_call"), KVMIX__TAG_ENTRY(b, "observation"),                  \
+            KVMIX__TAG_ENTRY(b, "scaffold")                                                        \
+    }
+static const char *const
+    kvmix__tag_entry_names[KVMIX_TAG_N_BUCKETS][KVMIX_TAG_N_ROLES][KVMIX_TAG_N_MODALITIES] = {
+        KVMIX__TAG_BUCKET("current"), KVMIX__TAG_BUCKET("previous"), KVMIX__TAG_BUCKET("two_back"),
+        KVMIX__TAG_BUCKET("older")};
+
+KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table,
+                                                kvmix_error *out_error) {
     int b, r, m;
-    if (!table) return KVMIX_ERR_NULL_POINTER;
+    if (!table) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "table", "NULL");
     for (b = 0; b < KVMIX_TAG_N_BUCKETS; b++)
         for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
-            for (m = 0; m < KVMIX_TAG_N_MODALITIES; m++)
-                if (!kvmix__precision_known(table->formats[b][r][m]))
-                    return KVMIX_ERR_UNKNOWN_FORMAT;
-    return KVMIX_SUCCESS;
+            for (m = 0; m < KVMIX_TAG_N_MODALITIES; m++) {
+                kvmix_cache_precision p = table->formats[b][r][m];
+                if (kvmix__precision_known(p)) continue;
+                return kvmix__fail(out_error, KVMIX_ERR_UNKNOWN_FORMAT,
+                                   kvmix__tag_entry_names[b][r][m],
+                                   p.key_format == 0 || kvmix__format_known(p.key_format)
+                                       ? "value_format: not a kvmix_format or 0"
+                                       : "key_format: not a kvmix_format or 0");
+            }
+    return kvmix__succeed(out_error);
 }
 
 // >>policy
@@ -7907,7 +8073,7 @@ static kvmix_result kvmix__policy_check_ranges(const kvmix_policy *p, kvmix_erro
     if (p->request_boundary != KVMIX_POLICY_BOUNDARY_FINISH &&
         p->request_boundary != KVMIX_POLICY_BOUNDARY_CONTINUE)
         return kvmix__fail(e, bad, "request_boundary", "must be a kvmix_policy_boundary");
-    if (p->tag_precision && kvmix_tag_precision_check(p->tag_precision) != KVMIX_SUCCESS)
+    if (p->tag_precision && kvmix_tag_precision_check(p->tag_precision, NULL) != KVMIX_SUCCESS)
         return kvmix__fail(e, KVMIX_ERR_UNKNOWN_FORMAT, "tag_precision",
                            "holds a format that is not a kvmix_format");
     return KVMIX_SUCCESS;
@@ -9056,23 +9222,42 @@ static int32_t kvmix__tier_upgrades(int32_t m, double room, double hi, double lo
     return k <= 0.0 ? 0 : k >= (double)m ? m : (int32_t)k;
 }
 
+/* A tier desc's fields, as kvmix_tier_desc spells them. */
+static kvmix__why kvmix__tier_desc_why(const kvmix_tier_desc *d) {
+    const kvmix_result bad = KVMIX_ERR_INVALID_ARGUMENT;
+    int32_t group_size = d->group_size;
+    if (d->n_tokens < 0) return kvmix__why_not(bad, "n_tokens", "negative");
+    if (d->n_sink < 0 || d->n_sink > d->n_tokens)
+        return kvmix__why_not(bad, "n_sink", "must be in 0 .. n_tokens");
+    if (!(d->budget > 0.0 && d->budget <= 1.0))
+        return kvmix__why_not(bad, "budget", "must be a number in (0, 1]");
+    if (d->reserved != 0) return kvmix__why_not(bad, "reserved", "must be 0");
+    if (d->allow_int4 != 0 && d->allow_int4 != 1)
+        return kvmix__why_not(bad, "allow_int4", "must be 0 or 1");
+    return kvmix__layout_why(KVMIX_FORMAT_INT4, 1, d->head_dim, &group_size, 0); /* as costs */
+}
+
 KVMIXDEF kvmix_result kvmix_tier_choose(const kvmix_tier_desc *desc, const float *importance,
-                                        uint8_t *tiers, kvmix_tier_plan *out_plan) {
+                                        uint8_t *tiers, kvmix_tier_plan *out_plan,
+                                        kvmix_error *out_error) {
+    const kvmix_result null = KVMIX_ERR_NULL_POINTER;
     double cost[3], room;
     int32_t n, m, j, n_hi, n_lo, *order = NULL;
     uint8_t hi, lo;
     kvmix_tier_plan plan;
-    kvmix_result r;
-    if (!desc || !out_plan || ((!importance || !tiers) && desc->n_tokens > 0))
-        return KVMIX_ERR_NULL_POINTER;
+    kvmix__why w;
+    if (!desc) return kvmix__fail(out_error, null, "desc", "NULL");
+    if (!out_plan) return kvmix__fail(out_error, null, "out_plan", "NULL");
+    if ((!importance || !tiers) && desc->n_tokens > 0)
+        return kvmix__fail(out_error, null, !importance ? "importance" : "tiers", "NULL");
+    if ((w = kvmix__tier_desc_why(desc)).result != KVMIX_SUCCESS)
+        return kvmix__fail(out_error, w.result, w.argument, w.reason);
     n = desc->n_tokens;
-    if (n < 0 || desc->n_sink < 0 || desc->n_sink > n ||
-        !(desc->budget > 0.0 && desc->budget <= 1.0) || desc->reserved != 0 ||
-        (desc->allow_int4 != 0 && desc->allow_int4 != 1))
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if ((r = kvmix_tier_costs(desc->head_dim, desc->group_size, cost)) != KVMIX_SUCCESS) return r;
+    kvmix_tier_costs(desc->head_dim, desc->group_size, cost); /* checked above */
     for (j = desc->n_sink; j < n; j++)
-        if (importance[j] != importance[j]) return KVMIX_ERR_BAD_VALUE;
+        if (importance[j] != importance[j])
+            return kvmix__fail(out_error, KVMIX_ERR_BAD_VALUE, "importance",
+                               "a NaN past the sinks");
     memset(&plan, 0, sizeof plan);
     m = n - desc->n_sink;
     room = desc->budget * (double)n - (double)desc->n_sink;
@@ -9090,7 +9275,8 @@ KVMIXDEF kvmix_result kvmix_tier_choose(const kvmix_tier_desc *desc, const float
         n_lo = kvmix__tier_upgrades(m, room, lo == KVMIX_FORMAT_INT4 ? cost[2] : cost[1], 0.0);
     }
     if (m > 0 && !(order = (int32_t *)KVMIX_MALLOC((size_t)m * sizeof *order)))
-        return KVMIX_ERR_OUT_OF_MEMORY;
+        return kvmix__fail(out_error, KVMIX_ERR_OUT_OF_MEMORY, "n_tokens",
+                           "KVMIX_MALLOC of the work array failed");
     for (j = 0; j < m; j++) order[j] = desc->n_sink + j;
     kvmix__sort_by_rank(importance, order, m); /* least important first */
     for (j = 0; j < desc->n_sink; j++) tiers[j] = KVMIX_FORMAT_FP16;
@@ -9104,7 +9290,7 @@ KVMIXDEF kvmix_result kvmix_tier_choose(const kvmix_tier_desc *desc, const float
     plan.cost =
         n > 0 ? ((double)plan.n_fp16 + plan.n_int8 * cost[1] + plan.n_int4 * cost[2]) / n : 0.0;
     *out_plan = plan;
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 KVMIXDEF kvmix_result kvmix_tier_probe(kvmix_tier_trial_fn trial, void *ctx, int32_t n_trials,

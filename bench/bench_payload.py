@@ -62,7 +62,8 @@ def main():
     ap.add_argument("--lib", default="build/libkvmix_cuda_bench.so")
     args = ap.parse_args()
     L = C.CDLL(args.lib)
-    L.kvmix_payload_describe.argtypes = [C.POINTER(PayloadDesc), C.c_void_p, C.POINTER(PayloadInfo)]
+    L.kvmix_payload_describe.argtypes = [C.POINTER(PayloadDesc), C.c_void_p, C.POINTER(PayloadInfo),
+                                         C.c_void_p]  # kvmix_error *: None
     L.kvmix_payload_write_head.argtypes = [C.POINTER(PayloadInfo), C.c_void_p, C.c_void_p, C.c_size_t]
     L.kvmix_cuda_payload_workspace_bytes.argtypes = [C.c_int32, C.POINTER(C.c_size_t)]
     L.kvmix_cuda_payload_pack.argtypes = [C.POINTER(PayloadInfo), C.c_void_p, C.c_void_p, C.c_int, C.c_void_p,
@@ -92,7 +93,7 @@ def main():
             tiers = tiers_of(n, mix)
             desc = PayloadDesc(ROWS, D, H, 0, 0, 1, n, 0, 1, 0)
             info = PayloadInfo()
-            check(L.kvmix_payload_describe(C.byref(desc), tiers.ctypes.data, C.byref(info)), "describe")
+            check(L.kvmix_payload_describe(C.byref(desc), tiers.ctypes.data, C.byref(info), None), "describe")
             head = np.zeros(info.head_bytes, np.uint8)
             check(L.kvmix_payload_write_head(C.byref(info), tiers.ctypes.data, head.ctypes.data, head.size), "head")
             payloads = []

@@ -269,8 +269,8 @@ static bool precisions_resolve(geometry *geo, int32_t head_dim, precision *prec,
             k.group_size = geo->key_group;
         if (k.format == KVMIX_FORMAT_BOOSTED) k.n_boost = geo->n_boost;
         if (v.format != KVMIX_FORMAT_FP16) v.group_size = geo->value_group;
-        kvmix_result r = kvmix_layout_resolve(&k);
-        if (r == KVMIX_SUCCESS) r = kvmix_layout_resolve(&v);
+        kvmix_result r = kvmix_layout_resolve(&k, NULL);
+        if (r == KVMIX_SUCCESS) r = kvmix_layout_resolve(&v, NULL);
         if (r == KVMIX_SUCCESS) r = kvmix_layout_bits(&k, &prec[p].key_bits);
         if (r == KVMIX_SUCCESS) r = kvmix_layout_bits(&v, &prec[p].value_bits);
         if (r != KVMIX_SUCCESS) {

@@ -177,7 +177,8 @@ uint64_t fp16_payload_bytes(const llama_config *c, int32_t n) {
     std::vector<uint8_t> tiers((size_t)(n > 0 ? n : 1), KVMIX_FORMAT_FP16);
     kvmix_payload_desc d = {KVMIX_PAYLOAD_ROWS, c->head_dim, c->n_kv_heads, 0, 0, 1, n, 0, 1, 0};
     kvmix_payload_info info;
-    return kvmix_payload_describe(&d, tiers.data(), &info) == KVMIX_SUCCESS ? info.total_bytes : 0;
+    return kvmix_payload_describe(&d, tiers.data(), &info, NULL) == KVMIX_SUCCESS ? info.total_bytes
+                                                                                  : 0;
 }
 
 /* ---- the sender's layers ------------------------------------------------------------------- */
@@ -215,7 +216,7 @@ bool pack_layer(worker *w, const layer_payloads *p, int32_t l, uint8_t *dst, cud
     kvmix_payload_desc d = layer_desc(c, p->kind, p->text, l, p->n_tokens);
     kvmix_payload_info info;
     std::vector<uint8_t> head(p->info.head_bytes);
-    KVMIX_OK(kvmix_payload_describe(&d, p->tiers, &info), "describing a payload");
+    KVMIX_OK(kvmix_payload_describe(&d, p->tiers, &info, NULL), "describing a payload");
     KVMIX_OK(kvmix_payload_write_head(&info, p->tiers, head.data(), head.size()), "a head");
     CUDA_OK(cudaMemcpyAsync(dst, head.data(), head.size(), cudaMemcpyHostToDevice, s), "a head");
     CUDA_OK(cudaStreamSynchronize(s), "a head"); /* head is host memory that goes away */
@@ -284,7 +285,7 @@ bool payloads_init(worker *w, layer_payloads *p, kvmix_payload_kind kind, int32_
     p->kind = kind, p->text = text, p->n_tokens = n, p->tiers = tiers;
     p->keys = keys, p->values = values;
     kvmix_payload_desc d = layer_desc(c, kind, text, 0, n);
-    KVMIX_OK(kvmix_payload_describe(&d, tiers, &p->info), "describing a payload");
+    KVMIX_OK(kvmix_payload_describe(&d, tiers, &p->info, NULL), "describing a payload");
     p->send_start.assign((size_t)c->n_layers, NULL);
     p->send_end.assign((size_t)c->n_layers, NULL);
     for (int i = 0; i < N_SLOTS; i++) {
@@ -435,7 +436,7 @@ bool residual_rows(worker *w, const prefilled *s, __half *rk, __half *rv) {
         ok = pack_layer(w, &p, l, p.slots[0], w->pack);
         kvmix_payload_desc d = layer_desc(c, KVMIX_PAYLOAD_ROWS, s->text, l, s->n);
         kvmix_payload_info info;
-        ok = ok && kvmix_payload_describe(&d, s->tiers.data(), &info) == KVMIX_SUCCESS &&
+        ok = ok && kvmix_payload_describe(&d, s->tiers.data(), &info, NULL) == KVMIX_SUCCESS &&
              kvmix_cuda_payload_unpack(&info, p.slots[0], KVMIX_CUDA_FP16, dk, dv, w->work,
                                        w->work_bytes, w->d_flags, w->pack) == KVMIX_SUCCESS;
         if (!ok) break;
@@ -545,7 +546,7 @@ int32_t check_payload(const worker *w, const uint8_t *d_payload, uint64_t bytes,
     const uint8_t *table = NULL;
     if (cudaMemcpy(head.data(), d_payload, head.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
         return KVMIX_ERR_CUDA;
-    kvmix_result r = kvmix_payload_read_head(head.data(), head.size(), info, &table);
+    kvmix_result r = kvmix_payload_read_head(head.data(), head.size(), info, &table, NULL);
     if (r != KVMIX_SUCCESS) return r;
     const kvmix_payload_desc *d = &info->desc;
     if (d->kind != kind || d->first_layer != layer || d->n_layers != 1 || d->n_tokens != n ||

@@ -305,11 +305,11 @@ static void *pack_layer(const llama_config *c, int32_t l, int64_t n, const uint8
                             kind == KVMIX_PAYLOAD_ROWS ? (uint64_t)l + 1 : (uint64_t)l + 101,
                             kind == KVMIX_PAYLOAD_ROWS ? 0 : (uint64_t)l + 1};
     kvmix_payload_info info;
-    if (kvmix_payload_describe(&d, tiers, &info) != KVMIX_SUCCESS) return NULL;
+    if (kvmix_payload_describe(&d, tiers, &info, NULL) != KVMIX_SUCCESS) return NULL;
     void *buf = malloc(info.total_bytes);
     size_t at = (size_t)l * layer_floats(c, n);
     if (buf && kvmix_payload_pack(&d, tiers, keys + at, values + at, buf, info.total_bytes,
-                                  out_bytes) != KVMIX_SUCCESS) {
+                                  out_bytes, NULL) != KVMIX_SUCCESS) {
         free(buf);
         return NULL;
     }
@@ -494,7 +494,7 @@ static cache_mark mark_of(const llama_kv_cache *cache) {
 static int32_t check_head(const request_msg *req, kvmix_payload_kind kind, int32_t l,
                           const void *payload, size_t bytes) {
     kvmix_payload_info info;
-    kvmix_result r = kvmix_payload_read_head(payload, bytes, &info, NULL);
+    kvmix_result r = kvmix_payload_read_head(payload, bytes, &info, NULL, NULL);
     if (r != KVMIX_SUCCESS) return r;
     const kvmix_payload_desc *d = &info.desc;
     if (d->kind != kind || d->first_layer != l || d->n_layers != 1 ||
@@ -508,7 +508,7 @@ static int32_t ingest_layer(worker *w, const request_msg *req, int32_t l, const 
                             size_t bytes, float *k, float *v) {
     int32_t r = check_head(req, KVMIX_PAYLOAD_ROWS, l, payload, bytes);
     if (r != 0) return r;
-    if ((r = kvmix_payload_unpack(payload, bytes, l, k, v)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix_payload_unpack(payload, bytes, l, k, v, NULL)) != KVMIX_SUCCESS) return r;
     return kvmix_kv_ingest(&w->cache, l, 0, req->n_prompt, k, v) == LLAMA_OK ? 0
                                                                              : KVMIX_ERR_BAD_VALUE;
 }
@@ -529,7 +529,7 @@ static bool receive_layers(worker *w, ucx_link *k, const request_msg *req, uint8
         const uint8_t *table = NULL;
         kvmix_payload_info info;
         if (result == 0 && l == 0 &&
-            kvmix_payload_read_head(payload, bytes, &info, &table) == KVMIX_SUCCESS)
+            kvmix_payload_read_head(payload, bytes, &info, &table, NULL) == KVMIX_SUCCESS)
             memcpy(tiers, table, (size_t)req->n_prompt);
         status_msg s = {l, result};
         ok = payload && link_send(k, TAG_STATUS, &s, sizeof s);
@@ -595,7 +595,7 @@ static bool take_residuals(worker *w, void *ctx, int64_t step) {
         int32_t l = u->layers_in++;
         size_t at = (size_t)l * layer_floats(&w->model->config, u->req->n_prompt);
         int32_t r = check_head(u->req, KVMIX_PAYLOAD_RESIDUAL, l, payload, bytes);
-        if (r == 0) r = kvmix_payload_unpack(payload, bytes, l, u->rk + at, u->rv + at);
+        if (r == 0) r = kvmix_payload_unpack(payload, bytes, l, u->rk + at, u->rv + at, NULL);
         free(payload);
         u->bytes += bytes;
         if (r != 0) {

@@ -127,7 +127,7 @@ kvmix_result transfer_choose(const transfer_setup *s, const float *attention, co
                              s->budget,
                              s->allow_int4,
                              0};
-        r = kvmix_tier_choose(&d, importance, tiers, out_plan);
+        r = kvmix_tier_choose(&d, importance, tiers, out_plan, NULL);
     }
     free(importance);
     return r == KVMIX_SUCCESS ? r : fail(err, err_bytes, r, kvmix_result_string(r));
@@ -141,13 +141,13 @@ static kvmix_result round_trip_run(const uint8_t *tiers, int32_t group_size, flo
         KVMIX_PAYLOAD_ROWS,  head_dim, n_kv_heads, group_size, layer, 1, n, first,
         (uint64_t)layer + 1, 0};
     kvmix_payload_info info;
-    kvmix_result r = kvmix_payload_describe(&d, tiers + first, &info);
+    kvmix_result r = kvmix_payload_describe(&d, tiers + first, &info, NULL);
     if (r != KVMIX_SUCCESS) return r;
     void *payload = malloc(info.total_bytes);
     if (!payload) return KVMIX_ERR_OUT_OF_MEMORY;
-    r = kvmix_payload_pack(&d, tiers + first, keys, values, payload, info.total_bytes, NULL);
+    r = kvmix_payload_pack(&d, tiers + first, keys, values, payload, info.total_bytes, NULL, NULL);
     if (r == KVMIX_SUCCESS)
-        r = kvmix_payload_unpack(payload, info.total_bytes, layer, keys, values);
+        r = kvmix_payload_unpack(payload, info.total_bytes, layer, keys, values, NULL);
     free(payload);
     *bytes += info.total_bytes;
     return r;
@@ -162,7 +162,7 @@ static kvmix_result fp16_payload_bytes(int32_t group_size, int32_t n_layers, int
     if (!fp16) return KVMIX_ERR_OUT_OF_MEMORY;
     memset(fp16, KVMIX_FORMAT_FP16, (size_t)(n_tokens > 0 ? n_tokens : 1));
     d.n_tokens = n_tokens;
-    kvmix_result r = kvmix_payload_describe(&d, fp16, &info);
+    kvmix_result r = kvmix_payload_describe(&d, fp16, &info, NULL);
     free(fp16);
     if (r == KVMIX_SUCCESS) *out = info.total_bytes * (size_t)n_layers;
     return r;

@@ -50,7 +50,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         if (strlen(err) == 0 || strlen(err) >= sizeof err) abort();
         return 0;
     }
-    if (kvmix_tag_precision_check(&out) != KVMIX_SUCCESS) abort();
+    if (kvmix_tag_precision_check(&out, NULL) != KVMIX_SUCCESS) abort();
     check_prices(data, size);
     return 0;
 }

@@ -109,7 +109,7 @@ static void fuzz_dequantize(const kvmix_layout *l, const uint8_t *payload, size_
                             uint8_t stride_byte) {
     uint8_t *src = fuzz_copy(payload, payload_bytes);
     kvmix_layout resolved = *l;
-    int valid = kvmix_layout_resolve(&resolved) == KVMIX_SUCCESS;
+    int valid = kvmix_layout_resolve(&resolved, NULL) == KVMIX_SUCCESS;
     int32_t d = valid ? resolved.head_dim : 32, n = valid ? resolved.n_tokens : 0;
     int32_t stride = d + stride_byte % 6 - 1, row = stride_byte >> 3, t, c;
     size_t n_dst = (size_t)(n > 0 ? n : 1) * (size_t)(stride > d ? stride : d);

@@ -91,10 +91,10 @@ static uint8_t *build_payload(const uint8_t *data, size_t size, size_t *out_byte
     keys = (float *)malloc(n_floats * sizeof(float) + 1);
     values = (float *)malloc(n_floats * sizeof(float) + 1);
     random_rows(keys, values, n_floats);
-    if (kvmix_payload_describe(&d, tiers, &info) == KVMIX_SUCCESS) {
+    if (kvmix_payload_describe(&d, tiers, &info, NULL) == KVMIX_SUCCESS) {
         payload = (uint8_t *)malloc(info.total_bytes);
-        require(kvmix_payload_pack(&d, tiers, keys, values, payload, info.total_bytes, out_bytes) ==
-                    KVMIX_SUCCESS,
+        require(kvmix_payload_pack(&d, tiers, keys, values, payload, info.total_bytes, out_bytes,
+                                   NULL) == KVMIX_SUCCESS,
                 "packing a valid description succeeds");
     }
     free(tiers);
@@ -109,7 +109,7 @@ static void unpack_all(const uint8_t *payload, size_t bytes) {
     float *keys, *values;
     int32_t k, layers[4];
     int skip_body;
-    if (kvmix_payload_read_head(payload, bytes, &info, NULL) != KVMIX_SUCCESS) return;
+    if (kvmix_payload_read_head(payload, bytes, &info, NULL, NULL) != KVMIX_SUCCESS) return;
     require(info.head_bytes <= bytes && info.head_bytes >= KVMIX_PAYLOAD_HEADER_BYTES,
             "an accepted head lies inside the input");
     n_floats =
@@ -134,7 +134,7 @@ static void unpack_all(const uint8_t *payload, size_t bytes) {
         if ((k == 1 || k == 2) && skip_body) continue;
         memset(keys, fill, n_floats * sizeof(float));
         memset(values, fill, n_floats * sizeof(float));
-        r = kvmix_payload_unpack(payload, bytes, layer, keys, values);
+        r = kvmix_payload_unpack(payload, bytes, layer, keys, values, NULL);
         if (r != KVMIX_SUCCESS) {
             if (info.desc.kind == KVMIX_PAYLOAD_ROWS)
                 require(all_poisoned(keys, n_floats * sizeof(float)) &&

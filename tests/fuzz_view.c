@@ -174,7 +174,7 @@ static void check_calls(const kvmix_view *v, int32_t n_q) {
     kvmix_result r;
     random_queries(q, n * (size_t)v->head_dim);
     memcpy(memory, q, sizeof(float) * (size_t)n_q * (size_t)v->head_dim);
-    kvmix_view_check(v);
+    kvmix_view_check(v, NULL);
     memset(out, POISON, sizeof out);
     memset(lse, POISON, sizeof lse);
     r = kvmix_ref_view_decode(v, n_q, 0.0f, q, out, lse);

@@ -163,6 +163,22 @@ int test_check_result(kvmix_result got, kvmix_result want, const char *expr, con
     return 0;
 }
 
+int test_check_error(kvmix_error got, const char *field, const char *expr, const char *file,
+                     int line) {
+    int named = got.field && got.reason && strcmp(got.field, field) == 0;
+    if (named && (field[0] ? got.reason[0] != 0 : got.reason[0] == 0)) {
+        test_passed++;
+        return 1;
+    }
+    if (test_fail_begin(file, line)) {
+        printf("%s is {\"%s\", \"%s\"}, expected field \"%s\" with %s", expr,
+               got.field ? got.field : "(null)", got.reason ? got.reason : "(null)", field,
+               field[0] ? "a reason" : "reason \"\"");
+        test_fail_end();
+    }
+    return 0;
+}
+
 int test_check_mem(const void *a, const void *b, size_t n, const char *ea, const char *eb,
                    const char *file, int line) {
     const uint8_t *pa = (const uint8_t *)a, *pb = (const uint8_t *)b;

@@ -54,6 +54,8 @@ int test_check_result(kvmix_result got, kvmix_result want, const char *expr, con
                       int line);
 int test_check_mem(const void *a, const void *b, size_t n, const char *ea, const char *eb,
                    const char *file, int line);
+int test_check_error(kvmix_error got, const char *field, const char *expr, const char *file,
+                     int line);
 
 /* CHECK(cond); CHECK_MSG(cond, printf-format, ...) */
 #define CHECK(cond)          test_check((cond) != 0, __FILE__, __LINE__, "CHECK(%s)", #cond)
@@ -70,6 +72,8 @@ int test_check_mem(const void *a, const void *b, size_t n, const char *ea, const
 #define CHECK_EQ_FLOAT_BITS(a, b) test_check_float_bits((a), (b), #a, #b, __FILE__, __LINE__)
 /* a kvmix_result equal to `want`; prints both with their descriptions */
 #define CHECK_RESULT(expr, want) test_check_result((expr), (want), #expr, __FILE__, __LINE__)
+/* a kvmix_error naming `field` with a reason; for field "" (success), reason "" too */
+#define CHECK_ERROR(why, field) test_check_error((why), (field), #why, __FILE__, __LINE__)
 /* n bytes equal; prints the first differing offset */
 #define CHECK_MEM_EQ(a, b, n) test_check_mem((a), (b), (n), #a, #b, __FILE__, __LINE__)
 

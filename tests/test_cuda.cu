@@ -207,7 +207,7 @@ static void test_quantize(bool quick) {
                     l.head_dim = dims[di];
                     l.n_boost = f == KVMIX_FORMAT_BOOSTED ? (b ? dims[di] / 4 : dims[di] / 8) : 0;
                     l.group_size = per_token && b ? dims[di] : 0;
-                    kvmix_layout_resolve(&l);
+                    kvmix_layout_resolve(&l, NULL);
                     test_quantize_case(l);
                 }
             }
@@ -279,7 +279,7 @@ static void add_span(test_view &v, int kf, int vf, int n, bool with_dead) {
                         l.format == KVMIX_FORMAT_INT2)
                            ? g_group
                            : 0;
-        kvmix_layout_resolve(&l);
+        kvmix_layout_resolve(&l, NULL);
         size_t bytes = 0;
         kvmix_layout_bytes(&l, &bytes);
         size_t head_bytes = align16(bytes) + 16 * (size_t)irand(2);
@@ -776,7 +776,7 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
                                 l.format == KVMIX_FORMAT_INT2)
                                    ? v.host.group_size
                                    : 0;
-                kvmix_layout_resolve(&l);
+                kvmix_layout_resolve(&l, NULL);
                 for (int t = 0; t < sp.n_tokens; t++) {
                     bool dead = sp.dead_index >= 0 && v.dead[sp.dead_index + t];
                     double sc = 0.0;
@@ -1002,7 +1002,7 @@ static void test_payload_case(kvmix_payload_kind kind, int d, int g, int n, int 
     desc.first_position = irand(5000), desc.id = rnd();
     desc.base_id = kind == KVMIX_PAYLOAD_RESIDUAL ? rnd() : 0;
     kvmix_payload_info info;
-    kvmix_result rd = kvmix_payload_describe(&desc, tiers.data(), &info);
+    kvmix_result rd = kvmix_payload_describe(&desc, tiers.data(), &info, NULL);
     std::vector<uint8_t> head(info.head_bytes);
     kvmix_result rh = kvmix_payload_write_head(&info, tiers.data(), head.data(), head.size());
     snprintf(name, sizeof name, "payload describe/write_head kind %d D %d G %d n %d", kind, d, g,
@@ -1029,7 +1029,7 @@ static void test_payload_case(kvmix_payload_kind kind, int d, int g, int n, int 
     std::vector<uint8_t> expect(total, 0x11);
     size_t packed = 0;
     kvmix_result rp = kvmix_payload_pack(&desc, tiers.data(), kf.data(), vf.data(), expect.data(),
-                                         total, &packed);
+                                         total, &packed, NULL);
     snprintf(name, sizeof name, "payload CPU pack kind %d D %d G %d n %d", kind, d, g, n);
     check(rp == KVMIX_SUCCESS && packed == total, name);
     if (rp != KVMIX_SUCCESS) return;
@@ -1086,9 +1086,10 @@ static void test_payload_case(kvmix_payload_kind kind, int d, int g, int n, int 
         ek[i] = from_dtype(old_k[i], dt), ev[i] = from_dtype(old_v[i], dt);
     bool cpu_ok = true;
     for (int l = 0; l < n_layers; l++)
-        cpu_ok &= kvmix_payload_unpack(expect.data(), total, desc.first_layer + l,
-                                       ek.data() + (size_t)l * n * row_elems,
-                                       ev.data() + (size_t)l * n * row_elems) == KVMIX_SUCCESS;
+        cpu_ok &=
+            kvmix_payload_unpack(expect.data(), total, desc.first_layer + l,
+                                 ek.data() + (size_t)l * n * row_elems,
+                                 ev.data() + (size_t)l * n * row_elems, NULL) == KVMIX_SUCCESS;
     std::vector<uint16_t> want_k(n_elems), want_v(n_elems), got_k(n_elems), got_v(n_elems);
     for (size_t i = 0; i < n_elems; i++) {
         want_k[i] = no_keys ? old_k[i] : to_dtype(ek[i], dt);
@@ -1210,7 +1211,7 @@ static void test_payload_case(kvmix_payload_kind kind, int d, int g, int n, int 
             }
             std::vector<float> tmp(n * row_elems);
             kvmix_result rc = kvmix_payload_unpack(bad_payload.data(), total, desc.first_layer + bl,
-                                                   tmp.data(), tmp.data());
+                                                   tmp.data(), tmp.data(), NULL);
             CUDA_OK(cudaMemcpy(gd.payload, bad_payload.data(), total, cudaMemcpyHostToDevice));
             r = run_unpack(true);
             snprintf(name, sizeof name,
@@ -1281,7 +1282,8 @@ static void test_payload_arguments(void) {
     desc.kind = KVMIX_PAYLOAD_ROWS, desc.head_dim = 128, desc.n_kv_heads = 2, desc.n_layers = 1;
     desc.n_tokens = n;
     kvmix_payload_info info, bad;
-    check(kvmix_payload_describe(&desc, tiers, &info) == KVMIX_SUCCESS, "payload args: describe");
+    check(kvmix_payload_describe(&desc, tiers, &info, NULL) == KVMIX_SUCCESS,
+          "payload args: describe");
     kvmix_cuda_payload_workspace_bytes(n, &ws);
     const kvmix_cuda_dtype f16 = KVMIX_CUDA_FP16;
     check(kvmix_cuda_payload_pack(NULL, dummy, dummy, f16, dummy, dummy, ws, NULL, 0) ==
@@ -1356,7 +1358,7 @@ static void test_payload_arguments(void) {
     /* 0 tokens: nothing to check or enqueue */
     desc.n_tokens = 0;
     kvmix_payload_info empty;
-    check(kvmix_payload_describe(&desc, NULL, &empty) == KVMIX_SUCCESS &&
+    check(kvmix_payload_describe(&desc, NULL, &empty, NULL) == KVMIX_SUCCESS &&
               kvmix_cuda_payload_pack(&empty, NULL, NULL, f16, NULL, NULL, 0, NULL, 0) ==
                   KVMIX_SUCCESS &&
               kvmix_cuda_payload_unpack(&empty, NULL, f16, NULL, NULL, NULL, 0, NULL, 0) ==

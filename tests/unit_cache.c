@@ -330,7 +330,7 @@ static void ct_verify(ct_model *m) {
             CHECK_RESULT(kvmix_cache_view(c, seqs, n_live_seqs, layer, spans, n_spans, first, dead,
                                           n_dead, &view),
                          KVMIX_SUCCESS);
-            CHECK_RESULT(kvmix_view_check(&view), KVMIX_SUCCESS);
+            CHECK_RESULT(kvmix_view_check(&view, NULL), KVMIX_SUCCESS);
             for (i = 0; i < n_live_seqs; i++) {
                 const ct_seq *q = &m->seqs[seqs[i]];
                 int64_t live = 0, want = 0;

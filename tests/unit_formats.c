@@ -396,7 +396,7 @@ static void roundtrip_case(test_rng *rng, kvmix_format format, int32_t d, int32_
     int32_t t, c;
     test_context("round trip %s D=%d n=%d G=%d k=%d stride=%d", kvmix_format_name(format), (int)d,
                  (int)n, (int)g, (int)k, (int)stride);
-    if (!CHECK_RESULT(kvmix_layout_resolve(&resolved), KVMIX_SUCCESS)) return;
+    if (!CHECK_RESULT(kvmix_layout_resolve(&resolved, NULL), KVMIX_SUCCESS)) return;
     CHECK_EQ_INT(resolved.group_size, is_per_token(format) ? (g ? g : 32) : 0);
     if (!CHECK_RESULT(kvmix_layout_bytes(&l, &bytes), KVMIX_SUCCESS)) return;
     CHECK_EQ_UINT(bytes, formula_bytes(format, (size_t)n, (size_t)d, (size_t)g, (size_t)k));
@@ -533,7 +533,7 @@ static void test_roundtrip_head_dims_of_8(void) {
         for (ni = 0; ni < N_ELEMS(counts); ni++) {
             int32_t d = dims[di], n = counts[ni], g, k;
             kvmix_layout l = test_layout(KVMIX_FORMAT_INT8, n, d, 0, 0);
-            CHECK_RESULT(kvmix_layout_resolve(&l),
+            CHECK_RESULT(kvmix_layout_resolve(&l, NULL),
                          d % 32 == 0 ? KVMIX_SUCCESS : KVMIX_ERR_BAD_SHAPE);
             roundtrip_case(&rng, KVMIX_FORMAT_FP16, d, n, 0, 0);
             roundtrip_case(&rng, KVMIX_FORMAT_INT2_CHANNEL, d, n, 0, 0);
@@ -1225,15 +1225,15 @@ static void test_quantize_bad_input(void) {
     /* kvmix_layout_resolve: writes back only on success */
     {
         kvmix_layout l = test_layout(KVMIX_FORMAT_INT4, 3, 64, 0, 0), copy;
-        CHECK_RESULT(kvmix_layout_resolve(NULL), KVMIX_ERR_NULL_POINTER);
-        CHECK_RESULT(kvmix_layout_resolve(&l), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_layout_resolve(NULL, NULL), KVMIX_ERR_NULL_POINTER);
+        CHECK_RESULT(kvmix_layout_resolve(&l, NULL), KVMIX_SUCCESS);
         CHECK_EQ_INT(l.group_size, 32);
         l.group_size = 12;
         copy = l;
-        CHECK_RESULT(kvmix_layout_resolve(&l), KVMIX_ERR_BAD_SHAPE);
+        CHECK_RESULT(kvmix_layout_resolve(&l, NULL), KVMIX_ERR_BAD_SHAPE);
         CHECK(memcmp(&l, &copy, sizeof l) == 0);
         l = test_layout(KVMIX_FORMAT_BOOSTED, 3, 64, 0, 0);
-        CHECK_RESULT(kvmix_layout_resolve(&l), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_layout_resolve(&l, NULL), KVMIX_SUCCESS);
         CHECK_EQ_INT(l.n_boost, 0);
         CHECK_EQ_INT(l.group_size, 0);
     }

@@ -278,7 +278,9 @@ static void test_tag_precision(void) {
     CHECK(got.key_format == KVMIX_FORMAT_INT4);
     /* a zero format is the policy's, on its side */
     table.formats[KVMIX_BUCKET_CURRENT][KVMIX_ROLE_OBSERVATION][KVMIX_MODALITY_IMAGE] = zero_keys;
-    CHECK_RESULT(kvmix_tag_precision_check(&table), KVMIX_SUCCESS);
+    why.field = why.reason = NULL;
+    CHECK_RESULT(kvmix_tag_precision_check(&table, &why), KVMIX_SUCCESS);
+    CHECK_ERROR(why, "");
     CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_SUCCESS);
     CHECK(got.key_format == KVMIX_FORMAT_INT2_CHANNEL && got.value_format == KVMIX_FORMAT_INT8);
     /* bad tags and tables: an error, nothing written */
@@ -290,13 +292,27 @@ static void test_tag_precision(void) {
     CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_ERR_INVALID_ARGUMENT);
     tag.modality = KVMIX_MODALITY_TEXT;
     table.formats[KVMIX_BUCKET_TWO_BACK][KVMIX_ROLE_SCAFFOLD][KVMIX_MODALITY_IMAGE] = bad;
-    CHECK_RESULT(kvmix_tag_precision_check(&table), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK_RESULT(kvmix_tag_precision_check(&table, &why), KVMIX_ERR_UNKNOWN_FORMAT);
+    CHECK_ERROR(why, "formats[two_back][scaffold][image]");
+    CHECK(strncmp(why.reason, "key_format", 10) == 0); /* 9 is no format */
+    {
+        kvmix_tag_precision copy = table; /* an earlier entry, its value side bad: named first */
+        copy.formats[KVMIX_BUCKET_PREVIOUS][KVMIX_ROLE_USER][KVMIX_MODALITY_TEXT].value_format = 8;
+        CHECK_RESULT(kvmix_tag_precision_check(&copy, &why), KVMIX_ERR_UNKNOWN_FORMAT);
+        CHECK_ERROR(why, "formats[previous][user][text]");
+        CHECK(strncmp(why.reason, "value_format", 12) == 0);
+        copy.formats[KVMIX_BUCKET_CURRENT][KVMIX_ROLE_INSTRUCTION][KVMIX_MODALITY_TEXT].key_format =
+            200;
+        CHECK_RESULT(kvmix_tag_precision_check(&copy, &why), KVMIX_ERR_UNKNOWN_FORMAT);
+        CHECK_ERROR(why, "formats[current][instruction][text]");
+    }
     CHECK_RESULT(kvmix_policy_check(&p, &why), KVMIX_ERR_UNKNOWN_FORMAT);
     CHECK(strcmp(why.field, "tag_precision") == 0);
     CHECK_RESULT(kvmix_policy_token_precision(&p, tag, 2, &got), KVMIX_ERR_UNKNOWN_FORMAT);
     CHECK(got.key_format == 77 && got.value_format == 77);
     CHECK_RESULT(kvmix_policy_token_precision(NULL, tag, 2, &got), KVMIX_ERR_NULL_POINTER);
-    CHECK_RESULT(kvmix_tag_precision_check(NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_tag_precision_check(NULL, &why), KVMIX_ERR_NULL_POINTER);
+    CHECK_ERROR(why, "table");
     test_context(NULL);
 }
 

@@ -53,7 +53,7 @@ static kvmix_tier_plan choose(const kvmix_tier_desc *d, const float *importance,
     double cost = 0.0, upgrade;
     int32_t j, k, counts[8] = {0};
     memset(&plan, 0, sizeof plan);
-    CHECK_RESULT(kvmix_tier_choose(d, importance, tiers, &plan), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_tier_choose(d, importance, tiers, &plan, NULL), KVMIX_SUCCESS);
     for (j = 0; j < d->n_tokens; j++) {
         counts[tiers[j]]++;
         cost += cost_of[tiers[j]];
@@ -116,26 +116,44 @@ static void test_choose(void) {
     }
     /* sinks beyond the budget stay; the rest is dropped */
     d = tier_desc(N, 100, 0.2, 1);
-    CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p, NULL), KVMIX_SUCCESS);
     CHECK(p.n_fp16 == 100 && p.n_dropped == 100);
-    /* bad input: errors, nothing written */
+    /* bad input: errors naming the field, nothing written */
     memset(tiers, 0xAB, sizeof tiers);
-    d = tier_desc(N, 8, 0.0, 1);
-    CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p), KVMIX_ERR_INVALID_ARGUMENT);
-    d = tier_desc(N, 8, 1.5, 1);
-    CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p), KVMIX_ERR_INVALID_ARGUMENT);
-    d = tier_desc(N, N + 1, 0.5, 1);
-    CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p), KVMIX_ERR_INVALID_ARGUMENT);
-    d = tier_desc(N, 8, 0.5, 2);
-    CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p), KVMIX_ERR_INVALID_ARGUMENT);
-    d = tier_desc(N, 8, 0.5, 1);
-    d.head_dim = 96 + 4;
-    CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p), KVMIX_ERR_BAD_SHAPE);
-    d = tier_desc(N, 8, 0.5, 1);
-    importance[50] = NAN;
-    CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p), KVMIX_ERR_BAD_VALUE);
-    for (j = 0; j < N; j++) CHECK_EQ_INT(tiers[j], 0xAB);
-    CHECK_RESULT(kvmix_tier_choose(NULL, importance, tiers, &p), KVMIX_ERR_NULL_POINTER);
+    {
+        static const char *const fields[] = {"budget",   "budget",     "n_sink",   "allow_int4",
+                                             "head_dim", "group_size", "reserved", "n_tokens"};
+        size_t c;
+        for (c = 0; c < sizeof fields / sizeof fields[0]; c++) {
+            kvmix_error why = {NULL, NULL};
+            kvmix_result want = c == 4 || c == 5 ? KVMIX_ERR_BAD_SHAPE : KVMIX_ERR_INVALID_ARGUMENT;
+            d = tier_desc(N, 8, c == 0 ? 0.0 : c == 1 ? 1.5 : 0.5, c == 3 ? 2 : 1);
+            if (c == 2) d.n_sink = N + 1;
+            if (c == 4) d.head_dim = 96 + 4;
+            if (c == 5) d.group_size = 24; /* does not divide 128 */
+            if (c == 6) d.reserved = 1;
+            if (c == 7) d.n_tokens = -1;
+            test_context("bad tier desc: %s", fields[c]);
+            CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p, &why), want);
+            CHECK_ERROR(why, fields[c]);
+        }
+        test_context(NULL);
+    }
+    {
+        kvmix_error why = {NULL, NULL};
+        d = tier_desc(N, 8, 0.5, 1);
+        importance[50] = NAN;
+        CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p, &why), KVMIX_ERR_BAD_VALUE);
+        CHECK_ERROR(why, "importance");
+        for (j = 0; j < N; j++) CHECK_EQ_INT(tiers[j], 0xAB);
+        CHECK_RESULT(kvmix_tier_choose(NULL, importance, tiers, &p, &why), KVMIX_ERR_NULL_POINTER);
+        CHECK_ERROR(why, "desc");
+        CHECK_RESULT(kvmix_tier_choose(&d, importance, NULL, &p, &why), KVMIX_ERR_NULL_POINTER);
+        CHECK_ERROR(why, "tiers");
+        importance[50] = 1.0f;
+        CHECK_RESULT(kvmix_tier_choose(&d, importance, tiers, &p, &why), KVMIX_SUCCESS);
+        CHECK_ERROR(why, "");
+    }
 }
 
 /* The chosen tiers are what a payload takes: it packs and its size is the plan's cost. */
@@ -155,9 +173,9 @@ static void test_payload_of_tiers(void) {
     memset(&pd, 0, sizeof pd);
     pd.kind = KVMIX_PAYLOAD_ROWS, pd.head_dim = D, pd.n_kv_heads = KV, pd.n_layers = 1;
     pd.n_tokens = N;
-    CHECK_RESULT(kvmix_payload_pack(&pd, tiers, rows, rows, payload, sizeof payload, &bytes),
+    CHECK_RESULT(kvmix_payload_pack(&pd, tiers, rows, rows, payload, sizeof payload, &bytes, NULL),
                  KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_payload_read_head(payload, bytes, &info, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_payload_read_head(payload, bytes, &info, NULL, NULL), KVMIX_SUCCESS);
     body = bytes - info.head_bytes;
     fp16_body = (size_t)N * KV * D * 2 * 2;
     CHECK_NEAR((double)body / (double)fp16_body, p.cost, 0.01); /* block padding aside */

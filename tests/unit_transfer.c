@@ -136,11 +136,11 @@ static size_t expected_payload(const payload_case *pc, uint8_t **out) {
 static uint8_t *pack_case(const payload_case *pc, size_t *bytes) {
     kvmix_payload_info info;
     uint8_t *p;
-    CHECK_RESULT(kvmix_payload_describe(&pc->desc, pc->tiers, &info), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_payload_describe(&pc->desc, pc->tiers, &info, NULL), KVMIX_SUCCESS);
     p = (uint8_t *)test_alloc(info.total_bytes);
-    CHECK_RESULT(
-        kvmix_payload_pack(&pc->desc, pc->tiers, pc->keys, pc->values, p, info.total_bytes, bytes),
-        KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_payload_pack(&pc->desc, pc->tiers, pc->keys, pc->values, p, info.total_bytes,
+                                    bytes, NULL),
+                 KVMIX_SUCCESS);
     CHECK_EQ_UINT(*bytes, info.total_bytes);
     return p;
 }
@@ -185,7 +185,7 @@ static void test_pack_matches_layout(void) {
         want_bytes = expected_payload(&pc, &want);
         CHECK_EQ_UINT(got_bytes, want_bytes);
         if (got_bytes == want_bytes) CHECK_MEM_EQ(got, want, got_bytes);
-        CHECK_RESULT(kvmix_payload_read_head(got, got_bytes, &info, &tiers), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_payload_read_head(got, got_bytes, &info, &tiers, NULL), KVMIX_SUCCESS);
         CHECK(tiers == got + 80);
         CHECK_EQ_UINT(info.total_bytes, want_bytes);
         CHECK_EQ_UINT(info.head_bytes, 80 + round16((size_t)pc.desc.n_tokens));
@@ -221,7 +221,7 @@ static void test_unpack_rows(void) {
                 double err = 0.0, energy = 0.0;
                 test_poison(got, layer_floats * sizeof(float), 7);
                 CHECK_RESULT(kvmix_payload_unpack(p, bytes, pc.desc.first_layer + layer,
-                                                  kv ? NULL : got, kv ? got : NULL),
+                                                  kv ? NULL : got, kv ? got : NULL, NULL),
                              KVMIX_SUCCESS);
                 expected_rows(&pc, p, layer, kv, want);
                 CHECK_MEM_EQ(got, want, layer_floats * sizeof(float));
@@ -270,7 +270,7 @@ static void test_head_dims_of_8(void) {
                 float *rows_want = (float *)test_alloc(layer_floats * sizeof(float));
                 test_poison(rows, layer_floats * sizeof(float), 7);
                 CHECK_RESULT(kvmix_payload_unpack(got, got_bytes, pc.desc.first_layer + layer,
-                                                  kv ? NULL : rows, kv ? rows : NULL),
+                                                  kv ? NULL : rows, kv ? rows : NULL, NULL),
                              KVMIX_SUCCESS);
                 expected_rows(&pc, got, layer, kv, rows_want);
                 CHECK_MEM_EQ(rows, rows_want, layer_floats * sizeof(float));
@@ -310,7 +310,7 @@ static void test_residual_upgrade(void) {
         rows = (float *)test_alloc(nf * sizeof(float));
         upgraded = (float *)test_alloc(nf * sizeof(float));
         decoded_res = (float *)test_alloc(nf * sizeof(float));
-        CHECK_RESULT(kvmix_payload_unpack(pb, nb, base.desc.first_layer, rows, NULL),
+        CHECK_RESULT(kvmix_payload_unpack(pb, nb, base.desc.first_layer, rows, NULL, NULL),
                      KVMIX_SUCCESS);
         /* the residual payload: original - received, INT8 for a random half of the tokens */
         res = base;
@@ -335,9 +335,9 @@ static void test_residual_upgrade(void) {
         pr = pack_case(&res, &nr);
         memcpy(upgraded, rows, nf * sizeof(float));
         memset(decoded_res, 0, nf * sizeof(float));
-        CHECK_RESULT(kvmix_payload_unpack(pr, nr, base.desc.first_layer, upgraded, NULL),
+        CHECK_RESULT(kvmix_payload_unpack(pr, nr, base.desc.first_layer, upgraded, NULL, NULL),
                      KVMIX_SUCCESS);
-        CHECK_RESULT(kvmix_payload_unpack(pr, nr, base.desc.first_layer, decoded_res, NULL),
+        CHECK_RESULT(kvmix_payload_unpack(pr, nr, base.desc.first_layer, decoded_res, NULL, NULL),
                      KVMIX_SUCCESS);
         for (t = 0; t < base.desc.n_tokens; t++)
             for (h = 0; h < base.desc.n_kv_heads; h++)
@@ -377,15 +377,21 @@ static void fixed_case(test_rng *rng, payload_case *pc) {
     for (t = 0; t < pc->desc.n_tokens; t++) pc->tiers[t] = (uint8_t)TIERS[t % 3];
 }
 
-static void check_head_refused(const uint8_t *p, size_t bytes, kvmix_result want,
+/* read_head refuses the head with `want`, names `field` (the >>transfer layout's name), and
+   writes nothing. */
+static void check_head_refused(const uint8_t *p, size_t bytes, kvmix_result want, const char *field,
                                const char *what) {
     kvmix_payload_info info;
     const uint8_t *tiers = (const uint8_t *)&info;
+    kvmix_error why = {NULL, NULL};
     test_poison(&info, sizeof info, 5);
     test_context("%s", what);
-    CHECK_RESULT(kvmix_payload_read_head(p, bytes, &info, &tiers), want);
-    CHECK(test_is_poisoned(&info, sizeof info, 5));
-    CHECK(tiers == (const uint8_t *)&info);
+    CHECK_RESULT(kvmix_payload_read_head(p, bytes, &info, &tiers, &why), want);
+    CHECK_ERROR(why, want == KVMIX_SUCCESS ? "" : field);
+    if (want != KVMIX_SUCCESS) {
+        CHECK(test_is_poisoned(&info, sizeof info, 5));
+        CHECK(tiers == (const uint8_t *)&info);
+    }
 }
 
 static void test_bad_heads(void) {
@@ -397,38 +403,50 @@ static void test_bad_heads(void) {
     fixed_case(&rng, &pc);
     p = pack_case(&pc, &bytes);
     copy = (uint8_t *)test_alloc(bytes);
-#define MUTATE(off, val, want, what)                                                               \
+#define MUTATE(off, val, want, field, what)                                                        \
     do {                                                                                           \
         memcpy(copy, p, bytes);                                                                    \
         copy[off] = (uint8_t)(val);                                                                \
-        check_head_refused(copy, bytes, want, what);                                               \
+        check_head_refused(copy, bytes, want, field, what);                                        \
     } while (0)
-    MUTATE(0, 'X', KVMIX_ERR_MALFORMED, "magic");
-    MUTATE(4, 2, KVMIX_ERR_VERSION, "version 2");
-    MUTATE(6, 3, KVMIX_ERR_INVALID_ARGUMENT, "kind 3");
-    MUTATE(8, 33, KVMIX_ERR_BAD_SHAPE, "head_dim not a multiple of 8");
-    MUTATE(15, 0x80, KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads beyond int32");
-    MUTATE(16, 0, KVMIX_ERR_INVALID_ARGUMENT, "group_size 0");
-    MUTATE(16, 7, KVMIX_ERR_BAD_SHAPE, "group_size 7");
-    MUTATE(24, 0, KVMIX_ERR_INVALID_ARGUMENT, "n_layers 0");
-    MUTATE(28, pc.desc.n_tokens + 16, KVMIX_ERR_MALFORMED, "n_tokens past the table");
-    MUTATE(39, 0x80, KVMIX_ERR_INVALID_ARGUMENT, "negative first_position");
-    MUTATE(48, 1, KVMIX_ERR_INVALID_ARGUMENT, "ROWS with a base id");
-    MUTATE(56, p[56] + 1, KVMIX_ERR_MALFORMED, "FP16 count off by one");
-    MUTATE(68, 1, KVMIX_ERR_MALFORMED, "reserved field set");
-    MUTATE(72, p[72] ^ 16, KVMIX_ERR_MALFORMED, "total_bytes off");
-    MUTATE(80, KVMIX_FORMAT_INT2, KVMIX_ERR_MALFORMED, "INT2 tier");
-    MUTATE(80, KVMIX_PAYLOAD_NO_ROW, KVMIX_ERR_MALFORMED, "NO_ROW in a ROWS payload");
+    MUTATE(0, 'X', KVMIX_ERR_MALFORMED, "magic", "magic");
+    MUTATE(4, 2, KVMIX_ERR_VERSION, "version", "version 2");
+    MUTATE(6, 3, KVMIX_ERR_INVALID_ARGUMENT, "kind", "kind 3");
+    MUTATE(8, 33, KVMIX_ERR_BAD_SHAPE, "head_dim", "head_dim not a multiple of 8");
+    MUTATE(15, 0x80, KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads", "n_kv_heads beyond int32");
+    MUTATE(16, 0, KVMIX_ERR_INVALID_ARGUMENT, "group_size", "group_size 0");
+    MUTATE(16, 7, KVMIX_ERR_BAD_SHAPE, "group_size", "group_size 7");
+    MUTATE(24, 0, KVMIX_ERR_INVALID_ARGUMENT, "n_layers", "n_layers 0");
+    MUTATE(28, pc.desc.n_tokens + 16, KVMIX_ERR_MALFORMED, "total_bytes",
+           "n_tokens past the table");
+    MUTATE(39, 0x80, KVMIX_ERR_INVALID_ARGUMENT, "first_position", "negative first_position");
+    MUTATE(48, 1, KVMIX_ERR_INVALID_ARGUMENT, "base_id", "ROWS with a base id");
+    MUTATE(56, p[56] + 1, KVMIX_ERR_MALFORMED, "n_fp16", "FP16 count off by one");
+    MUTATE(67, 0x80, KVMIX_ERR_INVALID_ARGUMENT, "n_int4", "INT4 count beyond int32");
+    MUTATE(68, 1, KVMIX_ERR_MALFORMED, "reserved", "reserved field set");
+    MUTATE(72, p[72] ^ 16, KVMIX_ERR_MALFORMED, "total_bytes", "total_bytes off");
+    MUTATE(80, KVMIX_FORMAT_INT2, KVMIX_ERR_MALFORMED, "tiers", "INT2 tier");
+    MUTATE(80, KVMIX_PAYLOAD_NO_ROW, KVMIX_ERR_MALFORMED, "tiers", "NO_ROW in a ROWS payload");
     MUTATE(80, pc.tiers[1], pc.tiers[0] == pc.tiers[1] ? KVMIX_SUCCESS : KVMIX_ERR_MALFORMED,
-           "tier table disagreeing with the counts");
+           "tiers", "tier table disagreeing with the counts");
     if (pc.desc.n_tokens % 16 != 0)
-        MUTATE(80 + pc.desc.n_tokens, 1, KVMIX_ERR_MALFORMED, "nonzero table padding");
+        MUTATE(80 + pc.desc.n_tokens, 1, KVMIX_ERR_MALFORMED, "tiers", "nonzero table padding");
 #undef MUTATE
-    check_head_refused(p, 79, KVMIX_ERR_MALFORMED, "truncated header");
-    check_head_refused(p, 80 + (size_t)pc.desc.n_tokens - 1, KVMIX_ERR_MALFORMED,
+    check_head_refused(p, 79, KVMIX_ERR_MALFORMED, "src_bytes", "truncated header");
+    check_head_refused(p, 80 + (size_t)pc.desc.n_tokens - 1, KVMIX_ERR_MALFORMED, "src_bytes",
                        "truncated tier table");
+    check_head_refused(p, bytes, KVMIX_SUCCESS, "", "the whole payload");
     test_context(NULL);
-    CHECK_RESULT(kvmix_payload_read_head(NULL, bytes, NULL, NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_payload_read_head(NULL, bytes, NULL, NULL, NULL), KVMIX_ERR_NULL_POINTER);
+    {
+        kvmix_payload_info info;
+        kvmix_error why = {NULL, NULL};
+        CHECK_RESULT(kvmix_payload_read_head(NULL, bytes, &info, NULL, &why),
+                     KVMIX_ERR_NULL_POINTER);
+        CHECK_ERROR(why, "src");
+        CHECK_RESULT(kvmix_payload_read_head(p, bytes, NULL, NULL, &why), KVMIX_ERR_NULL_POINTER);
+        CHECK_ERROR(why, "out_info");
+    }
     free(copy);
     free(p);
     free_case(&pc);
@@ -441,6 +459,7 @@ static void test_bad_bodies(void) {
     size_t bytes, layer_bytes, i;
     float *out;
     int32_t layer;
+    kvmix_error why = {NULL, NULL};
     test_rng_init(&rng, "transfer.bodies");
     fixed_case(&rng, &pc);
     p = pack_case(&pc, &bytes);
@@ -448,10 +467,17 @@ static void test_bad_bodies(void) {
     layer_bytes = pc.n_floats / (size_t)pc.desc.n_layers * sizeof(float);
     out = (float *)test_alloc(layer_bytes);
     test_poison(out, layer_bytes, 3);
-    CHECK_RESULT(kvmix_payload_unpack(p, bytes - 1, layer, out, NULL), KVMIX_ERR_BUFFER_TOO_SMALL);
-    CHECK_RESULT(kvmix_payload_unpack(p, bytes, layer - 1, out, NULL), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_payload_unpack(p, bytes, layer + pc.desc.n_layers, out, NULL),
+    CHECK_RESULT(kvmix_payload_unpack(p, bytes - 1, layer, out, NULL, &why),
+                 KVMIX_ERR_BUFFER_TOO_SMALL);
+    CHECK_ERROR(why, "src_bytes");
+    CHECK_RESULT(kvmix_payload_unpack(p, bytes, layer - 1, out, NULL, &why),
                  KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "layer");
+    CHECK_RESULT(kvmix_payload_unpack(p, bytes, layer + pc.desc.n_layers, out, NULL, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "layer");
+    CHECK_RESULT(kvmix_payload_unpack(p, 79, layer, out, NULL, &why), KVMIX_ERR_MALFORMED);
+    CHECK_ERROR(why, "src_bytes"); /* read_head's */
     CHECK(test_is_poisoned(out, layer_bytes, 3));
     /* every byte of the last layer's value blocks flipped in turn: a flip that makes a scale
        negative or a value infinite must be refused with nothing written, keys included */
@@ -461,9 +487,12 @@ static void test_bad_bodies(void) {
         kvmix_result r;
         p[off] = (uint8_t)(saved ^ 0xfc);
         test_poison(out, layer_bytes, 4);
-        r = kvmix_payload_unpack(p, bytes, layer + pc.desc.n_layers - 1, out, NULL);
+        why.field = why.reason = NULL;
+        r = kvmix_payload_unpack(p, bytes, layer + pc.desc.n_layers - 1, out, NULL, &why);
         CHECK_MSG(r == KVMIX_SUCCESS || r == KVMIX_ERR_CORRUPT_DATA || r == KVMIX_ERR_MALFORMED,
                   "flip at %zu: %s", off, kvmix_result_string(r));
+        if (r == KVMIX_SUCCESS) CHECK_ERROR(why, "");
+        if (r == KVMIX_ERR_CORRUPT_DATA) CHECK_ERROR(why, "src");
         if (r != KVMIX_SUCCESS) CHECK(test_is_poisoned(out, layer_bytes, 4));
         p[off] = saved;
     }
@@ -479,41 +508,52 @@ static void test_bad_packs(void) {
     kvmix_payload_desc d;
     uint8_t *dst;
     size_t bytes = 0;
+    kvmix_error why = {NULL, NULL};
     test_rng_init(&rng, "transfer.packs");
     fixed_case(&rng, &pc);
-    CHECK_RESULT(kvmix_payload_describe(&pc.desc, pc.tiers, &info), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_payload_describe(&pc.desc, pc.tiers, &info, &why), KVMIX_SUCCESS);
+    CHECK_ERROR(why, "");
     dst = (uint8_t *)test_alloc(info.total_bytes);
     test_poison(dst, info.total_bytes, 9);
     CHECK_RESULT(kvmix_payload_pack(&pc.desc, pc.tiers, pc.keys, pc.values, dst,
-                                    info.total_bytes - 1, &bytes),
+                                    info.total_bytes - 1, &bytes, &why),
                  KVMIX_ERR_BUFFER_TOO_SMALL);
+    CHECK_ERROR(why, "dst_bytes");
     pc.values[pc.n_floats - 1] = 70000.0f;
-    CHECK_RESULT(
-        kvmix_payload_pack(&pc.desc, pc.tiers, pc.keys, pc.values, dst, info.total_bytes, &bytes),
-        KVMIX_ERR_BAD_VALUE);
+    CHECK_RESULT(kvmix_payload_pack(&pc.desc, pc.tiers, pc.keys, pc.values, dst, info.total_bytes,
+                                    &bytes, &why),
+                 KVMIX_ERR_BAD_VALUE);
+    CHECK_ERROR(why, "values");
     pc.values[pc.n_floats - 1] = test_bits_float(0x7f800000u);
-    CHECK_RESULT(
-        kvmix_payload_pack(&pc.desc, pc.tiers, pc.keys, pc.values, dst, info.total_bytes, &bytes),
-        KVMIX_ERR_BAD_VALUE);
+    CHECK_RESULT(kvmix_payload_pack(&pc.desc, pc.tiers, pc.keys, pc.values, dst, info.total_bytes,
+                                    &bytes, &why),
+                 KVMIX_ERR_BAD_VALUE);
+    CHECK_ERROR(why, "values");
     pc.values[pc.n_floats - 1] = 0.0f;
-    CHECK_RESULT(
-        kvmix_payload_pack(&pc.desc, pc.tiers, NULL, pc.values, dst, info.total_bytes, &bytes),
-        KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_payload_pack(&pc.desc, pc.tiers, NULL, pc.values, dst, info.total_bytes,
+                                    &bytes, &why),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_ERROR(why, "keys");
     pc.tiers[0] = KVMIX_PAYLOAD_NO_ROW;
-    CHECK_RESULT(
-        kvmix_payload_pack(&pc.desc, pc.tiers, pc.keys, pc.values, dst, info.total_bytes, &bytes),
-        KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_payload_pack(&pc.desc, pc.tiers, pc.keys, pc.values, dst, info.total_bytes,
+                                    &bytes, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "tiers");
     pc.tiers[0] = KVMIX_FORMAT_INT2;
-    CHECK_RESULT(kvmix_payload_describe(&pc.desc, pc.tiers, &info), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_payload_describe(&pc.desc, pc.tiers, &info, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "tiers");
     pc.tiers[0] = KVMIX_FORMAT_FP16;
     CHECK(test_is_poisoned(dst, info.total_bytes, 9));
     CHECK_EQ_UINT(bytes, 0);
     d = pc.desc;
     d.head_dim = 44;
-    CHECK_RESULT(kvmix_payload_describe(&d, pc.tiers, &info), KVMIX_ERR_BAD_SHAPE);
+    CHECK_RESULT(kvmix_payload_describe(&d, pc.tiers, &info, &why), KVMIX_ERR_BAD_SHAPE);
+    CHECK_ERROR(why, "head_dim");
     d = pc.desc;
     d.base_id = 1;
-    CHECK_RESULT(kvmix_payload_describe(&d, pc.tiers, &info), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_payload_describe(&d, pc.tiers, &info, &why), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "base_id");
     d = pc.desc;
     d.n_layers = 65535;
     d.n_kv_heads = 65535;
@@ -524,14 +564,28 @@ static void test_bad_packs(void) {
         kvmix_payload_desc big = d;
         big.n_tokens = 1;
         all[0] = KVMIX_FORMAT_FP16;
-        CHECK_RESULT(kvmix_payload_describe(&big, all, &info), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_payload_describe(&big, all, &info, &why), KVMIX_SUCCESS);
+        CHECK_ERROR(why, "");
+        free(all);
+        big.n_tokens = 1 << 20; /* 2^33 blocks of 2^30 bytes: past 2^62 */
+        all = (uint8_t *)test_alloc((size_t)big.n_tokens);
+        memset(all, KVMIX_FORMAT_FP16, (size_t)big.n_tokens);
+        CHECK_RESULT(kvmix_payload_describe(&big, all, &info, &why), KVMIX_ERR_BAD_SHAPE);
+        CHECK_ERROR(why, "n_layers");
         free(all);
     }
+    CHECK_RESULT(kvmix_payload_pack(&pc.desc, pc.tiers, pc.keys, pc.values, NULL, info.total_bytes,
+                                    &bytes, &why),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_ERROR(why, "dst");
     d.kind = (kvmix_payload_kind)0;
-    CHECK_RESULT(kvmix_payload_describe(&d, pc.tiers, &info), KVMIX_ERR_INVALID_ARGUMENT);
-    CHECK_RESULT(kvmix_payload_describe(NULL, pc.tiers, &info), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_payload_describe(&d, pc.tiers, &info, &why), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "kind");
+    CHECK_RESULT(kvmix_payload_describe(NULL, pc.tiers, &info, &why), KVMIX_ERR_NULL_POINTER);
+    CHECK_ERROR(why, "desc");
     /* write_head refuses an info that does not describe these tiers */
-    CHECK_RESULT(kvmix_payload_describe(&pc.desc, pc.tiers, &info), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_payload_describe(&pc.desc, pc.tiers, &info, &why), KVMIX_SUCCESS);
+    CHECK_ERROR(why, "");
     info.n_fp16++;
     CHECK_RESULT(kvmix_payload_write_head(&info, pc.tiers, dst, info.total_bytes),
                  KVMIX_ERR_INVALID_ARGUMENT);
@@ -574,7 +628,7 @@ static void test_into_cache(void) {
     rk = (float *)test_alloc((size_t)pc.desc.n_kv_heads * pc.desc.head_dim * sizeof(float));
     rv = (float *)test_alloc((size_t)pc.desc.n_kv_heads * pc.desc.head_dim * sizeof(float));
     for (layer = 0; layer < pc.desc.n_layers; layer++) {
-        CHECK_RESULT(kvmix_payload_unpack(p, bytes, layer, k, v), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_payload_unpack(p, bytes, layer, k, v, NULL), KVMIX_SUCCESS);
         CHECK_RESULT(kvmix_cache_write(&cache, seq, layer, first, pc.desc.n_tokens, k, v),
                      KVMIX_SUCCESS);
         for (t = 0; t < pc.desc.n_tokens; t++) {

@@ -230,13 +230,18 @@ static void check_bad_views(test_rng *rng, test_view *tv) {
     kvmix_view_span span0;
     int32_t first0, i;
     for (i = 0; i < N_Q * 64; i++) q[i] = memory[i] = (float)test_rng_normal(rng);
-#define EXPECT_VIEW(code, what)                                                                    \
+    kvmix_error why = {NULL, NULL};
+    /* the view fails with `code`, why names the field `name`, and nothing is written */
+#define EXPECT_VIEW(code, name, what)                                                              \
     do {                                                                                           \
         test_context("bad view: %s", what);                                                        \
+        why.field = why.reason = NULL;                                                             \
+        CHECK_RESULT(kvmix_view_check(&tv->view, &why), code);                                     \
+        CHECK_ERROR(why, name);                                                                    \
         test_poison(out, sizeof out, 1);                                                           \
         test_poison(lse, sizeof lse, 2);                                                           \
         test_poison(scores, sizeof scores, 3);                                                     \
-        CHECK_RESULT(kvmix_view_check(&tv->view), code);                                           \
+        CHECK_RESULT(kvmix_view_check(&tv->view, NULL), code);                                     \
         CHECK_RESULT(kvmix_ref_view_decode(&tv->view, N_Q, 0.0f, q, out, lse), code);              \
         CHECK_RESULT(kvmix_ref_view_decode(&tv->view, N_Q, 0.0f, q, out, NULL), code);             \
         CHECK_RESULT(kvmix_ref_view_score(&tv->view, 0, N_Q, memory, scores, 8), code);            \
@@ -246,7 +251,10 @@ static void check_bad_views(test_rng *rng, test_view *tv) {
         tv->spans[0] = span0;                                                                      \
         tv->first[0] = first0;                                                                     \
     } while (0)
-    CHECK_RESULT(kvmix_view_check(NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_view_check(NULL, &why), KVMIX_ERR_NULL_POINTER);
+    CHECK_ERROR(why, "view");
+    CHECK_RESULT(kvmix_view_check(&tv->view, &why), KVMIX_SUCCESS);
+    CHECK_ERROR(why, "");
     CHECK_RESULT(kvmix_ref_view_decode(&tv->view, N_Q, 0.0f, NULL, out, lse),
                  KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_ref_view_score(&tv->view, 1, N_Q, memory, scores, 8),
@@ -256,35 +264,49 @@ static void check_bad_views(test_rng *rng, test_view *tv) {
     span0 = tv->spans[0];
     first0 = tv->first[0];
     tv->view.n_seqs = -1;
-    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "negative n_seqs");
+    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "n_seqs", "negative n_seqs");
     tv->view.head_dim = 48;
-    EXPECT_VIEW(KVMIX_ERR_BAD_SHAPE, "head_dim 48");
+    EXPECT_VIEW(KVMIX_ERR_BAD_SHAPE, "group_size",
+                "head_dim 48: the default 32 does not divide it");
+    tv->view.head_dim = 44;
+    EXPECT_VIEW(KVMIX_ERR_BAD_SHAPE, "head_dim", "head_dim 44");
     tv->view.seq_first_span = NULL;
-    EXPECT_VIEW(KVMIX_ERR_NULL_POINTER, "no seq_first_span");
+    EXPECT_VIEW(KVMIX_ERR_NULL_POINTER, "seq_first_span", "no seq_first_span");
     tv->view.base = NULL;
-    EXPECT_VIEW(KVMIX_ERR_NULL_POINTER, "no base");
+    EXPECT_VIEW(KVMIX_ERR_NULL_POINTER, "base", "no base");
     tv->first[0] = 1;
-    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "first sequence not at span 0");
+    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "seq_first_span", "first sequence not at span 0");
     tv->view.n_spans = saved.n_spans - 1;
-    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "last boundary beyond n_spans");
+    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "seq_first_span", "last boundary beyond n_spans");
     tv->spans[0].n_tokens = 0;
-    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "empty span");
+    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "n_tokens", "empty span");
     tv->spans[0].key_format = 7;
-    EXPECT_VIEW(KVMIX_ERR_UNKNOWN_FORMAT, "key format 7");
+    EXPECT_VIEW(KVMIX_ERR_UNKNOWN_FORMAT, "key_format", "key format 7");
     tv->spans[0].value_format = 0;
-    EXPECT_VIEW(KVMIX_ERR_UNKNOWN_FORMAT, "value format 0");
+    EXPECT_VIEW(KVMIX_ERR_UNKNOWN_FORMAT, "value_format", "value format 0");
     tv->spans[0].dead_index = saved.n_dead_flags;
-    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "dead flags past the array");
+    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "dead_index", "dead flags past the array");
     tv->spans[0].dead_index = -2;
-    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "dead_index -2");
+    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "dead_index", "dead_index -2");
     tv->spans[0].key_head_bytes = 16;
-    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "head stride below the block size");
+    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "key_head_bytes", "head stride below the block size");
     tv->spans[0].value_offset = saved.base_bytes - 16;
-    EXPECT_VIEW(KVMIX_ERR_BUFFER_TOO_SMALL, "value block past the base region");
+    EXPECT_VIEW(KVMIX_ERR_BUFFER_TOO_SMALL, "value_offset", "value block past the base region");
     tv->spans[0].key_offset = UINT64_MAX - 8;
-    EXPECT_VIEW(KVMIX_ERR_BUFFER_TOO_SMALL, "key offset near 2^64");
+    EXPECT_VIEW(KVMIX_ERR_BUFFER_TOO_SMALL, "key_offset", "key offset near 2^64");
     tv->view.base_bytes = 64;
-    EXPECT_VIEW(KVMIX_ERR_BUFFER_TOO_SMALL, "base region too small");
+    EXPECT_VIEW(KVMIX_ERR_BUFFER_TOO_SMALL, "key_offset", "base region too small");
+    tv->view.n_kv_heads = 0;
+    EXPECT_VIEW(KVMIX_ERR_INVALID_ARGUMENT, "n_kv_heads", "no kv heads");
+    tv->view.value_group_size = 12;
+    EXPECT_VIEW(KVMIX_ERR_BAD_SHAPE, "value_group_size", "value groups of 12");
+    tv->view.group_size = 24; /* values take it too: the keys' name comes first */
+    EXPECT_VIEW(KVMIX_ERR_BAD_SHAPE, "group_size", "groups of 24 over 64 channels");
+    tv->view.n_boost = 6;
+    EXPECT_VIEW(KVMIX_ERR_BAD_SHAPE, "n_boost", "6 boosted channels");
+    tv->view.n_dead_flags = 1;
+    tv->view.dead = NULL;
+    EXPECT_VIEW(KVMIX_ERR_NULL_POINTER, "dead", "dead flags without an array");
     {
         /* a corrupt FP16 key row: structure is fine, the packed bytes are not */
         uint8_t saved_bytes[2];
@@ -294,7 +316,7 @@ static void check_bad_views(test_rng *rng, test_view *tv) {
         row[1] = 0x7c; /* +infinity */
         test_context("bad view: infinite FP16 key");
         test_poison(out, sizeof out, 1);
-        CHECK_RESULT(kvmix_view_check(&tv->view), KVMIX_SUCCESS); /* structure only */
+        CHECK_RESULT(kvmix_view_check(&tv->view, NULL), KVMIX_SUCCESS); /* structure only */
         CHECK_RESULT(kvmix_ref_view_decode(&tv->view, N_Q, 0.0f, q, out, lse),
                      KVMIX_ERR_CORRUPT_DATA);
         CHECK(test_is_poisoned(out, sizeof out, 1));
@@ -319,7 +341,7 @@ void unit_view(void) {
         test_context("view round %d: head_dim %d, %d kv heads, group %d", (int)round, (int)d,
                      (int)n_kv, (int)group);
         build_view(&rng, &tv, test_rng_range(&rng, 0, VIEW_MAX_SEQS), n_kv, d);
-        CHECK_RESULT(kvmix_view_check(&tv.view), KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_view_check(&tv.view, NULL), KVMIX_SUCCESS);
         check_decode(&rng, &tv, n_kv * group);
         check_score(&rng, &tv, n_kv * group);
     }
