@@ -103,8 +103,9 @@ KVMIXDEF const char *kvmix_result_string(kvmix_result result);
 /* Library version as "MAJOR.MINOR.PATCH" of the implementation that was compiled. */
 KVMIXDEF const char *kvmix_version_string(void);
 
-/* What a call that checks a caller's description (a cache desc, a policy, an eviction policy, a
-   tag spec, a session store desc, an allocation problem) or a size query's arguments found wrong: the field as the
+/* What a call that checks a caller's description (a cache desc, a layout, a view, a payload desc
+   or head, a tier desc, a policy, an eviction policy, a tag spec or precision table, a session
+   store desc, an allocation problem) or a size query's arguments found wrong: the field as the
    struct or the call spells it ("n_sink", "group_size", "n_tokens_per_seq"; "desc" for a NULL
    desc) and why, both static strings. Every such call takes a kvmix_error *out_error as its
    last parameter (NULL: not wanted) and fills it on every return: "" and "" on success. */

@@ -109,7 +109,10 @@ static void unpack_all(const uint8_t *payload, size_t bytes) {
     float *keys, *values;
     int32_t k, layers[4];
     int skip_body;
-    if (kvmix_payload_read_head(payload, bytes, &info, NULL, NULL) != KVMIX_SUCCESS) return;
+    kvmix_error why = {NULL, NULL};
+    kvmix_result r = kvmix_payload_read_head(payload, bytes, &info, NULL, &why);
+    require(error_filled(r, why), "read_head names what it refused, and nothing on success");
+    if (r != KVMIX_SUCCESS) return;
     require(info.head_bytes <= bytes && info.head_bytes >= KVMIX_PAYLOAD_HEADER_BYTES,
             "an accepted head lies inside the input");
     n_floats =

@@ -172,9 +172,11 @@ static void check_calls(const kvmix_view *v, int32_t n_q) {
     float scores[SCORE_CAPACITY + 8];
     size_t n = (size_t)v->n_seqs * (size_t)n_q, i;
     kvmix_result r;
+    kvmix_error why = {NULL, NULL};
     random_queries(q, n * (size_t)v->head_dim);
     memcpy(memory, q, sizeof(float) * (size_t)n_q * (size_t)v->head_dim);
-    kvmix_view_check(v, NULL);
+    r = kvmix_view_check(v, &why);
+    require(error_filled(r, why), "kvmix_view_check names what it refused, and nothing on success");
     memset(out, POISON, sizeof out);
     memset(lse, POISON, sizeof lse);
     r = kvmix_ref_view_decode(v, n_q, 0.0f, q, out, lse);
