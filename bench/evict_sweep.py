@@ -56,23 +56,32 @@ def parse_arm(text):
     return precision, scorer, budget, decay, recent, pool
 
 
-def run_one(a, policies, arm):
+def arm_setup(a, policies, arm):
+    """The arm's policy document and the flags it adds to the eval command. Raises ArmFailed for a
+    tri arm without --allocation or a precision that is no built-in policy."""
     precision, scorer, budget, decay, recent, pool = parse_arm(arm)
     if precision == "tri" and not a.allocation:
         raise sweep_common.ArmFailed("a tri arm needs --allocation")
-    if ("fp16" if precision == "tri" else precision) not in policies:
+    base = "fp16" if precision == "tri" else precision
+    if base not in policies:
         raise sweep_common.ArmFailed(f"no built-in policy {precision}")
-    base = policies["fp16" if precision == "tri" else precision]
-    doc = policy_document(base, scorer, budget, decay, recent, pool)
+    doc = policy_document(policies[base], scorer, budget, decay, recent, pool)
+    return doc, (["--allocation", a.allocation] if precision == "tri" else [])
+
+
+def run_document(a, arm, doc, flags):
+    """sweep_common.run_arm over the policy document doc, written to a file for the run alone."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(doc, f)
     try:
-        cmd = sweep_common.eval_command(a, f.name)
-        if precision == "tri":
-            cmd += ["--allocation", a.allocation]
-        result = sweep_common.run_arm(a, arm, cmd)
+        return sweep_common.run_arm(a, arm, sweep_common.eval_command(a, f.name) + flags)
     finally:
         os.unlink(f.name)
+
+
+def run_one(a, policies, arm):
+    scorer = parse_arm(arm)[1]
+    result = run_document(a, arm, *arm_setup(a, policies, arm))
     n = lambda path, spec: sweep_common.number(result, path, spec)
     evicted = n("eviction.evicted_tokens", "") if scorer != "none" else "0"
     return (f"{arm}: bits/token {n('bits_per_token', '.4f')} "

@@ -1,7 +1,7 @@
-"""What the GPU runner's sweeps (evict_sweep.py, transfer_sweep.py, triaxial_sweep.py) share: their flags, the
-kvmix-eval-cuda command over the selected traces, the run of one arm, whose JSON (with the
-arm added) is appended to --out as it ends (arms already in --out are skipped, so an
-interrupted sweep resumes), the fields of an arm's line, and the loop over the arms.
+"""What the sweeps (evict_sweep.py, transfer_sweep.py, triaxial_sweep.py, long_sweep.py) share:
+their flags, the kvmix-eval-cuda command over the selected traces, the run of one arm, whose JSON
+(with the arm and its command added) is appended to --out as it ends (arms already in --out are
+skipped, so an interrupted sweep resumes), the fields of an arm's line, and the loop over the arms.
 
 An arm that fails says so on its line and the sweep goes on with the next one:
     ARM: FAILED: why     the arm did not run (its run exited non-zero, printed no JSON object, or
@@ -13,7 +13,7 @@ An arm that fails says so on its line and the sweep goes on with the next one:
                          run it again
 A field that is null (a figure the run could not take: fp32's packed_bits, an agreement over no
 answer tokens) is shown as "-" and is not odd. The exit status is 1 when any arm failed or was
-odd, else 0. bench/sweep_selfcheck.py runs the three sweeps against a fake kvmix-eval-cuda."""
+odd, else 0. bench/sweep_selfcheck.py runs the sweeps against a fake kvmix-eval-cuda."""
 import argparse
 import json
 import os
@@ -29,10 +29,12 @@ class ArmOdd(Exception):
     """The arm ran, but its JSON lacks a field its line shows; the message says which."""
 
 
-def parser():
+def parser(arms_default=None):
+    """The sweeps' flags; --arms is required unless arms_default is given."""
     ap = argparse.ArgumentParser()
-    for flag in ("--eval", "--model", "--data", "--spec", "--arms", "--out"):
+    for flag in ("--eval", "--model", "--data", "--spec", "--out"):
         ap.add_argument(flag, required=True)
+    ap.add_argument("--arms", required=arms_default is None, default=arms_default)
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--limit", type=int, default=75)
     ap.add_argument("--batch", type=int, default=75)
@@ -54,9 +56,9 @@ def eval_command(a, policy):
 
 
 def run_arm(a, arm, cmd, extra=None):
-    """The run's JSON with the arm (and the fields of extra), appended to --out. Raises ArmFailed
-    when the run could not start, exited non-zero (its stderr is copied to stderr) or printed no
-    JSON object; nothing is appended then."""
+    """The run's JSON with the arm, its command (and the fields of extra), appended to --out.
+    Raises ArmFailed when the run could not start, exited non-zero (its stderr is copied to
+    stderr) or printed no JSON object; nothing is appended then."""
     try:
         run = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
@@ -74,6 +76,7 @@ def run_arm(a, arm, cmd, extra=None):
     if not isinstance(result, dict):
         raise ArmFailed("output is not a JSON object")
     result["arm"] = arm
+    result["command"] = cmd
     result.update(extra or {})
     with open(a.out, "a") as f:
         f.write(json.dumps(result) + "\n")

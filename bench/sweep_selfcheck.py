@@ -1,12 +1,15 @@
 """Self-check of the sweeps' arm handling (sweep_common.py), no GPU needed: runs
-triaxial_sweep.py, evict_sweep.py and transfer_sweep.py against a fake kvmix-eval-cuda whose
-behavior each arm picks, and checks every arm's line, what --out keeps and the exit status.
+triaxial_sweep.py, evict_sweep.py, transfer_sweep.py and long_sweep.py against a fake
+kvmix-eval-cuda whose behavior each arm picks, and checks every arm's line, what --out keeps and
+the exit status; for long_sweep.py also its tables' rates, standard errors and differences.
 
 Usage: python3 bench/sweep_selfcheck.py        prints "N passed, N failed"; exit status 1 on a failure
 
 The fake prints a full JSON object, except for a policy or --transfer value that names one of:
 fp32 (packed_bits null, as kvmix-eval prints it), boom (exit status 3 with a message), garbage
-(not JSON), lacking (no answer_agreement), wrongtype (seconds a string)."""
+(not JSON), lacking (no answer_agreement), wrongtype (seconds a string). Its by_distance has
+100 questions (400 answer tokens) at distance 1, every rate 0.4 for a policy naming int4 and 0.5
+for the others, and 25 questions (50 tokens) at distance 30, every rate 0.2."""
 import json
 import os
 import subprocess
@@ -14,6 +17,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import long_sweep  # noqa: E402 (found through HERE)
 
 FAKE_EVAL = r'''
 import json, os, sys
@@ -29,7 +34,13 @@ if os.path.exists(what):  # evict_sweep's policy document
         what = json.load(f)["name"]
 what += " " + opt.get("--transfer", "")
 out = {"bits_per_token": 1.25, "answer_agreement": 0.875, "avg_bits": 4.5, "packed_bits": 4.25,
-       "seconds": 2.0, "recall": {"answer_agreement": 0.5, "answer_bits_per_token": 2.5}}
+       "seconds": 2.0, "recall": {"answer_agreement": 0.5, "answer_bits_per_token": 2.5},
+       "device": "Fake GPU"}
+near = 0.4 if "int4" in what else 0.5
+out["by_distance"] = [
+    {"distance": d, "n_questions": nq, "question_accuracy": p, "question_agreement": p,
+     "n_answer_tokens": nt, "answer_accuracy": p, "answer_agreement": p}
+    for d, nq, nt, p in ((1, 100, 400, near), (30, 25, 50, 0.2))]
 if "+" in what:
     out["eviction"] = {"evicted_tokens": 17}
 if "--transfer" in opt:
@@ -87,7 +98,73 @@ def expect(script, run, lines, kept, want, want_kept, want_rc):
           f"\n{run.stderr}")
 
 
+def table_rows(stdout, title):
+    """arm -> its row (the cells after the arm) of the table under "### title"."""
+    rows, inside = {}, False
+    for line in stdout.splitlines():
+        if line.startswith("### "):
+            inside = line == f"### {title}"
+        elif inside and line.startswith("| ") and not line.startswith("| arm |"):
+            arm, _, rest = line[2:].partition(" | ")
+            rows[arm] = rest
+    return rows
+
+
+def check_long_math():
+    """The table math on hand-computed figures."""
+    check(abs(long_sweep.standard_error(0.5, 100) - 0.05) < 1e-12, "se(0.5, 100)")
+    d, se = long_sweep.difference((0.4, 100), (0.5, 100))
+    check(abs(d + 0.1) < 1e-12 and abs(se - 0.07) < 1e-12, f"difference: {d}, {se}")
+    bins = [{"distance": 1, "n_questions": 100, "n_answer_tokens": 400, "question_accuracy": 0.5,
+             "answer_accuracy": 0.5},
+            {"distance": 30, "n_questions": 25, "n_answer_tokens": 50, "question_accuracy": 0.2,
+             "answer_accuracy": 0.2}]
+    p, n = long_sweep.estimate(bins, "question_accuracy", None)
+    check(abs(p - 0.44) < 1e-12 and n == 125, f"questions pooled: {p}, {n}")
+    p, n = long_sweep.estimate(bins, "answer_accuracy", None)  # pooled by tokens, n questions
+    check(abs(p - 210 / 450) < 1e-12 and n == 125, f"tokens pooled: {p}, {n}")
+    check(long_sweep.estimate(bins, "question_accuracy", 10) is None, "no bin at distance 10")
+    results = {"int4": {"by_distance": bins}}
+    row = table_rows("### m\n" + "\n".join(long_sweep.metric_table(
+        results, ["int4"], [1, 30], "question_accuracy", "fp16")), "m")
+    check(row == {"int4": "0.500 ± 0.050 | - | 0.200 ± 0.080 | - | 0.440 ± 0.044 | - |"},
+          f"no baseline result, no differences: {row}")
+
+
+def check_long_sweep(tmp):
+    out = os.path.join(tmp, "long.jsonl")
+    cmd = [sys.executable, os.path.join(HERE, "long_sweep.py"), "--eval",
+           os.path.join(tmp, "fake-eval"), "--model", "m", "--data", "d", "--spec", "s",
+           "--arms", "fp16,int4,boom,fp16/h2o/0.5,tiered:0.3", "--out", out]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    check(run.returncode == 1, f"long: exit status {run.returncode}, wanted 1\n{run.stderr}")
+    for want in ("- runner: " + os.path.join(tmp, "fake-eval"),
+                 "- data: d (offset 100, limit 100, batch 100)", "- baseline: fp16",
+                 "boom: FAILED: exit status 3", "int4: 125 questions, bits/token 1.2500",
+                 "device: Fake GPU", "independent-samples approximation"):
+        check(want in run.stdout, f"long: no {want!r} in\n{run.stdout}")
+    failed = "FAILED: no result in --out (its line above says why) |"
+    rows = table_rows(run.stdout, "question_accuracy")
+    check(rows == {
+        "fp16": "0.500 ± 0.050 | - | 0.200 ± 0.080 | - | 0.440 ± 0.044 | - |",
+        "int4": "0.400 ± 0.049 | -0.100 ± 0.070 | 0.200 ± 0.080 | +0.000 ± 0.113 | "
+                "0.360 ± 0.043 | -0.080 ± 0.062 |",
+        "boom": failed,
+        "fp16/h2o/0.5": "0.500 ± 0.050 | +0.000 ± 0.071 | 0.200 ± 0.080 | +0.000 ± 0.113 | "
+                        "0.440 ± 0.044 | +0.000 ± 0.063 |",
+        "tiered:0.3": "0.500 ± 0.050 | +0.000 ± 0.071 | 0.200 ± 0.080 | +0.000 ± 0.113 | "
+                      "0.440 ± 0.044 | +0.000 ± 0.063 |"}, f"long: question_accuracy {rows}")
+    # the answer-token rates pool the distances by tokens: (0.4 * 400 + 0.2 * 50) / 450
+    rows = table_rows(run.stdout, "answer_agreement")
+    check(rows.get("int4", "").endswith("| 0.378 ± 0.043 | -0.089 ± 0.062 |"),
+          f"long: answer_agreement {rows}")
+    rows = table_rows(run.stdout, "Questions / answer tokens scored")
+    check(rows.get("int4") == "100 / 400 | 25 / 50 |" and rows.get("boom") == failed,
+          f"long: counts {rows}")
+
+
 def main():
+    check_long_math()
     with tempfile.TemporaryDirectory() as tmp:
         fake = os.path.join(tmp, "fake-eval")
         with open(fake, "w") as f:
@@ -158,6 +235,7 @@ def main():
         run, lines, kept = sweep(tmp, "transfer_sweep.py", ["int4:0.25"], "--eval", "/no/such/eval")
         check(lines.get("int4:0.25", "").startswith("FAILED: cannot run /no/such/eval")
               and run.returncode == 1, f"transfer: no eval: {lines}")
+        check_long_sweep(tmp)
     print(f"{passed} passed, {failed} failed")
     sys.exit(1 if failed else 0)
 
