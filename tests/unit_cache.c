@@ -2594,6 +2594,33 @@ static void test_truncate_matches_fresh(void) {
     test_context(NULL);
 }
 
+/* Sequence `cut` is truncated to `at` positions and grows by `grow` in `format`: its sharer
+   `other` keeps its image byte for byte and decodes layer `layer` to the same bits, and the kept
+   views see every step. */
+static void truncate_leaves_sharer(ct_model *m, ct_kept_view *kept, int32_t cut, int32_t at,
+                                   int32_t grow, uint8_t format, int32_t other, int32_t layer,
+                                   const float *q) {
+    float o0[2 * 64], l0[2], o1[2 * 64], l1[2];
+    size_t n_before, n_after;
+    uint8_t *before, *after;
+    ct_decode_one(m, other, layer, q, o0, l0);
+    before = ct_seq_image(m, other, &n_before);
+    ct_truncate(m, cut, at);
+    ct_verify(m);
+    ct_kept_step(m, kept, cut);
+    ct_fill(m, cut, grow, format, format);
+    ct_verify(m);
+    ct_kept_step(m, kept, cut);
+    ct_kept_step(m, kept, other);
+    after = ct_seq_image(m, other, &n_after);
+    if (CHECK_EQ_INT((int)n_after, (int)n_before)) CHECK_MEM_EQ(after, before, n_before);
+    free(after);
+    ct_decode_one(m, other, layer, q, o1, l1);
+    CHECK_MEM_EQ(o1, o0, sizeof o0);
+    CHECK_MEM_EQ(l1, l0, sizeof l0);
+    free(before);
+}
+
 /* A fork and its parent share pages: truncating either, inside a shared sealed page or the
    shared buffer page, and growing again leaves the other byte for byte as it was (its page
    table, slot map and every byte of its pages) and decoding the same bits. Kept views see each
@@ -2602,9 +2629,7 @@ static void test_truncate_forks(void) {
     ct_model m;
     ct_kept_view kept;
     int32_t p, c, i;
-    float q[2 * 64], o0[2 * 64], l0[2], o1[2 * 64], l1[2];
-    uint8_t *before, *after;
-    size_t n_before, n_after;
+    float q[2 * 64];
     p = ct_truncate_open(&m, "cache truncate forks");
     ct_kept_open(&kept, &m.cache);
     for (i = 0; i < 2 * 64; i++) q[i] = (float)(2.0 * test_rng_unit(&m.rng) - 1.0);
@@ -2614,42 +2639,13 @@ static void test_truncate_forks(void) {
     ct_kept_step(&m, &kept, c);
     /* the child cuts inside a shared sealed page, then grows: the parent stays */
     test_context("truncate the child");
-    ct_decode_one(&m, p, 1, q, o0, l0);
-    before = ct_seq_image(&m, p, &n_before);
-    ct_truncate(&m, c, 25);
-    ct_verify(&m);
-    ct_kept_step(&m, &kept, c);
-    ct_fill(&m, c, 30, KVMIX_FORMAT_INT8, KVMIX_FORMAT_INT8);
-    ct_verify(&m);
-    ct_kept_step(&m, &kept, c);
-    after = ct_seq_image(&m, p, &n_after);
-    if (CHECK_EQ_INT((int)n_after, (int)n_before)) CHECK_MEM_EQ(after, before, n_before);
-    free(after);
-    ct_decode_one(&m, p, 1, q, o1, l1);
-    CHECK_MEM_EQ(o1, o0, sizeof o0);
-    CHECK_MEM_EQ(l1, l0, sizeof l0);
-    free(before);
+    truncate_leaves_sharer(&m, &kept, c, 25, 30, KVMIX_FORMAT_INT8, p, 1, q);
     /* a second child shares the parent's buffer page; the parent cuts inside it and grows: the
        child stays */
     test_context("truncate the parent");
     c = ct_fork_at(&m, p, 40);
     ct_kept_step(&m, &kept, p);
-    ct_decode_one(&m, c, 0, q, o0, l0);
-    before = ct_seq_image(&m, c, &n_before);
-    ct_truncate(&m, p, 37);
-    ct_verify(&m);
-    ct_kept_step(&m, &kept, p);
-    ct_fill(&m, p, 20, KVMIX_FORMAT_INT4, KVMIX_FORMAT_INT4);
-    ct_verify(&m);
-    ct_kept_step(&m, &kept, p);
-    ct_kept_step(&m, &kept, c);
-    after = ct_seq_image(&m, c, &n_after);
-    if (CHECK_EQ_INT((int)n_after, (int)n_before)) CHECK_MEM_EQ(after, before, n_before);
-    free(after);
-    ct_decode_one(&m, c, 0, q, o1, l1);
-    CHECK_MEM_EQ(o1, o0, sizeof o0);
-    CHECK_MEM_EQ(l1, l0, sizeof l0);
-    free(before);
+    truncate_leaves_sharer(&m, &kept, p, 37, 20, KVMIX_FORMAT_INT4, c, 0, q);
     /* to 0: every page released or left to its sharers; the sequence grows from position 0 */
     test_context("truncate to 0");
     ct_truncate(&m, p, 0);
