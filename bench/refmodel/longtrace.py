@@ -119,6 +119,15 @@ def tool_call(name, args):
     return f"<tool_call>\n{call}\n</tool_call>"
 
 
+def tool_round(ask, plan, name, args, body, seen, reply):
+    """One tool round: the user asks, the assistant plans and calls the tool, the tool answers
+    with body, the assistant notes what it saw and replies."""
+    return (msg("user", ask)
+            + msg("assistant", f"<think>\n{plan}\n</think>\n" + tool_call(name, args))
+            + msg("tool", f"<tool_response>\n{body}\n</tool_response>")
+            + msg("assistant", f"<think>\n{seen}\n</think>\n{reply}"))
+
+
 # A work turn returns (text, facts); a fact is (question, think, value, kind).
 
 def inventory_turn(d, size):
@@ -135,12 +144,11 @@ def inventory_turn(d, size):
                       f"What was its {labels[field]}?",
                       f"The {labels[field]} of {h['host']} is in that inventory output.",
                       str(h[field]), "tool_value"))
-    text = (msg("user", f"List the hosts of the cluster {cluster}.")
-            + msg("assistant", f"<think>\nI will query the inventory of {cluster}.\n</think>\n"
-                  + tool_call("query_inventory", {"cluster": cluster}))
-            + msg("tool", f"<tool_response>\n{body}\n</tool_response>")
-            + msg("assistant", f"<think>\nThe inventory lists {len(hosts)} hosts.\n</think>\n"
-                  f"The cluster {cluster} has {len(hosts)} hosts, each with an address, a port and a build."))
+    text = tool_round(f"List the hosts of the cluster {cluster}.",
+                      f"I will query the inventory of {cluster}.",
+                      "query_inventory", {"cluster": cluster}, body,
+                      f"The inventory lists {len(hosts)} hosts.",
+                      f"The cluster {cluster} has {len(hosts)} hosts, each with an address, a port and a build.")
     return text, facts
 
 
@@ -155,12 +163,10 @@ def db_turn(d, size):
         field, value = d.rng.choice([("owner", owner), ("amount", amount)])
         facts.append((f"Earlier the query of {table} in {region} returned the row {rid}. What was its {field}?",
                       f"The {field} of {rid} is in that query result.", value, "tool_value"))
-    text = (msg("user", f"How many {table} are there in {region}, and who owns them?")
-            + msg("assistant", f"<think>\nA query of the {table} table will tell.\n</think>\n"
-                  + tool_call("query_db", {"sql": sql}))
-            + msg("tool", f"<tool_response>\n{body}\n</tool_response>")
-            + msg("assistant", f"<think>\nThe query returned {len(rows)} rows.\n</think>\n"
-                  f"There are {len(rows)} {table} in {region}; the table above lists their owners."))
+    text = tool_round(f"How many {table} are there in {region}, and who owns them?",
+                      f"A query of the {table} table will tell.", "query_db", {"sql": sql}, body,
+                      f"The query returned {len(rows)} rows.",
+                      f"There are {len(rows)} {table} in {region}; the table above lists their owners.")
     return text, facts
 
 
@@ -172,11 +178,9 @@ def file_turn(d, size):
     facts = [(f"Earlier you read {path}. What value did it set for {k}?",
               f"{path} sets {k}; I will copy it from that file.", v, "file_value")
              for k, v in d.rng.sample(pairs, min(3, len(pairs)))]
-    text = (msg("user", f"Show me the settings in {path}.")
-            + msg("assistant", f"<think>\nI will read {path}.\n</think>\n" + tool_call("read_file", {"path": path}))
-            + msg("tool", f"<tool_response>\n{body}\n</tool_response>")
-            + msg("assistant", f"<think>\nThe file sets {len(pairs)} keys.\n</think>\n"
-                  f"{path} sets {len(pairs)} keys in one section."))
+    text = tool_round(f"Show me the settings in {path}.", f"I will read {path}.",
+                      "read_file", {"path": path}, body, f"The file sets {len(pairs)} keys.",
+                      f"{path} sets {len(pairs)} keys in one section.")
     return text, facts
 
 
@@ -197,11 +201,10 @@ def log_turn(d, size):
                       f"The ERROR line of the {service} log names the worker.", worker, "needle")]
         else:
             lines.append(f"{clock} INFO job={job} worker={worker} took {d.rng.randint(5, 999)}ms")
-    text = (msg("user", f"Fetch the recent logs of {service}.")
-            + msg("assistant", f"<think>\nI will fetch {n} lines of the {service} log.\n</think>\n"
-                  + tool_call("fetch_logs", {"service": service, "lines": n}))
-            + msg("tool", "<tool_response>\n" + "\n".join(lines) + "\n</tool_response>")
-            + msg("assistant", f"<think>\nThe log has {n} lines.\n</think>\nFetched {n} lines of the {service} log."))
+    text = tool_round(f"Fetch the recent logs of {service}.",
+                      f"I will fetch {n} lines of the {service} log.",
+                      "fetch_logs", {"service": service, "lines": n}, "\n".join(lines),
+                      f"The log has {n} lines.", f"Fetched {n} lines of the {service} log.")
     return text, facts
 
 
