@@ -61,8 +61,11 @@ class Block(nn.Module):
         q = self.q(h).view(B, T, self.H, self.hd).transpose(1, 2)
         k = self.k(h).view(B, T, self.KV, self.hd).transpose(1, 2)
         v = self.v(h).view(B, T, self.KV, self.hd).transpose(1, 2)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        q, k = rope(q, cos, sin).to(v.dtype), rope(k, cos, sin).to(v.dtype)
+        # kv heads repeated by hand: SDPA's enable_gqa may take the math path, which at 16K holds
+        # a T x T matrix per head; the flash path wants equal head counts.
+        k, v = (t.repeat_interleave(self.H // self.KV, dim=1) for t in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(B, T, -1))
         h = self.n2(x)
         return x + self.d(F.silu(self.g(h)) * self.u(h))
