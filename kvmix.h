@@ -298,6 +298,52 @@ KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view, kvmix_error *out_
 KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads, float scale,
                                             const float *q, float *out, float *lse);
 
+/* Fast decode on the CPU: what kvmix_ref_view_decode computes, read at memory speed. Per kv
+   head it reads each page's rows once for all the query heads that share them, decoding a tile
+   of rows at a time in loops a compiler vectorizes (FP16 through F16C where the build has it),
+   with a blockwise online softmax; the work is split into (sequence, kv head, range of at most
+   KVMIX_DECODE_CHUNK_SPANS spans) tasks whose partial results are merged in a fixed order, so
+   the result does not depend on how many threads ran it. It agrees with the reference within
+   float rounding (tests/unit_fast_decode.c bounds the NMSE), not bit for bit.
+
+   It checks the view's structure (kvmix_view_check: every block inside base_bytes), not the
+   packed bytes inside the blocks (the reference does): a cache's own views hold what its seals
+   wrote, and bytes no seal wrote give wrong numbers, never a read outside the blocks. Each task
+   keeps about 40 KiB on its thread's stack. */
+#define KVMIX_DECODE_CHUNK_SPANS 16
+
+/* Runs task(task_arg, i) once for every i in [0, n_tasks), on any threads, in any order, and
+   returns when all have run: the caller's thread pool (an OpenMP parallel for, a job system). */
+typedef void (*kvmix_task_fn)(void *task_arg, int32_t task);
+typedef void (*kvmix_parallel_for_fn)(void *user, int32_t n_tasks, kvmix_task_fn task,
+                                      void *task_arg);
+
+/* How a fast decode runs: NULL, or n_threads 0 or 1 without parallel_for, is the calling thread
+   alone. parallel_for, when set, runs the tasks (n_threads is then ignored); else n_threads > 1
+   starts n_threads - 1 POSIX threads for the call, the calling thread being the last (where the
+   build has no POSIX threads, or KVMIX_NO_THREADS is defined, the calling thread runs them all). */
+typedef struct kvmix_parallel {
+    int32_t n_threads;
+    kvmix_parallel_for_fn parallel_for;
+    void *user; /* passed to parallel_for */
+} kvmix_parallel;
+
+/* Workspace bytes of kvmix_view_decode on this view with n_q_heads query heads. Returns
+   NULL_POINTER, kvmix_view_check's errors, or INVALID_ARGUMENT (n_q_heads not a positive multiple
+   of n_kv_heads, more than size_t bytes). */
+KVMIXDEF kvmix_result kvmix_view_decode_workspace(const kvmix_view *view, int32_t n_q_heads,
+                                                  size_t *out_bytes);
+
+/* Decode attention for every sequence of a host view, as kvmix_ref_view_decode (q, out
+   [n_seqs][n_q_heads][head_dim], lse [n_seqs][n_q_heads] or NULL, scale 0 = 1/sqrt(head_dim)),
+   fast and on as many threads as `parallel` gives. workspace: 8-byte aligned, at least
+   kvmix_view_decode_workspace bytes. Returns NULL_POINTER, kvmix_view_check's errors,
+   INVALID_ARGUMENT (n_q_heads, scale, parallel->n_threads negative, workspace not aligned) or
+   BUFFER_TOO_SMALL (workspace_bytes); nothing is written on failure. */
+KVMIXDEF kvmix_result kvmix_view_decode(const kvmix_view *view, int32_t n_q_heads, float scale,
+                                        const float *q, float *out, float *lse, void *workspace,
+                                        size_t workspace_bytes, const kvmix_parallel *parallel);
+
 /* QueryMemory scores of sequence `seq` of a host view, for eviction: for each token t of the
    sequence (all spans in order, dead ones included), scores[t] = sum over q heads h of
    dot(memory[h], key_t of kv head h / (n_q_heads / n_kv_heads)), summed in float over heads,
@@ -906,6 +952,31 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode(kvmix_cache *cache, const int32_t *
                                              int32_t n_seqs, int32_t layer, int32_t n_q_heads,
                                              float scale, const float *q, float *out, float *lse,
                                              void *workspace, size_t workspace_bytes);
+
+/* Workspace bytes of kvmix_cache_decode for these sequences as they are now, with n_q_heads
+   query heads; it grows with them (kvmix_cache_decode_workspace_max bounds it). */
+KVMIXDEF kvmix_result kvmix_cache_decode_workspace(const kvmix_cache *cache, const int32_t *seqs,
+                                                   int32_t n_seqs, int32_t n_q_heads,
+                                                   size_t *out_bytes);
+
+/* The most workspace kvmix_cache_decode can need for n_seqs (0 .. max_seqs) sequences of a cache
+   of this desc with n_q_heads query heads, whatever they hold, so a loop allocates it once.
+   Returns NULL_POINTER, kvmix_cache_desc_resolve's errors or INVALID_ARGUMENT (n_seqs,
+   n_q_heads, more than size_t bytes), with *out_error naming the field. */
+KVMIXDEF kvmix_result kvmix_cache_decode_workspace_max(const kvmix_cache_desc *desc,
+                                                       int32_t n_seqs, int32_t n_q_heads,
+                                                       size_t *out_bytes, kvmix_error *out_error);
+
+/* The fast decode step of layer `layer` over cached sequences: kvmix_cache_ref_decode's
+   arguments and result, plus how to run in parallel (see kvmix_view_decode; NULL: the calling
+   thread). It builds the view in `workspace` (kvmix_cache_decode_workspace bytes, 8-byte
+   aligned) and runs kvmix_view_decode on it. Like the reference it changes nothing in the cache
+   but records why it failed, so it must not overlap other calls on the cache; its own tasks
+   read the cache on the threads `parallel` gives. */
+KVMIXDEF kvmix_result kvmix_cache_decode(kvmix_cache *cache, const int32_t *seqs, int32_t n_seqs,
+                                         int32_t layer, int32_t n_q_heads, float scale,
+                                         const float *q, float *out, float *lse, void *workspace,
+                                         size_t workspace_bytes, const kvmix_parallel *parallel);
 
 KVMIXDEF kvmix_result kvmix_cache_stats_get(const kvmix_cache *cache, kvmix_cache_stats *out);
 KVMIXDEF kvmix_result kvmix_cache_seq_stats_get(const kvmix_cache *cache, int32_t seq,
@@ -2405,6 +2476,9 @@ KVMIX__RULE void kvmix__payload_header_put(const kvmix_payload_info *info, uint8
 
 #include <math.h>
 #include <string.h>
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h> /* the fast decode's FP16 rows */
+#endif
 
 #if defined(KVMIX_MALLOC) != defined(KVMIX_FREE)
 #error "define both KVMIX_MALLOC and KVMIX_FREE, or neither"
@@ -3285,6 +3359,403 @@ KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_
         if (l > 0.0f)
             kvmix__intent_pass(&list, h / group, q, scale, capacity_tokens, 1, &m, &l, scores);
     }
+    return KVMIX_SUCCESS;
+}
+
+// >>fast
+
+static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
+
+/* The fast CPU decode (kvmix_view_decode). A task is (sequence, kv head, chunk of spans); it
+   keeps per query head an unnormalized output, a running max and a running sum in the workspace
+   (a "partial"), which a merge in chunk order turns into out and lse. Rows are decoded a tile at
+   a time into floats on the stack (KVMIX__TILE_FLOATS per operand), then every query head of
+   the kv head takes the tile's logits, one softmax rescale and one weighted sum of its values. */
+
+#define KVMIX__TILE_FLOATS 4096 /* floats of one decoded tile: 32 rows at head_dim 128 */
+
+#if defined(__GNUC__) || defined(__clang__) || defined(_MSC_VER)
+#define KVMIX__RESTRICT __restrict
+#else
+#define KVMIX__RESTRICT
+#endif
+
+/* FP16 bits to float without branches, so a loop of them vectorizes: the exponent and mantissa
+   shifted into a float and scaled by 2^112 is exact for normal and subnormal halves alike;
+   infinities and NaNs (which seals never write) take the all-ones exponent. */
+static float kvmix__h2f_flat(uint16_t h) {
+    uint32_t em = (uint32_t)(h & 0x7fffu) << 13;
+    float magnitude = kvmix__bits_float(em) * 5.192296858534828e+33f; /* 2^112 */
+    if ((h & 0x7c00u) == 0x7c00u) magnitude = kvmix__bits_float(em | 0x7f800000u);
+    return kvmix__bits_float(kvmix__float_bits(magnitude) | (uint32_t)(h & 0x8000u) << 16);
+}
+
+static void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
+                            float *KVMIX__RESTRICT out) {
+    int32_t c = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; c < dim; c += 8) /* dim is a multiple of 8 */
+        _mm256_storeu_ps(out + c,
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * c))));
+#endif
+    for (; c < dim; c++) out[c] = kvmix__h2f_flat((uint16_t)(row[2 * c] | row[2 * c + 1] << 8));
+}
+
+/* n codes of `bits` bits (8, 4 or 2, low bits first) times scale plus min. */
+static void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes, int bits, int32_t n,
+                                    float scale, float min, float *KVMIX__RESTRICT out) {
+    int32_t b;
+    if (bits == 8) {
+        for (b = 0; b < n; b++) out[b] = (float)codes[b] * scale + min;
+    } else if (bits == 4) {
+        for (b = 0; b < n / 2; b++) {
+            out[2 * b] = (float)(codes[b] & 15u) * scale + min;
+            out[2 * b + 1] = (float)(codes[b] >> 4) * scale + min;
+        }
+    } else {
+        for (b = 0; b < n / 4; b++) {
+            out[4 * b] = (float)(codes[b] & 3u) * scale + min;
+            out[4 * b + 1] = (float)((codes[b] >> 2) & 3u) * scale + min;
+            out[4 * b + 2] = (float)((codes[b] >> 4) & 3u) * scale + min;
+            out[4 * b + 3] = (float)(codes[b] >> 6) * scale + min;
+        }
+    }
+}
+
+/* What decoding a block's rows needs beyond its layout: per-channel blocks' scales, minimums
+   and boosted slots (KVMIX_BOOST_NONE for a plain channel or an index entry out of range). */
+typedef struct kvmix__row_decoder {
+    kvmix_layout layout;
+    kvmix__sections sections;
+    const uint8_t *block;
+    float scale[KVMIX_MAX_HEAD_DIM], min[KVMIX_MAX_HEAD_DIM];
+    uint8_t slot[KVMIX_MAX_HEAD_DIM];
+} kvmix__row_decoder;
+
+static void kvmix__row_decoder_open(kvmix__row_decoder *d, const kvmix_layout *layout,
+                                    const uint8_t *base, size_t head_bytes, int32_t h) {
+    int32_t c;
+    d->layout = *layout;
+    kvmix_layout_resolve(&d->layout, NULL);
+    d->sections = kvmix__layout_sections(&d->layout);
+    d->block = kvmix__head_block(base, head_bytes, &d->sections, h);
+    if (!kvmix__is_per_channel(d->layout.format)) return;
+    kvmix__channel_params(&d->layout, &d->sections, d->block, d->scale, d->min);
+    for (c = 0; c < d->layout.head_dim; c++) {
+        uint8_t slot = KVMIX_BOOST_NONE;
+        if (d->layout.format == KVMIX_FORMAT_BOOSTED) slot = d->block[d->sections.index_offset + c];
+        d->slot[c] = slot < d->layout.n_boost ? slot : (uint8_t)KVMIX_BOOST_NONE;
+    }
+}
+
+static void kvmix__channel_row(const kvmix__row_decoder *d, int32_t t, float *KVMIX__RESTRICT out) {
+    const uint8_t *row = d->block + kvmix__row_at(&d->sections, t);
+    int32_t c, dim = d->layout.head_dim;
+    if (d->layout.format != KVMIX_FORMAT_BOOSTED) {
+        for (c = 0; c < dim; c++)
+            out[c] = (float)((row[c >> 2] >> ((c & 3) * 2)) & 3u) * d->scale[c] + d->min[c];
+        return;
+    }
+    {
+        const uint8_t *high = d->block + kvmix__high_row_at(&d->sections, t);
+        for (c = 0; c < dim; c++) {
+            uint32_t code = (row[c >> 2] >> ((c & 3) * 2)) & 3u;
+            uint8_t slot = d->slot[c];
+            if (slot != KVMIX_BOOST_NONE) code |= ((high[slot >> 2] >> ((slot & 3) * 2)) & 3u) << 2;
+            out[c] = (float)code * d->scale[c] + d->min[c];
+        }
+    }
+}
+
+/* Rows [t0, t0 + n) into tile[n][head_dim]. */
+static void kvmix__decode_tile(const kvmix__row_decoder *d, int32_t t0, int32_t n, float *tile) {
+    const kvmix_layout *l = &d->layout;
+    int32_t dim = l->head_dim, i, g;
+    for (i = 0; i < n; i++) {
+        const uint8_t *row = d->block + kvmix__row_at(&d->sections, t0 + i);
+        float *out = tile + (size_t)i * dim;
+        if (l->format == KVMIX_FORMAT_FP16) {
+            kvmix__fp16_row(row, dim, out);
+        } else if (kvmix__is_per_token_int(l->format)) {
+            int bits = kvmix__format_bits(l->format);
+            int32_t groups = dim / l->group_size;
+            for (g = 0; g < groups; g++) {
+                float scale, min;
+                kvmix__meta_at(d->block + kvmix__token_meta_at(&d->sections, t0 + i, groups, g),
+                               &scale, &min);
+                kvmix__dequantize_codes(row + (size_t)g * l->group_size * bits / 8, bits,
+                                        l->group_size, scale, min, out + (size_t)g * l->group_size);
+            }
+        } else {
+            kvmix__channel_row(d, t0 + i, out);
+        }
+    }
+}
+
+/* Where a task keeps its query heads' state: acc [group][dim], then max [group], sum [group]. */
+typedef struct kvmix__partial {
+    float *acc, *max, *sum;
+} kvmix__partial;
+
+/* One query head's share of a decoded tile: logits of its live rows, one rescale, weights,
+   and the weighted sum of the value rows. */
+static void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const float *ktile,
+                               const float *vtile, const uint8_t *dead, int32_t n, int32_t dim,
+                               float scale, float *KVMIX__RESTRICT acc, float *max, float *sum) {
+    float logit[KVMIX__TILE_FLOATS / 8], tile_max = -INFINITY, total = 0.0f;
+    int32_t t, c;
+    for (t = 0; t < n; t++) {
+        logit[t] = dead && dead[t] ? -INFINITY : kvmix__dot(q, ktile + (size_t)t * dim, dim) * scale;
+        if (logit[t] > tile_max) tile_max = logit[t];
+    }
+    if (tile_max == -INFINITY) return; /* every row dead */
+    if (tile_max > *max) {
+        float rescale = expf(*max - tile_max); /* 0 on the first live tile */
+        for (c = 0; c < dim; c++) acc[c] *= rescale;
+        *sum *= rescale;
+        *max = tile_max;
+    }
+    for (t = 0; t < n; t++) {
+        float w = expf(logit[t] - *max); /* 0 for a dead row */
+        const float *KVMIX__RESTRICT v = vtile + (size_t)t * dim;
+        if (w == 0.0f) continue;
+        total += w;
+        for (c = 0; c < dim; c += 8) {
+            int32_t j;
+            for (j = 0; j < 8; j++) acc[c + j] += w * v[c + j];
+        }
+    }
+    *sum += total;
+}
+
+/* A view span's rows of kv head h added to the partial of `group` query heads q [group][dim]. */
+static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs, int32_t h,
+                             const float *q, int32_t group, float scale, kvmix__partial p) {
+    kvmix_span span = kvmix__span_of_view(view, vs);
+    kvmix__row_decoder keys, values;
+    float ktile[KVMIX__TILE_FLOATS], vtile[KVMIX__TILE_FLOATS];
+    int32_t dim = view->head_dim, rows = KVMIX__TILE_FLOATS / dim, t0, g;
+    kvmix__row_decoder_open(&keys, &span.key_layout, (const uint8_t *)span.keys,
+                            span.key_head_bytes, h);
+    kvmix__row_decoder_open(&values, &span.value_layout, (const uint8_t *)span.values,
+                            span.value_head_bytes, h);
+    for (t0 = 0; t0 < vs->n_tokens; t0 += rows) {
+        int32_t n = vs->n_tokens - t0 < rows ? vs->n_tokens - t0 : rows;
+        const uint8_t *dead = span.dead ? span.dead + t0 : NULL;
+        kvmix__decode_tile(&keys, t0, n, ktile);
+        kvmix__decode_tile(&values, t0, n, vtile);
+        for (g = 0; g < group; g++)
+            kvmix__attend_tile(q + (size_t)g * dim, ktile, vtile, dead, n, dim, scale,
+                               p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
+    }
+}
+
+/* The tasks of one view decode: sequences' chunks numbered sequence-major, then kv head, then
+   chunk; chunk_first[s] is sequence s's first task. */
+typedef struct kvmix__fast_job {
+    const kvmix_view *view;
+    int32_t n_q_heads, group;
+    float scale;
+    const float *q;
+    const int32_t *task_first; /* [n_seqs + 1] */
+    float *partials;           /* per task: group * (head_dim + 2) floats */
+} kvmix__fast_job;
+
+static int32_t kvmix__chunks_of(const kvmix_view *view, int32_t s) {
+    int32_t spans = view->seq_first_span[s + 1] - view->seq_first_span[s];
+    return spans == 0 ? 1 : (spans + KVMIX_DECODE_CHUNK_SPANS - 1) / KVMIX_DECODE_CHUNK_SPANS;
+}
+
+static size_t kvmix__partial_floats(const kvmix_view *view, int32_t group) {
+    return (size_t)group * ((size_t)view->head_dim + 2u);
+}
+
+static kvmix__partial kvmix__partial_at(const kvmix__fast_job *job, int32_t task) {
+    kvmix__partial p;
+    p.acc = job->partials + (size_t)task * kvmix__partial_floats(job->view, job->group);
+    p.max = p.acc + (size_t)job->group * job->view->head_dim;
+    p.sum = p.max + job->group;
+    return p;
+}
+
+static void kvmix__fast_task(void *arg, int32_t task) {
+    const kvmix__fast_job *job = (const kvmix__fast_job *)arg;
+    const kvmix_view *view = job->view;
+    int32_t lo = 0, hi = view->n_seqs, s, chunks, h, chunk, i, end, g;
+    kvmix__partial p = kvmix__partial_at(job, task);
+    while (hi - lo > 1) { /* the sequence whose tasks hold this one */
+        int32_t mid = lo + (hi - lo) / 2;
+        if (job->task_first[mid] <= task) lo = mid; else hi = mid;
+    }
+    s = lo;
+    chunks = kvmix__chunks_of(view, s);
+    h = (task - job->task_first[s]) / chunks;
+    chunk = (task - job->task_first[s]) % chunks;
+    for (g = 0; g < job->group; g++) {
+        p.max[g] = -INFINITY;
+        p.sum[g] = 0.0f;
+    }
+    memset(p.acc, 0, (size_t)job->group * view->head_dim * sizeof(float));
+    i = view->seq_first_span[s] + chunk * KVMIX_DECODE_CHUNK_SPANS;
+    end = i + KVMIX_DECODE_CHUNK_SPANS;
+    if (end > view->seq_first_span[s + 1]) end = view->seq_first_span[s + 1];
+    for (; i < end; i++)
+        kvmix__fast_span(view, &view->spans[i], h,
+                         job->q + ((size_t)s * job->n_q_heads + (size_t)h * job->group) *
+                                      view->head_dim,
+                         job->group, job->scale, p);
+}
+
+/* Sequence s's chunks of kv head h merged in order into out and lse. */
+static void kvmix__fast_merge(const kvmix__fast_job *job, int32_t s, int32_t h, float *out,
+                              float *lse) {
+    int32_t dim = job->view->head_dim, chunks = kvmix__chunks_of(job->view, s), k, g, c;
+    int32_t first = job->task_first[s] + h * chunks;
+    for (g = 0; g < job->group; g++) {
+        size_t row = ((size_t)s * job->n_q_heads + (size_t)h * job->group + g);
+        float m = -INFINITY, total = 0.0f, *o = out + row * dim;
+        for (k = 0; k < chunks; k++) {
+            kvmix__partial p = kvmix__partial_at(job, first + k);
+            if (p.max[g] > m) m = p.max[g];
+        }
+        for (c = 0; c < dim; c++) o[c] = 0.0f;
+        if (m != -INFINITY)
+            for (k = 0; k < chunks; k++) {
+                kvmix__partial p = kvmix__partial_at(job, first + k);
+                float w = expf(p.max[g] - m);
+                total += w * p.sum[g];
+                for (c = 0; c < dim; c++) o[c] += w * p.acc[(size_t)g * dim + c];
+            }
+        if (total > 0.0f)
+            for (c = 0; c < dim; c++) o[c] /= total;
+        if (lse) lse[row] = total > 0.0f ? m + logf(total) : -INFINITY;
+    }
+}
+
+#if !defined(KVMIX_NO_THREADS) && (defined(__unix__) || defined(__APPLE__))
+#include <pthread.h>
+#define KVMIX__PTHREADS 1
+#endif
+
+/* Tasks run by the library's own threads: thread i takes tasks i, i + n, i + 2n, ... */
+typedef struct kvmix__stride {
+    kvmix_task_fn task;
+    void *arg;
+    int32_t n_tasks, first, step;
+} kvmix__stride;
+
+static void *kvmix__stride_run(void *arg) {
+    const kvmix__stride *st = (const kvmix__stride *)arg;
+    int32_t i;
+    for (i = st->first; i < st->n_tasks; i += st->step) st->task(st->arg, i);
+    return NULL;
+}
+
+#define KVMIX__MAX_OWN_THREADS 256
+
+static void kvmix__run_tasks(const kvmix_parallel *parallel, int32_t n_tasks, kvmix_task_fn task,
+                             void *arg) {
+    kvmix__stride all;
+    all.task = task;
+    all.arg = arg;
+    all.n_tasks = n_tasks;
+    all.first = 0;
+    all.step = 1;
+    if (parallel && parallel->parallel_for) {
+        parallel->parallel_for(parallel->user, n_tasks, task, arg);
+        return;
+    }
+#ifdef KVMIX__PTHREADS
+    if (parallel && parallel->n_threads > 1 && n_tasks > 1) {
+        kvmix__stride stride[KVMIX__MAX_OWN_THREADS];
+        pthread_t thread[KVMIX__MAX_OWN_THREADS];
+        int started[KVMIX__MAX_OWN_THREADS];
+        int32_t n = parallel->n_threads, i;
+        if (n > n_tasks) n = n_tasks;
+        if (n > KVMIX__MAX_OWN_THREADS) n = KVMIX__MAX_OWN_THREADS;
+        for (i = 0; i < n; i++) {
+            stride[i] = all;
+            stride[i].first = i;
+            stride[i].step = n;
+            /* a thread that cannot start leaves its tasks to the calling thread */
+            started[i] = i < n - 1 && pthread_create(&thread[i], NULL, kvmix__stride_run,
+                                                      &stride[i]) == 0;
+        }
+        for (i = 0; i < n; i++)
+            if (!started[i]) kvmix__stride_run(&stride[i]);
+        for (i = 0; i < n - 1; i++)
+            if (started[i]) pthread_join(thread[i], NULL);
+        return;
+    }
+#endif
+    kvmix__stride_run(&all);
+}
+
+/* Tasks of the view: per sequence n_kv_heads times its chunks; 0 when past int32 counts. */
+static int64_t kvmix__fast_tasks(const kvmix_view *view) {
+    int64_t n = 0;
+    int32_t s;
+    for (s = 0; s < view->n_seqs; s++) n += (int64_t)view->n_kv_heads * kvmix__chunks_of(view, s);
+    return n;
+}
+
+/* Workspace of a fast decode with n_tasks tasks: task_first, then the partials; 0 past size_t. */
+static size_t kvmix__fast_workspace_bytes(int64_t n_seqs, int64_t n_tasks, int32_t head_dim,
+                                          int32_t group) {
+    double bytes = (double)(n_seqs + 1) * 4.0 + 8.0 +
+                   (double)n_tasks * (double)group * ((double)head_dim + 2.0) * 4.0;
+    if (bytes >= (double)(size_t)-1 || n_tasks > INT32_MAX) return 0;
+    return kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t)) +
+           (size_t)n_tasks * (size_t)group * ((size_t)head_dim + 2u) * sizeof(float);
+}
+
+static kvmix_result kvmix__fast_check(const kvmix_view *view, int32_t n_q_heads) {
+    kvmix_result r = kvmix_view_check(view, NULL);
+    if (r != KVMIX_SUCCESS) return r;
+    if (n_q_heads <= 0 || n_q_heads % view->n_kv_heads != 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_view_decode_workspace(const kvmix_view *view, int32_t n_q_heads,
+                                                  size_t *out_bytes) {
+    kvmix_result r;
+    size_t bytes;
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix__fast_check(view, n_q_heads)) != KVMIX_SUCCESS) return r;
+    bytes = kvmix__fast_workspace_bytes(view->n_seqs, kvmix__fast_tasks(view), view->head_dim,
+                                        n_q_heads / view->n_kv_heads);
+    if (bytes == 0) return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = bytes;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_view_decode(const kvmix_view *view, int32_t n_q_heads, float scale,
+                                        const float *q, float *out, float *lse, void *workspace,
+                                        size_t workspace_bytes, const kvmix_parallel *parallel) {
+    kvmix__fast_job job;
+    int32_t *task_first = (int32_t *)workspace, s, h;
+    size_t need;
+    kvmix_result r;
+    if (!q || !out || !workspace) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_view_decode_workspace(view, n_q_heads, &need)) != KVMIX_SUCCESS) return r;
+    if (!(scale >= 0.0f) || isinf(scale) || ((uintptr_t)workspace & 7u) != 0 ||
+        (parallel && parallel->n_threads < 0))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    task_first[0] = 0;
+    for (s = 0; s < view->n_seqs; s++)
+        task_first[s + 1] = task_first[s] + view->n_kv_heads * kvmix__chunks_of(view, s);
+    job.view = view;
+    job.n_q_heads = n_q_heads;
+    job.group = n_q_heads / view->n_kv_heads;
+    job.scale = kvmix__softmax_scale(scale, view->head_dim);
+    job.q = q;
+    job.task_first = task_first;
+    job.partials = (float *)(void *)((uint8_t *)workspace +
+                                     kvmix__align8(((size_t)view->n_seqs + 1) * sizeof(int32_t)));
+    kvmix__run_tasks(parallel, task_first[view->n_seqs], kvmix__fast_task, &job);
+    for (s = 0; s < view->n_seqs; s++)
+        for (h = 0; h < view->n_kv_heads; h++) kvmix__fast_merge(&job, s, h, out, lse);
     return KVMIX_SUCCESS;
 }
 
@@ -6510,8 +6981,6 @@ KVMIXDEF kvmix_result kvmix_cache_view_positions(const kvmix_cache *cache, int32
     return KVMIX_SUCCESS;
 }
 
-static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
-
 /* Workspace of a view of n_seqs sequences with these counts: spans, seq_first_span, dead flags,
    each part 8-byte aligned; 0 when that is more than size_t counts. */
 static size_t kvmix__decode_workspace_bytes(int64_t n_seqs, int64_t n_spans, int64_t n_dead) {
@@ -6624,6 +7093,122 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode(kvmix_cache *cache, const int32_t *
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     return kvmix__record(cache, kvmix__ref_decode(cache, seqs, n_seqs, layer, n_q_heads, scale, q,
                                                   out, lse, workspace, workspace_bytes));
+}
+
+/* The fast decode's workspace after the view's: where its part starts. */
+static size_t kvmix__cache_fast_offset(int32_t n_seqs, int32_t n_spans, int32_t n_dead) {
+    return kvmix__align8(kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead));
+}
+
+/* Tasks of a fast decode of the cache's sequences as they are now (one view span per page-table
+   entry, as kvmix_cache_view builds). */
+static int64_t kvmix__cache_fast_tasks(const kvmix_cache *cache, const int32_t *seqs,
+                                       int32_t n_seqs) {
+    int64_t n = 0;
+    int32_t i, spans, dead;
+    for (i = 0; i < n_seqs; i++) {
+        kvmix_cache_view_counts(cache, &seqs[i], 1, &spans, &dead);
+        n += (int64_t)cache->desc.n_kv_heads *
+             (spans == 0 ? 1 : (spans + KVMIX_DECODE_CHUNK_SPANS - 1) / KVMIX_DECODE_CHUNK_SPANS);
+    }
+    return n;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_decode_workspace(const kvmix_cache *cache, const int32_t *seqs,
+                                                   int32_t n_seqs, int32_t n_q_heads,
+                                                   size_t *out_bytes) {
+    int32_t n_spans, n_dead;
+    size_t fast;
+    kvmix_result r;
+    if (!out_bytes) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead)) != KVMIX_SUCCESS)
+        return r;
+    if (n_q_heads <= 0 || n_q_heads % cache->desc.n_kv_heads != 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    fast = kvmix__fast_workspace_bytes(n_seqs, kvmix__cache_fast_tasks(cache, seqs, n_seqs),
+                                       cache->desc.head_dim, n_q_heads / cache->desc.n_kv_heads);
+    if (kvmix__decode_workspace_bytes(n_seqs, n_spans, n_dead) == 0 || fast == 0)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    *out_bytes = kvmix__cache_fast_offset(n_seqs, n_spans, n_dead) + fast;
+    return KVMIX_SUCCESS;
+}
+
+KVMIXDEF kvmix_result kvmix_cache_decode_workspace_max(const kvmix_cache_desc *desc,
+                                                       int32_t n_seqs, int32_t n_q_heads,
+                                                       size_t *out_bytes, kvmix_error *out_error) {
+    kvmix_cache_desc d;
+    int64_t n_spans, chunks;
+    size_t view, fast;
+    kvmix__why w;
+    if (!desc || !out_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !desc ? "desc" : "out_bytes", "NULL");
+    d = *desc;
+    if ((w = kvmix__desc_resolve(&d)).result != KVMIX_SUCCESS) return kvmix__report(out_error, w);
+    if (n_seqs < 0 || n_seqs > d.max_seqs)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_seqs",
+                           "must be in 0 .. max_seqs");
+    if (n_q_heads <= 0 || n_q_heads % d.n_kv_heads != 0)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_q_heads",
+                           "must be a positive multiple of desc.n_kv_heads");
+    n_spans = (int64_t)n_seqs * d.max_pages_per_seq;
+    chunks = (d.max_pages_per_seq + KVMIX_DECODE_CHUNK_SPANS - 1) / KVMIX_DECODE_CHUNK_SPANS;
+    view = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_spans * d.page_tokens);
+    fast = kvmix__fast_workspace_bytes(n_seqs, (int64_t)n_seqs * d.n_kv_heads * (chunks ? chunks : 1),
+                                       d.head_dim, n_q_heads / d.n_kv_heads);
+    if (view == 0 || fast == 0 || kvmix__align8(view) + fast < fast)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_seqs",
+                           "more workspace than size_t counts");
+    *out_bytes = kvmix__align8(view) + fast;
+    return kvmix__succeed(out_error);
+}
+
+static kvmix__why kvmix__fast_decode(const kvmix_cache *cache, const int32_t *seqs,
+                                     int32_t n_seqs, int32_t layer, int32_t n_q_heads,
+                                     float scale, const float *q, float *out, float *lse,
+                                     void *workspace, size_t workspace_bytes,
+                                     const kvmix_parallel *parallel) {
+    int32_t n_spans, n_dead;
+    size_t need, spans_bytes, first_bytes, offset;
+    uint8_t *w = (uint8_t *)workspace;
+    kvmix_view view;
+    kvmix__why why;
+    if (!q || !out || !workspace)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                              !q     ? "q"
+                              : !out ? "out"
+                                     : "workspace",
+                              "NULL");
+    why = kvmix__ref_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, workspace);
+    if (why.result != KVMIX_SUCCESS) return why;
+    if (parallel && parallel->n_threads < 0)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "parallel", "n_threads is negative");
+    if (kvmix_cache_decode_workspace(cache, seqs, n_seqs, n_q_heads, &need) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seqs", "more workspace than size_t counts");
+    if (workspace_bytes < need)
+        return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "workspace_bytes",
+                              "less than kvmix_cache_decode_workspace");
+    kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead);
+    spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
+    first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
+    offset = kvmix__cache_fast_offset(n_seqs, n_spans, n_dead);
+    kvmix_cache_view(cache, seqs, n_seqs, layer, (kvmix_view_span *)(void *)w, n_spans,
+                     (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes, n_dead,
+                     &view);
+    if (kvmix_view_decode(&view, n_q_heads, scale, q, out, lse, w + offset,
+                          workspace_bytes - offset, parallel) != KVMIX_SUCCESS)
+        return kvmix__why_not(KVMIX_ERR_CORRUPT_DATA, "arena",
+                              "a view that does not check (kvmix_cache_check)");
+    return kvmix__why_ok();
+}
+
+KVMIXDEF kvmix_result kvmix_cache_decode(kvmix_cache *cache, const int32_t *seqs, int32_t n_seqs,
+                                         int32_t layer, int32_t n_q_heads, float scale,
+                                         const float *q, float *out, float *lse, void *workspace,
+                                         size_t workspace_bytes, const kvmix_parallel *parallel) {
+    if (!cache) return KVMIX_ERR_NULL_POINTER;
+    return kvmix__record(cache, kvmix__fast_decode(cache, seqs, n_seqs, layer, n_q_heads, scale, q,
+                                                   out, lse, workspace, workspace_bytes,
+                                                   parallel));
 }
 
 /* ---- accounting ----------------------------------------------------------------------------- */

@@ -25,6 +25,7 @@ static const test_unit test_units[] = {
     {"unit_attention", unit_attention},
     {"unit_cache", unit_cache},
     {"unit_view", unit_view},
+    {"unit_fast_decode", unit_fast_decode},
     {"unit_transfer", unit_transfer},
     {"unit_policy", unit_policy},
     {"unit_alloc", unit_alloc},

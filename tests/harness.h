@@ -24,6 +24,7 @@ void unit_attention(void);
 void unit_cache(void);
 void unit_device_arena(void);
 void unit_view(void);
+void unit_fast_decode(void);
 void unit_transfer(void);
 void unit_policy(void);
 void unit_alloc(void);

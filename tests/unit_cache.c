@@ -349,6 +349,56 @@ static void ct_verify(ct_model *m) {
     }
 }
 
+/* kvmix_cache_decode against the reference's out and lse (want_*): float rounding apart, the
+   same numbers, and the same bits on one thread or two. */
+static void ct_verify_fast_decode(ct_model *m, const int32_t *seqs, int32_t n, int32_t layer,
+                                  const float *q, const float *want, const float *want_lse) {
+    const kvmix_cache *c = &m->cache;
+    int32_t nq = 2 * c->desc.n_kv_heads, d = c->desc.head_dim, r, i;
+    size_t rows = (size_t)n * nq, ws_bytes = 0, max_bytes = 0;
+    float *out = (float *)test_alloc(rows * d * sizeof(float));
+    float *again = (float *)test_alloc(rows * d * sizeof(float));
+    float *lse = (float *)test_alloc(rows * sizeof(float));
+    kvmix_parallel two;
+    void *ws;
+    CHECK_RESULT(kvmix_cache_decode_workspace(c, seqs, n, nq, &ws_bytes), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_decode_workspace_max(&c->desc, n, nq, &max_bytes, NULL),
+                 KVMIX_SUCCESS);
+    CHECK_MSG(ws_bytes <= max_bytes, "fast decode workspace %zu above its bound %zu", ws_bytes,
+              max_bytes);
+    ws = test_alloc(ws_bytes);
+    CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws,
+                                    ws_bytes - 1, NULL),
+                 KVMIX_ERR_BUFFER_TOO_SMALL);
+    CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes,
+                                    NULL),
+                 KVMIX_SUCCESS);
+    for (r = 0; r < (int32_t)rows; r++) {
+        double err = 0.0, ref = 0.0;
+        for (i = 0; i < d; i++) {
+            double x = out[(size_t)r * d + i], y = want[(size_t)r * d + i];
+            err += (x - y) * (x - y);
+            ref += y * y;
+        }
+        CHECK_MSG(err <= 1e-10 * ref + 1e-20, "fast decode row %d: NMSE %.3g", (int)r,
+                  ref > 0 ? err / ref : err);
+        if (isinf(want_lse[r]))
+            CHECK(isinf(lse[r]) && lse[r] < 0);
+        else
+            CHECK_NEAR(lse[r], want_lse[r], 1e-5 * (1.0 + fabs(want_lse[r])));
+    }
+    memset(&two, 0, sizeof two);
+    two.n_threads = 2;
+    CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, again, NULL, ws,
+                                    ws_bytes, &two),
+                 KVMIX_SUCCESS);
+    CHECK_MEM_EQ(again, out, rows * d * sizeof(float));
+    free(out);
+    free(again);
+    free(lse);
+    free(ws);
+}
+
 /* Decode attention of a layer through the cache's view against attention over the rows read
    back: the positions written on that layer, the newest included. */
 static void ct_verify_decode(ct_model *m, int32_t layer) {
@@ -386,6 +436,7 @@ static void ct_verify_decode(ct_model *m, int32_t layer) {
         CHECK_MEM_EQ(out_no, out, out_bytes);
         free(out_no);
     }
+    ct_verify_fast_decode(m, seqs, n, layer, q, out, lse);
     for (i = 0; i < n; i++) {
         const ct_seq *cs = &m->seqs[seqs[i]];
         for (h = 0; h < nq; h++) {
