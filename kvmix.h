@@ -3401,25 +3401,39 @@ static void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
     for (; c < dim; c++) out[c] = kvmix__h2f_flat((uint16_t)(row[2 * c] | row[2 * c + 1] << 8));
 }
 
-/* n codes of `bits` bits (8, 4 or 2, low bits first) times scale plus min. */
+/* Eight codes of `bits` bits (4 or 2, low bits first) from the bytes at p, as an integer whose
+   bits 4j or 2j up hold code j: eight lanes of one shift each, which vectorizes where a byte
+   loop's shifts would not (x86 has no byte shifts). */
+static uint32_t kvmix__eight_codes(const uint8_t *p, int bits) {
+    return bits == 4 ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                           (uint32_t)p[3] << 24
+                     : (uint32_t)p[0] | (uint32_t)p[1] << 8;
+}
+
+/* n codes (n a multiple of 8) of `bits` bits times scale[c] plus min[c] (per channel), or times
+   scale[0] plus min[0] for every c when per_channel is 0. */
 static void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes, int bits, int32_t n,
-                                    float scale, float min, float *KVMIX__RESTRICT out) {
-    int32_t b;
+                                    const float *scale, const float *min, int per_channel,
+                                    float *KVMIX__RESTRICT out) {
+    uint32_t mask = (1u << bits) - 1u;
+    int32_t i, j;
     if (bits == 8) {
-        for (b = 0; b < n; b++) out[b] = (float)codes[b] * scale + min;
-    } else if (bits == 4) {
-        for (b = 0; b < n / 2; b++) {
-            out[2 * b] = (float)(codes[b] & 15u) * scale + min;
-            out[2 * b + 1] = (float)(codes[b] >> 4) * scale + min;
-        }
-    } else {
-        for (b = 0; b < n / 4; b++) {
-            out[4 * b] = (float)(codes[b] & 3u) * scale + min;
-            out[4 * b + 1] = (float)((codes[b] >> 2) & 3u) * scale + min;
-            out[4 * b + 2] = (float)((codes[b] >> 4) & 3u) * scale + min;
-            out[4 * b + 3] = (float)(codes[b] >> 6) * scale + min;
-        }
+        for (i = 0; i < n; i++)
+            out[i] = (float)codes[i] * scale[per_channel ? i : 0] + min[per_channel ? i : 0];
+        return;
     }
+    for (i = 0; i < n; i += 8) {
+        uint32_t word = kvmix__eight_codes(codes + i * bits / 8, bits);
+        for (j = 0; j < 8; j++)
+            out[i + j] = (float)((word >> (j * bits)) & mask) * scale[per_channel ? i + j : 0] +
+                         min[per_channel ? i + j : 0];
+    }
+}
+
+/* A group's (scale, min) pair as floats, through the branch-free FP16 conversion. */
+static void kvmix__meta_flat(const uint8_t *meta, float *scale, float *min) {
+    *scale = kvmix__h2f_flat((uint16_t)(meta[0] | meta[1] << 8));
+    *min = kvmix__h2f_flat((uint16_t)(meta[2] | meta[3] << 8));
 }
 
 /* What decoding a block's rows needs beyond its layout: per-channel blocks' scales, minimums
@@ -3449,20 +3463,18 @@ static void kvmix__row_decoder_open(kvmix__row_decoder *d, const kvmix_layout *l
 }
 
 static void kvmix__channel_row(const kvmix__row_decoder *d, int32_t t, float *KVMIX__RESTRICT out) {
-    const uint8_t *row = d->block + kvmix__row_at(&d->sections, t);
     int32_t c, dim = d->layout.head_dim;
-    if (d->layout.format != KVMIX_FORMAT_BOOSTED) {
-        for (c = 0; c < dim; c++)
-            out[c] = (float)((row[c >> 2] >> ((c & 3) * 2)) & 3u) * d->scale[c] + d->min[c];
-        return;
-    }
-    {
+    kvmix__dequantize_codes(d->block + kvmix__row_at(&d->sections, t), 2, dim, d->scale, d->min,
+                            1, out);
+    if (d->layout.format == KVMIX_FORMAT_BOOSTED) { /* the high bits add 4 * scale per unit */
         const uint8_t *high = d->block + kvmix__high_row_at(&d->sections, t);
         for (c = 0; c < dim; c++) {
-            uint32_t code = (row[c >> 2] >> ((c & 3) * 2)) & 3u;
             uint8_t slot = d->slot[c];
-            if (slot != KVMIX_BOOST_NONE) code |= ((high[slot >> 2] >> ((slot & 3) * 2)) & 3u) << 2;
-            out[c] = (float)code * d->scale[c] + d->min[c];
+            if (slot != KVMIX_BOOST_NONE)
+                out[c] = (float)(((uint32_t)(high[slot >> 2] >> ((slot & 3) * 2)) & 3u) << 2 |
+                                 kvmix__get_code(d->block + kvmix__row_at(&d->sections, t), c, 2)) *
+                             d->scale[c] +
+                         d->min[c];
         }
     }
 }
@@ -3481,10 +3493,11 @@ static void kvmix__decode_tile(const kvmix__row_decoder *d, int32_t t0, int32_t 
             int32_t groups = dim / l->group_size;
             for (g = 0; g < groups; g++) {
                 float scale, min;
-                kvmix__meta_at(d->block + kvmix__token_meta_at(&d->sections, t0 + i, groups, g),
-                               &scale, &min);
+                kvmix__meta_flat(d->block + kvmix__token_meta_at(&d->sections, t0 + i, groups, g),
+                                 &scale, &min);
                 kvmix__dequantize_codes(row + (size_t)g * l->group_size * bits / 8, bits,
-                                        l->group_size, scale, min, out + (size_t)g * l->group_size);
+                                        l->group_size, &scale, &min, 0,
+                                        out + (size_t)g * l->group_size);
             }
         } else {
             kvmix__channel_row(d, t0 + i, out);
@@ -3497,33 +3510,45 @@ typedef struct kvmix__partial {
     float *acc, *max, *sum;
 } kvmix__partial;
 
+/* e^x for x <= 0, -inf included (0): 2^n times a polynomial on the remainder, relative error
+   below 1e-6, in float arithmetic without calls or branches, so a loop of it vectorizes. */
+static float kvmix__exp_nonpositive(float x) {
+    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float clamped = x >= -87.0f ? x : -87.0f, n = (clamped * 1.44269504f + round) - round;
+    float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f; /* ln 2 in two parts */
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f +
+                                                   r * (0.00833333377f + r * 0.00138888892f)))));
+    float result = p * kvmix__bits_float((uint32_t)((int32_t)n + 127) << 23);
+    return x >= -87.0f ? result : 0.0f; /* and 0 for a NaN, never an int from it */
+}
+
 /* One query head's share of a decoded tile: logits of its live rows, one rescale, weights,
-   and the weighted sum of the value rows. */
+   and the weighted sum of the value rows, eight channels at a time held over the whole tile. */
 static void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const float *ktile,
                                const float *vtile, const uint8_t *dead, int32_t n, int32_t dim,
                                float scale, float *KVMIX__RESTRICT acc, float *max, float *sum) {
-    float logit[KVMIX__TILE_FLOATS / 8], tile_max = -INFINITY, total = 0.0f;
-    int32_t t, c;
+    float logit[KVMIX__TILE_FLOATS / 8], w[KVMIX__TILE_FLOATS / 8], tile_max = -INFINITY;
+    float total = 0.0f;
+    int32_t t, c, j;
     for (t = 0; t < n; t++) {
         logit[t] = dead && dead[t] ? -INFINITY : kvmix__dot(q, ktile + (size_t)t * dim, dim) * scale;
         if (logit[t] > tile_max) tile_max = logit[t];
     }
     if (tile_max == -INFINITY) return; /* every row dead */
     if (tile_max > *max) {
-        float rescale = expf(*max - tile_max); /* 0 on the first live tile */
+        float rescale = kvmix__exp_nonpositive(*max - tile_max); /* 0 on the first live tile */
         for (c = 0; c < dim; c++) acc[c] *= rescale;
         *sum *= rescale;
         *max = tile_max;
     }
-    for (t = 0; t < n; t++) {
-        float w = expf(logit[t] - *max); /* 0 for a dead row */
-        const float *KVMIX__RESTRICT v = vtile + (size_t)t * dim;
-        if (w == 0.0f) continue;
-        total += w;
-        for (c = 0; c < dim; c += 8) {
-            int32_t j;
-            for (j = 0; j < 8; j++) acc[c + j] += w * v[c + j];
-        }
+    for (t = 0; t < n; t++) w[t] = kvmix__exp_nonpositive(logit[t] - *max); /* dead rows: 0 */
+    for (t = 0; t < n; t++) total += w[t];
+    for (c = 0; c < dim; c += 8) {
+        float part[8];
+        for (j = 0; j < 8; j++) part[j] = acc[c + j];
+        for (t = 0; t < n; t++)
+            for (j = 0; j < 8; j++) part[j] += w[t] * vtile[(size_t)t * dim + c + j];
+        for (j = 0; j < 8; j++) acc[c + j] = part[j];
     }
     *sum += total;
 }

@@ -1,5 +1,5 @@
-/* Fuzz target: cache views from outside bytes, read by kvmix_view_check, kvmix_ref_view_decode
-   and kvmix_ref_view_score.
+/* Fuzz target: cache views from outside bytes, read by kvmix_view_check, kvmix_ref_view_decode,
+   the fast kvmix_view_decode and kvmix_ref_view_score.
 
    Build with libFuzzer:  clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. \
                               tests/fuzz_view.c -o build/fuzz_view -lm
@@ -21,7 +21,9 @@
    static scratch buffer that only the exact-size copy leaves. Decode and score read every live
    token for every query head, so more tokens or heads would cost time, not reach new code.
    Invariants (abort on violation): failed calls leave their outputs untouched; a successful
-   decode writes finite outputs and an lse that is finite or -infinity; a successful score
+   decode writes finite outputs and an lse that is finite or -infinity; the fast decode, which
+   checks the view's structure and not the packed bytes, succeeds where the reference does and
+   agrees with it (and reads nothing outside the blocks whatever they hold); a successful score
    writes no entry past its capacity. */
 #define KVMIX_IMPLEMENTATION
 #include "kvmix.h"
@@ -167,6 +169,35 @@ FUZZ_HARNESS static int all_finite(const float *x, size_t n) {
     return 1;
 }
 
+/* The fast decode on an exact-size workspace: untouched outputs on failure; where the
+   reference succeeded (want: its out), success and the reference's numbers. */
+static void check_fast_decode(const kvmix_view *v, int32_t n_q, const float *q, const float *want) {
+    float out[3 * MAX_Q * 128];
+    size_t n = (size_t)v->n_seqs * (size_t)n_q * (size_t)v->head_dim, bytes = 0, i;
+    void *ws;
+    kvmix_result r = kvmix_view_decode_workspace(v, n_q, &bytes);
+    if (r != KVMIX_SUCCESS) {
+        require(!want, "the fast decode has no workspace size for a view the reference read");
+        return;
+    }
+    ws = malloc(bytes ? bytes : 1);
+    if (!ws) abort();
+    memset(out, POISON, sizeof out);
+    r = kvmix_view_decode(v, n_q, 0.0f, q, out, NULL, ws, bytes, NULL);
+    free(ws);
+    if (r != KVMIX_SUCCESS) {
+        require(!want, "the fast decode refused a view the reference read");
+        require(all_poisoned(out, sizeof out), "failed fast decode wrote its output");
+        return;
+    }
+    require(all_poisoned((const uint8_t *)(out + n), sizeof out - n * sizeof(float)),
+            "fast decode wrote past its output");
+    if (want)
+        for (i = 0; i < n; i++)
+            require(fabsf(out[i] - want[i]) <= 1e-3f * (1.0f + fabsf(want[i])),
+                    "fast decode differs from the reference");
+}
+
 static void check_calls(const kvmix_view *v, int32_t n_q) {
     float q[3 * MAX_Q * 128], out[3 * MAX_Q * 128], lse[3 * MAX_Q], memory[MAX_Q * 128];
     float scores[SCORE_CAPACITY + 8];
@@ -188,6 +219,7 @@ static void check_calls(const kvmix_view *v, int32_t n_q) {
         for (i = 0; i < n; i++)
             require(isfinite(lse[i]) || lse[i] == -INFINITY, "lse is NaN or +inf");
     }
+    check_fast_decode(v, n_q, q, r == KVMIX_SUCCESS ? out : NULL);
     memset(scores, POISON, sizeof scores);
     r = kvmix_ref_view_score(v, 0, n_q, memory, scores, SCORE_CAPACITY);
     if (r != KVMIX_SUCCESS) require(all_poisoned(scores, sizeof scores), "failed score wrote");
