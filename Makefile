@@ -349,13 +349,20 @@ $(BUILD)/bench_alloc: bench/bench_alloc.c bench/bench_common.h kvmix.h | $(BUILD
 $(BUILD)/bench_tags: bench/bench_tags.c bench/bench_common.h kvmix.h | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(CFLAGS)"' -I. $< -o $@ $(LDLIBS)
 
+# The fast CPU decode as a user builds it for speed: this machine's vector units, FMA allowed.
+BENCH_CPU_FLAGS ?= -O2 -march=native -ffp-contract=fast
+$(BUILD)/bench_cpu_decode: bench/bench_cpu_decode.c bench/bench_common.h kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(BENCH_CPU_FLAGS) -DKVMIX_BENCH_CFLAGS='"$(CC) $(BENCH_CPU_FLAGS)"' -I. \
+		$< -o $@ -lm -lpthread
+
 bench: $(BUILD)/bench_formats $(BUILD)/bench_cache $(BUILD)/bench_bits $(BUILD)/bench_alloc \
-		$(BUILD)/bench_tags
+		$(BUILD)/bench_tags $(BUILD)/bench_cpu_decode
 	./$(BUILD)/bench_formats
 	./$(BUILD)/bench_cache
 	./$(BUILD)/bench_bits
 	./$(BUILD)/bench_alloc
 	./$(BUILD)/bench_tags
+	./$(BUILD)/bench_cpu_decode
 
 # ---- fuzzing (clang's libFuzzer) -------------------------------------------------------------
 FUZZ_SECONDS ?= 60

@@ -1147,10 +1147,13 @@ KVMIXDEF kvmix_result kvmix_payload_describe(const kvmix_payload_desc *desc, con
 
 /* Writes the header and tier table (info->head_bytes bytes) of the payload that `info` describes
    (from kvmix_payload_describe with the same tiers) into dst. A GPU sender copies them to the
-   device buffer before kvmix_cuda_payload_pack writes the body. Returns NULL_POINTER,
-   INVALID_ARGUMENT (info does not match the tiers), BUFFER_TOO_SMALL. */
+   device buffer before kvmix_cuda_payload_pack writes the body. *out_error (NULL: not wanted):
+   as describe's, "info" when it does not match the tiers, or the argument at fault. Returns
+   NULL_POINTER, describe's errors, INVALID_ARGUMENT (info does not match the tiers),
+   BUFFER_TOO_SMALL. */
 KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, const uint8_t *tiers,
-                                               void *dst, size_t dst_bytes);
+                                               void *dst, size_t dst_bytes,
+                                               kvmix_error *out_error);
 
 /* Packs a whole payload: head, then every layer's blocks quantized by the >>formats CPU
    reference. keys, values: [n_layers][n_tokens][n_kv_heads][head_dim] floats (the residuals for
@@ -7130,7 +7133,7 @@ static size_t kvmix__cache_fast_offset(int32_t n_seqs, int32_t n_spans, int32_t 
 static int64_t kvmix__cache_fast_tasks(const kvmix_cache *cache, const int32_t *seqs,
                                        int32_t n_seqs) {
     int64_t n = 0;
-    int32_t i, spans, dead;
+    int32_t i, spans = 0, dead = 0;
     for (i = 0; i < n_seqs; i++) {
         kvmix_cache_view_counts(cache, &seqs[i], 1, &spans, &dead);
         n += (int64_t)cache->desc.n_kv_heads *
@@ -7703,23 +7706,29 @@ KVMIXDEF kvmix_result kvmix_payload_describe(const kvmix_payload_desc *desc, con
 }
 
 KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, const uint8_t *tiers,
-                                               void *dst, size_t dst_bytes) {
+                                               void *dst, size_t dst_bytes,
+                                               kvmix_error *out_error) {
     kvmix_payload_info check;
     const kvmix_payload_desc *d;
     uint8_t *p = (uint8_t *)dst;
     kvmix_result r;
-    if (!info || !dst) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_payload_describe(&info->desc, tiers, &check, NULL)) != KVMIX_SUCCESS) return r;
+    if (!info || !dst)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !info ? "info" : "dst", "NULL");
+    if ((r = kvmix_payload_describe(&info->desc, tiers, &check, out_error)) != KVMIX_SUCCESS)
+        return r;
     if (memcmp(&check.desc, &info->desc, sizeof check.desc) != 0 || check.n_fp16 != info->n_fp16 ||
         check.n_int8 != info->n_int8 || check.n_int4 != info->n_int4 ||
         check.head_bytes != info->head_bytes || check.total_bytes != info->total_bytes)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    if (dst_bytes < info->head_bytes) return KVMIX_ERR_BUFFER_TOO_SMALL;
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "info",
+                           "not what kvmix_payload_describe gives for these tiers");
+    if (dst_bytes < info->head_bytes)
+        return kvmix__fail(out_error, KVMIX_ERR_BUFFER_TOO_SMALL, "dst_bytes",
+                           "less than info->head_bytes");
     d = &info->desc;
     memset(p, 0, info->head_bytes);
     kvmix__payload_header_put(info, p);
     if (d->n_tokens > 0) memcpy(p + KVMIX_PAYLOAD_HEADER_BYTES, tiers, (size_t)d->n_tokens);
-    return KVMIX_SUCCESS;
+    return kvmix__succeed(out_error);
 }
 
 /* Rows of layer l, kind kv of a [n_layers][n_tokens][n_kv_heads][head_dim] array. */
@@ -7756,7 +7765,7 @@ KVMIXDEF kvmix_result kvmix_payload_pack(const kvmix_payload_desc *desc, const u
                                            "a value not finite or beyond FP16's +-65504");
             }
         }
-    kvmix_payload_write_head(&info, tiers, dst, dst_bytes);
+    kvmix_payload_write_head(&info, tiers, dst, dst_bytes, NULL);
     memset((uint8_t *)dst + info.head_bytes, 0, info.total_bytes - info.head_bytes);
     for (layer = 0; layer < info.desc.n_layers; layer++)
         for (kv = 0; kv < 2; kv++)

@@ -64,7 +64,7 @@ def main():
     L = C.CDLL(args.lib)
     L.kvmix_payload_describe.argtypes = [C.POINTER(PayloadDesc), C.c_void_p, C.POINTER(PayloadInfo),
                                          C.c_void_p]  # kvmix_error *: None
-    L.kvmix_payload_write_head.argtypes = [C.POINTER(PayloadInfo), C.c_void_p, C.c_void_p, C.c_size_t]
+    L.kvmix_payload_write_head.argtypes = [C.POINTER(PayloadInfo), C.c_void_p, C.c_void_p, C.c_size_t, C.c_void_p]
     L.kvmix_cuda_payload_workspace_bytes.argtypes = [C.c_int32, C.POINTER(C.c_size_t)]
     L.kvmix_cuda_payload_pack.argtypes = [C.POINTER(PayloadInfo), C.c_void_p, C.c_void_p, C.c_int, C.c_void_p,
                                           C.c_void_p, C.c_size_t, C.c_void_p, C.c_void_p]
@@ -95,7 +95,7 @@ def main():
             info = PayloadInfo()
             check(L.kvmix_payload_describe(C.byref(desc), tiers.ctypes.data, C.byref(info), None), "describe")
             head = np.zeros(info.head_bytes, np.uint8)
-            check(L.kvmix_payload_write_head(C.byref(info), tiers.ctypes.data, head.ctypes.data, head.size), "head")
+            check(L.kvmix_payload_write_head(C.byref(info), tiers.ctypes.data, head.ctypes.data, head.size, None), "head")
             payloads = []
             for _ in range(sets):
                 p = torch.empty(info.total_bytes, dtype=torch.uint8, device="cuda")

@@ -217,7 +217,7 @@ bool pack_layer(worker *w, const layer_payloads *p, int32_t l, uint8_t *dst, cud
     kvmix_payload_info info;
     std::vector<uint8_t> head(p->info.head_bytes);
     KVMIX_OK(kvmix_payload_describe(&d, p->tiers, &info, NULL), "describing a payload");
-    KVMIX_OK(kvmix_payload_write_head(&info, p->tiers, head.data(), head.size()), "a head");
+    KVMIX_OK(kvmix_payload_write_head(&info, p->tiers, head.data(), head.size(), NULL), "a head");
     CUDA_OK(cudaMemcpyAsync(dst, head.data(), head.size(), cudaMemcpyHostToDevice, s), "a head");
     CUDA_OK(cudaStreamSynchronize(s), "a head"); /* head is host memory that goes away */
     size_t layer = (size_t)p->n_tokens * row_halves(c) * (size_t)l;

@@ -1004,7 +1004,7 @@ static void test_payload_case(kvmix_payload_kind kind, int d, int g, int n, int 
     kvmix_payload_info info;
     kvmix_result rd = kvmix_payload_describe(&desc, tiers.data(), &info, NULL);
     std::vector<uint8_t> head(info.head_bytes);
-    kvmix_result rh = kvmix_payload_write_head(&info, tiers.data(), head.data(), head.size());
+    kvmix_result rh = kvmix_payload_write_head(&info, tiers.data(), head.data(), head.size(), NULL);
     snprintf(name, sizeof name, "payload describe/write_head kind %d D %d G %d n %d", kind, d, g,
              n);
     check(rd == KVMIX_SUCCESS && rh == KVMIX_SUCCESS, name);

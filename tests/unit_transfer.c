@@ -586,10 +586,21 @@ static void test_bad_packs(void) {
     /* write_head refuses an info that does not describe these tiers */
     CHECK_RESULT(kvmix_payload_describe(&pc.desc, pc.tiers, &info, &why), KVMIX_SUCCESS);
     CHECK_ERROR(why, "");
+    CHECK_RESULT(kvmix_payload_write_head(&info, pc.tiers, dst, info.head_bytes - 1, &why),
+                 KVMIX_ERR_BUFFER_TOO_SMALL);
+    CHECK_ERROR(why, "dst_bytes");
+    CHECK_RESULT(kvmix_payload_write_head(&info, pc.tiers, NULL, info.head_bytes, &why),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_ERROR(why, "dst");
     info.n_fp16++;
-    CHECK_RESULT(kvmix_payload_write_head(&info, pc.tiers, dst, info.total_bytes),
+    CHECK_RESULT(kvmix_payload_write_head(&info, pc.tiers, dst, info.total_bytes, &why),
                  KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "info");
     CHECK(test_is_poisoned(dst, info.total_bytes - 1, 9));
+    info.n_fp16--;
+    CHECK_RESULT(kvmix_payload_write_head(&info, pc.tiers, dst, info.total_bytes, &why),
+                 KVMIX_SUCCESS);
+    CHECK_ERROR(why, "");
     free(dst);
     free_case(&pc);
 }
