@@ -7135,6 +7135,7 @@ static int64_t kvmix__cache_fast_tasks(const kvmix_cache *cache, const int32_t *
     int64_t n = 0;
     int32_t i, spans = 0, dead = 0;
     for (i = 0; i < n_seqs; i++) {
+        spans = 0; /* the callers counted these sequences together first: this call succeeds */
         kvmix_cache_view_counts(cache, &seqs[i], 1, &spans, &dead);
         n += (int64_t)cache->desc.n_kv_heads *
              (spans == 0 ? 1 : (spans + KVMIX_DECODE_CHUNK_SPANS - 1) / KVMIX_DECODE_CHUNK_SPANS);

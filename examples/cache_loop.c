@@ -2,7 +2,8 @@
 
    A shared system prompt is prefilled once and forked into two sessions (prefix sharing); each
    session then decodes token by token: reserve the position, and for each layer write its K/V
-   rows and run attention over what the cache holds for that layer. Pages fill an FP16 buffer and
+   rows and run attention over what the cache holds for that layer (kvmix_cache_decode, the fast
+   CPU decode, on two threads; kvmix_cache_ref_decode is its reference). Pages fill an FP16 buffer and
    are sealed into 2-bit per-channel keys and 2-bit values once they leave the FP16 window, so
    decoded tokens reach 2 bits too. Halfway, one session evicts the oldest half of its history.
    The program prints the cache's accounting and exits nonzero if any call fails.
@@ -40,10 +41,11 @@ static void fill(float *x, size_t n) {
         }                                                                                          \
     } while (0)
 
-/* Workspace of the reference decode: allocated once, at its bound for one sequence. */
+/* Workspace of the decode: allocated once, at its bound for one sequence; and its threads. */
 typedef struct workspace {
     void *memory;
     size_t bytes;
+    kvmix_parallel parallel;
 } workspace;
 
 /* One decode step of one sequence: a new position, then per layer its rows and its attention. */
@@ -57,8 +59,8 @@ static int decode_step(kvmix_cache *cache, int32_t seq, const workspace *w) {
         fill(values, ROW_FLOATS);
         fill(q, N_Q_HEADS * HEAD_DIM);
         TRY(cache, kvmix_cache_write(cache, seq, layer, position, 1, keys, values));
-        TRY(cache, kvmix_cache_ref_decode(cache, &seq, 1, layer, N_Q_HEADS, 0.0f, q, out, lse,
-                                          w->memory, w->bytes));
+        TRY(cache, kvmix_cache_decode(cache, &seq, 1, layer, N_Q_HEADS, 0.0f, q, out, lse,
+                                      w->memory, w->bytes, &w->parallel));
     }
     return 0;
 }
@@ -79,7 +81,7 @@ int main(void) {
     static float prompt_k[N_LAYERS * PROMPT * ROW_FLOATS], prompt_v[N_LAYERS * PROMPT * ROW_FLOATS];
     static int32_t old[PROMPT];
     int32_t prompt, session[2], step, i;
-    workspace w = {NULL, 0};
+    workspace w = {NULL, 0, {2, NULL, NULL}}; /* 2 threads (or parallel_for: a pool's) */
 
     desc.n_layers = N_LAYERS;
     desc.n_kv_heads = N_KV_HEADS;
@@ -99,7 +101,7 @@ int main(void) {
            "arena %zu bytes\n",
            desc.n_layers, desc.n_kv_heads, desc.head_dim, desc.page_tokens, desc.n_sink,
            desc.n_window, desc.arena_bytes);
-    TRY(&cache, kvmix_cache_ref_decode_workspace_max(&desc, 1, &w.bytes, NULL));
+    TRY(&cache, kvmix_cache_decode_workspace_max(&desc, 1, N_Q_HEADS, &w.bytes, NULL));
     if (!(w.memory = malloc(w.bytes))) return 1;
 
     /* prefill the shared prompt once ([layer][token][head][dim] rows), then fork two sessions */

@@ -484,6 +484,8 @@ typedef struct head_view {
     int32_t first[2];       /* seq_first_span of a one-sequence view */
     uint8_t *dead;          /* [max_dead] */
     float *lse;             /* [n_heads]: the decode's log-sum-exp, unused here */
+    void *decode_ws;        /* kvmix_view_decode's workspace, grown to what a view asks */
+    size_t decode_ws_bytes; /* its size */
     float *scores;          /* [max_dead]: a recorded step's attention by view token */
     int32_t *positions;     /* [max_dead]: each view token's position (-1: none) */
 } head_view;
@@ -579,8 +581,22 @@ static llama_result record_attend(kv_kvmix *kv, head_view *hv, const kvmix_view 
     return LLAMA_OK;
 }
 
+/* Grows kv head hv's decode workspace to what kvmix_view_decode asks for `view` (malloc's
+ * alignment covers the 8 bytes it needs): LLAMA_ERR_ARGUMENT on a bad view, LLAMA_ERR_MEMORY. */
+static llama_result decode_workspace(head_view *hv, const kvmix_view *view, int32_t n_q) {
+    size_t need;
+    if (kvmix_view_decode_workspace(view, n_q, &need) != KVMIX_SUCCESS) return LLAMA_ERR_ARGUMENT;
+    if (need <= hv->decode_ws_bytes) return LLAMA_OK;
+    void *grown = realloc(hv->decode_ws, need);
+    if (grown == NULL) return LLAMA_ERR_MEMORY;
+    hv->decode_ws = grown;
+    hv->decode_ws_bytes = need;
+    return LLAMA_OK;
+}
+
 /* Attention over exactly what the cache holds for the layer: its view (every page in its own
- * formats, evicted rows flagged dead), decoded by kvmix's reference attention. */
+ * formats, evicted rows flagged dead), decoded by kvmix's fast CPU decode on this thread (the
+ * runner already runs the kv heads on threads of their own). */
 static llama_result kv_kvmix_attend(void *state, int32_t layer, int32_t kv_head, const float *q,
                                     int32_t n_q, float scale, float *out) {
     kv_kvmix *kv = state;
@@ -593,7 +609,10 @@ static llama_result kv_kvmix_attend(void *state, int32_t layer, int32_t kv_head,
                          hv->dead, kv->max_dead, &view) != KVMIX_SUCCESS)
         return LLAMA_ERR_ARGUMENT;
     view_select_head(&view, hv->spans, kv_head);
-    if (kvmix_ref_view_decode(&view, n_q, scale, q, out, hv->lse) != KVMIX_SUCCESS)
+    llama_result r = decode_workspace(hv, &view, n_q);
+    if (r != LLAMA_OK) return r;
+    if (kvmix_view_decode(&view, n_q, scale, q, out, hv->lse, hv->decode_ws, hv->decode_ws_bytes,
+                          NULL) != KVMIX_SUCCESS)
         return LLAMA_ERR_ARGUMENT;
     return kv->observe ? record_attend(kv, hv, &view, layer, kv_head, q, n_q) : LLAMA_OK;
 }
@@ -701,6 +720,7 @@ static void kv_kvmix_destroy(void *state) {
         free(kv->heads[h].spans);
         free(kv->heads[h].dead);
         free(kv->heads[h].lse);
+        free(kv->heads[h].decode_ws);
         free(kv->heads[h].scores);
         free(kv->heads[h].positions);
     }

@@ -10,8 +10,9 @@
  * the policy by kvmix_policy_apply. store() of layer 0 reserves the position, store() of every
  * layer writes that layer's row (kvmix_cache_write), and attend() reads exactly what the cache
  * holds: the layer's view (kvmix_cache_view, every page in its own formats, evicted positions
- * flagged dead) decoded by kvmix's reference attention (kvmix_ref_view_decode) for one kv head.
- * There is no float copy of the history: what the runner scores is what the cache stores.
+ * flagged dead) decoded by kvmix's fast CPU decode (kvmix_view_decode, on the calling thread) for
+ * one kv head; it agrees with the reference (kvmix_ref_view_decode) within float rounding. There
+ * is no float copy of the history: what the runner scores is what the cache stores.
  *
  * Errors: functions return llama_result and, where they take (err, err_bytes), write a one-line
  * message into that caller-owned buffer. Nothing here prints or exits. Thread safety: as

@@ -23,7 +23,7 @@ static int check_cache_loop(void) {
     kvmix_cache_stats stats;
     float k[CHECK_ROW], v[CHECK_ROW], q[CHECK_ROW], out[CHECK_ROW], lse[CHECK_HEADS];
     double workspace[512];
-    size_t need = 0, bound = 0;
+    size_t need = 0, bound = 0, fast_bound = 0;
     int32_t seq = -1, pos = 0, step, layer, i, failed = 0;
     memset(&desc, 0, sizeof desc);
     desc.n_layers = CHECK_LAYERS;
@@ -37,6 +37,9 @@ static int check_cache_loop(void) {
     failed |= kvmix_cache_seq_create(&cache, &seq) != KVMIX_SUCCESS;
     failed |= kvmix_cache_ref_decode_workspace_max(&desc, 1, &bound, NULL) != KVMIX_SUCCESS ||
               bound > sizeof workspace;
+    failed |= kvmix_cache_decode_workspace_max(&desc, 1, CHECK_HEADS, &fast_bound, NULL) !=
+                  KVMIX_SUCCESS ||
+              fast_bound > sizeof workspace;
     for (step = 0; step < CHECK_STEPS && !failed; step++) {
         failed |= kvmix_cache_reserve(&cache, seq, 1, NULL, &pos) != KVMIX_SUCCESS;
         for (layer = 0; layer < CHECK_LAYERS && !failed; layer++) {
@@ -48,6 +51,8 @@ static int check_cache_loop(void) {
             failed |= kvmix_cache_write(&cache, seq, layer, pos, 1, k, v) != KVMIX_SUCCESS;
             failed |= kvmix_cache_ref_decode(&cache, &seq, 1, layer, CHECK_HEADS, 0.0f, q, out, lse,
                                              workspace, sizeof workspace) != KVMIX_SUCCESS;
+            failed |= kvmix_cache_decode(&cache, &seq, 1, layer, CHECK_HEADS, 0.0f, q, out, lse,
+                                         workspace, sizeof workspace, NULL) != KVMIX_SUCCESS;
         }
     }
     failed |= kvmix_cache_read(&cache, seq, 0, 0, k, v, NULL) != KVMIX_SUCCESS;
@@ -55,6 +60,8 @@ static int check_cache_loop(void) {
     failed |= kvmix_cache_check(&cache) != KVMIX_SUCCESS;
     failed |=
         kvmix_cache_ref_decode_workspace(&cache, &seq, 1, &need) != KVMIX_SUCCESS || need > bound;
+    failed |= kvmix_cache_decode_workspace(&cache, &seq, 1, CHECK_HEADS, &need) != KVMIX_SUCCESS ||
+              need > fast_bound;
     failed |= kvmix_cache_last_error(&cache)[0] != '\0';
     kvmix_cache_deinit(&cache);
     return failed;
