@@ -963,9 +963,9 @@ KVMIXDEF kvmix_result kvmix_cache_decode_workspace(const kvmix_cache *cache, con
    of this desc with n_q_heads query heads, whatever they hold, so a loop allocates it once.
    Returns NULL_POINTER, kvmix_cache_desc_resolve's errors or INVALID_ARGUMENT (n_seqs,
    n_q_heads, more than size_t bytes), with *out_error naming the field. */
-KVMIXDEF kvmix_result kvmix_cache_decode_workspace_max(const kvmix_cache_desc *desc,
-                                                       int32_t n_seqs, int32_t n_q_heads,
-                                                       size_t *out_bytes, kvmix_error *out_error);
+KVMIXDEF kvmix_result kvmix_cache_decode_workspace_max(const kvmix_cache_desc *desc, int32_t n_seqs,
+                                                       int32_t n_q_heads, size_t *out_bytes,
+                                                       kvmix_error *out_error);
 
 /* The fast decode step of layer `layer` over cached sequences: kvmix_cache_ref_decode's
    arguments and result, plus how to run in parallel (see kvmix_view_decode; NULL: the calling
@@ -1152,8 +1152,7 @@ KVMIXDEF kvmix_result kvmix_payload_describe(const kvmix_payload_desc *desc, con
    NULL_POINTER, describe's errors, INVALID_ARGUMENT (info does not match the tiers),
    BUFFER_TOO_SMALL. */
 KVMIXDEF kvmix_result kvmix_payload_write_head(const kvmix_payload_info *info, const uint8_t *tiers,
-                                               void *dst, size_t dst_bytes,
-                                               kvmix_error *out_error);
+                                               void *dst, size_t dst_bytes, kvmix_error *out_error);
 
 /* Packs a whole payload: head, then every layer's blocks quantized by the >>formats CPU
    reference. keys, values: [n_layers][n_tokens][n_kv_heads][head_dim] floats (the residuals for
@@ -3398,8 +3397,8 @@ static void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
     int32_t c = 0;
 #if defined(__F16C__) && defined(__AVX__)
     for (; c < dim; c += 8) /* dim is a multiple of 8 */
-        _mm256_storeu_ps(out + c,
-                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * c))));
+        _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128(
+                                      (const __m128i *)(const void *)(row + 2 * c))));
 #endif
     for (; c < dim; c++) out[c] = kvmix__h2f_flat((uint16_t)(row[2 * c] | row[2 * c + 1] << 8));
 }
@@ -3408,9 +3407,9 @@ static void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
    bits 4j or 2j up hold code j: eight lanes of one shift each, which vectorizes where a byte
    loop's shifts would not (x86 has no byte shifts). */
 static uint32_t kvmix__eight_codes(const uint8_t *p, int bits) {
-    return bits == 4 ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                           (uint32_t)p[3] << 24
-                     : (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    return bits == 4
+               ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24
+               : (uint32_t)p[0] | (uint32_t)p[1] << 8;
 }
 
 /* n codes (n a multiple of 8) of `bits` bits times scale[c] plus min[c] (per channel), or times
@@ -3467,8 +3466,8 @@ static void kvmix__row_decoder_open(kvmix__row_decoder *d, const kvmix_layout *l
 
 static void kvmix__channel_row(const kvmix__row_decoder *d, int32_t t, float *KVMIX__RESTRICT out) {
     int32_t c, dim = d->layout.head_dim;
-    kvmix__dequantize_codes(d->block + kvmix__row_at(&d->sections, t), 2, dim, d->scale, d->min,
-                            1, out);
+    kvmix__dequantize_codes(d->block + kvmix__row_at(&d->sections, t), 2, dim, d->scale, d->min, 1,
+                            out);
     if (d->layout.format == KVMIX_FORMAT_BOOSTED) { /* the high bits add 4 * scale per unit */
         const uint8_t *high = d->block + kvmix__high_row_at(&d->sections, t);
         for (c = 0; c < dim; c++) {
@@ -3519,8 +3518,9 @@ static float kvmix__exp_nonpositive(float x) {
     const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     float clamped = x >= -87.0f ? x : -87.0f, n = (clamped * 1.44269504f + round) - round;
     float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f; /* ln 2 in two parts */
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (0.0416666679f +
-                                                   r * (0.00833333377f + r * 0.00138888892f)))));
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f +
+                                                  r * (0.0416666679f + r * (0.00833333377f +
+                                                                            r * 0.00138888892f)))));
     float result = p * kvmix__bits_float((uint32_t)((int32_t)n + 127) << 23);
     return x >= -87.0f ? result : 0.0f; /* and 0 for a NaN, never an int from it */
 }
@@ -3534,7 +3534,8 @@ static void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const float *ktil
     float total = 0.0f;
     int32_t t, c, j;
     for (t = 0; t < n; t++) {
-        logit[t] = dead && dead[t] ? -INFINITY : kvmix__dot(q, ktile + (size_t)t * dim, dim) * scale;
+        logit[t] =
+            dead && dead[t] ? -INFINITY : kvmix__dot(q, ktile + (size_t)t * dim, dim) * scale;
         if (logit[t] > tile_max) tile_max = logit[t];
     }
     if (tile_max == -INFINITY) return; /* every row dead */
@@ -3613,7 +3614,10 @@ static void kvmix__fast_task(void *arg, int32_t task) {
     kvmix__partial p = kvmix__partial_at(job, task);
     while (hi - lo > 1) { /* the sequence whose tasks hold this one */
         int32_t mid = lo + (hi - lo) / 2;
-        if (job->task_first[mid] <= task) lo = mid; else hi = mid;
+        if (job->task_first[mid] <= task)
+            lo = mid;
+        else
+            hi = mid;
     }
     s = lo;
     chunks = kvmix__chunks_of(view, s);
@@ -3629,8 +3633,8 @@ static void kvmix__fast_task(void *arg, int32_t task) {
     if (end > view->seq_first_span[s + 1]) end = view->seq_first_span[s + 1];
     for (; i < end; i++)
         kvmix__fast_span(view, &view->spans[i], h,
-                         job->q + ((size_t)s * job->n_q_heads + (size_t)h * job->group) *
-                                      view->head_dim,
+                         job->q +
+                             ((size_t)s * job->n_q_heads + (size_t)h * job->group) * view->head_dim,
                          job->group, job->scale, p);
 }
 
@@ -3706,8 +3710,8 @@ static void kvmix__run_tasks(const kvmix_parallel *parallel, int32_t n_tasks, kv
             stride[i].first = i;
             stride[i].step = n;
             /* a thread that cannot start leaves its tasks to the calling thread */
-            started[i] = i < n - 1 && pthread_create(&thread[i], NULL, kvmix__stride_run,
-                                                      &stride[i]) == 0;
+            started[i] =
+                i < n - 1 && pthread_create(&thread[i], NULL, kvmix__stride_run, &stride[i]) == 0;
         }
         for (i = 0; i < n; i++)
             if (!started[i]) kvmix__stride_run(&stride[i]);
@@ -7133,9 +7137,8 @@ static size_t kvmix__cache_fast_offset(int32_t n_seqs, int32_t n_spans, int32_t 
 static int64_t kvmix__cache_fast_tasks(const kvmix_cache *cache, const int32_t *seqs,
                                        int32_t n_seqs) {
     int64_t n = 0;
-    int32_t i, spans = 0, dead = 0;
+    int32_t i, spans = 0, dead = 0; /* the callers counted these sequences first: it succeeds */
     for (i = 0; i < n_seqs; i++) {
-        spans = 0; /* the callers counted these sequences together first: this call succeeds */
         kvmix_cache_view_counts(cache, &seqs[i], 1, &spans, &dead);
         n += (int64_t)cache->desc.n_kv_heads *
              (spans == 0 ? 1 : (spans + KVMIX_DECODE_CHUNK_SPANS - 1) / KVMIX_DECODE_CHUNK_SPANS);
@@ -7162,9 +7165,9 @@ KVMIXDEF kvmix_result kvmix_cache_decode_workspace(const kvmix_cache *cache, con
     return KVMIX_SUCCESS;
 }
 
-KVMIXDEF kvmix_result kvmix_cache_decode_workspace_max(const kvmix_cache_desc *desc,
-                                                       int32_t n_seqs, int32_t n_q_heads,
-                                                       size_t *out_bytes, kvmix_error *out_error) {
+KVMIXDEF kvmix_result kvmix_cache_decode_workspace_max(const kvmix_cache_desc *desc, int32_t n_seqs,
+                                                       int32_t n_q_heads, size_t *out_bytes,
+                                                       kvmix_error *out_error) {
     kvmix_cache_desc d;
     int64_t n_spans, chunks;
     size_t view, fast;
@@ -7182,8 +7185,9 @@ KVMIXDEF kvmix_result kvmix_cache_decode_workspace_max(const kvmix_cache_desc *d
     n_spans = (int64_t)n_seqs * d.max_pages_per_seq;
     chunks = (d.max_pages_per_seq + KVMIX_DECODE_CHUNK_SPANS - 1) / KVMIX_DECODE_CHUNK_SPANS;
     view = kvmix__decode_workspace_bytes(n_seqs, n_spans, n_spans * d.page_tokens);
-    fast = kvmix__fast_workspace_bytes(n_seqs, (int64_t)n_seqs * d.n_kv_heads * (chunks ? chunks : 1),
-                                       d.head_dim, n_q_heads / d.n_kv_heads);
+    fast =
+        kvmix__fast_workspace_bytes(n_seqs, (int64_t)n_seqs * d.n_kv_heads * (chunks ? chunks : 1),
+                                    d.head_dim, n_q_heads / d.n_kv_heads);
     if (view == 0 || fast == 0 || kvmix__align8(view) + fast < fast)
         return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_seqs",
                            "more workspace than size_t counts");
@@ -7191,11 +7195,10 @@ KVMIXDEF kvmix_result kvmix_cache_decode_workspace_max(const kvmix_cache_desc *d
     return kvmix__succeed(out_error);
 }
 
-static kvmix__why kvmix__fast_decode(const kvmix_cache *cache, const int32_t *seqs,
-                                     int32_t n_seqs, int32_t layer, int32_t n_q_heads,
-                                     float scale, const float *q, float *out, float *lse,
-                                     void *workspace, size_t workspace_bytes,
-                                     const kvmix_parallel *parallel) {
+static kvmix__why kvmix__fast_decode(const kvmix_cache *cache, const int32_t *seqs, int32_t n_seqs,
+                                     int32_t layer, int32_t n_q_heads, float scale, const float *q,
+                                     float *out, float *lse, void *workspace,
+                                     size_t workspace_bytes, const kvmix_parallel *parallel) {
     int32_t n_spans, n_dead;
     size_t need, spans_bytes, first_bytes, offset;
     uint8_t *w = (uint8_t *)workspace;
@@ -7212,7 +7215,8 @@ static kvmix__why kvmix__fast_decode(const kvmix_cache *cache, const int32_t *se
     if (parallel && parallel->n_threads < 0)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "parallel", "n_threads is negative");
     if (kvmix_cache_decode_workspace(cache, seqs, n_seqs, n_q_heads, &need) != KVMIX_SUCCESS)
-        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seqs", "more workspace than size_t counts");
+        return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seqs",
+                              "more workspace than size_t counts");
     if (workspace_bytes < need)
         return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "workspace_bytes",
                               "less than kvmix_cache_decode_workspace");
@@ -7236,8 +7240,7 @@ KVMIXDEF kvmix_result kvmix_cache_decode(kvmix_cache *cache, const int32_t *seqs
                                          size_t workspace_bytes, const kvmix_parallel *parallel) {
     if (!cache) return KVMIX_ERR_NULL_POINTER;
     return kvmix__record(cache, kvmix__fast_decode(cache, seqs, n_seqs, layer, n_q_heads, scale, q,
-                                                   out, lse, workspace, workspace_bytes,
-                                                   parallel));
+                                                   out, lse, workspace, workspace_bytes, parallel));
 }
 
 /* ---- accounting ----------------------------------------------------------------------------- */

@@ -24,11 +24,11 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#define N_KV      8
-#define HEAD_DIM  128
-#define N_Q       32
-#define PAGE      32
-#define COPY_MIB  256
+#define N_KV     8
+#define HEAD_DIM 128
+#define N_Q      32
+#define PAGE     32
+#define COPY_MIB 256
 
 typedef struct bench_mix {
     const char *name;
@@ -196,10 +196,10 @@ static double median_seconds(const decode_run *r, int reference, const kvmix_par
     int32_t i;
     for (i = 0; i < repeat; i++) {
         double t0 = now_seconds();
-        kvmix_result res =
-            reference ? kvmix_ref_view_decode(r->view, N_Q, 0.0f, r->q, r->out, r->lse)
-                      : kvmix_view_decode(r->view, N_Q, 0.0f, r->q, r->out, r->lse, r->ws,
-                                          r->ws_bytes, parallel);
+        kvmix_result res = reference
+                               ? kvmix_ref_view_decode(r->view, N_Q, 0.0f, r->q, r->out, r->lse)
+                               : kvmix_view_decode(r->view, N_Q, 0.0f, r->q, r->out, r->lse, r->ws,
+                                                   r->ws_bytes, parallel);
         t[i] = now_seconds() - t0;
         if (res != KVMIX_SUCCESS) {
             fprintf(stderr, "bench_cpu_decode: decode failed: %s\n", kvmix_result_string(res));
@@ -229,8 +229,10 @@ int main(int argc, char **argv) {
     double copy1, copy_all, fp16_one[2] = {0, 0};
     float q[N_Q * HEAD_DIM];
     for (i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) threads = atoi(argv[++i]);
-        else if (strcmp(argv[i], "--repeat") == 0 && i + 1 < argc) repeat = atoi(argv[++i]);
+        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc)
+            threads = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--repeat") == 0 && i + 1 < argc)
+            repeat = atoi(argv[++i]);
         else if (strcmp(argv[i], "--reference-repeat") == 0 && i + 1 < argc) {
             ref_repeat = atoi(argv[++i]);
             ref_at_32k = 1;
@@ -273,8 +275,10 @@ int main(int argc, char **argv) {
             memset(&all, 0, sizeof all);
             all.n_threads = threads;
             bytes = (double)bv.view.base_bytes;
-            if (c == 0 || ref_at_32k) t_ref = median_seconds(&r, 1, NULL, ref_repeat);
-            else median_seconds(&r, 1, NULL, 1); /* its output, for the agreement check */
+            if (c == 0 || ref_at_32k)
+                t_ref = median_seconds(&r, 1, NULL, ref_repeat);
+            else
+                median_seconds(&r, 1, NULL, 1); /* its output, for the agreement check */
             memcpy(ref_out, r.out, sizeof q);
             memcpy(ref_lse, r.lse, N_Q * sizeof(float));
             t_one = median_seconds(&r, 0, NULL, repeat);
@@ -282,12 +286,16 @@ int main(int argc, char **argv) {
             t_all = median_seconds(&r, 0, &all, repeat);
             if (m == 0) fp16_one[c] = t_one;
             printf("| %s | %d | %.1f | ", MIXES[m].name, CONTEXTS[c], bytes / 1e6);
-            if (t_ref > 0.0) printf("%.2f | ", t_ref * 1e3);
-            else printf("- | ");
+            if (t_ref > 0.0)
+                printf("%.2f | ", t_ref * 1e3);
+            else
+                printf("- | ");
             printf("%.2f | %.2f | %.0f%% | ", t_one * 1e3, bytes / t_one / 1e9,
                    100.0 * bytes / t_one / copy1);
-            if (t_ref > 0.0) printf("%.1f | ", t_ref / t_one);
-            else printf("- | ");
+            if (t_ref > 0.0)
+                printf("%.1f | ", t_ref / t_one);
+            else
+                printf("- | ");
             printf("%.2f | %.2f | %.0f%% | %.2f |\n", t_all * 1e3, bytes / t_all / 1e9,
                    100.0 * bytes / t_all / copy_all, fp16_one[c] / t_one);
             if (diff > 1e-4) {

@@ -370,9 +370,9 @@ static void ct_verify_fast_decode(ct_model *m, const int32_t *seqs, int32_t n, i
     CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws,
                                     ws_bytes - 1, NULL),
                  KVMIX_ERR_BUFFER_TOO_SMALL);
-    CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes,
-                                    NULL),
-                 KVMIX_SUCCESS);
+    CHECK_RESULT(
+        kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes, NULL),
+        KVMIX_SUCCESS);
     for (r = 0; r < (int32_t)rows; r++) {
         double err = 0.0, ref = 0.0;
         for (i = 0; i < d; i++) {
@@ -389,9 +389,9 @@ static void ct_verify_fast_decode(ct_model *m, const int32_t *seqs, int32_t n, i
     }
     memset(&two, 0, sizeof two);
     two.n_threads = 2;
-    CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, again, NULL, ws,
-                                    ws_bytes, &two),
-                 KVMIX_SUCCESS);
+    CHECK_RESULT(
+        kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, again, NULL, ws, ws_bytes, &two),
+        KVMIX_SUCCESS);
     CHECK_MEM_EQ(again, out, rows * d * sizeof(float));
     free(out);
     free(again);

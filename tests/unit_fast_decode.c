@@ -39,10 +39,10 @@ static kvmix_layout fd_layout(const kvmix_view *v, kvmix_format format, int is_v
     l.format = format;
     l.n_tokens = n_tokens;
     l.head_dim = v->head_dim;
-    l.group_size = format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 ||
-                           format == KVMIX_FORMAT_INT2
-                       ? group
-                       : 0;
+    l.group_size =
+        format == KVMIX_FORMAT_INT8 || format == KVMIX_FORMAT_INT4 || format == KVMIX_FORMAT_INT2
+            ? group
+            : 0;
     l.n_boost = format == KVMIX_FORMAT_BOOSTED ? v->n_boost : 0;
     return l;
 }
@@ -157,8 +157,8 @@ static void fd_check_view(test_rng *rng, const fd_view *fv, int32_t nq) {
     CHECK_RESULT(kvmix_ref_view_decode(v, nq, 0.0f, q, want, want_lse), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_view_decode(v, nq, 0.0f, q, got, lse, ws, ws_bytes, NULL), KVMIX_SUCCESS);
     for (r = 0; r < (int32_t)rows; r++) {
-        double e = fd_nmse(got + (size_t)r * v->head_dim, want + (size_t)r * v->head_dim,
-                           v->head_dim);
+        double e =
+            fd_nmse(got + (size_t)r * v->head_dim, want + (size_t)r * v->head_dim, v->head_dim);
         CHECK_MSG(e < 1e-10, "row %d: NMSE %.3g against the reference", (int)r, e);
         if (isinf(want_lse[r]))
             CHECK(isinf(lse[r]) && lse[r] < 0);
