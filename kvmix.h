@@ -2927,7 +2927,7 @@ static void kvmix__softmax_add(kvmix__softmax_state *st, float *acc, int32_t dim
 
 /* q . k over dim channels (a multiple of 8) in 8 interleaved partial sums, added pairwise: a
    fixed order, so every build gives the same bits, that a compiler can vectorize. */
-static float kvmix__dot(const float *q, const float *k, int32_t dim) {
+static inline float kvmix__dot(const float *q, const float *k, int32_t dim) {
     float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int32_t c, j;
     for (c = 0; c < dim; c += 8)
@@ -3385,15 +3385,15 @@ static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 /* FP16 bits to float without branches, so a loop of them vectorizes: the exponent and mantissa
    shifted into a float and scaled by 2^112 is exact for normal and subnormal halves alike;
    infinities and NaNs (which seals never write) take the all-ones exponent. */
-static float kvmix__h2f_flat(uint16_t h) {
+static inline float kvmix__h2f_flat(uint16_t h) {
     uint32_t em = (uint32_t)(h & 0x7fffu) << 13;
     float magnitude = kvmix__bits_float(em) * 5.192296858534828e+33f; /* 2^112 */
     if ((h & 0x7c00u) == 0x7c00u) magnitude = kvmix__bits_float(em | 0x7f800000u);
     return kvmix__bits_float(kvmix__float_bits(magnitude) | (uint32_t)(h & 0x8000u) << 16);
 }
 
-static void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
-                            float *KVMIX__RESTRICT out) {
+static inline void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
+                                   float *KVMIX__RESTRICT out) {
     int32_t c = 0;
 #if defined(__F16C__) && defined(__AVX__)
     for (; c < dim; c += 8) /* dim is a multiple of 8 */
@@ -3406,7 +3406,7 @@ static void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
 /* Eight codes of `bits` bits (4 or 2, low bits first) from the bytes at p, as an integer whose
    bits 4j or 2j up hold code j: eight lanes of one shift each, which vectorizes where a byte
    loop's shifts would not (x86 has no byte shifts). */
-static uint32_t kvmix__eight_codes(const uint8_t *p, int bits) {
+static inline uint32_t kvmix__eight_codes(const uint8_t *p, int bits) {
     return bits == 4
                ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24
                : (uint32_t)p[0] | (uint32_t)p[1] << 8;
@@ -3414,9 +3414,9 @@ static uint32_t kvmix__eight_codes(const uint8_t *p, int bits) {
 
 /* n codes (n a multiple of 8) of `bits` bits times scale[c] plus min[c] (per channel), or times
    scale[0] plus min[0] for every c when per_channel is 0. */
-static void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes, int bits, int32_t n,
-                                    const float *scale, const float *min, int per_channel,
-                                    float *KVMIX__RESTRICT out) {
+static inline void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes, int bits,
+                                           int32_t n, const float *scale, const float *min,
+                                           int per_channel, float *KVMIX__RESTRICT out) {
     uint32_t mask = (1u << bits) - 1u;
     int32_t i, j;
     if (bits == 8) {
@@ -3424,7 +3424,18 @@ static void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes, int bi
             out[i] = (float)codes[i] * scale[per_channel ? i : 0] + min[per_channel ? i : 0];
         return;
     }
-    for (i = 0; i < n; i += 8) {
+    for (i = 0; i + 16 <= n; i += 16) { /* two words a step, then an odd eight */
+        uint32_t lo = kvmix__eight_codes(codes + i * bits / 8, bits);
+        uint32_t hi = kvmix__eight_codes(codes + (i + 8) * bits / 8, bits);
+        for (j = 0; j < 8; j++) {
+            out[i + j] = (float)((lo >> (j * bits)) & mask) * scale[per_channel ? i + j : 0] +
+                         min[per_channel ? i + j : 0];
+            out[i + 8 + j] =
+                (float)((hi >> (j * bits)) & mask) * scale[per_channel ? i + 8 + j : 0] +
+                min[per_channel ? i + 8 + j : 0];
+        }
+    }
+    if (i < n) {
         uint32_t word = kvmix__eight_codes(codes + i * bits / 8, bits);
         for (j = 0; j < 8; j++)
             out[i + j] = (float)((word >> (j * bits)) & mask) * scale[per_channel ? i + j : 0] +
@@ -3433,7 +3444,7 @@ static void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes, int bi
 }
 
 /* A group's (scale, min) pair as floats, through the branch-free FP16 conversion. */
-static void kvmix__meta_flat(const uint8_t *meta, float *scale, float *min) {
+static inline void kvmix__meta_flat(const uint8_t *meta, float *scale, float *min) {
     *scale = kvmix__h2f_flat((uint16_t)(meta[0] | meta[1] << 8));
     *min = kvmix__h2f_flat((uint16_t)(meta[2] | meta[3] << 8));
 }
@@ -3464,7 +3475,8 @@ static void kvmix__row_decoder_open(kvmix__row_decoder *d, const kvmix_layout *l
     }
 }
 
-static void kvmix__channel_row(const kvmix__row_decoder *d, int32_t t, float *KVMIX__RESTRICT out) {
+static inline void kvmix__channel_row(const kvmix__row_decoder *d, int32_t t,
+                                      float *KVMIX__RESTRICT out) {
     int32_t c, dim = d->layout.head_dim;
     kvmix__dequantize_codes(d->block + kvmix__row_at(&d->sections, t), 2, dim, d->scale, d->min, 1,
                             out);
@@ -3482,7 +3494,8 @@ static void kvmix__channel_row(const kvmix__row_decoder *d, int32_t t, float *KV
 }
 
 /* Rows [t0, t0 + n) into tile[n][head_dim]. */
-static void kvmix__decode_tile(const kvmix__row_decoder *d, int32_t t0, int32_t n, float *tile) {
+static inline void kvmix__decode_tile(const kvmix__row_decoder *d, int32_t t0, int32_t n,
+                                      float *tile) {
     const kvmix_layout *l = &d->layout;
     int32_t dim = l->head_dim, i, g;
     for (i = 0; i < n; i++) {
@@ -3514,7 +3527,7 @@ typedef struct kvmix__partial {
 
 /* e^x for x <= 0, -inf included (0): 2^n times a polynomial on the remainder, relative error
    below 1e-6, in float arithmetic without calls or branches, so a loop of it vectorizes. */
-static float kvmix__exp_nonpositive(float x) {
+static inline float kvmix__exp_nonpositive(float x) {
     const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     float clamped = x >= -87.0f ? x : -87.0f, n = (clamped * 1.44269504f + round) - round;
     float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f; /* ln 2 in two parts */
@@ -3525,17 +3538,36 @@ static float kvmix__exp_nonpositive(float x) {
     return x >= -87.0f ? result : 0.0f; /* and 0 for a NaN, never an int from it */
 }
 
+/* Logits of rows t and t + 1 of a tile for one query: both dot products in one pass over q. */
+static inline void kvmix__dot2(const float *KVMIX__RESTRICT q, const float *k0, const float *k1,
+                               int32_t dim, float *d0, float *d1) {
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int32_t c, j;
+    for (c = 0; c < dim; c += 8)
+        for (j = 0; j < 8; j++) {
+            a[j] += q[c + j] * k0[c + j];
+            b[j] += q[c + j] * k1[c + j];
+        }
+    *d0 = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    *d1 = ((b[0] + b[4]) + (b[2] + b[6])) + ((b[1] + b[5]) + (b[3] + b[7]));
+}
+
 /* One query head's share of a decoded tile: logits of its live rows, one rescale, weights,
-   and the weighted sum of the value rows, eight channels at a time held over the whole tile. */
-static void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const float *ktile,
-                               const float *vtile, const uint8_t *dead, int32_t n, int32_t dim,
-                               float scale, float *KVMIX__RESTRICT acc, float *max, float *sum) {
-    float logit[KVMIX__TILE_FLOATS / 8], w[KVMIX__TILE_FLOATS / 8], tile_max = -INFINITY;
+   and the weighted sum of the value rows, eight channels at a time held over the whole tile
+   (two rows a step: half the loop's overhead). */
+static inline void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const float *ktile,
+                                      const float *vtile, const uint8_t *dead, int32_t n,
+                                      int32_t dim, float scale, float *KVMIX__RESTRICT acc,
+                                      float *max, float *sum) {
+    float logit[KVMIX__TILE_FLOATS / 8 + 1], w[KVMIX__TILE_FLOATS / 8 + 1], tile_max = -INFINITY;
     float total = 0.0f;
-    int32_t t, c, j;
+    int32_t t, c, j, even = n & ~1;
+    for (t = 0; t < even; t += 2)
+        kvmix__dot2(q, ktile + (size_t)t * dim, ktile + (size_t)(t + 1) * dim, dim, &logit[t],
+                    &logit[t + 1]);
+    if (even < n) logit[even] = kvmix__dot(q, ktile + (size_t)even * dim, dim);
     for (t = 0; t < n; t++) {
-        logit[t] =
-            dead && dead[t] ? -INFINITY : kvmix__dot(q, ktile + (size_t)t * dim, dim) * scale;
+        logit[t] = dead && dead[t] ? -INFINITY : logit[t] * scale;
         if (logit[t] > tile_max) tile_max = logit[t];
     }
     if (tile_max == -INFINITY) return; /* every row dead */
@@ -3547,11 +3579,15 @@ static void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const float *ktil
     }
     for (t = 0; t < n; t++) w[t] = kvmix__exp_nonpositive(logit[t] - *max); /* dead rows: 0 */
     for (t = 0; t < n; t++) total += w[t];
+    w[n] = 0.0f; /* an odd tile's last step adds a zero-weighted row */
     for (c = 0; c < dim; c += 8) {
         float part[8];
         for (j = 0; j < 8; j++) part[j] = acc[c + j];
-        for (t = 0; t < n; t++)
-            for (j = 0; j < 8; j++) part[j] += w[t] * vtile[(size_t)t * dim + c + j];
+        for (t = 0; t < n; t += 2) {
+            const float *v0 = vtile + (size_t)t * dim + c;
+            const float *v1 = t + 1 < n ? v0 + dim : v0;
+            for (j = 0; j < 8; j++) part[j] += w[t] * v0[j] + w[t + 1] * v1[j];
+        }
         for (j = 0; j < 8; j++) acc[c + j] = part[j];
     }
     *sum += total;
