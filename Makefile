@@ -30,6 +30,10 @@ KV_SRC := examples/kvmix_kv.c examples/kvmix_kv.h examples/json_number.h kvmix.h
 TAG_SRC := examples/tag_spec_json.c examples/tag_spec_json.h examples/hf_tokenizer.c \
 	examples/hf_tokenizer.h kvmix.h
 TAG_LDLIBS := -lcjson -lm
+# The intent residual's weight documents (they take tag_spec_json.c's error messages, file reading
+# and kvmix implementation).
+RESIDUAL_SRC := examples/intent_residual_json.c examples/intent_residual_json.h \
+	examples/tag_spec_json.c examples/tag_spec_json.h kvmix.h
 TAG_TOOLS := $(BUILD)/kvmix-tag $(BUILD)/kvmix-tagspec
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
@@ -39,7 +43,7 @@ CUDA_ARCH_CHECKS := $(foreach a,$(CUDA_ARCHS),$(BUILD)/kvmix_cuda_sm$(a).o)
 
 UNIT_SRC := tests/harness.c $(sort $(wildcard tests/unit_*.c))
 FUZZ_RUNS ?= 20000
-FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation probe
+FUZZ_TARGETS := formats view payload safetensors policy tags tagspec allocation probe residual
 FUZZ_RUNNERS := $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_TARGETS))
 MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model_test_calibrate \
 	$(BUILD)/model_test_probe $(BUILD)/model_test_evict $(BUILD)/model_test_eval
@@ -143,6 +147,11 @@ $(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harne
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples $(UNIT_SRC) $(TRANSFER_SRC) \
 		$(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
+# The intent residual's weight reader and writer on good and bad documents.
+$(BUILD)/test_residual_json: tests/test_residual_json.c $(RESIDUAL_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. -Iexamples tests/test_residual_json.c \
+		examples/intent_residual_json.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
+
 # The cache example runs as a test too, under the sanitizers.
 $(BUILD)/example_cache_loop: examples/cache_loop.c kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) $< -o $@ $(LDLIBS)
@@ -192,6 +201,10 @@ $(BUILD)/fuzz_probe_run: tests/fuzz_probe.c tests/fuzz_seed_driver.h tests/fuzz_
 $(BUILD)/fuzz_tagspec_run: tests/fuzz_tagspec.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(TAG_SRC) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_tagspec.c \
 		examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
+$(BUILD)/fuzz_residual_run: tests/fuzz_residual.c tests/fuzz_seed_driver.h tests/fuzz_limits.h \
+		$(RESIDUAL_SRC) | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_residual.c \
+		examples/intent_residual_json.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_policy_run: tests/fuzz_policy.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(LLAMA_SRC) $(KV_SRC) \
 		| $(BUILD)
 	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -I. -Iexamples tests/fuzz_policy.c \
@@ -312,11 +325,12 @@ $(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.
 		-lnccl $(EVAL_LDLIBS)
 endif
 
-test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop $(FUZZ_RUNNERS) \
-	$(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer pd-nccl refmodel-check
+test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop \
+	$(BUILD)/test_residual_json $(FUZZ_RUNNERS) $(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer \
+	pd-nccl refmodel-check
 	@FUZZ_TIMEOUT=$(FUZZ_TIMEOUT) FUZZ_RSS_MB=$(FUZZ_RSS_MB) sh tests/run_all.sh "$(BUILD)" \
 		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
-		$(BUILD)/example_cache_loop $(FUZZ_RUNNERS)
+		$(BUILD)/example_cache_loop $(BUILD)/test_residual_json $(FUZZ_RUNNERS)
 
 # The GPU tests carry compute_80 PTX beside the sm_90 code: CUDA_FORCE_PTX_JIT=1 makes a Hopper
 # device compile and run the portable path (test-cuda runs both).
@@ -380,6 +394,9 @@ $(BUILD)/fuzz_probe: tests/fuzz_probe.c examples/tier_probe.c examples/tag_spec_
 	$(LIBFUZZER) tests/fuzz_probe.c examples/tier_probe.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_tagspec: tests/fuzz_tagspec.c $(TAG_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_tagspec.c examples/tag_spec_json.c -o $@ $(TAG_LDLIBS)
+$(BUILD)/fuzz_residual: tests/fuzz_residual.c $(RESIDUAL_SRC) | $(BUILD)
+	$(LIBFUZZER) tests/fuzz_residual.c examples/intent_residual_json.c examples/tag_spec_json.c \
+		-o $@ $(TAG_LDLIBS)
 $(BUILD)/fuzz_policy: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
 	$(LIBFUZZER) tests/fuzz_policy.c examples/kvmix_kv.c examples/llama.c -o $@ $(EVAL_LDLIBS)
 
@@ -390,7 +407,7 @@ $(BUILD)/fuzz_policy: tests/fuzz_policy.c $(LLAMA_SRC) $(KV_SRC) | $(BUILD)
 # fails. Every target runs; make fuzz fails at the end if any failed.
 FUZZ_TIMEOUT ?= 10
 FUZZ_RSS_MB ?= 2048
-FUZZ_SEEDED := safetensors policy tagspec allocation probe
+FUZZ_SEEDED := safetensors policy tagspec allocation probe residual
 fuzz: $(patsubst %,$(BUILD)/fuzz_%,$(FUZZ_TARGETS)) $(patsubst %,$(BUILD)/fuzz_%_run,$(FUZZ_SEEDED))
 	@mkdir -p $(BUILD)/fuzz-findings; failed=; \
 	for t in $(FUZZ_TARGETS); do \

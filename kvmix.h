@@ -41,7 +41,8 @@
      // >>policy    policies: what a cache applies per token, the built-ins, a token's formats
                     and run, aging a sequence's pages as its turns age
      // >>alloc     bit allocation: a precision per tag under a budget (exhaustive, greedy, DP)
-     // >>intent    intent-aware eviction: the session store, QueryMemory, budgeted selection
+     // >>intent    intent-aware eviction: the session store, QueryMemory, budgeted selection,
+                    the learned residual on the intent scores (IntentKV phase 2)
      // >>tiers     transfer tiers: per-token FP16 / INT8 / INT4 under a byte budget, INT4 probe
 */
 #ifndef KVMIX_H
@@ -1860,6 +1861,108 @@ KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy,
 KVMIXDEF kvmix_result kvmix_evict_select(const float *scores, const uint8_t *live,
                                          const uint8_t *forced, int32_t n_positions, int32_t keep,
                                          int32_t *out_positions, int32_t *out_n_evict);
+
+/* ------------------------------------------------------------------------------------------- */
+/* Intent residual (IntentKV's second phase): a learned correction of the INTENT scorer's raw    */
+/* scores (the rule: QueryMemory scores summed over layers, before kvmix_evict_shape_scores), a  */
+/* two-layer GELU MLP over a fixed list of per-position features, scaled by a learned scalar     */
+/* clipped at inference. Its output projection starts at zero, so untrained weights give the     */
+/* rule bit for bit. The weights are the caller's (trained outside kvmix on frozen-model         */
+/* features; examples/intent_residual_json.h reads them from JSON). Implementation: // >>intent. */
+
+/* The features of a position t, in this order, for a sequence of n positions (the newest n - 1)
+   at a request of turn current_turn; kvmix_intent_residual_features writes them:
+     RULE            the rule's raw score of t (finite; a position whose rule is infinite is not
+                     rescored)
+     LOG_AGE         log(1 + (n - 1 - t)): positions back from the newest, natural log
+     LOG_TURNS_BACK  log(1 + max(0, current_turn - turn of t)); 0 without tags
+     ROLE + r        1 for t's tag role r (a kvmix_tag_role, 7 of them), 0 for the other roles;
+                     all 0 without tags
+     IMAGE           1 for an image token (the tag's modality), else 0
+     KEY_NORM        the mean over layers and kv heads of |key of t| (L2, as stored: dequantized)
+     READOUT         the mean over layers and q heads h of kvmix_intent_readout (scale 0) of t's
+                     key (as stored) of h's kv head against the actionable span's post-RoPE
+                     queries of h
+   KEY_NORM and READOUT are the caller's to compute (the runners do not record them yet). Feature
+   scaling, if any, is folded into w1 and b1 by whoever trains the weights. */
+typedef enum kvmix_intent_feature {
+    KVMIX_INTENT_FEATURE_RULE = 0,
+    KVMIX_INTENT_FEATURE_LOG_AGE = 1,
+    KVMIX_INTENT_FEATURE_LOG_TURNS_BACK = 2,
+    KVMIX_INTENT_FEATURE_ROLE = 3, /* + kvmix_tag_role: 3 .. 9 */
+    KVMIX_INTENT_FEATURE_IMAGE = 10,
+    KVMIX_INTENT_FEATURE_KEY_NORM = 11,
+    KVMIX_INTENT_FEATURE_READOUT = 12
+} kvmix_intent_feature;
+#define KVMIX_INTENT_RESIDUAL_N_FEATURES 13
+#define KVMIX_INTENT_RESIDUAL_MAX_HIDDEN 256
+
+/* The name of feature k, as weight files list them: "rule", "log_age", "log_turns_back",
+   "role_instruction", "role_user", "role_assistant", "role_reasoning", "role_tool_call",
+   "role_observation", "role_scaffold", "image", "key_norm", "readout"; NULL for another k. */
+KVMIXDEF const char *kvmix_intent_residual_feature_name(int32_t feature);
+
+/* The residual's weights (F = n_features, H = hidden), in caller memory; read-only to kvmix. */
+typedef struct kvmix_intent_residual {
+    int32_t n_features; /* F: KVMIX_INTENT_RESIDUAL_N_FEATURES (the list above, in its order) */
+    int32_t hidden;     /* H: 1 .. KVMIX_INTENT_RESIDUAL_MAX_HIDDEN */
+    const float *w1;    /* [H][F]: hidden unit j's weight of feature k at w1[j * F + k] */
+    const float *b1;    /* [H] */
+    const float *w2;    /* [H]: the output projection (zero on day zero) */
+    float b2;           /* its bias (zero on day zero) */
+    float alpha;        /* the learned scale of the residual */
+    float alpha_max;    /* the inference clip: alpha is used clamped to [-alpha_max, alpha_max] */
+} kvmix_intent_residual;
+
+/* Checks weights: n_features, hidden in range (INVALID_ARGUMENT), w1, b1, w2 not NULL
+   (NULL_POINTER), every weight, b2, alpha and alpha_max finite (BAD_VALUE), alpha_max >= 0
+   (INVALID_ARGUMENT); *out_error (may be NULL) names the member. Pure. */
+KVMIXDEF kvmix_result kvmix_intent_residual_check(const kvmix_intent_residual *w,
+                                                  kvmix_error *out_error);
+
+/* The feature rows of positions 0 .. n_positions - 1 (the list above): features [n_positions]
+   [KVMIX_INTENT_RESIDUAL_N_FEATURES] from rule [n_positions] (the raw scores; -INFINITY for a dead
+   position is copied as it is), tags [n_positions] (NULL: none), current_turn (the request's
+   turn, with tags), key_norm and readout [n_positions] (each NULL: 0). Logarithms in double,
+   rounded once. Returns NULL_POINTER, INVALID_ARGUMENT (n_positions < 0, current_turn < 0 with
+   tags, a tag whose turn is negative or whose role or modality does not exist: "tags"),
+   BAD_VALUE (a NaN rule, a key_norm negative or not finite, a readout not finite); *out_error
+   names the argument; nothing is written on failure. Pure. */
+KVMIXDEF kvmix_result kvmix_intent_residual_features(const float *rule, const kvmix_tag *tags,
+                                                     int32_t current_turn, const float *key_norm,
+                                                     const float *readout, int32_t n_positions,
+                                                     float *features, kvmix_error *out_error);
+
+/* The READOUT of one attention head: for each key i, with s_j = scale * dot(keys[i], queries[j])
+   over the n_queries queries (scale 0 = 1 / sqrt(head_dim)), out[i] = sum_j p_j * s_j where
+   p = softmax(s): the similarity of the key to the queries, weighted by how much each query
+   would attend to it; 0 when n_queries is 0. keys [n_keys][head_dim], queries [n_queries]
+   [head_dim], out [n_keys]. In double (dot products, then exp(s_j - max s)), rounded once,
+   clamped to +-FLT_MAX. Time n_keys * n_queries * head_dim. Returns NULL_POINTER,
+   INVALID_ARGUMENT (negative counts, head_dim < 1, scale negative or not finite), BAD_VALUE (a
+   key or query not finite); nothing is written on failure. Pure. */
+KVMIXDEF kvmix_result kvmix_intent_readout(const float *keys, int32_t n_keys, const float *queries,
+                                           int32_t n_queries, int32_t head_dim, float scale,
+                                           float *out, kvmix_error *out_error);
+
+/* Rescored positions: for each i < n, with f = features[i] (a row of
+   KVMIX_INTENT_RESIDUAL_N_FEATURES, normally kvmix_intent_residual_features's) and
+   a = clamp(alpha, -alpha_max, alpha_max):
+       x_j    = b1[j] + sum_k w1[j][k] * f[k]               (j < H, k ascending)
+       r      = b2 + sum_j w2[j] * gelu(x_j)                (j ascending)
+       out[i] = rule[i] + a * r                             (rounded once to float)
+   in double, gelu(x) = x / 2 * (1 + erf(x / sqrt(2))) (the exact GELU, PyTorch's default
+   nn.GELU()). out[i] = rule[i] exactly, bit for bit, when rule[i] is infinite (-INFINITY: a dead
+   position; its features are not read), when a * r is 0, and for every i when a is 0 or w2 and
+   b2 are all zero: zero output weights are the rule. A finite out is clamped to +-FLT_MAX. out
+   may be rule (in place); features must not overlap out. Returns NULL_POINTER (w or its arrays,
+   rule, features, out with n > 0), INVALID_ARGUMENT (n < 0, or as kvmix_intent_residual_check),
+   BAD_VALUE (a weight not finite, a NaN rule, a feature not finite of a position with a finite
+   rule); *out_error names the member or the argument; nothing is written on failure. Time
+   n * H * F. Pure. */
+KVMIXDEF kvmix_result kvmix_intent_residual_scores(const kvmix_intent_residual *w,
+                                                   const float *features, const float *rule,
+                                                   int32_t n, float *out, kvmix_error *out_error);
 
 /* ------------------------------------------------------------------------------------------- */
 /* Transfer tiers: which tier (FP16, INT8, INT4) each token of a prefilled sequence travels at   */
@@ -9820,6 +9923,228 @@ KVMIXDEF kvmix_result kvmix_evict_select(const float *scores, const uint8_t *liv
     *out_n_evict = n_candidates - room;
     kvmix__sort_by_rank(NULL, out_positions, *out_n_evict);
     return KVMIX_SUCCESS;
+}
+
+/* ---- the intent residual ------------------------------------------------------------------- */
+
+KVMIXDEF const char *kvmix_intent_residual_feature_name(int32_t feature) {
+    static const char *const names[KVMIX_INTENT_RESIDUAL_N_FEATURES] = {
+        "rule",           "log_age",        "log_turns_back", "role_instruction", "role_user",
+        "role_assistant", "role_reasoning", "role_tool_call", "role_observation", "role_scaffold",
+        "image",          "key_norm",       "readout"};
+    return feature >= 0 && feature < KVMIX_INTENT_RESIDUAL_N_FEATURES ? names[feature] : NULL;
+}
+
+/* Whether all n floats are finite. */
+static int kvmix__finite_all(const float *x, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++)
+        if (!(x[i] - x[i] == 0.0f)) return 0;
+    return 1;
+}
+
+KVMIXDEF kvmix_result kvmix_intent_residual_check(const kvmix_intent_residual *w,
+                                                  kvmix_error *out_error) {
+    const kvmix_result bad = KVMIX_ERR_BAD_VALUE, invalid = KVMIX_ERR_INVALID_ARGUMENT;
+    size_t h;
+    if (!w) return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "w", "NULL");
+    if (w->n_features != KVMIX_INTENT_RESIDUAL_N_FEATURES)
+        return kvmix__fail(out_error, invalid, "n_features",
+                           "must be KVMIX_INTENT_RESIDUAL_N_FEATURES");
+    if (w->hidden < 1 || w->hidden > KVMIX_INTENT_RESIDUAL_MAX_HIDDEN)
+        return kvmix__fail(out_error, invalid, "hidden",
+                           "must be in 1 .. KVMIX_INTENT_RESIDUAL_MAX_HIDDEN");
+    if (!w->w1 || !w->b1 || !w->w2)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER,
+                           !w->w1   ? "w1"
+                           : !w->b1 ? "b1"
+                                    : "w2",
+                           "NULL");
+    h = (size_t)w->hidden;
+    if (!kvmix__finite_all(w->w1, h * KVMIX_INTENT_RESIDUAL_N_FEATURES))
+        return kvmix__fail(out_error, bad, "w1", "not finite");
+    if (!kvmix__finite_all(w->b1, h)) return kvmix__fail(out_error, bad, "b1", "not finite");
+    if (!kvmix__finite_all(w->w2, h)) return kvmix__fail(out_error, bad, "w2", "not finite");
+    if (!kvmix__finite_all(&w->b2, 1)) return kvmix__fail(out_error, bad, "b2", "not finite");
+    if (!kvmix__finite_all(&w->alpha, 1)) return kvmix__fail(out_error, bad, "alpha", "not finite");
+    if (!kvmix__finite_all(&w->alpha_max, 1))
+        return kvmix__fail(out_error, bad, "alpha_max", "not finite");
+    if (w->alpha_max < 0.0f) return kvmix__fail(out_error, invalid, "alpha_max", "negative");
+    return kvmix__succeed(out_error);
+}
+
+/* The field of a position's inputs that kvmix_intent_residual_features refuses, or NULL;
+   *result says how. */
+static const char *kvmix__feature_inputs_bad(const float *rule, const kvmix_tag *tag,
+                                             const float *key_norm, const float *readout,
+                                             kvmix_result *result) {
+    *result = KVMIX_ERR_BAD_VALUE;
+    if (*rule != *rule) return "rule";
+    if (key_norm && !(kvmix__finite_all(key_norm, 1) && *key_norm >= 0.0f)) return "key_norm";
+    if (readout && !kvmix__finite_all(readout, 1)) return "readout";
+    *result = KVMIX_ERR_INVALID_ARGUMENT;
+    if (tag &&
+        (tag->turn < 0 || tag->role >= KVMIX_TAG_N_ROLES || tag->modality > KVMIX_MODALITY_IMAGE))
+        return "tags";
+    return NULL;
+}
+
+/* One position's feature row (inputs checked). */
+static void kvmix__feature_row(float *f, float rule, const kvmix_tag *tag, int32_t current_turn,
+                               int32_t age, float key_norm, float readout) {
+    int32_t back = tag && tag->turn < current_turn ? current_turn - tag->turn : 0, r;
+    f[KVMIX_INTENT_FEATURE_RULE] = rule;
+    f[KVMIX_INTENT_FEATURE_LOG_AGE] = (float)log1p((double)age);
+    f[KVMIX_INTENT_FEATURE_LOG_TURNS_BACK] = (float)log1p((double)back);
+    for (r = 0; r < KVMIX_TAG_N_ROLES; r++)
+        f[KVMIX_INTENT_FEATURE_ROLE + r] = tag && tag->role == r ? 1.0f : 0.0f;
+    f[KVMIX_INTENT_FEATURE_IMAGE] = tag && tag->modality == KVMIX_MODALITY_IMAGE ? 1.0f : 0.0f;
+    f[KVMIX_INTENT_FEATURE_KEY_NORM] = key_norm;
+    f[KVMIX_INTENT_FEATURE_READOUT] = readout;
+}
+
+KVMIXDEF kvmix_result kvmix_intent_residual_features(const float *rule, const kvmix_tag *tags,
+                                                     int32_t current_turn, const float *key_norm,
+                                                     const float *readout, int32_t n_positions,
+                                                     float *features, kvmix_error *out_error) {
+    const size_t F = KVMIX_INTENT_RESIDUAL_N_FEATURES;
+    kvmix_result why;
+    const char *bad;
+    int32_t t;
+    if (n_positions < 0)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n_positions", "negative");
+    if (n_positions > 0 && (!rule || !features))
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !rule ? "rule" : "features", "NULL");
+    if (tags && current_turn < 0)
+        return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "current_turn", "negative");
+    for (t = 0; t < n_positions; t++)
+        if ((bad = kvmix__feature_inputs_bad(&rule[t], tags ? &tags[t] : NULL,
+                                             key_norm ? &key_norm[t] : NULL,
+                                             readout ? &readout[t] : NULL, &why)) != NULL)
+            return kvmix__fail(out_error, why, bad,
+                               why == KVMIX_ERR_BAD_VALUE
+                                   ? "NaN, not finite, or a negative norm"
+                                   : "a negative turn, or a role or modality that does not exist");
+    for (t = 0; t < n_positions; t++)
+        kvmix__feature_row(features + (size_t)t * F, rule[t], tags ? &tags[t] : NULL, current_turn,
+                           n_positions - 1 - t, key_norm ? key_norm[t] : 0.0f,
+                           readout ? readout[t] : 0.0f);
+    return kvmix__succeed(out_error);
+}
+
+/* scale * dot(a, b) over n floats, in double. */
+static double kvmix__dot_scaled(const float *a, const float *b, int32_t n, double scale) {
+    double sum = 0.0;
+    int32_t c;
+    for (c = 0; c < n; c++) sum += (double)a[c] * (double)b[c];
+    return sum * scale;
+}
+
+static float kvmix__clamp_float(double x) {
+    return x > FLT_MAX ? FLT_MAX : x < -FLT_MAX ? -FLT_MAX : (float)x;
+}
+
+/* One key's readout against m queries of dim floats (m >= 1). */
+static float kvmix__readout_row(const float *key, const float *queries, int32_t m, int32_t dim,
+                                double scale) {
+    double top = -HUGE_VAL, z = 0.0, acc = 0.0;
+    int32_t j;
+    for (j = 0; j < m; j++) {
+        double s = kvmix__dot_scaled(key, queries + (size_t)j * (size_t)dim, dim, scale);
+        if (s > top) top = s;
+    }
+    for (j = 0; j < m; j++) {
+        double s = kvmix__dot_scaled(key, queries + (size_t)j * (size_t)dim, dim, scale);
+        double p = exp(s - top);
+        z += p;
+        acc += p * s;
+    }
+    return kvmix__clamp_float(acc / z);
+}
+
+KVMIXDEF kvmix_result kvmix_intent_readout(const float *keys, int32_t n_keys, const float *queries,
+                                           int32_t n_queries, int32_t head_dim, float scale,
+                                           float *out, kvmix_error *out_error) {
+    const kvmix_result invalid = KVMIX_ERR_INVALID_ARGUMENT;
+    double s;
+    int32_t i;
+    if (n_keys < 0 || n_queries < 0)
+        return kvmix__fail(out_error, invalid, n_keys < 0 ? "n_keys" : "n_queries", "negative");
+    if (head_dim < 1) return kvmix__fail(out_error, invalid, "head_dim", "must be at least 1");
+    if (!(scale >= 0.0f) || scale == INFINITY)
+        return kvmix__fail(out_error, invalid, "scale", "negative or not finite");
+    if (n_keys > 0 && (!keys || !out))
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, !keys ? "keys" : "out", "NULL");
+    if (n_queries > 0 && !queries)
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER, "queries", "NULL");
+    if (n_keys > 0 && !kvmix__finite_all(keys, (size_t)n_keys * (size_t)head_dim))
+        return kvmix__fail(out_error, KVMIX_ERR_BAD_VALUE, "keys", "not finite");
+    if (n_queries > 0 && !kvmix__finite_all(queries, (size_t)n_queries * (size_t)head_dim))
+        return kvmix__fail(out_error, KVMIX_ERR_BAD_VALUE, "queries", "not finite");
+    s = scale == 0.0f ? 1.0 / sqrt((double)head_dim) : (double)scale;
+    for (i = 0; i < n_keys; i++)
+        out[i] = n_queries == 0 ? 0.0f
+                                : kvmix__readout_row(keys + (size_t)i * (size_t)head_dim, queries,
+                                                     n_queries, head_dim, s);
+    return kvmix__succeed(out_error);
+}
+
+/* The exact GELU (erf form). */
+static double kvmix__gelu(double x) { return 0.5 * x * (1.0 + erf(x * 0.70710678118654752440)); }
+
+/* r = b2 + sum_j w2[j] * gelu(b1[j] + sum_k w1[j][k] * f[k]), in double. */
+static double kvmix__residual_row(const kvmix_intent_residual *w, const float *f) {
+    double r = (double)w->b2;
+    int32_t j, k;
+    for (j = 0; j < w->hidden; j++) {
+        const float *row = w->w1 + (size_t)j * KVMIX_INTENT_RESIDUAL_N_FEATURES;
+        double x = (double)w->b1[j];
+        for (k = 0; k < KVMIX_INTENT_RESIDUAL_N_FEATURES; k++) x += (double)row[k] * (double)f[k];
+        r += (double)w->w2[j] * kvmix__gelu(x);
+    }
+    return r;
+}
+
+/* The clipped scale, 0 when the output projection is zero: then the rule is the output. */
+static double kvmix__residual_scale(const kvmix_intent_residual *w) {
+    double a = w->alpha > w->alpha_max    ? (double)w->alpha_max
+               : w->alpha < -w->alpha_max ? -(double)w->alpha_max
+                                          : (double)w->alpha;
+    int32_t j;
+    if (w->b2 != 0.0f) return a;
+    for (j = 0; j < w->hidden; j++)
+        if (w->w2[j] != 0.0f) return a;
+    return 0.0;
+}
+
+KVMIXDEF kvmix_result kvmix_intent_residual_scores(const kvmix_intent_residual *w,
+                                                   const float *features, const float *rule,
+                                                   int32_t n, float *out, kvmix_error *out_error) {
+    const size_t F = KVMIX_INTENT_RESIDUAL_N_FEATURES;
+    kvmix_result r;
+    double a;
+    int32_t i;
+    if ((r = kvmix_intent_residual_check(w, out_error)) != KVMIX_SUCCESS) return r;
+    if (n < 0) return kvmix__fail(out_error, KVMIX_ERR_INVALID_ARGUMENT, "n", "negative");
+    if (n > 0 && (!features || !rule || !out))
+        return kvmix__fail(out_error, KVMIX_ERR_NULL_POINTER,
+                           !features ? "features"
+                           : !rule   ? "rule"
+                                     : "out",
+                           "NULL");
+    for (i = 0; i < n; i++) {
+        if (rule[i] != rule[i]) return kvmix__fail(out_error, KVMIX_ERR_BAD_VALUE, "rule", "NaN");
+        if (kvmix__finite_all(&rule[i], 1) && !kvmix__finite_all(features + (size_t)i * F, F))
+            return kvmix__fail(out_error, KVMIX_ERR_BAD_VALUE, "features", "not finite");
+    }
+    a = kvmix__residual_scale(w);
+    for (i = 0; i < n; i++) {
+        double d = a == 0.0 || !kvmix__finite_all(&rule[i], 1)
+                       ? 0.0
+                       : a * kvmix__residual_row(w, features + (size_t)i * F);
+        out[i] = d == 0.0 ? rule[i] : kvmix__clamp_float((double)rule[i] + d);
+    }
+    return kvmix__succeed(out_error);
 }
 
 // >>tiers

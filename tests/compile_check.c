@@ -67,6 +67,30 @@ static int check_cache_loop(void) {
     return failed;
 }
 
+#ifndef KVMIX_NO_POLICY
+/* The intent residual with a zero output projection: the rule comes back; 0 when it does. */
+static int check_residual(void) {
+    float w1[2 * KVMIX_INTENT_RESIDUAL_N_FEATURES], b1[2] = {0.5f, -0.25f}, w2[2] = {0.0f, 0.0f};
+    float rule[3] = {1.5f, -INFINITY, 0.25f}, out[3],
+          features[3 * KVMIX_INTENT_RESIDUAL_N_FEATURES];
+    kvmix_intent_residual w;
+    int32_t i;
+    for (i = 0; i < 2 * KVMIX_INTENT_RESIDUAL_N_FEATURES; i++) w1[i] = (float)(i % 5) * 0.125f;
+    memset(&w, 0, sizeof w);
+    w.n_features = KVMIX_INTENT_RESIDUAL_N_FEATURES;
+    w.hidden = 2;
+    w.w1 = w1, w.b1 = b1, w.w2 = w2;
+    w.alpha = 1.0f, w.alpha_max = 2.0f;
+    if (kvmix_intent_residual_features(rule, NULL, 0, NULL, NULL, 3, features, NULL) !=
+            KVMIX_SUCCESS ||
+        kvmix_intent_residual_scores(&w, features, rule, 3, out, NULL) != KVMIX_SUCCESS)
+        return 1;
+    return memcmp(out, rule, sizeof rule) != 0;
+}
+#else
+static int check_residual(void) { return 0; }
+#endif
+
 int main(void) {
     kvmix_layout layout;
     size_t bytes = 0;
@@ -78,5 +102,6 @@ int main(void) {
     if (kvmix_layout_bytes(&layout, &bytes) != KVMIX_SUCCESS || bytes == 0) return 1;
     if (kvmix_fp32_to_fp16(1.0f) != 0x3c00 || kvmix_fp32_to_bf16(1.0f) != 0x3f80) return 1;
     if (check_cache_loop()) return 1;
+    if (check_residual()) return 1;
     return kvmix_result_string(KVMIX_SUCCESS)[0] == 's' ? 0 : 1;
 }

@@ -32,6 +32,7 @@ static const test_unit test_units[] = {
     {"unit_tags", unit_tags},
     {"unit_device_arena", unit_device_arena},
     {"unit_intent", unit_intent},
+    {"unit_residual", unit_residual},
     {"unit_tiers", unit_tiers},
     {"unit_transfer_plan", unit_transfer_plan},
     {"unit_pd_nccl", unit_pd_nccl},

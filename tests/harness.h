@@ -30,6 +30,7 @@ void unit_policy(void);
 void unit_alloc(void);
 void unit_tags(void);
 void unit_intent(void);
+void unit_residual(void);
 void unit_tiers(void);
 void unit_transfer_plan(void);
 void unit_pd_nccl(void);
