@@ -3490,9 +3490,10 @@ static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
    infinities and NaNs (which seals never write) take the all-ones exponent. */
 static inline float kvmix__h2f_flat(uint16_t h) {
     uint32_t em = (uint32_t)(h & 0x7fffu) << 13;
-    float magnitude = kvmix__bits_float(em) * 5.192296858534828e+33f; /* 2^112 */
-    if ((h & 0x7c00u) == 0x7c00u) magnitude = kvmix__bits_float(em | 0x7f800000u);
-    return kvmix__bits_float(kvmix__float_bits(magnitude) | (uint32_t)(h & 0x8000u) << 16);
+    uint32_t scaled = kvmix__float_bits(kvmix__bits_float(em) * 5.192296858534828e+33f); /* 2^112 */
+    uint32_t special = 0u - (uint32_t)((h & 0x7c00u) == 0x7c00u); /* all ones: inf or NaN */
+    uint32_t magnitude = (scaled & ~special) | ((em | 0x7f800000u) & special);
+    return kvmix__bits_float(magnitude | (uint32_t)(h & 0x8000u) << 16);
 }
 
 static inline void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
@@ -3503,7 +3504,16 @@ static inline void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t d
         _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128(
                                       (const __m128i *)(const void *)(row + 2 * c))));
 #endif
-    for (; c < dim; c++) out[c] = kvmix__h2f_flat((uint16_t)(row[2 * c] | row[2 * c + 1] << 8));
+    for (; c < dim; c += 8) { /* eight a step: a loop of known length vectorizes at -O2 */
+        uint16_t half[8];
+        int32_t j;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        memcpy(half, row + 2 * c, sizeof half); /* the stored order is little-endian */
+#else
+        for (j = 0; j < 8; j++) half[j] = (uint16_t)(row[2 * (c + j)] | row[2 * (c + j) + 1] << 8);
+#endif
+        for (j = 0; j < 8; j++) out[c + j] = kvmix__h2f_flat(half[j]);
+    }
 }
 
 /* Eight codes of `bits` bits (4 or 2, low bits first) from the bytes at p, as an integer whose

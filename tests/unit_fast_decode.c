@@ -232,6 +232,73 @@ static void fd_check_bad(test_rng *rng, fd_view *fv) {
     free(ws);
 }
 
+/* Every finite FP16 value through the fast path's own conversion: one-token sequences whose value
+   rows hold all 63,488 finite halves (a one-token softmax weighs its row by exactly 1), against
+   kvmix_fp16_to_fp32, bit for bit. */
+static void fd_check_every_half(void) {
+    enum { DIM = 256, SEQS = 256 };
+    kvmix_view_span *spans = (kvmix_view_span *)test_alloc(SEQS * sizeof(kvmix_view_span));
+    int32_t *first = (int32_t *)test_alloc((SEQS + 1) * sizeof(int32_t));
+    uint8_t *base = (uint8_t *)test_alloc((size_t)SEQS * DIM * 2 * 2);
+    float *q = (float *)test_alloc((size_t)SEQS * DIM * sizeof(float));
+    float *out = (float *)test_alloc((size_t)SEQS * DIM * sizeof(float));
+    kvmix_view v;
+    size_t ws_bytes = 0;
+    void *ws;
+    int32_t s, c, n_equal = 0, n_finite = 0;
+    memset(&v, 0, sizeof v);
+    for (s = 0; s < SEQS; s++) {
+        uint8_t *key = base + (size_t)s * DIM * 4, *value = key + DIM * 2;
+        for (c = 0; c < DIM; c++) {
+            uint16_t h = (uint16_t)(s * DIM + c);
+            key[2 * c] = 0;
+            key[2 * c + 1] = 0;
+            value[2 * c] = (uint8_t)(h & 0xff);
+            value[2 * c + 1] = (uint8_t)(h >> 8);
+        }
+        memset(&spans[s], 0, sizeof spans[s]);
+        spans[s].key_offset = (uint64_t)((size_t)s * DIM * 4);
+        spans[s].value_offset = spans[s].key_offset + DIM * 2;
+        spans[s].key_head_bytes = DIM * 2;
+        spans[s].value_head_bytes = DIM * 2;
+        spans[s].n_tokens = 1;
+        spans[s].dead_index = -1;
+        spans[s].key_format = KVMIX_FORMAT_FP16;
+        spans[s].value_format = KVMIX_FORMAT_FP16;
+        first[s] = s;
+    }
+    first[SEQS] = SEQS;
+    v.n_seqs = SEQS;
+    v.n_kv_heads = 1;
+    v.head_dim = DIM;
+    v.n_spans = SEQS;
+    v.base = base;
+    v.base_bytes = (size_t)SEQS * DIM * 4;
+    v.spans = spans;
+    v.seq_first_span = first;
+    memset(q, 0, (size_t)SEQS * DIM * sizeof(float));
+    ws = fd_workspace(&v, 1, &ws_bytes);
+    CHECK_RESULT(kvmix_view_decode(&v, 1, 0.0f, q, out, NULL, ws, ws_bytes, NULL), KVMIX_SUCCESS);
+    for (s = 0; s < SEQS; s++) {
+        for (c = 0; c < DIM; c++) {
+            uint16_t h = (uint16_t)(s * DIM + c);
+            if ((h & 0x7c00u) == 0x7c00u)
+                continue; /* infinities and NaNs: seals never write them */
+            n_finite++;
+            n_equal +=
+                test_float_bits(out[(size_t)s * DIM + c]) == test_float_bits(kvmix_fp16_to_fp32(h));
+        }
+    }
+    CHECK_EQ_INT(n_finite, 63488);
+    CHECK_EQ_INT(n_equal, n_finite);
+    free(spans);
+    free(first);
+    free(base);
+    free(q);
+    free(out);
+    free(ws);
+}
+
 void unit_fast_decode(void) {
     static const int32_t DIMS[] = {8, 48, 64, 96, 128, 256};
     test_rng rng;
@@ -253,6 +320,8 @@ void unit_fast_decode(void) {
     do fd_build(&rng, &fv, 2, 2, 64, 20);
     while (fv.view.n_spans == 0);
     fd_check_bad(&rng, &fv);
+    test_context("fast decode: every FP16 value");
+    fd_check_every_half();
     test_context(NULL);
     free(fv.base);
 }
