@@ -3651,36 +3651,18 @@ static inline float kvmix__exp_nonpositive(float x) {
     return x >= -87.0f ? result : 0.0f; /* and 0 for a NaN, never an int from it */
 }
 
-/* Logits of rows t and t + 1 of a tile for one query: both dot products in one pass over q. */
-static inline void kvmix__dot2(const float *KVMIX__RESTRICT q, const float *k0, const float *k1,
-                               int32_t dim, float *d0, float *d1) {
-    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int32_t c, j;
-    for (c = 0; c < dim; c += 8)
-        for (j = 0; j < 8; j++) {
-            a[j] += q[c + j] * k0[c + j];
-            b[j] += q[c + j] * k1[c + j];
-        }
-    *d0 = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-    *d1 = ((b[0] + b[4]) + (b[2] + b[6])) + ((b[1] + b[5]) + (b[3] + b[7]));
-}
-
 /* One query head's share of a decoded tile: logits of its live rows, one rescale, weights,
-   and the weighted sum of the value rows, eight channels at a time held over the whole tile
-   (two rows a step: half the loop's overhead). */
+   and the weighted sum of the value rows, eight channels at a time held over the whole tile. */
 static inline void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const float *ktile,
                                       const float *vtile, const uint8_t *dead, int32_t n,
                                       int32_t dim, float scale, float *KVMIX__RESTRICT acc,
                                       float *max, float *sum) {
-    float logit[KVMIX__TILE_FLOATS / 8 + 1], w[KVMIX__TILE_FLOATS / 8 + 1], tile_max = -INFINITY;
+    float logit[KVMIX__TILE_FLOATS / 8], w[KVMIX__TILE_FLOATS / 8], tile_max = -INFINITY;
     float total = 0.0f;
-    int32_t t, c, j, even = n & ~1;
-    for (t = 0; t < even; t += 2)
-        kvmix__dot2(q, ktile + (size_t)t * dim, ktile + (size_t)(t + 1) * dim, dim, &logit[t],
-                    &logit[t + 1]);
-    if (even < n) logit[even] = kvmix__dot(q, ktile + (size_t)even * dim, dim);
+    int32_t t, c, j;
     for (t = 0; t < n; t++) {
-        logit[t] = dead && dead[t] ? -INFINITY : logit[t] * scale;
+        logit[t] =
+            dead && dead[t] ? -INFINITY : kvmix__dot(q, ktile + (size_t)t * dim, dim) * scale;
         if (logit[t] > tile_max) tile_max = logit[t];
     }
     if (tile_max == -INFINITY) return; /* every row dead */
@@ -3692,15 +3674,11 @@ static inline void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const floa
     }
     for (t = 0; t < n; t++) w[t] = kvmix__exp_nonpositive(logit[t] - *max); /* dead rows: 0 */
     for (t = 0; t < n; t++) total += w[t];
-    w[n] = 0.0f; /* an odd tile's last step adds a zero-weighted row */
     for (c = 0; c < dim; c += 8) {
         float part[8];
         for (j = 0; j < 8; j++) part[j] = acc[c + j];
-        for (t = 0; t < n; t += 2) {
-            const float *v0 = vtile + (size_t)t * dim + c;
-            const float *v1 = t + 1 < n ? v0 + dim : v0;
-            for (j = 0; j < 8; j++) part[j] += w[t] * v0[j] + w[t + 1] * v1[j];
-        }
+        for (t = 0; t < n; t++)
+            for (j = 0; j < 8; j++) part[j] += w[t] * vtile[(size_t)t * dim + c + j];
         for (j = 0; j < 8; j++) acc[c + j] = part[j];
     }
     *sum += total;
