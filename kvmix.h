@@ -299,7 +299,7 @@ KVMIXDEF kvmix_result kvmix_view_check(const kvmix_view *view, kvmix_error *out_
 KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_heads, float scale,
                                             const float *q, float *out, float *lse);
 
-/* Fast decode on the CPU: what kvmix_ref_view_decode computes, read at memory speed. Per kv
+/* Fast decode on the CPU: what kvmix_ref_view_decode computes, several times faster. Per kv
    head it reads each page's rows once for all the query heads that share them, decoding a tile
    of rows at a time in loops a compiler vectorizes (FP16 through F16C where the build has it),
    with a blockwise online softmax; the work is split into (sequence, kv head, range of at most
