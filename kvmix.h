@@ -7188,11 +7188,19 @@ KVMIXDEF kvmix_result kvmix_cache_ref_decode_workspace_max(const kvmix_cache_des
     return kvmix__succeed(out_error);
 }
 
-/* The checks of a reference decode that kvmix_ref_view_decode would make without saying why. */
-static kvmix__why kvmix__ref_decode_ok(const kvmix_cache *cache, const int32_t *seqs,
-                                       int32_t n_seqs, int32_t layer, int32_t n_q_heads,
-                                       float scale, void *workspace) {
+/* The checks of a decode over cached sequences (reference or fast) that the view decodes would
+   make without saying why. */
+static kvmix__why kvmix__cache_decode_ok(const kvmix_cache *cache, const int32_t *seqs,
+                                         int32_t n_seqs, int32_t layer, int32_t n_q_heads,
+                                         float scale, const float *q, const float *out,
+                                         void *workspace) {
     kvmix__why w;
+    if (!q || !out || !workspace)
+        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
+                              !q     ? "q"
+                              : !out ? "out"
+                                     : "workspace",
+                              "NULL");
     if (cache->desc.device_arena)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "cache",
                               "its arena is device memory (kvmix_cuda_decode reads a view)");
@@ -7211,22 +7219,28 @@ static kvmix__why kvmix__ref_decode_ok(const kvmix_cache *cache, const int32_t *
     return kvmix__why_ok();
 }
 
+/* The view of the sequences' layer laid out at the head of a decode workspace (spans,
+   seq_first_span, dead flags: kvmix__decode_workspace_bytes of the counts given). */
+static void kvmix__workspace_view(const kvmix_cache *cache, const int32_t *seqs, int32_t n_seqs,
+                                  int32_t layer, int32_t n_spans, int32_t n_dead, uint8_t *w,
+                                  kvmix_view *view) {
+    size_t spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
+    size_t first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
+    kvmix_cache_view(cache, seqs, n_seqs, layer, (kvmix_view_span *)(void *)w, n_spans,
+                     (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes, n_dead,
+                     view);
+}
+
 static kvmix__why kvmix__ref_decode(const kvmix_cache *cache, const int32_t *seqs, int32_t n_seqs,
                                     int32_t layer, int32_t n_q_heads, float scale, const float *q,
                                     float *out, float *lse, void *workspace,
                                     size_t workspace_bytes) {
     int32_t n_spans, n_dead;
-    size_t need, spans_bytes, first_bytes;
+    size_t need;
     uint8_t *w = (uint8_t *)workspace;
     kvmix_view view;
     kvmix__why why;
-    if (!q || !out || !workspace)
-        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
-                              !q     ? "q"
-                              : !out ? "out"
-                                     : "workspace",
-                              "NULL");
-    why = kvmix__ref_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, workspace);
+    why = kvmix__cache_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, q, out, workspace);
     if (why.result != KVMIX_SUCCESS) return why;
     if (kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead) != KVMIX_SUCCESS)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "seqs", "a view of 2^31 spans or more");
@@ -7234,11 +7248,7 @@ static kvmix__why kvmix__ref_decode(const kvmix_cache *cache, const int32_t *seq
     if (need == 0 || workspace_bytes < need) /* 0: more than any buffer */
         return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "workspace_bytes",
                               "less than kvmix_cache_ref_decode_workspace");
-    spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
-    first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
-    kvmix_cache_view(cache, seqs, n_seqs, layer, (kvmix_view_span *)(void *)w, n_spans,
-                     (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes, n_dead,
-                     &view);
+    kvmix__workspace_view(cache, seqs, n_seqs, layer, n_spans, n_dead, w, &view);
     if (kvmix_ref_view_decode(&view, n_q_heads, scale, q, out, lse) != KVMIX_SUCCESS)
         return kvmix__why_not(KVMIX_ERR_CORRUPT_DATA, "arena",
                               "a packed block no seal wrote (kvmix_cache_check)");
@@ -7327,17 +7337,11 @@ static kvmix__why kvmix__fast_decode(const kvmix_cache *cache, const int32_t *se
                                      float *out, float *lse, void *workspace,
                                      size_t workspace_bytes, const kvmix_parallel *parallel) {
     int32_t n_spans, n_dead;
-    size_t need, spans_bytes, first_bytes, offset;
+    size_t need, offset;
     uint8_t *w = (uint8_t *)workspace;
     kvmix_view view;
     kvmix__why why;
-    if (!q || !out || !workspace)
-        return kvmix__why_not(KVMIX_ERR_NULL_POINTER,
-                              !q     ? "q"
-                              : !out ? "out"
-                                     : "workspace",
-                              "NULL");
-    why = kvmix__ref_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, workspace);
+    why = kvmix__cache_decode_ok(cache, seqs, n_seqs, layer, n_q_heads, scale, q, out, workspace);
     if (why.result != KVMIX_SUCCESS) return why;
     if (parallel && parallel->n_threads < 0)
         return kvmix__why_not(KVMIX_ERR_INVALID_ARGUMENT, "parallel", "n_threads is negative");
@@ -7348,12 +7352,8 @@ static kvmix__why kvmix__fast_decode(const kvmix_cache *cache, const int32_t *se
         return kvmix__why_not(KVMIX_ERR_BUFFER_TOO_SMALL, "workspace_bytes",
                               "less than kvmix_cache_decode_workspace");
     kvmix_cache_view_counts(cache, seqs, n_seqs, &n_spans, &n_dead);
-    spans_bytes = kvmix__align8((size_t)n_spans * sizeof(kvmix_view_span));
-    first_bytes = kvmix__align8(((size_t)n_seqs + 1) * sizeof(int32_t));
     offset = kvmix__cache_fast_offset(n_seqs, n_spans, n_dead);
-    kvmix_cache_view(cache, seqs, n_seqs, layer, (kvmix_view_span *)(void *)w, n_spans,
-                     (int32_t *)(void *)(w + spans_bytes), w + spans_bytes + first_bytes, n_dead,
-                     &view);
+    kvmix__workspace_view(cache, seqs, n_seqs, layer, n_spans, n_dead, w, &view);
     if (kvmix_view_decode(&view, n_q_heads, scale, q, out, lse, w + offset,
                           workspace_bytes - offset, parallel) != KVMIX_SUCCESS)
         return kvmix__why_not(KVMIX_ERR_CORRUPT_DATA, "arena",
