@@ -349,6 +349,51 @@ static void ct_verify(ct_model *m) {
     }
 }
 
+/* kvmix_cache_decode and its sizing calls refuse bad arguments, name them, and write nothing. */
+static void ct_verify_fast_decode_refusals(ct_model *m, const int32_t *seqs, int32_t n,
+                                           int32_t layer, const float *q, void *ws,
+                                           size_t ws_bytes) {
+    const kvmix_cache *c = &m->cache;
+    int32_t nq = 2 * c->desc.n_kv_heads;
+    size_t out_bytes = (size_t)n * nq * c->desc.head_dim * sizeof(float), bytes = 7;
+    float *out = (float *)test_alloc(out_bytes);
+    kvmix_parallel negative;
+    kvmix_error why = {NULL, NULL};
+    memset(&negative, 0, sizeof negative);
+    negative.n_threads = -1;
+    test_poison(out, out_bytes, 11);
+    CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, NULL, out, NULL, ws,
+                                    ws_bytes, NULL),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK(strstr(kvmix_cache_last_error(c), "q") != NULL);
+    CHECK_RESULT(
+        kvmix_cache_decode(&m->cache, seqs, n, layer, 0, 0.0f, q, out, NULL, ws, ws_bytes, NULL),
+        KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(kvmix_cache_last_error(c), "n_q_heads") != NULL);
+    CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, c->desc.n_layers, nq, 0.0f, q, out, NULL,
+                                    ws, ws_bytes, NULL),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(kvmix_cache_last_error(c), "layer") != NULL);
+    CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, NULL, ws, ws_bytes,
+                                    &negative),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(kvmix_cache_last_error(c), "parallel") != NULL);
+    CHECK(test_is_poisoned(out, out_bytes, 11));
+    CHECK_RESULT(kvmix_cache_decode_workspace(c, seqs, n, 0, &bytes), KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_cache_decode_workspace(c, seqs, n, nq, NULL), KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_cache_decode_workspace_max(&c->desc, -1, nq, &bytes, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "n_seqs");
+    CHECK_RESULT(kvmix_cache_decode_workspace_max(&c->desc, n, 0, &bytes, &why),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_ERROR(why, "n_q_heads");
+    CHECK_RESULT(kvmix_cache_decode_workspace_max(NULL, n, nq, &bytes, &why),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_ERROR(why, "desc");
+    CHECK(bytes == 7);
+    free(out);
+}
+
 /* kvmix_cache_decode against the reference's out and lse (want_*): float rounding apart, the
    same numbers, and the same bits on one thread or two. */
 static void ct_verify_fast_decode(ct_model *m, const int32_t *seqs, int32_t n, int32_t layer,
@@ -370,6 +415,7 @@ static void ct_verify_fast_decode(ct_model *m, const int32_t *seqs, int32_t n, i
     CHECK_RESULT(kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws,
                                     ws_bytes - 1, NULL),
                  KVMIX_ERR_BUFFER_TOO_SMALL);
+    ct_verify_fast_decode_refusals(m, seqs, n, layer, q, ws, ws_bytes);
     CHECK_RESULT(
         kvmix_cache_decode(&m->cache, seqs, n, layer, nq, 0.0f, q, out, lse, ws, ws_bytes, NULL),
         KVMIX_SUCCESS);
