@@ -2,9 +2,9 @@
  *
  *   pd_nccl --model M --data D [--ranks N] [--prefill P] [--texts K] [--prompt-tokens N]
  *           [--generate G] [--budget B] [--upgrade-after U] [--expect FILE] [--min-agreement A]
- *           [--inject truncate|corrupt] [--no-overlap]
+ *           [--inject truncate|corrupt] [--no-overlap] [--group-size G]
  *   pd_nccl --reference FILE --model M --data D [--texts K] [--prompt-tokens N] [--generate G]
- *   pd_nccl --bench --model M --data D [--prompt-tokens N] [--repeat R]
+ *   pd_nccl --bench --model M --data D [--prompt-tokens N] [--repeat R] [--group-size G]
  *
  * One thread per GPU, one NCCL communicator over all of them (NCCL_NVLS_ENABLE=0: no NVLink
  * multicast). Ranks [0, P) prefill, the rest decode; text t goes from prefill rank t % P to
@@ -13,7 +13,8 @@
  *
  * Prefill rank, per text: gpu_llama_prefill over the prompt with an fp16 kvmix cache, the rows
  * read back on the device (gpu_llama_rows_read_device), each token's tier at budget B
- * (transfer_plan.h: the key/value-norm statistic, recency decay 0.005, 4 sinks), then one ROWS
+ * (transfer_plan.h: the key/value-norm statistic, recency decay 0.005, 4 sinks; INT8 and INT4
+ * rows in groups of G channels, default 32), then one ROWS
  * payload per layer packed on the GPU (kvmix_payload_write_head + kvmix_cuda_payload_pack) and
  * sent with ncclSend straight from device memory, each after a 64-byte frame; the send of layer k
  * runs on its own stream while layer k + 1 packs (pd_schedule; --no-overlap waits for each).
@@ -36,7 +37,9 @@
  * agreement (it must be at least --min-agreement, default 1). --bench (two ranks) measures one
  * text: payload bytes and time per layer for FP16 and the tiered payloads at b = 0.5 and 0.3
  * against a plain ncclSend of the same bytes, and time to the first decoded token with and
- * without the overlap, as one table. Exit status 0 only when every check passed.
+ * without the overlap, as one table. Every token is sent: a budget under what that takes (4 FP16
+ * sinks and INT4 for the rest: 0.32 of FP16 at a group size of 32, 0.29 at 64, for 256
+ * tokens of 128 channels) is refused at the start. Exit status 0 only when every check passed.
  */
 #include <cjson/cJSON.h>
 #include <cuda_fp16.h>
@@ -68,6 +71,7 @@ enum { N_SINKS = 4, N_SLOTS = 2, INJECT_NONE = 0, INJECT_TRUNCATE, INJECT_CORRUP
 struct options {
     const char *model, *data, *expect, *reference;
     int32_t ranks, prefill, texts, prompt_tokens, generate, upgrade_after, repeat, inject;
+    int32_t group_size; /* of the INT8/INT4 rows; 0 = KVMIX_GROUP_SIZE_DEFAULT */
     double budget, min_agreement;
     bool overlap, bench;
 };
@@ -195,13 +199,14 @@ struct layer_payloads {
     std::vector<cudaEvent_t> send_start, send_end; /* [n_layers]: timing of each send */
 };
 
-kvmix_payload_desc layer_desc(const llama_config *c, kvmix_payload_kind kind, int32_t text,
-                              int32_t l, int32_t n) {
+kvmix_payload_desc layer_desc(const worker *w, kvmix_payload_kind kind, int32_t text, int32_t l,
+                              int32_t n) {
+    const llama_config *c = config_of(w);
     uint64_t id = ((uint64_t)text << 20) + (uint64_t)l * 2 + 1;
     return kvmix_payload_desc{kind,
                               c->head_dim,
                               c->n_kv_heads,
-                              0,
+                              w->run->o->group_size,
                               l,
                               1,
                               n,
@@ -213,7 +218,7 @@ kvmix_payload_desc layer_desc(const llama_config *c, kvmix_payload_kind kind, in
 /* Layer l's head written on the host, copied into `dst` and the body packed on stream s. */
 bool pack_layer(worker *w, const layer_payloads *p, int32_t l, uint8_t *dst, cudaStream_t s) {
     const llama_config *c = config_of(w);
-    kvmix_payload_desc d = layer_desc(c, p->kind, p->text, l, p->n_tokens);
+    kvmix_payload_desc d = layer_desc(w, p->kind, p->text, l, p->n_tokens);
     kvmix_payload_info info;
     std::vector<uint8_t> head(p->info.head_bytes);
     KVMIX_OK(kvmix_payload_describe(&d, p->tiers, &info, NULL), "describing a payload");
@@ -284,7 +289,7 @@ bool payloads_init(worker *w, layer_payloads *p, kvmix_payload_kind kind, int32_
     const llama_config *c = config_of(w);
     p->kind = kind, p->text = text, p->n_tokens = n, p->tiers = tiers;
     p->keys = keys, p->values = values;
-    kvmix_payload_desc d = layer_desc(c, kind, text, 0, n);
+    kvmix_payload_desc d = layer_desc(w, kind, text, 0, n);
     KVMIX_OK(kvmix_payload_describe(&d, tiers, &p->info, NULL), "describing a payload");
     p->send_start.assign((size_t)c->n_layers, NULL);
     p->send_end.assign((size_t)c->n_layers, NULL);
@@ -379,7 +384,8 @@ bool choose_tiers(worker *w, prefilled *s, double budget) {
     CUDA_OK(cudaMemcpy(hv.data(), s->values, all * sizeof(__half), cudaMemcpyDeviceToHost), "rows");
     for (size_t i = 0; i < all; i++) fk[i] = __half2float(hk[i]), fv[i] = __half2float(hv[i]);
     transfer_setup setup = {
-        TRANSFER_NORMS, budget, LAMBDA, N_SINKS < s->n ? N_SINKS : s->n, 1, 0, 0};
+        TRANSFER_NORMS, budget, LAMBDA, N_SINKS < s->n ? N_SINKS : s->n, 1, w->run->o->group_size,
+        0};
     s->tiers.assign((size_t)s->n, 0);
     if (transfer_choose(&setup, NULL, fk.data(), fv.data(), c->n_layers, s->n, c->n_kv_heads,
                         c->head_dim, s->tiers.data(), &s->plan, w->err,
@@ -434,7 +440,7 @@ bool residual_rows(worker *w, const prefilled *s, __half *rk, __half *rv) {
                             s->values);
     for (int32_t l = 0; ok && l < c->n_layers; l++) {
         ok = pack_layer(w, &p, l, p.slots[0], w->pack);
-        kvmix_payload_desc d = layer_desc(c, KVMIX_PAYLOAD_ROWS, s->text, l, s->n);
+        kvmix_payload_desc d = layer_desc(w, KVMIX_PAYLOAD_ROWS, s->text, l, s->n);
         kvmix_payload_info info;
         ok = ok && kvmix_payload_describe(&d, s->tiers.data(), &info, NULL) == KVMIX_SUCCESS &&
              kvmix_cuda_payload_unpack(&info, p.slots[0], KVMIX_CUDA_FP16, dk, dv, w->work,
@@ -874,14 +880,14 @@ bool run_bench(worker *w) {
         double payload = 0.0, plain = 0.0;
         uint64_t bytes = 0;
         if (sender) ok = choose_tiers(w, &s, BENCH_BUDGETS[b]);
-        for (int32_t r = 0; ok && r < o->repeat; r++) {
+        for (int32_t r = -1; ok && r < o->repeat; r++) { /* r = -1: a warm-up, not timed */
             double t = 0.0, p = 0.0;
             if (sender)
                 ok = send_sequence(w, &s, peer, true, false, &t, &bytes) &&
                      plain_sends(w, bytes, peer, true, &p);
             else
                 ok = bench_receive(w, peer, &bytes) && plain_sends(w, bytes, peer, false, &p);
-            payload += t, plain += p;
+            if (r >= 0) payload += t, plain += p;
         }
         if (sender && ok) {
             char name[64];
@@ -994,7 +1000,7 @@ bool load_expected(const char *path, shared_run *run) {
 
 bool parse_options(int argc, char **argv, options *o) {
     *o =
-        options{NULL, NULL, NULL, NULL, 0, 1, 4, 256, 32, 4, 5, INJECT_NONE, 1.0, 1.0, true, false};
+        options{NULL, NULL, NULL, NULL, 0, 1, 4, 256, 32, 4, 5, INJECT_NONE, 0, 1.0, 1.0, true, false};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end = NULL;
@@ -1029,6 +1035,7 @@ bool parse_options(int argc, char **argv, options *o) {
                              : strcmp(a, "--generate") == 0      ? &o->generate
                              : strcmp(a, "--upgrade-after") == 0 ? &o->upgrade_after
                              : strcmp(a, "--repeat") == 0        ? &o->repeat
+                             : strcmp(a, "--group-size") == 0    ? &o->group_size
                                                                  : NULL;
             if (!field) return false;
             *field = (int32_t)strtol(v, &end, 10), i++;
@@ -1037,7 +1044,34 @@ bool parse_options(int argc, char **argv, options *o) {
     }
     return o->model && o->data && o->inject >= 0 && o->texts >= 1 && o->texts <= 4096 &&
            o->prompt_tokens >= 2 && o->generate >= 1 && o->upgrade_after >= 0 && o->repeat >= 1 &&
-           o->budget > 0.0 && o->budget <= 1.0 && o->ranks >= 0;
+           o->budget > 0.0 && o->budget <= 1.0 && o->ranks >= 0 && o->group_size >= 0;
+}
+
+/* Whether the tiers of an n-token text at `budget` send every token (its sinks FP16, the rest at
+   least INT4): below that kvmix_tier_choose would leave tokens out, which this program does not
+   do (a ROWS payload carries every position of its range), so such a budget is refused before
+   any rank starts rather than by one rank while the other waits for its payloads. */
+bool budget_sends_every_token(const options *o, const llama_config *c, int32_t n, double budget) {
+    kvmix_tier_desc d = {n, c->head_dim, o->group_size, N_SINKS < n ? N_SINKS : n, budget, 1, 0};
+    std::vector<float> importance((size_t)n, 1.0f);
+    std::vector<uint8_t> tiers((size_t)n);
+    kvmix_tier_plan plan;
+    return kvmix_tier_choose(&d, importance.data(), tiers.data(), &plan, NULL) == KVMIX_SUCCESS &&
+           plan.n_dropped == 0;
+}
+
+/* The first text whose tokens the run's budgets cannot all send, or -1. */
+int32_t text_over_budget(const options *o, const shared_run *run, double *out_budget) {
+    const double *budgets = o->bench ? BENCH_BUDGETS : &o->budget;
+    int32_t n_budgets = o->bench ? N_BENCH : 1;
+    for (int32_t t = 0; t < o->texts; t++)
+        for (int32_t b = 0; b < n_budgets; b++)
+            if (!budget_sends_every_token(o, &run->model->config,
+                                          (int32_t)run->prompts[(size_t)t].size(), budgets[b])) {
+                *out_budget = budgets[b];
+                return t;
+            }
+    return -1;
 }
 
 } // namespace
@@ -1052,9 +1086,10 @@ int main(int argc, char **argv) {
             "usage: pd_nccl --model M --data D [--ranks N] [--prefill P] [--texts K]\n"
             "               [--prompt-tokens N] [--generate G] [--budget B] [--upgrade-after U]\n"
             "               [--expect FILE] [--min-agreement A] [--inject truncate|corrupt]\n"
-            "               [--no-overlap]\n"
+            "               [--no-overlap] [--group-size G]\n"
             "       pd_nccl --reference FILE --model M --data D [--texts K] ...\n"
-            "       pd_nccl --bench --model M --data D [--prompt-tokens N] [--repeat R]\n");
+            "       pd_nccl --bench --model M --data D [--prompt-tokens N] [--repeat R]\n"
+            "               [--group-size G]\n");
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -1090,6 +1125,17 @@ int main(int argc, char **argv) {
     if (!ok) fprintf(stderr, "pd_nccl: %s has fewer than %d texts\n", o.data, o.texts);
     if (ok && o.expect && !(ok = load_expected(o.expect, &run)))
         fprintf(stderr, "pd_nccl: %s: not %d lines of %d tokens\n", o.expect, o.texts, o.generate);
+    double over = 0.0;
+    int32_t text = ok ? text_over_budget(&o, &run, &over) : -1;
+    if (text >= 0) {
+        fprintf(stderr,
+                "pd_nccl: budget %.2f cannot send every token of text %d (%zu tokens: %d FP16 "
+                "sinks, the rest INT4 at group size %d take more); give a larger budget or "
+                "--group-size\n",
+                over, text, run.prompts[(size_t)text].size(), N_SINKS,
+                o.group_size ? o.group_size : KVMIX_GROUP_SIZE_DEFAULT);
+        ok = false;
+    }
     if (!ok) {
         llama_model_free(&model);
         return 1;
