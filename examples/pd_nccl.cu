@@ -384,8 +384,8 @@ bool choose_tiers(worker *w, prefilled *s, double budget) {
     CUDA_OK(cudaMemcpy(hv.data(), s->values, all * sizeof(__half), cudaMemcpyDeviceToHost), "rows");
     for (size_t i = 0; i < all; i++) fk[i] = __half2float(hk[i]), fv[i] = __half2float(hv[i]);
     transfer_setup setup = {
-        TRANSFER_NORMS, budget, LAMBDA, N_SINKS < s->n ? N_SINKS : s->n, 1, w->run->o->group_size,
-        0};
+        TRANSFER_NORMS,        budget, LAMBDA, N_SINKS < s->n ? N_SINKS : s->n, 1,
+        w->run->o->group_size, 0};
     s->tiers.assign((size_t)s->n, 0);
     if (transfer_choose(&setup, NULL, fk.data(), fv.data(), c->n_layers, s->n, c->n_kv_heads,
                         c->head_dim, s->tiers.data(), &s->plan, w->err,
@@ -999,8 +999,8 @@ bool load_expected(const char *path, shared_run *run) {
 }
 
 bool parse_options(int argc, char **argv, options *o) {
-    *o =
-        options{NULL, NULL, NULL, NULL, 0, 1, 4, 256, 32, 4, 5, INJECT_NONE, 0, 1.0, 1.0, true, false};
+    *o = options{NULL, NULL, NULL,        NULL, 0,   1,   4,    256,  32,
+                 4,    5,    INJECT_NONE, 0,    1.0, 1.0, true, false};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         char *end = NULL;
