@@ -19,7 +19,12 @@ Without --allocation the study has no tri-axial arm.
 
 Usage: python3 bench/long_sweep.py --eval E --model M --data D --spec S --out OUT.jsonl
            [--arms ARMS] [--offset 100] [--limit 100] [--batch 100] [--baseline fp16]
-           [--allocation A.json] [--transfer-policy fp16]
+           [--allocation A.json] [--transfer-policy fp16] [--reference-tops PATH]
+
+The fp32 reference (what every agreement compares with) runs once, first: its JSON goes to --out
+as the arm "fp32" and its top-1s to --reference-tops (default OUT.jsonl.fp32-tops), which every
+arm then reads (kvmix-eval --reference-tops) instead of running fp32 again. A file already
+there is taken as it is: delete it with --out to start over.
 
 --arms is comma-separated; "study" (the default) stands for the study's arms below. An arm is:
     NAME or FILE.json      a policy (built-in name or policy document): a fixed format
@@ -41,6 +46,7 @@ status is 1 when any arm failed or was odd (sweep_common.py). The tables read kv
 context, for transfer arms those before the hand-over too. bench/sweep_selfcheck.py checks the
 tables against a fake runner.
 """
+import argparse
 import json
 import math
 import os
@@ -111,6 +117,21 @@ def run_one(a, policies, arm):
     n_questions = sum(b.get("n_questions", 0) for b in result["by_distance"])
     return (f"{arm}: {n_questions} questions, bits/token {n('bits_per_token', '.4f')} "
             f"agreement {n('answer_agreement', '.4f')} {n('seconds', '.1f')} s")
+
+
+def reference_pass(a):
+    """The fp32 run whose top-1s every arm reads, unless --reference-tops is already there; the
+    file appears only once the run succeeded. Raises sweep_common.ArmFailed."""
+    if os.path.exists(a.reference_tops):
+        print(f"reference: {a.reference_tops} (an earlier fp32 run)", flush=True)
+        return
+    part = a.reference_tops + ".part"
+    own = argparse.Namespace(**{**vars(a), "reference_tops": None})
+    result = sweep_common.run_arm(a, "fp32", sweep_common.eval_command(own, "fp32") +
+                                  ["--tops", part])
+    os.replace(part, a.reference_tops)
+    print(f"reference: fp32 -> {a.reference_tops}, "
+          f"{sweep_common.number(result, 'seconds', '.1f', '-')} s", flush=True)
 
 
 # >>tables: everything below reads --out alone, so the self-check feeds it fake results
@@ -251,12 +272,19 @@ def main():
     ap.add_argument("--allocation")
     ap.add_argument("--baseline", default="fp16")
     ap.add_argument("--transfer-policy", default="fp16")
+    ap.add_argument("--reference-tops")
     a = ap.parse_args()
+    a.reference_tops = a.reference_tops or a.out + ".fp32-tops"
     arms = expand_arms(a.arms, a.allocation)
     a.arms = ",".join(arms)
     print("\n".join(configuration(a, arms)), flush=True)
     needs_policies = any(arm_kind(arm) == "evict" for arm in arms)
     policies = evict_sweep.builtin_policies(a.eval) if needs_policies else {}
+    try:
+        reference_pass(a)
+    except sweep_common.ArmFailed as e:
+        print(f"reference: FAILED: {e}", flush=True)
+        sys.exit(1)
     status = sweep_common.sweep(a, lambda arm: run_one(a, policies, arm))
     print("\n" + "\n".join(report(load_results(a.out), arms, a.baseline)), flush=True)
     sys.exit(status)

@@ -50,9 +50,12 @@ def arms_to_run(a):
 
 
 def eval_command(a, policy):
+    """The run of policy over the selected traces; with a.reference_tops (long_sweep.py) the fp32
+    reference's top-1s come from that file instead of a pass of their own."""
+    reference = getattr(a, "reference_tops", None)
     return [a.eval, "--model", a.model, "--data", a.data, "--kind", "trace", "--offset",
             str(a.offset), "--limit", str(a.limit), "--batch", str(a.batch), "--policy", policy,
-            "--tag-spec", a.spec]
+            "--tag-spec", a.spec] + (["--reference-tops", reference] if reference else [])
 
 
 def run_arm(a, arm, cmd, extra=None):

@@ -33,6 +33,12 @@ if os.path.exists(what):  # evict_sweep's policy document
     with open(what) as f:
         what = json.load(f)["name"]
 what += " " + opt.get("--transfer", "")
+if "--tops" in opt:  # long_sweep.py's reference pass
+    with open(opt["--tops"], "w") as f:
+        f.write("fake tops\n")
+if "--reference-tops" in opt and (not os.path.exists(opt["--reference-tops"]) or "fp32" in what):
+    print("fake-eval: no reference tops", file=sys.stderr)
+    sys.exit(4)
 out = {"bits_per_token": 1.25, "answer_agreement": 0.875, "avg_bits": 4.5, "packed_bits": 4.25,
        "seconds": 2.0, "recall": {"answer_agreement": 0.5, "answer_bits_per_token": 2.5},
        "device": "Fake GPU"}
@@ -161,6 +167,17 @@ def check_long_sweep(tmp):
     rows = table_rows(run.stdout, "Questions / answer tokens scored")
     check(rows.get("int4") == "100 / 400 | 25 / 50 |" and rows.get("boom") == failed,
           f"long: counts {rows}")
+    # the fp32 reference ran once, first, and every arm read its top-1s
+    with open(out) as f:
+        commands = [json.loads(line)["command"] for line in f]
+    reads = lambda c: "--reference-tops" in c and c[c.index("--reference-tops") + 1] == \
+        out + ".fp32-tops"
+    check(commands and commands[0][-2] == "--tops" and not reads(commands[0]) and
+          all(reads(c) for c in commands[1:]),
+          f"long: reference pass and reuse {commands}")
+    run = subprocess.run(cmd, capture_output=True, text=True)  # resumed: nothing runs again
+    check(f"reference: {out}.fp32-tops (an earlier fp32 run)" in run.stdout,
+          f"long: resumed reference\n{run.stdout}")
 
 
 def main():

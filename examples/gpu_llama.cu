@@ -23,6 +23,9 @@ extern "C" {
 namespace {
 
 enum { MAX_SPLITS = 64, THREADS = 256, FILL_ROWS = 1024, PREFILL_CHUNK = 128 };
+/* The fp32 reference attention: tokens per chunk (one block each), warps per block, and the most
+   channels of a head (KVMIX_MAX_HEAD_DIM) a lane holds. */
+enum { REF_CHUNK = 512, REF_WARPS = 4, REF_LANE_DIMS = 16 };
 
 struct layer_weights {
     float *attn_norm, *ffn_norm, *qkv, *out, *gate_up, *down;
@@ -106,6 +109,7 @@ struct gpu_llama {
     uint8_t *in_use;   /* host [max_seqs] */
     /* the fp32 reference: [max_seqs][n_layers][n_kv_heads][max_tokens][head_dim] */
     float *ref_k, *ref_v;
+    float *ref_part; /* each chunk's max, sum and weighted values: ref_part_floats() */
     /* the kvmix cache */
     kvmix_cache cache;
     void *cache_memory;
@@ -329,7 +333,6 @@ __device__ size_t ref_offset(const ref_params &p, int32_t seq, int32_t h, int32_
     return ((((size_t)seq * p.n_layers + p.layer) * p.n_kv + h) * p.max_tokens + t) * p.head_dim;
 }
 
-__device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 /* Stores each row's keys and values at its position of the fp32 reference cache. */
@@ -403,19 +406,95 @@ __device__ void attend_one(const float *q, int32_t n, int32_t head_dim, float sc
     }
 }
 
-/* fp32 attention of one query head over positions 0 .. pos of the fp32 reference cache.
- * Dynamic shared memory: attend_scores_bytes(max_tokens). */
-__global__ void ref_attend_kernel(ref_params p) {
-    extern __shared__ __align__(16) float scores[];
-    int32_t i = blockIdx.x, hq = blockIdx.y, h = hq / (p.n_q / p.n_kv);
-    const float *q =
-        p.qkv + (size_t)i * (p.n_q + 2 * p.n_kv) * p.head_dim + (size_t)hq * p.head_dim;
-    size_t base = ref_offset(p, p.seqs[i], h, 0);
-    attend_one(
-        q, p.pos[i] + 1, p.head_dim, p.scale, [](int) { return true; },
-        [&](int t) { return p.k + base + (size_t)t * p.head_dim; },
-        [&](int t) { return p.v + base + (size_t)t * p.head_dim; }, scores,
-        p.att + ((size_t)i * p.n_q + hq) * p.head_dim);
+/* Floats of one chunk's partial result: its max score, its sum of exponentials, head_dim
+   weighted values. */
+__host__ __device__ inline size_t ref_part_stride(int32_t head_dim) { return 2 + (size_t)head_dim; }
+
+/* The fp32 reference attention of row blockIdx.x, query head blockIdx.y, over the REF_CHUNK
+ * tokens of chunk blockIdx.z (positions 0 .. pos of the row's sequence): each warp takes every
+ * REF_WARPS-th token, a lane holding the channels lane, lane + 32, ...; a token's score is one
+ * butterfly sum over the warp, the chunk's weighted values a sum over its tokens, the warps' parts
+ * added in warp order. What a row gets depends on its own sequence alone (no batch neighbour,
+ * fixed chunks): batch-invariant. out: ref_part_stride floats at [row][head][chunk]. */
+__global__ void ref_attend_chunk_kernel(ref_params p, int32_t n_chunks, float *part) {
+    __shared__ float scores[REF_CHUNK], warp_best[REF_WARPS];
+    __shared__ float warp_acc[REF_WARPS][REF_LANE_DIMS * 32];
+    __shared__ double warp_sum[REF_WARPS];
+    const int32_t i = blockIdx.x, hq = blockIdx.y, chunk = blockIdx.z;
+    const int32_t h = hq / (p.n_q / p.n_kv), D = p.head_dim;
+    const int32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int32_t n = p.pos[i] + 1, t0 = chunk * REF_CHUNK;
+    const int32_t t1 = t0 + REF_CHUNK < n ? t0 + REF_CHUNK : n;
+    float *out = part + (((size_t)i * p.n_q + hq) * n_chunks + chunk) * ref_part_stride(D);
+    if (t0 >= n) { /* past the sequence: an empty part the merge skips */
+        if (threadIdx.x == 0) out[0] = -INFINITY, out[1] = 0.0f;
+        return;
+    }
+    const float *q = p.qkv + (size_t)i * (p.n_q + 2 * p.n_kv) * D + (size_t)hq * D;
+    const size_t base = ref_offset(p, p.seqs[i], h, 0);
+    float qv[REF_LANE_DIMS], acc[REF_LANE_DIMS];
+    for (int j = 0; j < REF_LANE_DIMS; j++) {
+        int d = lane + 32 * j;
+        qv[j] = d < D ? q[d] : 0.0f, acc[j] = 0.0f;
+    }
+    float best = -INFINITY;
+    for (int32_t t = t0 + warp; t < t1; t += REF_WARPS) {
+        const float *k = p.k + base + (size_t)t * D;
+        float dot = 0.0f;
+        for (int j = 0; j < REF_LANE_DIMS && lane + 32 * j < D; j++)
+            dot = fmaf(qv[j], k[lane + 32 * j], dot);
+        for (int m = 16; m > 0; m /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, m);
+        float score = p.scale * dot;
+        if (lane == 0) scores[t - t0] = score;
+        best = fmaxf(best, score);
+    }
+    if (lane == 0) warp_best[warp] = best;
+    __syncthreads();
+    best = warp_best[0];
+    for (int w = 1; w < REF_WARPS; w++) best = fmaxf(best, warp_best[w]);
+    double sum = 0.0;
+    for (int32_t t = t0 + warp; t < t1; t += REF_WARPS) {
+        const float weight = expf(scores[t - t0] - best);
+        const float *v = p.v + base + (size_t)t * D;
+        sum += weight;
+        for (int j = 0; j < REF_LANE_DIMS && lane + 32 * j < D; j++)
+            acc[j] = fmaf(weight, v[lane + 32 * j], acc[j]);
+    }
+    for (int j = 0; j < REF_LANE_DIMS; j++) warp_acc[warp][lane + 32 * j] = acc[j];
+    if (lane == 0) warp_sum[warp] = sum;
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float a = warp_acc[0][d];
+        for (int w = 1; w < REF_WARPS; w++) a += warp_acc[w][d];
+        out[2 + d] = a;
+    }
+    if (threadIdx.x == 0) {
+        double total = warp_sum[0];
+        for (int w = 1; w < REF_WARPS; w++) total += warp_sum[w];
+        out[0] = best, out[1] = (float)total;
+    }
+}
+
+/* The chunks' parts of row blockIdx.x, query head blockIdx.y merged in chunk order into its
+   attention output. */
+__global__ void ref_attend_merge_kernel(ref_params p, int32_t n_chunks, const float *part) {
+    const int32_t i = blockIdx.x, hq = blockIdx.y, D = p.head_dim;
+    const size_t stride = ref_part_stride(D);
+    const float *row = part + ((size_t)i * p.n_q + hq) * n_chunks * stride;
+    float best = -INFINITY;
+    for (int32_t c = 0; c < n_chunks; c++) best = fmaxf(best, row[c * stride]);
+    double sum = 0.0;
+    for (int32_t c = 0; c < n_chunks; c++)
+        if (row[c * stride + 1] > 0.0f)
+            sum += (double)row[c * stride + 1] * exp(row[c * stride] - best);
+    const float inv_sum = (float)(1.0 / sum);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int32_t c = 0; c < n_chunks; c++)
+            if (row[c * stride + 1] > 0.0f)
+                acc = fmaf(row[c * stride + 2 + d], expf(row[c * stride] - best), acc);
+        p.att[((size_t)i * p.n_q + hq) * D + d] = acc * inv_sum;
+    }
 }
 
 /* Causal attention of a prefill chunk: query i (position pos0 + i) of head blockIdx.y over the
@@ -652,6 +731,16 @@ llama_result create_cache(gpu_llama *g, size_t arena_bytes, char *err, size_t er
     return LLAMA_OK;
 }
 
+/* Chunks of the fp32 reference's longest row: a sequence at max_tokens. */
+int32_t ref_max_chunks(const gpu_llama *g) { return (g->max_tokens + REF_CHUNK - 1) / REF_CHUNK; }
+
+/* The fp32 reference's partial results: a chunk's part for every row a forward pass runs (a step's
+   sequences or a prefill chunk's rows), query head and chunk. */
+size_t ref_part_floats(const gpu_llama *g) {
+    size_t rows = (size_t)(g->max_seqs > PREFILL_CHUNK ? g->max_seqs : PREFILL_CHUNK);
+    return rows * g->c.n_heads * ref_max_chunks(g) * ref_part_stride(g->c.head_dim);
+}
+
 llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
     const llama_config *c = &g->c;
     size_t n = (size_t)g->max_rows;
@@ -680,6 +769,7 @@ llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
             (size_t)g->max_seqs * c->n_layers * c->n_kv_heads * (size_t)g->max_tokens * c->head_dim;
         TRY_CUDA(device_alloc(&g->ref_k, floats), "the fp32 cache");
         TRY_CUDA(device_alloc(&g->ref_v, floats), "the fp32 cache");
+        TRY_CUDA(device_alloc(&g->ref_part, ref_part_floats(g)), "the fp32 attention's parts");
     }
     return LLAMA_OK;
 }
@@ -949,6 +1039,8 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
     return record_layer(g, l, &view, seqs, n, err, err_bytes);
 }
 
+/* Layer l's attention over the fp32 reference cache for the n rows in h_step, after storing their
+   keys and values: chunks of REF_CHUNK tokens, then their merge. */
 void attend_fp32(gpu_llama *g, int32_t l, int32_t n) {
     const llama_config *c = &g->c;
     ref_params p;
@@ -957,9 +1049,14 @@ void attend_fp32(gpu_llama *g, int32_t l, int32_t n) {
     p.att = g->att, p.layer = l, p.n_layers = c->n_layers, p.n_q = c->n_heads;
     p.n_kv = c->n_kv_heads, p.head_dim = c->head_dim, p.max_tokens = g->max_tokens;
     p.scale = (float)(1.0 / sqrt((double)c->head_dim));
+    int32_t longest = 0; /* tokens the longest row attends: its position + 1 */
+    for (int32_t i = 0; i < n; i++)
+        if (g->h_step[n + i] + 1 > longest) longest = g->h_step[n + i] + 1;
+    int32_t n_chunks = (longest + REF_CHUNK - 1) / REF_CHUNK;
     ref_store_kernel<<<dim3(n, c->n_kv_heads), 128, 0, g->stream>>>(p);
-    ref_attend_kernel<<<dim3(n, c->n_heads), THREADS, attend_scores_bytes(g->max_tokens),
-                        g->stream>>>(p);
+    ref_attend_chunk_kernel<<<dim3(n, c->n_heads, n_chunks), 32 * REF_WARPS, 0, g->stream>>>(
+        p, n_chunks, g->ref_part);
+    ref_attend_merge_kernel<<<dim3(n, c->n_heads), 128, 0, g->stream>>>(p, n_chunks, g->ref_part);
 }
 
 /* Tags the step's tokens: *out (NULL when the cache is not tagged) gets the formats each asks
@@ -1196,11 +1293,6 @@ static llama_result create_runner(gpu_llama *g, const llama_model *model,
     llama_result r = upload_model(g, model, err, err_bytes);
     if (r == LLAMA_OK) r = create_buffers(g, err, err_bytes);
     if (r == LLAMA_OK && !g->fp32) r = create_cache(g, arena_bytes, err, err_bytes);
-    if (r == LLAMA_OK && g->fp32)
-        TRY_CUDA(cudaFuncSetAttribute(ref_attend_kernel,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)attend_scores_bytes(max_tokens)),
-                 "fp32 attention");
     cudaFuncAttributes fa;
     if (r == LLAMA_OK && !g->fp32) { /* the scores take what the block's own arrays leave */
         TRY_CUDA(cudaFuncGetAttributes(&fa, prefill_attend_kernel), "prefill attention");
@@ -1249,7 +1341,8 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     free(g->events);
     cudaFree(g->fill_k), cudaFree(g->fill_v);
     cudaFree(g->embed), cudaFree(g->final_norm), cudaFree(g->head), cudaFree(g->inv_freq);
-    cudaFree(g->ref_k), cudaFree(g->ref_v), cudaFree(g->arena), cudaFree(g->d_flags);
+    cudaFree(g->ref_k), cudaFree(g->ref_v), cudaFree(g->ref_part), cudaFree(g->arena),
+        cudaFree(g->d_flags);
     cudaFree(g->k16), cudaFree(g->v16), cudaFree(g->q16), cudaFree(g->o16), cudaFree(g->work);
     cudaFree(g->x), cudaFree(g->xn), cudaFree(g->qkv), cudaFree(g->att), cudaFree(g->ffn);
     cudaFree(g->logits), cudaFree(g->d_step);

@@ -4,7 +4,7 @@
  *              [--limit N] [--policy P] [--threads N] [--capture DIR]
  *              [--device cpu|cuda] [--batch N] [--tag-spec S.json --allocation A.json]
  *              [--transfer MODE:B[:LAMBDA]] [--tops PATH]
- *              [--evict-log PATH]
+ *              [--reference-tops PATH] [--evict-log PATH]
  *   kvmix-eval --list-policies          the built-in policies' settings, one JSON object a line
  *   kvmix-eval --read-capture PATH      validate a capture file and print its shape
  *
@@ -43,6 +43,10 @@
  * --tops PATH writes the policy's top-1 prediction at every scored position: one line per
  * selected text with at least one scored position, in selection order, its ids separated by
  * spaces; two runs (CPU and GPU, two batch sizes) then compare position by position.
+ * --reference-tops PATH takes the reference's top-1 (what answer_agreement compares with) from
+ * the --tops file of an fp32 run over the same selection instead of running the fp32 model
+ * again: a sweep of many policies runs the reference once. A file whose lines do not match the
+ * selection (count, length, ids) is refused.
  *
  * --device cuda (kvmix-eval-cuda, the same program built with the GPU runner, gpu_llama.h; its
  * default) runs the texts on the GPU, up to --batch N (default 256) of them at once in
@@ -124,6 +128,7 @@ typedef struct options {
     const char *allocation_path;   /* store tokens by their tags (needs tag_spec_path) */
     const char *transfer;          /* MODE:B[:LAMBDA]: a hand-over per text */
     const char *tops_path;         /* each scored position's top-1, a line per text */
+    const char *reference_tops;    /* an fp32 run's --tops: the reference, not run again */
     const char *evict_log;         /* every eviction's positions written there */
 } options;
 
@@ -136,7 +141,7 @@ static void usage(FILE *f) {
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
         "                  [--device cpu|cuda] [--batch N] [--tag-spec S [--allocation A]]\n"
         "                  [--transfer MODE:B[:LAMBDA]] [--tops PATH]\n"
-        "                  [--evict-log PATH]\n"
+        "                  [--reference-tops PATH] [--evict-log PATH]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -164,6 +169,7 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
                  {"--allocation", &o->allocation_path},
                  {"--transfer", &o->transfer},
                  {"--tops", &o->tops_path},
+                 {"--reference-tops", &o->reference_tops},
                  {"--evict-log", &o->evict_log}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
@@ -181,7 +187,7 @@ static bool parse_options(int argc, char **argv, options *o) {
     const bool cuda_default = false;
 #endif
     *o = (options){NULL, NULL,         NULL, 0,    0,    "fp32", 2,    NULL, false,
-                   NULL, cuda_default, 256,  NULL, NULL, NULL,   NULL, NULL};
+                   NULL, cuda_default, 256,  NULL, NULL, NULL,   NULL, NULL, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -395,6 +401,8 @@ typedef struct eval {
     int32_t *ref_argmax;
     int32_t *tops; /* the policy's own top-1 (--tops) */
     FILE *tops_file;
+    FILE *reference_tops;   /* --reference-tops: read a line per text instead of an fp32 pass */
+    int64_t reference_line; /* lines read from it */
     bool tagged; /* --tag-spec and --allocation: the policy's cache stores tokens by tag */
     const tag_spec_doc *tag_doc;
     kvmix_tag_precision tag_table;
@@ -456,6 +464,44 @@ static bool write_tops(eval *e, const int32_t *tops, int64_t n) {
         return false;
     }
     return true;
+}
+
+/* --reference-tops: the next text's fp32 top-1 at its n scored positions into out, the line
+   --tops wrote for that text in an fp32 run of the same selection; a line of another length or
+   with an id outside the vocabulary is refused, naming the line. */
+static bool read_reference_tops(eval *e, int32_t *out, int64_t n) {
+    if (n < 1) return true; /* --tops wrote no line for it */
+    char *line = NULL, *at = NULL, *end = NULL;
+    size_t cap = 0;
+    int64_t got = 0;
+    bool ok = getline(&line, &cap, e->reference_tops) > 0;
+    e->reference_line++;
+    for (at = line; ok && got <= n; at = end, got++) {
+        while (*at == ' ') at++;
+        if (*at == '\n' || *at == '\0') break;
+        long id = strtol(at, &end, 10);
+        ok = end != at && id >= 0 && id < e->model->config.vocab;
+        if (ok && got < n) out[got] = (int32_t)id;
+    }
+    free(line);
+    if (ok && got == n) return true;
+    snprintf(e->err, sizeof e->err,
+             "--reference-tops %s: line %lld does not hold %lld ids below %d: not an fp32 run's "
+             "--tops over the same selection",
+             e->opt->reference_tops, (long long)e->reference_line, (long long)n,
+             (int)e->model->config.vocab);
+    return false;
+}
+
+/* --reference-tops: every line taken, and no more. */
+static bool reference_tops_done(eval *e) {
+    int c;
+    while ((c = fgetc(e->reference_tops)) == '\n') {
+    }
+    if (c == EOF) return true;
+    snprintf(e->err, sizeof e->err, "--reference-tops %s: more lines than the %lld texts scored",
+             e->opt->reference_tops, (long long)e->reference_line);
+    return false;
 }
 
 /* --transfer on the CPU runner: the text's n rows leave the policy's cache through the payloads
@@ -559,7 +605,8 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
     llama_result r = LLAMA_OK;
     /* answer_agreement compares top-1 against an fp32 run of the same text; when the policy is
      * fp32 that run is this one, so it records its own top-1 and agrees with itself. */
-    if (e->separate_reference)
+    if (e->reference_tops && !read_reference_tops(e, e->ref_argmax, n - 1)) return LLAMA_ERR_FORMAT;
+    if (e->separate_reference && !e->reference_tops)
         r = llama_score_sequence(&e->runner, &e->reference, e->ids, n, NULL, e->ref_argmax, NULL,
                                  &ignored, e->err, sizeof e->err);
     int32_t *own_argmax = e->separate_reference ? e->tops : e->ref_argmax;
@@ -944,7 +991,9 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
         snprintf(e->err, sizeof e->err, "cannot allocate the texts' buffers");
         r = LLAMA_ERR_MEMORY;
     }
-    if (r == LLAMA_OK && e->separate_reference)
+    for (int64_t i = 0; r == LLAMA_OK && e->reference_tops && i < list->n; i++)
+        if (!read_reference_tops(e, texts[i].ref_argmax, texts[i].n - 1)) r = LLAMA_ERR_FORMAT;
+    if (r == LLAMA_OK && e->separate_reference && !e->reference_tops)
         r = gpu_run_policy(e, kvmix_kv_policy_builtin("fp32"), texts, list->n, capacity, &b, true,
                            device, device_bytes, &t->eviction);
     if (r == LLAMA_OK)
@@ -1182,11 +1231,20 @@ static llama_result eval_init(eval *e, const options *o, const kvmix_policy *p,
         snprintf(e->err, sizeof e->err, "--tops %s: cannot open", o->tops_path);
         return LLAMA_ERR_ARGUMENT;
     }
+    if (r == LLAMA_OK && o->reference_tops != NULL && !e->separate_reference) {
+        snprintf(e->err, sizeof e->err, "--reference-tops: an fp32 policy is its own reference");
+        return LLAMA_ERR_ARGUMENT;
+    }
+    if (r == LLAMA_OK && o->reference_tops != NULL &&
+        (e->reference_tops = fopen(o->reference_tops, "r")) == NULL) {
+        snprintf(e->err, sizeof e->err, "--reference-tops %s: cannot open", o->reference_tops);
+        return LLAMA_ERR_ARGUMENT;
+    }
     if (r != LLAMA_OK || o->cuda) return r; /* the GPU runner builds its own caches */
     r = llama_runner_init(&e->runner, m, o->n_threads, e->err, sizeof e->err);
     if (r == LLAMA_OK)
         r = kvmix_kv_create(&e->policy, &m->config, capacity, &e->cache, e->err, sizeof e->err);
-    if (r == LLAMA_OK && e->separate_reference &&
+    if (r == LLAMA_OK && e->separate_reference && !e->reference_tops &&
         (r = llama_kv_fp32_create(&m->config, capacity, &e->reference)) != LLAMA_OK)
         snprintf(e->err, sizeof e->err, "cannot create the reference cache: %s",
                  llama_result_string(r));
@@ -1268,6 +1326,7 @@ static void eval_free(eval *e) {
     free(e->ref_argmax);
     free(e->tops);
     if (e->tops_file != NULL) fclose(e->tops_file);
+    if (e->reference_tops != NULL) fclose(e->reference_tops);
 }
 
 /* --transfer: the setup, checked against the policy. */
@@ -1319,6 +1378,7 @@ static int run(const options *o) {
     if (r == LLAMA_OK && o->cuda) r = run_texts_gpu(&e, &list, &t, device, sizeof device);
 #endif
     if (r == LLAMA_OK && !o->cuda) r = run_texts(&e, &list, &t);
+    if (r == LLAMA_OK && e.reference_tops && !reference_tops_done(&e)) r = LLAMA_ERR_FORMAT;
     if (e.evict != NULL) {
         t.evicting = true;
         evict_driver_stats(e.evict, &t.eviction);

@@ -8,7 +8,9 @@
  *   - --transfer refuses an evicting policy and an allocation;
  *   - a long-session trace (bench/refmodel/eval-dev-long.jsonl) gets "by_distance": the answers of
  *     its questions that fit kvm-small's context, per distance (fp32 agrees with itself), and a
- *     malformed "questions" array is refused naming it.
+ *     malformed "questions" array is refused naming it;
+ *   - --reference-tops (an fp32 run's --tops) gives the figures the fp32 pass gives, and a file
+ *     of another shape is refused.
  * The GPU runner's figures against these are tests/test_gpu_llama.c's.
  * Usage: test_eval SHARED_DIR (from the repository root). Prints "N passed, N failed". */
 #define _POSIX_C_SOURCE 200809L
@@ -104,6 +106,63 @@ static void check_eviction(const char *shared) {
     remove(LOG);
 }
 
+#define REF_TOPS BUILD_DIR "/.test-eval-ref-tops.txt"
+#define BAD_TOPS BUILD_DIR "/.test-eval-bad-tops.txt"
+
+/* bad = good with its last id gone (cut), a line added (extra) or every id 0 (zeros). */
+static bool write_bad_tops(const char *good, const char *how) {
+    FILE *f = fopen(BAD_TOPS, "w");
+    if (!f) return false;
+    size_t n = strlen(good);
+    while (n > 0 && good[n - 1] == '\n') n--;
+    if (strcmp(how, "cut") == 0) {
+        while (n > 0 && good[n - 1] != ' ') n--;
+        fprintf(f, "%.*s\n", (int)(n > 0 ? n - 1 : 0), good);
+    } else if (strcmp(how, "extra") == 0) {
+        fprintf(f, "%.*s\n1 2 3\n", (int)n, good);
+    } else { /* as many ids, each 0 */
+        fputs("0", f);
+        for (size_t i = 0; i < n; i++)
+            if (good[i] == ' ') fputs(" 0", f);
+        fputc('\n', f);
+    }
+    return fclose(f) == 0;
+}
+
+/* --reference-tops: an fp32 run's --tops stands for the reference pass, figure for figure; a
+   file whose ids differ changes the agreement; one of another shape, or given to fp32, is
+   refused. */
+static void check_reference_tops(const char *shared) {
+    int status = -1;
+    cJSON *doc = run(shared, "--policy fp32 --tops " REF_TOPS, &status);
+    CHECK_MSG(doc, "fp32 writes its tops");
+    cJSON_Delete(doc);
+    cJSON *own = run(shared, "--policy int4", &status);
+    cJSON *given = run(shared, "--policy int4 --reference-tops " REF_TOPS, &status);
+    CHECK_MSG(own && given, "int4 runs with and without --reference-tops");
+    double agreement = number(own, NULL, "answer_agreement");
+    CHECK(agreement > 0.5 && agreement == number(given, NULL, "answer_agreement"));
+    CHECK(number(own, NULL, "bits_per_token") == number(given, NULL, "bits_per_token"));
+    cJSON_Delete(own);
+    cJSON_Delete(given);
+    char *good = read_file(REF_TOPS, NULL);
+    if (!CHECK(good && write_bad_tops(good, "zeros"))) {
+        free(good);
+        return;
+    }
+    doc = run(shared, "--policy int4 --reference-tops " BAD_TOPS, &status);
+    CHECK(doc && number(doc, NULL, "answer_agreement") < agreement);
+    cJSON_Delete(doc);
+    CHECK(write_bad_tops(good, "cut") &&
+          !run(shared, "--policy int4 --reference-tops " BAD_TOPS, &status) && status == 1);
+    CHECK(write_bad_tops(good, "extra") &&
+          !run(shared, "--policy int4 --reference-tops " BAD_TOPS, &status) && status == 1);
+    CHECK(!run(shared, "--policy fp32 --reference-tops " REF_TOPS, &status) && status == 1);
+    free(good);
+    remove(REF_TOPS);
+    remove(BAD_TOPS);
+}
+
 #define LONG_DATA "bench/refmodel/eval-dev-long.jsonl"
 #define BAD_DATA  BUILD_DIR "/.test-eval-questions.jsonl"
 
@@ -178,6 +237,7 @@ int main(int argc, char **argv) {
     check_transfers(argv[1]);
     check_eviction(argv[1]);
     check_questions(argv[1]);
+    check_reference_tops(argv[1]);
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed == 0 ? 0 : 1;
 }
