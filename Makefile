@@ -147,6 +147,16 @@ $(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harne
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples $(UNIT_SRC) $(TRANSFER_SRC) \
 		$(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
+# The same units built for x86-64-v3, where the fast decode takes its AVX2 loops; the wrapper
+# runs them on a CPU that has them.
+$(BUILD)/unit_tests_avx2: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harness.h \
+		tests/device_arena_scenario.h examples/transfer_plan.h examples/pd_nccl_plan.h kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off -march=x86-64-v3 $(SANITIZE) -I. -Iexamples \
+		$(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
+
+$(BUILD)/unit_avx2_run: tests/unit_avx2.sh $(BUILD)/unit_tests_avx2 | $(BUILD)
+	cp tests/unit_avx2.sh $@ && chmod +x $@
+
 # The intent residual's weight reader and writer on good and bad documents.
 $(BUILD)/test_residual_json: tests/test_residual_json.c $(RESIDUAL_SRC) | $(BUILD)
 	$(CC) -std=c11 $(WARN) $(SANITIZE) -I. -Iexamples tests/test_residual_json.c \
@@ -325,11 +335,11 @@ $(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.
 		-lnccl $(EVAL_LDLIBS)
 endif
 
-test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/example_cache_loop \
+test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/unit_avx2_run $(BUILD)/example_cache_loop \
 	$(BUILD)/test_residual_json $(FUZZ_RUNNERS) $(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer \
 	pd-nccl refmodel-check
 	@FUZZ_TIMEOUT=$(FUZZ_TIMEOUT) FUZZ_RSS_MB=$(FUZZ_RSS_MB) sh tests/run_all.sh "$(BUILD)" \
-		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests \
+		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests $(BUILD)/unit_avx2_run \
 		$(BUILD)/example_cache_loop $(BUILD)/test_residual_json $(FUZZ_RUNNERS)
 
 # The GPU tests carry compute_80 PTX beside the sm_90 code: CUDA_FORCE_PTX_JIT=1 makes a Hopper

@@ -2582,7 +2582,7 @@ KVMIX__RULE void kvmix__payload_header_put(const kvmix_payload_info *info, uint8
 #include <math.h>
 #include <string.h>
 #if defined(__F16C__) && defined(__AVX__)
-#include <immintrin.h> /* the fast decode's FP16 rows */
+#include <immintrin.h> /* the fast decode's FP16 rows and four-head loops */
 #endif
 
 #if defined(KVMIX_MALLOC) != defined(KVMIX_FREE)
@@ -3478,6 +3478,7 @@ static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
    the kv head takes the tile's logits, one softmax rescale and one weighted sum of its values. */
 
 #define KVMIX__TILE_FLOATS 4096 /* floats of one decoded tile: 32 rows at head_dim 128 */
+#define KVMIX__TILE_ROWS   32   /* rows of a tile at most: loops of a known count vectorize */
 
 #if defined(__GNUC__) || defined(__clang__) || defined(_MSC_VER)
 #define KVMIX__RESTRICT __restrict
@@ -3496,24 +3497,27 @@ static inline float kvmix__h2f_flat(uint16_t h) {
     return kvmix__bits_float(magnitude | (uint32_t)(h & 0x8000u) << 16);
 }
 
+/* Eight stored FP16 values (little-endian) at p as floats: one instruction with F16C, else a
+   loop of known length that vectorizes at -O2. */
+static inline void kvmix__fp16_eight(const uint8_t *KVMIX__RESTRICT p, float *KVMIX__RESTRICT out) {
+#if defined(__F16C__) && defined(__AVX__)
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p)));
+#else
+    uint16_t half[8];
+    int32_t j;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    memcpy(half, p, sizeof half);
+#else
+    for (j = 0; j < 8; j++) half[j] = (uint16_t)(p[2 * j] | p[2 * j + 1] << 8);
+#endif
+    for (j = 0; j < 8; j++) out[j] = kvmix__h2f_flat(half[j]);
+#endif
+}
+
 static inline void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
                                    float *KVMIX__RESTRICT out) {
-    int32_t c = 0;
-#if defined(__F16C__) && defined(__AVX__)
-    for (; c < dim; c += 8) /* dim is a multiple of 8 */
-        _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128(
-                                      (const __m128i *)(const void *)(row + 2 * c))));
-#endif
-    for (; c < dim; c += 8) { /* eight a step: a loop of known length vectorizes at -O2 */
-        uint16_t half[8];
-        int32_t j;
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-        memcpy(half, row + 2 * c, sizeof half); /* the stored order is little-endian */
-#else
-        for (j = 0; j < 8; j++) half[j] = (uint16_t)(row[2 * (c + j)] | row[2 * (c + j) + 1] << 8);
-#endif
-        for (j = 0; j < 8; j++) out[c + j] = kvmix__h2f_flat(half[j]);
-    }
+    int32_t c;
+    for (c = 0; c < dim; c += 8) kvmix__fp16_eight(row + 2 * c, out + c); /* dim: 8 divides it */
 }
 
 /* Eight codes of `bits` bits (4 or 2, low bits first) from the bytes at p, as an integer whose
@@ -3684,23 +3688,310 @@ static inline void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const floa
     *sum += total;
 }
 
+/* The sum of eight partial sums in a fixed order (as kvmix__dot adds its own). */
+static inline float kvmix__sum8(const float *p) {
+    return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVMIX__AVX2 1 /* the four-head loops in 256-bit registers */
+#endif
+
+/* Eight values of a row from channel c on: FP16 converted, or floats. */
+static inline void kvmix__row_eight(const uint8_t *row, int fp16, int32_t c, float *out) {
+    if (fp16)
+        kvmix__fp16_eight(row + 2 * (size_t)c, out);
+    else
+        memcpy(out, row + 4 * (size_t)c, 8 * sizeof(float));
+}
+
+#ifdef KVMIX__AVX2
+static inline __m256 kvmix__row_v8(const uint8_t *row, int fp16, int32_t c) {
+    return fp16 ? _mm256_cvtph_ps(
+                      _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c)))
+                : _mm256_loadu_ps((const float *)(const void *)(row + 4 * (size_t)c));
+}
+
+static inline float kvmix__hsum_v8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* Four query heads' dot products (q: [4][dim]) with two key rows: out0[g], out1[g]; eight
+   independent chains, each row read once for the four. */
+static inline void kvmix__logits4_rows2(const float *KVMIX__RESTRICT q, const uint8_t *k0,
+                                        const uint8_t *k1, int fp16, int32_t dim, float *out0,
+                                        float *out1) {
+    __m256 s00 = _mm256_setzero_ps(), s10 = s00, s20 = s00, s30 = s00;
+    __m256 s01 = s00, s11 = s00, s21 = s00, s31 = s00;
+    int32_t c;
+    for (c = 0; c < dim; c += 8) {
+        __m256 a = kvmix__row_v8(k0, fp16, c), b = kvmix__row_v8(k1, fp16, c);
+        __m256 q0 = _mm256_loadu_ps(q + c), q1 = _mm256_loadu_ps(q + dim + c);
+        __m256 q2 = _mm256_loadu_ps(q + 2 * dim + c), q3 = _mm256_loadu_ps(q + 3 * dim + c);
+        s00 = _mm256_fmadd_ps(q0, a, s00), s01 = _mm256_fmadd_ps(q0, b, s01);
+        s10 = _mm256_fmadd_ps(q1, a, s10), s11 = _mm256_fmadd_ps(q1, b, s11);
+        s20 = _mm256_fmadd_ps(q2, a, s20), s21 = _mm256_fmadd_ps(q2, b, s21);
+        s30 = _mm256_fmadd_ps(q3, a, s30), s31 = _mm256_fmadd_ps(q3, b, s31);
+    }
+    out0[0] = kvmix__hsum_v8(s00), out0[1] = kvmix__hsum_v8(s10);
+    out0[2] = kvmix__hsum_v8(s20), out0[3] = kvmix__hsum_v8(s30);
+    out1[0] = kvmix__hsum_v8(s01), out1[1] = kvmix__hsum_v8(s11);
+    out1[2] = kvmix__hsum_v8(s21), out1[3] = kvmix__hsum_v8(s31);
+}
+
+/* acc[4][dim] += w[4][KVMIX__TILE_ROWS] * rows[t][dim] over n rows row_bytes apart (FP16 or
+   floats): sixteen channels of the four heads in eight registers held over the rows. */
+static inline void kvmix__weighted4(const float *KVMIX__RESTRICT w, const uint8_t *rows,
+                                    size_t row_bytes, int fp16, int32_t n, int32_t dim,
+                                    float *KVMIX__RESTRICT acc) {
+    float *a0 = acc, *a1 = acc + dim, *a2 = acc + 2 * (size_t)dim, *a3 = acc + 3 * (size_t)dim;
+    const float *w0 = w, *w1 = w + KVMIX__TILE_ROWS, *w2 = w + 2 * KVMIX__TILE_ROWS,
+                *w3 = w + 3 * KVMIX__TILE_ROWS;
+    int32_t c, t;
+    for (c = 0; c + 16 <= dim; c += 16) {
+        __m256 x0 = _mm256_loadu_ps(a0 + c), y0 = _mm256_loadu_ps(a0 + c + 8);
+        __m256 x1 = _mm256_loadu_ps(a1 + c), y1 = _mm256_loadu_ps(a1 + c + 8);
+        __m256 x2 = _mm256_loadu_ps(a2 + c), y2 = _mm256_loadu_ps(a2 + c + 8);
+        __m256 x3 = _mm256_loadu_ps(a3 + c), y3 = _mm256_loadu_ps(a3 + c + 8);
+        for (t = 0; t < n; t++) {
+            const uint8_t *row = rows + (size_t)t * row_bytes;
+            __m256 v = kvmix__row_v8(row, fp16, c), u = kvmix__row_v8(row, fp16, c + 8);
+            __m256 b0 = _mm256_broadcast_ss(w0 + t), b1 = _mm256_broadcast_ss(w1 + t);
+            __m256 b2 = _mm256_broadcast_ss(w2 + t), b3 = _mm256_broadcast_ss(w3 + t);
+            x0 = _mm256_fmadd_ps(b0, v, x0), y0 = _mm256_fmadd_ps(b0, u, y0);
+            x1 = _mm256_fmadd_ps(b1, v, x1), y1 = _mm256_fmadd_ps(b1, u, y1);
+            x2 = _mm256_fmadd_ps(b2, v, x2), y2 = _mm256_fmadd_ps(b2, u, y2);
+            x3 = _mm256_fmadd_ps(b3, v, x3), y3 = _mm256_fmadd_ps(b3, u, y3);
+        }
+        _mm256_storeu_ps(a0 + c, x0), _mm256_storeu_ps(a0 + c + 8, y0);
+        _mm256_storeu_ps(a1 + c, x1), _mm256_storeu_ps(a1 + c + 8, y1);
+        _mm256_storeu_ps(a2 + c, x2), _mm256_storeu_ps(a2 + c + 8, y2);
+        _mm256_storeu_ps(a3 + c, x3), _mm256_storeu_ps(a3 + c + 8, y3);
+    }
+    for (; c < dim; c += 8) { /* dim: a multiple of 8 */
+        __m256 x0 = _mm256_loadu_ps(a0 + c), x1 = _mm256_loadu_ps(a1 + c);
+        __m256 x2 = _mm256_loadu_ps(a2 + c), x3 = _mm256_loadu_ps(a3 + c);
+        for (t = 0; t < n; t++) {
+            __m256 v = kvmix__row_v8(rows + (size_t)t * row_bytes, fp16, c);
+            x0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + t), v, x0);
+            x1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w1 + t), v, x1);
+            x2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w2 + t), v, x2);
+            x3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w3 + t), v, x3);
+        }
+        _mm256_storeu_ps(a0 + c, x0), _mm256_storeu_ps(a1 + c, x1);
+        _mm256_storeu_ps(a2 + c, x2), _mm256_storeu_ps(a3 + c, x3);
+    }
+}
+#else
+/* Four query heads' dot products (q: [4][dim]) with two key rows: out0[g], out1[g]; eight-lane
+   partial sums, each row read once for the four. */
+static inline void kvmix__logits4_rows2(const float *KVMIX__RESTRICT q, const uint8_t *k0,
+                                        const uint8_t *k1, int fp16, int32_t dim, float *out0,
+                                        float *out1) {
+    const uint8_t *rows[2] = {k0, k1};
+    float *outs[2] = {out0, out1};
+    int32_t r, c, j;
+    for (r = 0; r < 2; r++) {
+        float a0[8] = {0}, a1[8] = {0}, a2[8] = {0}, a3[8] = {0}, k[8];
+        for (c = 0; c < dim; c += 8) {
+            kvmix__row_eight(rows[r], fp16, c, k);
+            for (j = 0; j < 8; j++) {
+                a0[j] += q[c + j] * k[j];
+                a1[j] += q[dim + c + j] * k[j];
+                a2[j] += q[2 * dim + c + j] * k[j];
+                a3[j] += q[3 * dim + c + j] * k[j];
+            }
+        }
+        outs[r][0] = kvmix__sum8(a0), outs[r][1] = kvmix__sum8(a1);
+        outs[r][2] = kvmix__sum8(a2), outs[r][3] = kvmix__sum8(a3);
+    }
+}
+
+/* acc[4][dim] += w[4][KVMIX__TILE_ROWS] * rows[t][dim] over n rows row_bytes apart (FP16 or
+   floats): eight channels of the four heads held over the rows, each row read once for the
+   four. */
+static inline void kvmix__weighted4(const float *KVMIX__RESTRICT w, const uint8_t *rows,
+                                    size_t row_bytes, int fp16, int32_t n, int32_t dim,
+                                    float *KVMIX__RESTRICT acc) {
+    int32_t c, t, j;
+    for (c = 0; c < dim; c += 8) {
+        float a0[8], a1[8], a2[8], a3[8], v[8];
+        for (j = 0; j < 8; j++) {
+            a0[j] = acc[c + j], a1[j] = acc[dim + c + j];
+            a2[j] = acc[2 * dim + c + j], a3[j] = acc[3 * dim + c + j];
+        }
+        for (t = 0; t < n; t++) {
+            float b0 = w[t], b1 = w[KVMIX__TILE_ROWS + t], b2 = w[2 * KVMIX__TILE_ROWS + t],
+                  b3 = w[3 * KVMIX__TILE_ROWS + t];
+            kvmix__row_eight(rows + (size_t)t * row_bytes, fp16, c, v);
+            for (j = 0; j < 8; j++) {
+                a0[j] += b0 * v[j];
+                a1[j] += b1 * v[j];
+                a2[j] += b2 * v[j];
+                a3[j] += b3 * v[j];
+            }
+        }
+        for (j = 0; j < 8; j++) {
+            acc[c + j] = a0[j], acc[dim + c + j] = a1[j];
+            acc[2 * dim + c + j] = a2[j], acc[3 * dim + c + j] = a3[j];
+        }
+    }
+}
+#endif
+
+/* The largest of n = KVMIX__TILE_ROWS values, eight lanes at a time. */
+static inline float kvmix__max_rows(const float *x) {
+    float m[8];
+    int32_t t, j;
+    for (j = 0; j < 8; j++) m[j] = x[j];
+    for (t = 8; t < KVMIX__TILE_ROWS; t += 8)
+        for (j = 0; j < 8; j++) m[j] = x[t + j] > m[j] ? x[t + j] : m[j];
+    for (j = 1; j < 8; j++) m[0] = m[j] > m[0] ? m[j] : m[0];
+    return m[0];
+}
+
+/* Four query heads' tile logits [4][KVMIX__TILE_ROWS] (-inf for dead rows) into weights w: each
+   head's running max raised to the tile's (its acc and sum rescaled), w = e^(logit - max), the
+   weights added to its sum. */
+static inline void kvmix__softmax_rows4(float (*logit)[KVMIX__TILE_ROWS],
+                                        float (*w)[KVMIX__TILE_ROWS], int32_t dim,
+                                        float *KVMIX__RESTRICT acc, float *max, float *sum) {
+    int32_t t, c, g, j;
+    for (g = 0; g < 4; g++) {
+        float tile_max = kvmix__max_rows(logit[g]), part[8] = {0}, m;
+        if (tile_max > max[g]) { /* every row dead leaves tile_max -inf: no change */
+            float rescale = kvmix__exp_nonpositive(max[g] - tile_max); /* 0 on the first tile */
+            for (c = 0; c < dim; c++) acc[(size_t)g * dim + c] *= rescale;
+            sum[g] *= rescale;
+            max[g] = tile_max;
+        }
+        m = max[g] == -INFINITY ? 0.0f : max[g]; /* no live row yet: every weight 0 */
+        for (t = 0; t < KVMIX__TILE_ROWS; t++) w[g][t] = kvmix__exp_nonpositive(logit[g][t] - m);
+        for (t = 0; t < KVMIX__TILE_ROWS; t += 8)
+            for (j = 0; j < 8; j++) part[j] += w[g][t + j];
+        sum[g] += kvmix__sum8(part);
+    }
+}
+
+/* Bytes a tile will read next, asked of the caches a slice at a time while the current tile's
+   arithmetic runs: the next span's blocks start apart from this one's, where a stream prefetcher
+   starts over, and asked all at once they would wait behind each other. */
+typedef struct kvmix__ahead {
+    const uint8_t *at[2]; /* keys, values */
+    size_t bytes[2];
+} kvmix__ahead;
+
+/* Slice `part` of `parts` of the bytes ahead. */
+static inline void kvmix__prefetch_slice(const kvmix__ahead *a, int32_t part, int32_t parts) {
+#if defined(__GNUC__) || defined(__clang__)
+    int i;
+    for (i = 0; a && i < 2; i++) {
+        size_t from = a->bytes[i] * (size_t)part / (size_t)parts & ~(size_t)63;
+        size_t to = a->bytes[i] * (size_t)(part + 1) / (size_t)parts, at;
+        for (at = from; at < to; at += 64) __builtin_prefetch(a->at[i] + at, 0, 3);
+    }
+#else
+    (void)a, (void)part, (void)parts;
+#endif
+}
+
+/* kv head h's key and value blocks of a view span, whole: what its first tile reads. */
+static kvmix__ahead kvmix__span_ahead(const kvmix_view *view, const kvmix_view_span *vs,
+                                      int32_t h) {
+    kvmix_span span = kvmix__span_of_view(view, vs);
+    const kvmix_layout *layouts[2] = {&span.key_layout, &span.value_layout};
+    const void *bases[2] = {span.keys, span.values};
+    size_t head_bytes[2] = {span.key_head_bytes, span.value_head_bytes};
+    kvmix__ahead a;
+    int i;
+    for (i = 0; i < 2; i++) {
+        kvmix_layout l = *layouts[i];
+        kvmix__sections sections;
+        kvmix_layout_resolve(&l, NULL);
+        sections = kvmix__layout_sections(&l);
+        a.at[i] = kvmix__head_block(bases[i], head_bytes[i], &sections, h);
+        a.bytes[i] = (size_t)sections.total_bytes;
+    }
+    return a;
+}
+
+/* kvmix__attend_tile for four query heads at once (q [4][dim], acc [4][dim], max and sum [4])
+   over n <= KVMIX__TILE_ROWS key and value rows row_bytes apart, FP16 as stored (fp16) or
+   decoded floats: the logits and the weighted sum read each row once for the four; rows past n
+   count as dead. */
+static inline void kvmix__attend4(const float *KVMIX__RESTRICT q, const uint8_t *keys,
+                                  const uint8_t *values, size_t row_bytes, int fp16,
+                                  const uint8_t *dead, int32_t n, int32_t dim, float scale,
+                                  const kvmix__ahead *ahead, float *KVMIX__RESTRICT acc, float *max,
+                                  float *sum) {
+    float logit[4][KVMIX__TILE_ROWS], w[4][KVMIX__TILE_ROWS];
+    int32_t t, g;
+    for (t = 0; t < KVMIX__TILE_ROWS; t += 2) {
+        int live0 = t < n && !(dead && dead[t]), live1 = t + 1 < n && !(dead && dead[t + 1]);
+        float l0[4] = {0}, l1[4] = {0};
+        kvmix__prefetch_slice(ahead, t / 2, KVMIX__TILE_ROWS / 2);
+        if (live0 || live1) /* a row past n reads row t in its place, then counts as dead */
+            kvmix__logits4_rows2(q, keys + (size_t)t * row_bytes,
+                                 keys + (size_t)(t + 1 < n ? t + 1 : t) * row_bytes, fp16, dim, l0,
+                                 l1);
+        for (g = 0; g < 4; g++) {
+            logit[g][t] = live0 ? l0[g] * scale : -INFINITY;
+            logit[g][t + 1] = live1 ? l1[g] * scale : -INFINITY;
+        }
+    }
+    kvmix__softmax_rows4(logit, w, dim, acc, max, sum);
+    kvmix__weighted4(&w[0][0], values, row_bytes, fp16, n, dim, acc);
+}
+
 /* A view span's rows of kv head h added to the partial of `group` query heads q [group][dim]. */
-static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs, int32_t h,
-                             const float *q, int32_t group, float scale, kvmix__partial p) {
+static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
+                             const kvmix_view_span *next, int32_t h, const float *q, int32_t group,
+                             float scale, kvmix__partial p) {
     kvmix_span span = kvmix__span_of_view(view, vs);
     kvmix__row_decoder keys, values;
     float ktile[KVMIX__TILE_FLOATS], vtile[KVMIX__TILE_FLOATS];
-    int32_t dim = view->head_dim, rows = KVMIX__TILE_FLOATS / dim, t0, g;
+    int32_t dim = view->head_dim, t0, g;
+    int32_t rows =
+        KVMIX__TILE_FLOATS / dim < KVMIX__TILE_ROWS ? KVMIX__TILE_FLOATS / dim : KVMIX__TILE_ROWS;
     kvmix__row_decoder_open(&keys, &span.key_layout, (const uint8_t *)span.keys,
                             span.key_head_bytes, h);
     kvmix__row_decoder_open(&values, &span.value_layout, (const uint8_t *)span.values,
                             span.value_head_bytes, h);
+    /* FP16 rows are read where they are used by query heads four at a time; the rest of the
+       heads, and every other format, go through decoded tiles */
+    int fp16 = keys.layout.format == KVMIX_FORMAT_FP16 && values.layout.format == KVMIX_FORMAT_FP16;
     for (t0 = 0; t0 < vs->n_tokens; t0 += rows) {
         int32_t n = vs->n_tokens - t0 < rows ? vs->n_tokens - t0 : rows;
         const uint8_t *dead = span.dead ? span.dead + t0 : NULL;
-        kvmix__decode_tile(&keys, t0, n, ktile);
-        kvmix__decode_tile(&values, t0, n, vtile);
-        for (g = 0; g < group; g++)
+        kvmix__ahead ahead; /* the next tile's rows: this span's, else the next span's blocks */
+        if (t0 + rows < vs->n_tokens) {
+            ahead.at[0] = keys.block + kvmix__row_at(&keys.sections, t0 + rows);
+            ahead.at[1] = values.block + kvmix__row_at(&values.sections, t0 + rows);
+            ahead.bytes[0] = (size_t)keys.sections.row_bytes * (size_t)rows;
+            ahead.bytes[1] = (size_t)values.sections.row_bytes * (size_t)rows;
+        } else if (next) {
+            ahead = kvmix__span_ahead(view, next, h);
+        } else {
+            ahead.bytes[0] = ahead.bytes[1] = 0;
+            ahead.at[0] = ahead.at[1] = NULL;
+        }
+        if (!fp16 || group % 4 != 0) {
+            kvmix__decode_tile(&keys, t0, n, ktile);
+            kvmix__decode_tile(&values, t0, n, vtile);
+        }
+        for (g = 0; g + 4 <= group; g += 4) /* query heads four at a time, then one by one */
+            if (fp16)
+                kvmix__attend4(q + (size_t)g * dim, keys.block + kvmix__row_at(&keys.sections, t0),
+                               values.block + kvmix__row_at(&values.sections, t0),
+                               (size_t)keys.sections.row_bytes, 1, dead, n, dim, scale, &ahead,
+                               p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
+            else
+                kvmix__attend4(q + (size_t)g * dim, (const uint8_t *)ktile, (const uint8_t *)vtile,
+                               (size_t)dim * sizeof(float), 0, dead, n, dim, scale, &ahead,
+                               p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
+        for (; g < group; g++)
             kvmix__attend_tile(q + (size_t)g * dim, ktile, vtile, dead, n, dim, scale,
                                p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
     }
@@ -3758,11 +4049,12 @@ static void kvmix__fast_task(void *arg, int32_t task) {
     i = view->seq_first_span[s] + chunk * KVMIX_DECODE_CHUNK_SPANS;
     end = i + KVMIX_DECODE_CHUNK_SPANS;
     if (end > view->seq_first_span[s + 1]) end = view->seq_first_span[s + 1];
-    for (; i < end; i++)
-        kvmix__fast_span(view, &view->spans[i], h,
-                         job->q +
-                             ((size_t)s * job->n_q_heads + (size_t)h * job->group) * view->head_dim,
-                         job->group, job->scale, p);
+    for (; i < end; i++) {
+        kvmix__fast_span(
+            view, &view->spans[i], i + 1 < view->seq_first_span[s + 1] ? &view->spans[i + 1] : NULL,
+            h, job->q + ((size_t)s * job->n_q_heads + (size_t)h * job->group) * view->head_dim,
+            job->group, job->scale, p);
+    }
 }
 
 /* Sequence s's chunks of kv head h merged in order into out and lse. */
