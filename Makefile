@@ -140,7 +140,14 @@ warn_std = $(if $(filter cpp,$(1)),-std=c++11 -x c++,-std=$(1))
 $(BUILD)/warn_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 	$(call warn_cc,$(word 1,$(subst _, ,$*)),$(word 2,$(subst _, ,$*))) \
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -$(word 3,$(subst _, ,$*)) -c $< -o $@
-header-checks: $(HEADER_CHECKS) $(WARN_CHECKS)
+# ... and with the fast decode's AVX2 loops compiled in (x86-64-v3, where the host is x86-64)
+X86_64 := $(filter x86_64,$(shell uname -m))
+AVX2_CHECKS := $(if $(X86_64),$(foreach c,$(WARN_COMPILERS),$(foreach l,$(WARN_LANGS),\
+	$(BUILD)/avx2_$(c)_$(l).o)))
+$(BUILD)/avx2_%.o: tests/compile_check.c kvmix.h | $(BUILD)
+	$(call warn_cc,$(word 1,$(subst _, ,$*)),$(word 2,$(subst _, ,$*))) \
+		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -O2 -march=x86-64-v3 -c $< -o $@
+header-checks: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS)
 
 $(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harness.h \
 		tests/device_arena_scenario.h examples/transfer_plan.h examples/pd_nccl_plan.h kvmix.h | $(BUILD)
@@ -335,11 +342,13 @@ $(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.
 		-lnccl $(EVAL_LDLIBS)
 endif
 
-test: $(HEADER_CHECKS) $(WARN_CHECKS) $(BUILD)/unit_tests $(BUILD)/unit_avx2_run $(BUILD)/example_cache_loop \
+UNIT_AVX2 := $(if $(X86_64),$(BUILD)/unit_avx2_run)
+test: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS) $(BUILD)/unit_tests $(UNIT_AVX2) \
+	$(BUILD)/example_cache_loop \
 	$(BUILD)/test_residual_json $(FUZZ_RUNNERS) $(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer \
 	pd-nccl refmodel-check
 	@FUZZ_TIMEOUT=$(FUZZ_TIMEOUT) FUZZ_RSS_MB=$(FUZZ_RSS_MB) sh tests/run_all.sh "$(BUILD)" \
-		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests $(BUILD)/unit_avx2_run \
+		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests $(UNIT_AVX2) \
 		$(BUILD)/example_cache_loop $(BUILD)/test_residual_json $(FUZZ_RUNNERS)
 
 # The GPU tests carry compute_80 PTX beside the sm_90 code: CUDA_FORCE_PTX_JIT=1 makes a Hopper

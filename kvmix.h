@@ -3486,6 +3486,10 @@ static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 #define KVMIX__RESTRICT
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVMIX__AVX2 1 /* the decode loops below in 256-bit registers */
+#endif
+
 /* FP16 bits to float without branches, so a loop of them vectorizes: the exponent and mantissa
    shifted into a float and scaled by 2^112 is exact for normal and subnormal halves alike;
    infinities and NaNs (which seals never write) take the all-ones exponent. */
@@ -3541,6 +3545,20 @@ static inline void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes,
             out[i] = (float)codes[i] * scale[per_channel ? i : 0] + min[per_channel ? i : 0];
         return;
     }
+#ifdef KVMIX__AVX2
+    for (i = 0; i < n; i += 8) { /* eight codes shifted into eight lanes at once */
+        const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                         : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+        __m256i word = _mm256_set1_epi32((int)kvmix__eight_codes(codes + i * bits / 8, bits));
+        __m256 x = _mm256_cvtepi32_ps(
+            _mm256_and_si256(_mm256_srlv_epi32(word, shifts), _mm256_set1_epi32((int)mask)));
+        __m256 s = per_channel ? _mm256_loadu_ps(scale + i) : _mm256_set1_ps(scale[0]);
+        __m256 m = per_channel ? _mm256_loadu_ps(min + i) : _mm256_set1_ps(min[0]);
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(x, s, m));
+    }
+    (void)j;
+    return;
+#endif
     for (i = 0; i + 16 <= n; i += 16) { /* two words a step, then an odd eight */
         uint32_t lo = kvmix__eight_codes(codes + i * bits / 8, bits);
         uint32_t hi = kvmix__eight_codes(codes + (i + 8) * bits / 8, bits);
@@ -3688,24 +3706,17 @@ static inline void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const floa
     *sum += total;
 }
 
+/* Where the build has AVX2, FMA and F16C, query heads go four at a time over each row (two key
+   rows a step, sixteen value channels held in registers), FP16 rows are read where they are
+   used, and the next tile's bytes are asked of the caches as the current one runs: memory
+   speed for FP16 rows. Elsewhere every head takes kvmix__attend_tile. */
+#ifdef KVMIX__AVX2
+
 /* The sum of eight partial sums in a fixed order (as kvmix__dot adds its own). */
 static inline float kvmix__sum8(const float *p) {
     return ((p[0] + p[4]) + (p[2] + p[6])) + ((p[1] + p[5]) + (p[3] + p[7]));
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KVMIX__AVX2 1 /* the four-head loops in 256-bit registers */
-#endif
-
-/* Eight values of a row from channel c on: FP16 converted, or floats. */
-static inline void kvmix__row_eight(const uint8_t *row, int fp16, int32_t c, float *out) {
-    if (fp16)
-        kvmix__fp16_eight(row + 2 * (size_t)c, out);
-    else
-        memcpy(out, row + 4 * (size_t)c, 8 * sizeof(float));
-}
-
-#ifdef KVMIX__AVX2
 static inline __m256 kvmix__row_v8(const uint8_t *row, int fp16, int32_t c) {
     return fp16 ? _mm256_cvtph_ps(
                       _mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c)))
@@ -3784,62 +3795,6 @@ static inline void kvmix__weighted4(const float *KVMIX__RESTRICT w, const uint8_
         _mm256_storeu_ps(a2 + c, x2), _mm256_storeu_ps(a3 + c, x3);
     }
 }
-#else
-/* Four query heads' dot products (q: [4][dim]) with two key rows: out0[g], out1[g]; eight-lane
-   partial sums, each row read once for the four. */
-static inline void kvmix__logits4_rows2(const float *KVMIX__RESTRICT q, const uint8_t *k0,
-                                        const uint8_t *k1, int fp16, int32_t dim, float *out0,
-                                        float *out1) {
-    const uint8_t *rows[2] = {k0, k1};
-    float *outs[2] = {out0, out1};
-    int32_t r, c, j;
-    for (r = 0; r < 2; r++) {
-        float a0[8] = {0}, a1[8] = {0}, a2[8] = {0}, a3[8] = {0}, k[8];
-        for (c = 0; c < dim; c += 8) {
-            kvmix__row_eight(rows[r], fp16, c, k);
-            for (j = 0; j < 8; j++) {
-                a0[j] += q[c + j] * k[j];
-                a1[j] += q[dim + c + j] * k[j];
-                a2[j] += q[2 * dim + c + j] * k[j];
-                a3[j] += q[3 * dim + c + j] * k[j];
-            }
-        }
-        outs[r][0] = kvmix__sum8(a0), outs[r][1] = kvmix__sum8(a1);
-        outs[r][2] = kvmix__sum8(a2), outs[r][3] = kvmix__sum8(a3);
-    }
-}
-
-/* acc[4][dim] += w[4][KVMIX__TILE_ROWS] * rows[t][dim] over n rows row_bytes apart (FP16 or
-   floats): eight channels of the four heads held over the rows, each row read once for the
-   four. */
-static inline void kvmix__weighted4(const float *KVMIX__RESTRICT w, const uint8_t *rows,
-                                    size_t row_bytes, int fp16, int32_t n, int32_t dim,
-                                    float *KVMIX__RESTRICT acc) {
-    int32_t c, t, j;
-    for (c = 0; c < dim; c += 8) {
-        float a0[8], a1[8], a2[8], a3[8], v[8];
-        for (j = 0; j < 8; j++) {
-            a0[j] = acc[c + j], a1[j] = acc[dim + c + j];
-            a2[j] = acc[2 * dim + c + j], a3[j] = acc[3 * dim + c + j];
-        }
-        for (t = 0; t < n; t++) {
-            float b0 = w[t], b1 = w[KVMIX__TILE_ROWS + t], b2 = w[2 * KVMIX__TILE_ROWS + t],
-                  b3 = w[3 * KVMIX__TILE_ROWS + t];
-            kvmix__row_eight(rows + (size_t)t * row_bytes, fp16, c, v);
-            for (j = 0; j < 8; j++) {
-                a0[j] += b0 * v[j];
-                a1[j] += b1 * v[j];
-                a2[j] += b2 * v[j];
-                a3[j] += b3 * v[j];
-            }
-        }
-        for (j = 0; j < 8; j++) {
-            acc[c + j] = a0[j], acc[dim + c + j] = a1[j];
-            acc[2 * dim + c + j] = a2[j], acc[3 * dim + c + j] = a3[j];
-        }
-    }
-}
-#endif
 
 /* The largest of n = KVMIX__TILE_ROWS values, eight lanes at a time. */
 static inline float kvmix__max_rows(const float *x) {
@@ -3945,6 +3900,8 @@ static inline void kvmix__attend4(const float *KVMIX__RESTRICT q, const uint8_t 
     kvmix__weighted4(&w[0][0], values, row_bytes, fp16, n, dim, acc);
 }
 
+#endif /* KVMIX__AVX2 */
+
 /* A view span's rows of kv head h added to the partial of `group` query heads q [group][dim]. */
 static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
                              const kvmix_view_span *next, int32_t h, const float *q, int32_t group,
@@ -3959,12 +3916,18 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
                             span.key_head_bytes, h);
     kvmix__row_decoder_open(&values, &span.value_layout, (const uint8_t *)span.values,
                             span.value_head_bytes, h);
-    /* FP16 rows are read where they are used by query heads four at a time; the rest of the
-       heads, and every other format, go through decoded tiles */
-    int fp16 = keys.layout.format == KVMIX_FORMAT_FP16 && values.layout.format == KVMIX_FORMAT_FP16;
+    int32_t fours = 0; /* heads [0, fours) taken four at a time */
+    int fp16 = 0;      /* rows read as stored by those heads: no tiles unless others need them */
+#ifdef KVMIX__AVX2
+    fours = group / 4 * 4;
+    fp16 = keys.layout.format == KVMIX_FORMAT_FP16 && values.layout.format == KVMIX_FORMAT_FP16;
+#else
+    (void)next;
+#endif
     for (t0 = 0; t0 < vs->n_tokens; t0 += rows) {
         int32_t n = vs->n_tokens - t0 < rows ? vs->n_tokens - t0 : rows;
         const uint8_t *dead = span.dead ? span.dead + t0 : NULL;
+#ifdef KVMIX__AVX2
         kvmix__ahead ahead; /* the next tile's rows: this span's, else the next span's blocks */
         if (t0 + rows < vs->n_tokens) {
             ahead.at[0] = keys.block + kvmix__row_at(&keys.sections, t0 + rows);
@@ -3977,11 +3940,13 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
             ahead.bytes[0] = ahead.bytes[1] = 0;
             ahead.at[0] = ahead.at[1] = NULL;
         }
-        if (!fp16 || group % 4 != 0) {
+#endif
+        if (!fp16 || fours < group) {
             kvmix__decode_tile(&keys, t0, n, ktile);
             kvmix__decode_tile(&values, t0, n, vtile);
         }
-        for (g = 0; g + 4 <= group; g += 4) /* query heads four at a time, then one by one */
+#ifdef KVMIX__AVX2
+        for (g = 0; g < fours; g += 4)
             if (fp16)
                 kvmix__attend4(q + (size_t)g * dim, keys.block + kvmix__row_at(&keys.sections, t0),
                                values.block + kvmix__row_at(&values.sections, t0),
@@ -3991,7 +3956,8 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
                 kvmix__attend4(q + (size_t)g * dim, (const uint8_t *)ktile, (const uint8_t *)vtile,
                                (size_t)dim * sizeof(float), 0, dead, n, dim, scale, &ahead,
                                p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
-        for (; g < group; g++)
+#endif
+        for (g = fours; g < group; g++)
             kvmix__attend_tile(q + (size_t)g * dim, ktile, vtile, dead, n, dim, scale,
                                p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
     }
