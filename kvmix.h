@@ -3518,6 +3518,14 @@ static inline void kvmix__fp16_eight(const uint8_t *KVMIX__RESTRICT p, float *KV
 #endif
 }
 
+/* n stored FP16 values at p as floats: eight at a time, the rest one by one. */
+static inline void kvmix__fp16_halves(const uint8_t *KVMIX__RESTRICT p, int32_t n,
+                                      float *KVMIX__RESTRICT out) {
+    int32_t j;
+    for (j = 0; j + 8 <= n; j += 8) kvmix__fp16_eight(p + 2 * j, out + j);
+    for (; j < n; j++) out[j] = kvmix__h2f_flat((uint16_t)(p[2 * j] | p[2 * j + 1] << 8));
+}
+
 static inline void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
                                    float *KVMIX__RESTRICT out) {
     int32_t c;
@@ -3578,12 +3586,6 @@ static inline void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes,
     }
 }
 
-/* A group's (scale, min) pair as floats, through the branch-free FP16 conversion. */
-static inline void kvmix__meta_flat(const uint8_t *meta, float *scale, float *min) {
-    *scale = kvmix__h2f_flat((uint16_t)(meta[0] | meta[1] << 8));
-    *min = kvmix__h2f_flat((uint16_t)(meta[2] | meta[3] << 8));
-}
-
 /* What decoding a block's rows needs beyond its layout: per-channel blocks' scales, minimums
    and boosted slots (KVMIX_BOOST_NONE for a plain channel or an index entry out of range). */
 typedef struct kvmix__row_decoder {
@@ -3596,16 +3598,21 @@ typedef struct kvmix__row_decoder {
 
 static void kvmix__row_decoder_open(kvmix__row_decoder *d, const kvmix_layout *layout,
                                     const uint8_t *base, size_t head_bytes, int32_t h) {
+    float pairs[2 * KVMIX_MAX_HEAD_DIM];
     int32_t c;
     d->layout = *layout;
     kvmix_layout_resolve(&d->layout, NULL);
     d->sections = kvmix__layout_sections(&d->layout);
     d->block = kvmix__head_block(base, head_bytes, &d->sections, h);
     if (!kvmix__is_per_channel(d->layout.format)) return;
-    kvmix__channel_params(&d->layout, &d->sections, d->block, d->scale, d->min);
+    /* the (scale, min) pairs of every channel, converted eight halves at a time */
+    kvmix__fp16_halves(d->block + kvmix__channel_meta_at(&d->sections, 0), 2 * d->layout.head_dim,
+                       pairs);
+    for (c = 0; c < d->layout.head_dim; c++)
+        d->scale[c] = pairs[2 * c], d->min[c] = pairs[2 * c + 1];
+    if (d->layout.format != KVMIX_FORMAT_BOOSTED) return; /* slot is read for boosted keys only */
     for (c = 0; c < d->layout.head_dim; c++) {
-        uint8_t slot = KVMIX_BOOST_NONE;
-        if (d->layout.format == KVMIX_FORMAT_BOOSTED) slot = d->block[d->sections.index_offset + c];
+        uint8_t slot = d->block[d->sections.index_offset + c];
         d->slot[c] = slot < d->layout.n_boost ? slot : (uint8_t)KVMIX_BOOST_NONE;
     }
 }
@@ -3641,14 +3648,13 @@ static inline void kvmix__decode_tile(const kvmix__row_decoder *d, int32_t t0, i
         } else if (kvmix__is_per_token_int(l->format)) {
             int bits = kvmix__format_bits(l->format);
             int32_t groups = dim / l->group_size;
-            for (g = 0; g < groups; g++) {
-                float scale, min;
-                kvmix__meta_flat(d->block + kvmix__token_meta_at(&d->sections, t0 + i, groups, g),
-                                 &scale, &min);
+            float meta[2 * KVMIX_MAX_HEAD_DIM / 8]; /* the row's (scale, min) pairs, in order */
+            kvmix__fp16_halves(d->block + kvmix__token_meta_at(&d->sections, t0 + i, groups, 0),
+                               2 * groups, meta);
+            for (g = 0; g < groups; g++)
                 kvmix__dequantize_codes(row + (size_t)g * l->group_size * bits / 8, bits,
-                                        l->group_size, &scale, &min, 0,
+                                        l->group_size, &meta[2 * g], &meta[2 * g + 1], 0,
                                         out + (size_t)g * l->group_size);
-            }
         } else {
             kvmix__channel_row(d, t0 + i, out);
         }
