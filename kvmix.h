@@ -3565,8 +3565,7 @@ static inline void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes,
         _mm256_storeu_ps(out + i, _mm256_fmadd_ps(x, s, m));
     }
     (void)j;
-    return;
-#endif
+#else
     for (i = 0; i + 16 <= n; i += 16) { /* two words a step, then an odd eight */
         uint32_t lo = kvmix__eight_codes(codes + i * bits / 8, bits);
         uint32_t hi = kvmix__eight_codes(codes + (i + 8) * bits / 8, bits);
@@ -3584,6 +3583,7 @@ static inline void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes,
             out[i + j] = (float)((word >> (j * bits)) & mask) * scale[per_channel ? i + j : 0] +
                          min[per_channel ? i + j : 0];
     }
+#endif
 }
 
 /* What decoding a block's rows needs beyond its layout: per-channel blocks' scales, minimums
