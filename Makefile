@@ -154,14 +154,19 @@ $(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harne
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples $(UNIT_SRC) $(TRANSFER_SRC) \
 		$(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
-# The same units built for x86-64-v3, where the fast decode takes its AVX2 loops; the wrapper
-# runs them on a CPU that has them.
+# The same units, and fuzz_view, built for x86-64-v3, where the fast decode takes its AVX2 loops;
+# the wrapper runs them on a CPU that has them.
 $(BUILD)/unit_tests_avx2: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harness.h \
 		tests/device_arena_scenario.h examples/transfer_plan.h examples/pd_nccl_plan.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off -march=x86-64-v3 $(SANITIZE) -I. -Iexamples \
 		$(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
-$(BUILD)/unit_avx2_run: tests/unit_avx2.sh $(BUILD)/unit_tests_avx2 | $(BUILD)
+$(BUILD)/fuzz_view_avx2: tests/fuzz_view.c tests/fuzz_driver.c tests/fuzz_invariants.h \
+		tests/fuzz_limits.h kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -march=x86-64-v3 -I. $< tests/fuzz_driver.c -o $@ \
+		$(LDLIBS)
+
+$(BUILD)/unit_avx2_run: tests/unit_avx2.sh $(BUILD)/unit_tests_avx2 $(BUILD)/fuzz_view_avx2 | $(BUILD)
 	cp tests/unit_avx2.sh $@ && chmod +x $@
 
 # The intent residual's weight reader and writer on good and bad documents.

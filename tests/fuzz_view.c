@@ -17,7 +17,8 @@
    Work per input is bounded by what the target tests (the view's records against its blocks),
    not by the sizes: the spans of all sequences hold at most MAX_VIEW_TOKENS tokens (a span's own
    length stays 1..MAX_TOKENS, so group edges are still crossed), two kv heads place every block
-   by its offset, query groups of 1-3 include an odd one, and the blocks are quantized into a
+   by its offset, query groups of 1-5 take the fast decode's four-head loops (AVX2 builds) with
+   and without a head left over, and the blocks are quantized into a
    static scratch buffer that only the exact-size copy leaves. Decode and score read every live
    token for every query head, so more tokens or heads would cost time, not reach new code.
    Invariants (abort on violation): failed calls leave their outputs untouched; a successful
@@ -101,7 +102,7 @@ static void build(fuzz_view *f, const uint8_t *data, int32_t *n_q) {
     memset(v, 0, sizeof *v);
     v->n_seqs = 1 + data[0] % 3;
     v->n_kv_heads = 1 + data[1] % 2;                 /* two place every block by its offset */
-    *n_q = v->n_kv_heads * (1 + (data[1] >> 2) % 3); /* groups of 1, 2, 3 */
+    *n_q = v->n_kv_heads * (1 + (data[1] >> 2) % 5); /* groups of 1-5: four at a time, odd */
     v->head_dim = DIMS[data[2] % 3];
     v->n_boost = v->head_dim / ((data[2] >> 2) & 1 ? 4 : 8);
     fuzz_rng = (uint32_t)data[3] | (uint32_t)data[4] << 8 | (uint32_t)data[5] << 16 |
