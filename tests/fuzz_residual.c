@@ -96,15 +96,7 @@ static const char *const WORDS[] = {"\"version\"",
                                     "\"b2\": 1,"};
 
 static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
-    switch (kind) {
-    case 0: b->bytes[at] = fuzz_json_byte(next_random(rng)); break;
-    case 1: fuzz_delete_run(b, at, rng); break;
-    case 2: b->size = at; break;
-    case 3: /* a digit: weights change, sizes break */
-        b->bytes[at] = (uint8_t)('0' + next_random(rng) % 10);
-        break;
-    default: fuzz_insert_word(b, at, WORDS, sizeof WORDS / sizeof WORDS[0], rng); break;
-    }
+    fuzz_json_edit(b, at, kind, WORDS, sizeof WORDS / sizeof WORDS[0], rng);
 }
 
 static void mutate(buffer *b, uint64_t *rng) { fuzz_mutate(b, rng, 5, edit); }

@@ -88,6 +88,20 @@ static inline void fuzz_insert_word(buffer *b, size_t at, const char *const *wor
     b->size += n;
 }
 
+/* One edit of a JSON reader's input: kind 0 a steering byte (fuzz_json_byte), 1 a deleted run,
+   2 the input cut at `at`, 3 a digit (numbers change, sizes and ids break), else one of words
+   inserted. For fuzz_mutate with 5 kinds. */
+static inline void fuzz_json_edit(buffer *b, size_t at, uint64_t kind, const char *const *words,
+                                  size_t n_words, uint64_t *rng) {
+    switch (kind) {
+    case 0: b->bytes[at] = fuzz_json_byte(next_random(rng)); break;
+    case 1: fuzz_delete_run(b, at, rng); break;
+    case 2: b->size = at; break;
+    case 3: b->bytes[at] = (uint8_t)('0' + next_random(rng) % 10); break;
+    default: fuzz_insert_word(b, at, words, n_words, rng); break;
+    }
+}
+
 static bool read_input(const char *path, buffer *b) {
     FILE *f = fopen(path, "rb");
     if (f == NULL) return false;
