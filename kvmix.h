@@ -3596,14 +3596,22 @@ typedef struct kvmix__row_decoder {
     uint8_t slot[KVMIX_MAX_HEAD_DIM];
 } kvmix__row_decoder;
 
+/* kv head h's block of a span operand (base, head_bytes, layout as kvmix_span gives them), its
+   layout resolved into *resolved and its sections into *sections. */
+static const uint8_t *kvmix__operand_block(const kvmix_layout *layout, const void *base,
+                                           size_t head_bytes, int32_t h, kvmix_layout *resolved,
+                                           kvmix__sections *sections) {
+    *resolved = *layout;
+    kvmix_layout_resolve(resolved, NULL);
+    *sections = kvmix__layout_sections(resolved);
+    return kvmix__head_block(base, head_bytes, sections, h);
+}
+
 static void kvmix__row_decoder_open(kvmix__row_decoder *d, const kvmix_layout *layout,
                                     const uint8_t *base, size_t head_bytes, int32_t h) {
     float pairs[2 * KVMIX_MAX_HEAD_DIM];
     int32_t c;
-    d->layout = *layout;
-    kvmix_layout_resolve(&d->layout, NULL);
-    d->sections = kvmix__layout_sections(&d->layout);
-    d->block = kvmix__head_block(base, head_bytes, &d->sections, h);
+    d->block = kvmix__operand_block(layout, base, head_bytes, h, &d->layout, &d->sections);
     if (!kvmix__is_per_channel(d->layout.format)) return;
     /* the (scale, min) pairs of every channel, converted eight halves at a time */
     kvmix__fp16_halves(d->block + kvmix__channel_meta_at(&d->sections, 0), 2 * d->layout.head_dim,
@@ -3868,11 +3876,9 @@ static kvmix__ahead kvmix__span_ahead(const kvmix_view *view, const kvmix_view_s
     kvmix__ahead a;
     int i;
     for (i = 0; i < 2; i++) {
-        kvmix_layout l = *layouts[i];
+        kvmix_layout l;
         kvmix__sections sections;
-        kvmix_layout_resolve(&l, NULL);
-        sections = kvmix__layout_sections(&l);
-        a.at[i] = kvmix__head_block(bases[i], head_bytes[i], &sections, h);
+        a.at[i] = kvmix__operand_block(layouts[i], bases[i], head_bytes[i], h, &l, &sections);
         a.bytes[i] = (size_t)sections.total_bytes;
     }
     return a;
