@@ -149,22 +149,19 @@ $(BUILD)/avx2_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -O2 -march=x86-64-v3 -c $< -o $@
 header-checks: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS)
 
-$(BUILD)/unit_tests: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harness.h \
-		tests/device_arena_scenario.h examples/transfer_plan.h examples/pd_nccl_plan.h kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) -ffp-contract=off $(SANITIZE) -I. -Iexamples $(UNIT_SRC) $(TRANSFER_SRC) \
-		$(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
+# ARCH_FLAGS: empty, or -march=x86-64-v3 for the _avx2 builds below
+$(BUILD)/unit_tests $(BUILD)/unit_tests_avx2: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) \
+		tests/harness.h tests/device_arena_scenario.h examples/transfer_plan.h \
+		examples/pd_nccl_plan.h kvmix.h | $(BUILD)
+	$(CC) -std=c11 $(WARN) -ffp-contract=off $(ARCH_FLAGS) $(SANITIZE) -I. -Iexamples $(UNIT_SRC) \
+		$(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
 # The same units, and fuzz_view, built for x86-64-v3, where the fast decode takes its AVX2 loops;
 # the wrapper runs them on a CPU that has them.
-$(BUILD)/unit_tests_avx2: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) tests/harness.h \
-		tests/device_arena_scenario.h examples/transfer_plan.h examples/pd_nccl_plan.h kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) -ffp-contract=off -march=x86-64-v3 $(SANITIZE) -I. -Iexamples \
-		$(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
-
+$(BUILD)/unit_tests_avx2 $(BUILD)/fuzz_view_avx2: ARCH_FLAGS := -march=x86-64-v3
 $(BUILD)/fuzz_view_avx2: tests/fuzz_view.c tests/fuzz_driver.c tests/fuzz_invariants.h \
 		tests/fuzz_limits.h kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -march=x86-64-v3 -I. $< tests/fuzz_driver.c -o $@ \
-		$(LDLIBS)
+	$(FUZZ_RUN_CC)
 
 $(BUILD)/unit_avx2_run: tests/unit_avx2.sh $(BUILD)/unit_tests_avx2 $(BUILD)/fuzz_view_avx2 | $(BUILD)
 	cp tests/unit_avx2.sh $@ && chmod +x $@
@@ -205,9 +202,11 @@ $(BUILD)/model_test_calibrate: tests/test_calibrate.c tests/model_check.h kvmix.
 # float-to-integer overflow out of -fsanitize=undefined (clang has it): named here, so the smoke
 # runs see what the libFuzzer builds see.
 FUZZ_SANITIZE := $(SANITIZE) -fsanitize=float-cast-overflow
+FUZZ_RUN_CC = $(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) $(ARCH_FLAGS) -I. $< tests/fuzz_driver.c -o $@ \
+	$(LDLIBS)
 $(BUILD)/fuzz_%_run: tests/fuzz_%.c tests/fuzz_driver.c tests/fuzz_invariants.h tests/fuzz_limits.h \
 		kvmix.h | $(BUILD)
-	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -I. $< tests/fuzz_driver.c -o $@ $(LDLIBS)
+	$(FUZZ_RUN_CC)
 $(BUILD)/fuzz_safetensors_run: tests/fuzz_safetensors.c tests/fuzz_seed_driver.h tests/fuzz_limits.h $(LLAMA_SRC) \
 		| $(BUILD)
 	$(CC) -std=c11 $(WARN) $(FUZZ_SANITIZE) -DFUZZ_DRIVER -Iexamples tests/fuzz_safetensors.c \
