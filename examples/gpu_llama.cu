@@ -737,8 +737,7 @@ int32_t ref_max_chunks(const gpu_llama *g) { return (g->max_tokens + REF_CHUNK -
 /* The fp32 reference's partial results: a chunk's part for every row a forward pass runs (a step's
    sequences or a prefill chunk's rows), query head and chunk. */
 size_t ref_part_floats(const gpu_llama *g) {
-    size_t rows = (size_t)(g->max_seqs > PREFILL_CHUNK ? g->max_seqs : PREFILL_CHUNK);
-    return rows * g->c.n_heads * ref_max_chunks(g) * ref_part_stride(g->c.head_dim);
+    return (size_t)g->max_rows * g->c.n_heads * ref_max_chunks(g) * ref_part_stride(g->c.head_dim);
 }
 
 llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
