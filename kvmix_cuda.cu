@@ -9,7 +9,8 @@
      // >>copies          the cache's jobs: byte copies and dequantize, and their runner
                           (kvmix_cuda_copy_blocks, kvmix_cuda_cache_run)
      // >>views           view dequantize, scores and QueryMemory scoring (kvmix_cuda_view_*)
-     // >>decode          decode attention on tensor cores and the merge of splits
+     // >>decode          decode attention on tensor cores (a CUDA-core walk for the other
+                          shapes) and the merge of splits
                           (kvmix_cuda_decode*)
      // >>payload         the transfer payload's body, packed and unpacked on the device
                           (kvmix_cuda_payload_*)
@@ -1930,6 +1931,38 @@ __device__ __forceinline__ void kvmix__tc_run(kvmix__tc_state<D> &st, kvmix__tc_
     }
 }
 
+/* The block's result from its warps' partials in mg (read after a barrier): the normalized output
+   and the log2 lse of its nq query heads from qh0, as split `split`'s partial or, with one split,
+   as the final out and natural lse; NaN everywhere where err. */
+template <int D>
+__device__ void kvmix__decode_block_out(const kvmix__tc_merge<D> &mg, const kvmix__decode_params &p,
+                                        bool err, int seq, int split, int qh0, int nq) {
+    __syncthreads();
+    const size_t part = ((size_t)seq * p.n_splits + split) * p.n_q_heads + qh0;
+    for (int e = threadIdx.x; e < nq * D; e += blockDim.x) {
+        int h = e / D, c = e % D;
+        float mx = -INFINITY;
+        for (int w = 0; w < kvmix__tc_warps; w++) mx = fmaxf(mx, mg.m[w][h]);
+        float sum = 0.0f, o = 0.0f;
+        if (mx != -INFINITY)
+            for (int w = 0; w < kvmix__tc_warps; w++) {
+                float wt = exp2f(mg.m[w][h] - mx);
+                sum += wt * mg.l[w][h];
+                o += wt * mg.acc[w][h][c];
+            }
+        float nan = __int_as_float(0x7fffffff);
+        const float result = err ? nan : (sum > 0.0f ? o / sum : 0.0f);
+        const float lse2 = err ? nan : (sum > 0.0f ? mx + log2f(sum) : -INFINITY);
+        if (p.out) { /* one split: the final output, as kvmix__decode_merge_kernel writes it */
+            kvmix__store_elem(p.out + part * D + e, result, p.dtype);
+            if (c == 0 && p.lse) p.lse[part + h] = lse2 * kvmix__ln2;
+        } else {
+            p.part_out[part * D + e] = result;
+            if (c == 0) p.part_lse[part + h] = lse2;
+        }
+    }
+}
+
 /* Grid (n_splits, n_kv_heads * q_chunks, n_seqs), 128 threads; a block serves query heads
    [kv * q_per_kv + chunk * 4, + 4) (fewer in the last chunk) over its split's token range. */
 template <int D, bool SMALL>
@@ -2104,31 +2137,145 @@ static __global__ void __launch_bounds__(kvmix__tc_threads, kvmix__tc_cfg<D, SMA
         }
         if (r == 0) mg.m[warp][c] = st.m, mg.l[warp][c] = st.l;
     }
-    __syncthreads();
-    const size_t part = ((size_t)seq * p.n_splits + split) * p.n_q_heads + qh0;
-    for (int e = threadIdx.x; e < nq * D; e += blockDim.x) {
-        int h = e / D, c = e % D;
-        float mx = -INFINITY;
-        for (int w = 0; w < W; w++) mx = fmaxf(mx, mg.m[w][h]);
-        float sum = 0.0f, o = 0.0f;
-        if (mx != -INFINITY)
-            for (int w = 0; w < W; w++) {
-                float wt = exp2f(mg.m[w][h] - mx);
-                sum += wt * mg.l[w][h];
-                o += wt * mg.acc[w][h][c];
-            }
-        float nan = __int_as_float(0x7fffffff);
-        bool err = sm.error != 0;
-        const float result = err ? nan : (sum > 0.0f ? o / sum : 0.0f);
-        const float lse2 = err ? nan : (sum > 0.0f ? mx + log2f(sum) : -INFINITY);
-        if (p.out) { /* one split: the final output, as kvmix__decode_merge_kernel writes it */
-            kvmix__store_elem(p.out + part * D + e, result, p.dtype);
-            if (c == 0 && p.lse) p.lse[part + h] = lse2 * kvmix__ln2;
-        } else {
-            p.part_out[part * D + e] = result;
-            if (c == 0) p.part_lse[part + h] = lse2;
+    kvmix__decode_block_out<D>(mg, p, sm.error != 0, seq, split, qh0, nq);
+}
+
+/* ---- decode of the other shapes on CUDA cores -------------------------------------------------
+
+   The fragments above need head_dim 64, 128 or 256 and groups of 16 or more. Every other
+   head_dim the pack runs (multiples of 32 up to 256: 32, 96, 160, ...) and group (8) takes this
+   walk instead, over the same grid, partials and merge: the block's warps take turns over tiles of
+   32 tokens of its split's spans. A lane decodes its token's key and scores it against the
+   block's query heads (no reduction across lanes), the tile's softmax takes one warp reduction per
+   head, then each lane adds the tile's weighted values for dims lane + 32 i. */
+
+constexpr int kvmix__walk_blocks_per_sm = 4; /* the walk's occupancy floor (registers per thread) */
+
+/* Whether decode at this head_dim and group runs on the tensor cores (else the walk). */
+__host__ __device__ constexpr bool kvmix__tc_shape(int head_dim, int group) {
+    return (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
+           group % kvmix__tc_min_group == 0;
+}
+
+/* One warp's running softmax over its tiles: per head, max m and sum l (the same in every lane)
+   and output o for dims lane + 32 i. */
+template <int NC> struct kvmix__walk_state { float m[4], l[4], o[4][NC]; };
+
+/* The logits s[h] of the lane's token (-inf where it is dead or past the span) join each head's
+   running softmax: w[h] gets the token's weight e^(s - new max). */
+template <int NC>
+__device__ __forceinline__ void kvmix__walk_softmax(kvmix__walk_state<NC> &st, const float (&s)[4],
+                                                    int nq, float (&w)[4]) {
+#pragma unroll
+    for (int h = 0; h < 4; h++) {
+        float mx = s[h];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        w[h] = 0.0f;
+        if (h >= nq || mx == -INFINITY) continue; /* every token of the tile dead */
+        const float mn = fmaxf(st.m[h], mx), corr = exp2f(st.m[h] - mn);
+        w[h] = exp2f(s[h] - mn);
+        float sum = w[h];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        st.l[h] = st.l[h] * corr + sum;
+#pragma unroll
+        for (int i = 0; i < NC; i++) st.o[h][i] *= corr;
+        st.m[h] = mn;
+    }
+}
+
+/* Tokens [t0, t0 + 32) of a span (kb / vb: the kv head's blocks) added to the warp's state; q:
+   [4][32 NC] in shared memory, scaled. */
+template <int NC>
+__device__ __forceinline__ void
+kvmix__walk_tile(kvmix__walk_state<NC> &st, const float *q, const kvmix__decode_params &p,
+                 const kvmix_view_span &sp, const uint8_t *kb, const kvmix__sections &ks,
+                 const uint8_t *vb, const kvmix__sections &vs, int t0, int nq, int lane) {
+    constexpr int D = 32 * NC;
+    const int t = t0 + lane, n = min(32, sp.n_tokens - t0);
+    const bool live = lane < n && !(sp.dead_index >= 0 && p.dead[sp.dead_index + t]);
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (live)
+        for (int c = 0; c < D; c++) {
+            const float k = kvmix__decode_value(sp.key_format, kb, ks, t, c, p.group_size);
+#pragma unroll
+            for (int h = 0; h < 4; h++) s[h] = fmaf(q[h * D + c], k, s[h]);
+        }
+    float w[4];
+#pragma unroll
+    for (int h = 0; h < 4; h++) s[h] = live ? s[h] : -INFINITY;
+    kvmix__walk_softmax<NC>(st, s, nq, w);
+    for (int u = 0; u < n; u++) {
+        float wu[4];
+#pragma unroll
+        for (int h = 0; h < 4; h++) wu[h] = __shfl_sync(0xffffffffu, w[h], u);
+        if (wu[0] == 0.0f && wu[1] == 0.0f && wu[2] == 0.0f && wu[3] == 0.0f) continue;
+#pragma unroll
+        for (int i = 0; i < NC; i++) {
+            const float v =
+                kvmix__decode_value(sp.value_format, vb, vs, t0 + u, lane + 32 * i, p.group_size);
+#pragma unroll
+            for (int h = 0; h < 4; h++) st.o[h][i] = fmaf(wu[h], v, st.o[h][i]);
         }
     }
+}
+
+/* Grid and query heads as kvmix__tc_decode_kernel; head_dim 32 * NC. */
+template <int NC>
+static __global__ void __launch_bounds__(kvmix__tc_threads, kvmix__walk_blocks_per_sm)
+    kvmix__walk_decode_kernel(kvmix__decode_params p) {
+    constexpr int D = 32 * NC, W = kvmix__tc_warps;
+    __shared__ kvmix__tc_merge<D> mg;
+    __shared__ float q[4 * D];
+    const int split = blockIdx.x, seq = blockIdx.z;
+    const int kv = blockIdx.y / p.q_chunks, chunk = blockIdx.y % p.q_chunks;
+    const int qh0 = kv * p.q_per_kv + chunk * 4, nq = min(4, p.q_per_kv - chunk * 4);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < 4 * D; e += blockDim.x)
+        q[e] = e / D < nq
+                   ? kvmix__load_elem(p.q + ((size_t)seq * p.n_q_heads + qh0) * D + e, p.dtype) *
+                         p.scale_log2
+                   : 0.0f;
+    kvmix__walk_state<NC> st;
+#pragma unroll
+    for (int h = 0; h < 4; h++) {
+        st.m[h] = -INFINITY, st.l[h] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NC; i++) st.o[h][i] = 0.0f;
+    }
+    int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
+    bool err = !kvmix__view_range_ok(first, last, p.n_spans);
+    if (err) first = last = 0;
+    const int64_t n_spans = last - first; /* the split's spans, as the tensor-core kernel's */
+    const int s_lo = first + (int)(n_spans * split / p.n_splits);
+    const int s_hi = first + (int)(n_spans * (split + 1) / p.n_splits);
+    __syncthreads();
+    for (int si = s_lo; si < s_hi; si++) {
+        const kvmix_view_span sp = p.spans[si];
+        kvmix__sections ks, vs;
+        if (!kvmix__block_ok(sp.key_format, sp.n_tokens, sp.key_offset, sp.key_head_bytes,
+                             p.n_kv_heads, D, p.group_size, p.n_boost, p.base_bytes, &ks) ||
+            !kvmix__block_ok(sp.value_format, sp.n_tokens, sp.value_offset, sp.value_head_bytes,
+                             p.n_kv_heads, D, p.group_size, p.n_boost, p.base_bytes, &vs) ||
+            !kvmix__view_dead_ok(sp.dead_index, sp.n_tokens, p.n_dead_flags)) {
+            err = true;
+            continue;
+        }
+        const uint8_t *kb = p.base + sp.key_offset + (uint64_t)kv * sp.key_head_bytes;
+        const uint8_t *vb = p.base + sp.value_offset + (uint64_t)kv * sp.value_head_bytes;
+        for (int t0 = 32 * warp; t0 < sp.n_tokens; t0 += 32 * W)
+            kvmix__walk_tile<NC>(st, q, p, sp, kb, ks, vb, vs, t0, nq, lane);
+    }
+    kvmix__launch_dependents();
+#pragma unroll
+    for (int h = 0; h < 4; h++) {
+#pragma unroll
+        for (int i = 0; i < NC; i++) mg.acc[warp][h][lane + 32 * i] = st.o[h][i];
+        if (lane == 0) mg.m[warp][h] = st.m[h], mg.l[warp][h] = st.l[h];
+    }
+    kvmix__decode_block_out<D>(mg, p, __syncthreads_or(err), seq, split, qh0, nq);
 }
 
 struct kvmix__merge_params {
@@ -2233,10 +2380,12 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
     if (n_seqs < 0 || n_kv_heads <= 0 || n_q_heads <= 0 || n_q_heads % n_kv_heads != 0 ||
         max_seq_tokens < 0 || n_sms <= 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
+    if (head_dim <= 0 || head_dim > 256 || !kvmix__head_dim_run(head_dim))
+        return KVMIX_ERR_UNSUPPORTED;
     const int g = n_q_heads / n_kv_heads;
-    const int per_sm =
-        head_dim == 256 ? kvmix__tc_cfg<256>::min_blocks : kvmix__tc_cfg<128>::min_blocks;
+    const int per_sm = !kvmix__tc_shape(head_dim, kvmix__tc_min_group) ? kvmix__walk_blocks_per_sm
+                       : head_dim == 256 ? kvmix__tc_cfg<256>::min_blocks
+                                         : kvmix__tc_cfg<128>::min_blocks;
     /* one block per (sequence, kv head, 4 query heads, split); per_sm fit on an SM: fill the
        machine in one wave, with at least ~256 tokens per split */
     int64_t blocks = (int64_t)(n_seqs > 0 ? n_seqs : 1) * n_kv_heads * ((g + 3) / 4);
@@ -2316,6 +2465,22 @@ static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix_
                  : kvmix__tc_launch_as<D, false>(grid, stream, p);
 }
 
+/* The walk's kernel for head_dim d (a multiple of 32, at most 256). */
+static cudaError_t kvmix__walk_launch(int d, dim3 grid, cudaStream_t stream,
+                                      const kvmix__decode_params &p) {
+    switch (d / 32) {
+    case 1: kvmix__walk_decode_kernel<1><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
+    case 2: kvmix__walk_decode_kernel<2><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
+    case 3: kvmix__walk_decode_kernel<3><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
+    case 4: kvmix__walk_decode_kernel<4><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
+    case 5: kvmix__walk_decode_kernel<5><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
+    case 6: kvmix__walk_decode_kernel<6><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
+    case 7: kvmix__walk_decode_kernel<7><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
+    default: kvmix__walk_decode_kernel<8><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
+    }
+    return cudaSuccess;
+}
+
 /* Whether the merge kernel the device runs is the Hopper build (compiled from compute_90, with
    griddepcontrol), not the portable one (any other target, or compute_80 PTX that a Hopper
    device runs when the driver is told to compile PTX). Asked once: the build does not change. */
@@ -2341,9 +2506,9 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
         isinf(desc->scale) || desc->n_splits < 1 || desc->n_splits > KVMIX_CUDA_MAX_SPLITS ||
         (desc->stages != KVMIX_CUDA_STAGES_AUTO && desc->stages != KVMIX_CUDA_STAGES_SMALL))
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d != 64 && d != 128 && d != 256) return KVMIX_ERR_UNSUPPORTED;
-    int group = kvmix__view_group(view->group_size, view->value_group_size, 0, KVMIX_FORMAT_INT4);
-    if (group % kvmix__tc_min_group != 0) return KVMIX_ERR_UNSUPPORTED;
+    if (d > 256) return KVMIX_ERR_UNSUPPORTED; /* the merge's block: a thread per dim */
+    const int group =
+        kvmix__view_group(view->group_size, view->value_group_size, 0, KVMIX_FORMAT_INT4);
     if (desc->dtype != KVMIX_CUDA_FP16 && desc->dtype != KVMIX_CUDA_BF16)
         return KVMIX_ERR_UNSUPPORTED;
     if (view->n_seqs == 0) return KVMIX_SUCCESS;
@@ -2377,12 +2542,15 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
     dim3 grid((unsigned)desc->n_splits, (unsigned)grid_y, (unsigned)view->n_seqs);
     cudaStream_t s = (cudaStream_t)stream;
     cudaError_t ce;
-    bool small = desc->stages == KVMIX_CUDA_STAGES_SMALL, fits = false;
-    switch (d) {
-    case 64: ce = kvmix__tc_launch<64>(grid, s, p, small, &fits); break;
-    case 128: ce = kvmix__tc_launch<128>(grid, s, p, small, &fits); break;
-    default: ce = kvmix__tc_launch<256>(grid, s, p, small, &fits); break;
-    }
+    bool small = desc->stages == KVMIX_CUDA_STAGES_SMALL, fits = true;
+    if (!kvmix__tc_shape(d, group))
+        ce = kvmix__walk_launch(d, grid, s, p);
+    else if (d == 64)
+        ce = kvmix__tc_launch<64>(grid, s, p, small, &fits);
+    else if (d == 128)
+        ce = kvmix__tc_launch<128>(grid, s, p, small, &fits);
+    else
+        ce = kvmix__tc_launch<256>(grid, s, p, small, &fits);
     if (ce != cudaSuccess) return KVMIX_ERR_CUDA;
     if (!fits) return KVMIX_ERR_UNSUPPORTED; /* D 256 where a block holds less than 163 KiB */
     if ((r = kvmix__launch_status()) != KVMIX_SUCCESS || one_split) return r;
@@ -2424,14 +2592,36 @@ template <int D> static cudaError_t kvmix__tc_blocks(int *blocks, bool *fits) {
     return small ? kvmix__tc_blocks_as<D, true>(blocks) : kvmix__tc_blocks_as<D, false>(blocks);
 }
 
+template <int NC> static cudaError_t kvmix__walk_blocks_as(int *blocks) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kvmix__walk_decode_kernel<NC>,
+                                                         kvmix__tc_threads, 0);
+}
+
+/* Blocks per SM of the walk at head_dim d (a multiple of 32, at most 256). */
+static cudaError_t kvmix__walk_blocks(int d, int *blocks) {
+    switch (d / 32) {
+    case 1: return kvmix__walk_blocks_as<1>(blocks);
+    case 2: return kvmix__walk_blocks_as<2>(blocks);
+    case 3: return kvmix__walk_blocks_as<3>(blocks);
+    case 4: return kvmix__walk_blocks_as<4>(blocks);
+    case 5: return kvmix__walk_blocks_as<5>(blocks);
+    case 6: return kvmix__walk_blocks_as<6>(blocks);
+    case 7: return kvmix__walk_blocks_as<7>(blocks);
+    default: return kvmix__walk_blocks_as<8>(blocks);
+    }
+}
+
 extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
                                                         int32_t *out_blocks) {
     if (!out_blocks) return KVMIX_ERR_NULL_POINTER;
     if (q_per_kv <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (head_dim != 64 && head_dim != 128 && head_dim != 256) return KVMIX_ERR_UNSUPPORTED;
+    if (head_dim <= 0 || head_dim > 256 || !kvmix__head_dim_run(head_dim))
+        return KVMIX_ERR_UNSUPPORTED;
     int blocks = 0;
-    bool fits = false;
-    cudaError_t e = head_dim == 64    ? kvmix__tc_blocks<64>(&blocks, &fits)
+    bool fits = true;
+    cudaError_t e = !kvmix__tc_shape(head_dim, kvmix__tc_min_group)
+                        ? kvmix__walk_blocks(head_dim, &blocks)
+                    : head_dim == 64  ? kvmix__tc_blocks<64>(&blocks, &fits)
                     : head_dim == 128 ? kvmix__tc_blocks<128>(&blocks, &fits)
                                       : kvmix__tc_blocks<256>(&blocks, &fits);
     if (e != cudaSuccess) return KVMIX_ERR_CUDA;

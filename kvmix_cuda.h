@@ -12,8 +12,8 @@
    jobs, dead flags) cannot be read on the host; what the kernels find wrong in them is reported
    on the device as documented per launcher. Launchers are thread-safe (no global state).
 
-   head_dim: every launcher takes the multiples of 32 that kvmix.h accepts (decode: 64, 128 and
-   256 only); a head_dim kvmix.h accepts that 32 does not divide (48, 80) is UNSUPPORTED here.
+   head_dim: every launcher takes the multiples of 32 that kvmix.h accepts (decode: up to 256); a
+   head_dim kvmix.h accepts that 32 does not divide (48, 80) is UNSUPPORTED here.
 
    Alignment: every block a kernel reads or writes as a whole (view spans' key and value blocks,
    their head strides, quantize destinations) must start at a multiple of 16 bytes of a base that
@@ -116,13 +116,14 @@ kvmix_result kvmix_cuda_view_dequantize(const kvmix_view *view, int32_t seq, kvm
 /*   i*g .. i*g+g-1 read kv head i (g = n_q_heads / n_kv_heads) and share each K/V load. Each    */
 /*   sequence's spans are cut into n_splits ranges of equal span counts (a split's               */
 /*   first span is known without reading the spans before it); a split walks its spans.          */
-/* Supported: head_dim 64, 128, 256; group_size (per-token blocks) a multiple of 16, values in    */
-/* the same groups as keys (a view whose value_group_size differs is UNSUPPORTED, by every        */
-/* launcher that reads a view); every format for keys and values, dead flags. The device checks  */
-/* each span it reads (known formats,                                                            */
-/* n_tokens >= 1, blocks inside base_bytes and 16-byte aligned, dead range inside n_dead_flags)  */
-/* and each sequence's span range (inside [0, n_spans]): a sequence with a bad span or range gets */
-/* NaN in out and lse.                                                                           */
+/* Supported: head_dim a multiple of 32 up to 256, any group_size the view takes, values in the  */
+/* same groups as keys (a view whose value_group_size differs is UNSUPPORTED, by every launcher   */
+/* that reads a view); every format for keys and values, dead flags. head_dim 64, 128 and 256    */
+/* with groups of 16 or more run on the tensor cores; other shapes (head_dim 32, 96, 160, 192,   */
+/* 224; groups of 8) on a CUDA-core walk to the same results, slower (bench/RESULTS.md). The     */
+/* device checks each span it reads (known formats, n_tokens >= 1, blocks inside base_bytes and  */
+/* 16-byte aligned, dead range inside n_dead_flags) and each sequence's span range (inside       */
+/* [0, n_spans]): a sequence with a bad span or range gets NaN in out and lse.                   */
 /* The kernel's stage buffers (shared memory a block copies spans into): AUTO takes Hopper-size
    stages where the device's block holds them (H100, H200, Blackwell data-center parts) and the
    small ones elsewhere (Ada, consumer Ampere, A100 at head_dim 256); SMALL asks for the small

@@ -2,7 +2,7 @@
 (cuDNN and flash backends) and kvmix's own all-FP16 path, on the same shapes, in one process.
 
 Usage: python3 bench/bench_decode.py [--lib build/libkvmix_cuda_bench.so[,other.so...]] [--quick]
-    [--shapes B,T;B,T] [--mixes int4,...] [--head-dim 64|128|256] [--stages auto,small]
+    [--shapes B,T;B,T] [--mixes int4,...] [--head-dim 32|64|96|128|160|192|256] [--stages auto,small]
     (several --lib paths or stage choices: each variant is timed on the same arenas, one after
     another, for A/B comparisons in one process)
 Prints the configuration, then one line per (batch, context, variant): median time, bytes the
@@ -201,8 +201,9 @@ def main():
     ap.add_argument("--only", default="", help="BATCH,CTX,MIX: one kvmix case, no baselines (for profilers)")
     ap.add_argument("--shapes", default="", help="BATCH,CTX;BATCH,CTX...: only these shapes (with baselines)")
     ap.add_argument("--mixes", default="", help="comma-separated mix names (prefixes): only these mixes")
-    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
-                    help="head_dim of the cache and queries (the issue's shapes use 128)")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(32, 64, 96, 128, 160, 192, 256),
+                    help="head_dim of the cache and queries (the issue's shapes use 128; 32, 96, 160 "
+                         "and 192 run the CUDA-core walk)")
     ap.add_argument("--stages", default="auto",
                     help="auto, small or auto,small: the decode kernel's stage buffers, the device's "
                          "own or the small ones (what Ada and consumer Ampere run); each is a "

@@ -564,11 +564,11 @@ static bool only_sequence_nan(const std::vector<uint16_t> &out_h, const std::vec
    results. Two ranges: the view's n_spans one short of the last sequence's end (the span there
    is valid, so only the range check catches it), and that end 1000 spans past the array
    (compute-sanitizer catches a read). */
-static void test_decode_bad_input(bool quick) {
-    const int d = 128, n_kv = 2, n_q = 8, n_seqs = 4, bad_seq = n_seqs - 1; /* the last */
+static void test_decode_bad_input(bool quick, int d) {
+    const int n_kv = 2, n_q = 8, n_seqs = 4, bad_seq = n_seqs - 1; /* the last */
     const kvmix_cuda_dtype dtype = KVMIX_CUDA_BF16;
     test_view v;
-    build_view(v, d, n_kv, n_seqs, 16, quick);
+    build_view(v, d, n_kv, n_seqs, d / 8, quick);
     if (!upload_view(v)) return;
     std::vector<uint16_t> qh;
     std::vector<float> qf;
@@ -597,9 +597,9 @@ static void test_decode_bad_input(bool quick) {
             const bool ok = only_sequence_nan(out_h, lse, ref_out, n_q, d, bad_seq, dtype, &e);
             char name[160];
             snprintf(name, sizeof name,
-                     "decode: bad span (%d) of %d in sequence %d, %d splits: NaN there, other "
-                     "sequence nmse %.2e (r %d)",
-                     kind, bad - first, bad_seq, n_splits, e, r);
+                     "decode D %d: bad span (%d) of %d in sequence %d, %d splits: NaN there, "
+                     "other sequence nmse %.2e (r %d)",
+                     d, kind, bad - first, bad_seq, n_splits, e, r);
             check(r == KVMIX_SUCCESS && ok, name);
         }
         CUDA_OK(cudaMemcpy(v.d_spans + bad, &v.spans[bad], sizeof sp, cudaMemcpyHostToDevice));
@@ -618,12 +618,40 @@ static void test_decode_bad_input(bool quick) {
         const bool ok = only_sequence_nan(out_h, lse, ref_out, n_q, d, bad_seq, dtype, &e);
         char name[160];
         snprintf(name, sizeof name,
-                 "decode: span range of sequence %d ends %s: NaN there, other sequence nmse %.2e "
-                 "(r %d)",
-                 bad_seq, way == 0 ? "one past n_spans" : "1000 past the spans", e, r);
+                 "decode D %d: span range of sequence %d ends %s: NaN there, other sequence nmse "
+                 "%.2e (r %d)",
+                 d, bad_seq, way == 0 ? "one past n_spans" : "1000 past the spans", e, r);
         check(r == KVMIX_SUCCESS && ok, name);
     }
     free_view(v);
+}
+
+/* The shapes the tensor-core fragments do not take run the CUDA-core walk: head_dims 32 and 96
+   (and 160, 192 in full runs), and groups of 8 at a tensor-core head_dim; against the same
+   reference, with every format pair, dead flags, splits and a long sequence of short spans. */
+static void test_decode_walk(bool quick) {
+    const int dims[] = {96, 32, 160, 192};
+    for (int di = 0; di < (quick ? 2 : 4); di++) {
+        const int d = dims[di];
+        test_decode_case(d, 2, 4, 5, d / 8, 1, KVMIX_CUDA_FP16, quick);
+        test_decode_case(d, 2, 4, 5, d / 4, 3, KVMIX_CUDA_BF16, quick);
+        if (quick) continue;
+        test_decode_case(d, 4, 1, 4, d / 8, 7, KVMIX_CUDA_FP16, quick);
+        test_decode_case(d, 2, 8, 5, d / 8, 17, KVMIX_CUDA_BF16, quick);
+        test_decode_case(d, 3, 6, 3, d / 4, 64, KVMIX_CUDA_FP16, quick);
+    }
+    g_group = 8;
+    test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_FP16, quick);
+    test_decode_case(96, 2, 4, 5, 12, 2, KVMIX_CUDA_BF16, quick);
+    g_group = 96; /* one group per head */
+    test_decode_case(96, 2, 4, 5, 24, 3, KVMIX_CUDA_BF16, quick);
+    g_group = 32;
+    g_long_pages = quick ? 300 : 1100;
+    test_decode_case(96, 1, 4, 4, 12, quick ? 1 : 33, KVMIX_CUDA_BF16, quick);
+    g_long_pages = 0;
+    g_wide_rows = 3;
+    test_decode_case(96, 2, 4, 5, 12, 3, KVMIX_CUDA_FP16, quick);
+    g_wide_rows = 0;
 }
 
 static void test_decode(bool quick) {
@@ -681,7 +709,9 @@ static void test_decode(bool quick) {
         }
     }
     g_wide_rows = 0;
-    test_decode_bad_input(quick);
+    test_decode_walk(quick);
+    test_decode_bad_input(quick, 128);
+    test_decode_bad_input(quick, 96); /* the walk */
 }
 
 /* ---- dequantize and score ---------------------------------------------------------------- */
@@ -1376,7 +1406,7 @@ static void test_payload_arguments(void) {
 /* Occupancy of the decode kernel: a count for every head_dim the launcher takes (UNSUPPORTED only
    where the device holds no stage size of it, as kvmix_cuda_decode), errors for bad arguments. */
 static void test_decode_blocks_per_sm(void) {
-    for (int d : {64, 128, 256}) {
+    for (int d : {32, 64, 96, 128, 160, 256}) {
         int32_t blocks = -1;
         const kvmix_result r = kvmix_cuda_decode_blocks_per_sm(d, 4, &blocks);
         char name[96];
@@ -1389,8 +1419,10 @@ static void test_decode_blocks_per_sm(void) {
           "decode blocks per SM: NULL");
     check(kvmix_cuda_decode_blocks_per_sm(128, 0, &blocks) == KVMIX_ERR_INVALID_ARGUMENT,
           "decode blocks per SM: no query heads");
-    check(kvmix_cuda_decode_blocks_per_sm(96, 4, &blocks) == KVMIX_ERR_UNSUPPORTED,
-          "decode blocks per SM: head_dim 96");
+    check(kvmix_cuda_decode_blocks_per_sm(288, 4, &blocks) == KVMIX_ERR_UNSUPPORTED,
+          "decode blocks per SM: head_dim 288");
+    check(kvmix_cuda_decode_blocks_per_sm(80, 4, &blocks) == KVMIX_ERR_UNSUPPORTED,
+          "decode blocks per SM: head_dim 80");
 }
 
 static void test_bad_arguments(void) {
@@ -1467,16 +1499,18 @@ static void test_bad_arguments(void) {
     check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
           "decode: dtype");
     desc.dtype = KVMIX_CUDA_FP16;
-    v.head_dim = 96;
+    v.head_dim = 288; /* past the merge's block of a thread per dim */
     check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
-          "decode: head_dim 96");
+          "decode: head_dim 288");
+    v.head_dim = 80, v.group_size = 16; /* a view kvmix.h takes; 32 does not divide 80 */
+    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
+          "decode: head_dim 80");
+    v.group_size = 0;
     v.head_dim = 100;
     check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_BAD_SHAPE,
           "decode: head_dim 100");
-    v.head_dim = 128, v.group_size = 8;
-    check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
-          "decode: group 8");
-    v.group_size = 32, v.value_group_size = 128; /* values in groups of their own */
+    v.head_dim = 128, v.group_size = 32;
+    v.value_group_size = 128; /* values in groups of their own */
     check(kvmix_cuda_decode(&v, &desc, dummy, dummy, NULL, dummy, ws, 0) == KVMIX_ERR_UNSUPPORTED,
           "decode: value groups of 128 beside key groups of 32");
     check(kvmix_cuda_view_dequantize(&v, 0, KVMIX_CUDA_FP16, dummy, dummy, 4, 0) ==
@@ -1514,9 +1548,12 @@ static void test_bad_arguments(void) {
                   KVMIX_SUCCESS &&
               wide * 2 == splits && grouped * 4 == splits,
           "choose splits: head_dim and grouped-query ratio");
-    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 96, 32768, 132, &splits) ==
+    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 96, 32768, 132, &splits) == KVMIX_SUCCESS &&
+              splits >= 1,
+          "choose splits: head_dim 96 (CUDA-core walk)");
+    check(kvmix_cuda_decode_choose_splits(8, 8, 32, 288, 32768, 132, &splits) ==
               KVMIX_ERR_UNSUPPORTED,
-          "choose splits: head_dim");
+          "choose splits: head_dim 288");
     /* 152 sequences of 2 kv heads: 304 blocks would take a second wave of 40 on 264 slots */
     check(kvmix_cuda_decode_choose_splits(152, 2, 4, 128, 32768, 132, &splits) == KVMIX_SUCCESS &&
               304.0 * splits / (264.0 * ((304 * splits + 263) / 264)) >= 0.9,
@@ -1588,7 +1625,10 @@ static void test_device_arena(bool quick) {
         CUDA_OK(cudaMalloc(&g.flags, sizeof(int32_t)));
         da_executor ex = {&g, g.arena, gpu_run, gpu_fetch};
         int64_t compacted_all = 0, retiered_all = 0;
-        for (int seed = 0; seed < (quick ? 2 : 6); seed++) {
+        /* a random scenario may neither compact nor re-tier: more seeds (up to 12) until both ran */
+        for (int seed = 0;
+             seed < (quick ? 2 : 6) || ((compacted_all == 0 || retiered_all == 0) && seed < 12);
+             seed++) {
             char why[160], what[240];
             da_counts counts = {0, 0, 0};
             int failures = da_scenario(&d, rnd(), 400, &ex, why, sizeof why, &counts);
