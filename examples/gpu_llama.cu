@@ -148,6 +148,11 @@ struct gpu_llama {
     int32_t *h_step, *d_step; /* [4 max_rows]: a step's tokens, positions, sequences, what each
                                  records (gpu_llama_observe) */
     observation obs;
+    /* gpu_llama_capture: each sequence's capture (NULL: none), how many are set, and a step's
+       post-RoPE q, k and v rows of every layer as they left the device [n_layers][max_rows][...] */
+    llama_capture **captures;
+    int32_t n_capturing;
+    float *h_capture_rows;
 };
 
 namespace {
@@ -1351,6 +1356,7 @@ extern "C" void gpu_llama_free(gpu_llama *g) {
     free(g->cache_memory), free(g->kv_seq), free(g->step_kv_seqs), free(g->batches);
     free(g->next_pos), free(g->in_use), free(g->taggers), free(g->by_tag), free(g->tags);
     free(g->turns), free(g->runs);
+    free(g->captures), cudaFreeHost(g->h_capture_rows);
     free(g);
 }
 
@@ -1374,6 +1380,7 @@ extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char
     }
     g->in_use[s] = 1;
     g->next_pos[s] = 0;
+    if (g->captures) g->captures[s] = NULL;
     *out_seq = s;
     return LLAMA_OK;
 }
@@ -1381,7 +1388,33 @@ extern "C" llama_result gpu_llama_seq_start(gpu_llama *g, int32_t *out_seq, char
 extern "C" void gpu_llama_seq_end(gpu_llama *g, int32_t seq) {
     if (!g || seq < 0 || seq >= g->max_seqs || !g->in_use[seq]) return;
     if (!g->fp32) kvmix_cache_seq_free(&g->cache, g->kv_seq[seq]);
+    if (g->captures && g->captures[seq]) g->captures[seq] = NULL, g->n_capturing--;
     g->in_use[seq] = 0;
+}
+
+extern "C" llama_result gpu_llama_capture(gpu_llama *g, int32_t seq, llama_capture *cap, char *err,
+                                          size_t err_bytes) {
+    if (!g || seq < 0 || seq >= g->max_seqs || !g->in_use[seq])
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_capture: bad sequence");
+    const llama_config *c = &g->c;
+    if (cap && (cap->n_layers != c->n_layers || cap->n_heads != c->n_heads ||
+                cap->n_kv_heads != c->n_kv_heads || cap->head_dim != c->head_dim ||
+                cap->n_tokens < 1 || !cap->token_ids || !cap->q || !cap->k || !cap->v))
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "gpu_llama_capture: not a capture of the model's shape");
+    if (cap && !g->captures) { /* the staging first: captures set means it is there */
+        const size_t row_floats = (size_t)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
+        if (!g->h_capture_rows)
+            TRY_CUDA(pinned_alloc(&g->h_capture_rows,
+                                  (size_t)c->n_layers * (size_t)g->max_rows * row_floats),
+                     "capture staging");
+        g->captures = (llama_capture **)calloc((size_t)g->max_seqs, sizeof *g->captures);
+        if (!g->captures) return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of memory");
+    }
+    if (!g->captures) return LLAMA_OK; /* nothing recorded, nothing to stop */
+    g->n_capturing += (cap != NULL) - (g->captures[seq] != NULL);
+    g->captures[seq] = cap;
+    return LLAMA_OK;
 }
 
 extern "C" llama_result gpu_llama_begin_request(gpu_llama *g, int32_t seq, char *err,
@@ -1413,6 +1446,28 @@ static llama_result upload_seq_view(gpu_llama *g, int32_t kv, int32_t *positions
 /* The model over n rows whose tokens, positions, sequences and recording flags are in h_step
    ([4][n]): attend(l) runs layer l's attention (the rows' keys and values in qkv, its output into
    att). Leaves the rows' logits in h_logits. */
+/* The rows of the pass that forward just ran (h_step: tokens, positions, sequences) into the
+   captures of their sequences, at their positions (those past a capture's n_tokens are left out). */
+void record_captures(gpu_llama *g, int32_t n) {
+    const llama_config *c = &g->c;
+    const size_t q_floats = (size_t)c->n_heads * c->head_dim;
+    const size_t kv_floats = (size_t)c->n_kv_heads * c->head_dim;
+    const size_t row_floats = q_floats + 2 * kv_floats;
+    for (int32_t i = 0; i < n; i++) {
+        llama_capture *cap = g->captures[g->h_step[2 * n + i]];
+        const int32_t pos = g->h_step[n + i];
+        if (!cap || pos >= cap->n_tokens) continue;
+        cap->token_ids[pos] = g->h_step[i];
+        for (int32_t l = 0; l < c->n_layers; l++) {
+            const float *row = g->h_capture_rows + ((size_t)l * g->max_rows + i) * row_floats;
+            const size_t at = (size_t)l * cap->n_tokens + pos;
+            memcpy(cap->q + at * q_floats, row, q_floats * sizeof(float));
+            memcpy(cap->k + at * kv_floats, row + q_floats, kv_floats * sizeof(float));
+            memcpy(cap->v + at * kv_floats, row + q_floats + kv_floats, kv_floats * sizeof(float));
+        }
+    }
+}
+
 template <typename Attend>
 llama_result forward(gpu_llama *g, int32_t n, char *err, size_t err_bytes, Attend attend) {
     const llama_config *c = &g->c;
@@ -1432,6 +1487,11 @@ llama_result forward(gpu_llama *g, int32_t n, char *err, size_t err_bytes, Atten
         if (r != LLAMA_OK) break;
         rope_kernel<<<dim3(n, c->n_heads + c->n_kv_heads), c->head_dim / 2, 0, g->stream>>>(
             g->qkv, d_pos, g->inv_freq, qkv_rows, c->head_dim);
+        if (g->n_capturing > 0)
+            TRY_CUDA(cudaMemcpyAsync(g->h_capture_rows + (size_t)l * g->max_rows * qkv_rows, g->qkv,
+                                     (size_t)n * qkv_rows * sizeof(float), cudaMemcpyDeviceToHost,
+                                     g->stream),
+                     "capturing rows");
         if ((r = attend(l)) != LLAMA_OK) break;
         r = matmul(g, w->out, c->hidden, c->n_heads * c->head_dim, g->att, c->n_heads * c->head_dim,
                    n, g->x, true, err, err_bytes);
@@ -1455,6 +1515,7 @@ llama_result forward(gpu_llama *g, int32_t n, char *err, size_t err_bytes, Atten
                              cudaMemcpyDeviceToHost, g->stream),
              "downloading logits");
     TRY_CUDA(cudaStreamSynchronize(g->stream), "the step");
+    if (g->n_capturing > 0) record_captures(g, n);
     int32_t flags = 0;
     if (!g->fp32) {
         TRY_CUDA(cudaMemcpy(&flags, g->d_flags, sizeof flags, cudaMemcpyDeviceToHost), "flags");

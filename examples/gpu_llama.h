@@ -151,6 +151,15 @@ llama_result gpu_llama_rows_ingest_device(gpu_llama *g, int32_t seq, int32_t n_t
                                           const void *keys, const void *values, char *err,
                                           size_t err_bytes);
 
+/* Records what a sequence's steps and prefill chunks compute from now on into cap (llama.h,
+ * "Captures": the file kvmix-calibrate reads), as the CPU runner's llama_kv_capture_wrap does:
+ * for each position p < cap->n_tokens that runs, its token and every layer's post-RoPE query, key
+ * and value rows in fp32 as the model made them (before the cache stores them). cap: of the
+ * model's shape (llama_capture_init), owned by the caller, written on the host as each step
+ * ends; NULL stops recording. gpu_llama_seq_end and gpu_llama_seq_start stop it too. */
+llama_result gpu_llama_capture(gpu_llama *g, int32_t seq, llama_capture *cap, char *err,
+                               size_t err_bytes);
+
 /* Time spent since gpu_llama_profile_start: steps and tokens run, wall seconds inside
  * gpu_llama_step, host seconds of the cache's bookkeeping in them (reserve, row writes, taking
  * jobs, the view), and GPU seconds of attention (rows to FP16, jobs, decode, output), measured

@@ -53,8 +53,10 @@
  * lockstep, one token each per step, sequences joining as others finish; the fp32 reference
  * runs the same way first. The policy's cache is a kvmix cache with a device arena, attention is
  * kvmix_cuda_decode. The runner is batch-invariant (gpu_llama_batch_invariant): --batch changes
- * how fast, not what, it computes. The JSON is the same, with "device" naming the GPU; --capture
- * is CPU only. Progress (texts done, tokens per second, time left) goes to stderr when it is a terminal.
+ * how fast, not what, it computes. The JSON is the same, with "device" naming the GPU. --capture
+ * there records the policy's pass (gpu_llama_capture), each running text's capture whole in host
+ * memory (4 bytes x its tokens x layers x (q heads + 2 kv heads) x head_dim: 470 MB for a 14K-token
+ * kvm-long trace), so --batch bounds the memory it takes. Progress (texts done, tokens per second, time left) goes to stderr when it is a terminal.
  *
  * --tag-spec S.json --allocation A.json store each token by its template tag: the spec
  * (tag_spec_json.h) tags the ids as they run, the allocation (kvmix-calibrate's,
@@ -234,10 +236,6 @@ static bool parse_options(int argc, char **argv, options *o) {
     }
     if (o->transfer != NULL && o->allocation_path != NULL) {
         fprintf(stderr, "kvmix-eval: --transfer runs without --allocation\n");
-        return false;
-    }
-    if (o->cuda && o->capture_dir != NULL) {
-        fprintf(stderr, "kvmix-eval: --capture runs on the CPU only\n");
         return false;
     }
     if (o->kind != NULL && strcmp(o->kind, "trace") != 0 && strcmp(o->kind, "code") != 0) {
@@ -634,9 +632,17 @@ static llama_result score_text(eval *e, llama_kv_cache *cache, int64_t n, totals
     return LLAMA_OK;
 }
 
-/* Scores text `index` of the selection through a recording wrapper and writes its capture file,
- * DIR/capture-NNNN.bin. */
-static llama_result capture_text(eval *e, int64_t index, int64_t n, totals *t) {
+/* An empty capture for the n - 1 scored positions of a text of n tokens. */
+static llama_result capture_init(eval *e, int64_t n, llama_capture *cap) {
+    llama_result r = llama_capture_init(cap, &e->model->config, (int32_t)(n - 1));
+    if (r != LLAMA_OK)
+        snprintf(e->err, sizeof e->err, "cannot allocate a capture of %lld tokens",
+                 (long long)n - 1);
+    return r;
+}
+
+/* Text `index`'s capture file, DIR/capture-NNNN.bin. */
+static llama_result capture_write(eval *e, int64_t index, const llama_capture *cap) {
     char path[4096];
     int written =
         snprintf(path, sizeof path, "%s/capture-%04lld.bin", e->opt->capture_dir, (long long)index);
@@ -644,21 +650,23 @@ static llama_result capture_text(eval *e, int64_t index, int64_t n, totals *t) {
         snprintf(e->err, sizeof e->err, "--capture: directory path too long");
         return LLAMA_ERR_ARGUMENT;
     }
+    return llama_capture_write(cap, path, e->err, sizeof e->err);
+}
+
+/* Scores text `index` of the selection through a recording wrapper and writes its capture file,
+ * DIR/capture-NNNN.bin. */
+static llama_result capture_text(eval *e, int64_t index, int64_t n, totals *t) {
     llama_capture cap;
     llama_kv_cache wrapped;
-    llama_result r = llama_capture_init(&cap, &e->model->config, (int32_t)(n - 1));
-    if (r != LLAMA_OK) {
-        snprintf(e->err, sizeof e->err, "cannot allocate a capture of %lld tokens",
-                 (long long)n - 1);
-        return r;
-    }
+    llama_result r = capture_init(e, n, &cap);
+    if (r != LLAMA_OK) return r;
     memcpy(cap.token_ids, e->ids, (size_t)(n - 1) * sizeof *e->ids);
     r = llama_kv_capture_wrap(&e->cache, &cap, &wrapped);
     if (r == LLAMA_OK) {
         r = score_text(e, &wrapped, n, t);
         wrapped.destroy(wrapped.state);
     }
-    if (r == LLAMA_OK) r = llama_capture_write(&cap, path, e->err, sizeof e->err);
+    if (r == LLAMA_OK) r = capture_write(e, index, &cap);
     llama_capture_free(&cap);
     return r;
 }
@@ -739,7 +747,8 @@ typedef struct gpu_text {
 typedef struct gpu_batch {
     int32_t n, *text, *seq, *pos, *tokens;
     float *logits;
-    evict_seq *ev; /* when evicting: each running sequence's eviction state */
+    evict_seq *ev;       /* when evicting: each running sequence's eviction state */
+    llama_capture **cap; /* --capture: each running sequence's capture (the policy's pass) */
 } gpu_batch;
 
 /* Removes running sequence i (the last takes its place; eviction states swap, keeping their
@@ -747,6 +756,7 @@ typedef struct gpu_batch {
 static void gpu_batch_remove(gpu_batch *b, int32_t i) {
     b->n--;
     b->text[i] = b->text[b->n], b->seq[i] = b->seq[b->n], b->pos[i] = b->pos[b->n];
+    b->cap[i] = b->cap[b->n], b->cap[b->n] = NULL;
     if (b->ev) {
         evict_seq tmp = b->ev[i];
         b->ev[i] = b->ev[b->n];
@@ -793,6 +803,24 @@ static llama_result hand_over(eval *e, gpu_llama *g, gpu_batch *b, int32_t i) {
                              &e->transfer_stats, e->err, sizeof e->err);
 }
 
+/* --capture: running sequence i's capture, for a text of n tokens, recorded as it steps. */
+static llama_result gpu_capture_start(eval *e, gpu_llama *g, int64_t n, gpu_batch *b, int32_t i) {
+    llama_result r = LLAMA_ERR_MEMORY;
+    if (!(b->cap[i] = malloc(sizeof *b->cap[i])))
+        snprintf(e->err, sizeof e->err, "cannot allocate a capture");
+    else if ((r = capture_init(e, n, b->cap[i])) != LLAMA_OK)
+        free(b->cap[i]), b->cap[i] = NULL;
+    else
+        r = gpu_llama_capture(g, b->seq[i], b->cap[i], e->err, sizeof e->err);
+    return r;
+}
+
+static void gpu_capture_free(gpu_batch *b, int32_t i) {
+    if (b->cap[i]) llama_capture_free(b->cap[i]);
+    free(b->cap[i]);
+    b->cap[i] = NULL;
+}
+
 /* Runs every text through g, up to b's capacity at once, sequences joining as others end. */
 static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_texts,
                              int32_t capacity, gpu_batch *b, bool reference, evict_driver *ev) {
@@ -820,6 +848,9 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
                 (r = gpu_llama_observe(g, b->seq[b->n], GPU_LLAMA_OBSERVE_ATTENTION, e->err,
                                        sizeof e->err)) != LLAMA_OK)
                 return r;
+            if (!reference && e->opt->capture_dir != NULL &&
+                (r = gpu_capture_start(e, g, texts[next].n, b, b->n)) != LLAMA_OK)
+                return r;
             b->pos[b->n++] = 0;
         }
         if (b->n == 0) break;
@@ -831,8 +862,11 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
                 evict_backend be = evict_backend_gpu(g, b->seq[i]);
                 r = evict_before_step(ev, &b->ev[i], &be, b->pos[i], e->err, sizeof e->err);
             }
-            if (r == LLAMA_OK && !reference && e->transferring && b->pos[i] == t->transfer_at)
+            if (r == LLAMA_OK && !reference && e->transferring && b->pos[i] == t->transfer_at) {
                 r = hand_over(e, g, b, i);
+                if (r == LLAMA_OK && b->cap[i]) /* recorded on from the receiving sequence */
+                    r = gpu_llama_capture(g, b->seq[i], b->cap[i], e->err, sizeof e->err);
+            }
             b->tokens[i] = t->ids[b->pos[i]];
         }
         if (r == LLAMA_OK)
@@ -854,6 +888,11 @@ static llama_result gpu_pass(eval *e, gpu_llama *g, gpu_text *texts, int64_t n_t
             if (ev) {
                 evict_backend be = evict_backend_gpu(g, b->seq[i]);
                 evict_seq_end(ev, &b->ev[i], &be);
+            }
+            if (b->cap[i]) {
+                r = capture_write(e, b->text[i], b->cap[i]);
+                gpu_capture_free(b, i);
+                if (r != LLAMA_OK) return r;
             }
             gpu_llama_seq_end(g, b->seq[i]);
             done++;
@@ -986,8 +1025,9 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
     b.pos = malloc((size_t)capacity * sizeof *b.pos);
     b.tokens = malloc((size_t)capacity * sizeof *b.tokens);
     b.logits = malloc((size_t)capacity * (size_t)vocab * sizeof *b.logits);
+    b.cap = calloc((size_t)capacity, sizeof *b.cap);
     llama_result r = LLAMA_OK;
-    if (!texts || !b.text || !b.seq || !b.pos || !b.tokens || !b.logits) {
+    if (!texts || !b.text || !b.seq || !b.pos || !b.tokens || !b.logits || !b.cap) {
         snprintf(e->err, sizeof e->err, "cannot allocate the texts' buffers");
         r = LLAMA_ERR_MEMORY;
     }
@@ -1029,6 +1069,8 @@ static llama_result run_texts_gpu(eval *e, const texts *list, totals *t, char *d
     t->transferring = e->transferring;
     t->transfer = e->transfer_stats;
     gpu_texts_free(texts, list->n);
+    for (int32_t i = 0; b.cap && i < capacity; i++) gpu_capture_free(&b, i); /* a failed pass's */
+    free(b.cap);
     free(b.text);
     free(b.seq);
     free(b.pos);

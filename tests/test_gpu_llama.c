@@ -327,6 +327,49 @@ done:
     return worst;
 }
 
+/* Batch invariance at a wide step: text 0's logits are the same bits stepped alone as among
+   WIDE_BATCH sequences (products of 300 rows, decode over 300 sequences), at every step, in
+   runners of different capacities. */
+enum { WIDE_BATCH = 300, WIDE_STEPS = 5 };
+static void check_wide_batch(const llama_model *m, int32_t ids[N_TEXTS][STEPS + 1]) {
+    const int32_t vocab = m->config.vocab;
+    const kvmix_policy *policy = kvmix_kv_policy_builtin("fp16");
+    char err[256];
+    gpu_llama *alone = NULL, *wide = NULL;
+    static int32_t seqs[WIDE_BATCH], tokens[WIDE_BATCH];
+    int32_t seq = -1;
+    float *one = malloc((size_t)vocab * sizeof(float));
+    float *many = malloc((size_t)WIDE_BATCH * vocab * sizeof(float));
+    bool same = true;
+    if (!CHECK(one && many) ||
+        !CHECK_MSG(
+            gpu_llama_create(m, policy, 1, WIDE_STEPS, 0, &alone, err, sizeof err) == LLAMA_OK &&
+                gpu_llama_create(m, policy, WIDE_BATCH, WIDE_STEPS, 0, &wide, err, sizeof err) ==
+                    LLAMA_OK &&
+                gpu_llama_batch_invariant(alone, true, err, sizeof err) == LLAMA_OK &&
+                gpu_llama_batch_invariant(wide, true, err, sizeof err) == LLAMA_OK &&
+                gpu_llama_seq_start(alone, &seq, err, sizeof err) == LLAMA_OK,
+            err))
+        goto done;
+    for (int i = 0; i < WIDE_BATCH; i++)
+        if (!CHECK_MSG(gpu_llama_seq_start(wide, &seqs[i], err, sizeof err) == LLAMA_OK, err))
+            goto done;
+    for (int s = 0; s < WIDE_STEPS && same; s++) {
+        for (int i = 0; i < WIDE_BATCH; i++) tokens[i] = ids[i % N_TEXTS][s];
+        if (!CHECK_MSG(gpu_llama_step(alone, &seq, tokens, 1, one, err, sizeof err) == LLAMA_OK &&
+                           gpu_llama_step(wide, seqs, tokens, WIDE_BATCH, many, err, sizeof err) ==
+                               LLAMA_OK,
+                       err))
+            goto done;
+        same = memcmp(one, many, (size_t)vocab * sizeof(float)) == 0;
+    }
+    CHECK_MSG(same, "a step of 300 sequences gives text 0 the logits it gets alone, bit for bit");
+done:
+    gpu_llama_free(alone);
+    gpu_llama_free(wide);
+    free(one), free(many);
+}
+
 static void check_bad_inputs(const llama_model *m) {
     char err[256];
     gpu_llama *g = NULL;
@@ -343,6 +386,15 @@ static void check_bad_inputs(const llama_model *m) {
           LLAMA_OK);
     CHECK(gpu_llama_step(g, &seq, &token, 1, logits, err, sizeof err) == LLAMA_ERR_ARGUMENT);
     CHECK(gpu_llama_seq_start(g, &seq, err, sizeof err) == LLAMA_OK);
+    llama_capture cap;
+    if (CHECK(llama_capture_init(&cap, &m->config, 4) == LLAMA_OK)) {
+        cap.head_dim++; /* not the model's shape */
+        CHECK(gpu_llama_capture(g, seq, &cap, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+        cap.head_dim--;
+        CHECK(gpu_llama_capture(g, seq + 1, &cap, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+        CHECK(gpu_llama_capture(g, seq, NULL, err, sizeof err) == LLAMA_OK); /* none to stop */
+        llama_capture_free(&cap);
+    }
     CHECK(gpu_llama_seq_start(g, &token, err, sizeof err) == LLAMA_ERR_CAPACITY);
     CHECK(gpu_llama_step(g, &seq, &bad_token, 1, logits, err, sizeof err) == LLAMA_ERR_ARGUMENT);
     for (int i = 0; i < 4; i++)
@@ -456,6 +508,64 @@ static void check_runners_agree(const char *shared) {
     }
 }
 
+/* The fp32 model's captures (--capture) of the oracle traces from the CPU runner and from the GPU
+   runner at batch 2: the same files but for float noise (their fp32 logits differ by 3e-5 at
+   most): shapes and token ids equal, q, k and v within NMSE 1e-9 of the CPU's. */
+static void check_captures_agree(const char *shared) {
+    static const char *const dirs[2] = {BUILD_DIR "/capture-cpu", BUILD_DIR "/capture-gpu"};
+    static const char *const runs[2] = {"kvmix-eval --device cpu", "kvmix-eval-cuda --batch 2"};
+    char cmd[2048], path[2][1024], err[256];
+    for (int w = 0; w < 2; w++) {
+        char *json = NULL;
+        snprintf(cmd, sizeof cmd, "rm -rf %s && mkdir -p %s", dirs[w], dirs[w]);
+        if (!CHECK_MSG(system(cmd) == 0, cmd)) return;
+        snprintf(cmd, sizeof cmd,
+                 "%s/%s --model %s/models/kvm-small.safetensors --data %s/data/eval-dev.jsonl "
+                 "--kind trace --offset %d --limit %d --policy fp32 --capture %s",
+                 BUILD_DIR, runs[w], shared, shared, ORACLE_OFFSET, ORACLE_TEXTS, dirs[w]);
+        int status = run_command_exit(cmd, &json);
+        free(json);
+        if (!CHECK_MSG(status == 0, cmd)) return;
+    }
+    for (int t = 0; t < ORACLE_TEXTS; t++) {
+        llama_capture cap[2];
+        bool parsed[2] = {false, false};
+        for (int w = 0; w < 2; w++) {
+            size_t n = 0;
+            snprintf(path[w], sizeof path[w], "%s/capture-%04d.bin", dirs[w], t);
+            char *bytes = read_file(path[w], &n);
+            parsed[w] = bytes && llama_capture_parse((const uint8_t *)bytes, n, &cap[w], err,
+                                                     sizeof err) == LLAMA_OK;
+            free(bytes);
+            CHECK_MSG(parsed[w], path[w]);
+        }
+        if (parsed[0] && parsed[1]) {
+            const llama_capture *a = &cap[0], *b = &cap[1];
+            bool same = a->n_layers == b->n_layers && a->n_heads == b->n_heads &&
+                        a->n_kv_heads == b->n_kv_heads && a->head_dim == b->head_dim &&
+                        a->n_tokens == b->n_tokens &&
+                        memcmp(a->token_ids, b->token_ids, (size_t)a->n_tokens * 4) == 0;
+            double num = 0.0, den = 0.0;
+            if (same) {
+                const size_t rows = (size_t)a->n_layers * a->n_tokens * a->head_dim;
+                const float *x[3] = {a->q, a->k, a->v}, *y[3] = {b->q, b->k, b->v};
+                const size_t n[3] = {rows * a->n_heads, rows * a->n_kv_heads, rows * a->n_kv_heads};
+                for (int which = 0; which < 3; which++)
+                    for (size_t i = 0; i < n[which]; i++) {
+                        const double d = (double)y[which][i] - x[which][i];
+                        num += d * d, den += (double)x[which][i] * x[which][i];
+                    }
+            }
+            const double nmse = den > 0.0 ? num / den : INFINITY;
+            printf("capture of trace %d: %d tokens, GPU against CPU NMSE %.1e\n", t, a->n_tokens,
+                   nmse);
+            CHECK_MSG(same && nmse <= 1e-9, path[1]);
+        }
+        for (int w = 0; w < 2; w++)
+            if (parsed[w]) llama_capture_free(&cap[w]);
+    }
+}
+
 int main(int argc, char **argv) {
     bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0; /* for the sanitizers */
     const char *shared = argc > 1 + quick ? argv[1 + quick] : "../shared";
@@ -513,8 +623,12 @@ int main(int argc, char **argv) {
         g = check_prefill(&m, "int4", ids);
         CHECK(g.n > 0 && g.max < 4.0 && g.sum / (double)g.n < 0.2);
     }
+    check_wide_batch(&m, ids);
     check_bad_inputs(&m);
-    if (!quick) check_runners_agree(shared); /* whole traces, in processes of their own */
+    if (!quick) { /* whole traces, in processes of their own */
+        check_runners_agree(shared);
+        check_captures_agree(shared);
+    }
     llama_model_free(&m);
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;
