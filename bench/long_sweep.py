@@ -8,12 +8,14 @@ The full study (kvm-long, GPU runner, the report half: traces 101-200):
         --data bench/refmodel/eval-dev-long.jsonl --spec examples/specs/kvm-byte.json \\
         --offset 100 --limit 100 --allocation build/long-alloc.json --out long-report.jsonl
 
-where build/long-alloc.json is the tri-axial allocation calibrated on the tune half (traces 1-100):
+where build/long-alloc.json is the tri-axial allocation calibrated on the tune half (traces 1-100),
+from captures of the GPU runner (the CPU runner's files: 12-16K tokens take minutes a trace on a
+CPU) and kvmix-calibrate on as many CPU threads as there are captures:
 
-    build/kvmix-eval --model models/kvm-long.safetensors \\
-        --data bench/refmodel/eval-dev-long.jsonl --kind trace --limit 100 --policy fp32 \\
-        --capture DIR
-    build/kvmix-calibrate --captures DIR --budget 3 --allocation build/long-alloc.json
+    build/kvmix-eval-cuda --model models/kvm-long.safetensors \\
+        --data bench/refmodel/eval-dev-long.jsonl --kind trace --limit 16 --batch 16 \\
+        --policy fp32 --capture DIR
+    build/kvmix-calibrate --captures DIR --budget 3 --threads 16 --allocation build/long-alloc.json
 
 Without --allocation the study has no tri-axial arm.
 
