@@ -9,8 +9,8 @@ The full study (kvm-long, GPU runner, the report half: traces 101-200):
         --offset 100 --limit 100 --allocation build/long-alloc.json --out long-report.jsonl
 
 where build/long-alloc.json is the tri-axial allocation calibrated on the tune half (traces 1-100),
-from captures of the GPU runner (the CPU runner's files: 12-16K tokens take minutes a trace on a
-CPU) and kvmix-calibrate on as many CPU threads as there are captures:
+from captures of the GPU runner (the CPU runner's files; the CPU runner takes 2.2 minutes for a
+12.8K-token trace on two threads) and kvmix-calibrate (4.2 minutes a capture on one thread):
 
     build/kvmix-eval-cuda --model models/kvm-long.safetensors \\
         --data bench/refmodel/eval-dev-long.jsonl --kind trace --limit 16 --batch 16 \\
