@@ -15,13 +15,16 @@ from captures of the GPU runner (the CPU runner's files; the CPU runner takes 2.
     build/kvmix-eval-cuda --model models/kvm-long.safetensors \\
         --data bench/refmodel/eval-dev-long.jsonl --kind trace --limit 16 --batch 16 \\
         --policy fp32 --capture DIR
-    build/kvmix-calibrate --captures DIR --budget 3 --threads 16 --allocation build/long-alloc.json
+    build/kvmix-calibrate --captures DIR --threads 16 --page-tokens 64 --key-group 128 \\
+        --value-group 128 --sinks 32 --window 128 --price runs --instruction each --budget 3.5 \\
+        --allocation build/long-alloc.json
 
 Without --allocation the study has no tri-axial arm.
 
 Usage: python3 bench/long_sweep.py --eval E --model M --data D --spec S --out OUT.jsonl
            [--arms ARMS] [--offset 100] [--limit 100] [--batch 100] [--baseline fp16]
-           [--allocation A.json] [--transfer-policy fp16] [--reference-tops PATH]
+           [--allocation A.json] [--envelope P.json] [--transfer-policy fp16]
+           [--reference-tops PATH]
 
 The fp32 reference (what every agreement compares with) runs once, first: its JSON goes to --out
 as the arm "fp32" and its top-1s to --reference-tops (default OUT.jsonl.fp32-tops), which every
@@ -37,8 +40,10 @@ there is taken as it is: delete it with --out to start over.
 The study: fp16 (the baseline), int4, kivi2-sink, kitty-25, kitty-paper-25; eviction of fp16 at
 50%, 25% and 12.5% of the history by intent (decay 0.5, pool 7), query (pool 7), streaming, h2o
 and snapkv (the settings QUALITY.md chose on eval-dev traces 1-75); transfer at b = 0.3 and 0.46
-by tiered (lambda 0.005), random, sinks and ends, and uniform int8:1 and int4:1; fp16+ALLOCATION
-when --allocation is given.
+by tiered (lambda 0.005), random, sinks and ends, and uniform int8:1 and int4:1;
+ENVELOPE+ALLOCATION when --allocation is given, ENVELOPE the policy whose geometry the allocation
+was calibrated at (--envelope, default examples/policies/triaxial-p64.json: pages of 64, 32 sinks,
+a window of 128, as `kvmix-calibrate --page-tokens 64 --sinks 32 --window 128` measures).
 
 Each run's JSON, with its arm and command, is appended to --out as it ends; arms already there are
 skipped, so an interrupted sweep resumes and a rerun with every arm done prints the tables alone.
@@ -67,21 +72,21 @@ TRANSFER_MODES = {"tiered": ":0.005", "random": "", "sinks": "", "ends": ""}  # 
 METRICS = ["question_accuracy", "question_agreement", "answer_accuracy", "answer_agreement"]
 
 
-def study_arms(allocation):
+def study_arms(allocation, envelope):
     arms = list(FIXED_ARMS)
     arms += [f"fp16/{scorer}/{budget}{tail}" for budget in EVICT_BUDGETS
              for scorer, tail in EVICT_SCORERS.items()]
     arms += [f"{mode}:{budget}{tail}" for budget in TRANSFER_BUDGETS
              for mode, tail in TRANSFER_MODES.items()]
     arms += ["int8:1", "int4:1"]
-    return arms + ([f"fp16+{allocation}"] if allocation else [])
+    return arms + ([f"{envelope}+{allocation}"] if allocation else [])
 
 
-def expand_arms(text, allocation):
+def expand_arms(text, allocation, envelope):
     """The arms of --arms, "study" replaced by the study's arms."""
     arms = []
     for arm in text.split(","):
-        arms += study_arms(allocation) if arm == "study" else [arm]
+        arms += study_arms(allocation, envelope) if arm == "study" else [arm]
     return arms
 
 
@@ -272,12 +277,13 @@ def main():
     ap = sweep_common.parser(arms_default="study")
     ap.set_defaults(offset=100, limit=100, batch=100)
     ap.add_argument("--allocation")
+    ap.add_argument("--envelope", default="examples/policies/triaxial-p64.json")
     ap.add_argument("--baseline", default="fp16")
     ap.add_argument("--transfer-policy", default="fp16")
     ap.add_argument("--reference-tops")
     a = ap.parse_args()
     a.reference_tops = a.reference_tops or a.out + ".fp32-tops"
-    arms = expand_arms(a.arms, a.allocation)
+    arms = expand_arms(a.arms, a.allocation, a.envelope)
     a.arms = ",".join(arms)
     print("\n".join(configuration(a, arms)), flush=True)
     needs_policies = any(arm_kind(arm) == "evict" for arm in arms)
