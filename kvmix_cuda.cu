@@ -207,6 +207,12 @@ static kvmix_result kvmix__launch_status(void) {
    assuming more, but no GPU test has run them at 48 or 80, so those are UNSUPPORTED for now. */
 static bool kvmix__head_dim_run(int32_t head_dim) { return head_dim % 32 == 0; }
 
+/* Whether decode takes head_dim d: what the pack runs (kvmix__head_dim_run), up to the merge's
+   block of a thread per dim. */
+static bool kvmix__decode_head_dim(int32_t d) {
+    return d > 0 && d <= 256 && kvmix__head_dim_run(d);
+}
+
 /* Resolves and checks a layout as kvmix_layout_resolve does. */
 static kvmix_result kvmix__resolve(kvmix_layout *l) {
     return kvmix__layout_check(l->format, l->n_tokens, l->head_dim, &l->group_size, l->n_boost);
@@ -2380,8 +2386,7 @@ extern "C" kvmix_result kvmix_cuda_decode_choose_splits(int32_t n_seqs, int32_t 
     if (n_seqs < 0 || n_kv_heads <= 0 || n_q_heads <= 0 || n_q_heads % n_kv_heads != 0 ||
         max_seq_tokens < 0 || n_sms <= 0)
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (head_dim <= 0 || head_dim > 256 || !kvmix__head_dim_run(head_dim))
-        return KVMIX_ERR_UNSUPPORTED;
+    if (!kvmix__decode_head_dim(head_dim)) return KVMIX_ERR_UNSUPPORTED;
     const int g = n_q_heads / n_kv_heads;
     const int per_sm = !kvmix__tc_shape(head_dim, kvmix__tc_min_group) ? kvmix__walk_blocks_per_sm
                        : head_dim == 256 ? kvmix__tc_cfg<256>::min_blocks
@@ -2465,20 +2470,28 @@ static cudaError_t kvmix__tc_launch(dim3 grid, cudaStream_t stream, const kvmix_
                  : kvmix__tc_launch_as<D, false>(grid, stream, p);
 }
 
-/* The walk's kernel for head_dim d (a multiple of 32, at most 256). */
+/* fn(kvmix__int_c<NC>) for the walk's kernel of head_dim d = 32 NC (a multiple of 32, at most
+   256): its launch and its occupancy take the same instantiation. */
+template <class Fn> static cudaError_t kvmix__walk_dispatch(int d, Fn &&fn) {
+    switch (d / 32) {
+    case 1: return fn(kvmix__int_c<1>{});
+    case 2: return fn(kvmix__int_c<2>{});
+    case 3: return fn(kvmix__int_c<3>{});
+    case 4: return fn(kvmix__int_c<4>{});
+    case 5: return fn(kvmix__int_c<5>{});
+    case 6: return fn(kvmix__int_c<6>{});
+    case 7: return fn(kvmix__int_c<7>{});
+    default: return fn(kvmix__int_c<8>{});
+    }
+}
+
+/* The walk's kernel for head_dim d. */
 static cudaError_t kvmix__walk_launch(int d, dim3 grid, cudaStream_t stream,
                                       const kvmix__decode_params &p) {
-    switch (d / 32) {
-    case 1: kvmix__walk_decode_kernel<1><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
-    case 2: kvmix__walk_decode_kernel<2><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
-    case 3: kvmix__walk_decode_kernel<3><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
-    case 4: kvmix__walk_decode_kernel<4><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
-    case 5: kvmix__walk_decode_kernel<5><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
-    case 6: kvmix__walk_decode_kernel<6><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
-    case 7: kvmix__walk_decode_kernel<7><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
-    default: kvmix__walk_decode_kernel<8><<<grid, kvmix__tc_threads, 0, stream>>>(p); break;
-    }
-    return cudaSuccess;
+    return kvmix__walk_dispatch(d, [&](auto nc) {
+        kvmix__walk_decode_kernel<decltype(nc)::value><<<grid, kvmix__tc_threads, 0, stream>>>(p);
+        return cudaSuccess;
+    });
 }
 
 /* Whether the merge kernel the device runs is the Hopper build (compiled from compute_90, with
@@ -2506,7 +2519,7 @@ extern "C" kvmix_result kvmix_cuda_decode(const kvmix_view *view,
         isinf(desc->scale) || desc->n_splits < 1 || desc->n_splits > KVMIX_CUDA_MAX_SPLITS ||
         (desc->stages != KVMIX_CUDA_STAGES_AUTO && desc->stages != KVMIX_CUDA_STAGES_SMALL))
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (d > 256) return KVMIX_ERR_UNSUPPORTED; /* the merge's block: a thread per dim */
+    if (!kvmix__decode_head_dim(d)) return KVMIX_ERR_UNSUPPORTED;
     const int group =
         kvmix__view_group(view->group_size, view->value_group_size, 0, KVMIX_FORMAT_INT4);
     if (desc->dtype != KVMIX_CUDA_FP16 && desc->dtype != KVMIX_CUDA_BF16)
@@ -2592,31 +2605,19 @@ template <int D> static cudaError_t kvmix__tc_blocks(int *blocks, bool *fits) {
     return small ? kvmix__tc_blocks_as<D, true>(blocks) : kvmix__tc_blocks_as<D, false>(blocks);
 }
 
-template <int NC> static cudaError_t kvmix__walk_blocks_as(int *blocks) {
-    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kvmix__walk_decode_kernel<NC>,
-                                                         kvmix__tc_threads, 0);
-}
-
-/* Blocks per SM of the walk at head_dim d (a multiple of 32, at most 256). */
+/* Blocks per SM of the walk at head_dim d. */
 static cudaError_t kvmix__walk_blocks(int d, int *blocks) {
-    switch (d / 32) {
-    case 1: return kvmix__walk_blocks_as<1>(blocks);
-    case 2: return kvmix__walk_blocks_as<2>(blocks);
-    case 3: return kvmix__walk_blocks_as<3>(blocks);
-    case 4: return kvmix__walk_blocks_as<4>(blocks);
-    case 5: return kvmix__walk_blocks_as<5>(blocks);
-    case 6: return kvmix__walk_blocks_as<6>(blocks);
-    case 7: return kvmix__walk_blocks_as<7>(blocks);
-    default: return kvmix__walk_blocks_as<8>(blocks);
-    }
+    return kvmix__walk_dispatch(d, [&](auto nc) {
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            blocks, kvmix__walk_decode_kernel<decltype(nc)::value>, kvmix__tc_threads, 0);
+    });
 }
 
 extern "C" kvmix_result kvmix_cuda_decode_blocks_per_sm(int32_t head_dim, int32_t q_per_kv,
                                                         int32_t *out_blocks) {
     if (!out_blocks) return KVMIX_ERR_NULL_POINTER;
     if (q_per_kv <= 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    if (head_dim <= 0 || head_dim > 256 || !kvmix__head_dim_run(head_dim))
-        return KVMIX_ERR_UNSUPPORTED;
+    if (!kvmix__decode_head_dim(head_dim)) return KVMIX_ERR_UNSUPPORTED;
     int blocks = 0;
     bool fits = true;
     cudaError_t e = !kvmix__tc_shape(head_dim, kvmix__tc_min_group)
