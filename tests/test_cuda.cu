@@ -626,20 +626,24 @@ static void test_decode_bad_input(bool quick, int d) {
     free_view(v);
 }
 
+/* Decode at head_dim d over views of every shape test_decode_case varies: query heads per kv
+   head 1-8, fp16 and bf16, 1-64 splits (quick: the first two). */
+static void test_decode_dim(int d, bool quick) {
+    test_decode_case(d, 2, 4, 5, d / 8, 1, KVMIX_CUDA_FP16, quick);
+    test_decode_case(d, 2, 4, 5, d / 4, 3, KVMIX_CUDA_BF16, quick);
+    if (quick) return;
+    test_decode_case(d, 4, 1, 4, d / 8, 7, KVMIX_CUDA_FP16, quick);
+    test_decode_case(d, 1, 2, 6, d / 4, 2, KVMIX_CUDA_BF16, quick);
+    test_decode_case(d, 2, 8, 5, d / 8, 17, KVMIX_CUDA_FP16, quick);
+    test_decode_case(d, 3, 6, 3, d / 4, 64, KVMIX_CUDA_BF16, quick);
+}
+
 /* The shapes the tensor-core fragments do not take run the CUDA-core walk: head_dims 32 and 96
    (and 160, 192 in full runs), and groups of 8 at a tensor-core head_dim; against the same
    reference, with every format pair, dead flags, splits and a long sequence of short spans. */
 static void test_decode_walk(bool quick) {
     const int dims[] = {96, 32, 160, 192};
-    for (int di = 0; di < (quick ? 2 : 4); di++) {
-        const int d = dims[di];
-        test_decode_case(d, 2, 4, 5, d / 8, 1, KVMIX_CUDA_FP16, quick);
-        test_decode_case(d, 2, 4, 5, d / 4, 3, KVMIX_CUDA_BF16, quick);
-        if (quick) continue;
-        test_decode_case(d, 4, 1, 4, d / 8, 7, KVMIX_CUDA_FP16, quick);
-        test_decode_case(d, 2, 8, 5, d / 8, 17, KVMIX_CUDA_BF16, quick);
-        test_decode_case(d, 3, 6, 3, d / 4, 64, KVMIX_CUDA_FP16, quick);
-    }
+    for (int di = 0; di < (quick ? 2 : 4); di++) test_decode_dim(dims[di], quick);
     g_group = 8;
     test_decode_case(128, 2, 4, 5, 16, 3, KVMIX_CUDA_FP16, quick);
     test_decode_case(96, 2, 4, 5, 12, 2, KVMIX_CUDA_BF16, quick);
@@ -656,17 +660,8 @@ static void test_decode_walk(bool quick) {
 
 static void test_decode(bool quick) {
     const int dims[] = {64, 128, 256};
-    for (int di = 0; di < 3; di++) {
-        int d = dims[di];
-        if (quick && d == 256) continue;
-        test_decode_case(d, 2, 4, 5, d / 8, 1, KVMIX_CUDA_FP16, quick);
-        test_decode_case(d, 2, 4, 5, d / 4, 3, KVMIX_CUDA_BF16, quick);
-        if (quick) continue;
-        test_decode_case(d, 4, 1, 4, d / 8, 7, KVMIX_CUDA_FP16, quick);
-        test_decode_case(d, 1, 2, 6, d / 4, 2, KVMIX_CUDA_BF16, quick);
-        test_decode_case(d, 2, 8, 5, d / 8, 17, KVMIX_CUDA_FP16, quick);
-        test_decode_case(d, 3, 6, 3, d / 4, 64, KVMIX_CUDA_BF16, quick);
-    }
+    for (int di = 0; di < 3; di++)
+        if (!quick || dims[di] != 256) test_decode_dim(dims[di], quick);
     /* boosted slot counts whose high-bit rows hold an odd number of bytes (12 slots: 3 bytes),
        and whose last k-step of 32 slots is partly filled (40 at D 128, 68 at D 256) */
     test_decode_case(128, 2, 4, 5, 12, 2, KVMIX_CUDA_FP16, quick);
