@@ -77,15 +77,11 @@ for tool in memcheck racecheck initcheck; do
     [ $tool = racecheck ] && continue
     sanitize $tool "llama_$tool" 120 build/test_gpu_llama --quick "$SHARED"
 done
-# racecheck on the runner's own kernels that share memory, one filter a run: the pack's are
-# test_cuda's above, and racecheck over every kernel of the runner's steps (the decode kernel's
-# stages, cuBLAS) takes longer than the whole check. The ordered matmul runs for every product of
-# every step: its first launches (prefill and decode shapes, ragged edges) are checked, the rest
-# run unchecked, else it alone takes minutes.
+# racecheck on the runner's own kernel that shares memory: the pack's are test_cuda's above, and
+# racecheck over every kernel of the runner's steps (the decode kernel's stages, cuBLAS) takes
+# longer than the whole check.
 SANITIZER_ARGS="--kernel-name kns=attend_kernel" \
     sanitize racecheck llama_racecheck_attend 120 build/test_gpu_llama --quick "$SHARED"
-SANITIZER_ARGS="--kernel-name kns=matmul_ordered_kernel --launch-count 96" \
-    sanitize racecheck llama_racecheck_matmul 120 build/test_gpu_llama --quick "$SHARED"
 
 LEFT=$((570 - ($(date +%s) - START)))
 FIGURE_SECONDS=${FIGURE_SECONDS:-$((LEFT > 60 ? LEFT : 60))}

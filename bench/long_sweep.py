@@ -39,8 +39,8 @@ there is taken as it is: delete it with --out to start over.
                            (transfer_sweep.py's arm: kvmix-eval --transfer)
 The study: fp16 (the baseline), int4, kivi2-sink, kitty-25, kitty-paper-25; eviction of fp16 at
 50%, 25% and 12.5% of the history by intent (decay 0.5, pool 7), query (pool 7), streaming, h2o
-and snapkv (the settings QUALITY.md chose on eval-dev traces 1-75); transfer at b = 0.3 and 0.46
-by tiered (lambda 0.005), random, sinks and ends, and uniform int8:1 and int4:1;
+and snapkv (the settings QUALITY.md chose on eval-dev traces 1-75); transfer at b = 0.3, 0.35
+and 0.46 by tiered (lambda 0.005), random, sinks and ends, and uniform int8:1 and int4:1;
 ENVELOPE+ALLOCATION when --allocation is given, ENVELOPE the policy whose geometry the allocation
 was calibrated at (--envelope, default examples/policies/triaxial-p64.json: pages of 64, 32 sinks,
 a window of 128, as `kvmix-calibrate --page-tokens 64 --sinks 32 --window 128` measures).
@@ -67,7 +67,7 @@ EVICT_BUDGETS = ["0.5", "0.25", "0.125"]
 # scorer -> the arm's tail after the budget (decay/recent/pool), as chosen in QUALITY.md
 EVICT_SCORERS = {"intent": "/0.5/64/7", "query": "/0/64/7", "streaming": "", "h2o": "",
                  "snapkv": ""}
-TRANSFER_BUDGETS = ["0.3", "0.46"]
+TRANSFER_BUDGETS = ["0.3", "0.35", "0.46"]
 TRANSFER_MODES = {"tiered": ":0.005", "random": "", "sinks": "", "ends": ""}  # mode -> lambda
 METRICS = ["question_accuracy", "question_agreement", "answer_accuracy", "answer_agreement"]
 
@@ -83,11 +83,12 @@ def study_arms(allocation, envelope):
 
 
 def expand_arms(text, allocation, envelope):
-    """The arms of --arms, "study" replaced by the study's arms."""
+    """The arms of --arms, "study" replaced by the study's arms, each arm once (where it first
+    appears: "fp16,kitty-25,study" runs those two first)."""
     arms = []
     for arm in text.split(","):
         arms += study_arms(allocation, envelope) if arm == "study" else [arm]
-    return arms
+    return list(dict.fromkeys(arms))
 
 
 def arm_kind(arm):

@@ -9,11 +9,15 @@
 #   4. b = 0.3 at groups of 32 channels must be refused at the start (all-INT4 is 0.32 there);
 #   5. --inject truncate and --inject corrupt: the decode rank must refuse the broken payload,
 #      its cache unchanged, and still agree at b = 1;
-#   6. --bench (a 2048-token prompt): bytes and time per layer, FP16 against tiered at b = 0.5
+#   6. with 3 or more GPUs: every GPU a rank, half of them (at least one) prefilling, at b = 1:
+#      every token must agree (the plan spreads texts over N prefill and M decode ranks);
+#   7. --bench (a 2048-token prompt): bytes and time per layer, FP16 against tiered at b = 0.5
 #      and 0.3, beside a plain ncclSend of the same bytes, and time to the first decoded token
 #      with and without overlap.
 #
 #   bench/pd_nccl_check.sh [SHARED_DIR]      (default ../shared: models/ and data/)
+#
+# MODEL overrides the model (default SHARED_DIR/models/kvm-base.safetensors).
 #
 # Logs go to $OUT (default build/pd-nccl-check); summary.txt ends the output.
 # Exit status: nonzero when a check fails.
@@ -33,7 +37,7 @@ SUMMARY="$OUT/summary.txt"
 : >"$SUMMARY"
 FAILED=0
 export NCCL_NVLS_ENABLE=0 # no NVLink multicast (the program sets it too)
-MODEL="$SHARED/models/kvm-base.safetensors"
+MODEL=${MODEL:-$SHARED/models/kvm-base.safetensors}
 DATA="$SHARED/data/eval-dev.jsonl"
 COMMON=(--model "$MODEL" --data "$DATA" --texts "$TEXTS" --prompt-tokens "$PROMPT"
     --generate "$GENERATE")
@@ -83,6 +87,11 @@ for inject in truncate corrupt; do
     step "inject-$inject" "$BIN" "${COMMON[@]}" --ranks 2 --prefill 1 --budget 1 \
         --expect "$OUT/reference.txt" --min-agreement 1 --inject "$inject"
 done
+GPUS=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+if [ "$GPUS" -ge 3 ]; then
+    step "ranks-$GPUS" "$BIN" "${COMMON[@]}" --ranks "$GPUS" --prefill $((GPUS / 2)) --budget 1 \
+        --expect "$OUT/reference.txt" --min-agreement 1
+fi
 step bench "$BIN" --bench --model "$MODEL" --data "$DATA" --prompt-tokens "$BENCH_PROMPT" --repeat 5 \
     --group-size "$TIER_GROUP"
 grep -E '^\||^bench:' "$OUT/bench.log" >>"$SUMMARY"

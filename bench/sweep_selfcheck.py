@@ -117,7 +117,11 @@ def table_rows(stdout, title):
 
 
 def check_long_math():
-    """The table math on hand-computed figures."""
+    """The table math on hand-computed figures, and the arms' order."""
+    arms = long_sweep.expand_arms("kitty-25,study,ends:0.3", "A.json", "E.json")
+    study = long_sweep.study_arms("A.json", "E.json")
+    check(arms[0] == "kitty-25" and sorted(arms) == sorted(study) and arms[1:4] == study[:3],
+          f"expand_arms: {arms[:5]}")
     check(abs(long_sweep.standard_error(0.5, 100) - 0.05) < 1e-12, "se(0.5, 100)")
     d, se = long_sweep.difference((0.4, 100), (0.5, 100))
     check(abs(d + 0.1) < 1e-12 and abs(se - 0.07) < 1e-12, f"difference: {d}, {se}")

@@ -23,6 +23,9 @@ extern "C" {
 namespace {
 
 enum { MAX_SPLITS = 64, THREADS = 256, FILL_ROWS = 1024, PREFILL_CHUNK = 128 };
+/* Batch-invariant products run cuBLAS over groups of this many rows, the last one padded:
+   cuBLAS picks its kernel, and so each output's order of summation, by the number of rows. */
+enum { PRODUCT_ROWS = 128 };
 /* The fp32 reference attention: tokens per chunk (one block each), warps per block, and the most
    channels of a head (KVMIX_MAX_HEAD_DIM) a lane holds. */
 enum { REF_CHUNK = 512, REF_WARPS = 4, REF_LANE_DIMS = 16 };
@@ -163,34 +166,6 @@ __global__ void embed_kernel(const float *embed, const int32_t *tokens, int32_t 
     const float *row = embed + (size_t)tokens[blockIdx.x] * hidden;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
         x[(size_t)blockIdx.x * hidden + i] = row[i];
-}
-
-/* y[n][out] = x[n][in] . W[out][in]^T (+ y when accumulate), each output summed over `in` in index
-   order wherever its tile lies: a row's result does not depend on the rows beside it (cuBLAS
-   chooses its kernel, and so its summation order, by the number of rows). Tiles of 32 outputs by
-   32 rows, 32 x 8 threads, each thread 4 rows of one output. */
-__global__ void matmul_ordered_kernel(const float *w, int32_t n_out, int32_t n_in, const float *x,
-                                      int32_t x_stride, int32_t n, float *y, bool accumulate) {
-    __shared__ float ws[32][33], xs[32][33]; /* [output or row][k], padded against bank clashes */
-    const int o0 = blockIdx.x * 32, r0 = blockIdx.y * 32, tx = threadIdx.x, ty = threadIdx.y;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int k0 = 0; k0 < n_in; k0 += 32) {
-        const int k = k0 + tx;
-        for (int j = ty; j < 32; j += 8) {
-            ws[j][tx] = o0 + j < n_out && k < n_in ? w[(size_t)(o0 + j) * n_in + k] : 0.0f;
-            xs[j][tx] = r0 + j < n && k < n_in ? x[(size_t)(r0 + j) * x_stride + k] : 0.0f;
-        }
-        __syncthreads();
-        for (int kk = 0; kk < 32 && k0 + kk < n_in; kk++)
-            for (int j = 0; j < 4; j++) acc[j] = fmaf(xs[ty + 8 * j][kk], ws[tx][kk], acc[j]);
-        __syncthreads();
-    }
-    for (int j = 0; j < 4; j++) {
-        const int r = r0 + ty + 8 * j, o = o0 + tx;
-        if (r >= n || o >= n_out) continue;
-        float *out = y + (size_t)r * n_out + o;
-        *out = accumulate ? *out + acc[j] : acc[j];
-    }
 }
 
 /* One block per row: out = x / sqrt(mean(x^2) + eps) * weight, the sum of squares in double. */
@@ -594,16 +569,17 @@ llama_result upload_model(gpu_llama *g, const llama_model *m, char *err, size_t 
 llama_result matmul(gpu_llama *g, const float *w, int32_t n_out, int32_t n_in, const float *x,
                     int32_t x_stride, int32_t n, float *y, bool accumulate, char *err,
                     size_t err_bytes) {
-    if (g->fixed_splits > 0) { /* batch-invariant */
-        matmul_ordered_kernel<<<dim3((n_out + 31) / 32, (n + 31) / 32), dim3(32, 8), 0,
-                                g->stream>>>(w, n_out, n_in, x, x_stride, n, y, accumulate);
-        return LLAMA_OK;
-    }
     const float one = 1.0f, zero = 0.0f;
-    cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_out, n, n_in, &one, w, n_in,
-                                   x, x_stride, accumulate ? &one : &zero, y, n_out);
-    if (s != CUBLAS_STATUS_SUCCESS)
-        return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "cublasSgemm failed (%d)", (int)s);
+    /* batch-invariant: groups of PRODUCT_ROWS rows whatever n (the activations hold the padding) */
+    const int32_t group = g->fixed_splits > 0 ? PRODUCT_ROWS : n;
+    for (int32_t r0 = 0; r0 < n; r0 += group) {
+        cublasStatus_t s = cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_out, group, n_in, &one,
+                                       w, n_in, x + (size_t)r0 * x_stride, x_stride,
+                                       accumulate ? &one : &zero, y + (size_t)r0 * n_out, n_out);
+        if (s != CUBLAS_STATUS_SUCCESS)
+            return llama_fail(err, err_bytes, LLAMA_ERR_UNSUPPORTED, "cublasSgemm failed (%d)",
+                              (int)s);
+    }
     return LLAMA_OK;
 }
 
@@ -755,6 +731,12 @@ llama_result create_buffers(gpu_llama *g, char *err, size_t err_bytes) {
     TRY_CUDA(device_alloc(&g->att, n * c->n_heads * c->head_dim), "activations");
     TRY_CUDA(device_alloc(&g->ffn, n * 2 * c->ffn), "activations");
     TRY_CUDA(device_alloc(&g->logits, n * c->vocab), "activations");
+    /* batch-invariant products read whole groups of rows: the rows past a step's are defined */
+    float *const rows[] = {g->x, g->xn, g->qkv, g->att, g->ffn, g->logits};
+    const size_t hidden = (size_t)c->hidden, att = (size_t)c->n_heads * c->head_dim;
+    const size_t floats[] = {hidden, hidden, qkv, att, 2 * (size_t)c->ffn, (size_t)c->vocab};
+    for (int i = 0; i < 6; i++)
+        TRY_CUDA(cudaMemset(rows[i], 0, n * floats[i] * sizeof(float)), "activations");
     TRY_CUDA(pinned_alloc(&g->h_logits, n * c->vocab), "pinned staging");
     TRY_CUDA(device_alloc(&g->d_step, 4 * n), "tokens");
     TRY_CUDA(pinned_alloc(&g->h_step, 4 * n), "pinned staging");
@@ -1276,6 +1258,7 @@ static llama_result create_runner(gpu_llama *g, const llama_model *model,
     g->n_sms = prop.multiProcessorCount;
     g->max_seqs = max_seqs;
     g->max_rows = max_seqs > PREFILL_CHUNK ? max_seqs : PREFILL_CHUNK;
+    g->max_rows = (g->max_rows + PRODUCT_ROWS - 1) / PRODUCT_ROWS * PRODUCT_ROWS;
     g->max_tokens = max_tokens;
     g->fp32 = policy->key_format == KVMIX_KV_FORMAT_FP32;
     char why[256];

@@ -43,10 +43,10 @@ void gpu_llama_free(gpu_llama *g);
 
 /* on: every sequence's logits are the same bit for bit whatever sequences step beside it and
  * however many: decode cuts every sequence into the split count a lone sequence of max_tokens
- * positions gets, and matrix products sum each output in one order (a kernel of this file in
- * place of cuBLAS, which picks its kernel by the number of rows). Slower at large batches; what
- * a figure must not owe to the batch size (kvmix-eval-cuda) sets it. Call it before any step.
- * off (the default): cuBLAS, and splits chosen per step for the step's size. */
+ * positions gets, and matrix products run cuBLAS over groups of 128 rows, the last one padded
+ * (cuBLAS picks its kernel, and so each output's order of summation, by the number of rows).
+ * What a figure must not owe to the batch size (kvmix-eval-cuda) sets it. Call it before any
+ * step. off (the default): cuBLAS over the step's rows, and splits chosen per step for its size. */
 llama_result gpu_llama_batch_invariant(gpu_llama *g, bool on, char *err, size_t err_bytes);
 
 /* A new, empty sequence; *out_seq in [0, max_seqs). LLAMA_ERR_CAPACITY when all are in use. */
