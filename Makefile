@@ -142,29 +142,34 @@ $(BUILD)/warn_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -$(word 3,$(subst _, ,$*)) -c $< -o $@
 # ... and with the fast decode's AVX2 loops compiled in (x86-64-v3, where the host is x86-64)
 X86_64 := $(filter x86_64,$(shell uname -m))
+# ... and the AVX-512 loops (x86-64-v4)
 AVX2_CHECKS := $(if $(X86_64),$(foreach c,$(WARN_COMPILERS),$(foreach l,$(WARN_LANGS),\
-	$(BUILD)/avx2_$(c)_$(l).o)))
+	$(BUILD)/avx2_$(c)_$(l).o $(BUILD)/avx512_$(c)_$(l).o)))
 $(BUILD)/avx2_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 	$(call warn_cc,$(word 1,$(subst _, ,$*)),$(word 2,$(subst _, ,$*))) \
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -O2 -march=x86-64-v3 -c $< -o $@
+$(BUILD)/avx512_%.o: tests/compile_check.c kvmix.h | $(BUILD)
+	$(call warn_cc,$(word 1,$(subst _, ,$*)),$(word 2,$(subst _, ,$*))) \
+		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -O2 -march=x86-64-v4 -c $< -o $@
 header-checks: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS)
 
-# ARCH_FLAGS: empty, or -march=x86-64-v3 for the _avx2 builds below
-$(BUILD)/unit_tests $(BUILD)/unit_tests_avx2: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) \
+# ARCH_FLAGS: empty, or -march=x86-64-v3 / -v4 for the _avx2 / _avx512 builds below
+$(BUILD)/unit_tests $(BUILD)/unit_tests_avx2 $(BUILD)/unit_tests_avx512: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) \
 		tests/harness.h tests/device_arena_scenario.h examples/transfer_plan.h \
 		examples/pd_nccl_plan.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(ARCH_FLAGS) $(SANITIZE) -I. -Iexamples $(UNIT_SRC) \
 		$(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
-# The same units, and fuzz_view, built for x86-64-v3, where the fast decode takes its AVX2 loops;
-# the wrapper runs them on a CPU that has them.
+# The same units, and fuzz_view, built for x86-64-v3 and -v4, where the fast decode takes its
+# AVX2 and AVX-512 loops; the wrapper runs them on a CPU that has them.
 $(BUILD)/unit_tests_avx2 $(BUILD)/fuzz_view_avx2: ARCH_FLAGS := -march=x86-64-v3
-$(BUILD)/fuzz_view_avx2: tests/fuzz_view.c tests/fuzz_driver.c tests/fuzz_invariants.h \
-		tests/fuzz_limits.h kvmix.h | $(BUILD)
+$(BUILD)/unit_tests_avx512 $(BUILD)/fuzz_view_avx512: ARCH_FLAGS := -march=x86-64-v4
+$(BUILD)/fuzz_view_avx2 $(BUILD)/fuzz_view_avx512: tests/fuzz_view.c tests/fuzz_driver.c \
+		tests/fuzz_invariants.h tests/fuzz_limits.h kvmix.h | $(BUILD)
 	$(FUZZ_RUN_CC)
 
-$(BUILD)/unit_avx2_run: tests/unit_avx2.sh $(BUILD)/unit_tests_avx2 $(BUILD)/fuzz_view_avx2 | $(BUILD)
-	cp tests/unit_avx2.sh $@ && chmod +x $@
+$(BUILD)/unit_%_run: tests/unit_simd.sh $(BUILD)/unit_tests_% $(BUILD)/fuzz_view_% | $(BUILD)
+	cp tests/unit_simd.sh $@ && chmod +x $@
 
 # The intent residual's weight reader and writer on good and bad documents.
 $(BUILD)/test_residual_json: tests/test_residual_json.c $(RESIDUAL_SRC) | $(BUILD)
@@ -346,7 +351,7 @@ $(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.
 		-lnccl $(EVAL_LDLIBS)
 endif
 
-UNIT_AVX2 := $(if $(X86_64),$(BUILD)/unit_avx2_run)
+UNIT_AVX2 := $(if $(X86_64),$(BUILD)/unit_avx2_run $(BUILD)/unit_avx512_run)
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS) $(BUILD)/unit_tests $(UNIT_AVX2) \
 	$(BUILD)/example_cache_loop \
 	$(BUILD)/test_residual_json $(FUZZ_RUNNERS) $(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer \

@@ -3914,6 +3914,255 @@ static inline void kvmix__attend4(const float *KVMIX__RESTRICT q, const uint8_t 
 
 #endif /* KVMIX__AVX2 */
 
+/* Where the build also has AVX-512, the four-head loops take INT rows too, sixteen channels a
+   register, without a decoded tile: per-token INT4 and INT2 codes (groups of a multiple of 16
+   channels) look their dequantized value up in a table of their group's values (code * scale +
+   min for every code, as kvmix__dequantize_codes computes it) by the code in each lane's low
+   four bits; per-channel INT2 keys enter as bare codes, their scales folded into the query and
+   their minimums into one bias per query head; FP16 rows as stored. Other formats (INT8,
+   boosted keys) and head_dims that 16 does not divide take the tiles above. */
+#if defined(KVMIX__AVX2) && defined(__AVX512F__)
+#define KVMIX__AVX512 1
+/* Every lane: the maskz forms below, where the plain ones pass GCC's "undefined" vector
+   through, which g++ 12 reports as maybe used uninitialized. */
+#define KVMIX__ALL16 ((__mmask16)0xffff)
+
+typedef enum kvmix__lanes_kind {
+    KVMIX__LANES_NONE,        /* a decoded tile: the paths above */
+    KVMIX__LANES_FP16,        /* FP16 rows as stored */
+    KVMIX__LANES_TOKEN_INT,   /* per-token INT4 / INT2 codes through their group's table */
+    KVMIX__LANES_CHANNEL_INT2 /* per-channel INT2 key codes, scales and minimums folded */
+} kvmix__lanes_kind;
+
+/* One span operand as the 512-bit loops read it. */
+typedef struct kvmix__lanes {
+    kvmix__lanes_kind kind;
+    const kvmix__row_decoder *decoder; /* block, sections, layout; per-channel scales, minimums */
+    int32_t bits, group_size, groups;
+} kvmix__lanes;
+
+static kvmix__lanes kvmix__lanes_of(const kvmix__row_decoder *d, int key) {
+    const kvmix_layout *l = &d->layout;
+    kvmix__lanes s;
+    s.decoder = d;
+    s.bits = kvmix__format_bits(l->format);
+    s.group_size = l->group_size;
+    s.groups = kvmix__is_per_token_int(l->format) ? l->head_dim / l->group_size : 0;
+    s.kind = KVMIX__LANES_NONE;
+    if (l->head_dim % 16 != 0) return s;
+    if (l->format == KVMIX_FORMAT_FP16)
+        s.kind = KVMIX__LANES_FP16;
+    else if ((l->format == KVMIX_FORMAT_INT4 || l->format == KVMIX_FORMAT_INT2) &&
+             l->group_size % 16 == 0)
+        s.kind = KVMIX__LANES_TOKEN_INT;
+    else if (key && l->format == KVMIX_FORMAT_INT2_CHANNEL)
+        s.kind = KVMIX__LANES_CHANNEL_INT2;
+    return s;
+}
+
+/* Codes 16b .. 16b + 15 of a row of `bits`-bit codes, code j in the low bits of lane j (what
+   lies above them is the next codes: a table lookup reads the low four bits alone). */
+static inline __m512i kvmix__codes16(const uint8_t *row, int32_t bits, int32_t b) {
+    if (bits == 4) {
+        long long word;
+        memcpy(&word, row + 8 * (size_t)b, sizeof word);
+        __m512i words = _mm512_maskz_permutexvar_epi32(
+            KVMIX__ALL16, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+            _mm512_zextsi128_si512(_mm_cvtsi64_si128(word)));
+        return _mm512_maskz_srlv_epi32(
+            KVMIX__ALL16, words,
+            _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+    }
+    int word;
+    memcpy(&word, row + 4 * (size_t)b, sizeof word);
+    return _mm512_maskz_srlv_epi32(
+        KVMIX__ALL16, _mm512_set1_epi32(word),
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+}
+
+/* The table of a group: entry i is the value of code i (INT4) or of code i & 3 (INT2, whose
+   lanes hold the next code above their own). */
+static inline __m512 kvmix__group_table(int32_t bits, float scale, float min) {
+    const __m512 codes = bits == 4
+                             ? _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                             : _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    return _mm512_fmadd_ps(codes, _mm512_set1_ps(scale), _mm512_set1_ps(min));
+}
+
+/* Row t's group tables (TOKEN_INT) into tables[groups]. */
+static inline void kvmix__row_tables(const kvmix__lanes *s, int32_t t, __m512 *tables) {
+    const kvmix__row_decoder *d = s->decoder;
+    float meta[2 * KVMIX_MAX_HEAD_DIM / 16];
+    int32_t g;
+    kvmix__fp16_halves(d->block + kvmix__token_meta_at(&d->sections, t, s->groups, 0),
+                       2 * s->groups, meta);
+    for (g = 0; g < s->groups; g++)
+        tables[g] = kvmix__group_table(s->bits, meta[2 * g], meta[2 * g + 1]);
+}
+
+/* Channels 16b .. 16b + 15 of a row: dequantized (table: their group's, for TOKEN_INT), or the
+   bare codes of per-channel INT2 keys. */
+static inline __m512 kvmix__lanes16(const kvmix__lanes *s, const uint8_t *row, int32_t b,
+                                    __m512 table) {
+    switch (s->kind) {
+    case KVMIX__LANES_FP16:
+        return _mm512_maskz_cvtph_ps(
+            KVMIX__ALL16, _mm256_loadu_si256((const __m256i *)(const void *)(row + 32 * b)));
+    case KVMIX__LANES_TOKEN_INT:
+        return _mm512_maskz_permutexvar_ps(KVMIX__ALL16, kvmix__codes16(row, s->bits, b), table);
+    default:
+        return _mm512_maskz_permutexvar_ps(
+            KVMIX__ALL16, kvmix__codes16(row, 2, b),
+            _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3));
+    }
+}
+
+/* Eight lanes of a, the lower (half 0) or upper (1), through a maskz extract (g++ 12 builds
+   the plain extract and the cast from its "undefined" vector). */
+static inline __m256 kvmix__half8(__m512 a, int half) {
+    return _mm256_castpd_ps(
+        half ? _mm512_maskz_extractf64x4_pd((__mmask8)0xf, _mm512_castps_pd(a), 1)
+             : _mm512_maskz_extractf64x4_pd((__mmask8)0xf, _mm512_castps_pd(a), 0));
+}
+
+/* The sums of four registers' lanes: out[g] = the sum of a's, b's, c's, d's lanes, halves added
+   pairwise until each register's sum sits in one lane. */
+static inline void kvmix__hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d, float *out) {
+    __m256 ab = _mm256_hadd_ps(_mm256_add_ps(kvmix__half8(a, 0), kvmix__half8(a, 1)),
+                               _mm256_add_ps(kvmix__half8(b, 0), kvmix__half8(b, 1)));
+    __m256 cd = _mm256_hadd_ps(_mm256_add_ps(kvmix__half8(c, 0), kvmix__half8(c, 1)),
+                               _mm256_add_ps(kvmix__half8(d, 0), kvmix__half8(d, 1)));
+    __m256 abcd = _mm256_hadd_ps(ab, cd);
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+
+/* Four query heads' logits (before the softmax scale) with rows t and u of the keys: out0[g],
+   out1[g]. q: [4][dim], per-channel scales already folded in; bias[g] added. */
+static inline void kvmix__logits4_rows2_512(const float *KVMIX__RESTRICT q, const kvmix__lanes *k,
+                                            int32_t t, int32_t u, const float *bias, float *out0,
+                                            float *out1) {
+    const kvmix__row_decoder *d = k->decoder;
+    const uint8_t *r0 = d->block + kvmix__row_at(&d->sections, t);
+    const uint8_t *r1 = d->block + kvmix__row_at(&d->sections, u);
+    int32_t dim = d->layout.head_dim, b, g, group = 0, group_end;
+    __m512 tables0[KVMIX_MAX_HEAD_DIM / 16], tables1[KVMIX_MAX_HEAD_DIM / 16];
+    __m512 s00 = _mm512_setzero_ps(), s10 = s00, s20 = s00, s30 = s00;
+    __m512 s01 = s00, s11 = s00, s21 = s00, s31 = s00;
+    int token = k->kind == KVMIX__LANES_TOKEN_INT;
+    if (token) {
+        kvmix__row_tables(k, t, tables0);
+        kvmix__row_tables(k, u, tables1);
+    } else {
+        tables0[0] = tables1[0] = _mm512_setzero_ps(); /* not read */
+    }
+    group_end = token ? k->group_size / 16 : dim / 16; /* the block past the current group's */
+    for (b = 0; b < dim / 16; b++) {
+        __m512 a, c;
+        if (b == group_end) group++, group_end += k->group_size / 16;
+        a = kvmix__lanes16(k, r0, b, tables0[group]), c = kvmix__lanes16(k, r1, b, tables1[group]);
+        __m512 q0 = _mm512_loadu_ps(q + 16 * b), q1 = _mm512_loadu_ps(q + dim + 16 * b);
+        __m512 q2 = _mm512_loadu_ps(q + 2 * dim + 16 * b);
+        __m512 q3 = _mm512_loadu_ps(q + 3 * dim + 16 * b);
+        s00 = _mm512_fmadd_ps(q0, a, s00), s01 = _mm512_fmadd_ps(q0, c, s01);
+        s10 = _mm512_fmadd_ps(q1, a, s10), s11 = _mm512_fmadd_ps(q1, c, s11);
+        s20 = _mm512_fmadd_ps(q2, a, s20), s21 = _mm512_fmadd_ps(q2, c, s21);
+        s30 = _mm512_fmadd_ps(q3, a, s30), s31 = _mm512_fmadd_ps(q3, c, s31);
+    }
+    kvmix__hsum4_512(s00, s10, s20, s30, out0);
+    kvmix__hsum4_512(s01, s11, s21, s31, out1);
+    for (g = 0; g < 4; g++) out0[g] += bias[g], out1[g] += bias[g];
+}
+
+/* acc[4][dim] += w[4][KVMIX__TILE_ROWS] * value rows [t0, t0 + n): thirty-two channels of the
+   four heads in eight registers held over the rows (sixteen in four for an odd last block). */
+static inline void kvmix__weighted4_512(const float *KVMIX__RESTRICT w, const kvmix__lanes *v,
+                                        int32_t t0, int32_t n, float *KVMIX__RESTRICT acc) {
+    const kvmix__row_decoder *d = v->decoder;
+    int32_t dim = d->layout.head_dim, blocks = dim / 16, b, t;
+    float *a0 = acc, *a1 = acc + dim, *a2 = acc + 2 * (size_t)dim, *a3 = acc + 3 * (size_t)dim;
+    const float *w0 = w, *w1 = w + KVMIX__TILE_ROWS, *w2 = w + 2 * KVMIX__TILE_ROWS,
+                *w3 = w + 3 * KVMIX__TILE_ROWS;
+    float meta[KVMIX__TILE_ROWS][2 * KVMIX_MAX_HEAD_DIM / 16];
+    int token = v->kind == KVMIX__LANES_TOKEN_INT;
+    if (token)
+        for (t = 0; t < n; t++)
+            kvmix__fp16_halves(d->block + kvmix__token_meta_at(&d->sections, t0 + t, v->groups, 0),
+                               2 * v->groups, meta[t]);
+    for (b = 0; b < blocks; b += 2) {
+        int32_t pair = b + 1 < blocks, c = 16 * b; /* pair: a second block of sixteen channels */
+        __m512 x0 = _mm512_loadu_ps(a0 + c), x1 = _mm512_loadu_ps(a1 + c);
+        __m512 x2 = _mm512_loadu_ps(a2 + c), x3 = _mm512_loadu_ps(a3 + c);
+        __m512 y0 = pair ? _mm512_loadu_ps(a0 + c + 16) : x0,
+               y1 = pair ? _mm512_loadu_ps(a1 + c + 16) : x1;
+        __m512 y2 = pair ? _mm512_loadu_ps(a2 + c + 16) : x2,
+               y3 = pair ? _mm512_loadu_ps(a3 + c + 16) : x3;
+        /* the groups of the two blocks (TOKEN_INT): the same one unless a group is 16 channels */
+        int32_t first = token ? c / v->group_size : 0;
+        int32_t second = token ? (c + 16 * pair) / v->group_size : 0;
+        for (t = 0; t < n; t++) {
+            const uint8_t *row = d->block + kvmix__row_at(&d->sections, t0 + t);
+            __m512 lo_table = _mm512_setzero_ps(), hi_table = lo_table, lo, hi, b0, b1, b2, b3;
+            if (token) {
+                lo_table = kvmix__group_table(v->bits, meta[t][2 * first], meta[t][2 * first + 1]);
+                hi_table = second == first ? lo_table
+                                           : kvmix__group_table(v->bits, meta[t][2 * second],
+                                                                meta[t][2 * second + 1]);
+            }
+            lo = kvmix__lanes16(v, row, b, lo_table);
+            hi = pair ? kvmix__lanes16(v, row, b + 1, hi_table) : lo;
+            b0 = _mm512_set1_ps(w0[t]), b1 = _mm512_set1_ps(w1[t]);
+            b2 = _mm512_set1_ps(w2[t]), b3 = _mm512_set1_ps(w3[t]);
+            x0 = _mm512_fmadd_ps(b0, lo, x0), y0 = _mm512_fmadd_ps(b0, hi, y0);
+            x1 = _mm512_fmadd_ps(b1, lo, x1), y1 = _mm512_fmadd_ps(b1, hi, y1);
+            x2 = _mm512_fmadd_ps(b2, lo, x2), y2 = _mm512_fmadd_ps(b2, hi, y2);
+            x3 = _mm512_fmadd_ps(b3, lo, x3), y3 = _mm512_fmadd_ps(b3, hi, y3);
+        }
+        _mm512_storeu_ps(a0 + c, x0), _mm512_storeu_ps(a1 + c, x1);
+        _mm512_storeu_ps(a2 + c, x2), _mm512_storeu_ps(a3 + c, x3);
+        if (pair) {
+            _mm512_storeu_ps(a0 + c + 16, y0), _mm512_storeu_ps(a1 + c + 16, y1);
+            _mm512_storeu_ps(a2 + c + 16, y2), _mm512_storeu_ps(a3 + c + 16, y3);
+        }
+    }
+}
+
+/* kvmix__attend4 over rows [t0, t0 + n) read through k and v (neither NONE). */
+static inline void kvmix__attend4_512(const float *KVMIX__RESTRICT q, const kvmix__lanes *k,
+                                      const kvmix__lanes *v, int32_t t0, const uint8_t *dead,
+                                      int32_t n, float scale, const kvmix__ahead *ahead,
+                                      float *KVMIX__RESTRICT acc, float *max, float *sum) {
+    float logit[4][KVMIX__TILE_ROWS], w[4][KVMIX__TILE_ROWS], bias[4] = {0, 0, 0, 0};
+    float folded[4 * KVMIX_MAX_HEAD_DIM];
+    int32_t dim = k->decoder->layout.head_dim, t, g, c;
+    const float *qk = q;
+    if (k->kind == KVMIX__LANES_CHANNEL_INT2) { /* q . (code * s + m) = (q * s) . code + q . m */
+        for (g = 0; g < 4; g++) {
+            float part[16] = {0};
+            for (c = 0; c < dim; c++) {
+                folded[g * dim + c] = q[g * dim + c] * k->decoder->scale[c];
+                part[c % 16] += q[g * dim + c] * k->decoder->min[c];
+            }
+            for (c = 0; c < 16; c++) bias[g] += part[c];
+        }
+        qk = folded;
+    }
+    for (t = 0; t < KVMIX__TILE_ROWS; t += 2) {
+        int live0 = t < n && !(dead && dead[t]), live1 = t + 1 < n && !(dead && dead[t + 1]);
+        float l0[4] = {0}, l1[4] = {0};
+        kvmix__prefetch_slice(ahead, t / 2, KVMIX__TILE_ROWS / 2);
+        if (live0 || live1) /* a row past n reads row t in its place, then counts as dead */
+            kvmix__logits4_rows2_512(qk, k, t0 + t, t0 + (t + 1 < n ? t + 1 : t), bias, l0, l1);
+        for (g = 0; g < 4; g++) {
+            logit[g][t] = live0 ? l0[g] * scale : -INFINITY;
+            logit[g][t + 1] = live1 ? l1[g] * scale : -INFINITY;
+        }
+    }
+    kvmix__softmax_rows4(logit, w, dim, acc, max, sum);
+    kvmix__weighted4_512(&w[0][0], v, t0, n, acc);
+}
+
+#endif /* KVMIX__AVX512 */
+
 /* A view span's rows of kv head h added to the partial of `group` query heads q [group][dim]. */
 static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
                              const kvmix_view_span *next, int32_t h, const float *q, int32_t group,
@@ -3930,11 +4179,16 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
                             span.value_head_bytes, h);
     int32_t fours = 0; /* heads [0, fours) taken four at a time */
     int fp16 = 0;      /* rows read as stored by those heads: no tiles unless others need them */
+    int lanes = 0;     /* INT rows read as stored by those heads (kvmix__attend4_512) */
 #ifdef KVMIX__AVX2
     fours = group / 4 * 4;
     fp16 = keys.layout.format == KVMIX_FORMAT_FP16 && values.layout.format == KVMIX_FORMAT_FP16;
 #else
     (void)next;
+#endif
+#ifdef KVMIX__AVX512
+    kvmix__lanes key_lanes = kvmix__lanes_of(&keys, 1), value_lanes = kvmix__lanes_of(&values, 0);
+    lanes = !fp16 && key_lanes.kind != KVMIX__LANES_NONE && value_lanes.kind != KVMIX__LANES_NONE;
 #endif
     for (t0 = 0; t0 < vs->n_tokens; t0 += rows) {
         int32_t n = vs->n_tokens - t0 < rows ? vs->n_tokens - t0 : rows;
@@ -3953,12 +4207,17 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
             ahead.at[0] = ahead.at[1] = NULL;
         }
 #endif
-        if (!fp16 || fours < group) {
+#ifdef KVMIX__AVX512
+        for (g = 0; lanes && g < fours; g += 4)
+            kvmix__attend4_512(q + (size_t)g * dim, &key_lanes, &value_lanes, t0, dead, n, scale,
+                               &ahead, p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
+#endif
+        if ((!fp16 && !lanes) || fours < group) {
             kvmix__decode_tile(&keys, t0, n, ktile);
             kvmix__decode_tile(&values, t0, n, vtile);
         }
 #ifdef KVMIX__AVX2
-        for (g = 0; g < fours; g += 4)
+        for (g = 0; !lanes && g < fours; g += 4)
             if (fp16)
                 kvmix__attend4(q + (size_t)g * dim, keys.block + kvmix__row_at(&keys.sections, t0),
                                values.block + kvmix__row_at(&values.sections, t0),
