@@ -32,8 +32,8 @@ TAG_SRC := examples/tag_spec_json.c examples/tag_spec_json.h examples/hf_tokeniz
 TAG_LDLIBS := -lcjson -lm
 # The intent residual's weight documents (they take tag_spec_json.c's error messages, file reading
 # and kvmix implementation).
-RESIDUAL_SRC := examples/intent_residual_json.c examples/intent_residual_json.h \
-	examples/tag_spec_json.c examples/tag_spec_json.h kvmix.h
+RESIDUAL_JSON := examples/intent_residual_json.c examples/intent_residual_json.h
+RESIDUAL_SRC := $(RESIDUAL_JSON) examples/tag_spec_json.c examples/tag_spec_json.h kvmix.h
 TAG_TOOLS := $(BUILD)/kvmix-tag $(BUILD)/kvmix-tagspec
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
@@ -81,10 +81,10 @@ QUESTION_SRC := examples/question_score.c
 $(BUILD)/kvmix-eval: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(TRANSFER_SRC) \
 		$(EVICT_SRC) $(HANDOVER_SRC) $(QUESTION_SRC) examples/evict_driver.h \
 		examples/transfer_driver.h examples/question_score.h examples/tag_allocation.h \
-		examples/tag_spec_json.h | $(BUILD)
+		examples/tag_spec_json.h $(RESIDUAL_JSON) | $(BUILD)
 	$(CC) $(CFLAGS) -I. -Iexamples -DTAG_SPEC_JSON_NO_KVMIX_IMPLEMENTATION examples/kvmix_eval.c \
 		examples/llama.c examples/kvmix_kv.c $(EVAL_TAG_SRC) $(TRANSFER_SRC) $(EVICT_SRC) \
-		$(HANDOVER_SRC) $(QUESTION_SRC) -o $@ $(EVAL_LDLIBS)
+		$(HANDOVER_SRC) $(QUESTION_SRC) examples/intent_residual_json.c -o $@ $(EVAL_LDLIBS)
 
 eval: $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate
 
@@ -292,8 +292,9 @@ $(BUILD)/gpu_llama.o: examples/gpu_llama.cu examples/gpu_llama.h examples/kvmix_
 $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TAG_SRC) $(BUILD)/gpu_llama.o \
 		$(BUILD)/kvmix_cuda.o examples/evict_driver.c examples/evict_driver.h examples/evict_gpu.c \
 		$(TRANSFER_SRC) examples/transfer_driver.c examples/transfer_driver.h examples/transfer_gpu.c \
-		examples/transfer_plan.h $(QUESTION_SRC) examples/question_score.h | $(BUILD)
+		examples/transfer_plan.h $(QUESTION_SRC) examples/question_score.h $(RESIDUAL_JSON) | $(BUILD)
 	$(CC) $(CFLAGS) -DKVMIX_EVAL_CUDA -I. -Iexamples -c examples/kvmix_eval.c -o $(BUILD)/eval_cuda_main.o
+	$(CC) $(CFLAGS) -I. -Iexamples -c examples/intent_residual_json.c -o $(BUILD)/eval_cuda_residual.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c $(QUESTION_SRC) -o $(BUILD)/eval_cuda_question.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_driver.c -o $(BUILD)/eval_cuda_evict.o
 	$(CC) $(CFLAGS) -I. -Iexamples -c examples/evict_gpu.c -o $(BUILD)/eval_cuda_evict_gpu.o
@@ -309,7 +310,8 @@ $(BUILD)/kvmix-eval-cuda: examples/kvmix_eval.c $(LLAMA_SRC) $(KV_SRC) $(EVAL_TA
 		$(BUILD)/eval_cuda_spec.o $(BUILD)/eval_cuda_alloc.o $(BUILD)/eval_cuda_evict.o \
 		$(BUILD)/eval_cuda_evict_gpu.o $(BUILD)/eval_cuda_transfer.o \
 		$(BUILD)/eval_cuda_transfer_gpu.o $(BUILD)/eval_cuda_plan.o $(BUILD)/eval_cuda_question.o \
-		$(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas $(EVAL_LDLIBS)
+		$(BUILD)/eval_cuda_residual.o $(BUILD)/gpu_llama.o $(BUILD)/kvmix_cuda.o -o $@ -lcublas \
+		$(EVAL_LDLIBS)
 
 # It runs build/kvmix-eval and build/kvmix-eval-cuda as the CPU and GPU runners' whole-trace oracle.
 $(BUILD)/test_gpu_llama: tests/test_gpu_llama.c tests/model_check.h $(BUILD)/kvmix-eval-cuda \

@@ -23,6 +23,13 @@ struct evict_driver {
     evict_stats stats;
     evict_log_fn log; /* evict_driver_log */
     void *log_user;
+    const kvmix_intent_residual *residual; /* evict_driver_residual */
+    evict_rows_fn rows;                    /* evict_driver_rows */
+    void *rows_user;
+    const kvmix_tag_spec *spec; /* the residual's and the rows' tags */
+    kvmix_tag *tags;            /* [max_tokens] */
+    float *features;            /* [max_tokens][KVMIX_INTENT_RESIDUAL_N_FEATURES] */
+    float *attention;           /* [max_tokens]: a prompt's attention, then a request's target */
 };
 
 llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t n_ids,
@@ -93,16 +100,64 @@ void evict_driver_free(evict_driver *d) {
     if (!d) return;
     free(d->store_memory), free(d->query_sum), free(d->fresh), free(d->scores);
     free(d->scratch), free(d->live), free(d->forced), free(d->evict);
+    free(d->tags), free(d->features), free(d->attention);
     free(d);
+}
+
+/* The buffers the residual and the rows share, and their spec. */
+static llama_result feature_buffers(evict_driver *d, const kvmix_tag_spec *spec, char *err,
+                                    size_t err_bytes) {
+    size_t t = (size_t)d->max_tokens;
+    if (d->policy.scorer != KVMIX_EVICT_INTENT && d->policy.scorer != KVMIX_EVICT_QUERY)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "eviction: the intent residual rescores the intent and query scorers");
+    if (kvmix_tag_spec_check(spec, NULL) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: a bad tag spec");
+    d->spec = spec;
+    if (!d->tags) d->tags = (kvmix_tag *)malloc(t * sizeof *d->tags);
+    if (!d->features)
+        d->features = (float *)malloc(t * KVMIX_INTENT_RESIDUAL_N_FEATURES * sizeof(float));
+    if (!d->attention) d->attention = (float *)malloc(t * sizeof(float));
+    if (!d->tags || !d->features || !d->attention)
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
+    return LLAMA_OK;
+}
+
+llama_result evict_driver_residual(evict_driver *d, const kvmix_intent_residual *w,
+                                   const kvmix_tag_spec *spec, char *err, size_t err_bytes) {
+    kvmix_error why = {"", ""};
+    llama_result r = LLAMA_OK;
+    if (w && kvmix_intent_residual_check(w, &why) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "intent residual: %s: %s", why.field,
+                          why.reason);
+    if (w) r = feature_buffers(d, spec, err, err_bytes);
+    if (r == LLAMA_OK) d->residual = w;
+    return r;
+}
+
+llama_result evict_driver_rows(evict_driver *d, evict_rows_fn rows, void *user,
+                               const kvmix_tag_spec *spec, char *err, size_t err_bytes) {
+    llama_result r = rows ? feature_buffers(d, spec, err, err_bytes) : LLAMA_OK;
+    if (r == LLAMA_OK) d->rows = rows, d->rows_user = user;
+    return r;
 }
 
 void evict_seq_start(evict_driver *d, evict_seq *s, const int32_t *ids,
                      const evict_request *requests, int32_t n_requests) {
     float *mass = s->mass; /* the caller's buffer stays with the state */
+    int64_t floats = 0;
     memset(s, 0, sizeof *s);
     s->ids = ids, s->requests = requests, s->n_requests = n_requests;
     s->mass = mass;
     if (mass) memset(mass, 0, (size_t)d->max_tokens * sizeof *mass);
+    if (!d->rows || n_requests == 0) return;
+    s->row_at = (int64_t *)malloc((size_t)n_requests * sizeof *s->row_at);
+    for (int32_t i = 0; s->row_at && i < n_requests; i++) {
+        s->row_at[i] = floats;
+        floats += 2 * (int64_t)requests[i].end; /* the rule, then the attention so far */
+    }
+    if (s->row_at) s->rows = (float *)malloc((size_t)floats * sizeof(float));
+    s->rows_failed = !s->rows;
 }
 
 /* What the step at pos records for the scorer. */
@@ -110,7 +165,10 @@ static int32_t record_flags(const evict_driver *d, const evict_seq *s, int32_t p
     const evict_request *r = s->next < s->n_requests ? &s->requests[s->next] : NULL;
     switch (d->policy.scorer) {
     case KVMIX_EVICT_INTENT:
-    case KVMIX_EVICT_QUERY: return r && pos >= r->first && pos < r->end ? EVICT_OBSERVE_QUERIES : 0;
+    case KVMIX_EVICT_QUERY:
+        return r && pos >= r->first && pos < r->end
+                   ? EVICT_OBSERVE_QUERIES | (d->rows ? EVICT_OBSERVE_ATTENTION : 0)
+                   : 0;
     case KVMIX_EVICT_H2O: return EVICT_OBSERVE_ATTENTION;
     case KVMIX_EVICT_SNAPKV:
         return r && pos >= r->end - d->policy.observe_tokens && pos < r->end
@@ -171,6 +229,45 @@ static llama_result raw_scores(evict_driver *d, evict_seq *s, const evict_backen
     }
 }
 
+/* The tags of positions [0, n) of ids into d->tags. */
+static llama_result tag_prefix(evict_driver *d, const int32_t *ids, int32_t n, char *err,
+                               size_t err_bytes) {
+    kvmix_tagger tagger;
+    if (kvmix_tagger_init(&tagger, d->spec, NULL) != KVMIX_SUCCESS ||
+        kvmix_tagger_feed(&tagger, ids, n, d->tags) != KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: the tagger failed");
+    return LLAMA_OK;
+}
+
+/* The rows' record of request r (index i): its rule scores (d->scores) and the attention its
+   prompt gave, added to what the earlier prompts gave. */
+static llama_result record_rows(evict_driver *d, evict_seq *s, const evict_backend *b, int32_t i,
+                                char *err, size_t err_bytes) {
+    int32_t n = s->requests[i].end, before = i > 0 ? s->requests[i - 1].end : 0;
+    float *rule = s->rows + s->row_at[i], *so_far = rule + n;
+    const float *earlier = i > 0 ? s->rows + s->row_at[i - 1] + before : NULL;
+    llama_result lr = b->observed_take(b->runner, b->seq, NULL, NULL, d->attention, err, err_bytes);
+    if (lr != LLAMA_OK) return lr;
+    memcpy(rule, d->scores, (size_t)n * sizeof(float));
+    for (int32_t t = 0; t < n; t++) so_far[t] = (t < before ? earlier[t] : 0.0f) + d->attention[t];
+    return LLAMA_OK;
+}
+
+/* d->scores, the rule of request r's positions [0, n), rescored by the residual. */
+static llama_result rescore(evict_driver *d, const evict_seq *s, const evict_request *r, int32_t n,
+                            char *err, size_t err_bytes) {
+    kvmix_error why = {"", ""};
+    llama_result lr = tag_prefix(d, s->ids, n, err, err_bytes);
+    if (lr != LLAMA_OK) return lr;
+    if (kvmix_intent_residual_features(d->scores, d->tags, d->tags[r->first].turn, NULL, NULL, n,
+                                       d->features, &why) != KVMIX_SUCCESS ||
+        kvmix_intent_residual_scores(d->residual, d->features, d->scores, n, d->scores, &why) !=
+            KVMIX_SUCCESS)
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: the residual: %s: %s",
+                          why.field, why.reason);
+    return LLAMA_OK;
+}
+
 /* The eviction of request r: positions [0, r->end) exist, the prompt has run. */
 static llama_result evict_request_run(evict_driver *d, evict_seq *s, const evict_backend *b,
                                       const evict_request *r, char *err, size_t err_bytes) {
@@ -178,6 +275,9 @@ static llama_result evict_request_run(evict_driver *d, evict_seq *s, const evict
     const kvmix_cache *cache = b->inner(b->runner, b->seq, &kv_seq);
     llama_kv_stats before, after;
     llama_result lr = raw_scores(d, s, b, n, err, err_bytes);
+    if (lr == LLAMA_OK && s->rows)
+        lr = record_rows(d, s, b, (int32_t)(r - s->requests), err, err_bytes);
+    if (lr == LLAMA_OK && d->residual) lr = rescore(d, s, r, n, err, err_bytes);
     if (lr != LLAMA_OK) return lr;
     for (int32_t t = 0; t < n; t++) {
         uint32_t slot = KVMIX_CACHE_DEAD_SLOT;
@@ -208,6 +308,8 @@ static llama_result evict_request_run(evict_driver *d, evict_seq *s, const evict
 
 llama_result evict_before_step(evict_driver *d, evict_seq *s, const evict_backend *b, int32_t pos,
                                char *err, size_t err_bytes) {
+    if (s->rows_failed)
+        return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory (eviction rows)");
     if (s->next < s->n_requests && pos == s->requests[s->next].end) {
         llama_result r = evict_request_run(d, s, b, &s->requests[s->next], err, err_bytes);
         if (r != LLAMA_OK) return r;
@@ -216,12 +318,32 @@ llama_result evict_before_step(evict_driver *d, evict_seq *s, const evict_backen
     return b->observe(b->runner, b->seq, record_flags(d, s, pos), err, err_bytes);
 }
 
+/* The rows of the requests that ran, but the last: each one's features and what the later
+   prompts gave each of its positions (the last one's attention so far less its own). */
+static void emit_rows(evict_driver *d, const evict_seq *s) {
+    int32_t last = s->next - 1;
+    if (last < 1 || tag_prefix(d, s->ids, s->requests[last].end, NULL, 0) != LLAMA_OK) return;
+    const float *total = s->rows + s->row_at[last] + s->requests[last].end;
+    for (int32_t i = 0; i < last; i++) {
+        const evict_request *r = &s->requests[i];
+        const float *rule = s->rows + s->row_at[i], *so_far = rule + r->end;
+        if (kvmix_intent_residual_features(rule, d->tags, d->tags[r->first].turn, NULL, NULL,
+                                           r->end, d->features, NULL) != KVMIX_SUCCESS)
+            continue; /* a NaN rule: the request scored nothing it could evict by */
+        for (int32_t t = 0; t < r->end; t++) d->attention[t] = total[t] - so_far[t];
+        d->rows(d->rows_user, s, i, d->features, d->attention, r->end);
+    }
+}
+
 void evict_seq_end(evict_driver *d, evict_seq *s, const evict_backend *b) {
     llama_kv_stats st;
     b->seq_stats(b->runner, b->seq, &st);
     if (st.n_tokens > s->live_peak) s->live_peak = (int32_t)st.n_tokens;
     d->stats.live_peak_sum += s->live_peak;
     d->stats.n_seqs++;
+    if (s->rows) emit_rows(d, s);
+    free(s->rows), free(s->row_at);
+    s->rows = NULL, s->row_at = NULL;
 }
 
 void evict_driver_stats(const evict_driver *d, evict_stats *out) { *out = d->stats; }

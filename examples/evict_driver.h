@@ -56,6 +56,12 @@ typedef struct evict_seq {
     int32_t live_peak;
     float *mass; /* H2O: [max_tokens] attention so far */
     int64_t id;  /* the caller's (its text), for logs: set it after evict_seq_start */
+    /* evict_driver_rows: per request its rule scores, then the attention its prompt and every
+       earlier one gave each position (request i's positions at rows[row_at[i]] and
+       rows[row_at[i] + requests[i].end]); allocated by evict_seq_start, freed by evict_seq_end */
+    float *rows;
+    int64_t *row_at;
+    int rows_failed; /* the allocation failed: evict_before_step says so */
 } evict_seq;
 
 /* What a runner does for the driver, on one of its sequences (runner, seq). Each function
@@ -114,6 +120,29 @@ llama_result evict_before_step(evict_driver *d, evict_seq *s, const evict_backen
 /* The sequence ends (its peak goes into the stats). */
 void evict_seq_end(evict_driver *d, evict_seq *s, const evict_backend *b);
 void evict_driver_stats(const evict_driver *d, evict_stats *out);
+
+/* IntentKV's second phase on the INTENT and QUERY scorers: each request's raw scores (the rule)
+ * rescored by the residual w (kvmix_intent_residual_scores over kvmix_intent_residual_features,
+ * the positions' tags from spec, KEY_NORM and READOUT 0: the runners do not record them) before
+ * the policy shapes them. w and spec are kept by reference; w NULL: the rule alone (the default).
+ * LLAMA_ERR_ARGUMENT: weights that do not check, a spec that does not, another scorer. */
+llama_result evict_driver_residual(evict_driver *d, const kvmix_intent_residual *w,
+                                   const kvmix_tag_spec *spec, char *err, size_t err_bytes);
+
+/* Training rows for the residual, INTENT and QUERY scorers: the features of positions [0, end)
+ * at each request (kvmix_intent_residual_features: the rule as the request scored it, before any
+ * residual; tags from spec; KEY_NORM and READOUT 0) and as target the attention the later
+ * requests' prompts gave each position (per q head a softmax over the live positions, summed
+ * over q heads, layers and those prompts' positions: each later prompt token adds at most
+ * n_layers * n_heads). When a sequence ends, rows(user, s, request, features [n][F], target [n],
+ * n) runs for each of its requests that a later one followed, in order (a request's rule of an
+ * evicted position is -INFINITY). Call before sequences start; spec is kept by reference; rows
+ * NULL: none (the default). Recording the later prompts' attention costs what SnapKV's does, at
+ * every prompt token. LLAMA_ERR_ARGUMENT: another scorer, a spec that does not check. */
+typedef void (*evict_rows_fn)(void *user, const evict_seq *s, int32_t request,
+                              const float *features, const float *target, int32_t n_positions);
+llama_result evict_driver_rows(evict_driver *d, evict_rows_fn rows, void *user,
+                               const kvmix_tag_spec *spec, char *err, size_t err_bytes);
 
 /* Each eviction's positions, for a log (one runner's evictions against another's): log(user, s,
  * request index, positions, n), ascending, after they are evicted. NULL: none (the default). */

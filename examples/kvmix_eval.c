@@ -73,7 +73,13 @@
  * evictions, evicted tokens, the mean over texts of the most live tokens a text had, bytes the
  * evictions freed; --evict-log PATH writes every eviction there, one JSON object a line (text:
  * its index in the selection, request: the user turn's index in the text, positions: evicted,
- * ascending), to hold one runner's evictions against the other's. Every GPU run adds
+ * ascending), to hold one runner's evictions against the other's. --residual W.json rescores
+ * an intent or query policy's rule with the intent residual's weights (intent_residual_json.h,
+ * evict_driver_residual); --residual-rows PATH writes its training rows (evict_driver_rows) as
+ * CSV: a header, then per position of each request that a later one followed "text, request,
+ * position, the 13 features (kvmix_intent_residual_feature_name), target" (text: its index in
+ * the selection; target: the attention the later requests' prompts gave the position), a share
+ * --residual-rows-rate P (default 1) of them, chosen by a hash of the three. Every GPU run adds
  * "kv_bytes_read_per_token" (the cache bytes a sequence holds
  * when each of its tokens runs, averaged: what decode reads) and "recall": answer tokens,
  * accuracy, agreement and mean cross-entropy (bits) of the answer tokens of the turns whose user
@@ -95,6 +101,7 @@
 #include "question_score.h"
 #include "tag_allocation.h"
 #include "tag_spec_json.h"
+#include "intent_residual_json.h"
 
 #include "evict_driver.h"
 #include "transfer_driver.h" /* transfer_sequence is the GPU build's */
@@ -132,6 +139,9 @@ typedef struct options {
     const char *tops_path;         /* each scored position's top-1, a line per text */
     const char *reference_tops;    /* an fp32 run's --tops: the reference, not run again */
     const char *evict_log;         /* every eviction's positions written there */
+    const char *residual_path;     /* the intent residual's weights (JSON) */
+    const char *rows_path;         /* the residual's training rows written there (CSV) */
+    double rows_rate;              /* the share of rows written */
 } options;
 
 enum { SINK_POSITIONS = 4 }; /* a transfer's sinks: the first positions, as eviction's prefix */
@@ -143,7 +153,8 @@ static void usage(FILE *f) {
         "                  [--limit N] [--policy P] [--threads N] [--capture DIR]\n"
         "                  [--device cpu|cuda] [--batch N] [--tag-spec S [--allocation A]]\n"
         "                  [--transfer MODE:B[:LAMBDA]] [--tops PATH]\n"
-        "                  [--reference-tops PATH] [--evict-log PATH]\n"
+        "                  [--reference-tops PATH] [--evict-log PATH] [--residual W.json]\n"
+        "                  [--residual-rows PATH [--residual-rows-rate P]]\n"
         "       kvmix-eval --list-policies\n"
         "       kvmix-eval --read-capture PATH\n");
 }
@@ -152,6 +163,15 @@ static bool parse_count(const char *s, int64_t min, int64_t *out) {
     char *end;
     long long v = strtoll(s, &end, 10);
     if (*s == 0 || *end != 0 || v < min) return false;
+    *out = v;
+    return true;
+}
+
+/* A share in (0, 1]. */
+static bool parse_rate(const char *s, double *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (*s == 0 || *end != 0 || !(v > 0.0 && v <= 1.0)) return false;
     *out = v;
     return true;
 }
@@ -172,7 +192,9 @@ static bool take_string_flag(options *o, const char *flag, const char *value) {
                  {"--transfer", &o->transfer},
                  {"--tops", &o->tops_path},
                  {"--reference-tops", &o->reference_tops},
-                 {"--evict-log", &o->evict_log}};
+                 {"--evict-log", &o->evict_log},
+                 {"--residual", &o->residual_path},
+                 {"--residual-rows", &o->rows_path}};
     for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) {
         if (strcmp(flag, flags[i].flag) == 0) {
             *flags[i].dest = value;
@@ -188,8 +210,8 @@ static bool parse_options(int argc, char **argv, options *o) {
 #else
     const bool cuda_default = false;
 #endif
-    *o = (options){NULL, NULL,         NULL, 0,    0,    "fp32", 2,    NULL, false,
-                   NULL, cuda_default, 256,  NULL, NULL, NULL,   NULL, NULL, NULL};
+    *o = (options){NULL, NULL, NULL, 0,    0,    "fp32", 2,    NULL, false, NULL, cuda_default,
+                   256,  NULL, NULL, NULL, NULL, NULL,   NULL, NULL, NULL,  1.0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         int64_t n;
@@ -211,6 +233,8 @@ static bool parse_options(int argc, char **argv, options *o) {
             o->n_threads = (int32_t)n;
         } else if (strcmp(a, "--batch") == 0 && parse_count(value, 1, &n) && n <= 4096) {
             o->batch = n;
+        } else if (strcmp(a, "--residual-rows-rate") == 0 && parse_rate(value, &o->rows_rate)) {
+            continue;
         } else if (strcmp(a, "--device") == 0 &&
                    (strcmp(value, "cpu") == 0 || strcmp(value, "cuda") == 0)) {
             o->cuda = strcmp(value, "cuda") == 0;
@@ -414,6 +438,9 @@ typedef struct eval {
     int64_t text_index;             /* of the text running, in the selection */
     const question_list *questions; /* the running text's */
     FILE *evict_log;                /* --evict-log */
+    intent_residual_doc residual;   /* --residual (weights.w1 NULL: none) */
+    FILE *rows_file;                /* --residual-rows */
+    double rows_rate;
     int64_t transfer_at; /* --transfer on the CPU: where the text running is handed over */
     llama_score *score;  /* the totals the text running adds to */
     llama_score score_at_transfer; /* *score when it was handed over */
@@ -427,6 +454,49 @@ static void log_eviction(void *user, const evict_seq *s, int32_t request, const 
     fprintf(f, "{\"text\": %lld, \"request\": %d, \"positions\": [", (long long)s->id, request);
     for (int32_t i = 0; i < n_positions; i++) fprintf(f, "%s%d", i > 0 ? ", " : "", positions[i]);
     fprintf(f, "]}\n");
+}
+
+/* --residual-rows-rate: whether the row of (text, request, position) is written, by a hash of
+   the three (the same rows in every run). */
+static bool row_kept(int64_t text, int32_t request, int32_t position, double rate) {
+    uint64_t x =
+        (uint64_t)text * 0x9e3779b97f4a7c15u ^ (uint64_t)request << 32 ^ (uint32_t)position;
+    x ^= x >> 30, x *= 0xbf58476d1ce4e5b9u, x ^= x >> 27, x *= 0x94d049bb133111ebu, x ^= x >> 31;
+    return (double)(x >> 11) * 0x1.0p-53 < rate;
+}
+
+/* --residual-rows: the header, then per kept position of a request that a later one followed a
+   line: text, request, position, the residual's features, the later prompts' attention. */
+static void write_rows_header(FILE *f) {
+    fprintf(f, "text,request,position");
+    for (int32_t k = 0; k < KVMIX_INTENT_RESIDUAL_N_FEATURES; k++)
+        fprintf(f, ",%s", kvmix_intent_residual_feature_name(k));
+    fprintf(f, ",target\n");
+}
+
+static void write_rows(void *user, const evict_seq *s, int32_t request, const float *features,
+                       const float *target, int32_t n_positions) {
+    const eval *e = user;
+    for (int32_t t = 0; t < n_positions; t++) {
+        const float *f = features + (size_t)t * KVMIX_INTENT_RESIDUAL_N_FEATURES;
+        if (!isfinite(f[KVMIX_INTENT_FEATURE_RULE]) || !row_kept(s->id, request, t, e->rows_rate))
+            continue; /* evicted before this request */
+        fprintf(e->rows_file, "%lld,%d,%d", (long long)s->id, request, t);
+        for (int32_t k = 0; k < KVMIX_INTENT_RESIDUAL_N_FEATURES; k++)
+            fprintf(e->rows_file, ",%.9g", f[k]);
+        fprintf(e->rows_file, ",%.9g\n", target[t]);
+    }
+}
+
+/* The residual's weights and its rows' file on a driver (--residual, --residual-rows). */
+static llama_result evict_driver_extras(eval *e, evict_driver *d) {
+    llama_result r = LLAMA_OK;
+    if (e->residual.weights.w1)
+        r = evict_driver_residual(d, &e->residual.weights, &e->tag_doc->spec, e->err,
+                                  sizeof e->err);
+    if (r == LLAMA_OK && e->rows_file)
+        r = evict_driver_rows(d, write_rows, e, &e->tag_doc->spec, e->err, sizeof e->err);
+    return r;
 }
 
 /* Tokens of one text: <|endoftext|> first, then the text, cut to context + 1 ids. */
@@ -994,6 +1064,7 @@ static llama_result gpu_run_policy(eval *e, const kvmix_policy *policy, gpu_text
         r = evict_driver_create(&policy->evict, &e->model->config, capacity, max_tokens, &ev,
                                 e->err, sizeof e->err);
     if (r == LLAMA_OK && evicting && e->evict_log) evict_driver_log(ev, log_eviction, e->evict_log);
+    if (r == LLAMA_OK && evicting) r = evict_driver_extras(e, ev);
     b->ev = NULL;
     if (r == LLAMA_OK && evicting && !(b->ev = evict_seqs_make(policy, capacity, max_tokens))) {
         snprintf(e->err, sizeof e->err, "cannot allocate eviction buffers");
@@ -1335,6 +1406,15 @@ static llama_result evict_init(eval *e, const options *o, int64_t n_texts) {
         snprintf(e->err, sizeof e->err, "--evict-log %s: cannot be written", o->evict_log);
         return LLAMA_ERR_IO;
     }
+    if (o->residual_path != NULL && intent_residual_load(o->residual_path, &e->residual, e->err,
+                                                         sizeof e->err) != KVMIX_SUCCESS)
+        return LLAMA_ERR_FORMAT;
+    if (o->rows_path != NULL && (e->rows_file = fopen(o->rows_path, "w")) == NULL) {
+        snprintf(e->err, sizeof e->err, "--residual-rows %s: cannot be written", o->rows_path);
+        return LLAMA_ERR_IO;
+    }
+    e->rows_rate = o->rows_rate;
+    if (e->rows_file) write_rows_header(e->rows_file);
     if (o->cuda) return LLAMA_OK;
     if (e->policy.key_format == KVMIX_KV_FORMAT_FP32) {
         snprintf(e->err, sizeof e->err, "policy %s evicts: the fp32 cache cannot (a kvmix one can)",
@@ -1347,6 +1427,7 @@ static llama_result evict_init(eval *e, const options *o, int64_t n_texts) {
     if (e->policy.evict.scorer == KVMIX_EVICT_H2O)
         e->evict_seq.mass = malloc((size_t)capacity * sizeof *e->evict_seq.mass);
     if (r == LLAMA_OK && e->evict_log) evict_driver_log(e->evict, log_eviction, e->evict_log);
+    if (r == LLAMA_OK) r = evict_driver_extras(e, e->evict);
     if (r == LLAMA_OK && (e->requests == NULL || (e->policy.evict.scorer == KVMIX_EVICT_H2O &&
                                                   e->evict_seq.mass == NULL))) {
         snprintf(e->err, sizeof e->err, "cannot allocate eviction buffers");
@@ -1358,6 +1439,8 @@ static llama_result evict_init(eval *e, const options *o, int64_t n_texts) {
 static void eval_free(eval *e) {
     evict_driver_free(e->evict);
     if (e->evict_log != NULL) fclose(e->evict_log);
+    if (e->rows_file != NULL) fclose(e->rows_file);
+    intent_residual_free(&e->residual);
     free(e->requests);
     free(e->evict_seq.mass);
     if (e->cache.destroy != NULL) e->cache.destroy(e->cache.state);
@@ -1411,8 +1494,10 @@ static int run(const options *o) {
     if (r == LLAMA_OK && o->tag_spec_path != NULL) r = tag_cache(&e, o);
     if (r == LLAMA_OK && o->transfer != NULL) r = transfer_init(&e, o);
     if (r == LLAMA_OK && e.policy.evict.scorer != 0) r = evict_init(&e, o, list.n);
-    if (r == LLAMA_OK && e.policy.evict.scorer == 0 && o->evict_log != NULL) {
-        snprintf(e.err, sizeof e.err, "--evict-log needs a policy that evicts");
+    if (r == LLAMA_OK && e.policy.evict.scorer == 0 &&
+        (o->evict_log != NULL || o->residual_path != NULL || o->rows_path != NULL)) {
+        snprintf(e.err, sizeof e.err,
+                 "--evict-log, --residual and --residual-rows need a policy that evicts");
         r = LLAMA_ERR_ARGUMENT;
     }
     char device[256] = "cpu";

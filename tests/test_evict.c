@@ -9,7 +9,10 @@
  *     message survive, bits per token is finite and within 2% of the same run without eviction;
  *   - intent at 100% evicts nothing and gives the run without eviction bit for bit;
  *   - query, streaming, h2o and snapkv at 50% on one trace evict, keep the forced set and stay
- *     within 2%.
+ *     within 2%;
+ *   - the intent residual: zero output weights evict the rule's positions, weights on age evict
+ *     others; its training rows (trace 4 whole): one call per request a later one followed, the
+ *     positions' features, targets within what the later prompts can give; the run unchanged.
  * Usage: model_test_evict [SHARED_DIR] (default ../shared), run from the repository root.
  * Prints one line per failed check and "N passed, N failed"; exits nonzero on any failure. */
 #define _POSIX_C_SOURCE 200809L /* model_check.h's popen */
@@ -24,15 +27,17 @@
 #include <string.h>
 
 /* Long enough that each trace's first user message (from position ~660) runs and is evicted at,
-   short enough for the sanitizers. */
-enum { TEXT_TOKENS = 1000, N_TRACES = 3, PREFIX_TOKENS = 4 };
+   short enough for the sanitizers; the residual's rows take a whole trace of 3 user turns (the
+   fourth of eval-dev's traces), its first LONG_TOKENS ids. */
+enum { TEXT_TOKENS = 1000, N_TRACES = 3, PREFIX_TOKENS = 4, LONG_TOKENS = 2049, LONG_TRACE = 3 };
 
 typedef struct text {
     int32_t *ids;
     int64_t n;
 } text;
 
-/* One run of the policy's cache over a text, evicting when d is not NULL. */
+/* One run of the policy's cache over a text, evicting when d is not NULL; with the residual's
+   weights and rows (both NULL: none) given to the driver. */
 typedef struct run {
     llama_runner *runner;
     llama_kv_cache cache;
@@ -40,6 +45,9 @@ typedef struct run {
     evict_seq s;
     evict_request requests[16];
     int32_t n_requests;
+    const kvmix_intent_residual *residual;
+    evict_rows_fn rows;
+    void *rows_user;
 } run;
 
 static llama_result before_step(void *user, int64_t pos, char *err, size_t err_bytes) {
@@ -48,8 +56,9 @@ static llama_result before_step(void *user, int64_t pos, char *err, size_t err_b
     return evict_before_step(r->d, &r->s, &b, (int32_t)pos, err, err_bytes);
 }
 
-/* The first n traces of eval-dev, <|endoftext|> first, cut to TEXT_TOKENS ids. */
-static bool load_traces(const char *path, const llama_tokenizer *tok, text *out, int32_t n) {
+/* Traces skip .. skip + n - 1 of eval-dev, <|endoftext|> first, cut to max_tokens ids. */
+static bool load_traces(const char *path, const llama_tokenizer *tok, int32_t skip,
+                        int64_t max_tokens, text *out, int32_t n) {
     FILE *f = fopen(path, "rb");
     static char line[1 << 20];
     int32_t got = 0;
@@ -58,13 +67,13 @@ static bool load_traces(const char *path, const llama_tokenizer *tok, text *out,
         const cJSON *kind = cJSON_GetObjectItemCaseSensitive(obj, "kind");
         const cJSON *body = cJSON_GetObjectItemCaseSensitive(obj, "text");
         if (cJSON_IsString(kind) && strcmp(kind->valuestring, "trace") == 0 &&
-            cJSON_IsString(body)) {
+            cJSON_IsString(body) && skip-- <= 0) {
             size_t len = strlen(body->valuestring);
             int64_t m = 0;
             out[got].ids = malloc((len + 1) * sizeof *out[got].ids);
             out[got].ids[0] = llama_special_id(tok, "<|endoftext|>");
             llama_tokenize(tok, body->valuestring, len, out[got].ids + 1, &m);
-            out[got++].n = m + 1 < TEXT_TOKENS ? m + 1 : TEXT_TOKENS;
+            out[got++].n = m + 1 < max_tokens ? m + 1 : max_tokens;
         }
         cJSON_Delete(obj);
     }
@@ -91,15 +100,19 @@ static kvmix_policy evict_policy(const llama_config *c, int32_t scorer, double b
 static bool run_text(run *r, const llama_model *m, const kvmix_tag_spec *spec,
                      const kvmix_policy *p, const text *t, llama_score *score, evict_stats *stats) {
     char err[512] = "";
-    float mass[TEXT_TOKENS];
+    float *mass = malloc((size_t)t->n * sizeof *mass);
     llama_step_hook hook = {before_step, r};
     bool evicting = p->evict.scorer != 0;
     memset(stats, 0, sizeof *stats);
     memset(score, 0, sizeof *score);
     r->d = NULL;
-    llama_result lr = kvmix_kv_create(p, &m->config, TEXT_TOKENS, &r->cache, err, sizeof err);
+    llama_result lr = kvmix_kv_create(p, &m->config, (int32_t)t->n, &r->cache, err, sizeof err);
     if (lr == LLAMA_OK && evicting)
-        lr = evict_driver_create(&p->evict, &m->config, 1, TEXT_TOKENS, &r->d, err, sizeof err);
+        lr = evict_driver_create(&p->evict, &m->config, 1, (int32_t)t->n, &r->d, err, sizeof err);
+    if (lr == LLAMA_OK && evicting && r->residual)
+        lr = evict_driver_residual(r->d, r->residual, spec, err, sizeof err);
+    if (lr == LLAMA_OK && evicting && r->rows)
+        lr = evict_driver_rows(r->d, r->rows, r->rows_user, spec, err, sizeof err);
     if (lr == LLAMA_OK && evicting)
         lr = evict_plan(spec, t->ids, t->n, r->requests, 16, &r->n_requests, err, sizeof err);
     if (lr == LLAMA_OK && evicting) {
@@ -115,6 +128,7 @@ static bool run_text(run *r, const llama_model *m, const kvmix_tag_spec *spec,
         evict_driver_stats(r->d, stats);
     }
     evict_driver_free(r->d);
+    free(mass);
     if (!CHECK_MSG(lr == LLAMA_OK, err)) return false;
     return true;
 }
@@ -243,7 +257,132 @@ static void test_recording(llama_runner *runner, const llama_model *m, const tex
     free(sum), free(want);
 }
 
+/* One hidden unit reading feature k alone: the residual out = scale * gelu(feature k). */
+typedef struct one_unit {
+    float w1[KVMIX_INTENT_RESIDUAL_N_FEATURES], b1, w2;
+    kvmix_intent_residual w;
+} one_unit;
+
+static void one_unit_make(one_unit *u, int32_t feature, float scale) {
+    memset(u, 0, sizeof *u);
+    u->w1[feature] = 1.0f;
+    u->w2 = scale;
+    kvmix_intent_residual w = {
+        KVMIX_INTENT_RESIDUAL_N_FEATURES, 1, u->w1, &u->b1, &u->w2, 0.0f, 1.0f, 100.0f};
+    u->w = w;
+}
+
+/* Intent at 50% with the residual: zero output weights evict what the rule evicts, position for
+   position; weights that favour old positions evict others. */
+static void test_residual(run *r, const llama_model *m, const kvmix_tag_spec *spec, const text *t) {
+    kvmix_policy p = evict_policy(&m->config, KVMIX_EVICT_INTENT, 0.5);
+    one_unit zero, age;
+    llama_score score;
+    evict_stats st;
+    uint8_t rule_dead[TEXT_TOKENS], dead[TEXT_TOKENS];
+    int64_t n = t->n - 1, n_rule;
+    one_unit_make(&zero, KVMIX_INTENT_FEATURE_LOG_AGE, 0.0f);
+    one_unit_make(&age, KVMIX_INTENT_FEATURE_LOG_AGE, 10.0f);
+    if (!run_text(r, m, spec, &p, t, &score, &st)) return;
+    n_rule = dead_positions(&r->cache, n, rule_dead);
+    r->cache.destroy(r->cache.state);
+    r->residual = &zero.w;
+    if (run_text(r, m, spec, &p, t, &score, &st)) {
+        CHECK(dead_positions(&r->cache, n, dead) == n_rule && n_rule > 0);
+        CHECK_MSG(memcmp(dead, rule_dead, (size_t)n) == 0, "zero residual: the rule's evictions");
+        r->cache.destroy(r->cache.state);
+    }
+    r->residual = &age.w;
+    if (run_text(r, m, spec, &p, t, &score, &st)) {
+        CHECK(dead_positions(&r->cache, n, dead) == n_rule); /* the same budget */
+        CHECK_MSG(memcmp(dead, rule_dead, (size_t)n) != 0, "age residual: other evictions");
+        CHECK(forced_kept(r, dead));
+        r->cache.destroy(r->cache.state);
+    }
+    r->residual = NULL;
+    /* refused: weights that do not check, a scorer the residual does not rescore */
+    kvmix_policy streaming = evict_policy(&m->config, KVMIX_EVICT_STREAMING, 0.5);
+    evict_driver *d = NULL, *s_d = NULL;
+    char err[256];
+    age.w.alpha_max = -1.0f;
+    CHECK(evict_driver_create(&p.evict, &m->config, 1, 64, &d, err, sizeof err) == LLAMA_OK);
+    CHECK(evict_driver_residual(d, &age.w, spec, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+    age.w.alpha_max = 100.0f;
+    CHECK(evict_driver_create(&streaming.evict, &m->config, 1, 64, &s_d, err, sizeof err) ==
+          LLAMA_OK);
+    CHECK(evict_driver_residual(s_d, &age.w, spec, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+    evict_driver_free(d), evict_driver_free(s_d);
+}
+
+/* What the rows callback saw. */
+typedef struct rows_seen {
+    const evict_request *requests;
+    int32_t n_calls, last_request;
+    int32_t bad_shape, bad_age, bad_role, bad_target;
+    double target_sum[16];
+} rows_seen;
+
+static void rows_check(void *user, const evict_seq *s, int32_t request, const float *features,
+                       const float *target, int32_t n) {
+    rows_seen *seen = user;
+    const int32_t F = KVMIX_INTENT_RESIDUAL_N_FEATURES;
+    seen->bad_shape += request != seen->last_request + 1 || n != s->requests[request].end;
+    seen->last_request = request;
+    seen->n_calls++;
+    for (int32_t t = 0; t < n; t++) {
+        const float *f = features + (size_t)t * F;
+        float roles = 0.0f;
+        for (int32_t k = 0; k < 7; k++) roles += f[KVMIX_INTENT_FEATURE_ROLE + k];
+        seen->bad_age += f[KVMIX_INTENT_FEATURE_LOG_AGE] != (float)log1p((double)(n - 1 - t));
+        seen->bad_role += roles != 1.0f;
+        seen->bad_target += !(target[t] >= -1e-3f);
+        if (request < 16) seen->target_sum[request] += target[t];
+    }
+}
+
+/* Intent at 100% (no eviction) with the rows on a trace of 3 user turns: the run gives the bits
+   it gives without them; one call per request that a later one followed, in order, with the
+   features the positions have (age, one role each) and as target the later prompts' attention,
+   which is at most one softmax per q head, layer and later prompt token. */
+static void test_rows(run *r, const llama_model *m, const kvmix_tag_spec *spec, const text *t) {
+    kvmix_policy p = evict_policy(&m->config, KVMIX_EVICT_INTENT, 1.0);
+    rows_seen seen;
+    llama_score base, score;
+    evict_stats st;
+    memset(&seen, 0, sizeof seen);
+    seen.last_request = -1;
+    if (!run_text(r, m, spec, &p, t, &base, &st)) return;
+    r->cache.destroy(r->cache.state);
+    r->rows = rows_check, r->rows_user = &seen;
+    bool ran = run_text(r, m, spec, &p, t, &score, &st);
+    r->rows = NULL, r->rows_user = NULL;
+    if (!ran) return;
+    r->cache.destroy(r->cache.state);
+    char what[256];
+    snprintf(what, sizeof what, "rows: %d requests, %d calls", (int)r->n_requests, seen.n_calls);
+    CHECK_MSG(r->n_requests >= 3 && seen.n_calls == r->n_requests - 1, what);
+    CHECK(score.bits == base.bits && score.n_scored == base.n_scored);
+    CHECK(seen.bad_shape == 0 && seen.bad_age == 0 && seen.bad_role == 0 && seen.bad_target == 0);
+    for (int32_t i = 0; i + 1 < r->n_requests && i < 16; i++) {
+        int64_t later = 0;
+        for (int32_t j = i + 1; j < r->n_requests; j++)
+            later += r->requests[j].end - r->requests[j].first;
+        double most = (double)later * m->config.n_layers * m->config.n_heads;
+        snprintf(what, sizeof what, "rows: request %d's target %.3f of at most %.0f", (int)i,
+                 seen.target_sum[i], most);
+        CHECK_MSG(seen.target_sum[i] > 0.0 && seen.target_sum[i] <= most * (1.0 + 1e-5), what);
+    }
+    kvmix_policy streaming = evict_policy(&m->config, KVMIX_EVICT_STREAMING, 0.5);
+    evict_driver *d = NULL;
+    char err[256];
+    CHECK(evict_driver_create(&streaming.evict, &m->config, 1, 64, &d, err, sizeof err) ==
+          LLAMA_OK);
+    CHECK(evict_driver_rows(d, rows_check, &seen, spec, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+    evict_driver_free(d);
+}
+
 int main(int argc, char **argv) {
+
     const char *shared = argc > 1 ? argv[1] : "../shared";
     char model_path[512], data_path[512], err[512] = "";
     snprintf(model_path, sizeof model_path, "%s/models/kvm-small.safetensors", shared);
@@ -251,11 +390,12 @@ int main(int argc, char **argv) {
     static tag_spec_doc spec;
     llama_model model;
     llama_runner runner;
-    text traces[N_TRACES];
+    text traces[N_TRACES], long_trace;
     if (!CHECK_MSG(llama_model_load(model_path, &model, err, sizeof err) == LLAMA_OK, err) ||
         !CHECK(tag_spec_load("examples/specs/kvm-byte.json", &spec, err, sizeof err) ==
                KVMIX_SUCCESS) ||
-        !CHECK(load_traces(data_path, &model.tokenizer, traces, N_TRACES)) ||
+        !CHECK(load_traces(data_path, &model.tokenizer, 0, TEXT_TOKENS, traces, N_TRACES)) ||
+        !CHECK(load_traces(data_path, &model.tokenizer, LONG_TRACE, LONG_TOKENS, &long_trace, 1)) ||
         !CHECK(llama_runner_init(&runner, &model, 2, err, sizeof err) == LLAMA_OK)) {
         printf("%d passed, %d failed\n", n_passed, n_failed);
         return 1;
@@ -266,7 +406,10 @@ int main(int argc, char **argv) {
     test_recording(&runner, &model, &traces[0]);
     for (int32_t i = 0; i < N_TRACES; i++) test_intent(&r, &model, &spec.spec, &traces[i]);
     test_scorers(&r, &model, &spec.spec, &traces[1]);
+    test_residual(&r, &model, &spec.spec, &traces[0]);
+    test_rows(&r, &model, &spec.spec, &long_trace);
     for (int32_t i = 0; i < N_TRACES; i++) free(traces[i].ids);
+    free(long_trace.ids);
     llama_runner_free(&runner);
     llama_model_free(&model);
     printf("%d passed, %d failed\n", n_passed, n_failed);
