@@ -372,6 +372,7 @@ $(BUILD)/test_cuda: tests/test_cuda.cu tests/device_arena_scenario.h kvmix_cuda.
 refmodel-check:
 	python3 bench/refmodel/test_longtrace.py
 	python3 bench/refmodel/test_longdata.py
+	python3 bench/refmodel/test_residual_data.py
 
 test-cuda: $(BUILD)/test_cuda
 	./$(BUILD)/test_cuda

@@ -1,0 +1,132 @@
+"""The intent residual's training data and weights, without torch (train_residual.py trains).
+
+Rows come from `kvmix-eval --residual-rows` (examples/kvmix_eval.c): a CSV header, then per
+position of each request that a later one followed "text, request, position, the 13 features
+(kvmix_intent_residual_feature_name, in order), target", target being the attention the later
+requests' prompts gave the position. Here: reading them grouped by request, a position's label
+(its target among the top of its request's), a split of the texts, pairs of a positive and a
+negative of one request, feature standardization folded into the first layer, the residual's
+forward pass as kvmix computes it, the pairwise accuracy of scores within requests, and the
+weights document examples/intent_residual_json.h reads.
+"""
+import csv
+import math
+import random
+
+FEATURES = ["rule", "log_age", "log_turns_back", "role_instruction", "role_user",
+            "role_assistant", "role_reasoning", "role_tool_call", "role_observation",
+            "role_scaffold", "image", "key_norm", "readout"]
+HEADER = ["text", "request", "position"] + FEATURES + ["target"]
+
+
+def read_rows(path):
+    """{(text, request): [(position, features, target), ...]} in file order. ValueError for a
+    header that is not HEADER or a line of another width."""
+    requests = {}
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header != HEADER:
+            raise ValueError(f"{path}: header {header}, wanted {HEADER}")
+        for line_number, row in enumerate(reader, start=2):
+            if len(row) != len(HEADER):
+                raise ValueError(f"{path}:{line_number}: {len(row)} fields, wanted {len(HEADER)}")
+            key = (int(row[0]), int(row[1]))
+            features = [float(x) for x in row[3:3 + len(FEATURES)]]
+            requests.setdefault(key, []).append((int(row[2]), features, float(row[-1])))
+    return requests
+
+
+def labels(rows, quantile):
+    """1 for a position whose target is positive and at least the request's quantile-th target
+    (quantile 0.9: about the top tenth), else 0."""
+    targets = sorted(target for _, _, target in rows)
+    threshold = targets[min(len(targets) - 1, int(quantile * len(targets)))]
+    return [1 if target > 0.0 and target >= threshold else 0 for _, _, target in rows]
+
+
+def split_texts(keys, holdout, seed):
+    """(train keys, held-out keys): the texts shuffled by seed, the last share `holdout` of them
+    held out whole, so no session is on both sides."""
+    texts = sorted({text for text, _ in keys})
+    random.Random(seed).shuffle(texts)
+    n_held = max(1, round(holdout * len(texts))) if len(texts) > 1 else 0
+    held = set(texts[len(texts) - n_held:])
+    train = [k for k in sorted(keys) if k[0] not in held]
+    return train, [k for k in sorted(keys) if k[0] in held]
+
+
+def pairs(label_list, rng):
+    """(positive, negative) index pairs of one request: each positive with one negative drawn
+    at random; none when either side is empty."""
+    positives = [i for i, y in enumerate(label_list) if y]
+    negatives = [i for i, y in enumerate(label_list) if not y]
+    if not positives or not negatives:
+        return []
+    return [(i, rng.choice(negatives)) for i in positives]
+
+
+def standardization(feature_rows):
+    """(mean, std) per feature over the rows; a constant feature gets std 1."""
+    n = len(feature_rows)
+    mean = [sum(f[k] for f in feature_rows) / n for k in range(len(FEATURES))]
+    std = []
+    for k in range(len(FEATURES)):
+        var = sum((f[k] - mean[k]) ** 2 for f in feature_rows) / n
+        std.append(math.sqrt(var) if var > 1e-24 else 1.0)
+    return mean, std
+
+
+def fold(w1, b1, mean, std):
+    """The first layer on raw features from one trained on standardized ones:
+    w1 (x - mean) / std + b1 = (w1 / std) x + (b1 - w1 . mean / std)."""
+    w = [[w1[j][k] / std[k] for k in range(len(FEATURES))] for j in range(len(w1))]
+    b = [b1[j] - sum(w1[j][k] * mean[k] / std[k] for k in range(len(FEATURES)))
+         for j in range(len(w1))]
+    return w, b
+
+
+def gelu(x):
+    return 0.5 * x * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def residual(w1, b1, w2, b2, features):
+    """The residual r of one position, as kvmix_intent_residual_scores computes it (before
+    alpha): b2 + sum_j w2[j] gelu(b1[j] + sum_k w1[j][k] f[k])."""
+    return b2 + sum(w2[j] * gelu(b1[j] + sum(w1[j][k] * features[k]
+                                             for k in range(len(FEATURES))))
+                    for j in range(len(w1)))
+
+
+def pairwise_accuracy(scores_by_request, labels_by_request):
+    """The share of (positive, negative) pairs within one request that the scores order right,
+    ties counting half, over every request with both: an AUC pooled over requests."""
+    right = total = 0.0
+    for key, scores in scores_by_request.items():
+        label_list = labels_by_request[key]
+        pos = sorted(s for s, y in zip(scores, label_list) if y)
+        neg = sorted(s for s, y in zip(scores, label_list) if not y)
+        if not pos or not neg:
+            continue
+        below = equal = 0  # negatives below / equal to the current positive, by a merge
+        i = 0
+        for p in pos:
+            while i < len(neg) and neg[i] < p:
+                i += 1
+            below_p = i
+            j = i
+            while j < len(neg) and neg[j] == p:
+                j += 1
+            below += below_p
+            equal += j - i
+        right += below + 0.5 * equal
+        total += len(pos) * len(neg)
+    return right / total if total else float("nan")
+
+
+def document(w1, b1, w2, b2, alpha, alpha_max, description):
+    """The weights document (examples/intent_residual_json.h, version 1)."""
+    return {"version": 1, "description": description[:255], "features": FEATURES,
+            "hidden": len(w1), "w1": [list(map(float, row)) for row in w1],
+            "b1": list(map(float, b1)), "w2": list(map(float, w2)), "b2": float(b2),
+            "alpha": float(alpha), "alpha_max": float(alpha_max)}

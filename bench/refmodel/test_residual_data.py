@@ -1,0 +1,116 @@
+# Checks of the intent residual's data and weights code, without torch: rows read back as
+# written, labels take the top of each request, the split keeps sessions whole, pairs are one
+# positive and one negative of a request, folding the standardization into the first layer
+# gives the same residual, the pairwise accuracy on hand-computed cases, and the document
+# kvmix reads (its fields and sizes).
+import math, os, random, sys, tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import residual_data as R
+
+
+def expect(ok, what):
+    print(("ok  " if ok else "FAIL ") + what)
+    return ok
+
+
+def write_rows(path, rows):
+    with open(path, "w") as f:
+        f.write(",".join(R.HEADER) + "\n")
+        for text, request, position, features, target in rows:
+            f.write(",".join(str(x) for x in [text, request, position] + features + [target]) + "\n")
+
+
+def check_rows(tmp):
+    rng = random.Random(3)
+    rows = [(t, q, p, [rng.uniform(-1, 1) for _ in R.FEATURES], rng.uniform(0, 5))
+            for t in range(3) for q in range(2) for p in range(10)]
+    path = os.path.join(tmp, "rows.csv")
+    write_rows(path, rows)
+    got = R.read_rows(path)
+    ok = expect(sorted(got) == [(t, q) for t in range(3) for q in range(2)], "requests grouped")
+    ok &= expect(all(len(v) == 10 for v in got.values()), "every row read")
+    first = got[(0, 0)][0]
+    ok &= expect(first[0] == 0 and first[1] == rows[0][3] and first[2] == rows[0][4],
+                 "a row's position, features and target read back")
+    with open(path, "a") as f:
+        f.write("1,2,3\n")
+    try:
+        R.read_rows(path)
+        ok &= expect(False, "a short line is refused")
+    except ValueError:
+        ok &= expect(True, "a short line is refused")
+    with open(path, "w") as f:
+        f.write("text,request,position,rule\n")
+    try:
+        R.read_rows(path)
+        ok &= expect(False, "another header is refused")
+    except ValueError:
+        ok &= expect(True, "another header is refused")
+    return ok
+
+
+def check_labels_split_pairs():
+    rows = [(p, [0.0] * len(R.FEATURES), float(p)) for p in range(20)]
+    y = R.labels(rows, 0.9)
+    ok = expect(y == [0] * 18 + [1, 1], "labels: the top tenth of the request's targets")
+    zero = [(p, [0.0] * len(R.FEATURES), 0.0) for p in range(5)]
+    ok &= expect(R.labels(zero, 0.9) == [0] * 5, "labels: no attention, no positive")
+    keys = [(t, q) for t in range(10) for q in range(3)]
+    train, held = R.split_texts(keys, 0.2, 7)
+    ok &= expect(len({t for t, _ in held}) == 2 and not ({t for t, _ in train} & {t for t, _ in held}),
+                 "split: two texts of ten held out whole")
+    ok &= expect(R.split_texts(keys, 0.2, 7) == (train, held), "split: the same for a seed")
+    p = R.pairs(y, random.Random(1))
+    ok &= expect(len(p) == 2 and all(y[i] == 1 and y[j] == 0 for i, j in p),
+                 "pairs: each positive with a negative")
+    ok &= expect(R.pairs([1, 1], random.Random(1)) == [], "pairs: none without a negative")
+    return ok
+
+
+def check_fold():
+    rng = random.Random(5)
+    feats = [[rng.gauss(3, 2) if k != 12 else 0.0 for k in range(len(R.FEATURES))]
+             for _ in range(50)]
+    mean, std = R.standardization(feats)
+    ok = expect(std[12] == 1.0 and abs(mean[0] - sum(f[0] for f in feats) / 50) < 1e-12,
+                "standardization: means, a constant feature's std 1")
+    w1 = [[rng.gauss(0, 1) for _ in R.FEATURES] for _ in range(4)]
+    b1 = [rng.gauss(0, 1) for _ in range(4)]
+    w2 = [rng.gauss(0, 1) for _ in range(4)]
+    fw1, fb1 = R.fold(w1, b1, mean, std)
+    worst = 0.0
+    for f in feats:
+        z = [(f[k] - mean[k]) / std[k] for k in range(len(R.FEATURES))]
+        worst = max(worst, abs(R.residual(w1, b1, w2, 0.3, z) - R.residual(fw1, fb1, w2, 0.3, f)))
+    ok &= expect(worst < 1e-9, f"fold: the same residual on raw features (worst {worst:.1e})")
+    ok &= expect(abs(R.gelu(1.0) - 0.8413447460685429) < 1e-12 and R.gelu(0.0) == 0.0,
+                 "gelu: the exact form")
+    return ok
+
+
+def check_accuracy_and_document():
+    scores = {(0, 0): [0.9, 0.1, 0.5, 0.5], (0, 1): [1.0, 2.0]}
+    lab = {(0, 0): [1, 0, 1, 0], (0, 1): [0, 0]}
+    # request (0, 0): positives 0.9, 0.5 against negatives 0.1, 0.5: 1 + 1 + 1 + 0.5 of 4
+    ok = expect(R.pairwise_accuracy(scores, lab) == 3.5 / 4, "pairwise accuracy, ties half")
+    ok &= expect(math.isnan(R.pairwise_accuracy({(0, 1): [1.0]}, {(0, 1): [1]})),
+                 "pairwise accuracy: no pairs, NaN")
+    doc = R.document([[0.0] * len(R.FEATURES)] * 2, [0.0, 0.0], [0.0, 0.0], 0.0, 1.0, 4.0, "x")
+    ok &= expect(doc["version"] == 1 and doc["hidden"] == 2 and doc["features"] == R.FEATURES and
+                 len(doc["w1"][0]) == 13 and doc["alpha_max"] == 4.0, "document: fields and sizes")
+    return ok
+
+
+def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        ok = check_rows(tmp)
+    ok &= check_labels_split_pairs()
+    ok &= check_fold()
+    ok &= check_accuracy_and_document()
+    print("residual data: all checks passed" if ok else "residual data: FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
