@@ -310,7 +310,7 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
    It checks the view's structure (kvmix_view_check: every block inside base_bytes), not the
    packed bytes inside the blocks (the reference does): a cache's own views hold what its seals
    wrote, and bytes no seal wrote give wrong numbers, never a read outside the blocks. Each task
-   keeps about 40 KiB on its thread's stack. */
+   keeps about 48 KiB on its thread's stack (64 KiB where the build has AVX-512). */
 #define KVMIX_DECODE_CHUNK_SPANS 16
 
 /* Runs task(task_arg, i) once for every i in [0, n_tasks), on any threads, in any order, and
@@ -3919,8 +3919,9 @@ static inline void kvmix__attend4(const float *KVMIX__RESTRICT q, const uint8_t 
    channels) look their dequantized value up in a table of their group's values (code * scale +
    min for every code, as kvmix__dequantize_codes computes it) by the code in each lane's low
    four bits; per-channel INT2 keys enter as bare codes, their scales folded into the query and
-   their minimums into one bias per query head; FP16 rows as stored. Other formats (INT8,
-   boosted keys) and head_dims that 16 does not divide take the tiles above. */
+   their minimums into one bias per query head; FP16 rows as stored. A span whose keys or values
+   are another format (INT8, boosted keys, per-channel INT2 values, groups that 16 does not
+   divide), or whose head_dim 16 does not divide, takes the tiles above for both. */
 #if defined(KVMIX__AVX2) && defined(__AVX512F__)
 #define KVMIX__AVX512 1
 /* Every lane: the maskz forms below, where the plain ones pass GCC's "undefined" vector
@@ -3964,11 +3965,10 @@ static kvmix__lanes kvmix__lanes_of(const kvmix__row_decoder *d, int key) {
    lies above them is the next codes: a table lookup reads the low four bits alone). */
 static inline __m512i kvmix__codes16(const uint8_t *row, int32_t bits, int32_t b) {
     if (bits == 4) {
-        long long word;
-        memcpy(&word, row + 8 * (size_t)b, sizeof word);
         __m512i words = _mm512_maskz_permutexvar_epi32(
             KVMIX__ALL16, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-            _mm512_zextsi128_si512(_mm_cvtsi64_si128(word)));
+            _mm512_zextsi128_si512(
+                _mm_loadl_epi64((const __m128i *)(const void *)(row + 8 * (size_t)b))));
         return _mm512_maskz_srlv_epi32(
             KVMIX__ALL16, words,
             _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));

@@ -30,6 +30,7 @@ struct evict_driver {
     kvmix_tag *tags;            /* [max_tokens] */
     float *features;            /* [max_tokens][KVMIX_INTENT_RESIDUAL_N_FEATURES] */
     float *attention;           /* [max_tokens]: a prompt's attention, then a request's target */
+    double *later;              /* [max_tokens]: the later prompts' attention, summed */
 };
 
 llama_result evict_plan(const kvmix_tag_spec *spec, const int32_t *ids, int64_t n_ids,
@@ -100,7 +101,7 @@ void evict_driver_free(evict_driver *d) {
     if (!d) return;
     free(d->store_memory), free(d->query_sum), free(d->fresh), free(d->scores);
     free(d->scratch), free(d->live), free(d->forced), free(d->evict);
-    free(d->tags), free(d->features), free(d->attention);
+    free(d->tags), free(d->features), free(d->attention), free(d->later);
     free(d);
 }
 
@@ -137,7 +138,15 @@ llama_result evict_driver_residual(evict_driver *d, const kvmix_intent_residual 
 
 llama_result evict_driver_rows(evict_driver *d, evict_rows_fn rows, void *user,
                                const kvmix_tag_spec *spec, char *err, size_t err_bytes) {
-    llama_result r = rows ? feature_buffers(d, spec, err, err_bytes) : LLAMA_OK;
+    llama_result r = LLAMA_OK;
+    if (rows && (d->policy.budget_tokens > 0 || d->policy.budget_fraction < 1.0))
+        return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT,
+                          "eviction rows: the policy must keep every position (budget_fraction "
+                          "1): an evicted position gets no later attention for being evicted");
+    if (rows) r = feature_buffers(d, spec, err, err_bytes);
+    if (r == LLAMA_OK && rows && !d->later &&
+        !(d->later = (double *)malloc((size_t)d->max_tokens * sizeof *d->later)))
+        r = llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     if (r == LLAMA_OK) d->rows = rows, d->rows_user = user;
     return r;
 }
@@ -154,7 +163,7 @@ void evict_seq_start(evict_driver *d, evict_seq *s, const int32_t *ids,
     s->row_at = (int64_t *)malloc((size_t)n_requests * sizeof *s->row_at);
     for (int32_t i = 0; s->row_at && i < n_requests; i++) {
         s->row_at[i] = floats;
-        floats += 2 * (int64_t)requests[i].end; /* the rule, then the attention so far */
+        floats += 2 * (int64_t)requests[i].end; /* the rule, then its prompt's attention */
     }
     if (s->row_at) s->rows = (float *)malloc((size_t)floats * sizeof(float));
     s->rows_failed = !s->rows;
@@ -240,17 +249,13 @@ static llama_result tag_prefix(evict_driver *d, const int32_t *ids, int32_t n, c
 }
 
 /* The rows' record of request r (index i): its rule scores (d->scores) and the attention its
-   prompt gave, added to what the earlier prompts gave. */
+   prompt gave each position. */
 static llama_result record_rows(evict_driver *d, evict_seq *s, const evict_backend *b, int32_t i,
                                 char *err, size_t err_bytes) {
-    int32_t n = s->requests[i].end, before = i > 0 ? s->requests[i - 1].end : 0;
-    float *rule = s->rows + s->row_at[i], *so_far = rule + n;
-    const float *earlier = i > 0 ? s->rows + s->row_at[i - 1] + before : NULL;
-    llama_result lr = b->observed_take(b->runner, b->seq, NULL, NULL, d->attention, err, err_bytes);
-    if (lr != LLAMA_OK) return lr;
+    int32_t n = s->requests[i].end;
+    float *rule = s->rows + s->row_at[i];
     memcpy(rule, d->scores, (size_t)n * sizeof(float));
-    for (int32_t t = 0; t < n; t++) so_far[t] = (t < before ? earlier[t] : 0.0f) + d->attention[t];
-    return LLAMA_OK;
+    return b->observed_take(b->runner, b->seq, NULL, NULL, rule + n, err, err_bytes);
 }
 
 /* d->scores, the rule of request r's positions [0, n), rescored by the residual. */
@@ -318,19 +323,20 @@ llama_result evict_before_step(evict_driver *d, evict_seq *s, const evict_backen
     return b->observe(b->runner, b->seq, record_flags(d, s, pos), err, err_bytes);
 }
 
-/* The rows of the requests that ran, but the last: each one's features and what the later
-   prompts gave each of its positions (the last one's attention so far less its own). */
+/* The rows of the requests that ran, but the last, newest first: each one's features and what
+   the later prompts gave each of its positions, summed in double. */
 static void emit_rows(evict_driver *d, const evict_seq *s) {
     int32_t last = s->next - 1;
     if (last < 1 || tag_prefix(d, s->ids, s->requests[last].end, NULL, 0) != LLAMA_OK) return;
-    const float *total = s->rows + s->row_at[last] + s->requests[last].end;
-    for (int32_t i = 0; i < last; i++) {
-        const evict_request *r = &s->requests[i];
-        const float *rule = s->rows + s->row_at[i], *so_far = rule + r->end;
+    memset(d->later, 0, (size_t)s->requests[last].end * sizeof *d->later);
+    for (int32_t i = last - 1; i >= 0; i--) {
+        const evict_request *r = &s->requests[i], *next = &s->requests[i + 1];
+        const float *rule = s->rows + s->row_at[i], *given = s->rows + s->row_at[i + 1] + next->end;
+        for (int32_t t = 0; t < next->end; t++) d->later[t] += given[t];
         if (kvmix_intent_residual_features(rule, d->tags, d->tags[r->first].turn, NULL, NULL,
                                            r->end, d->features, NULL) != KVMIX_SUCCESS)
             continue; /* a NaN rule: the request scored nothing it could evict by */
-        for (int32_t t = 0; t < r->end; t++) d->attention[t] = total[t] - so_far[t];
+        for (int32_t t = 0; t < r->end; t++) d->attention[t] = (float)d->later[t];
         d->rows(d->rows_user, s, i, d->features, d->attention, r->end);
     }
 }
@@ -342,6 +348,10 @@ void evict_seq_end(evict_driver *d, evict_seq *s, const evict_backend *b) {
     d->stats.live_peak_sum += s->live_peak;
     d->stats.n_seqs++;
     if (s->rows) emit_rows(d, s);
+    evict_seq_release(s);
+}
+
+void evict_seq_release(evict_seq *s) {
     free(s->rows), free(s->row_at);
     s->rows = NULL, s->row_at = NULL;
 }

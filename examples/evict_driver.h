@@ -56,9 +56,9 @@ typedef struct evict_seq {
     int32_t live_peak;
     float *mass; /* H2O: [max_tokens] attention so far */
     int64_t id;  /* the caller's (its text), for logs: set it after evict_seq_start */
-    /* evict_driver_rows: per request its rule scores, then the attention its prompt and every
-       earlier one gave each position (request i's positions at rows[row_at[i]] and
-       rows[row_at[i] + requests[i].end]); allocated by evict_seq_start, freed by evict_seq_end */
+    /* evict_driver_rows: per request its rule scores, then the attention its prompt gave each
+       position (request i's positions at rows[row_at[i]] and rows[row_at[i] + requests[i].end]);
+       allocated by evict_seq_start, freed by evict_seq_end or evict_seq_release */
     float *rows;
     int64_t *row_at;
     int rows_failed; /* the allocation failed: evict_before_step says so */
@@ -117,15 +117,19 @@ void evict_seq_start(evict_driver *d, evict_seq *s, const int32_t *ids,
  * a request's prompt has just run, then what the step records. */
 llama_result evict_before_step(evict_driver *d, evict_seq *s, const evict_backend *b, int32_t pos,
                                char *err, size_t err_bytes);
-/* The sequence ends (its peak goes into the stats). */
+/* The sequence ends (its peak goes into the stats, its rows to the rows callback). */
 void evict_seq_end(evict_driver *d, evict_seq *s, const evict_backend *b);
+/* What evict_seq_start allocated, freed without ending (a run that stopped on an error); a
+ * zeroed or ended state: nothing. */
+void evict_seq_release(evict_seq *s);
 void evict_driver_stats(const evict_driver *d, evict_stats *out);
 
 /* IntentKV's second phase on the INTENT and QUERY scorers: each request's raw scores (the rule)
  * rescored by the residual w (kvmix_intent_residual_scores over kvmix_intent_residual_features,
  * the positions' tags from spec, KEY_NORM and READOUT 0: the runners do not record them) before
- * the policy shapes them. w and spec are kept by reference; w NULL: the rule alone (the default).
- * LLAMA_ERR_ARGUMENT: weights that do not check, a spec that does not, another scorer. */
+ * the policy shapes them. w and spec are kept by reference (the residual and the rows tag with
+ * the spec given last); w NULL: the rule alone (the default). LLAMA_ERR_ARGUMENT: weights that do
+ * not check, a spec that does not, another scorer. */
 llama_result evict_driver_residual(evict_driver *d, const kvmix_intent_residual *w,
                                    const kvmix_tag_spec *spec, char *err, size_t err_bytes);
 
@@ -134,11 +138,13 @@ llama_result evict_driver_residual(evict_driver *d, const kvmix_intent_residual 
  * residual; tags from spec; KEY_NORM and READOUT 0) and as target the attention the later
  * requests' prompts gave each position (per q head a softmax over the live positions, summed
  * over q heads, layers and those prompts' positions: each later prompt token adds at most
- * n_layers * n_heads). When a sequence ends, rows(user, s, request, features [n][F], target [n],
- * n) runs for each of its requests that a later one followed, in order (a request's rule of an
- * evicted position is -INFINITY). Call before sequences start; spec is kept by reference; rows
+ * n_layers * n_heads, summed in double). The policy must evict nothing (budget_fraction 1): a
+ * position evicted would get no later attention because it was evicted. When a sequence ends,
+ * rows(user, s, request, features [n][F], target [n], n) runs for each of its requests that a
+ * later one followed, newest first. Call before sequences start; spec is kept by reference; rows
  * NULL: none (the default). Recording the later prompts' attention costs what SnapKV's does, at
- * every prompt token. LLAMA_ERR_ARGUMENT: another scorer, a spec that does not check. */
+ * every prompt token. LLAMA_ERR_ARGUMENT: another scorer, a budget under 1, a spec that does not
+ * check. */
 typedef void (*evict_rows_fn)(void *user, const evict_seq *s, int32_t request,
                               const float *features, const float *target, int32_t n_positions);
 llama_result evict_driver_rows(evict_driver *d, evict_rows_fn rows, void *user,

@@ -262,6 +262,10 @@ static bool parse_options(int argc, char **argv, options *o) {
         fprintf(stderr, "kvmix-eval: --transfer runs without --allocation\n");
         return false;
     }
+    if (o->rows_rate != 1.0 && o->rows_path == NULL) {
+        fprintf(stderr, "kvmix-eval: --residual-rows-rate needs --residual-rows\n");
+        return false;
+    }
     if (o->kind != NULL && strcmp(o->kind, "trace") != 0 && strcmp(o->kind, "code") != 0) {
         fprintf(stderr, "kvmix-eval: --kind must be trace or code\n");
         return false;
@@ -1041,7 +1045,10 @@ static evict_seq *evict_seqs_make(const kvmix_policy *policy, int32_t capacity,
 }
 
 static void evict_seqs_free(evict_seq *seqs, int32_t capacity) {
-    for (int32_t i = 0; seqs && i < capacity; i++) free(seqs[i].mass);
+    for (int32_t i = 0; seqs && i < capacity; i++) {
+        free(seqs[i].mass);
+        evict_seq_release(&seqs[i]); /* a pass stopped by an error: the running ones' rows */
+    }
     free(seqs);
 }
 
@@ -1443,6 +1450,7 @@ static void eval_free(eval *e) {
     intent_residual_free(&e->residual);
     free(e->requests);
     free(e->evict_seq.mass);
+    evict_seq_release(&e->evict_seq);
     if (e->cache.destroy != NULL) e->cache.destroy(e->cache.state);
     if (e->reference.destroy != NULL) e->reference.destroy(e->reference.state);
     if (e->runner.model != NULL) llama_runner_free(&e->runner);

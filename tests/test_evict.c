@@ -127,6 +127,7 @@ static bool run_text(run *r, const llama_model *m, const kvmix_tag_spec *spec,
         evict_seq_end(r->d, &r->s, &b);
         evict_driver_stats(r->d, stats);
     }
+    if (lr != LLAMA_OK && evicting) evict_seq_release(&r->s);
     evict_driver_free(r->d);
     free(mass);
     if (!CHECK_MSG(lr == LLAMA_OK, err)) return false;
@@ -326,7 +327,7 @@ static void rows_check(void *user, const evict_seq *s, int32_t request, const fl
                        const float *target, int32_t n) {
     rows_seen *seen = user;
     const int32_t F = KVMIX_INTENT_RESIDUAL_N_FEATURES;
-    seen->bad_shape += request != seen->last_request + 1 || n != s->requests[request].end;
+    seen->bad_shape += request != seen->last_request - 1 || n != s->requests[request].end;
     seen->last_request = request;
     seen->n_calls++;
     for (int32_t t = 0; t < n; t++) {
@@ -350,10 +351,10 @@ static void test_rows(run *r, const llama_model *m, const kvmix_tag_spec *spec, 
     llama_score base, score;
     evict_stats st;
     memset(&seen, 0, sizeof seen);
-    seen.last_request = -1;
     if (!run_text(r, m, spec, &p, t, &base, &st)) return;
     r->cache.destroy(r->cache.state);
     r->rows = rows_check, r->rows_user = &seen;
+    seen.last_request = r->n_requests - 1; /* newest first: the first call is the one before */
     bool ran = run_text(r, m, spec, &p, t, &score, &st);
     r->rows = NULL, r->rows_user = NULL;
     if (!ran) return;
@@ -377,6 +378,10 @@ static void test_rows(run *r, const llama_model *m, const kvmix_tag_spec *spec, 
     char err[256];
     CHECK(evict_driver_create(&streaming.evict, &m->config, 1, 64, &d, err, sizeof err) ==
           LLAMA_OK);
+    CHECK(evict_driver_rows(d, rows_check, &seen, spec, err, sizeof err) == LLAMA_ERR_ARGUMENT);
+    evict_driver_free(d);
+    kvmix_policy half = evict_policy(&m->config, KVMIX_EVICT_INTENT, 0.5); /* it evicts */
+    CHECK(evict_driver_create(&half.evict, &m->config, 1, 64, &d, err, sizeof err) == LLAMA_OK);
     CHECK(evict_driver_rows(d, rows_check, &seen, spec, err, sizeof err) == LLAMA_ERR_ARGUMENT);
     evict_driver_free(d);
 }

@@ -1,8 +1,8 @@
 /* unit_fast_decode: kvmix_view_decode (the fast CPU decode) against kvmix_ref_view_decode, the
    spec, over views built here: sequences of up to 60 spans (so several chunks of
    KVMIX_DECODE_CHUNK_SPANS are merged), every key and value format mixed span by span, padded
-   head strides, dead tokens (whole spans of them too), empty sequences, head_dim 8 to 256 and
-   query groups of 1 to 5. The fast path sums in another order, so the bound is NMSE < 1e-10 per
+   head strides, dead tokens (whole spans of them too), empty sequences, head_dim 8 to 256,
+   channel groups of 8 to 64 and query groups of 1 to 5. The fast path sums in another order, so the bound is NMSE < 1e-10 per
    output row (float rounding over a few thousand tokens) and 1e-5 relative for lse; the thread
    count must not change a bit. Bad arguments write nothing. kvmix_cache_decode is checked
    against the reference inside unit_cache's random runs. */
@@ -90,16 +90,16 @@ static void fd_span(test_rng *rng, fd_view *fv, size_t *used) {
 /* A random view: n_seqs sequences of 0 .. max_spans spans. */
 static void fd_build(test_rng *rng, fd_view *fv, int32_t n_seqs, int32_t n_kv, int32_t dim,
                      int32_t max_spans) {
-    static const int32_t GROUPS[] = {8, 16, 32};
+    static const int32_t GROUPS[] = {8, 16, 32, 48, 64};
     size_t used = 0;
     int32_t s, i;
     memset(&fv->view, 0, sizeof fv->view);
     fv->view.n_seqs = n_seqs;
     fv->view.n_kv_heads = n_kv;
     fv->view.head_dim = dim;
-    do fv->view.group_size = GROUPS[test_rng_range(rng, 0, 2)];
+    do fv->view.group_size = GROUPS[test_rng_range(rng, 0, 4)];
     while (dim % fv->view.group_size != 0);
-    do fv->view.value_group_size = GROUPS[test_rng_range(rng, 0, 2)];
+    do fv->view.value_group_size = GROUPS[test_rng_range(rng, 0, 4)];
     while (dim % fv->view.value_group_size != 0);
     fv->view.n_boost = (dim / 4 < 252 ? dim / 4 : 252) / 4 * 4;
     fv->view.base = fv->base;
@@ -302,15 +302,15 @@ static void fd_check_every_half(void) {
 }
 
 void unit_fast_decode(void) {
-    static const int32_t DIMS[] = {8, 48, 64, 96, 128, 256};
+    static const int32_t DIMS[] = {8, 48, 64, 80, 96, 128, 256};
     test_rng rng;
     fd_view fv;
     int32_t round;
     test_rng_init(&rng, "unit_fast_decode");
     fv.base_bytes = 24u << 20;
     fv.base = (uint8_t *)test_alloc(fv.base_bytes);
-    for (round = 0; round < 36; round++) {
-        int32_t dim = DIMS[round % 6], n_kv = test_rng_range(&rng, 1, 3);
+    for (round = 0; round < 42; round++) {
+        int32_t dim = DIMS[round % 7], n_kv = test_rng_range(&rng, 1, 3);
         int32_t group = test_rng_range(&rng, 1, 5), max_spans = dim >= 128 ? 30 : 60;
         test_context("fast decode round %d: head_dim %d, %d kv heads, group %d", (int)round,
                      (int)dim, (int)n_kv, (int)group);

@@ -7,11 +7,10 @@ features and the attention the later requests' prompts gave it:
 
     build/kvmix-eval-cuda --model models/kvm-long.safetensors \\
         --data bench/refmodel/eval-dev-long.jsonl --kind trace --offset 0 --limit 100 \\
-        --batch 100 --policy RULE.json --tag-spec examples/specs/kvm-byte.json \\
-        --residual-rows rows.csv --residual-rows-rate 0.05
+        --batch 100 --policy examples/policies/fp16-intent-rows.json \\
+        --tag-spec examples/specs/kvm-byte.json --residual-rows rows.csv --residual-rows-rate 0.05
 
-(RULE.json: fp16 with "evict" {"scorer": "intent", "budget_fraction": 1, "decay": 0.5, ...} as
-the study's intent arms use it.) Then
+(fp16-intent-rows: the intent scorer as the study's intent arms use it, budget 1.) Then
 
     python3 bench/refmodel/train_residual.py --rows rows.csv --out weights.json
 
