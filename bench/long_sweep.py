@@ -35,6 +35,8 @@ there is taken as it is: delete it with --out to start over.
     NAME or FILE.json      a policy (built-in name or policy document): a fixed format
     POLICY+ALLOCATION      the policy with the tri-axial allocation (triaxial_sweep.py)
     PRECISION/SCORER/...   budgeted eviction (evict_sweep.py's arm, its policy document)
+    PRECISION/SCORER/...@W.json  the same with the intent residual's weights W.json
+                           (kvmix-eval --residual; intent and query scorers)
     MODE:B[:LAMBDA]        a hand-over with transfer tiers under --transfer-policy
                            (transfer_sweep.py's arm: kvmix-eval --transfer)
 The study: fp16 (the baseline), int4, kivi2-sink, kitty-25, kitty-paper-25; eviction of fp16 at
@@ -93,6 +95,8 @@ def expand_arms(text, allocation, envelope):
 
 def arm_kind(arm):
     """tri, evict, transfer or policy: which of the arm forms above the text is."""
+    if "@" in arm:  # an eviction with weights, whose path may hold anything
+        return "evict"
     if "+" in arm:
         return "tri"
     if arm.endswith(".json"):  # a policy document's path may hold "/" and ":"
@@ -110,7 +114,10 @@ def run_arm(a, policies, arm):
         return sweep_common.run_arm(
             a, arm, sweep_common.eval_command(a, policy) + ["--allocation", allocation])
     if kind == "evict":
-        return evict_sweep.run_document(a, arm, *evict_sweep.arm_setup(a, policies, arm))
+        evict_arm, _, residual = arm.partition("@")
+        doc, flags = evict_sweep.arm_setup(a, policies, evict_arm)
+        return evict_sweep.run_document(
+            a, arm, doc, flags + (["--residual", residual] if residual else []))
     if kind == "transfer":
         return sweep_common.run_arm(
             a, arm, sweep_common.eval_command(a, a.transfer_policy) + ["--transfer", arm])

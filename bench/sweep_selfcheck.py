@@ -145,7 +145,7 @@ def check_long_sweep(tmp):
     out = os.path.join(tmp, "long.jsonl")
     cmd = [sys.executable, os.path.join(HERE, "long_sweep.py"), "--eval",
            os.path.join(tmp, "fake-eval"), "--model", "m", "--data", "d", "--spec", "s",
-           "--arms", "fp16,int4,boom,fp16/h2o/0.5,tiered:0.3", "--out", out]
+           "--arms", "fp16,int4,boom,fp16/h2o/0.5,tiered:0.3,fp16/intent/0.5@w.json", "--out", out]
     run = subprocess.run(cmd, capture_output=True, text=True)
     check(run.returncode == 1, f"long: exit status {run.returncode}, wanted 1\n{run.stderr}")
     for want in ("- runner: " + os.path.join(tmp, "fake-eval"),
@@ -163,7 +163,10 @@ def check_long_sweep(tmp):
         "fp16/h2o/0.5": "0.500 ± 0.050 | +0.000 ± 0.071 | 0.200 ± 0.080 | +0.000 ± 0.113 | "
                         "0.440 ± 0.044 | +0.000 ± 0.063 |",
         "tiered:0.3": "0.500 ± 0.050 | +0.000 ± 0.071 | 0.200 ± 0.080 | +0.000 ± 0.113 | "
-                      "0.440 ± 0.044 | +0.000 ± 0.063 |"}, f"long: question_accuracy {rows}")
+                      "0.440 ± 0.044 | +0.000 ± 0.063 |",
+        "fp16/intent/0.5@w.json": "0.500 ± 0.050 | +0.000 ± 0.071 | 0.200 ± 0.080 | "
+                                  "+0.000 ± 0.113 | 0.440 ± 0.044 | +0.000 ± 0.063 |"},
+          f"long: question_accuracy {rows}")
     # the answer-token rates pool the distances by tokens: (0.4 * 400 + 0.2 * 50) / 450
     rows = table_rows(run.stdout, "answer_agreement")
     check(rows.get("int4", "").endswith("| 0.378 ± 0.043 | -0.089 ± 0.062 |"),
@@ -176,6 +179,9 @@ def check_long_sweep(tmp):
         commands = [json.loads(line)["command"] for line in f]
     reads = lambda c: "--reference-tops" in c and c[c.index("--reference-tops") + 1] == \
         out + ".fp32-tops"
+    residual = [c for c in commands if "--residual" in c]
+    check(len(residual) == 1 and residual[0][residual[0].index("--residual") + 1] == "w.json",
+          f"long: the residual arm's weights {residual}")
     check(commands and commands[0][-2] == "--tops" and not reads(commands[0]) and
           all(reads(c) for c in commands[1:]),
           f"long: reference pass and reuse {commands}")
