@@ -3961,17 +3961,21 @@ static kvmix__lanes kvmix__lanes_of(const kvmix__row_decoder *d, int key) {
     return s;
 }
 
-/* Codes 16b .. 16b + 15 of a row of `bits`-bit codes, code j in the low bits of lane j (what
-   lies above them is the next codes: a table lookup reads the low four bits alone). */
+/* INT4 lanes come in the order of one 64-bit word shifted by 4k in quadword k: lane 2k holds
+   channel k of the block, lane 2k + 1 channel 8 + k. These index vectors take a natural block to
+   that order and back. */
+#define KVMIX__INT4_ORDER   _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15)
+#define KVMIX__INT4_UNORDER _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)
+
+/* Codes 16b .. 16b + 15 of a row of `bits`-bit codes in the low bits of the lanes (what lies
+   above them is other codes: a table lookup reads the low four bits alone): INT2 code j in lane
+   j, INT4 in KVMIX__INT4_ORDER. */
 static inline __m512i kvmix__codes16(const uint8_t *row, int32_t bits, int32_t b) {
     if (bits == 4) {
-        __m512i words = _mm512_maskz_permutexvar_epi32(
-            KVMIX__ALL16, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-            _mm512_zextsi128_si512(
-                _mm_loadl_epi64((const __m128i *)(const void *)(row + 8 * (size_t)b))));
-        return _mm512_maskz_srlv_epi32(
-            KVMIX__ALL16, words,
-            _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28));
+        long long word;
+        memcpy(&word, row + 8 * (size_t)b, sizeof word);
+        return _mm512_maskz_srlv_epi64((__mmask8)0xff, _mm512_set1_epi64(word),
+                                       _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
     }
     int word;
     memcpy(&word, row + 4 * (size_t)b, sizeof word);
@@ -4075,6 +4079,20 @@ static inline void kvmix__logits4_rows2_512(const float *KVMIX__RESTRICT q, cons
 
 /* acc[4][dim] += w[4][KVMIX__TILE_ROWS] * value rows [t0, t0 + n): thirty-two channels of the
    four heads in eight registers held over the rows (sixteen in four for an odd last block). */
+/* Sixteen channels of an accumulator as value lanes of v hold them (INT4's order), and back. */
+static inline __m512 kvmix__acc_load(const kvmix__lanes *v, const float *p) {
+    __m512 x = _mm512_loadu_ps(p);
+    return v->kind == KVMIX__LANES_TOKEN_INT && v->bits == 4
+               ? _mm512_maskz_permutexvar_ps(KVMIX__ALL16, KVMIX__INT4_ORDER, x)
+               : x;
+}
+
+static inline void kvmix__acc_store(const kvmix__lanes *v, float *p, __m512 x) {
+    _mm512_storeu_ps(p, v->kind == KVMIX__LANES_TOKEN_INT && v->bits == 4
+                            ? _mm512_maskz_permutexvar_ps(KVMIX__ALL16, KVMIX__INT4_UNORDER, x)
+                            : x);
+}
+
 static inline void kvmix__weighted4_512(const float *KVMIX__RESTRICT w, const kvmix__lanes *v,
                                         int32_t t0, int32_t n, float *KVMIX__RESTRICT acc) {
     const kvmix__row_decoder *d = v->decoder;
@@ -4090,12 +4108,12 @@ static inline void kvmix__weighted4_512(const float *KVMIX__RESTRICT w, const kv
                                2 * v->groups, meta[t]);
     for (b = 0; b < blocks; b += 2) {
         int32_t pair = b + 1 < blocks, c = 16 * b; /* pair: a second block of sixteen channels */
-        __m512 x0 = _mm512_loadu_ps(a0 + c), x1 = _mm512_loadu_ps(a1 + c);
-        __m512 x2 = _mm512_loadu_ps(a2 + c), x3 = _mm512_loadu_ps(a3 + c);
-        __m512 y0 = pair ? _mm512_loadu_ps(a0 + c + 16) : x0,
-               y1 = pair ? _mm512_loadu_ps(a1 + c + 16) : x1;
-        __m512 y2 = pair ? _mm512_loadu_ps(a2 + c + 16) : x2,
-               y3 = pair ? _mm512_loadu_ps(a3 + c + 16) : x3;
+        __m512 x0 = kvmix__acc_load(v, a0 + c), x1 = kvmix__acc_load(v, a1 + c);
+        __m512 x2 = kvmix__acc_load(v, a2 + c), x3 = kvmix__acc_load(v, a3 + c);
+        __m512 y0 = pair ? kvmix__acc_load(v, a0 + c + 16) : x0,
+               y1 = pair ? kvmix__acc_load(v, a1 + c + 16) : x1;
+        __m512 y2 = pair ? kvmix__acc_load(v, a2 + c + 16) : x2,
+               y3 = pair ? kvmix__acc_load(v, a3 + c + 16) : x3;
         /* the groups of the two blocks (TOKEN_INT): the same one unless a group is 16 channels */
         int32_t first = token ? c / v->group_size : 0;
         int32_t second = token ? (c + 16 * pair) / v->group_size : 0;
@@ -4117,11 +4135,11 @@ static inline void kvmix__weighted4_512(const float *KVMIX__RESTRICT w, const kv
             x2 = _mm512_fmadd_ps(b2, lo, x2), y2 = _mm512_fmadd_ps(b2, hi, y2);
             x3 = _mm512_fmadd_ps(b3, lo, x3), y3 = _mm512_fmadd_ps(b3, hi, y3);
         }
-        _mm512_storeu_ps(a0 + c, x0), _mm512_storeu_ps(a1 + c, x1);
-        _mm512_storeu_ps(a2 + c, x2), _mm512_storeu_ps(a3 + c, x3);
+        kvmix__acc_store(v, a0 + c, x0), kvmix__acc_store(v, a1 + c, x1);
+        kvmix__acc_store(v, a2 + c, x2), kvmix__acc_store(v, a3 + c, x3);
         if (pair) {
-            _mm512_storeu_ps(a0 + c + 16, y0), _mm512_storeu_ps(a1 + c + 16, y1);
-            _mm512_storeu_ps(a2 + c + 16, y2), _mm512_storeu_ps(a3 + c + 16, y3);
+            kvmix__acc_store(v, a0 + c + 16, y0), kvmix__acc_store(v, a1 + c + 16, y1);
+            kvmix__acc_store(v, a2 + c + 16, y2), kvmix__acc_store(v, a3 + c + 16, y3);
         }
     }
 }
@@ -4135,6 +4153,13 @@ static inline void kvmix__attend4_512(const float *KVMIX__RESTRICT q, const kvmi
     float folded[4 * KVMIX_MAX_HEAD_DIM];
     int32_t dim = k->decoder->layout.head_dim, t, g, c;
     const float *qk = q;
+    if (k->kind == KVMIX__LANES_TOKEN_INT && k->bits == 4) { /* q in the INT4 lanes' order */
+        for (c = 0; c < 4 * dim; c += 16)
+            _mm512_storeu_ps(folded + c,
+                             _mm512_maskz_permutexvar_ps(KVMIX__ALL16, KVMIX__INT4_ORDER,
+                                                         _mm512_loadu_ps(q + c)));
+        qk = folded;
+    }
     if (k->kind == KVMIX__LANES_CHANNEL_INT2) { /* q . (code * s + m) = (q * s) . code + q . m */
         for (g = 0; g < 4; g++) {
             float part[16] = {0};
