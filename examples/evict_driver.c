@@ -258,14 +258,21 @@ static llama_result record_rows(evict_driver *d, evict_seq *s, const evict_backe
     return b->observed_take(b->runner, b->seq, NULL, NULL, rule + n, err, err_bytes);
 }
 
+/* The residual's features of request r's positions [0, r->end) into d->features, from their
+   rule scores and d->tags. */
+static kvmix_result request_features(evict_driver *d, const float *rule, const evict_request *r,
+                                     kvmix_error *why) {
+    return kvmix_intent_residual_features(rule, d->tags, d->tags[r->first].turn, NULL, NULL, r->end,
+                                          d->features, why);
+}
+
 /* d->scores, the rule of request r's positions [0, n), rescored by the residual. */
 static llama_result rescore(evict_driver *d, const evict_seq *s, const evict_request *r, int32_t n,
                             char *err, size_t err_bytes) {
     kvmix_error why = {"", ""};
     llama_result lr = tag_prefix(d, s->ids, n, err, err_bytes);
     if (lr != LLAMA_OK) return lr;
-    if (kvmix_intent_residual_features(d->scores, d->tags, d->tags[r->first].turn, NULL, NULL, n,
-                                       d->features, &why) != KVMIX_SUCCESS ||
+    if (request_features(d, d->scores, r, &why) != KVMIX_SUCCESS ||
         kvmix_intent_residual_scores(d->residual, d->features, d->scores, n, d->scores, &why) !=
             KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: the residual: %s: %s",
@@ -333,8 +340,7 @@ static void emit_rows(evict_driver *d, const evict_seq *s) {
         const evict_request *r = &s->requests[i], *next = &s->requests[i + 1];
         const float *rule = s->rows + s->row_at[i], *given = s->rows + s->row_at[i + 1] + next->end;
         for (int32_t t = 0; t < next->end; t++) d->later[t] += given[t];
-        if (kvmix_intent_residual_features(rule, d->tags, d->tags[r->first].turn, NULL, NULL,
-                                           r->end, d->features, NULL) != KVMIX_SUCCESS)
+        if (request_features(d, rule, r, NULL) != KVMIX_SUCCESS)
             continue; /* a NaN rule: the request scored nothing it could evict by */
         for (int32_t t = 0; t < r->end; t++) d->attention[t] = (float)d->later[t];
         d->rows(d->rows_user, s, i, d->features, d->attention, r->end);
