@@ -510,6 +510,9 @@ struct kvmix__view_params {
     uint16_t *keys_out, *values_out;
     const float *memory;
     float *scores;
+    /* batched intent scoring: sequence p.seq + blockIdx.y reads its memory memory_stride floats
+       and writes its logits scores_stride floats after the previous one's */
+    int64_t memory_stride, scores_stride;
 };
 
 /* Blocks of tokens [x * 32, x * 32 + 32): out [capacity][n_kv_heads][head_dim] of dtype. */
@@ -619,13 +622,14 @@ static __global__ void __launch_bounds__(256)
     __shared__ kvmix__walk_smem sm;
     const int64_t lo = (int64_t)blockIdx.x * kvmix__view_tile_tokens;
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
-    const int d = p.head_dim, g = p.n_q_heads / p.n_kv_heads;
+    const int d = p.head_dim, g = p.n_q_heads / p.n_kv_heads, seq = p.seq + (int)blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    const int first = p.seq_first_span[p.seq], last = p.seq_first_span[p.seq + 1];
+    const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
+    const float *memory = p.memory + blockIdx.y * p.memory_stride;
+    float *logits = p.scores + blockIdx.y * p.scores_stride;
     if (!kvmix__view_range_ok(first, last, p.n_spans)) {
         for (int64_t e = threadIdx.x; e < (hi - lo) * p.n_q_heads; e += blockDim.x)
-            p.scores[(e / (hi - lo)) * p.capacity + lo + e % (hi - lo)] =
-                __int_as_float(0x7fffffff);
+            logits[(e / (hi - lo)) * p.capacity + lo + e % (hi - lo)] = __int_as_float(0x7fffffff);
         return;
     }
     kvmix__for_spans(p.spans, first, last, lo, hi, sm, [&](int si, int64_t start) {
@@ -640,14 +644,14 @@ static __global__ void __launch_bounds__(256)
             float acc = 0.0f;
             if (ok)
                 for (int c = lane; c < d; c += 32)
-                    acc += p.memory[(size_t)h * d + c] *
+                    acc += memory[(size_t)h * d + c] *
                            kvmix__decode_value(sp.key_format,
                                                p.base + sp.key_offset +
                                                    (uint64_t)(h / g) * sp.key_head_bytes,
                                                s, t, c, p.group_size);
             for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
             if (lane == 0)
-                p.scores[(size_t)h * p.capacity + pos] =
+                logits[(size_t)h * p.capacity + pos] =
                     ok ? acc * scale : __int_as_float(0x7fffffff);
         }
     });
@@ -660,11 +664,14 @@ static __global__ void kvmix__fill_kernel(float *x, int64_t n, float v) {
         x[i] = v;
 }
 
-/* Step 2: one block per query head: the max and the sum of exp of its logits (NaN propagates). */
+/* Step 2: one block per (query head, sequence): the max and the sum of exp of its logits (NaN
+   propagates). A sequence's logits are [n_heads][capacity], then its (max, sum) per head; the
+   next sequence's start stride floats on. */
 static __global__ void __launch_bounds__(256)
-    kvmix__intent_norm_kernel(const float *logits, int capacity, float *ml) {
+    kvmix__intent_norm_kernel(float *logits, int capacity, int64_t stride) {
     __shared__ float red[8];
-    const float *x = logits + (size_t)blockIdx.x * capacity;
+    const float *x = logits + blockIdx.y * stride + (size_t)blockIdx.x * capacity;
+    float *ml = logits + blockIdx.y * stride + (size_t)gridDim.x * capacity;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float m = -INFINITY, l = 0.0f;
     for (int t = threadIdx.x; t < capacity; t += blockDim.x) m = fmaxf(m, x[t]);
@@ -689,11 +696,15 @@ static __global__ void __launch_bounds__(256)
 }
 
 /* Step 3: scores[t] = sum over heads of exp(logit - m) / l; -inf where every head's is -inf
-   (dead, or past the sequence). */
-static __global__ void kvmix__intent_sum_kernel(const float *logits, const float *ml, int n_heads,
-                                                int capacity, float *scores) {
+   (dead, or past the sequence). Sequence blockIdx.y's scores start capacity floats after the
+   previous one's. */
+static __global__ void kvmix__intent_sum_kernel(const float *all_logits, int n_heads, int capacity,
+                                                int64_t stride, float *all_scores) {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= capacity) return;
+    const float *logits = all_logits + blockIdx.y * stride,
+                *ml = logits + (size_t)n_heads * capacity;
+    float *scores = all_scores + (size_t)blockIdx.y * capacity;
     float sum = 0.0f;
     bool live = false;
     for (int h = 0; h < n_heads; h++) {
@@ -735,7 +746,7 @@ static kvmix__view_params kvmix__view_params_of(const kvmix_view *v, int32_t seq
     p.group_size = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
     p.n_boost = v->n_boost, p.seq = seq, p.capacity = 0, p.dtype = KVMIX_CUDA_FP16;
     p.n_q_heads = v->n_kv_heads, p.keys_out = p.values_out = nullptr;
-    p.memory = nullptr, p.scores = nullptr;
+    p.memory = nullptr, p.scores = nullptr, p.memory_stride = p.scores_stride = 0;
     return p;
 }
 
@@ -790,30 +801,53 @@ extern "C" kvmix_result kvmix_cuda_view_intent_score(const kvmix_view *view, int
                                                      const float *memory, float *scores,
                                                      int32_t capacity_tokens, void *workspace,
                                                      size_t workspace_bytes, kvmix_stream stream) {
+    return kvmix_cuda_view_intent_score_seqs(view, seq, 1, n_q_heads, scale, memory, 0, scores,
+                                             capacity_tokens, workspace, workspace_bytes, stream);
+}
+
+/* Sequences p.seq .. p.seq + n - 1 (n within a grid's y dimension): each one's part_bytes of the
+   workspace (p.scores) hold its logits, then its (max, sum) per head. */
+static void kvmix__intent_launch(kvmix__view_params p, int32_t n, float scale, float *scores,
+                                 size_t part_bytes, cudaStream_t st) {
+    const int64_t stride = (int64_t)(part_bytes / sizeof(float)), n_floats = stride * n;
+    const unsigned fill_blocks = (unsigned)(n_floats / 256 + 1 < 4096 ? n_floats / 256 + 1 : 4096);
+    kvmix__fill_kernel<<<fill_blocks, 256, 0, st>>>(p.scores, n_floats, -INFINITY);
+    p.scores_stride = stride;
+    const unsigned tiles =
+        (unsigned)((p.capacity + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
+    kvmix__intent_logits_kernel<<<dim3(tiles, (unsigned)n), 256, 0, st>>>(p, scale);
+    kvmix__intent_norm_kernel<<<dim3((unsigned)p.n_q_heads, (unsigned)n), 256, 0, st>>>(
+        p.scores, p.capacity, stride);
+    kvmix__intent_sum_kernel<<<dim3((unsigned)((p.capacity + 255) / 256), (unsigned)n), 256, 0,
+                               st>>>(p.scores, p.n_q_heads, p.capacity, stride, scores);
+}
+
+extern "C" kvmix_result
+kvmix_cuda_view_intent_score_seqs(const kvmix_view *view, int32_t first_seq, int32_t n_seqs,
+                                  int32_t n_q_heads, float scale, const float *memory,
+                                  int64_t memory_stride, float *scores, int32_t capacity_tokens,
+                                  void *workspace, size_t workspace_bytes, kvmix_stream stream) {
     kvmix_result r = kvmix__check_device_view(view);
     if (r != KVMIX_SUCCESS) return r;
-    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || n_q_heads <= 0 ||
-        n_q_heads % view->n_kv_heads != 0 || !(scale >= 0.0f) || isinf(scale))
+    if (first_seq < 0 || n_seqs < 0 || first_seq > view->n_seqs - n_seqs || capacity_tokens < 0 ||
+        n_q_heads <= 0 || n_q_heads % view->n_kv_heads != 0 || memory_stride < 0 ||
+        !(scale >= 0.0f) || isinf(scale))
         return KVMIX_ERR_INVALID_ARGUMENT;
-    if (capacity_tokens == 0) return KVMIX_SUCCESS;
+    if (capacity_tokens == 0 || n_seqs == 0) return KVMIX_SUCCESS;
     if (!memory || !scores || !workspace) return KVMIX_ERR_NULL_POINTER;
-    size_t need;
-    kvmix_cuda_view_intent_workspace_bytes(n_q_heads, capacity_tokens, &need);
-    if (workspace_bytes < need) return KVMIX_ERR_BUFFER_TOO_SMALL;
-    cudaStream_t st = (cudaStream_t)stream;
-    float *logits = (float *)workspace, *ml = logits + (size_t)n_q_heads * capacity_tokens;
-    kvmix__view_params p = kvmix__view_params_of(view, seq);
-    p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory = memory, p.scores = logits;
+    size_t part;
+    kvmix_cuda_view_intent_workspace_bytes(n_q_heads, capacity_tokens, &part);
+    if (workspace_bytes / part < (size_t)n_seqs) return KVMIX_ERR_BUFFER_TOO_SMALL;
+    kvmix__view_params p = kvmix__view_params_of(view, first_seq);
+    p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory_stride = memory_stride;
     if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
-    const int64_t n_logits = (int64_t)n_q_heads * capacity_tokens;
-    const unsigned fill_blocks = (unsigned)(n_logits / 256 + 1 < 4096 ? n_logits / 256 + 1 : 4096);
-    kvmix__fill_kernel<<<fill_blocks, 256, 0, st>>>(logits, n_logits, -INFINITY);
-    unsigned blocks =
-        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
-    kvmix__intent_logits_kernel<<<blocks, 256, 0, st>>>(p, scale);
-    kvmix__intent_norm_kernel<<<(unsigned)n_q_heads, 256, 0, st>>>(logits, capacity_tokens, ml);
-    kvmix__intent_sum_kernel<<<(unsigned)((capacity_tokens + 255) / 256), 256, 0, st>>>(
-        logits, ml, n_q_heads, capacity_tokens, scores);
+    const int32_t grid_y = 65535;
+    for (int32_t i = 0; i < n_seqs; i += grid_y) {
+        p.seq = first_seq + i, p.memory = memory + i * memory_stride;
+        p.scores = (float *)((char *)workspace + (size_t)i * part);
+        kvmix__intent_launch(p, n_seqs - i < grid_y ? n_seqs - i : grid_y, scale,
+                             scores + (size_t)i * capacity_tokens, part, (cudaStream_t)stream);
+    }
     return kvmix__launch_status();
 }
 

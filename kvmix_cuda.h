@@ -201,6 +201,19 @@ kvmix_result kvmix_cuda_view_intent_score(const kvmix_view *view, int32_t seq, i
                                           int32_t capacity_tokens, void *workspace,
                                           size_t workspace_bytes, kvmix_stream stream);
 
+/* kvmix_cuda_view_intent_score of sequences first_seq .. first_seq + n_seqs - 1 in the same four
+   launches: sequence first_seq + i reads memory + i * memory_stride (floats) and writes scores +
+   i * capacity_tokens; the workspace holds n_seqs times kvmix_cuda_view_intent_workspace_bytes.
+   Each sequence's scores are those kvmix_cuda_view_intent_score gives it alone. For a step of
+   many sequences (an H2O-style recorder): one call where n_seqs calls would launch 4 n_seqs
+   kernels. Returns what kvmix_cuda_view_intent_score returns. */
+kvmix_result kvmix_cuda_view_intent_score_seqs(const kvmix_view *view, int32_t first_seq,
+                                               int32_t n_seqs, int32_t n_q_heads, float scale,
+                                               const float *memory, int64_t memory_stride,
+                                               float *scores, int32_t capacity_tokens,
+                                               void *workspace, size_t workspace_bytes,
+                                               kvmix_stream stream);
+
 /* ------------------------------------------------------------------------------------------- */
 /* Transfer payload body (kvmix.h's >>transfer room). The head (header and tier table,           */
 /* info->head_bytes) is host work: the sender writes it with kvmix_payload_write_head and copies  */

@@ -80,18 +80,21 @@ struct prefill_rows {
    summed on the device per view token (a sequence's view only grows between evictions) and
    folded to positions on the host before anything changes the view. */
 struct observation {
-    int32_t view_capacity; /* view tokens a sequence may list: max_tokens + page_tokens */
-    int32_t *flags;        /* host [max_seqs] */
-    int32_t *n_queries;    /* host [max_seqs] */
-    uint8_t *pending;      /* host [max_seqs]: d_mass holds attention not folded yet */
-    float *d_qsum;         /* [max_seqs][n_layers][n_q][D] */
-    float *d_mass;         /* [max_seqs][view_capacity] by view token */
-    float *h_mass;         /* host [max_seqs][max_tokens] by position */
-    float *d_scores;       /* [n_layers][view_capacity] */
-    float *h_scores;       /* pinned [n_layers][view_capacity] */
-    int32_t *positions;    /* host [view_capacity] */
-    float *d_memory;       /* [n_layers][n_q][D] */
-    void *work;            /* kvmix_cuda_view_intent_score's */
+    int32_t view_capacity;    /* view tokens a sequence may list: max_tokens + page_tokens */
+    int32_t *flags;           /* host [max_seqs] */
+    int32_t *n_queries;       /* host [max_seqs] */
+    uint8_t *pending;         /* host [max_seqs]: d_mass holds attention not folded yet */
+    float *d_qsum;            /* [max_seqs][n_layers][n_q][D] */
+    float *d_mass;            /* [max_seqs][view_capacity] by view token */
+    float *h_mass;            /* host [max_seqs][max_tokens] by position */
+    float *d_scores;          /* [max(n_layers, max_seqs)][view_capacity]: intent scores per layer,
+                              or a recorded step's attention per step row */
+    int32_t *h_into, *d_into; /* pinned, device [max_seqs]: the sequence a step row's attention
+                                 adds into, -1 for rows not recording it */
+    float *h_scores;          /* pinned [n_layers][view_capacity] */
+    int32_t *positions;       /* host [view_capacity] */
+    float *d_memory;          /* [n_layers][n_q][D] */
+    void *work;               /* kvmix_cuda_view_intent_score_seqs's for max_seqs sequences */
     size_t work_bytes;
 };
 
@@ -240,10 +243,14 @@ __global__ void sum_queries_kernel(const float *qkv, const int32_t *step, int32_
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) sum[d] += q[d];
 }
 
-/* acc += scores where a score is finite (dead and past-the-end tokens are -INFINITY). */
-__global__ void add_finite_kernel(const float *scores, int32_t n, float *acc) {
-    int32_t i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n && isfinite(scores[i])) acc[i] += scores[i];
+/* Step row blockIdx.y's finite scores [n] added to its sequence's row of acc ([seqs][stride]),
+   for rows whose into[] names one; dead and past-the-end tokens score -INFINITY. */
+__global__ void add_finite_kernel(const float *scores, int32_t n, const int32_t *into,
+                                  int32_t stride, float *acc) {
+    int32_t i = blockIdx.x * blockDim.x + threadIdx.x, s = into[blockIdx.y];
+    if (i >= n || s < 0) return;
+    const float x = scores[(size_t)blockIdx.y * n + i];
+    if (isfinite(x)) acc[(size_t)s * stride + i] += x;
 }
 
 /* Rebuilt spans into their sequences' slabs. */
@@ -955,25 +962,39 @@ llama_result layer_view(gpu_llama *g, int32_t l, kvmix_view *out, char *err, siz
 }
 
 /* What the step's sequences record on layer l (gpu_llama_observe), from the layer's view and the
-   step's fp32 queries. */
+   step's fp32 queries; no sequence of the step has more than `longest` positions. */
 llama_result record_layer(gpu_llama *g, int32_t l, const kvmix_view *view, const int32_t *seqs,
-                          int32_t n, char *err, size_t err_bytes) {
+                          int32_t n, int64_t longest, char *err, size_t err_bytes) {
     observation *o = &g->obs;
     const llama_config *c = &g->c;
     int32_t row_floats = (c->n_heads + 2 * c->n_kv_heads) * c->head_dim, cap = o->view_capacity;
-    bool queries = false;
+    bool queries = false, attention = false;
     for (int32_t i = 0; o->flags && i < n; i++) {
         int32_t s = seqs[i], f = o->flags[s];
         if ((f & GPU_LLAMA_OBSERVE_QUERIES) && l == 0) o->n_queries[s]++;
         queries = queries || (f & GPU_LLAMA_OBSERVE_QUERIES);
-        if (!(f & GPU_LLAMA_OBSERVE_ATTENTION)) continue;
-        TRY_KVMIX(kvmix_cuda_view_intent_score(view, i, c->n_heads, 0.0f,
-                                               g->qkv + (size_t)i * row_floats, o->d_scores, cap,
-                                               o->work, o->work_bytes, g->stream),
+        attention = attention || (f & GPU_LLAMA_OBSERVE_ATTENTION);
+    }
+    if (attention && l == 0) { /* which sequence each row adds into, for every layer of the step */
+        for (int32_t i = 0; i < n; i++) {
+            int32_t s = seqs[i];
+            o->h_into[i] = (o->flags[s] & GPU_LLAMA_OBSERVE_ATTENTION) ? s : -1;
+            if (o->h_into[i] >= 0) o->pending[s] = 1;
+        }
+        TRY_CUDA(cudaMemcpyAsync(o->d_into, o->h_into, (size_t)n * sizeof(int32_t),
+                                 cudaMemcpyHostToDevice, g->stream),
+                 "uploading the recorders");
+    }
+    if (attention) { /* every row scored in one call: 4 launches, not 4 per recording sequence;
+                        over the view tokens the step's sequences can have, not the capacity */
+        int64_t reach = longest + g->cache.desc.page_tokens;
+        int32_t step_cap = reach < cap ? (int32_t)reach : cap;
+        TRY_KVMIX(kvmix_cuda_view_intent_score_seqs(view, 0, n, c->n_heads, 0.0f, g->qkv,
+                                                    row_floats, o->d_scores, step_cap, o->work,
+                                                    o->work_bytes, g->stream),
                   "attention of a recorded step");
-        add_finite_kernel<<<(cap + THREADS - 1) / THREADS, THREADS, 0, g->stream>>>(
-            o->d_scores, cap, o->d_mass + (size_t)s * cap);
-        o->pending[s] = 1;
+        add_finite_kernel<<<dim3((step_cap + THREADS - 1) / THREADS, n), THREADS, 0, g->stream>>>(
+            o->d_scores, step_cap, o->d_into, cap, o->d_mass);
     }
     if (queries)
         sum_queries_kernel<<<dim3(n, c->n_heads), 128, 0, g->stream>>>(
@@ -1022,7 +1043,7 @@ llama_result attend_kvmix(gpu_llama *g, int32_t l, const int32_t *seqs, int32_t 
     from_half_kernel<<<(unsigned)((halves + THREADS - 1) / THREADS), THREADS, 0, g->stream>>>(
         (const __half *)g->o16, halves, g->att);
     if (g->profiling) cudaEventRecord(g->events[2 * l + 1], g->stream);
-    return record_layer(g, l, &view, seqs, n, err, err_bytes);
+    return record_layer(g, l, &view, seqs, n, longest, err, err_bytes);
 }
 
 /* Layer l's attention over the fp32 reference cache for the n rows in h_step, after storing their
@@ -1134,13 +1155,17 @@ llama_result observation_create(gpu_llama *g, char *err, size_t err_bytes) {
         return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     TRY_CUDA(device_alloc(&o->d_qsum, seqs * q_floats), "recorded queries");
     TRY_CUDA(device_alloc(&o->d_mass, seqs * cap), "recorded attention");
-    TRY_CUDA(device_alloc(&o->d_scores, (size_t)c->n_layers * cap), "scores");
+    size_t score_rows = seqs > (size_t)c->n_layers ? seqs : (size_t)c->n_layers;
+    TRY_CUDA(device_alloc(&o->d_scores, score_rows * cap), "scores");
+    TRY_CUDA(cudaMallocHost(&o->h_into, seqs * sizeof(int32_t)), "recorders");
+    TRY_CUDA(cudaMalloc(&o->d_into, seqs * sizeof(int32_t)), "recorders");
     TRY_CUDA(pinned_alloc(&o->h_scores, (size_t)c->n_layers * cap), "scores");
     TRY_CUDA(device_alloc(&o->d_memory, q_floats), "query memory");
     TRY_CUDA(cudaMemsetAsync(o->d_qsum, 0, seqs * q_floats * sizeof(float), g->stream), "zeroing");
     TRY_CUDA(cudaMemsetAsync(o->d_mass, 0, seqs * cap * sizeof(float), g->stream), "zeroing");
     TRY_KVMIX(kvmix_cuda_view_intent_workspace_bytes(c->n_heads, o->view_capacity, &o->work_bytes),
               "intent workspace");
+    o->work_bytes *= seqs;
     TRY_CUDA(cudaMalloc(&o->work, o->work_bytes), "intent workspace");
     return LLAMA_OK;
 }
@@ -1148,7 +1173,7 @@ llama_result observation_create(gpu_llama *g, char *err, size_t err_bytes) {
 void observation_free(observation *o) {
     free(o->flags), free(o->n_queries), free(o->pending), free(o->h_mass), free(o->positions);
     cudaFree(o->d_qsum), cudaFree(o->d_mass), cudaFree(o->d_scores), cudaFree(o->d_memory);
-    cudaFree(o->work), cudaFreeHost(o->h_scores);
+    cudaFree(o->work), cudaFreeHost(o->h_scores), cudaFreeHost(o->h_into), cudaFree(o->d_into);
 }
 
 /* A new sequence records nothing and has nothing recorded. */

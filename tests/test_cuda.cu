@@ -752,6 +752,54 @@ static void check_intent_scores(const test_view &v, int seq, int n_q, const floa
     cudaFree(d_out);
 }
 
+/* kvmix_cuda_view_intent_score_seqs over every sequence of a view, each with its own memory at
+   an odd stride: the same bits as kvmix_cuda_view_intent_score per sequence; a workspace one part
+   short, a range past the view and a negative stride refused. */
+static void check_intent_score_seqs(const test_view &v, int n_q, int cap) {
+    char name[200];
+    const int n = v.n_seqs;
+    const int64_t stride = (int64_t)n_q * v.d + 3;
+    size_t part = 0;
+    check(kvmix_cuda_view_intent_workspace_bytes(n_q, cap, &part) == KVMIX_SUCCESS,
+          "intent workspace");
+    std::vector<float> mem((size_t)stride * n);
+    for (auto &x : mem) x = nrand();
+    float *d_mem, *d_all, *d_one;
+    void *d_ws;
+    CUDA_OK(cudaMalloc(&d_mem, mem.size() * 4));
+    CUDA_OK(cudaMalloc(&d_all, (size_t)n * cap * 4));
+    CUDA_OK(cudaMalloc(&d_one, (size_t)n * cap * 4));
+    CUDA_OK(cudaMalloc(&d_ws, part * n));
+    CUDA_OK(cudaMemcpy(d_mem, mem.data(), mem.size() * 4, cudaMemcpyHostToDevice));
+    kvmix_result r = kvmix_cuda_view_intent_score_seqs(&v.dev, 0, n, n_q, 0.0f, d_mem, stride,
+                                                       d_all, cap, d_ws, part * n, 0);
+    bool alone_ok = true;
+    for (int s = 0; s < n; s++)
+        alone_ok &= kvmix_cuda_view_intent_score(&v.dev, s, n_q, 0.0f, d_mem + s * stride,
+                                                 d_one + (size_t)s * cap, cap, d_ws, part,
+                                                 0) == KVMIX_SUCCESS;
+    CUDA_OK(cudaDeviceSynchronize());
+    std::vector<float> all((size_t)n * cap), one((size_t)n * cap);
+    CUDA_OK(cudaMemcpy(all.data(), d_all, all.size() * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(one.data(), d_one, one.size() * 4, cudaMemcpyDeviceToHost));
+    snprintf(name, sizeof name, "intent score of %d sequences in one call D %d: each as alone", n,
+             v.d);
+    check(r == KVMIX_SUCCESS && alone_ok && memcmp(all.data(), one.data(), all.size() * 4) == 0,
+          name);
+    check(kvmix_cuda_view_intent_score_seqs(&v.dev, 0, n, n_q, 0.0f, d_mem, stride, d_all, cap,
+                                            d_ws, part * n - 1, 0) == KVMIX_ERR_BUFFER_TOO_SMALL,
+          "intent score of sequences: a workspace one part short refused");
+    check(kvmix_cuda_view_intent_score_seqs(&v.dev, 1, n, n_q, 0.0f, d_mem, stride, d_all, cap,
+                                            d_ws, part * n, 0) == KVMIX_ERR_INVALID_ARGUMENT &&
+              kvmix_cuda_view_intent_score_seqs(&v.dev, 0, n, n_q, 0.0f, d_mem, -1, d_all, cap,
+                                                d_ws, part * n, 0) == KVMIX_ERR_INVALID_ARGUMENT,
+          "intent score of sequences: a range past the view, a negative stride refused");
+    cudaFree(d_mem);
+    cudaFree(d_all);
+    cudaFree(d_one);
+    cudaFree(d_ws);
+}
+
 static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_dtype dtype,
                                        bool quick) {
     char name[200];
@@ -849,6 +897,10 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
         cudaFree(d_mem);
         cudaFree(d_scores);
     }
+    int64_t longest = 0;
+    for (int seq = 0; seq < v.n_seqs; seq++)
+        longest = v.seq_tokens[seq] > longest ? v.seq_tokens[seq] : longest;
+    check_intent_score_seqs(v, 2 * n_kv, (int)longest + 5);
     free_view(v);
 }
 

@@ -64,7 +64,7 @@ def tensors(data, keys, mean, std, quantile, device):
             rules.append(f[0])
             feats.append([(f[k] - mean[k]) / std[k] for k in range(len(R.FEATURES))])
     as_tensor = lambda x: torch.tensor(x, dtype=torch.float32, device=device)
-    return spans, as_tensor(rules), as_tensor(feats), labels
+    return spans, as_tensor(rules), as_tensor(feats).reshape(-1, len(R.FEATURES)), labels
 
 
 def epoch_pairs(spans, labels, rng):
@@ -106,13 +106,24 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--alpha-max", type=float, default=4.0)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--min-age", type=int, default=64,
+                    help="drop positions this close to the newest: the policy's window keeps them")
     ap.add_argument("--force", action="store_true")
     a = ap.parse_args()
+    if not 1 <= a.hidden <= 256:  # KVMIX_INTENT_RESIDUAL_MAX_HIDDEN
+        ap.error("--hidden must be 1..256")
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     data = R.read_rows(a.rows)
+    age_floor = math.log1p(a.min_age)
+    data = {k: kept for k, v in data.items()
+            if (kept := [r for r in v if r[1][R.FEATURES.index("log_age")] >= age_floor])}
     train_keys, held_keys = R.split_texts(list(data), a.holdout, a.seed)
+    if not train_keys or not held_keys:
+        print(f"{a.rows}: {len(train_keys)} requests to train on, {len(held_keys)} held out: "
+              "too few")
+        return 1
     mean, std = R.standardization([f for k in train_keys for _, f, _ in data[k]])
     train = tensors(data, train_keys, mean, std, a.quantile, device)
     held = tensors(data, held_keys, mean, std, a.quantile, device)
@@ -122,6 +133,9 @@ def main():
     model = Residual(a.hidden).to(device)
     floor = held_out_accuracy(model, held[0], held[1], held[2], held[3], False)
     print(f"held-out pairwise accuracy, the rule alone: {floor:.4f}", flush=True)
+    if math.isnan(floor):
+        print("no held-out request has both a positive and a negative: cannot choose an epoch")
+        return 1
     opt = torch.optim.Adam(model.parameters(), lr=a.lr)
     best, best_state, best_epoch = -1.0, None, 0
     for epoch in range(1, a.epochs + 1):
@@ -149,6 +163,9 @@ def main():
         if acc > best:
             best, best_epoch = acc, epoch
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if best_state is None:
+        print("the held-out accuracy was never a number")
+        return 1
     model.load_state_dict(best_state)
     print(f"best: epoch {best_epoch}, held-out pairwise accuracy {best:.4f} against the rule's "
           f"{floor:.4f}", flush=True)
@@ -159,7 +176,7 @@ def main():
                    f"quantile {a.quantile}, epoch {best_epoch}, held-out pairwise accuracy "
                    f"{best:.4f} (rule {floor:.4f})")
     with open(a.out, "w") as f:
-        json.dump(export(model, mean, std, a.alpha_max, description), f)
+        json.dump(export(model, mean, std, a.alpha_max, description), f, allow_nan=False)
     print(f"wrote {a.out}")
     return 0
 
