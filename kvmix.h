@@ -3821,25 +3821,56 @@ static inline float kvmix__max_rows(const float *x) {
     return m[0];
 }
 
+/* kvmix__exp_nonpositive on eight lanes, step for step (the compilers do not vectorize the
+   scalar loop: its arrays may alias). */
+static inline __m256 kvmix__exp_nonpositive8(__m256 x) {
+    const __m256 floor = _mm256_set1_ps(-87.0f), round = _mm256_set1_ps(12582912.0f);
+    const __m256 in_range = _mm256_cmp_ps(x, floor, _CMP_GE_OQ); /* false for NaN */
+    __m256 clamped = _mm256_blendv_ps(floor, x, in_range), n, r, p;
+    n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504f)), round),
+                      round);
+    r = _mm256_sub_ps(_mm256_sub_ps(clamped, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
+                      _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
+    p = _mm256_add_ps(_mm256_set1_ps(0.00833333377f),
+                      _mm256_mul_ps(r, _mm256_set1_ps(0.00138888892f)));
+    p = _mm256_add_ps(_mm256_set1_ps(0.0416666679f), _mm256_mul_ps(r, p));
+    p = _mm256_add_ps(_mm256_set1_ps(0.166666672f), _mm256_mul_ps(r, p));
+    p = _mm256_add_ps(_mm256_set1_ps(0.5f), _mm256_mul_ps(r, p));
+    p = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(r, p));
+    p = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(r, p));
+    p = _mm256_mul_ps(p,
+                      _mm256_castsi256_ps(_mm256_slli_epi32(
+                          _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23)));
+    return _mm256_and_ps(p, in_range);
+}
+
 /* Four query heads' tile logits [4][KVMIX__TILE_ROWS] (-inf for dead rows) into weights w: each
    head's running max raised to the tile's (its acc and sum rescaled), w = e^(logit - max), the
    weights added to its sum. */
 static inline void kvmix__softmax_rows4(float (*logit)[KVMIX__TILE_ROWS],
                                         float (*w)[KVMIX__TILE_ROWS], int32_t dim,
                                         float *KVMIX__RESTRICT acc, float *max, float *sum) {
-    int32_t t, c, g, j;
+    int32_t t, c, g;
     for (g = 0; g < 4; g++) {
         float tile_max = kvmix__max_rows(logit[g]), part[8] = {0}, m;
+        __m256 total = _mm256_setzero_ps(), shift;
         if (tile_max > max[g]) { /* every row dead leaves tile_max -inf: no change */
             float rescale = kvmix__exp_nonpositive(max[g] - tile_max); /* 0 on the first tile */
-            for (c = 0; c < dim; c++) acc[(size_t)g * dim + c] *= rescale;
+            __m256 by = _mm256_set1_ps(rescale);
+            float *a = acc + (size_t)g * dim;
+            for (c = 0; c + 8 <= dim; c += 8) /* head_dim is a multiple of 8 */
+                _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_loadu_ps(a + c), by));
             sum[g] *= rescale;
             max[g] = tile_max;
         }
         m = max[g] == -INFINITY ? 0.0f : max[g]; /* no live row yet: every weight 0 */
-        for (t = 0; t < KVMIX__TILE_ROWS; t++) w[g][t] = kvmix__exp_nonpositive(logit[g][t] - m);
-        for (t = 0; t < KVMIX__TILE_ROWS; t += 8)
-            for (j = 0; j < 8; j++) part[j] += w[g][t + j];
+        shift = _mm256_set1_ps(m);
+        for (t = 0; t < KVMIX__TILE_ROWS; t += 8) {
+            __m256 e = kvmix__exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(&logit[g][t]), shift));
+            _mm256_storeu_ps(&w[g][t], e);
+            total = _mm256_add_ps(total, e);
+        }
+        _mm256_storeu_ps(part, total);
         sum[g] += kvmix__sum8(part);
     }
 }
