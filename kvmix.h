@@ -4193,11 +4193,15 @@ static inline void kvmix__attend4_512(const float *KVMIX__RESTRICT q, const kvmi
     }
     if (k->kind == KVMIX__LANES_CHANNEL_INT2) { /* q . (code * s + m) = (q * s) . code + q . m */
         for (g = 0; g < 4; g++) {
-            float part[16] = {0};
-            for (c = 0; c < dim; c++) {
-                folded[g * dim + c] = q[g * dim + c] * k->decoder->scale[c];
-                part[c % 16] += q[g * dim + c] * k->decoder->min[c];
+            float part[16];
+            __m512 lanes = _mm512_setzero_ps(); /* lane j: channels j, j + 16, ... */
+            for (c = 0; c < dim; c += 16) {
+                __m512 x = _mm512_loadu_ps(q + g * dim + c);
+                _mm512_storeu_ps(folded + g * dim + c,
+                                 _mm512_mul_ps(x, _mm512_loadu_ps(k->decoder->scale + c)));
+                lanes = _mm512_fmadd_ps(x, _mm512_loadu_ps(k->decoder->min + c), lanes);
             }
+            _mm512_storeu_ps(part, lanes);
             for (c = 0; c < 16; c++) bias[g] += part[c];
         }
         qk = folded;
