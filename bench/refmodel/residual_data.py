@@ -37,6 +37,17 @@ def read_rows(path):
     return requests
 
 
+def drop_recent(requests, min_age):
+    """The rows of positions at least min_age back from their request's newest: the policy's
+    window keeps the nearer ones whatever they score. Ages are whole, so the cut lies half a
+    position below (log_age, written as a float, may round below log(1 + min_age)). A request
+    left with no row is dropped."""
+    floor = math.log1p(min_age - 0.5)
+    age = FEATURES.index("log_age")
+    kept = {key: [r for r in rows if r[1][age] >= floor] for key, rows in requests.items()}
+    return {key: rows for key, rows in kept.items() if rows}
+
+
 def labels(rows, quantile):
     """1 for a position whose target is positive and at least the request's quantile-th target
     (quantile 0.9: about the top tenth), else 0."""

@@ -1,8 +1,8 @@
 # Checks of the intent residual's data and weights code, without torch: rows read back as
 # written, labels take the top of each request, the split keeps sessions whole, pairs are one
-# positive and one negative of a request, folding the standardization into the first layer
-# gives the same residual, the pairwise accuracy on hand-computed cases, and the document
-# kvmix reads (its fields and sizes).
+# positive and one negative of a request, the window's positions dropped, folding the
+# standardization into the first layer gives the same residual, the pairwise accuracy on
+# hand-computed cases, and the document kvmix reads (its fields and sizes).
 import math, os, random, sys, tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,6 +66,13 @@ def check_labels_split_pairs():
     ok &= expect(len(p) == 2 and all(y[i] == 1 and y[j] == 0 for i, j in p),
                  "pairs: each positive with a negative")
     ok &= expect(R.pairs([1, 1], random.Random(1)) == [], "pairs: none without a negative")
+    age = R.FEATURES.index("log_age")
+    aged = lambda back: [math.log1p(back) if k == age else 0.0 for k in range(len(R.FEATURES))]
+    requests = {(0, 0): [(p, aged(99 - p), 1.0) for p in range(100)],
+                (0, 1): [(p, aged(9 - p), 1.0) for p in range(10)]}
+    kept = R.drop_recent(requests, 64)
+    ok &= expect(list(kept) == [(0, 0)] and [r[0] for r in kept[(0, 0)]] == list(range(36)),
+                 "drop_recent: positions 64 and more back kept, a request left empty dropped")
     return ok
 
 

@@ -115,10 +115,7 @@ def main():
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    data = R.read_rows(a.rows)
-    age_floor = math.log1p(a.min_age)
-    data = {k: kept for k, v in data.items()
-            if (kept := [r for r in v if r[1][R.FEATURES.index("log_age")] >= age_floor])}
+    data = R.drop_recent(R.read_rows(a.rows), a.min_age)
     train_keys, held_keys = R.split_texts(list(data), a.holdout, a.seed)
     if not train_keys or not held_keys:
         print(f"{a.rows}: {len(train_keys)} requests to train on, {len(held_keys)} held out: "
