@@ -3675,7 +3675,8 @@ typedef struct kvmix__partial {
 } kvmix__partial;
 
 /* e^x for x <= 0, -inf included (0): 2^n times a polynomial on the remainder, relative error
-   below 1e-6, in float arithmetic without calls or branches, so a loop of it vectorizes. */
+   below 1e-6, in float arithmetic without calls or branches (kvmix__exp_nonpositive8 is its
+   eight-lane twin). */
 static inline float kvmix__exp_nonpositive(float x) {
     const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
     float clamped = x >= -87.0f ? x : -87.0f, n = (clamped * 1.44269504f + round) - round;
@@ -3824,9 +3825,9 @@ static inline float kvmix__max_rows(const float *x) {
 /* kvmix__exp_nonpositive on eight lanes, step for step (the compilers do not vectorize the
    scalar loop: its arrays may alias). */
 static inline __m256 kvmix__exp_nonpositive8(__m256 x) {
-    const __m256 floor = _mm256_set1_ps(-87.0f), round = _mm256_set1_ps(12582912.0f);
-    const __m256 in_range = _mm256_cmp_ps(x, floor, _CMP_GE_OQ); /* false for NaN */
-    __m256 clamped = _mm256_blendv_ps(floor, x, in_range), n, r, p;
+    const __m256 lowest = _mm256_set1_ps(-87.0f), round = _mm256_set1_ps(12582912.0f);
+    const __m256 in_range = _mm256_cmp_ps(x, lowest, _CMP_GE_OQ); /* false for NaN */
+    __m256 clamped = _mm256_blendv_ps(lowest, x, in_range), n, r, p;
     n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504f)), round),
                       round);
     r = _mm256_sub_ps(_mm256_sub_ps(clamped, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
@@ -3852,7 +3853,7 @@ static inline void kvmix__softmax_rows4(float (*logit)[KVMIX__TILE_ROWS],
                                         float *KVMIX__RESTRICT acc, float *max, float *sum) {
     int32_t t, c, g;
     for (g = 0; g < 4; g++) {
-        float tile_max = kvmix__max_rows(logit[g]), part[8] = {0}, m;
+        float tile_max = kvmix__max_rows(logit[g]), part[8], m;
         __m256 total = _mm256_setzero_ps(), shift;
         if (tile_max > max[g]) { /* every row dead leaves tile_max -inf: no change */
             float rescale = kvmix__exp_nonpositive(max[g] - tile_max); /* 0 on the first tile */
