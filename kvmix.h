@@ -367,6 +367,20 @@ KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_
                                                   const float *memory, float *scores,
                                                   int32_t capacity_tokens);
 
+/* The key features of the intent residual (kvmix_intent_residual_features) of sequence `seq` of
+   a host view (one layer): for each token t of the sequence, key_norm[t] = the mean over kv heads
+   of the L2 norm of t's key as stored, and readout[t] = the mean over query heads h of
+   scale * dot(memory[h], key_t of kv head h / (n_q_heads / n_kv_heads)) (scale 0 =
+   1/sqrt(head_dim)): kvmix_intent_readout of one query per head, whose softmax over queries is
+   1. Sums in float over channels in order, then over heads; dead tokens get 0 in both. A caller
+   averages the layers. memory: [n_q_heads][head_dim]; key_norm, readout: [capacity_tokens];
+   tokens past capacity_tokens are left out. Validates as kvmix_ref_view_intent_score; nothing
+   is written on failure. */
+KVMIXDEF kvmix_result kvmix_ref_view_key_features(const kvmix_view *view, int32_t seq,
+                                                  int32_t n_q_heads, float scale,
+                                                  const float *memory, float *key_norm,
+                                                  float *readout, int32_t capacity_tokens);
+
 /* ------------------------------------------------------------------------------------------- */
 /* Paged mixed-precision cache. One model shape (layers, kv heads, head_dim), one byte arena of    */
 /* caller memory from which pages of every format are carved, sequences with page tables and slot */
@@ -1881,10 +1895,12 @@ KVMIXDEF kvmix_result kvmix_evict_select(const float *scores, const uint8_t *liv
      IMAGE           1 for an image token (the tag's modality), else 0
      KEY_NORM        the mean over layers and kv heads of |key of t| (L2, as stored: dequantized)
      READOUT         the mean over layers and q heads h of kvmix_intent_readout (scale 0) of t's
-                     key (as stored) of h's kv head against the actionable span's post-RoPE
-                     queries of h
-   KEY_NORM and READOUT are the caller's to compute (the runners do not record them yet). Feature
-   scaling, if any, is folded into w1 and b1 by whoever trains the weights. */
+                     key (as stored) of h's kv head against queries of h: the actionable span's
+                     post-RoPE queries, or the QueryMemory vector the request scores with
+   KEY_NORM and READOUT are the caller's to compute: kvmix_ref_view_key_features gives both for
+   one layer with one query per head (the runners pass the memory they score with, and average
+   the layers). Feature scaling, if any, is folded into w1 and b1 by whoever trains the
+   weights. */
 typedef enum kvmix_intent_feature {
     KVMIX_INTENT_FEATURE_RULE = 0,
     KVMIX_INTENT_FEATURE_LOG_AGE = 1,
@@ -3463,6 +3479,68 @@ KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_
         kvmix__intent_pass(&list, h / group, q, scale, capacity_tokens, 0, &m, &l, scores);
         if (l > 0.0f)
             kvmix__intent_pass(&list, h / group, q, scale, capacity_tokens, 1, &m, &l, scores);
+    }
+    return KVMIX_SUCCESS;
+}
+
+/* Token t of a checked span: the mean over kv heads of its key's norm, and the mean over query
+   heads of scale * dot(memory of the head, its kv head's key). */
+static void kvmix__key_features_token(const kvmix_span *span, const kvmix_layout *kl,
+                                      const kvmix__sections *ks, int32_t t, int32_t n_kv_heads,
+                                      int32_t group, const float *memory, float scale,
+                                      float *key_norm, float *readout) {
+    float key[KVMIX_MAX_HEAD_DIM], norms = 0.0f, logits = 0.0f;
+    int32_t h, g, c, dim = kl->head_dim;
+    for (h = 0; h < n_kv_heads; h++) {
+        float squares = 0.0f;
+        kvmix__decode_row(kl, ks, kvmix__head_block(span->keys, span->key_head_bytes, ks, h), t,
+                          key);
+        for (c = 0; c < dim; c++) squares += key[c] * key[c];
+        norms += sqrtf(squares);
+        for (g = 0; g < group; g++) {
+            float dot = 0.0f;
+            for (c = 0; c < dim; c++) dot += memory[(size_t)(h * group + g) * dim + c] * key[c];
+            logits += dot * scale;
+        }
+    }
+    *key_norm = norms / (float)n_kv_heads;
+    *readout = logits / (float)(n_kv_heads * group);
+}
+
+KVMIXDEF kvmix_result kvmix_ref_view_key_features(const kvmix_view *view, int32_t seq,
+                                                  int32_t n_q_heads, float scale,
+                                                  const float *memory, float *key_norm,
+                                                  float *readout, int32_t capacity_tokens) {
+    kvmix_attention_desc desc;
+    kvmix__span_list list;
+    kvmix_result r;
+    int32_t i, t, pos = 0;
+    if (!memory || !key_norm || !readout) return KVMIX_ERR_NULL_POINTER;
+    if ((r = kvmix_view_check(view, NULL)) != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || !(scale >= 0.0f) ||
+        scale == INFINITY)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    desc.n_q_heads = n_q_heads;
+    desc.n_kv_heads = view->n_kv_heads;
+    desc.head_dim = view->head_dim;
+    desc.scale = scale;
+    if ((r = kvmix__check_desc(&desc)) != KVMIX_SUCCESS) return r;
+    list = kvmix__view_sequence(view, seq);
+    if ((r = kvmix__check_span_list(&desc, &list)) != KVMIX_SUCCESS) return r;
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
+    for (i = 0; i < list.count && pos < capacity_tokens; i++) {
+        kvmix_span span = kvmix__span_at(&list, i);
+        kvmix_layout kl = span.key_layout;
+        kvmix__sections ks;
+        kvmix_layout_resolve(&kl, NULL);
+        ks = kvmix__layout_sections(&kl);
+        for (t = 0; t < kl.n_tokens && pos < capacity_tokens; t++, pos++) {
+            key_norm[pos] = readout[pos] = 0.0f;
+            if (!(span.dead && span.dead[t]))
+                kvmix__key_features_token(&span, &kl, &ks, t, view->n_kv_heads,
+                                          n_q_heads / view->n_kv_heads, memory, scale,
+                                          &key_norm[pos], &readout[pos]);
+        }
     }
     return KVMIX_SUCCESS;
 }

@@ -30,6 +30,8 @@ struct evict_driver {
     kvmix_tag *tags;            /* [max_tokens] */
     float *features;            /* [max_tokens][KVMIX_INTENT_RESIDUAL_N_FEATURES] */
     float *attention;           /* [max_tokens]: a prompt's attention, then a request's target */
+    float *key_norm, *readout;  /* [max_tokens]: the request's key features */
+    const float *memory;        /* the memory the request scored with (INTENT, QUERY) */
     double *later;              /* [max_tokens]: the later prompts' attention, summed */
 };
 
@@ -102,6 +104,7 @@ void evict_driver_free(evict_driver *d) {
     free(d->store_memory), free(d->query_sum), free(d->fresh), free(d->scores);
     free(d->scratch), free(d->live), free(d->forced), free(d->evict);
     free(d->tags), free(d->features), free(d->attention), free(d->later);
+    free(d->key_norm), free(d->readout);
     free(d);
 }
 
@@ -119,7 +122,9 @@ static llama_result feature_buffers(evict_driver *d, const kvmix_tag_spec *spec,
     if (!d->features)
         d->features = (float *)malloc(t * KVMIX_INTENT_RESIDUAL_N_FEATURES * sizeof(float));
     if (!d->attention) d->attention = (float *)malloc(t * sizeof(float));
-    if (!d->tags || !d->features || !d->attention)
+    if (!d->key_norm) d->key_norm = (float *)malloc(t * sizeof(float));
+    if (!d->readout) d->readout = (float *)malloc(t * sizeof(float));
+    if (!d->tags || !d->features || !d->attention || !d->key_norm || !d->readout)
         return llama_fail(err, err_bytes, LLAMA_ERR_MEMORY, "out of host memory");
     return LLAMA_OK;
 }
@@ -163,7 +168,8 @@ void evict_seq_start(evict_driver *d, evict_seq *s, const int32_t *ids,
     s->row_at = (int64_t *)malloc((size_t)n_requests * sizeof *s->row_at);
     for (int32_t i = 0; s->row_at && i < n_requests; i++) {
         s->row_at[i] = floats;
-        floats += 2 * (int64_t)requests[i].end; /* the rule, then its prompt's attention */
+        /* the rule, its prompt's attention, the key norms and readouts */
+        floats += 4 * (int64_t)requests[i].end;
     }
     if (s->row_at) s->rows = (float *)malloc((size_t)floats * sizeof(float));
     s->rows_failed = !s->rows;
@@ -225,6 +231,7 @@ static llama_result raw_scores(evict_driver *d, evict_seq *s, const evict_backen
     case KVMIX_EVICT_INTENT:
     case KVMIX_EVICT_QUERY:
         r = request_memory(d, s, b, &memory, err, err_bytes);
+        d->memory = memory;
         return r == LLAMA_OK
                    ? b->intent_scores(b->runner, b->seq, memory, d->scores, err, err_bytes)
                    : r;
@@ -248,22 +255,37 @@ static llama_result tag_prefix(evict_driver *d, const int32_t *ids, int32_t n, c
     return LLAMA_OK;
 }
 
-/* The rows' record of request r (index i): its rule scores (d->scores) and the attention its
-   prompt gave each position. */
+/* The key features of positions [0, n) for the memory the request scored with, where the
+   backend has them (else 0). */
+static llama_result key_features(evict_driver *d, const evict_backend *b, int32_t n, char *err,
+                                 size_t err_bytes) {
+    if (b->key_features)
+        return b->key_features(b->runner, b->seq, d->memory, d->key_norm, d->readout, err,
+                               err_bytes);
+    memset(d->key_norm, 0, (size_t)n * sizeof(float));
+    memset(d->readout, 0, (size_t)n * sizeof(float));
+    return LLAMA_OK;
+}
+
+/* The rows' record of request r (index i): its rule scores (d->scores), the attention its prompt
+   gave each position, and the positions' key features. */
 static llama_result record_rows(evict_driver *d, evict_seq *s, const evict_backend *b, int32_t i,
                                 char *err, size_t err_bytes) {
     int32_t n = s->requests[i].end;
     float *rule = s->rows + s->row_at[i];
     memcpy(rule, d->scores, (size_t)n * sizeof(float));
+    memcpy(rule + 2 * (size_t)n, d->key_norm, (size_t)n * sizeof(float));
+    memcpy(rule + 3 * (size_t)n, d->readout, (size_t)n * sizeof(float));
     return b->observed_take(b->runner, b->seq, NULL, NULL, rule + n, err, err_bytes);
 }
 
 /* The residual's features of request r's positions [0, r->end) into d->features, from their
-   rule scores and d->tags. */
-static kvmix_result request_features(evict_driver *d, const float *rule, const evict_request *r,
+   rule scores, key features and d->tags. */
+static kvmix_result request_features(evict_driver *d, const float *rule, const float *key_norm,
+                                     const float *readout, const evict_request *r,
                                      kvmix_error *why) {
-    return kvmix_intent_residual_features(rule, d->tags, d->tags[r->first].turn, NULL, NULL, r->end,
-                                          d->features, why);
+    return kvmix_intent_residual_features(rule, d->tags, d->tags[r->first].turn, key_norm, readout,
+                                          r->end, d->features, why);
 }
 
 /* d->scores, the rule of request r's positions [0, n), rescored by the residual. */
@@ -272,7 +294,7 @@ static llama_result rescore(evict_driver *d, const evict_seq *s, const evict_req
     kvmix_error why = {"", ""};
     llama_result lr = tag_prefix(d, s->ids, n, err, err_bytes);
     if (lr != LLAMA_OK) return lr;
-    if (request_features(d, d->scores, r, &why) != KVMIX_SUCCESS ||
+    if (request_features(d, d->scores, d->key_norm, d->readout, r, &why) != KVMIX_SUCCESS ||
         kvmix_intent_residual_scores(d->residual, d->features, d->scores, n, d->scores, &why) !=
             KVMIX_SUCCESS)
         return llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "eviction: the residual: %s: %s",
@@ -287,6 +309,7 @@ static llama_result evict_request_run(evict_driver *d, evict_seq *s, const evict
     const kvmix_cache *cache = b->inner(b->runner, b->seq, &kv_seq);
     llama_kv_stats before, after;
     llama_result lr = raw_scores(d, s, b, n, err, err_bytes);
+    if (lr == LLAMA_OK && (s->rows || d->residual)) lr = key_features(d, b, n, err, err_bytes);
     if (lr == LLAMA_OK && s->rows)
         lr = record_rows(d, s, b, (int32_t)(r - s->requests), err, err_bytes);
     if (lr == LLAMA_OK && d->residual) lr = rescore(d, s, r, n, err, err_bytes);
@@ -340,7 +363,8 @@ static void emit_rows(evict_driver *d, const evict_seq *s) {
         const evict_request *r = &s->requests[i], *next = &s->requests[i + 1];
         const float *rule = s->rows + s->row_at[i], *given = s->rows + s->row_at[i + 1] + next->end;
         for (int32_t t = 0; t < next->end; t++) d->later[t] += given[t];
-        if (request_features(d, rule, r, NULL) != KVMIX_SUCCESS)
+        if (request_features(d, rule, rule + 2 * (size_t)r->end, rule + 3 * (size_t)r->end, r,
+                             NULL) != KVMIX_SUCCESS)
             continue; /* a NaN rule: the request scored nothing it could evict by */
         for (int32_t t = 0; t < r->end; t++) d->attention[t] = (float)d->later[t];
         d->rows(d->rows_user, s, i, d->features, d->attention, r->end);
@@ -397,6 +421,13 @@ static llama_result cpu_intent_scores(void *runner, int32_t seq, const float *me
                       err_bytes);
 }
 
+static llama_result cpu_key_features(void *runner, int32_t seq, const float *memory,
+                                     float *key_norm, float *readout, char *err, size_t err_bytes) {
+    (void)seq;
+    return cpu_result(kvmix_kv_key_features(runner, memory, key_norm, readout),
+                      "kvmix_kv_key_features", err, err_bytes);
+}
+
 static const kvmix_cache *cpu_inner(const void *runner, int32_t seq, int32_t *out_kv_seq) {
     (void)seq;
     return kvmix_kv_inner(runner, out_kv_seq);
@@ -416,7 +447,7 @@ static void cpu_seq_stats(const void *runner, int32_t seq, llama_kv_stats *out) 
 }
 
 evict_backend evict_backend_cpu(llama_kv_cache *cache) {
-    evict_backend b = {cache,     0,         cpu_observe,  cpu_observed_take, cpu_intent_scores,
-                       cpu_inner, cpu_evict, cpu_seq_stats};
+    evict_backend b = {cache,     0,         cpu_observe,   cpu_observed_take, cpu_intent_scores,
+                       cpu_inner, cpu_evict, cpu_seq_stats, cpu_key_features};
     return b;
 }

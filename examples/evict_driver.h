@@ -90,6 +90,12 @@ typedef struct evict_backend {
     llama_result (*evict)(void *runner, int32_t seq, const int32_t *positions, int32_t n_positions,
                           char *err, size_t err_bytes);
     void (*seq_stats)(const void *runner, int32_t seq, llama_kv_stats *out);
+    /* The intent residual's key features of every position for the memory intent_scores took
+       (kvmix.h's KEY_NORM and READOUT: kvmix_ref_view_key_features averaged over layers;
+       key_norm, readout [positions the sequence has], 0 for evicted ones); NULL where the
+       runner has none: the features are 0. */
+    llama_result (*key_features)(void *runner, int32_t seq, const float *memory, float *key_norm,
+                                 float *readout, char *err, size_t err_bytes);
 } evict_backend;
 
 /* The backend over gpu_llama's sequence seq (evict_gpu.c, the GPU build's). */

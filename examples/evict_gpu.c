@@ -38,7 +38,9 @@ static void gpu_seq_stats(const void *runner, int32_t seq, llama_kv_stats *out) 
 }
 
 evict_backend evict_backend_gpu(struct gpu_llama *g, int32_t seq) {
-    evict_backend b = {g,         seq,       gpu_observe,  gpu_observed_take, gpu_intent_scores,
-                       gpu_inner, gpu_evict, gpu_seq_stats};
+    /* no key features on the GPU yet: the residual's KEY_NORM and READOUT are 0 there */
+    evict_backend b = {
+        g,         seq,           gpu_observe, gpu_observed_take, gpu_intent_scores, gpu_inner,
+        gpu_evict, gpu_seq_stats, NULL};
     return b;
 }

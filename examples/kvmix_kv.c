@@ -1012,3 +1012,47 @@ llama_result kvmix_kv_intent_scores(llama_kv_cache *cache, const float *memory, 
     }
     return LLAMA_OK;
 }
+
+/* Layer l's key features by view token into norm and readout, their positions into
+ * hv->positions (*out_n of them). */
+static bool layer_key_features(kv_kvmix *kv, head_view *hv, int32_t l, const float *memory,
+                               float *norm, float *readout, int32_t *out_n) {
+    kvmix_view view;
+    return kvmix_cache_view(&kv->cache, &kv->seq, 1, l, hv->spans, kv->max_spans, hv->first,
+                            hv->dead, kv->max_dead, &view) == KVMIX_SUCCESS &&
+           kvmix_ref_view_key_features(&view, 0, kv->n_heads, 0.0f, memory, norm, readout,
+                                       kv->max_dead) == KVMIX_SUCCESS &&
+           kvmix_cache_view_positions(&kv->cache, kv->seq, l, hv->positions, kv->max_dead, out_n) ==
+               KVMIX_SUCCESS;
+}
+
+llama_result kvmix_kv_key_features(llama_kv_cache *cache, const float *memory, float *key_norm,
+                                   float *readout) {
+    if (cache == NULL || cache->store != kv_kvmix_store || memory == NULL || key_norm == NULL ||
+        readout == NULL)
+        return LLAMA_ERR_ARGUMENT;
+    kv_kvmix *kv = cache->state;
+    if (!observation_ready(kv)) return LLAMA_ERR_MEMORY;
+    head_view *hv = &kv->heads[0]; /* between steps: no attend() uses it */
+    size_t row = (size_t)kv->n_heads * kv->cache.desc.head_dim;
+    int32_t n_tokens = kv->cache.seqs[kv->seq].n_tokens;
+    float *norm = malloc(2 * (size_t)kv->max_dead * sizeof *norm), *out = norm + kv->max_dead;
+    if (!norm) return LLAMA_ERR_MEMORY;
+    llama_result r = LLAMA_OK;
+    for (int32_t t = 0; t < n_tokens; t++) key_norm[t] = readout[t] = 0.0f;
+    for (int32_t l = 0; l < kv->n_layers && r == LLAMA_OK; l++) {
+        int32_t n = 0;
+        if (!layer_key_features(kv, hv, l, memory + (size_t)l * row, norm, out, &n)) {
+            r = LLAMA_ERR_ARGUMENT;
+            break;
+        }
+        for (int32_t k = 0; k < n; k++) {
+            int32_t pos = hv->positions[k];
+            if (pos < 0) continue;
+            key_norm[pos] += norm[k] / (float)kv->n_layers;
+            readout[pos] += out[k] / (float)kv->n_layers;
+        }
+    }
+    free(norm);
+    return r;
+}

@@ -126,6 +126,13 @@ llama_result kvmix_kv_observed_take(llama_kv_cache *cache, float *query_sum, int
  * for evicted positions. Errors as kvmix_kv_observe. */
 llama_result kvmix_kv_intent_scores(llama_kv_cache *cache, const float *memory, float *scores);
 
+/* The intent residual's key features of the held positions, for the memory the intent scores
+ * took: for each layer kvmix_ref_view_key_features over the layer's view, averaged over layers;
+ * key_norm, readout [positions the sequence has]: 0 for evicted positions. Errors as
+ * kvmix_kv_observe. */
+llama_result kvmix_kv_key_features(llama_kv_cache *cache, const float *memory, float *key_norm,
+                                   float *readout);
+
 /* A transfer's sender: the rows of positions 0 .. n_positions - 1 as the cache holds them
  * (dequantized), keys, values: [n_layers][n_positions][n_kv_heads][head_dim] floats.
  * LLAMA_ERR_ARGUMENT for the fp32 cache or a position without a row (evicted, not written). */

@@ -199,6 +199,29 @@ static void check_fast_decode(const kvmix_view *v, int32_t n_q, const float *q, 
                     "fast decode differs from the reference");
 }
 
+/* kvmix_ref_view_key_features of sequence 0: on failure nothing written, on success finite
+   features with norms not negative, nothing past the capacity. */
+static void check_key_features(const kvmix_view *v, int32_t n_q, const float *memory) {
+    static float norm[SCORE_CAPACITY + 8], readout[SCORE_CAPACITY + 8];
+    kvmix_result r;
+    int32_t t;
+    memset(norm, POISON, sizeof norm);
+    memset(readout, POISON, sizeof readout);
+    r = kvmix_ref_view_key_features(v, 0, n_q, 0.0f, memory, norm, readout, SCORE_CAPACITY);
+    if (r != KVMIX_SUCCESS) {
+        require(all_poisoned(norm, sizeof norm) && all_poisoned(readout, sizeof readout),
+                "failed key features wrote");
+        return;
+    }
+    for (t = 0; t < SCORE_CAPACITY; t++)
+        if (!all_poisoned(&norm[t], sizeof(float))) /* a token of the sequence */
+            require(norm[t] >= 0.0f && isfinite(norm[t]) && isfinite(readout[t]),
+                    "key features: a negative or not finite value");
+    require(all_poisoned(norm + SCORE_CAPACITY, 8 * sizeof(float)) &&
+                all_poisoned(readout + SCORE_CAPACITY, 8 * sizeof(float)),
+            "key features past their capacity");
+}
+
 static void check_calls(const kvmix_view *v, int32_t n_q) {
     float q[3 * MAX_Q * 128], out[3 * MAX_Q * 128], lse[3 * MAX_Q], memory[MAX_Q * 128];
     float scores[SCORE_CAPACITY + 8];
@@ -225,6 +248,7 @@ static void check_calls(const kvmix_view *v, int32_t n_q) {
     r = kvmix_ref_view_score(v, 0, n_q, memory, scores, SCORE_CAPACITY);
     if (r != KVMIX_SUCCESS) require(all_poisoned(scores, sizeof scores), "failed score wrote");
     require(all_poisoned(scores + SCORE_CAPACITY, 8 * sizeof(float)), "score past its capacity");
+    check_key_features(v, n_q, memory);
 }
 
 /* A heap copy of exactly n bytes (at least one, so malloc(0) never returns NULL). */

@@ -274,16 +274,18 @@ static void one_unit_make(one_unit *u, int32_t feature, float scale) {
 }
 
 /* Intent at 50% with the residual: zero output weights evict what the rule evicts, position for
-   position; weights that favour old positions evict others. */
+   position; weights that favour old positions, large keys or a high readout evict others. */
 static void test_residual(run *r, const llama_model *m, const kvmix_tag_spec *spec, const text *t) {
     kvmix_policy p = evict_policy(&m->config, KVMIX_EVICT_INTENT, 0.5);
-    one_unit zero, age;
+    one_unit zero, age, key_norm, readout;
     llama_score score;
     evict_stats st;
     uint8_t rule_dead[TEXT_TOKENS], dead[TEXT_TOKENS];
     int64_t n = t->n - 1, n_rule;
     one_unit_make(&zero, KVMIX_INTENT_FEATURE_LOG_AGE, 0.0f);
     one_unit_make(&age, KVMIX_INTENT_FEATURE_LOG_AGE, 10.0f);
+    one_unit_make(&key_norm, KVMIX_INTENT_FEATURE_KEY_NORM, 10.0f);
+    one_unit_make(&readout, KVMIX_INTENT_FEATURE_READOUT, 10.0f);
     if (!run_text(r, m, spec, &p, t, &score, &st)) return;
     n_rule = dead_positions(&r->cache, n, rule_dead);
     r->cache.destroy(r->cache.state);
@@ -293,10 +295,15 @@ static void test_residual(run *r, const llama_model *m, const kvmix_tag_spec *sp
         CHECK_MSG(memcmp(dead, rule_dead, (size_t)n) == 0, "zero residual: the rule's evictions");
         r->cache.destroy(r->cache.state);
     }
-    r->residual = &age.w;
-    if (run_text(r, m, spec, &p, t, &score, &st)) {
+    const one_unit *moved[3] = {&age, &key_norm, &readout};
+    const char *names[3] = {"age", "key norm", "readout"};
+    for (int32_t i = 0; i < 3; i++) {
+        char what[64];
+        r->residual = &moved[i]->w;
+        if (!run_text(r, m, spec, &p, t, &score, &st)) continue;
+        snprintf(what, sizeof what, "%s residual: other evictions", names[i]);
         CHECK(dead_positions(&r->cache, n, dead) == n_rule); /* the same budget */
-        CHECK_MSG(memcmp(dead, rule_dead, (size_t)n) != 0, "age residual: other evictions");
+        CHECK_MSG(memcmp(dead, rule_dead, (size_t)n) != 0, what);
         CHECK(forced_kept(r, dead));
         r->cache.destroy(r->cache.state);
     }
@@ -319,7 +326,7 @@ static void test_residual(run *r, const llama_model *m, const kvmix_tag_spec *sp
 typedef struct rows_seen {
     const evict_request *requests;
     int32_t n_calls, last_request;
-    int32_t bad_shape, bad_age, bad_role, bad_target;
+    int32_t bad_shape, bad_age, bad_role, bad_target, bad_key_norm, bad_readout, readouts;
     double target_sum[16];
 } rows_seen;
 
@@ -337,6 +344,10 @@ static void rows_check(void *user, const evict_seq *s, int32_t request, const fl
         seen->bad_age += f[KVMIX_INTENT_FEATURE_LOG_AGE] != (float)log1p((double)(n - 1 - t));
         seen->bad_role += roles != 1.0f;
         seen->bad_target += !(target[t] >= -1e-3f);
+        seen->bad_key_norm += !(f[KVMIX_INTENT_FEATURE_KEY_NORM] > 0.0f) ||
+                              !isfinite(f[KVMIX_INTENT_FEATURE_KEY_NORM]);
+        seen->bad_readout += !isfinite(f[KVMIX_INTENT_FEATURE_READOUT]);
+        seen->readouts += f[KVMIX_INTENT_FEATURE_READOUT] != 0.0f;
         if (request < 16) seen->target_sum[request] += target[t];
     }
 }
@@ -364,6 +375,10 @@ static void test_rows(run *r, const llama_model *m, const kvmix_tag_spec *spec, 
     CHECK_MSG(r->n_requests >= 3 && seen.n_calls == r->n_requests - 1, what);
     CHECK(score.bits == base.bits && score.n_scored == base.n_scored);
     CHECK(seen.bad_shape == 0 && seen.bad_age == 0 && seen.bad_role == 0 && seen.bad_target == 0);
+    snprintf(what, sizeof what,
+             "rows: key norms positive (%d not), readouts finite (%d not), not all 0 (%d not 0)",
+             (int)seen.bad_key_norm, (int)seen.bad_readout, (int)seen.readouts);
+    CHECK_MSG(seen.bad_key_norm == 0 && seen.bad_readout == 0 && seen.readouts > 0, what);
     for (int32_t i = 0; i + 1 < r->n_requests && i < 16; i++) {
         int64_t later = 0;
         for (int32_t j = i + 1; j < r->n_requests; j++)

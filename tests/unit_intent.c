@@ -249,34 +249,49 @@ static void test_query_memory(void) {
 }
 
 /* A cache of one layer, 2 kv heads of 32, FP16 rows (exact for these keys), 40 positions of
-   which 3 and 17 are evicted; 4 query heads. */
-static void test_intent_scores(void) {
-    enum { N = 40, KV = 2, QH = 4, D = 32 };
+   which 3 and 17 are evicted, its view, and 4 query heads' memory. */
+enum { FIX_N = 40, FIX_KV = 2, FIX_QH = 4, FIX_D = 32 };
+typedef struct intent_fixture {
     kvmix_cache cache;
-    kvmix_cache_desc d;
     kvmix_view view;
     kvmix_view_span spans[8];
     uint8_t dead[64];
-    int32_t first[2], seq, n_spans, n_dead, evicted[2] = {3, 17}, t, h, c;
-    static float keys[N * KV * D], memory[QH * D];
-    float scores[N + 4], *values = keys;
-    double total = 0.0;
+    int32_t first[2];
+    float keys[FIX_N * FIX_KV * FIX_D], memory[FIX_QH * FIX_D];
+} intent_fixture;
+
+static int intent_fixture_init(intent_fixture *f) {
+    kvmix_cache_desc d;
+    int32_t seq, n_spans, n_dead, evicted[2] = {3, 17}, t;
     memset(&d, 0, sizeof d);
-    d.n_layers = 1, d.n_kv_heads = KV, d.head_dim = D, d.page_tokens = 16;
+    d.n_layers = 1, d.n_kv_heads = FIX_KV, d.head_dim = FIX_D, d.page_tokens = 16;
     d.max_tokens_per_seq = 64, d.arena_bytes = 1 << 20;
     d.default_precision.key_format = KVMIX_FORMAT_FP16;
     d.default_precision.value_format = KVMIX_FORMAT_FP16;
-    for (t = 0; t < N * KV * D; t++) keys[t] = (float)((t * 7) % 13 - 6) / 8.0f;
-    for (t = 0; t < QH * D; t++) memory[t] = (float)((t * 5) % 11 - 5) / 16.0f;
-    CHECK_RESULT(kvmix_cache_init_allocator(&cache, &d, NULL, NULL), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_seq_create(&cache, &seq), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_reserve(&cache, seq, N, NULL, NULL), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_write(&cache, seq, 0, 0, N, keys, values), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_evict(&cache, seq, evicted, 2), KVMIX_SUCCESS);
-    CHECK_RESULT(kvmix_cache_view_counts(&cache, &seq, 1, &n_spans, &n_dead), KVMIX_SUCCESS);
-    CHECK(n_spans <= 8 && n_dead <= 64);
-    CHECK_RESULT(kvmix_cache_view(&cache, &seq, 1, 0, spans, 8, first, dead, 64, &view),
-                 KVMIX_SUCCESS);
+    for (t = 0; t < FIX_N * FIX_KV * FIX_D; t++) f->keys[t] = (float)((t * 7) % 13 - 6) / 8.0f;
+    for (t = 0; t < FIX_QH * FIX_D; t++) f->memory[t] = (float)((t * 5) % 11 - 5) / 16.0f;
+    CHECK_RESULT(kvmix_cache_init_allocator(&f->cache, &d, NULL, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_seq_create(&f->cache, &seq), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_reserve(&f->cache, seq, FIX_N, NULL, NULL), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_write(&f->cache, seq, 0, 0, FIX_N, f->keys, f->keys), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_evict(&f->cache, seq, evicted, 2), KVMIX_SUCCESS);
+    CHECK_RESULT(kvmix_cache_view_counts(&f->cache, &seq, 1, &n_spans, &n_dead), KVMIX_SUCCESS);
+    if (!CHECK(n_spans <= 8 && n_dead <= 64)) return 0;
+    return CHECK_RESULT(
+        kvmix_cache_view(&f->cache, &seq, 1, 0, f->spans, 8, f->first, f->dead, 64, &f->view),
+        KVMIX_SUCCESS);
+}
+
+static void test_intent_scores(void) {
+    enum { N = FIX_N, KV = FIX_KV, QH = FIX_QH, D = FIX_D };
+    static intent_fixture f;
+    kvmix_view view;
+    const float *keys = f.keys, *memory = f.memory;
+    int32_t t, h, c;
+    float scores[N + 4];
+    double total = 0.0;
+    if (!intent_fixture_init(&f)) return;
+    view = f.view;
     CHECK_RESULT(kvmix_ref_view_intent_score(&view, 0, 3, 0.0f, memory, scores, N),
                  KVMIX_ERR_INVALID_ARGUMENT); /* 3 q heads for 2 kv heads */
     scores[N] = 7.0f;
@@ -320,7 +335,57 @@ static void test_intent_scores(void) {
         total += scores[t];
     }
     CHECK_NEAR(total, QH, 1e-4); /* each head's mass is one */
-    kvmix_cache_deinit(&cache);
+    kvmix_cache_deinit(&f.cache);
+}
+
+/* The residual's key features over the fixture: each live token's mean key norm over the kv
+   heads and mean scaled logit over the query heads, against double; evicted tokens 0; bad
+   arguments write nothing; capacity bounds what is written. */
+static void test_key_features(void) {
+    enum { N = FIX_N, KV = FIX_KV, QH = FIX_QH, D = FIX_D };
+    static intent_fixture f;
+    float norm[N + 1], readout[N + 1];
+    int32_t t, h, c;
+    if (!intent_fixture_init(&f)) return;
+    norm[0] = readout[0] = 5.0f;
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, 3, 0.0f, f.memory, norm, readout, N),
+                 KVMIX_ERR_INVALID_ARGUMENT); /* 3 q heads for 2 kv heads */
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 1, QH, 0.0f, f.memory, norm, readout, N),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, -1.0f, f.memory, norm, readout, N),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.0f, f.memory, norm, readout, -1),
+                 KVMIX_ERR_INVALID_ARGUMENT);
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.0f, f.memory, NULL, readout, N),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_ref_view_key_features(NULL, 0, QH, 0.0f, f.memory, norm, readout, N),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK(norm[0] == 5.0f && readout[0] == 5.0f);
+    norm[N - 1] = readout[N - 1] = 7.0f;
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.0f, f.memory, norm, readout, N - 1),
+                 KVMIX_SUCCESS);
+    CHECK(norm[N - 1] == 7.0f && readout[N - 1] == 7.0f); /* past capacity: left as it was */
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.5f, f.memory, norm, readout, N),
+                 KVMIX_SUCCESS);
+    for (t = 0; t < N; t++) {
+        double want_norm = 0.0, want_readout = 0.0;
+        if (t == 3 || t == 17) {
+            CHECK(norm[t] == 0.0f && readout[t] == 0.0f);
+            continue;
+        }
+        for (h = 0; h < KV; h++) {
+            double squares = 0.0;
+            for (c = 0; c < D; c++)
+                squares += (double)f.keys[(t * KV + h) * D + c] * f.keys[(t * KV + h) * D + c];
+            want_norm += sqrt(squares) / KV;
+        }
+        for (h = 0; h < QH; h++)
+            for (c = 0; c < D; c++)
+                want_readout += 0.5 * f.memory[h * D + c] * f.keys[(t * KV + h / 2) * D + c] / QH;
+        CHECK_NEAR(norm[t], want_norm, 1e-5 * (1.0 + want_norm));
+        CHECK_NEAR(readout[t], want_readout, 1e-5 * (1.0 + fabs(want_readout)));
+    }
+    kvmix_cache_deinit(&f.cache);
 }
 
 static kvmix_evict_policy evict_policy(int32_t scorer, double fraction) {
@@ -870,6 +935,7 @@ void unit_intent(void) {
     test_local_and_bad();
     test_query_memory();
     test_intent_scores();
+    test_key_features();
     test_evict_budget_and_forced();
     test_evict_bad_policy();
     test_evict_select();
