@@ -78,13 +78,15 @@ def pairs(label_list, rng):
 
 
 def standardization(feature_rows):
-    """(mean, std) per feature over the rows; a constant feature gets std 1."""
+    """(mean, std) per feature over the rows; a constant feature gets std inf: standardized to 0
+    on every row, so the trained layer never reads it and its folded weights are 0 (a feature
+    the rows lacked cannot move the residual where a runner gives it)."""
     n = len(feature_rows)
     mean = [sum(f[k] for f in feature_rows) / n for k in range(len(FEATURES))]
     std = []
     for k in range(len(FEATURES)):
         var = sum((f[k] - mean[k]) ** 2 for f in feature_rows) / n
-        std.append(math.sqrt(var) if var > 1e-24 else 1.0)
+        std.append(math.sqrt(var) if var > 1e-24 else math.inf)
     return mean, std
 
 
