@@ -365,7 +365,7 @@ static void emit_rows(evict_driver *d, const evict_seq *s) {
         for (int32_t t = 0; t < next->end; t++) d->later[t] += given[t];
         if (request_features(d, rule, rule + 2 * (size_t)r->end, rule + 3 * (size_t)r->end, r,
                              NULL) != KVMIX_SUCCESS)
-            continue; /* a NaN rule: the request scored nothing it could evict by */
+            continue; /* a NaN rule or key feature: nothing the residual could read */
         for (int32_t t = 0; t < r->end; t++) d->attention[t] = (float)d->later[t];
         d->rows(d->rows_user, s, i, d->features, d->attention, r->end);
     }

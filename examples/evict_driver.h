@@ -56,9 +56,10 @@ typedef struct evict_seq {
     int32_t live_peak;
     float *mass; /* H2O: [max_tokens] attention so far */
     int64_t id;  /* the caller's (its text), for logs: set it after evict_seq_start */
-    /* evict_driver_rows: per request its rule scores, then the attention its prompt gave each
-       position (request i's positions at rows[row_at[i]] and rows[row_at[i] + requests[i].end]);
-       allocated by evict_seq_start, freed by evict_seq_end or evict_seq_release */
+    /* evict_driver_rows: per request its rule scores, the attention its prompt gave each
+       position, the positions' key norms and readouts (request i's positions at rows[row_at[i]
+       + k * requests[i].end], k = 0 .. 3 in that order); allocated by evict_seq_start, freed by
+       evict_seq_end or evict_seq_release */
     float *rows;
     int64_t *row_at;
     int rows_failed; /* the allocation failed: evict_before_step says so */
@@ -132,7 +133,8 @@ void evict_driver_stats(const evict_driver *d, evict_stats *out);
 
 /* IntentKV's second phase on the INTENT and QUERY scorers: each request's raw scores (the rule)
  * rescored by the residual w (kvmix_intent_residual_scores over kvmix_intent_residual_features,
- * the positions' tags from spec, KEY_NORM and READOUT 0: the runners do not record them) before
+ * the positions' tags from spec, KEY_NORM and READOUT from the backend's key_features, 0 where
+ * it has none) before
  * the policy shapes them. w and spec are kept by reference (the residual and the rows tag with
  * the spec given last); w NULL: the rule alone (the default). LLAMA_ERR_ARGUMENT: weights that do
  * not check, a spec that does not, another scorer. */
@@ -141,7 +143,8 @@ llama_result evict_driver_residual(evict_driver *d, const kvmix_intent_residual 
 
 /* Training rows for the residual, INTENT and QUERY scorers: the features of positions [0, end)
  * at each request (kvmix_intent_residual_features: the rule as the request scored it, before any
- * residual; tags from spec; KEY_NORM and READOUT 0) and as target the attention the later
+ * residual; tags from spec; KEY_NORM and READOUT as the residual gets them) and as target the
+ * attention the later
  * requests' prompts gave each position (per q head a softmax over the live positions, summed
  * over q heads, layers and those prompts' positions: each later prompt token adds at most
  * n_layers * n_heads, summed in double). The policy must evict nothing (budget_fraction 1): a

@@ -1036,11 +1036,12 @@ llama_result kvmix_kv_key_features(llama_kv_cache *cache, const float *memory, f
     head_view *hv = &kv->heads[0]; /* between steps: no attend() uses it */
     size_t row = (size_t)kv->n_heads * kv->cache.desc.head_dim;
     int32_t n_tokens = kv->cache.seqs[kv->seq].n_tokens;
-    float *norm = malloc(2 * (size_t)kv->max_dead * sizeof *norm), *out = norm + kv->max_dead;
+    float *norm = malloc(2 * (size_t)kv->max_dead * sizeof *norm);
     if (!norm) return LLAMA_ERR_MEMORY;
+    float *out = norm + kv->max_dead;
     llama_result r = LLAMA_OK;
     for (int32_t t = 0; t < n_tokens; t++) key_norm[t] = readout[t] = 0.0f;
-    for (int32_t l = 0; l < kv->n_layers && r == LLAMA_OK; l++) {
+    for (int32_t l = 0; l < kv->n_layers; l++) {
         int32_t n = 0;
         if (!layer_key_features(kv, hv, l, memory + (size_t)l * row, norm, out, &n)) {
             r = LLAMA_ERR_ARGUMENT;

@@ -1,5 +1,5 @@
 /* Fuzz target: cache views from outside bytes, read by kvmix_view_check, kvmix_ref_view_decode,
-   the fast kvmix_view_decode and kvmix_ref_view_score.
+   the fast kvmix_view_decode, kvmix_ref_view_score and kvmix_ref_view_key_features.
 
    Build with libFuzzer:  clang -std=c11 -g -O1 -fsanitize=fuzzer,address,undefined -I. \
                               tests/fuzz_view.c -o build/fuzz_view -lm

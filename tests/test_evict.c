@@ -326,7 +326,9 @@ static void test_residual(run *r, const llama_model *m, const kvmix_tag_spec *sp
 typedef struct rows_seen {
     const evict_request *requests;
     int32_t n_calls, last_request;
-    int32_t bad_shape, bad_age, bad_role, bad_target, bad_key_norm, bad_readout, readouts;
+    int32_t bad_shape, bad_age, bad_role, bad_target, bad_key_norm, bad_readout, negative_readouts;
+    int32_t widest;              /* the positions of the widest request's rows */
+    float key_norm[LONG_TOKENS]; /* its key norms */
     double target_sum[16];
 } rows_seen;
 
@@ -337,6 +339,7 @@ static void rows_check(void *user, const evict_seq *s, int32_t request, const fl
     seen->bad_shape += request != seen->last_request - 1 || n != s->requests[request].end;
     seen->last_request = request;
     seen->n_calls++;
+    if (n > seen->widest) memset(seen->key_norm, 0, sizeof seen->key_norm);
     for (int32_t t = 0; t < n; t++) {
         const float *f = features + (size_t)t * F;
         float roles = 0.0f;
@@ -347,9 +350,37 @@ static void rows_check(void *user, const evict_seq *s, int32_t request, const fl
         seen->bad_key_norm += !(f[KVMIX_INTENT_FEATURE_KEY_NORM] > 0.0f) ||
                               !isfinite(f[KVMIX_INTENT_FEATURE_KEY_NORM]);
         seen->bad_readout += !isfinite(f[KVMIX_INTENT_FEATURE_READOUT]);
-        seen->readouts += f[KVMIX_INTENT_FEATURE_READOUT] != 0.0f;
+        seen->negative_readouts += f[KVMIX_INTENT_FEATURE_READOUT] < 0.0f; /* attention is not */
+        if (n > seen->widest) seen->key_norm[t] = f[KVMIX_INTENT_FEATURE_KEY_NORM];
         if (request < 16) seen->target_sum[request] += target[t];
     }
+    if (n > seen->widest) seen->widest = n;
+}
+
+/* The largest relative gap between the key norms the rows gave the widest request's positions
+   and the mean over layers and kv heads of their keys' norms as the cache holds them (FP16: as
+   written, the same at every request); -1 when the rows cannot be read. */
+static double key_norm_gap(llama_kv_cache *cache, const llama_config *c, const rows_seen *seen) {
+    const int32_t n = seen->widest, heads = c->n_kv_heads, d = c->head_dim;
+    size_t floats = (size_t)c->n_layers * n * heads * d;
+    float *keys = malloc(floats * sizeof(float)), *values = malloc(floats * sizeof(float));
+    double worst = -1.0;
+    if (keys && values && kvmix_kv_rows_read(cache, n, keys, values) == LLAMA_OK) {
+        worst = 0.0;
+        for (int32_t t = 0; t < n; t++) {
+            double want = 0.0;
+            for (int32_t l = 0; l < c->n_layers; l++)
+                for (int32_t h = 0; h < heads; h++) {
+                    const float *k = keys + (((size_t)l * n + t) * heads + h) * d;
+                    double squares = 0.0;
+                    for (int32_t i = 0; i < d; i++) squares += (double)k[i] * k[i];
+                    want += sqrt(squares) / (c->n_layers * heads);
+                }
+            worst = fmax(worst, fabs(seen->key_norm[t] - want) / want);
+        }
+    }
+    free(keys), free(values);
+    return worst;
 }
 
 /* Intent at 100% (no eviction) with the rows on a trace of 3 user turns: the run gives the bits
@@ -369,6 +400,7 @@ static void test_rows(run *r, const llama_model *m, const kvmix_tag_spec *spec, 
     bool ran = run_text(r, m, spec, &p, t, &score, &st);
     r->rows = NULL, r->rows_user = NULL;
     if (!ran) return;
+    double gap = key_norm_gap(&r->cache, &m->config, &seen);
     r->cache.destroy(r->cache.state);
     char what[256];
     snprintf(what, sizeof what, "rows: %d requests, %d calls", (int)r->n_requests, seen.n_calls);
@@ -376,9 +408,12 @@ static void test_rows(run *r, const llama_model *m, const kvmix_tag_spec *spec, 
     CHECK(score.bits == base.bits && score.n_scored == base.n_scored);
     CHECK(seen.bad_shape == 0 && seen.bad_age == 0 && seen.bad_role == 0 && seen.bad_target == 0);
     snprintf(what, sizeof what,
-             "rows: key norms positive (%d not), readouts finite (%d not), not all 0 (%d not 0)",
-             (int)seen.bad_key_norm, (int)seen.bad_readout, (int)seen.readouts);
-    CHECK_MSG(seen.bad_key_norm == 0 && seen.bad_readout == 0 && seen.readouts > 0, what);
+             "rows: key norms positive (%d not) and the cache's keys' mean norm (largest relative "
+             "gap %.2e), readouts finite (%d not), some negative (%d)",
+             (int)seen.bad_key_norm, gap, (int)seen.bad_readout, (int)seen.negative_readouts);
+    CHECK_MSG(seen.bad_key_norm == 0 && gap >= 0.0 && gap <= 1e-4 && seen.bad_readout == 0 &&
+                  seen.negative_readouts > 0,
+              what);
     for (int32_t i = 0; i + 1 < r->n_requests && i < 16; i++) {
         int64_t later = 0;
         for (int32_t j = i + 1; j < r->n_requests; j++)

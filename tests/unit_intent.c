@@ -270,16 +270,20 @@ static int intent_fixture_init(intent_fixture *f) {
     d.default_precision.value_format = KVMIX_FORMAT_FP16;
     for (t = 0; t < FIX_N * FIX_KV * FIX_D; t++) f->keys[t] = (float)((t * 7) % 13 - 6) / 8.0f;
     for (t = 0; t < FIX_QH * FIX_D; t++) f->memory[t] = (float)((t * 5) % 11 - 5) / 16.0f;
-    CHECK_RESULT(kvmix_cache_init_allocator(&f->cache, &d, NULL, NULL), KVMIX_SUCCESS);
+    if (!CHECK_RESULT(kvmix_cache_init_allocator(&f->cache, &d, NULL, NULL), KVMIX_SUCCESS))
+        return 0;
     CHECK_RESULT(kvmix_cache_seq_create(&f->cache, &seq), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_reserve(&f->cache, seq, FIX_N, NULL, NULL), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_write(&f->cache, seq, 0, 0, FIX_N, f->keys, f->keys), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_evict(&f->cache, seq, evicted, 2), KVMIX_SUCCESS);
     CHECK_RESULT(kvmix_cache_view_counts(&f->cache, &seq, 1, &n_spans, &n_dead), KVMIX_SUCCESS);
-    if (!CHECK(n_spans <= 8 && n_dead <= 64)) return 0;
-    return CHECK_RESULT(
-        kvmix_cache_view(&f->cache, &seq, 1, 0, f->spans, 8, f->first, f->dead, 64, &f->view),
-        KVMIX_SUCCESS);
+    if (CHECK(n_spans <= 8 && n_dead <= 64) &&
+        CHECK_RESULT(
+            kvmix_cache_view(&f->cache, &seq, 1, 0, f->spans, 8, f->first, f->dead, 64, &f->view),
+            KVMIX_SUCCESS))
+        return 1;
+    kvmix_cache_deinit(&f->cache); /* a failed check: nothing left for the caller to free */
+    return 0;
 }
 
 static void test_intent_scores(void) {
@@ -358,6 +362,10 @@ static void test_key_features(void) {
                  KVMIX_ERR_INVALID_ARGUMENT);
     CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.0f, f.memory, NULL, readout, N),
                  KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.0f, f.memory, norm, NULL, N),
+                 KVMIX_ERR_NULL_POINTER);
+    CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.0f, NULL, norm, readout, N),
+                 KVMIX_ERR_NULL_POINTER);
     CHECK_RESULT(kvmix_ref_view_key_features(NULL, 0, QH, 0.0f, f.memory, norm, readout, N),
                  KVMIX_ERR_NULL_POINTER);
     CHECK(norm[0] == 5.0f && readout[0] == 5.0f);
@@ -365,6 +373,16 @@ static void test_key_features(void) {
     CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.0f, f.memory, norm, readout, N - 1),
                  KVMIX_SUCCESS);
     CHECK(norm[N - 1] == 7.0f && readout[N - 1] == 7.0f); /* past capacity: left as it was */
+    { /* scale 0: the bits of 1/sqrt(head_dim) */
+        float norm2[N], readout2[N];
+        CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.0f, f.memory, norm, readout, N),
+                     KVMIX_SUCCESS);
+        CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 1.0f / sqrtf((float)D), f.memory,
+                                                 norm2, readout2, N),
+                     KVMIX_SUCCESS);
+        CHECK_MEM_EQ(norm, norm2, sizeof norm2);
+        CHECK_MEM_EQ(readout, readout2, sizeof readout2);
+    }
     CHECK_RESULT(kvmix_ref_view_key_features(&f.view, 0, QH, 0.5f, f.memory, norm, readout, N),
                  KVMIX_SUCCESS);
     for (t = 0; t < N; t++) {

@@ -78,15 +78,16 @@ def pairs(label_list, rng):
 
 
 def standardization(feature_rows):
-    """(mean, std) per feature over the rows; a constant feature gets std inf: standardized to 0
-    on every row, so the trained layer never reads it and its folded weights are 0 (a feature
-    the rows lacked cannot move the residual where a runner gives it)."""
+    """(mean, std) per feature over the rows; a constant feature (one value on every row) gets
+    std inf: standardized to 0 on every row, so the trained layer never reads it and its folded
+    weights are 0 (a feature the rows lacked cannot move the residual where a runner gives it)."""
     n = len(feature_rows)
     mean = [sum(f[k] for f in feature_rows) / n for k in range(len(FEATURES))]
     std = []
     for k in range(len(FEATURES)):
         var = sum((f[k] - mean[k]) ** 2 for f in feature_rows) / n
-        std.append(math.sqrt(var) if var > 1e-24 else math.inf)
+        constant = all(f[k] == feature_rows[0][k] for f in feature_rows)
+        std.append(math.inf if constant else math.sqrt(var))
     return mean, std
 
 

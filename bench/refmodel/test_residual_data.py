@@ -78,11 +78,13 @@ def check_labels_split_pairs():
 
 def check_fold():
     rng = random.Random(5)
-    feats = [[rng.gauss(3, 2) if k != 12 else 0.0 for k in range(len(R.FEATURES))]
-             for _ in range(50)]
+    # features 11 and 12 constant: one far from 0 (whose variance rounds to a tiny number), one 0
+    feats = [[rng.gauss(3, 2) if k < 11 else (12345.678 if k == 11 else 0.0)
+              for k in range(len(R.FEATURES))] for _ in range(50)]
     mean, std = R.standardization(feats)
-    ok = expect(math.isinf(std[12]) and abs(mean[0] - sum(f[0] for f in feats) / 50) < 1e-12,
-                "standardization: means, a constant feature's std inf")
+    ok = expect(math.isinf(std[11]) and math.isinf(std[12]) and
+                abs(mean[0] - sum(f[0] for f in feats) / 50) < 1e-12,
+                "standardization: means, constant features' std inf")
     w1 = [[rng.gauss(0, 1) for _ in R.FEATURES] for _ in range(4)]
     b1 = [rng.gauss(0, 1) for _ in range(4)]
     w2 = [rng.gauss(0, 1) for _ in range(4)]
@@ -92,7 +94,8 @@ def check_fold():
         z = [(f[k] - mean[k]) / std[k] for k in range(len(R.FEATURES))]
         worst = max(worst, abs(R.residual(w1, b1, w2, 0.3, z) - R.residual(fw1, fb1, w2, 0.3, f)))
     ok &= expect(worst < 1e-9, f"fold: the same residual on raw features (worst {worst:.1e})")
-    ok &= expect(all(row[12] == 0.0 for row in fw1), "fold: a constant feature's weights 0")
+    ok &= expect(all(row[11] == 0.0 and row[12] == 0.0 for row in fw1) and
+                 all(math.isfinite(b) for b in fb1), "fold: constant features' weights 0")
     ok &= expect(abs(R.gelu(1.0) - 0.8413447460685429) < 1e-12 and R.gelu(0.0) == 0.0,
                  "gelu: the exact form")
     return ok
