@@ -4,7 +4,8 @@ Rows come from `kvmix-eval --residual-rows` (examples/kvmix_eval.c): a CSV heade
 position of each request that a later one followed "text, request, position, the 13 features
 (kvmix_intent_residual_feature_name, in order), target", target being the attention the later
 requests' prompts gave the position. Here: reading them grouped by request, a position's label
-(its target among the top of its request's), a split of the texts, pairs of a positive and a
+(its target among the top of its request's, or, from the traces' questions, whether it holds a
+fact a question answered later asks for), a split of the texts, pairs of a positive and a
 negative of one request, feature standardization folded into the first layer, the residual's
 forward pass as kvmix computes it, the pairwise accuracy of scores within requests, and the
 weights document examples/intent_residual_json.h reads.
@@ -54,6 +55,32 @@ def labels(rows, quantile):
     targets = sorted(target for _, _, target in rows)
     threshold = targets[min(len(targets) - 1, int(quantile * len(targets)))]
     return [1 if target > 0.0 and target >= threshold else 0 for _, _, target in rows]
+
+
+def request_ends(requests):
+    """{(text, request): one past its newest position}, from rows before drop_recent (the rows
+    are a sample of the positions: the newest sampled one, which lies in the request's own
+    prompt, where no answer is)."""
+    return {key: max(p for p, _, _ in rows) + 1 for key, rows in requests.items()}
+
+
+def fact_spans(record, encode):
+    """Per question of a long trace (longtrace.py's fields) (first, end, answered): token
+    positions as the runners count them (<|endoftext|> at 0, so one past the encoding's) of the
+    fact where its answer first occurs (its source turn, as longtrace.py checks) and of the
+    answer the question's reply gives."""
+    text, out = record["text"], []
+    for q in record["questions"]:
+        first = len(encode(text[:text.find(q["answer"])])) + 1
+        out.append((first, first + len(encode(q["answer"])), q["token_start"] + 1))
+    return out
+
+
+def question_labels(rows, spans, end):
+    """1 for a position inside the fact of a question answered at or after `end` (the request's:
+    its own question included, which the eviction at its prompt must keep the fact for), else 0."""
+    later = [(first, stop) for first, stop, answered in spans if answered >= end]
+    return [1 if any(first <= p < stop for first, stop in later) else 0 for p, _, _ in rows]
 
 
 def split_texts(keys, holdout, seed):

@@ -2,10 +2,12 @@
 # written, labels take the top of each request, the split keeps sessions whole, pairs are one
 # positive and one negative of a request, the window's positions dropped, folding the
 # standardization into the first layer gives the same residual, the pairwise accuracy on
-# hand-computed cases, and the document kvmix reads (its fields and sizes).
+# hand-computed cases, the document kvmix reads (its fields and sizes), and the question labels
+# (a fact's token positions as the runners count them, labels only for questions answered later).
 import math, os, random, sys, tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus
 import residual_data as R
 
 
@@ -114,12 +116,36 @@ def check_accuracy_and_document():
     return ok
 
 
+def check_question_labels():
+    text = ("<|im_start|>user\nread the log<|im_end|>\n<|im_start|>tool\nport 48213 open<|im_end|>\n"
+            "<|im_start|>user\nwhich port?<|im_end|>\n<|im_start|>assistant\n48213<|im_end|>\n")
+    answer_at = text.rfind("48213")
+    record = {"text": text, "questions": [
+        {"answer": "48213", "token_start": len(corpus.encode(text[:answer_at]))}]}
+    spans = R.fact_spans(record, corpus.encode)
+    ids = [corpus.EOT] + corpus.encode(text)  # as the runners hold it: <|endoftext|> first
+    first, stop, answered = spans[0]
+    ok = expect(len(spans) == 1 and ids[first:stop] == list(b"48213") and
+                ids[answered:answered + 5] == list(b"48213") and first < answered,
+                "fact spans: the fact's and the answer's positions as the runners count them")
+    # a request whose rows end before the answer: the fact's positions positive; one whose rows
+    # reach past it (the question answered already): none
+    rows = [(p, [0.0] * len(R.FEATURES), 0.0) for p in range(answered - 4)]
+    labels = R.question_labels(rows, spans, R.request_ends({(0, 0): rows})[(0, 0)])
+    ok &= expect(labels == [1 if first <= p < stop else 0 for p, _, _ in rows] and sum(labels) == 5,
+                 "question labels: the fact of a question answered later")
+    ok &= expect(sum(R.question_labels(rows, spans, answered + 1)) == 0,
+                 "question labels: none for a question answered before the request's end")
+    return ok
+
+
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         ok = check_rows(tmp)
     ok &= check_labels_split_pairs()
     ok &= check_fold()
     ok &= check_accuracy_and_document()
+    ok &= check_question_labels()
     print("residual data: all checks passed" if ok else "residual data: FAILED")
     return 0 if ok else 1
 

@@ -15,7 +15,10 @@ features and the attention the later requests' prompts gave it:
     python3 bench/refmodel/train_residual.py --rows rows.csv --out weights.json
 
 A position is positive when its target is among the top (1 - quantile) of its request's
-(residual_data.labels). The model: features standardized on the training texts, Linear(13, H),
+(residual_data.labels), or, with --labels questions --data TRACES (the file the rows came from,
+--data-offset its first text), when it holds the fact of a question answered after its request
+(residual_data.question_labels): what the study's questions will ask for, not what later
+prompts attend to. The model: features standardized on the training texts, Linear(13, H),
 GELU, Linear(H, 1) whose weight and bias start at zero, times a learned alpha; the score the
 pruner ranks by is rule + alpha * r. It trains on pairs of a positive and a negative of one
 request (a logistic loss on beta * (score_pos - score_neg), beta > 0 learned), so only the order
@@ -34,6 +37,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import corpus  # noqa: E402
 import residual_data as R  # noqa: E402
 
 
@@ -53,18 +57,35 @@ class Residual(torch.nn.Module):
         return rule + self.alpha * r
 
 
-def tensors(data, keys, mean, std, quantile, device):
-    """Per key (offset, count) into the stacked rows, rules, standardized features, labels."""
+def tensors(data, keys, mean, std, label, device):
+    """Per key (offset, count) into the stacked rows, rules, standardized features, labels
+    (label(key, rows))."""
     rules, feats, labels, spans = [], [], [], {}
     for key in keys:
         rows = data[key]
         spans[key] = (len(rules), len(rows))
-        labels += R.labels(rows, quantile)
+        labels += label(key, rows)
         for _, f, _ in rows:
             rules.append(f[0])
             feats.append([(f[k] - mean[k]) / std[k] for k in range(len(R.FEATURES))])
     as_tensor = lambda x: torch.tensor(x, dtype=torch.float32, device=device)
     return spans, as_tensor(rules), as_tensor(feats).reshape(-1, len(R.FEATURES)), labels
+
+
+def labeler(a, raw):
+    """label(key, rows): by attention (--quantile) or by the traces' questions (--data)."""
+    if a.labels == "attention":
+        return lambda key, rows: R.labels(rows, a.quantile)
+    with open(a.data) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    ends, spans = R.request_ends(raw), {}
+
+    def label(key, rows):
+        text = key[0]
+        if text not in spans:
+            spans[text] = R.fact_spans(records[a.data_offset + text], corpus.encode)
+        return R.question_labels(rows, spans[text], ends[key])
+    return label
 
 
 def epoch_pairs(spans, labels, rng):
@@ -108,22 +129,29 @@ def main():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--min-age", type=int, default=64,
                     help="drop positions this close to the newest: the policy's window keeps them")
+    ap.add_argument("--labels", choices=("attention", "questions"), default="attention")
+    ap.add_argument("--data", help="with --labels questions: the traces the rows came from")
+    ap.add_argument("--data-offset", type=int, default=0, help="the rows' text 0 in --data")
     ap.add_argument("--force", action="store_true")
     a = ap.parse_args()
+    if a.labels == "questions" and not a.data:
+        ap.error("--labels questions needs --data")
     if not 1 <= a.hidden <= 256:  # KVMIX_INTENT_RESIDUAL_MAX_HIDDEN
         ap.error("--hidden must be 1..256")
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    data = R.drop_recent(R.read_rows(a.rows), a.min_age)
+    raw = R.read_rows(a.rows)
+    label = labeler(a, raw)
+    data = R.drop_recent(raw, a.min_age)
     train_keys, held_keys = R.split_texts(list(data), a.holdout, a.seed)
     if not train_keys or not held_keys:
         print(f"{a.rows}: {len(train_keys)} requests to train on, {len(held_keys)} held out: "
               "too few")
         return 1
     mean, std = R.standardization([f for k in train_keys for _, f, _ in data[k]])
-    train = tensors(data, train_keys, mean, std, a.quantile, device)
-    held = tensors(data, held_keys, mean, std, a.quantile, device)
+    train = tensors(data, train_keys, mean, std, label, device)
+    held = tensors(data, held_keys, mean, std, label, device)
     print(f"rows {sum(len(v) for v in data.values())}, requests {len(train_keys)} train / "
           f"{len(held_keys)} held out, positives {sum(train[3])} / {sum(held[3])}, "
           f"device {device}", flush=True)
@@ -169,8 +197,9 @@ def main():
     if best <= floor and not a.force:
         print("the residual does not beat the rule on the held-out texts: no document written")
         return 1
+    labels = f"quantile {a.quantile}" if a.labels == "attention" else "question labels"
     description = (f"train_residual.py on {os.path.basename(a.rows)}: hidden {a.hidden}, "
-                   f"quantile {a.quantile}, epoch {best_epoch}, held-out pairwise accuracy "
+                   f"{labels}, epoch {best_epoch}, held-out pairwise accuracy "
                    f"{best:.4f} (rule {floor:.4f})")
     with open(a.out, "w") as f:
         json.dump(export(model, mean, std, a.alpha_max, description), f, allow_nan=False)
