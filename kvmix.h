@@ -3417,6 +3417,26 @@ static float kvmix__head_logit(const kvmix_span *span, const kvmix_layout *kl,
     return sum * scale;
 }
 
+/* The checks kvmix_ref_view_intent_score and kvmix_ref_view_key_features share: the view, the
+   arguments, the query heads against the view's shape, and sequence seq's spans (into *list). */
+static kvmix_result kvmix__query_sequence(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
+                                          float scale, int32_t capacity_tokens,
+                                          kvmix__span_list *list) {
+    kvmix_attention_desc desc;
+    kvmix_result r;
+    if ((r = kvmix_view_check(view, NULL)) != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || !(scale >= 0.0f) ||
+        scale == INFINITY)
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    desc.n_q_heads = n_q_heads;
+    desc.n_kv_heads = view->n_kv_heads;
+    desc.head_dim = view->head_dim;
+    desc.scale = scale;
+    if ((r = kvmix__check_desc(&desc)) != KVMIX_SUCCESS) return r;
+    *list = kvmix__view_sequence(view, seq);
+    return kvmix__check_span_list(&desc, list);
+}
+
 /* One query head's pass over the first `capacity` tokens of a sequence: with add 0, its softmax
    max and sum (*m, *l, online); with add 1, p_t = exp(logit - m) / l added to scores[t]. */
 static void kvmix__intent_pass(const kvmix__span_list *list, int32_t kv_head, const float *q,
@@ -3450,22 +3470,13 @@ KVMIXDEF kvmix_result kvmix_ref_view_intent_score(const kvmix_view *view, int32_
                                                   int32_t n_q_heads, float scale,
                                                   const float *memory, float *scores,
                                                   int32_t capacity_tokens) {
-    kvmix_attention_desc desc;
     kvmix__span_list list;
     kvmix_result r;
     int32_t h, i, t, pos = 0, group;
     if (!memory || !scores) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_view_check(view, NULL)) != KVMIX_SUCCESS) return r;
-    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || !(scale >= 0.0f) ||
-        scale == INFINITY)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    desc.n_q_heads = n_q_heads;
-    desc.n_kv_heads = view->n_kv_heads;
-    desc.head_dim = view->head_dim;
-    desc.scale = scale;
-    if ((r = kvmix__check_desc(&desc)) != KVMIX_SUCCESS) return r;
-    list = kvmix__view_sequence(view, seq);
-    if ((r = kvmix__check_span_list(&desc, &list)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__query_sequence(view, seq, n_q_heads, scale, capacity_tokens, &list)) !=
+        KVMIX_SUCCESS)
+        return r;
     if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
     group = n_q_heads / view->n_kv_heads;
     for (i = 0; i < list.count && pos < capacity_tokens; i++) { /* live 0, dead -inf */
@@ -3511,22 +3522,13 @@ KVMIXDEF kvmix_result kvmix_ref_view_key_features(const kvmix_view *view, int32_
                                                   int32_t n_q_heads, float scale,
                                                   const float *memory, float *key_norm,
                                                   float *readout, int32_t capacity_tokens) {
-    kvmix_attention_desc desc;
     kvmix__span_list list;
     kvmix_result r;
     int32_t i, t, pos = 0;
     if (!memory || !key_norm || !readout) return KVMIX_ERR_NULL_POINTER;
-    if ((r = kvmix_view_check(view, NULL)) != KVMIX_SUCCESS) return r;
-    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || !(scale >= 0.0f) ||
-        scale == INFINITY)
-        return KVMIX_ERR_INVALID_ARGUMENT;
-    desc.n_q_heads = n_q_heads;
-    desc.n_kv_heads = view->n_kv_heads;
-    desc.head_dim = view->head_dim;
-    desc.scale = scale;
-    if ((r = kvmix__check_desc(&desc)) != KVMIX_SUCCESS) return r;
-    list = kvmix__view_sequence(view, seq);
-    if ((r = kvmix__check_span_list(&desc, &list)) != KVMIX_SUCCESS) return r;
+    if ((r = kvmix__query_sequence(view, seq, n_q_heads, scale, capacity_tokens, &list)) !=
+        KVMIX_SUCCESS)
+        return r;
     if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
     for (i = 0; i < list.count && pos < capacity_tokens; i++) {
         kvmix_span span = kvmix__span_at(&list, i);
