@@ -614,15 +614,22 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
     });
 }
 
+/* Query heads whose logits one pass over a key row accumulates (a kv head's group is taken in
+   chunks of this many). */
+constexpr int kvmix__intent_heads = 8;
+
 /* Intent scoring, step 1 (after the logits were set to -inf): blocks of 32 tokens, one warp per
-   (token, query head): logits[h][t] = scale * dot(memory[h], key_t[h / g]); dead tokens stay
+   (token, kv head): each key element is decoded once for the kv head's g query heads,
+   logits[h][t] = scale * dot(memory[h], key_t[h / g]) with lane-strided sums reduced across the
+   warp (the order of one warp per query head, so the bits do not depend on g); dead tokens stay
    -inf, a bad span's tokens get NaN. */
 static __global__ void __launch_bounds__(256)
     kvmix__intent_logits_kernel(kvmix__view_params p, float scale) {
     __shared__ kvmix__walk_smem sm;
     const int64_t lo = (int64_t)blockIdx.x * kvmix__view_tile_tokens;
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
-    const int d = p.head_dim, g = p.n_q_heads / p.n_kv_heads, seq = p.seq + (int)blockIdx.y;
+    const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / n_kv,
+              seq = p.seq + (int)blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
     const float *memory = p.memory + blockIdx.y * p.memory_stride;
@@ -637,22 +644,33 @@ static __global__ void __launch_bounds__(256)
         int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
         kvmix__sections s;
         bool ok = kvmix__span_keys_ok(p, sp, &s);
-        for (int64_t task = warp; task < (t1 - t0) * p.n_q_heads; task += n_warps) {
-            const int64_t pos = t0 + task / p.n_q_heads, t = pos - start;
-            const int h = (int)(task % p.n_q_heads);
+        for (int64_t task = warp; task < (t1 - t0) * n_kv; task += n_warps) {
+            const int64_t pos = t0 + task / n_kv, t = pos - start;
+            const int kh = (int)(task % n_kv);
             if (ok && sp.dead_index >= 0 && p.dead[sp.dead_index + t]) continue; /* -inf */
-            float acc = 0.0f;
-            if (ok)
-                for (int c = lane; c < d; c += 32)
-                    acc += memory[(size_t)h * d + c] *
-                           kvmix__decode_value(sp.key_format,
-                                               p.base + sp.key_offset +
-                                                   (uint64_t)(h / g) * sp.key_head_bytes,
-                                               s, t, c, p.group_size);
-            for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-            if (lane == 0)
-                logits[(size_t)h * p.capacity + pos] =
-                    ok ? acc * scale : __int_as_float(0x7fffffff);
+            const uint8_t *block = p.base + sp.key_offset + (uint64_t)kh * sp.key_head_bytes;
+            for (int h0 = kh * g; h0 < (kh + 1) * g; h0 += kvmix__intent_heads) {
+                const int heads = min(kvmix__intent_heads, (kh + 1) * g - h0);
+                float acc[kvmix__intent_heads] = {};
+                if (ok)
+                    for (int c = lane; c < d; c += 32) {
+                        const float k =
+                            kvmix__decode_value(sp.key_format, block, s, t, c, p.group_size);
+#pragma unroll
+                        for (int j = 0; j < kvmix__intent_heads; j++)
+                            if (j < heads) acc[j] += memory[(size_t)(h0 + j) * d + c] * k;
+                    }
+#pragma unroll
+                for (int j = 0; j < kvmix__intent_heads; j++) {
+                    if (j >= heads) break;
+                    float a = acc[j];
+                    for (int off = 16; off > 0; off >>= 1)
+                        a += __shfl_xor_sync(0xffffffffu, a, off);
+                    if (lane == 0)
+                        logits[(size_t)(h0 + j) * p.capacity + pos] =
+                            ok ? a * scale : __int_as_float(0x7fffffff);
+                }
+            }
         }
     });
 }
@@ -674,9 +692,12 @@ static __global__ void __launch_bounds__(256)
     float *ml = logits + blockIdx.y * stride + (size_t)gridDim.x * capacity;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float m = -INFINITY, l = 0.0f;
-    for (int t = threadIdx.x; t < capacity; t += blockDim.x) m = fmaxf(m, x[t]);
     bool nan = false;
-    for (int t = threadIdx.x; t < capacity; t += blockDim.x) nan |= x[t] != x[t];
+    for (int t = threadIdx.x; t < capacity; t += blockDim.x) {
+        const float v = x[t];
+        m = fmaxf(m, v);
+        nan |= v != v;
+    }
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     if (lane == 0) red[warp] = m;
     __syncthreads();

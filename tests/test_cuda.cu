@@ -745,8 +745,9 @@ static void check_intent_scores(const test_view &v, int seq, int n_q, const floa
     }
     for (int t = (int)n; t < cap; t++) same_dead &= got[t] == -INFINITY;
     snprintf(name, sizeof name,
-             "intent score D %d seq %d: largest difference %.2e (bound 1e-4), dead and past -inf",
-             v.d, seq, worst);
+             "intent score D %d seq %d, %d query heads: largest difference %.2e (bound 1e-4), dead "
+             "and past -inf",
+             v.d, seq, n_q, worst);
     check(r == KVMIX_SUCCESS && rr == KVMIX_SUCCESS && same_dead && worst <= 1e-4, name);
     cudaFree(d_ws);
     cudaFree(d_out);
@@ -798,6 +799,21 @@ static void check_intent_score_seqs(const test_view &v, int n_q, int cap) {
     cudaFree(d_all);
     cudaFree(d_one);
     cudaFree(d_ws);
+}
+
+/* The intent scores of the view's first sequence with 1, 4 and 9 query heads per kv head (9: past
+   the kernel's chunk of 8 heads a key row serves at once). */
+static void check_intent_head_groups(const test_view &v) {
+    for (int g : {1, 4, 9}) {
+        const int n_q = v.n_kv * g;
+        std::vector<float> mem((size_t)n_q * v.d);
+        for (auto &x : mem) x = nrand();
+        float *d_mem;
+        CUDA_OK(cudaMalloc(&d_mem, mem.size() * 4));
+        CUDA_OK(cudaMemcpy(d_mem, mem.data(), mem.size() * 4, cudaMemcpyHostToDevice));
+        check_intent_scores(v, 0, n_q, d_mem, mem, (int)v.seq_tokens[0] + 5);
+        cudaFree(d_mem);
+    }
 }
 
 static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_dtype dtype,
@@ -901,6 +917,7 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
     for (int seq = 0; seq < v.n_seqs; seq++)
         longest = v.seq_tokens[seq] > longest ? v.seq_tokens[seq] : longest;
     check_intent_score_seqs(v, 2 * n_kv, (int)longest + 5);
+    check_intent_head_groups(v);
     free_view(v);
 }
 
