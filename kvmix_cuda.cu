@@ -510,6 +510,7 @@ struct kvmix__view_params {
     uint16_t *keys_out, *values_out;
     const float *memory;
     float *scores;
+    float *readout; /* key features: the readouts (scores takes the key norms) */
     /* batched intent scoring: sequence p.seq + blockIdx.y reads its memory memory_stride floats
        and writes its logits scores_stride floats after the previous one's */
     int64_t memory_stride, scores_stride;
@@ -609,6 +610,61 @@ static __global__ void __launch_bounds__(256) kvmix__view_score_kernel(kvmix__vi
                 else if (sp.dead_index >= 0 && p.dead[sp.dead_index + t])
                     acc = -INFINITY;
                 p.scores[pos] = acc;
+            }
+        }
+    });
+}
+
+/* Key features (kvmix_ref_view_key_features): blocks of 32 tokens, one warp per token, its key
+   rows decoded once per kv head: key_norm[t] (p.scores) = the mean over kv heads of the key's
+   norm, readout[t] = the mean over q heads of scale * dot(memory[h], key); dead tokens 0, a bad
+   span's NaN. */
+static __global__ void __launch_bounds__(256)
+    kvmix__key_features_kernel(kvmix__view_params p, float scale) {
+    __shared__ kvmix__walk_smem sm;
+    const int64_t lo = (int64_t)blockIdx.x * kvmix__view_tile_tokens;
+    const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
+    const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / n_kv;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const int first = p.seq_first_span[p.seq], last = p.seq_first_span[p.seq + 1];
+    if (!kvmix__view_range_ok(first, last, p.n_spans)) {
+        for (int64_t t = lo + threadIdx.x; t < hi; t += blockDim.x)
+            p.scores[t] = p.readout[t] = __int_as_float(0x7fffffff);
+        return;
+    }
+    kvmix__for_spans(p.spans, first, last, lo, hi, sm, [&](int si, int64_t start) {
+        const kvmix_view_span sp = p.spans[si];
+        int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
+        kvmix__sections s;
+        bool ok = kvmix__span_keys_ok(p, sp, &s);
+        for (int64_t pos = t0 + warp; pos < t1; pos += n_warps) {
+            const int64_t t = pos - start;
+            float norms = 0.0f, logits = 0.0f;
+            const bool dead = ok && sp.dead_index >= 0 && p.dead[sp.dead_index + t];
+            for (int h = 0; ok && !dead && h < n_kv; h++) {
+                const uint8_t *block = p.base + sp.key_offset + (uint64_t)h * sp.key_head_bytes;
+                float key[KVMIX_MAX_HEAD_DIM / 32], squares = 0.0f;
+                for (int i = 0; i < KVMIX_MAX_HEAD_DIM / 32 && lane + 32 * i < d; i++) {
+                    key[i] = kvmix__decode_value(sp.key_format, block, s, t, lane + 32 * i,
+                                                 p.group_size);
+                    squares += key[i] * key[i];
+                }
+                for (int off = 16; off > 0; off >>= 1)
+                    squares += __shfl_xor_sync(0xffffffffu, squares, off);
+                norms += sqrtf(squares);
+                for (int j = 0; j < g; j++) {
+                    const float *m = p.memory + (size_t)(h * g + j) * d;
+                    float dot = 0.0f;
+                    for (int i = 0; i < KVMIX_MAX_HEAD_DIM / 32 && lane + 32 * i < d; i++)
+                        dot += m[lane + 32 * i] * key[i];
+                    for (int off = 16; off > 0; off >>= 1)
+                        dot += __shfl_xor_sync(0xffffffffu, dot, off);
+                    logits += dot * scale;
+                }
+            }
+            if (lane == 0) {
+                p.scores[pos] = ok ? norms / (float)n_kv : __int_as_float(0x7fffffff);
+                p.readout[pos] = ok ? logits / (float)(n_kv * g) : __int_as_float(0x7fffffff);
             }
         }
     });
@@ -767,7 +823,8 @@ static kvmix__view_params kvmix__view_params_of(const kvmix_view *v, int32_t seq
     p.group_size = kvmix__view_group(v->group_size, v->value_group_size, 0, KVMIX_FORMAT_INT4);
     p.n_boost = v->n_boost, p.seq = seq, p.capacity = 0, p.dtype = KVMIX_CUDA_FP16;
     p.n_q_heads = v->n_kv_heads, p.keys_out = p.values_out = nullptr;
-    p.memory = nullptr, p.scores = nullptr, p.memory_stride = p.scores_stride = 0;
+    p.memory = nullptr, p.scores = nullptr, p.readout = nullptr;
+    p.memory_stride = p.scores_stride = 0;
     return p;
 }
 
@@ -804,6 +861,28 @@ extern "C" kvmix_result kvmix_cuda_view_score(const kvmix_view *view, int32_t se
     unsigned blocks =
         (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
     kvmix__view_score_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p);
+    return kvmix__launch_status();
+}
+
+extern "C" kvmix_result kvmix_cuda_view_key_features(const kvmix_view *view, int32_t seq,
+                                                     int32_t n_q_heads, float scale,
+                                                     const float *memory, float *key_norm,
+                                                     float *readout, int32_t capacity_tokens,
+                                                     kvmix_stream stream) {
+    kvmix_result r = kvmix__check_device_view(view);
+    if (r != KVMIX_SUCCESS) return r;
+    if (seq < 0 || seq >= view->n_seqs || capacity_tokens < 0 || n_q_heads <= 0 ||
+        n_q_heads % view->n_kv_heads != 0 || !(scale >= 0.0f) || isinf(scale))
+        return KVMIX_ERR_INVALID_ARGUMENT;
+    if (capacity_tokens == 0) return KVMIX_SUCCESS;
+    if (!memory || !key_norm || !readout) return KVMIX_ERR_NULL_POINTER;
+    kvmix__view_params p = kvmix__view_params_of(view, seq);
+    p.capacity = capacity_tokens, p.n_q_heads = n_q_heads, p.memory = memory;
+    p.scores = key_norm, p.readout = readout;
+    if (scale == 0.0f) scale = 1.0f / sqrtf((float)view->head_dim);
+    unsigned blocks =
+        (unsigned)((capacity_tokens + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
+    kvmix__key_features_kernel<<<blocks, 256, 0, (cudaStream_t)stream>>>(p, scale);
     return kvmix__launch_status();
 }
 

@@ -201,6 +201,19 @@ kvmix_result kvmix_cuda_view_intent_score(const kvmix_view *view, int32_t seq, i
                                           int32_t capacity_tokens, void *workspace,
                                           size_t workspace_bytes, kvmix_stream stream);
 
+/* The intent residual's key features (kvmix_ref_view_key_features on the GPU): for token t of the
+   sequence, key_norm[t] = the mean over kv heads of the norm of its stored key and readout[t] =
+   the mean over query heads h of scale * dot(memory[h], key_t of kv head h / g); dead tokens 0,
+   a bad span's tokens NaN, entries past the sequence's length left. Sums over channels and heads
+   in another order than the reference (float rounding apart, the same values). scale 0 =
+   1/sqrt(head_dim). memory [n_q_heads][head_dim], key_norm and readout [capacity_tokens]: device
+   memory. One launch on `stream`. Returns NULL_POINTER, INVALID_ARGUMENT, BAD_SHAPE,
+   UNSUPPORTED (head_dim), CUDA. */
+kvmix_result kvmix_cuda_view_key_features(const kvmix_view *view, int32_t seq, int32_t n_q_heads,
+                                          float scale, const float *memory, float *key_norm,
+                                          float *readout, int32_t capacity_tokens,
+                                          kvmix_stream stream);
+
 /* kvmix_cuda_view_intent_score of sequences first_seq .. first_seq + n_seqs - 1 in the same four
    launches: sequence first_seq + i reads memory + i * memory_stride (floats) and writes scores +
    i * capacity_tokens; the workspace holds n_seqs times kvmix_cuda_view_intent_workspace_bytes.

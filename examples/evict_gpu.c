@@ -37,10 +37,13 @@ static void gpu_seq_stats(const void *runner, int32_t seq, llama_kv_stats *out) 
     gpu_llama_seq_stats(runner, seq, out);
 }
 
+static llama_result gpu_key_features(void *runner, int32_t seq, const float *memory,
+                                     float *key_norm, float *readout, char *err, size_t err_bytes) {
+    return gpu_llama_key_features(runner, seq, memory, key_norm, readout, err, err_bytes);
+}
+
 evict_backend evict_backend_gpu(struct gpu_llama *g, int32_t seq) {
-    /* no key features on the GPU yet: the residual's KEY_NORM and READOUT are 0 there */
-    evict_backend b = {
-        g,         seq,           gpu_observe, gpu_observed_take, gpu_intent_scores, gpu_inner,
-        gpu_evict, gpu_seq_stats, NULL};
+    evict_backend b = {g,         seq,       gpu_observe,   gpu_observed_take, gpu_intent_scores,
+                       gpu_inner, gpu_evict, gpu_seq_stats, gpu_key_features};
     return b;
 }

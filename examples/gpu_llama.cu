@@ -94,6 +94,7 @@ struct observation {
     float *h_scores;          /* pinned [n_layers][view_capacity] */
     int32_t *positions;       /* host [view_capacity] */
     float *d_memory;          /* [n_layers][n_q][D] */
+    float *d_readout;         /* [n_layers][view_capacity]: key features' readouts per layer */
     void *work;               /* kvmix_cuda_view_intent_score_seqs's for max_seqs sequences */
     size_t work_bytes;
 };
@@ -1161,6 +1162,7 @@ llama_result observation_create(gpu_llama *g, char *err, size_t err_bytes) {
     TRY_CUDA(cudaMalloc(&o->d_into, seqs * sizeof(int32_t)), "recorders");
     TRY_CUDA(pinned_alloc(&o->h_scores, (size_t)c->n_layers * cap), "scores");
     TRY_CUDA(device_alloc(&o->d_memory, q_floats), "query memory");
+    TRY_CUDA(device_alloc(&o->d_readout, (size_t)c->n_layers * cap), "readouts");
     TRY_CUDA(cudaMemsetAsync(o->d_qsum, 0, seqs * q_floats * sizeof(float), g->stream), "zeroing");
     TRY_CUDA(cudaMemsetAsync(o->d_mass, 0, seqs * cap * sizeof(float), g->stream), "zeroing");
     TRY_KVMIX(kvmix_cuda_view_intent_workspace_bytes(c->n_heads, o->view_capacity, &o->work_bytes),
@@ -1173,6 +1175,7 @@ llama_result observation_create(gpu_llama *g, char *err, size_t err_bytes) {
 void observation_free(observation *o) {
     free(o->flags), free(o->n_queries), free(o->pending), free(o->h_mass), free(o->positions);
     cudaFree(o->d_qsum), cudaFree(o->d_mass), cudaFree(o->d_scores), cudaFree(o->d_memory);
+    cudaFree(o->d_readout);
     cudaFree(o->work), cudaFreeHost(o->h_scores), cudaFreeHost(o->h_into), cudaFree(o->d_into);
 }
 
@@ -2016,6 +2019,41 @@ extern "C" llama_result gpu_llama_intent_scores(gpu_llama *g, int32_t seq, const
     for (int32_t t = 0; t < n_pos; t++) scores[t] = -INFINITY; /* released pages list nothing */
     for (int32_t l = 0; l < c->n_layers && r == LLAMA_OK; l++)
         r = view_to_positions(g, seq, o->d_scores + l * cap, scores, l == 0, err, err_bytes);
+    return r;
+}
+
+extern "C" llama_result gpu_llama_key_features(gpu_llama *g, int32_t seq, const float *memory,
+                                               float *key_norm, float *readout, char *err,
+                                               size_t err_bytes) {
+    llama_result r = running_kvmix(g, seq, "gpu_llama_key_features", err, err_bytes);
+    if (r == LLAMA_OK && (!memory || !key_norm || !readout))
+        r = llama_fail(err, err_bytes, LLAMA_ERR_ARGUMENT, "gpu_llama_key_features: NULL");
+    if (r == LLAMA_OK) r = observation_create(g, err, err_bytes);
+    if (r != LLAMA_OK) return r;
+    observation *o = &g->obs;
+    const llama_config *c = &g->c;
+    size_t row = (size_t)c->n_heads * c->head_dim, cap = o->view_capacity;
+    int32_t n_pos = g->next_pos[seq];
+    TRY_CUDA(cudaMemcpyAsync(o->d_memory, memory, row * c->n_layers * sizeof(float),
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading the memory");
+    g->step_kv_seqs[0] = g->kv_seq[seq]; /* a view of this sequence alone */
+    if ((r = upload_view(g, 1, err, err_bytes)) != LLAMA_OK) return r;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        kvmix_view view;
+        if ((r = layer_view(g, l, &view, err, err_bytes)) != LLAMA_OK) return r;
+        TRY_KVMIX(kvmix_cuda_view_key_features(&view, 0, c->n_heads, 0.0f, o->d_memory + l * row,
+                                               o->d_scores + l * cap, o->d_readout + l * cap,
+                                               (int32_t)cap, g->stream),
+                  "key features");
+    }
+    for (int32_t t = 0; t < n_pos; t++) key_norm[t] = readout[t] = 0.0f; /* evicted: 0 */
+    for (int32_t l = 0; l < c->n_layers && r == LLAMA_OK; l++) {
+        r = view_to_positions(g, seq, o->d_scores + l * cap, key_norm, false, err, err_bytes);
+        if (r == LLAMA_OK)
+            r = view_to_positions(g, seq, o->d_readout + l * cap, readout, false, err, err_bytes);
+    }
+    for (int32_t t = 0; t < n_pos; t++) key_norm[t] /= c->n_layers, readout[t] /= c->n_layers;
     return r;
 }
 

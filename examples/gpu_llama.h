@@ -117,6 +117,13 @@ llama_result gpu_llama_observed_take(gpu_llama *g, int32_t seq, float *query_sum
 llama_result gpu_llama_intent_scores(gpu_llama *g, int32_t seq, const float *memory, float *scores,
                                      char *err, size_t err_bytes);
 
+/* The intent residual's key features of a sequence's positions for a memory (kvmix.h's KEY_NORM
+ * and READOUT, as kvmix_kv_key_features): for each layer kvmix_cuda_view_key_features, averaged
+ * over layers; memory [n_layers][n_q_heads][head_dim] (host); key_norm, readout [positions the
+ * sequence has]: 0 for evicted positions. */
+llama_result gpu_llama_key_features(gpu_llama *g, int32_t seq, const float *memory, float *key_norm,
+                                    float *readout, char *err, size_t err_bytes);
+
 /* Evicts positions of a sequence (kvmix_cache_evict: later steps never attend them), then
  * compacts its pages left at most KVMIX_KV_COMPACT_LIVE_FRACTION live (kvmix_cache_compact:
  * their memory comes back), as kvmix_kv_evict does;

@@ -753,6 +753,56 @@ static void check_intent_scores(const test_view &v, int seq, int n_q, const floa
     cudaFree(d_out);
 }
 
+/* kvmix_cuda_view_key_features against kvmix_ref_view_key_features on one sequence of a view:
+   the same features within float rounding (dead tokens 0), entries past its length left; bad
+   arguments refused. */
+static void check_key_features(const test_view &v, int seq, int n_q, const float *d_mem,
+                               const std::vector<float> &mem, int cap) {
+    char name[200];
+    const int64_t n = v.seq_tokens[seq];
+    float *d_norm, *d_readout;
+    std::vector<float> norm(cap), readout(cap), ref_norm(n > 0 ? n : 1), ref_readout(n > 0 ? n : 1);
+    CUDA_OK(cudaMalloc(&d_norm, (size_t)cap * 4));
+    CUDA_OK(cudaMalloc(&d_readout, (size_t)cap * 4));
+    CUDA_OK(cudaMemset(d_norm, 0xEE, (size_t)cap * 4));
+    CUDA_OK(cudaMemset(d_readout, 0xEE, (size_t)cap * 4));
+    kvmix_result r =
+        kvmix_cuda_view_key_features(&v.dev, seq, n_q, 0.0f, d_mem, d_norm, d_readout, cap, 0);
+    check(kvmix_cuda_view_key_features(&v.dev, seq, n_q + 1, 0.0f, d_mem, d_norm, d_readout, cap,
+                                       0) == KVMIX_ERR_INVALID_ARGUMENT &&
+              kvmix_cuda_view_key_features(&v.dev, seq, n_q, -1.0f, d_mem, d_norm, d_readout, cap,
+                                           0) == KVMIX_ERR_INVALID_ARGUMENT &&
+              kvmix_cuda_view_key_features(&v.dev, v.n_seqs, n_q, 0.0f, d_mem, d_norm, d_readout,
+                                           cap, 0) == KVMIX_ERR_INVALID_ARGUMENT &&
+              kvmix_cuda_view_key_features(&v.dev, seq, n_q, 0.0f, d_mem, nullptr, d_readout, cap,
+                                           0) == KVMIX_ERR_NULL_POINTER,
+          "key features: bad arguments refused");
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(norm.data(), d_norm, (size_t)cap * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(readout.data(), d_readout, (size_t)cap * 4, cudaMemcpyDeviceToHost));
+    kvmix_result rr = kvmix_ref_view_key_features(&v.host, seq, n_q, 0.0f, mem.data(),
+                                                  ref_norm.data(), ref_readout.data(), (int32_t)n);
+    double worst = 0.0;
+    bool dead_zero = true, past_left = true;
+    for (int64_t t = 0; t < n; t++) {
+        if (ref_norm[t] == 0.0f) dead_zero &= norm[t] == 0.0f && readout[t] == 0.0f;
+        worst = fmax(worst, fabs((double)norm[t] - ref_norm[t]) / (1.0 + fabs(ref_norm[t])));
+        worst =
+            fmax(worst, fabs((double)readout[t] - ref_readout[t]) / (1.0 + fabs(ref_readout[t])));
+    }
+    uint32_t poison = 0xEEEEEEEEu;
+    for (int t = (int)n; t < cap; t++)
+        past_left &= memcmp(&norm[t], &poison, 4) == 0 && memcmp(&readout[t], &poison, 4) == 0;
+    snprintf(name, sizeof name,
+             "key features D %d seq %d: largest relative difference %.2e (bound 1e-4), dead 0, "
+             "past the sequence left",
+             v.d, seq, worst);
+    check(r == KVMIX_SUCCESS && rr == KVMIX_SUCCESS && worst <= 1e-4 && dead_zero && past_left,
+          name);
+    cudaFree(d_norm);
+    cudaFree(d_readout);
+}
+
 /* kvmix_cuda_view_intent_score_seqs over every sequence of a view, each with its own memory at
    an odd stride: the same bits as kvmix_cuda_view_intent_score per sequence; a workspace one part
    short, a range past the view and a negative stride refused. */
@@ -908,6 +958,7 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
         snprintf(name, sizeof name, "view score D %d seq %d: nmse %.2e, dead -inf", d, seq, e);
         check(r2 == KVMIX_SUCCESS && fin && dead_ok && e <= 1e-6, name);
         check_intent_scores(v, seq, n_q, d_mem, mem, cap);
+        check_key_features(v, seq, n_q, d_mem, mem, cap);
         cudaFree(d_k);
         cudaFree(d_v);
         cudaFree(d_mem);
