@@ -675,7 +675,8 @@ static __global__ void __launch_bounds__(256)
 constexpr int kvmix__intent_heads = 8;
 
 /* Intent scoring, step 1 (after the logits were set to -inf): blocks of 32 tokens, one warp per
-   (token, kv head): each key element is decoded once for the kv head's g query heads,
+   (token, kv head): each key element is decoded once per kvmix__intent_heads of the kv head's g
+   query heads,
    logits[h][t] = scale * dot(memory[h], key_t[h / g]) with lane-strided sums reduced across the
    warp (the order of one warp per query head, so the bits do not depend on g); dead tokens stay
    -inf, a bad span's tokens get NaN. */

@@ -1140,11 +1140,11 @@ llama_result check_step(const gpu_llama *g, const int32_t *seqs, const int32_t *
 
 /* ---- recording for eviction ---------------------------------------------------------------- */
 
-llama_result observation_create(gpu_llama *g, char *err, size_t err_bytes) {
+/* observation_create's buffers; a failure leaves some allocated, which the caller frees. */
+static llama_result observation_alloc(gpu_llama *g, char *err, size_t err_bytes) {
     observation *o = &g->obs;
     const llama_config *c = &g->c;
     size_t seqs = (size_t)g->max_seqs, q_floats = (size_t)c->n_layers * c->n_heads * c->head_dim;
-    if (o->flags) return LLAMA_OK;
     o->view_capacity = g->max_tokens + g->cache.desc.page_tokens;
     size_t cap = (size_t)o->view_capacity;
     o->flags = (int32_t *)calloc(seqs, sizeof(int32_t));
@@ -1177,6 +1177,19 @@ void observation_free(observation *o) {
     cudaFree(o->d_qsum), cudaFree(o->d_mass), cudaFree(o->d_scores), cudaFree(o->d_memory);
     cudaFree(o->d_readout);
     cudaFree(o->work), cudaFreeHost(o->h_scores), cudaFreeHost(o->h_into), cudaFree(o->d_into);
+}
+
+/* The recording buffers, on first use; after a failure none is kept, so the next call tries
+   again rather than taking a partial set as ready. */
+llama_result observation_create(gpu_llama *g, char *err, size_t err_bytes) {
+    observation *o = &g->obs;
+    if (o->flags) return LLAMA_OK;
+    llama_result r = observation_alloc(g, err, err_bytes);
+    if (r != LLAMA_OK) {
+        observation_free(o);
+        memset(o, 0, sizeof *o);
+    }
+    return r;
 }
 
 /* A new sequence records nothing and has nothing recorded. */

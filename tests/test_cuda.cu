@@ -735,12 +735,13 @@ static void check_intent_scores(const test_view &v, int seq, int n_q, const floa
     kvmix_result rr =
         kvmix_ref_view_intent_score(&v.host, seq, n_q, 0.0f, mem.data(), ref.data(), (int32_t)n);
     double worst = 0.0;
-    bool same_dead = true;
+    bool same_dead = true, within = true;
     for (int64_t t = 0; t < n; t++) {
         if (ref[t] == -INFINITY || got[t] == -INFINITY) {
             same_dead &= ref[t] == got[t];
             continue;
         }
+        within &= fabs((double)got[t] - ref[t]) <= 1e-4; /* NaN fails */
         worst = fmax(worst, fabs((double)got[t] - ref[t]));
     }
     for (int t = (int)n; t < cap; t++) same_dead &= got[t] == -INFINITY;
@@ -748,7 +749,7 @@ static void check_intent_scores(const test_view &v, int seq, int n_q, const floa
              "intent score D %d seq %d, %d query heads: largest difference %.2e (bound 1e-4), dead "
              "and past -inf",
              v.d, seq, n_q, worst);
-    check(r == KVMIX_SUCCESS && rr == KVMIX_SUCCESS && same_dead && worst <= 1e-4, name);
+    check(r == KVMIX_SUCCESS && rr == KVMIX_SUCCESS && same_dead && within, name);
     cudaFree(d_ws);
     cudaFree(d_out);
 }
@@ -783,12 +784,13 @@ static void check_key_features(const test_view &v, int seq, int n_q, const float
     kvmix_result rr = kvmix_ref_view_key_features(&v.host, seq, n_q, 0.0f, mem.data(),
                                                   ref_norm.data(), ref_readout.data(), (int32_t)n);
     double worst = 0.0;
-    bool dead_zero = true, past_left = true;
+    bool dead_zero = true, past_left = true, within = true;
     for (int64_t t = 0; t < n; t++) {
         if (ref_norm[t] == 0.0f) dead_zero &= norm[t] == 0.0f && readout[t] == 0.0f;
-        worst = fmax(worst, fabs((double)norm[t] - ref_norm[t]) / (1.0 + fabs(ref_norm[t])));
-        worst =
-            fmax(worst, fabs((double)readout[t] - ref_readout[t]) / (1.0 + fabs(ref_readout[t])));
+        const double dn = fabs((double)norm[t] - ref_norm[t]) / (1.0 + fabs(ref_norm[t]));
+        const double dr = fabs((double)readout[t] - ref_readout[t]) / (1.0 + fabs(ref_readout[t]));
+        within &= dn <= 1e-4 && dr <= 1e-4; /* NaN fails */
+        worst = fmax(worst, fmax(dn, dr));
     }
     uint32_t poison = 0xEEEEEEEEu;
     for (int t = (int)n; t < cap; t++)
@@ -797,8 +799,7 @@ static void check_key_features(const test_view &v, int seq, int n_q, const float
              "key features D %d seq %d: largest relative difference %.2e (bound 1e-4), dead 0, "
              "past the sequence left",
              v.d, seq, worst);
-    check(r == KVMIX_SUCCESS && rr == KVMIX_SUCCESS && worst <= 1e-4 && dead_zero && past_left,
-          name);
+    check(r == KVMIX_SUCCESS && rr == KVMIX_SUCCESS && within && dead_zero && past_left, name);
     cudaFree(d_norm);
     cudaFree(d_readout);
 }
@@ -849,6 +850,48 @@ static void check_intent_score_seqs(const test_view &v, int n_q, int cap) {
     cudaFree(d_all);
     cudaFree(d_one);
     cudaFree(d_ws);
+}
+
+/* A head's intent logits do not depend on the heads that share its kv head (the kernel serves up
+   to 8 a pass): with 9 query heads per kv head, each head scored as the only one of its kv head
+   (its memory row alone) has the bits it has among the 9 (the workspace's logits [n_q][cap]). */
+static void check_intent_logits_alone(const test_view &v) {
+    const int g = 9, n_q = v.n_kv * g, cap = (int)v.seq_tokens[0] + 5;
+    const size_t row = (size_t)v.d;
+    size_t ws9_bytes = 0, ws1_bytes = 0;
+    kvmix_cuda_view_intent_workspace_bytes(n_q, cap, &ws9_bytes);
+    kvmix_cuda_view_intent_workspace_bytes(v.n_kv, cap, &ws1_bytes);
+    std::vector<float> mem9((size_t)n_q * row), mem1((size_t)v.n_kv * row);
+    std::vector<float> logits9((size_t)n_q * cap), logits1((size_t)v.n_kv * cap);
+    for (auto &x : mem9) x = nrand();
+    float *d_mem9, *d_mem1, *d_out;
+    void *d_ws9, *d_ws1;
+    CUDA_OK(cudaMalloc(&d_mem9, mem9.size() * 4));
+    CUDA_OK(cudaMalloc(&d_mem1, mem1.size() * 4));
+    CUDA_OK(cudaMalloc(&d_out, (size_t)cap * 4));
+    CUDA_OK(cudaMalloc(&d_ws9, ws9_bytes));
+    CUDA_OK(cudaMalloc(&d_ws1, ws1_bytes));
+    CUDA_OK(cudaMemcpy(d_mem9, mem9.data(), mem9.size() * 4, cudaMemcpyHostToDevice));
+    bool ok = kvmix_cuda_view_intent_score(&v.dev, 0, n_q, 0.0f, d_mem9, d_out, cap, d_ws9,
+                                           ws9_bytes, 0) == KVMIX_SUCCESS;
+    CUDA_OK(cudaMemcpy(logits9.data(), d_ws9, logits9.size() * 4, cudaMemcpyDeviceToHost));
+    for (int j = 0; j < g; j++) {
+        for (int kh = 0; kh < v.n_kv; kh++)
+            memcpy(&mem1[kh * row], &mem9[(kh * g + j) * row], row * 4);
+        CUDA_OK(cudaMemcpy(d_mem1, mem1.data(), mem1.size() * 4, cudaMemcpyHostToDevice));
+        ok &= kvmix_cuda_view_intent_score(&v.dev, 0, v.n_kv, 0.0f, d_mem1, d_out, cap, d_ws1,
+                                           ws1_bytes, 0) == KVMIX_SUCCESS;
+        CUDA_OK(cudaMemcpy(logits1.data(), d_ws1, logits1.size() * 4, cudaMemcpyDeviceToHost));
+        for (int kh = 0; kh < v.n_kv; kh++)
+            ok &= memcmp(&logits1[(size_t)kh * cap], &logits9[(size_t)(kh * g + j) * cap],
+                         (size_t)cap * 4) == 0;
+    }
+    char name[160];
+    snprintf(name, sizeof name,
+             "intent logits D %d: each of %d heads per kv head the bits it has scored alone", v.d,
+             g);
+    check(ok, name);
+    cudaFree(d_mem9), cudaFree(d_mem1), cudaFree(d_out), cudaFree(d_ws9), cudaFree(d_ws1);
 }
 
 /* The intent scores of the view's first sequence with 1, 4 and 9 query heads per kv head (9: past
@@ -969,6 +1012,7 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
         longest = v.seq_tokens[seq] > longest ? v.seq_tokens[seq] : longest;
     check_intent_score_seqs(v, 2 * n_kv, (int)longest + 5);
     check_intent_head_groups(v);
+    check_intent_logits_alone(v);
     free_view(v);
 }
 
@@ -986,11 +1030,13 @@ static void test_view_bad_input(void) {
     const int first = v.first[bad_seq], bad = first + 1; /* the first page after the sinks */
     const int bad_lo = v.spans[first].n_tokens, bad_hi = bad_lo + v.spans[bad].n_tokens;
     uint16_t *d_k, *d_v;
-    float *d_mem, *d_scores;
+    float *d_mem, *d_scores, *d_norm, *d_readout;
     CUDA_OK(cudaMalloc(&d_k, elems * 2));
     CUDA_OK(cudaMalloc(&d_v, elems * 2));
     CUDA_OK(cudaMalloc(&d_mem, (size_t)n_q * d * 4));
     CUDA_OK(cudaMalloc(&d_scores, (size_t)rows * 4));
+    CUDA_OK(cudaMalloc(&d_norm, (size_t)rows * 4));
+    CUDA_OK(cudaMalloc(&d_readout, (size_t)rows * 4));
     CUDA_OK(cudaMemset(d_mem, 0, (size_t)n_q * d * 4));
     const char *ways[] = {"a key format unknown in one span", "the span range one past n_spans",
                           "the span range 1000 past the spans"};
@@ -1005,17 +1051,23 @@ static void test_view_bad_input(void) {
         CUDA_OK(cudaMemset(d_k, 0xEE, elems * 2));
         CUDA_OK(cudaMemset(d_v, 0xEE, elems * 2));
         CUDA_OK(cudaMemset(d_scores, 0xEE, (size_t)rows * 4));
+        CUDA_OK(cudaMemset(d_norm, 0xEE, (size_t)rows * 4));
+        CUDA_OK(cudaMemset(d_readout, 0xEE, (size_t)rows * 4));
         const kvmix_result r1 =
             kvmix_cuda_view_dequantize(&view, bad_seq, KVMIX_CUDA_FP16, d_k, d_v, cap, 0);
         const kvmix_result r2 = kvmix_cuda_view_score(&view, bad_seq, n_q, d_mem, d_scores, cap, 0);
+        const kvmix_result r3 = kvmix_cuda_view_key_features(&view, bad_seq, n_q, 0.0f, d_mem,
+                                                             d_norm, d_readout, cap, 0);
         CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaMemcpy(v.d_spans + bad, &v.spans[bad], sizeof sp, cudaMemcpyHostToDevice));
         std::vector<uint16_t> kh(elems), vh(elems);
-        std::vector<uint32_t> scores(rows);
+        std::vector<uint32_t> scores(rows), norms(rows), readouts(rows);
         CUDA_OK(cudaMemcpy(kh.data(), d_k, elems * 2, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(vh.data(), d_v, elems * 2, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(scores.data(), d_scores, (size_t)rows * 4, cudaMemcpyDeviceToHost));
-        bool ok = r1 == KVMIX_SUCCESS && r2 == KVMIX_SUCCESS;
+        CUDA_OK(cudaMemcpy(norms.data(), d_norm, (size_t)rows * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(readouts.data(), d_readout, (size_t)rows * 4, cudaMemcpyDeviceToHost));
+        bool ok = r1 == KVMIX_SUCCESS && r2 == KVMIX_SUCCESS && r3 == KVMIX_SUCCESS;
         for (int t = 0; t < rows; t++) {
             /* what row t must be: untouched past cap, empty past the sequence, else NaN or not */
             const bool written = t < (way == 0 ? len : cap), in_bad = t >= bad_lo && t < bad_hi;
@@ -1024,14 +1076,16 @@ static void test_view_bad_input(void) {
                 ok &= written ? isnan(from_dtype(kh[i], KVMIX_CUDA_FP16)) == k_nan &&
                                     isnan(from_dtype(vh[i], KVMIX_CUDA_FP16)) == v_nan
                               : kh[i] == 0xEEEE && vh[i] == 0xEEEE;
-            float sc;
-            memcpy(&sc, &scores[t], 4);
-            ok &= written ? isnan(sc) == k_nan : scores[t] == 0xEEEEEEEEu;
+            for (const std::vector<uint32_t> *out : {&scores, &norms, &readouts}) {
+                float x;
+                memcpy(&x, &(*out)[t], 4);
+                ok &= written ? isnan(x) == k_nan : (*out)[t] == 0xEEEEEEEEu;
+            }
         }
         char name[160];
         snprintf(name, sizeof name,
-                 "view dequantize/score, sequence %d with %s: NaN exactly there, nothing past "
-                 "capacity",
+                 "view dequantize/score/key features, sequence %d with %s: NaN exactly there, "
+                 "nothing past capacity",
                  bad_seq, ways[way]);
         check(ok, name);
     }
@@ -1039,6 +1093,8 @@ static void test_view_bad_input(void) {
     cudaFree(d_v);
     cudaFree(d_mem);
     cudaFree(d_scores);
+    cudaFree(d_norm);
+    cudaFree(d_readout);
     free_view(v);
 }
 
