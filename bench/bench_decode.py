@@ -3,6 +3,7 @@
 
 Usage: python3 bench/bench_decode.py [--lib build/libkvmix_cuda_bench.so[,other.so...]] [--quick]
     [--shapes B,T;B,T] [--mixes int4,...] [--head-dim 32|64|96|128|160|192|256] [--stages auto,small]
+    [--peer build/libbitdecoding_glue.so]
     (several --lib paths or stage choices: each variant is timed on the same arenas, one after
     another, for A/B comparisons in one process)
 Prints the configuration, then one line per (batch, context, variant): median time, bytes the
@@ -10,7 +11,10 @@ kernel must read (compressed K/V of the batch), achieved bandwidth, fraction of 
 read bandwidth, speedup over cuDNN and flash, and the fraction of the speed of a plain read of
 the same bytes in one launch (timed per mix in the same run: the ceiling of a single call).
 Times: CUDA events around each call, median of many calls after warm-up, rotating among input
-sets whose total exceeds several L2 sizes.
+sets whose total exceeds several L2 sizes. --peer adds BitDecoding's decode at 4 and 2 bits (keys
+per channel over 128 tokens, values per token over 128 channels: its one built form) on the same
+shapes, beside the plain read of its bytes (bench/peer/build_bitdecoding.sh builds the library;
+its own loop of back-to-back calls on one input set, CUDA events around it).
 """
 import argparse
 import ctypes as C
@@ -208,6 +212,8 @@ def main():
                     help="auto, small or auto,small: the decode kernel's stage buffers, the device's "
                          "own or the small ones (what Ada and consumer Ampere run); each is a "
                          "variant of every --lib")
+    ap.add_argument("--peer", default="",
+                    help="BitDecoding's decode behind bench/peer/bitdecoding_glue.cu: timed on every shape")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with several --lib: time them in this many interleaved rounds, report the median")
     args = ap.parse_args()
@@ -291,6 +297,8 @@ def main():
                 print(f"{B:>5} {T:>7} sdpa {name}: not available ({type(e).__name__}: {str(e)[:100]})")
         del qs, ks, vs
         torch.cuda.empty_cache()
+        if args.peer:
+            time_peer(args.peer, lib, B, T, H, HQ, D, n_sms, base, read_bw, stream)
         for mix in MIXES:
             if args.mixes and not any(mix.startswith(m) for m in args.mixes.split(",")):
                 continue
@@ -339,6 +347,31 @@ def time_decode(lib, stages, arenas, sets, B, T, n_sms, H, HQ, D, stream):
     lib.splits = splits.value
     del ws, qh, out, lse
     return ms
+
+
+def time_peer(path, lib, B, T, H, HQ, D, n_sms, base, read_bw, stream):
+    """BitDecoding at 4 and 2 bits on this shape (bitdecoding_glue.cu's bitdecoding_time), one
+    line each as kvmix's, its %same against the plain read of its bytes, and how far its outputs
+    are from exact attention over the rows it packed (quantization included)."""
+    peer = C.CDLL(path)
+    peer.bitdecoding_time.argtypes = [C.c_int] * 6 + [C.POINTER(C.c_double), C.POINTER(C.c_double),
+                                                      C.POINTER(C.c_int), C.POINTER(C.c_int),
+                                                      C.POINTER(C.c_double)]
+    for bits in (4, 2):
+        ms, nbytes, splits, finite, nmse = C.c_double(), C.c_double(), C.c_int(), C.c_int(), C.c_double()
+        r = peer.bitdecoding_time(B, T, HQ, H, bits, 200, C.byref(ms), C.byref(nbytes), C.byref(splits),
+                                  C.byref(finite), C.byref(nmse))
+        name = f"bitdecoding int{bits}"
+        if D != 128 or r != 0:
+            print(f"{B:>5} {T:>7} {name:<18} not run ({'head_dim 128 only' if D != 128 else f'error {r}'})")
+            continue
+        read_ms = time_read(lib, int(nbytes.value), 1, n_sms, stream)
+        bw = nbytes.value / ms.value / 1e6
+        print(f"{B:>5} {T:>7} {name:<18} {ms.value:8.4f} {nbytes.value / 1e6:9.1f} {bw:7.0f} "
+              f"{100 * bw / read_bw:5.0f}% {base.get('cudnn', float('nan')) / ms.value:8.2f} "
+              f"{base.get('flash', float('nan')) / ms.value:8.2f} {100 * read_ms / ms.value:6.0f}%  "
+              f"(splits {splits.value}, NMSE {nmse.value:.1e} against exact attention over the "
+              f"unpacked rows{'' if finite.value else ', output NOT finite'})")
 
 
 def time_read(lib, nbytes, sets, n_sms, stream):
