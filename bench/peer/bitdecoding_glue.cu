@@ -163,6 +163,7 @@ extern "C" int bitdecoding_time(int b, int s, int h, int h_k, int bits, int reps
         f.is_causal = false, f.window_size_left = f.window_size_right = -1;
         f.is_seqlens_k_cumulative = true, f.rotary_dim = 0, f.seqlenq_ngroups_swapped = true;
         f.num_splits = splits, f.softmax_lseaccum_ptr = lse_acc, f.oaccum_ptr = o_acc;
+        f.page_block_size_pack = 1; /* as its decode entry sets it without a block table */
         auto call = [&] { if (bits == 4) decode<4>(f, st); else decode<2>(f, st); };
         for (int i = 0; i < 5; i++) call();
         cudaEvent_t e0, e1;
