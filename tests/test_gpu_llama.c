@@ -127,13 +127,18 @@ static bool same_spans(const kvmix_cache *a, int32_t seq_a, const kvmix_cache *b
 }
 
 /* The intent residual's key features of the first n positions of a sequence on both runners
- * (the same pages and formats), for one memory: equal within float rounding, evicted positions
- * 0 on both. */
+ * (the same pages and formats), for one memory; evicted positions 0 on both. The runners' key rows
+ * differ by float-sum order, and a row one FP16 step away can move a packed group's scale and so
+ * its codes (as in compare_policy): FP16 keys agree within rounding, packed keys at most tokens,
+ * a few tokens by up to a quantization step (seen: fp16 largest 1.7e-4; kitty-25, kivi2-sink
+ * 7.7e-3, 9.0e-3; int4 3.2e-2, by tag 6.4e-2). A position read from the wrong place or a layer
+ * missed moves the mean by far more. */
 static void check_key_features(gpu_llama *g, int32_t seq, llama_kv_cache *cpu,
-                               const llama_config *c, int32_t n, const char *policy_name) {
+                               const llama_config *c, int32_t n, const char *policy_name,
+                               bool packed_keys) {
     size_t floats = (size_t)c->n_layers * c->n_heads * c->head_dim;
     float *memory = malloc(floats * sizeof(float)), *out = calloc(4 * (size_t)n, sizeof(float));
-    char err[256], what[160];
+    char err[256], what[200];
     if (!CHECK(memory && out)) return;
     float *gpu_norm = out, *gpu_readout = out + n, *cpu_norm = out + 2 * n,
           *cpu_readout = out + 3 * n;
@@ -142,22 +147,29 @@ static void check_key_features(gpu_llama *g, int32_t seq, llama_kv_cache *cpu,
                                                 sizeof err) == LLAMA_OK,
                          err) &
                CHECK(kvmix_kv_key_features(cpu, memory, cpu_norm, cpu_readout) == LLAMA_OK);
-    double worst = 0.0;
-    int32_t zeros_differ = 0, live = 0, apart = 0;
+    const double largest_bound = packed_keys ? 0.25 : 1e-3, mean_bound = packed_keys ? 5e-3 : 1e-4;
+    double worst = 0.0, sum = 0.0;
+    int32_t zeros_differ = 0, live = 0;
     for (int32_t t = 0; ran && t < n; t++) {
         const double dn = fabs((double)gpu_norm[t] - cpu_norm[t]) / (1.0 + fabs(cpu_norm[t]));
         const double dr =
             fabs((double)gpu_readout[t] - cpu_readout[t]) / (1.0 + fabs(cpu_readout[t]));
+        const double d = isnan(dn) || isnan(dr) ? INFINITY : fmax(dn, dr);
         zeros_differ += (gpu_norm[t] == 0.0f) != (cpu_norm[t] == 0.0f);
         live += cpu_norm[t] > 0.0f;
-        apart += !(dn <= 1e-4 && dr <= 1e-4); /* NaN counts */
-        worst = fmax(worst, fmax(dn, dr));
+        worst = fmax(worst, d);
+        sum += d;
     }
+    const double mean = sum / (double)(live > 0 ? live : 1);
     snprintf(what, sizeof what,
-             "%s: key features GPU - CPU, largest relative %.2e (bound 1e-4), %d live of %d, "
-             "%d zeros apart",
-             policy_name, worst, (int)live, (int)n, (int)zeros_differ);
-    CHECK_MSG(ran && apart == 0 && zeros_differ == 0 && live > 0 && live < n, what);
+             "%s: key features GPU - CPU, relative: largest %.2e (bound %.0e), mean %.2e (bound "
+             "%.0e); %d live of %d, %d zeros apart",
+             policy_name, worst, largest_bound, mean, mean_bound, (int)live, (int)n,
+             (int)zeros_differ);
+    CHECK_MSG(ran && worst <= largest_bound && mean <= mean_bound && zeros_differ == 0 &&
+                  live > 0 && live < n,
+              what);
+    printf("%s\n", what);
     free(memory), free(out);
 }
 
@@ -242,7 +254,8 @@ static gap compare_policy(const llama_model *m, const char *policy_name,
     cpu.cache[1].stats(cpu.cache[1].state, &cs);
     CHECK(gs.n_tokens == cs.n_tokens && gs.bytes == cs.bytes); /* the same pages and formats */
     if (gpu_llama_inner(g, seq[1], NULL))
-        check_key_features(g, seq[1], &cpu.cache[1], &m->config, pos[1], policy_name);
+        check_key_features(g, seq[1], &cpu.cache[1], &m->config, pos[1], policy_name,
+                           policy->key_format != KVMIX_FORMAT_FP16);
     for (int t = 1; t < N_TEXTS; t++) {
         int32_t gpu_seq, cpu_seq;
         const kvmix_cache *gc = gpu_llama_inner(g, seq[t], &gpu_seq);
