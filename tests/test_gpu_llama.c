@@ -130,9 +130,10 @@ static bool same_spans(const kvmix_cache *a, int32_t seq_a, const kvmix_cache *b
  * (the same pages and formats), for one memory; evicted positions 0 on both. The runners' key rows
  * differ by float-sum order, and a row one FP16 step away can move a packed group's scale and so
  * its codes (as in compare_policy): FP16 keys agree within rounding, packed keys at most tokens,
- * a few tokens by up to a quantization step (seen: fp16 largest 1.7e-4; kitty-25, kivi2-sink
- * 7.7e-3, 9.0e-3; int4 3.2e-2, by tag 6.4e-2). A position read from the wrong place or a layer
- * missed moves the mean by far more. */
+ * a few tokens by up to a quantization step (seen, largest and mean: fp16 1.7e-4, 4.6e-5;
+ * kitty-25 7.7e-3, 3.0e-4; kivi2-sink 9.0e-3, 2.0e-4; int4 3.2e-2, 2.5e-3; int4 by tag, its
+ * instructions at INT2, 6.4e-2, 9.4e-3). A position read from the wrong place or a layer missed
+ * moves the mean by far more. */
 static void check_key_features(gpu_llama *g, int32_t seq, llama_kv_cache *cpu,
                                const llama_config *c, int32_t n, const char *policy_name,
                                bool packed_keys) {
@@ -147,7 +148,7 @@ static void check_key_features(gpu_llama *g, int32_t seq, llama_kv_cache *cpu,
                                                 sizeof err) == LLAMA_OK,
                          err) &
                CHECK(kvmix_kv_key_features(cpu, memory, cpu_norm, cpu_readout) == LLAMA_OK);
-    const double largest_bound = packed_keys ? 0.25 : 1e-3, mean_bound = packed_keys ? 5e-3 : 1e-4;
+    const double largest_bound = packed_keys ? 0.25 : 1e-3, mean_bound = packed_keys ? 2e-2 : 1e-4;
     double worst = 0.0, sum = 0.0;
     int32_t zeros_differ = 0, live = 0;
     for (int32_t t = 0; ran && t < n; t++) {
