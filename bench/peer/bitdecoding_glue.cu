@@ -39,12 +39,15 @@ int choose_splits(int ctas, int sms, int n_blocks) {
     return 1;
 }
 
-__global__ void fill_half(__half *x, size_t n, uint32_t salt) {
+/* Pseudo-random rows in [-1, 1): uniform, or (levels) one of -1, -1/3, 1/3, 1, which every group
+   of 128 holds at both ends almost surely, so that 2- and 4-bit codes represent them exactly. */
+__global__ void fill_half(__half *x, size_t n, uint32_t salt, bool levels) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x) {
         uint32_t h = (uint32_t)i * 2654435761u ^ salt;
         h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-        x[i] = __float2half((float)(h & 0xffff) / 32768.0f - 1.0f);
+        x[i] = __float2half(levels ? (float)(h & 3u) * (2.0f / 3.0f) - 1.0f
+                                   : (float)(h & 0xffff) / 32768.0f - 1.0f);
     }
 }
 
@@ -93,15 +96,15 @@ template <int Bits> void decode(Flash_fwd_params &p, cudaStream_t st) {
 
 } // namespace
 
-/* Packs random FP16 keys and values of b sequences of s tokens (h_k kv heads) and times `reps`
-   decode calls for h query heads (h / h_k a kv head). *out_ms: milliseconds a call (events
-   around the reps); *out_bytes: the packed cache and its parameters, what a call reads;
-   *out_splits: the split count; *out_finite: whether every output is a number; *out_nmse:
-   sequence 0's outputs against exact attention over the rows before packing. Returns 0, or -1
-   for a shape it does not take, -2 for a CUDA error. s must be a multiple of 256. */
-extern "C" int bitdecoding_time(int b, int s, int h, int h_k, int bits, int reps, double *out_ms,
-                                double *out_bytes, int *out_splits, int *out_finite,
-                                double *out_nmse) {
+/* Packs random FP16 keys and values of b sequences of s tokens (h_k kv heads; `levels`: rows of
+   four values that 2 and 4 bits represent exactly, fill_half) and times `reps` decode calls for h
+   query heads (h / h_k a kv head). *out_ms: milliseconds a call (events around the reps);
+   *out_bytes: the packed cache and its parameters, what a call reads; *out_splits: the split
+   count; *out_finite: whether every output is a number; *out_nmse: sequence 0's outputs against
+   exact attention over the rows before packing. Returns 0, or -1 for a shape it does not take,
+   -2 for a CUDA error. s must be a multiple of 256. */
+static int run_peer(int b, int s, int h, int h_k, int bits, int reps, bool levels, double *out_ms,
+                    double *out_bytes, int *out_splits, int *out_finite, double *out_nmse) {
     if ((bits != 2 && bits != 4) || b < 1 || s < kBlockN || s % kBlockN || h_k < 1 || h % h_k)
         return -1;
     const int d = kHeadDim, pack_n = 16 / bits, groups = h / h_k;
@@ -128,8 +131,8 @@ extern "C" int bitdecoding_time(int b, int s, int h, int h_k, int bits, int reps
               cudaMalloc(&o_acc, (size_t)splits * b * h * d * 4) == cudaSuccess;
     cudaStream_t st = 0;
     if (ok) {
-        fill_half<<<1024, 256>>>(k, rows, 1u), fill_half<<<1024, 256>>>(v, rows, 2u);
-        fill_half<<<64, 256>>>(q, (size_t)b * h * d, 3u);
+        fill_half<<<1024, 256>>>(k, rows, 1u, levels), fill_half<<<1024, 256>>>(v, rows, 2u, levels);
+        fill_half<<<64, 256>>>(q, (size_t)b * h * d, 3u, false);
         Flash_fwd_params p = {}; /* the packer's: FP16 rows [b][s][h_k][d] in, packed out */
         p.k_ptr = k, p.v_ptr = v, p.K_pack_ptr = k_pack, p.k_params_ptr = k_par;
         p.v_pack_ptr = v_pack, p.v_params_ptr = v_par;
@@ -187,4 +190,19 @@ extern "C" int bitdecoding_time(int b, int s, int h, int h_k, int bits, int reps
     cudaFree(k), cudaFree(v), cudaFree(q), cudaFree(o), cudaFree(k_pack), cudaFree(v_pack);
     cudaFree(k_par), cudaFree(v_par), cudaFree(lse), cudaFree(lse_acc), cudaFree(o_acc);
     return ok ? 0 : -2;
+}
+
+extern "C" int bitdecoding_time(int b, int s, int h, int h_k, int bits, int reps, double *out_ms,
+                                double *out_bytes, int *out_splits, int *out_finite,
+                                double *out_nmse) {
+    return run_peer(b, s, h, h_k, bits, reps, false, out_ms, out_bytes, out_splits, out_finite,
+                    out_nmse);
+}
+
+/* The peer's own error at `bits`: sequence 0's NMSE (as bitdecoding_time's) over rows that its
+   codes represent exactly, where only float rounding should remain; one decode call. */
+extern "C" int bitdecoding_exact_nmse(int b, int s, int h, int h_k, int bits, double *out_nmse) {
+    double ms = 0.0, bytes = 0.0;
+    int splits = 0, finite = 0;
+    return run_peer(b, s, h, h_k, bits, 1, true, &ms, &bytes, &splits, &finite, out_nmse);
 }
