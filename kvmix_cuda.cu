@@ -733,14 +733,13 @@ __device__ inline void kvmix__intent_fp16_rows(const kvmix__view_params &p,
     }
 }
 
-/* Intent scoring, step 1 (after the logits were set to -inf): blocks of 32 tokens. FP16 spans
-   take kvmix__intent_fp16_rows, against the memory staged in dynamic shared memory of n_q_heads *
-   d floats where the launch gave it (`staged`); other spans one warp per (token, kv head): each
-   key element is decoded once
-   per kvmix__intent_heads of the kv head's g query heads,
-   logits[h][t] = scale * dot(memory[h], key_t[h / g]) with lane-strided sums reduced across the
-   warp (the order of one warp per query head, so the bits do not depend on g); dead tokens stay
-   -inf, a bad span's tokens get NaN. */
+/* Intent scoring, step 1 (after the logits were set to -inf): blocks of 32 tokens,
+   logits[h][t] = scale * dot(memory[h], key_t[h / g]). FP16 spans take kvmix__intent_fp16_rows,
+   against the memory staged in dynamic shared memory of n_q_heads * d floats where the launch
+   gave it (`staged`); other spans one warp per (token, kv head), each key element decoded once per
+   kvmix__intent_heads of the kv head's g query heads, lane-strided sums reduced across the warp
+   (the order of one warp per query head, so the bits do not depend on g). Dead tokens stay -inf,
+   a bad span's tokens get NaN. */
 static __global__ void __launch_bounds__(256)
     kvmix__intent_logits_kernel(kvmix__view_params p, float scale, bool staged) {
     __shared__ kvmix__walk_smem sm;
