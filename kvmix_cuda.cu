@@ -675,15 +675,16 @@ static __global__ void __launch_bounds__(256)
 constexpr int kvmix__intent_heads = 8;
 /* FP16 rows: the query heads one thread's pass over its row serves. */
 constexpr int kvmix__intent_fp16_heads = 4;
-/* The most memory floats the logits kernel stages in shared memory (48 KiB: the launch default). */
-constexpr int kvmix__intent_smem_floats = 12288;
+/* The most memory floats the logits kernel stages in shared memory: what the 48 KiB a block may
+   have without opting in leaves beside the walk's static share. */
+constexpr int kvmix__intent_smem_floats = (48 * 1024 - (int)sizeof(kvmix__walk_smem)) / 4;
 
 /* Logits of FP16 key rows [t0, t1) of span sp, one thread per (token, kv head), a warp on
    consecutive tokens of one kv head: each row read 16 bytes at a time, its kv head's query heads
    taken four at a time against their memory (mem: [n_q_heads][d]; STAGED: in shared memory, read
    16 bytes at a time), each logit summed over the dims in order: its bits depend on neither g, the
-   batch nor where the memory was read. Where the generic walk below spends a warp's shuffles and a
-   per-element decode on each (token, kv head), this is the runner's recording path (FP16 caches). */
+   batch nor where the memory was read. Where the generic walk below spends a warp's shuffles and
+   a per-element decode on each (token, kv head): the runner's recording path (FP16 caches). */
 template <bool STAGED>
 __device__ inline void kvmix__intent_fp16_rows(const kvmix__view_params &p,
                                                const kvmix_view_span &sp, const kvmix__sections &s,
