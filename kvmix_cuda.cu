@@ -673,16 +673,78 @@ static __global__ void __launch_bounds__(256)
 /* Query heads whose logits one pass over a key row accumulates (a kv head's group is taken in
    chunks of this many). */
 constexpr int kvmix__intent_heads = 8;
+/* FP16 rows: the query heads one thread's pass over its row serves. */
+constexpr int kvmix__intent_fp16_heads = 4;
+/* The most memory floats the logits kernel stages in shared memory: what the 48 KiB a block may
+   have without opting in leaves beside the walk's static share. */
+constexpr int kvmix__intent_smem_floats = (48 * 1024 - (int)sizeof(kvmix__walk_smem)) / 4;
 
-/* Intent scoring, step 1 (after the logits were set to -inf): blocks of 32 tokens, one warp per
-   (token, kv head): each key element is decoded once per kvmix__intent_heads of the kv head's g
-   query heads,
-   logits[h][t] = scale * dot(memory[h], key_t[h / g]) with lane-strided sums reduced across the
-   warp (the order of one warp per query head, so the bits do not depend on g); dead tokens stay
-   -inf, a bad span's tokens get NaN. */
+/* Logits of FP16 key rows [t0, t1) of span sp, one thread per (token, kv head), a warp on
+   consecutive tokens of one kv head: each row read 16 bytes at a time, its kv head's query heads
+   taken four at a time against their memory (mem: [n_q_heads][d]; STAGED: in shared memory, read
+   16 bytes at a time), each logit summed over the dims in order: its bits depend on neither g, the
+   batch nor where the memory was read. Where the generic walk below spends a warp's shuffles and
+   a per-element decode on each (token, kv head): the runner's recording path (FP16 caches). */
+template <bool STAGED>
+__device__ inline void kvmix__intent_fp16_rows(const kvmix__view_params &p,
+                                               const kvmix_view_span &sp, const kvmix__sections &s,
+                                               int64_t start, int64_t t0, int64_t t1,
+                                               const float *mem, float scale, float *logits) {
+    const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / n_kv;
+    const int64_t n_tok = t1 - t0;
+    for (int64_t task = threadIdx.x; task < n_tok * n_kv; task += blockDim.x) {
+        const int kh = (int)(task / n_tok);
+        const int64_t pos = t0 + task % n_tok, t = pos - start;
+        if (sp.dead_index >= 0 && p.dead[sp.dead_index + t]) continue; /* -inf */
+        const uint4 *row = (const uint4 *)(p.base + sp.key_offset +
+                                           (uint64_t)kh * sp.key_head_bytes + kvmix__row_at(&s, t));
+        for (int h0 = kh * g; h0 < (kh + 1) * g; h0 += kvmix__intent_fp16_heads) {
+            const int heads = min(kvmix__intent_fp16_heads, (kh + 1) * g - h0);
+            float acc[kvmix__intent_fp16_heads] = {};
+            for (int c = 0; c < d; c += 8) {
+                const uint4 w = row[c / 8];
+                const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+                float k[8];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    k[2 * e] = kvmix__h2f((uint16_t)(words[e] & 0xffffu));
+                    k[2 * e + 1] = kvmix__h2f((uint16_t)(words[e] >> 16));
+                }
+#pragma unroll
+                for (int j = 0; j < kvmix__intent_fp16_heads; j++) {
+                    if (j >= heads) break;
+                    const float *m = mem + (size_t)(h0 + j) * d + c;
+                    float mv[8];
+                    if constexpr (STAGED) {
+                        const float4 m0 = ((const float4 *)m)[0], m1 = ((const float4 *)m)[1];
+                        mv[0] = m0.x, mv[1] = m0.y, mv[2] = m0.z, mv[3] = m0.w;
+                        mv[4] = m1.x, mv[5] = m1.y, mv[6] = m1.z, mv[7] = m1.w;
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 8; e++) mv[e] = m[e];
+                    }
+#pragma unroll
+                    for (int e = 0; e < 8; e++) acc[j] = fmaf(mv[e], k[e], acc[j]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kvmix__intent_fp16_heads; j++)
+                if (j < heads) logits[(size_t)(h0 + j) * p.capacity + pos] = acc[j] * scale;
+        }
+    }
+}
+
+/* Intent scoring, step 1 (after the logits were set to -inf): blocks of 32 tokens,
+   logits[h][t] = scale * dot(memory[h], key_t[h / g]). FP16 spans take kvmix__intent_fp16_rows,
+   against the memory staged in dynamic shared memory of n_q_heads * d floats where the launch
+   gave it (`staged`); other spans one warp per (token, kv head), each key element decoded once per
+   kvmix__intent_heads of the kv head's g query heads, lane-strided sums reduced across the warp
+   (the order of one warp per query head, so the bits do not depend on g). Dead tokens stay -inf,
+   a bad span's tokens get NaN. */
 static __global__ void __launch_bounds__(256)
-    kvmix__intent_logits_kernel(kvmix__view_params p, float scale) {
+    kvmix__intent_logits_kernel(kvmix__view_params p, float scale, bool staged) {
     __shared__ kvmix__walk_smem sm;
+    extern __shared__ float4 staged_memory[];
     const int64_t lo = (int64_t)blockIdx.x * kvmix__view_tile_tokens;
     const int64_t hi = min(lo + kvmix__view_tile_tokens, (int64_t)p.capacity);
     const int d = p.head_dim, n_kv = p.n_kv_heads, g = p.n_q_heads / n_kv,
@@ -691,16 +753,28 @@ static __global__ void __launch_bounds__(256)
     const int first = p.seq_first_span[seq], last = p.seq_first_span[seq + 1];
     const float *memory = p.memory + blockIdx.y * p.memory_stride;
     float *logits = p.scores + blockIdx.y * p.scores_stride;
+    float *mem = (float *)staged_memory;
     if (!kvmix__view_range_ok(first, last, p.n_spans)) {
         for (int64_t e = threadIdx.x; e < (hi - lo) * p.n_q_heads; e += blockDim.x)
             logits[(e / (hi - lo)) * p.capacity + lo + e % (hi - lo)] = __int_as_float(0x7fffffff);
         return;
+    }
+    if (staged) {
+        for (int i = threadIdx.x; i < p.n_q_heads * d; i += blockDim.x) mem[i] = memory[i];
+        __syncthreads();
     }
     kvmix__for_spans(p.spans, first, last, lo, hi, sm, [&](int si, int64_t start) {
         const kvmix_view_span sp = p.spans[si];
         int64_t t0 = max(lo, start), t1 = min(hi, start + (int64_t)sp.n_tokens);
         kvmix__sections s;
         bool ok = kvmix__span_keys_ok(p, sp, &s);
+        if (ok && sp.key_format == KVMIX_FORMAT_FP16) {
+            if (staged)
+                kvmix__intent_fp16_rows<true>(p, sp, s, start, t0, t1, mem, scale, logits);
+            else
+                kvmix__intent_fp16_rows<false>(p, sp, s, start, t0, t1, memory, scale, logits);
+            return;
+        }
         for (int64_t task = warp; task < (t1 - t0) * n_kv; task += n_warps) {
             const int64_t pos = t0 + task / n_kv, t = pos - start;
             const int kh = (int)(task % n_kv);
@@ -916,7 +990,11 @@ static void kvmix__intent_launch(kvmix__view_params p, int32_t n, float scale, f
     p.scores_stride = stride;
     const unsigned tiles =
         (unsigned)((p.capacity + kvmix__view_tile_tokens - 1) / kvmix__view_tile_tokens);
-    kvmix__intent_logits_kernel<<<dim3(tiles, (unsigned)n), 256, 0, st>>>(p, scale);
+    const int staged_floats = p.n_q_heads * p.head_dim; /* FP16 rows' memory in shared memory */
+    const bool staged = staged_floats <= kvmix__intent_smem_floats;
+    kvmix__intent_logits_kernel<<<dim3(tiles, (unsigned)n), 256,
+                                  staged ? (size_t)staged_floats * sizeof(float) : 0, st>>>(
+        p, scale, staged);
     kvmix__intent_norm_kernel<<<dim3((unsigned)p.n_q_heads, (unsigned)n), 256, 0, st>>>(
         p.scores, p.capacity, stride);
     kvmix__intent_sum_kernel<<<dim3((unsigned)((p.capacity + 255) / 256), (unsigned)n), 256, 0,

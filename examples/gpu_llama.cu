@@ -2005,6 +2005,19 @@ extern "C" llama_result gpu_llama_observed_take(gpu_llama *g, int32_t seq, float
     return LLAMA_OK;
 }
 
+/* A caller's query memory ([n_layers][n_heads][head_dim]) to the device and the view of sequence
+   seq alone (steps build their own): what scoring one sequence's positions reads. */
+static llama_result upload_memory_and_view(gpu_llama *g, int32_t seq, const float *memory,
+                                           char *err, size_t err_bytes) {
+    const llama_config *c = &g->c;
+    TRY_CUDA(cudaMemcpyAsync(g->obs.d_memory, memory,
+                             (size_t)c->n_layers * c->n_heads * c->head_dim * sizeof(float),
+                             cudaMemcpyHostToDevice, g->stream),
+             "uploading the memory");
+    g->step_kv_seqs[0] = g->kv_seq[seq];
+    return upload_view(g, 1, err, err_bytes);
+}
+
 extern "C" llama_result gpu_llama_intent_scores(gpu_llama *g, int32_t seq, const float *memory,
                                                 float *scores, char *err, size_t err_bytes) {
     llama_result r = running_kvmix(g, seq, "gpu_llama_intent_scores", err, err_bytes);
@@ -2016,11 +2029,7 @@ extern "C" llama_result gpu_llama_intent_scores(gpu_llama *g, int32_t seq, const
     const llama_config *c = &g->c;
     size_t row = (size_t)c->n_heads * c->head_dim, cap = o->view_capacity;
     int32_t n_pos = g->next_pos[seq];
-    TRY_CUDA(cudaMemcpyAsync(o->d_memory, memory, row * c->n_layers * sizeof(float),
-                             cudaMemcpyHostToDevice, g->stream),
-             "uploading the memory");
-    g->step_kv_seqs[0] = g->kv_seq[seq]; /* a view of this sequence alone; steps build their own */
-    if ((r = upload_view(g, 1, err, err_bytes)) != LLAMA_OK) return r;
+    if ((r = upload_memory_and_view(g, seq, memory, err, err_bytes)) != LLAMA_OK) return r;
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvmix_view view;
         if ((r = layer_view(g, l, &view, err, err_bytes)) != LLAMA_OK) return r;
@@ -2047,11 +2056,7 @@ extern "C" llama_result gpu_llama_key_features(gpu_llama *g, int32_t seq, const 
     const llama_config *c = &g->c;
     size_t row = (size_t)c->n_heads * c->head_dim, cap = o->view_capacity;
     int32_t n_pos = g->next_pos[seq];
-    TRY_CUDA(cudaMemcpyAsync(o->d_memory, memory, row * c->n_layers * sizeof(float),
-                             cudaMemcpyHostToDevice, g->stream),
-             "uploading the memory");
-    g->step_kv_seqs[0] = g->kv_seq[seq]; /* a view of this sequence alone */
-    if ((r = upload_view(g, 1, err, err_bytes)) != LLAMA_OK) return r;
+    if ((r = upload_memory_and_view(g, seq, memory, err, err_bytes)) != LLAMA_OK) return r;
     for (int32_t l = 0; l < c->n_layers; l++) {
         kvmix_view view;
         if ((r = layer_view(g, l, &view, err, err_bytes)) != LLAMA_OK) return r;

@@ -853,10 +853,12 @@ static void check_intent_score_seqs(const test_view &v, int n_q, int cap) {
 }
 
 /* A head's intent logits do not depend on the heads that share its kv head (the kernel serves up
-   to 8 a pass): with 9 query heads per kv head, each head scored as the only one of its kv head
-   (its memory row alone) has the bits it has among the 9 (the workspace's logits [n_q][cap]). */
-static void check_intent_logits_alone(const test_view &v) {
-    const int g = 9, n_q = v.n_kv * g, cap = (int)v.seq_tokens[0] + 5;
+   to 8 a pass, 4 on FP16 rows) nor on where the kernel read the memory (FP16 rows: staged in
+   shared memory up to about 40 KiB of it): with g query heads per kv head, each head scored as
+   the only one of its kv head (its memory row alone) has the bits it has among the g (the
+   workspace's logits [n_q][cap]). */
+static void check_intent_logits_alone(const test_view &v, int g) {
+    const int n_q = v.n_kv * g, cap = (int)v.seq_tokens[0] + 5;
     const size_t row = (size_t)v.d;
     size_t ws9_bytes = 0, ws1_bytes = 0;
     kvmix_cuda_view_intent_workspace_bytes(n_q, cap, &ws9_bytes);
@@ -1012,7 +1014,9 @@ static void test_view_dequantize_score(int d, int n_kv, int n_boost, kvmix_cuda_
         longest = v.seq_tokens[seq] > longest ? v.seq_tokens[seq] : longest;
     check_intent_score_seqs(v, 2 * n_kv, (int)longest + 5);
     check_intent_head_groups(v);
-    check_intent_logits_alone(v);
+    check_intent_logits_alone(v, 9);
+    check_intent_logits_alone(v, 39 * 1024 / 4 / (v.n_kv * v.d));     /* near the most staged */
+    check_intent_logits_alone(v, 48 * 1024 / 4 / (v.n_kv * v.d) + 1); /* memory not staged */
     free_view(v);
 }
 
