@@ -1479,6 +1479,10 @@ typedef struct kvmix_evict_policy {
                                kept position keeps its neighbours: a copied word needs its
                                bytes), odd, at most KVMIX_EVICT_MAX_POOL; 0 = 7 for SNAPKV, 1
                                (none) for the others */
+    double recent_fraction; /* the recent floor as a share of the budget (kvmix_evict_budget),
+                               in [0, 1]: the floor is the larger of this and recent_tokens
+                               (H2O's paper keeps half its budget recent); 0 = recent_tokens
+                               alone */
 } kvmix_evict_policy;
 
 typedef struct kvmix_policy {
@@ -1859,7 +1863,8 @@ KVMIXDEF kvmix_result kvmix_evict_forced(const kvmix_evict_policy *policy, int32
 
 /* Turns the runner's raw scores into the scorer's, in place: STREAMING scores[t] = t; the others
    each the maximum of the raw scores within pool_tokens / 2 positions either side (unchanged at
-   pool_tokens 1), then the last recent_tokens positions +INFINITY (the recent floor). -INFINITY
+   pool_tokens 1), then the last max(recent_tokens, ceil(recent_fraction * keep)) positions
+   +INFINITY (the recent floor; keep: kvmix_evict_budget of n_positions). -INFINITY
    (evicted) stays. A policy not yet resolved pools as its resolved form would.
    scratch: [n_positions] floats (when pooling; may be NULL otherwise). Returns NULL_POINTER,
    INVALID_ARGUMENT, BAD_VALUE (a NaN or +INFINITY raw score; nothing written). */
@@ -9400,7 +9405,7 @@ KVMIXDEF kvmix_result kvmix_tag_precision_check(const kvmix_tag_precision *table
 #define KVMIX__KEEP KVMIX_CACHE_PARTIAL_KEEP_FP16
 
 #define KVMIX__NO_EVICT                                                                            \
-    { 0, 0, 0.0, 0.0, 0, 0, 0, 0 }
+    { 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0 }
 static const kvmix_policy kvmix__builtin_policies[] = {
     {"fp16", "keys and values FP16 in the kvmix cache", KVMIX_FORMAT_FP16, KVMIX_FORMAT_FP16, 32, 0,
      0, 0.0, 32, 0, 0, 0, KVMIX__KEEP, 0, NULL, KVMIX__NO_EVICT},
@@ -10443,6 +10448,8 @@ static int kvmix__evict_policy_ok(const kvmix_evict_policy *p, kvmix_error *out_
         return kvmix__evict_fail(out_error, "decay", "not in [0, 1)");
     if (p->prefix_tokens < 0) return kvmix__evict_fail(out_error, "prefix_tokens", "negative");
     if (p->recent_tokens < 0) return kvmix__evict_fail(out_error, "recent_tokens", "negative");
+    if (!(p->recent_fraction >= 0.0 && p->recent_fraction <= 1.0))
+        return kvmix__evict_fail(out_error, "recent_fraction", "not in [0, 1]");
     if (p->observe_tokens < 0) return kvmix__evict_fail(out_error, "observe_tokens", "negative");
     if (p->pool_tokens < 0 || p->pool_tokens > KVMIX_EVICT_MAX_POOL ||
         (p->pool_tokens > 0 && p->pool_tokens % 2 == 0))
@@ -10471,14 +10478,24 @@ KVMIXDEF kvmix_result kvmix_evict_policy_resolve(kvmix_evict_policy *policy,
     return kvmix__succeed(out_error);
 }
 
+/* The positions a valid policy keeps of n_positions: at least 1. */
+static int32_t kvmix__evict_keep(const kvmix_evict_policy *p, int32_t n_positions) {
+    double keep = p->budget_tokens > 0 ? (double)p->budget_tokens
+                                       : ceil(p->budget_fraction * (double)n_positions);
+    return keep < 1.0 ? 1 : (int32_t)keep;
+}
+
+/* The recent floor of a valid policy over n_positions: the larger of its two forms. */
+static int32_t kvmix__evict_recent(const kvmix_evict_policy *p, int32_t n_positions) {
+    int32_t shared = (int32_t)ceil(p->recent_fraction * (double)kvmix__evict_keep(p, n_positions));
+    return shared > p->recent_tokens ? shared : p->recent_tokens;
+}
+
 KVMIXDEF kvmix_result kvmix_evict_budget(const kvmix_evict_policy *policy, int32_t n_positions,
                                          int32_t *out_keep) {
-    double keep;
     if (!policy || !out_keep) return KVMIX_ERR_NULL_POINTER;
     if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0) return KVMIX_ERR_INVALID_ARGUMENT;
-    keep = policy->budget_tokens > 0 ? (double)policy->budget_tokens
-                                     : ceil(policy->budget_fraction * (double)n_positions);
-    *out_keep = keep < 1.0 ? 1 : (int32_t)keep;
+    *out_keep = kvmix__evict_keep(policy, n_positions);
     return KVMIX_SUCCESS;
 }
 
@@ -10511,10 +10528,11 @@ static void kvmix__max_pool(float *scores, int32_t n, int32_t radius, float *scr
 
 KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy, float *scores,
                                                int32_t n_positions, float *scratch) {
-    int32_t t, pool;
+    int32_t t, pool, recent;
     if (!policy || (!scores && n_positions > 0)) return KVMIX_ERR_NULL_POINTER;
     if (!kvmix__evict_policy_ok(policy, NULL) || n_positions < 0) return KVMIX_ERR_INVALID_ARGUMENT;
     pool = kvmix__evict_pool_tokens(policy);
+    recent = kvmix__evict_recent(policy, n_positions);
     if (pool > 1 && !scratch && n_positions > 0) return KVMIX_ERR_NULL_POINTER;
     for (t = 0; t < n_positions; t++)
         if (scores[t] != scores[t] || scores[t] == INFINITY) return KVMIX_ERR_BAD_VALUE;
@@ -10523,7 +10541,7 @@ KVMIXDEF kvmix_result kvmix_evict_shape_scores(const kvmix_evict_policy *policy,
         if (scores[t] == -INFINITY) continue;
         if (policy->scorer == KVMIX_EVICT_STREAMING)
             scores[t] = (float)t;
-        else if (t >= n_positions - policy->recent_tokens)
+        else if (t >= n_positions - recent)
             scores[t] = INFINITY;
     }
     return KVMIX_SUCCESS;

@@ -4,12 +4,14 @@ Usage: python3 bench/evict_sweep.py --eval build/kvmix-eval-cuda --model M.safet
            --data D.jsonl --spec examples/specs/kvm-byte.json --offset 75 --limit 75
            --arms ARMS --out results.jsonl [--allocation A.json] [--batch 75]
 
-An arm is precision/scorer/budget[/decay[/recent[/pool]]]: precision a built-in policy name (fp16, kitty-25,
+An arm is precision/scorer/budget[/decay[/recent[/pool[/share]]]]: precision a built-in policy name (fp16, kitty-25,
 ...) whose settings the run takes (`kvmix-eval --list-policies`), scorer one of none, intent,
 query, streaming, h2o, snapkv, budget the fraction of history kept, decay the QueryMemory decay
 (intent only), recent the recent floor (most recent positions always kept; default 64, the
 floor H2O has always had; streaming ignores it), pool the max-pool width of the scores (odd;
-default 7 for snapkv, 1 (none) for the others; streaming ignores it). "tri" as the precision runs the built-in fp16 policy with --allocation (the
+default 7 for snapkv, 1 (none) for the others; streaming ignores it), share the recent floor as
+a share of the budget (recent_fraction: the larger floor holds; H2O's paper keeps 0.5; default
+none). "tri" as the precision runs the built-in fp16 policy with --allocation (the
 tri-axial per-tag formats). Arms are comma-separated; "none" arms ignore the budget. Every arm
 shares the forced set (the first 4 positions and the request's user message) and the scorer
 settings below, so that arms differ in the scorer alone. Each run's JSON (kvmix-eval's, with the
@@ -36,13 +38,15 @@ def builtin_policies(eval_bin):
     return {p["name"]: p for p in map(json.loads, out.stdout.splitlines())}
 
 
-def policy_document(base, scorer, budget, decay, recent, pool):
+def policy_document(base, scorer, budget, decay, recent, pool, share=0.0):
     doc = dict(base)
     doc["name"] = base["name"] if scorer == "none" else f"{base['name']}+{scorer}-{budget:g}"
     if scorer != "none":
         doc["evict"] = {"scorer": scorer, "budget_fraction": budget, "decay": decay,
                         "prefix_tokens": PREFIX_TOKENS, "recent_tokens": recent,
                         "observe_tokens": OBSERVE_TOKENS, "pool_tokens": pool}
+        if share > 0:
+            doc["evict"]["recent_fraction"] = share
     return doc
 
 
@@ -53,19 +57,20 @@ def parse_arm(text):
     decay = float(parts[3]) if len(parts) > 3 else 0.0
     recent = int(parts[4]) if len(parts) > 4 else RECENT_TOKENS
     pool = int(parts[5]) if len(parts) > 5 else SNAPKV_POOL_TOKENS if scorer == "snapkv" else 1
-    return precision, scorer, budget, decay, recent, pool
+    share = float(parts[6]) if len(parts) > 6 else 0.0
+    return precision, scorer, budget, decay, recent, pool, share
 
 
 def arm_setup(a, policies, arm):
     """The arm's policy document and the flags it adds to the eval command. Raises ArmFailed for a
     tri arm without --allocation or a precision that is no built-in policy."""
-    precision, scorer, budget, decay, recent, pool = parse_arm(arm)
+    precision, scorer, budget, decay, recent, pool, share = parse_arm(arm)
     if precision == "tri" and not a.allocation:
         raise sweep_common.ArmFailed("a tri arm needs --allocation")
     base = "fp16" if precision == "tri" else precision
     if base not in policies:
         raise sweep_common.ArmFailed(f"no built-in policy {precision}")
-    doc = policy_document(policies[base], scorer, budget, decay, recent, pool)
+    doc = policy_document(policies[base], scorer, budget, decay, recent, pool, share)
     return doc, (["--allocation", a.allocation] if precision == "tri" else [])
 
 

@@ -190,8 +190,18 @@ def check_long_sweep(tmp):
           f"long: resumed reference\n{run.stdout}")
 
 
+def check_evict_arms():
+    """An eviction arm's seventh part is the recent floor's share of the budget."""
+    import evict_sweep
+    for arm, want in (("fp16/h2o/0.25/0/64/1/0.5", 0.5), ("fp16/h2o/0.25", None)):
+        doc = evict_sweep.policy_document({"name": "fp16"}, *evict_sweep.parse_arm(arm)[1:])
+        got = doc["evict"].get("recent_fraction")
+        check(got == want and doc["evict"]["recent_tokens"] == 64, f"{arm}: recent_fraction {got}")
+
+
 def main():
     check_long_math()
+    check_evict_arms()
     with tempfile.TemporaryDirectory() as tmp:
         fake = os.path.join(tmp, "fake-eval")
         with open(fake, "w") as f:

@@ -29,7 +29,7 @@ static const kvmix_policy FP32_POLICY = {
     KVMIX_CACHE_PARTIAL_KEEP_FP16,
     KVMIX_POLICY_BOUNDARY_FINISH,
     NULL,
-    {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
+    {0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0}};
 
 int32_t kvmix_kv_policy_count(void) { return 1 + kvmix_policy_count(); }
 
@@ -177,7 +177,7 @@ static bool only_space(const char *p, const char *end) {
 /* The members of an "evict" object, in the order kvmix_kv_policy_json writes them. */
 static const char *const EVICT_FIELDS[] = {"scorer",         "budget_tokens", "budget_fraction",
                                            "decay",          "prefix_tokens", "recent_tokens",
-                                           "observe_tokens", "pool_tokens"};
+                                           "observe_tokens", "pool_tokens",   "recent_fraction"};
 enum { N_EVICT_FIELDS = sizeof EVICT_FIELDS / sizeof EVICT_FIELDS[0] };
 
 /* A number field of "evict" in [lo, hi] (hi_open: below hi). */
@@ -234,12 +234,15 @@ static bool take_evict(const cJSON *obj, kvmix_evict_policy *ev, char *err, size
                              &ev->prefix_tokens,
                              &ev->recent_tokens,
                              &ev->observe_tokens,
-                             &ev->pool_tokens};
+                             &ev->pool_tokens,
+                             NULL};
         bool ok = f == 0   ? take_scorer(item, &ev->scorer, err, err_bytes)
                   : f == 2 ? take_share(item, EVICT_FIELDS[f], 0.0, 1.0, true, false,
                                         &ev->budget_fraction, err, err_bytes)
                   : f == 3 ? take_share(item, EVICT_FIELDS[f], 0.0, 1.0, false, true, &ev->decay,
                                         err, err_bytes)
+                  : f == 8 ? take_share(item, EVICT_FIELDS[f], 0.0, 1.0, false, false,
+                                        &ev->recent_fraction, err, err_bytes)
                            : take_int(item, EVICT_FIELDS[f], 0, 1 << 26, counts[f], err, err_bytes);
         if (!ok) return false;
     }
@@ -372,7 +375,7 @@ llama_result kvmix_kv_policy_parse(const char *json, size_t json_bytes, kvmix_po
                       KVMIX_CACHE_PARTIAL_KEEP_FP16,
                       0,
                       NULL,
-                      {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
+                      {0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0}};
     bool seen[N_FIELDS + 1] = {false};
     if (end < json || end > json + json_bytes || !only_space(end, json + json_bytes))
         r = llama_fail(err, err_bytes, LLAMA_ERR_FORMAT, "policy: bytes after the JSON object");
@@ -450,11 +453,13 @@ char *kvmix_kv_policy_json(const kvmix_policy *p) {
                            ev->prefix_tokens,
                            ev->recent_tokens,
                            ev->observe_tokens,
-                           ev->pool_tokens};
+                           ev->pool_tokens,
+                           ev->recent_fraction};
         cJSON_AddStringToObject(e, "scorer", kvmix_evict_scorer_name(ev->scorer));
         for (int32_t f = 1; f < N_EVICT_FIELDS; f++) {
             /* budget_fraction 0 is no fraction (budget_tokens rules); the reader takes (0, 1] */
             if (f == 2 && ev->budget_fraction == 0.0) continue;
+            if (f == 8 && ev->recent_fraction == 0.0) continue; /* absent: recent_tokens alone */
             json_add_exact_number(e, EVICT_FIELDS[f], values[f]);
         }
     }

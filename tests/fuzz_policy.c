@@ -61,7 +61,8 @@ static const char *const WORDS[] = {"\"version\"",
                                     "\"evict\": {\"scorer\": \"h2o\"}",
                                     "\"budget_fraction\"",
                                     "\"pool_tokens\": 4",
-                                    "\"decay\": 1"};
+                                    "\"decay\": 1",
+                                    "\"recent_fraction\": 0.5"};
 
 static void edit(buffer *b, size_t at, uint64_t kind, uint64_t *rng) {
     switch (kind) {
@@ -91,6 +92,7 @@ int main(int argc, char **argv) {
         p.evict.decay = 0.25;
         p.evict.prefix_tokens = 4;
         p.evict.recent_tokens = 64;
+        p.evict.recent_fraction = scorer == KVMIX_EVICT_H2O ? 0.5 : 0.0;
         char *text = kvmix_kv_policy_json(&p);
         if (text == NULL || strlen(text) > FUZZ_MAX_INPUT || n_seeds == MAX_SEEDS) return 1;
         seeds[n_seeds].size = strlen(text);

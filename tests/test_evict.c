@@ -85,7 +85,7 @@ static bool load_traces(const char *path, const llama_tokenizer *tok, int32_t sk
 static kvmix_policy evict_policy(const llama_config *c, int32_t scorer, double budget) {
     kvmix_policy p = *kvmix_kv_policy_builtin("fp16"), out;
     if (scorer != 0) {
-        kvmix_evict_policy ev = {scorer, 0, budget, 0.0, PREFIX_TOKENS, 64, 32, 0};
+        kvmix_evict_policy ev = {scorer, 0, budget, 0.0, PREFIX_TOKENS, 64, 32, 0, 0.0};
         ev.decay = scorer == KVMIX_EVICT_INTENT ? 0.25 : 0.0;
         p.evict = ev;
     }

@@ -78,6 +78,23 @@ static void test_parse_good(void) {
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         check_at(kvmix_kv_policy_builtin(names[i]) != NULL, __LINE__, names[i]);
 
+    /* An eviction with its recent floor as a share of the budget goes through JSON and back;
+       absent, the share is 0 (recent_tokens alone). */
+    kvmix_policy h2o = *kvmix_kv_policy_builtin("fp16");
+    h2o.evict.scorer = KVMIX_EVICT_H2O, h2o.evict.budget_fraction = 0.25;
+    h2o.evict.recent_tokens = 64, h2o.evict.recent_fraction = 0.5;
+    char *h2o_text = kvmix_kv_policy_json(&h2o);
+    if (CHECK(h2o_text != NULL && strstr(h2o_text, "\"recent_fraction\"") != NULL))
+        CHECK(kvmix_kv_policy_parse(h2o_text, strlen(h2o_text), &p, err, sizeof err) == LLAMA_OK &&
+              kvmix_kv_policy_equal(&p, &h2o));
+    free(h2o_text);
+    h2o.evict.recent_fraction = 0.0;
+    h2o_text = kvmix_kv_policy_json(&h2o);
+    if (CHECK(h2o_text != NULL && strstr(h2o_text, "recent_fraction") == NULL))
+        CHECK(kvmix_kv_policy_parse(h2o_text, strlen(h2o_text), &p, err, sizeof err) == LLAMA_OK &&
+              kvmix_kv_policy_equal(&p, &h2o));
+    free(h2o_text);
+
     /* The documented example file is the built-in. */
     FILE *f = fopen("examples/policies/kivi2-sink.json", "rb");
     char doc[4096];
@@ -133,6 +150,8 @@ static void test_parse_bad(void) {
         {"\"version\": 1,", false, LLAMA_ERR_FORMAT, "twice"},
         {"\"page_tokens\": \"32\",", false, LLAMA_ERR_FORMAT, "\"page_tokens\""},
         {"\"page_tokens\": 12,", false, LLAMA_ERR_FORMAT, "\"page_tokens\""},
+        {"\"evict\": {\"scorer\": \"h2o\", \"budget_fraction\": 0.5, \"recent_fraction\": 1.5},",
+         false, LLAMA_ERR_FORMAT, "\"evict.recent_fraction\""},
         {"\"page_tokens\": 2048,", false, LLAMA_ERR_FORMAT, "\"page_tokens\""},
         {"\"page_tokens\": 32.5,", false, LLAMA_ERR_FORMAT, "\"page_tokens\""},
         {"\"page_tokens\": null,", false, LLAMA_ERR_FORMAT, "\"page_tokens\""},
@@ -492,7 +511,7 @@ static void test_cache_matches_reference(void) {
                            KVMIX_CACHE_PARTIAL_QUANTIZE,
                            KVMIX_POLICY_BOUNDARY_FINISH,
                            NULL,
-                           {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
+                           {0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0}};
     run_against_reference(&custom);
     kvmix_policy boosted = {"custom-b",
                             "",
@@ -509,7 +528,7 @@ static void test_cache_matches_reference(void) {
                             KVMIX_CACHE_PARTIAL_QUANTIZE,
                             KVMIX_POLICY_BOUNDARY_FINISH,
                             NULL,
-                            {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
+                            {0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0}};
     run_against_reference(&boosted);
     /* keys and values in groups of their own: INT4 keys by 16 channels, INT2 values by head */
     kvmix_policy groups = {"custom-c",
@@ -527,7 +546,7 @@ static void test_cache_matches_reference(void) {
                            KVMIX_CACHE_PARTIAL_QUANTIZE,
                            KVMIX_POLICY_BOUNDARY_FINISH,
                            NULL,
-                           {0, 0, 0.0, 0.0, 0, 0, 0, 0}};
+                           {0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0}};
     run_against_reference(&groups);
 }
 

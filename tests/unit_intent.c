@@ -448,17 +448,20 @@ static void test_evict_budget_and_forced(void) {
 static void test_evict_bad_policy(void) {
     static const struct {
         int32_t scorer, budget_tokens, pool;
-        double fraction, decay;
+        double fraction, decay, recent_fraction;
         const char *field;
-    } bad[] = {{0, 0, 0, 0.5, 0.0, "scorer"},
-               {6, 0, 0, 0.5, 0.0, "scorer"},
-               {1, -1, 0, 0.5, 0.0, "budget_tokens"},
-               {1, 0, 0, 0.0, 0.0, "budget_fraction"},
-               {1, 0, 0, 1.5, 0.0, "budget_fraction"},
-               {1, 0, 0, 0.5, 1.0, "decay"},
-               {1, 0, 0, 0.5, -0.1, "decay"},
-               {5, 0, 4, 0.5, 0.0, "pool_tokens"},
-               {1, 0, KVMIX_EVICT_MAX_POOL + 2, 0.5, 0.0, "pool_tokens"}};
+    } bad[] = {{0, 0, 0, 0.5, 0.0, 0.0, "scorer"},
+               {6, 0, 0, 0.5, 0.0, 0.0, "scorer"},
+               {1, -1, 0, 0.5, 0.0, 0.0, "budget_tokens"},
+               {1, 0, 0, 0.0, 0.0, 0.0, "budget_fraction"},
+               {1, 0, 0, 1.5, 0.0, 0.0, "budget_fraction"},
+               {1, 0, 0, 0.5, 1.0, 0.0, "decay"},
+               {1, 0, 0, 0.5, -0.1, 0.0, "decay"},
+               {5, 0, 4, 0.5, 0.0, 0.0, "pool_tokens"},
+               {1, 0, KVMIX_EVICT_MAX_POOL + 2, 0.5, 0.0, 0.0, "pool_tokens"},
+               {4, 0, 0, 0.5, 0.0, -0.25, "recent_fraction"},
+               {4, 0, 0, 0.5, 0.0, 1.5, "recent_fraction"},
+               {4, 0, 0, 0.5, 0.0, NAN, "recent_fraction"}};
     size_t i;
     for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         kvmix_evict_policy p = evict_policy(bad[i].scorer, bad[i].fraction), before;
@@ -467,6 +470,7 @@ static void test_evict_bad_policy(void) {
         p.budget_tokens = bad[i].budget_tokens;
         p.pool_tokens = bad[i].pool;
         p.decay = bad[i].decay;
+        p.recent_fraction = bad[i].recent_fraction;
         before = p;
         CHECK_RESULT(kvmix_evict_policy_resolve(&p, &why), KVMIX_ERR_INVALID_ARGUMENT);
         CHECK(why.field && strcmp(why.field, bad[i].field) == 0);
@@ -570,6 +574,25 @@ static void test_evict_shape(void) {
         p.scorer = KVMIX_EVICT_H2O;
         CHECK_RESULT(kvmix_evict_shape_scores(&p, h, 8, NULL), KVMIX_SUCCESS);
         CHECK(h[5] == 9 && h[7] == 2);
+    }
+    { /* the floor as a share of the budget: keep ceil(0.5 * 8) = 4, half of it recent */
+        float h[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
+        p.recent_fraction = 0.5;
+        CHECK_RESULT(kvmix_evict_shape_scores(&p, h, 8, NULL), KVMIX_SUCCESS);
+        CHECK(h[5] == 9 && h[6] == INFINITY && h[7] == INFINITY);
+        {
+            float g[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
+            p.recent_tokens = 3; /* the larger floor holds */
+            CHECK_RESULT(kvmix_evict_shape_scores(&p, g, 8, NULL), KVMIX_SUCCESS);
+            CHECK(g[4] == 0 && g[5] == INFINITY);
+        }
+        {
+            float g[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
+            p.recent_tokens = 0, p.recent_fraction = 1.0, p.budget_tokens = 3; /* of its tokens */
+            CHECK_RESULT(kvmix_evict_shape_scores(&p, g, 8, NULL), KVMIX_SUCCESS);
+            CHECK(g[4] == 0 && g[5] == INFINITY && g[6] == INFINITY && g[7] == INFINITY);
+        }
+        p.recent_fraction = 0.0, p.budget_tokens = 0;
     }
     {
         float k[8] = {4, 1, -INFINITY, 0, 0, 9, 0, 2};
