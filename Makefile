@@ -154,17 +154,20 @@ $(BUILD)/avx512_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 header-checks: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS)
 
 # ARCH_FLAGS: empty, or -march=x86-64-v3 / -v4 for the _avx2 / _avx512 builds below
-$(BUILD)/unit_tests $(BUILD)/unit_tests_avx2 $(BUILD)/unit_tests_avx512: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) \
+$(BUILD)/unit_tests $(BUILD)/unit_tests_avx2 $(BUILD)/unit_tests_avx512 $(BUILD)/unit_tests_portable: $(UNIT_SRC) $(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) \
 		tests/harness.h tests/device_arena_scenario.h examples/transfer_plan.h \
 		examples/pd_nccl_plan.h kvmix.h | $(BUILD)
 	$(CC) -std=c11 $(WARN) -ffp-contract=off $(ARCH_FLAGS) $(SANITIZE) -I. -Iexamples $(UNIT_SRC) \
 		$(TRANSFER_SRC) $(PD_NCCL_PLAN_SRC) -o $@ $(LDLIBS)
 
 # The same units, and fuzz_view, built for x86-64-v3 and -v4, where the fast decode takes its
-# AVX2 and AVX-512 loops; the wrapper runs them on a CPU that has them.
+# AVX2 and AVX-512 loops; the wrapper runs them on a CPU that has them. The plain build takes the
+# AVX2 loops where the CPU has them (KVMIX__AVX2_DISPATCH); _portable keeps it to the loops of
+# every CPU.
 $(BUILD)/unit_tests_avx2 $(BUILD)/fuzz_view_avx2: ARCH_FLAGS := -march=x86-64-v3
 $(BUILD)/unit_tests_avx512 $(BUILD)/fuzz_view_avx512: ARCH_FLAGS := -march=x86-64-v4
-$(BUILD)/fuzz_view_avx2 $(BUILD)/fuzz_view_avx512: tests/fuzz_view.c tests/fuzz_driver.c \
+$(BUILD)/unit_tests_portable $(BUILD)/fuzz_view_portable: ARCH_FLAGS := -DKVMIX_NO_CPU_DISPATCH
+$(BUILD)/fuzz_view_avx2 $(BUILD)/fuzz_view_avx512 $(BUILD)/fuzz_view_portable: tests/fuzz_view.c tests/fuzz_driver.c \
 		tests/fuzz_invariants.h tests/fuzz_limits.h kvmix.h | $(BUILD)
 	$(FUZZ_RUN_CC)
 
@@ -353,7 +356,7 @@ $(BUILD)/pd_nccl: examples/pd_nccl.cu $(PD_NCCL_PLAN_SRC) examples/pd_nccl_plan.
 		-lnccl $(EVAL_LDLIBS)
 endif
 
-UNIT_AVX2 := $(if $(X86_64),$(BUILD)/unit_avx2_run $(BUILD)/unit_avx512_run)
+UNIT_AVX2 := $(if $(X86_64),$(BUILD)/unit_avx2_run $(BUILD)/unit_avx512_run $(BUILD)/unit_portable_run)
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS) $(BUILD)/unit_tests $(UNIT_AVX2) \
 	$(BUILD)/example_cache_loop \
 	$(BUILD)/test_residual_json $(FUZZ_RUNNERS) $(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer \

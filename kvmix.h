@@ -2602,8 +2602,19 @@ KVMIX__RULE void kvmix__payload_header_put(const kvmix_payload_info *info, uint8
 
 #include <math.h>
 #include <string.h>
-#if defined(__F16C__) && defined(__AVX__)
+/* A build for x86 without AVX2, FMA and F16C (plain -O2) still has the fast decode's four-head
+   loops with GCC and Clang: compiled for those instructions by a target pragma and taken where
+   the CPU has them (KVMIX_NO_CPU_DISPATCH keeps such a build to its portable loops). */
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) &&                            \
+    (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) &&  \
+    !defined(KVMIX_NO_CPU_DISPATCH)
+#define KVMIX__AVX2_DISPATCH 1
+#endif
+#if (defined(__F16C__) && defined(__AVX__)) || defined(KVMIX__AVX2_DISPATCH)
 #include <immintrin.h> /* the fast decode's FP16 rows and four-head loops */
+#endif
+#ifdef KVMIX__AVX2_DISPATCH
+#include <cpuid.h> /* whether the CPU has F16C */
 #endif
 
 #if defined(KVMIX_MALLOC) != defined(KVMIX_FREE)
@@ -3574,6 +3585,31 @@ static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVMIX__AVX2 1 /* the decode loops below in 256-bit registers */
 #endif
+#if defined(KVMIX__AVX2) || defined(KVMIX__AVX2_DISPATCH)
+#define KVMIX__FOUR_HEADS 1 /* the four-head loops are compiled in (kvmix__four_heads says if
+                               they run) */
+#endif
+
+/* Whether the four-head loops run here: always in an AVX2 build, where the CPU has AVX2, FMA and
+   F16C in a dispatching one (the CPU's answer is the same every call), never elsewhere. */
+static int kvmix__four_heads(void) {
+#if defined(KVMIX__AVX2)
+    return 1;
+#elif defined(KVMIX__AVX2_DISPATCH)
+    static int known = -1; /* asked once: CPUID takes microseconds in a virtual machine */
+    int has = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (has < 0) {
+        unsigned eax, ebx, ecx = 0, edx; /* F16C: leaf 1, ecx bit 29 (not every compiler's
+                                            __builtin_cpu_supports knows it) */
+        has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+              __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx >> 29 & 1u);
+        __atomic_store_n(&known, has, __ATOMIC_RELAXED);
+    }
+    return has;
+#else
+    return 0;
+#endif
+}
 
 /* FP16 bits to float without branches, so a loop of them vectorizes: the exponent and mantissa
    shifted into a float and scaled by 2^112 is exact for normal and subnormal halves alike;
@@ -3810,7 +3846,56 @@ static inline void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const floa
    rows a step, sixteen value channels held in registers), FP16 rows are read where they are
    used, and the next tile's bytes are asked of the caches as the current one runs: memory
    speed for FP16 rows. Elsewhere every head takes kvmix__attend_tile. */
-#ifdef KVMIX__AVX2
+#ifdef KVMIX__FOUR_HEADS
+
+/* Bytes a tile will read next, asked of the caches a slice at a time while the current tile's
+   arithmetic runs: the next span's blocks start apart from this one's, where a stream prefetcher
+   starts over, and asked all at once they would wait behind each other. */
+typedef struct kvmix__ahead {
+    const uint8_t *at[2]; /* keys, values */
+    size_t bytes[2];
+} kvmix__ahead;
+
+/* Slice `part` of `parts` of the bytes ahead. */
+static inline void kvmix__prefetch_slice(const kvmix__ahead *a, int32_t part, int32_t parts) {
+#if defined(__GNUC__) || defined(__clang__)
+    int i;
+    for (i = 0; a && i < 2; i++) {
+        size_t from = a->bytes[i] * (size_t)part / (size_t)parts & ~(size_t)63;
+        size_t to = a->bytes[i] * (size_t)(part + 1) / (size_t)parts, at;
+        for (at = from; at < to; at += 64) __builtin_prefetch(a->at[i] + at, 0, 3);
+    }
+#else
+    (void)a, (void)part, (void)parts;
+#endif
+}
+
+/* kv head h's key and value blocks of a view span, whole: what its first tile reads. */
+static kvmix__ahead kvmix__span_ahead(const kvmix_view *view, const kvmix_view_span *vs,
+                                      int32_t h) {
+    kvmix_span span = kvmix__span_of_view(view, vs);
+    const kvmix_layout *layouts[2] = {&span.key_layout, &span.value_layout};
+    const void *bases[2] = {span.keys, span.values};
+    size_t head_bytes[2] = {span.key_head_bytes, span.value_head_bytes};
+    kvmix__ahead a;
+    int i;
+    for (i = 0; i < 2; i++) {
+        kvmix_layout l;
+        kvmix__sections sections;
+        a.at[i] = kvmix__operand_block(layouts[i], bases[i], head_bytes[i], h, &l, &sections);
+        a.bytes[i] = (size_t)sections.total_bytes;
+    }
+    return a;
+}
+
+#ifdef KVMIX__AVX2_DISPATCH /* every function up to the pop below: AVX2, FMA and F16C */
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+#endif
 
 /* The sum of eight partial sums in a fixed order (as kvmix__dot adds its own). */
 static inline float kvmix__sum8(const float *p) {
@@ -3961,46 +4046,6 @@ static inline void kvmix__softmax_rows4(float (*logit)[KVMIX__TILE_ROWS],
     }
 }
 
-/* Bytes a tile will read next, asked of the caches a slice at a time while the current tile's
-   arithmetic runs: the next span's blocks start apart from this one's, where a stream prefetcher
-   starts over, and asked all at once they would wait behind each other. */
-typedef struct kvmix__ahead {
-    const uint8_t *at[2]; /* keys, values */
-    size_t bytes[2];
-} kvmix__ahead;
-
-/* Slice `part` of `parts` of the bytes ahead. */
-static inline void kvmix__prefetch_slice(const kvmix__ahead *a, int32_t part, int32_t parts) {
-#if defined(__GNUC__) || defined(__clang__)
-    int i;
-    for (i = 0; a && i < 2; i++) {
-        size_t from = a->bytes[i] * (size_t)part / (size_t)parts & ~(size_t)63;
-        size_t to = a->bytes[i] * (size_t)(part + 1) / (size_t)parts, at;
-        for (at = from; at < to; at += 64) __builtin_prefetch(a->at[i] + at, 0, 3);
-    }
-#else
-    (void)a, (void)part, (void)parts;
-#endif
-}
-
-/* kv head h's key and value blocks of a view span, whole: what its first tile reads. */
-static kvmix__ahead kvmix__span_ahead(const kvmix_view *view, const kvmix_view_span *vs,
-                                      int32_t h) {
-    kvmix_span span = kvmix__span_of_view(view, vs);
-    const kvmix_layout *layouts[2] = {&span.key_layout, &span.value_layout};
-    const void *bases[2] = {span.keys, span.values};
-    size_t head_bytes[2] = {span.key_head_bytes, span.value_head_bytes};
-    kvmix__ahead a;
-    int i;
-    for (i = 0; i < 2; i++) {
-        kvmix_layout l;
-        kvmix__sections sections;
-        a.at[i] = kvmix__operand_block(layouts[i], bases[i], head_bytes[i], h, &l, &sections);
-        a.bytes[i] = (size_t)sections.total_bytes;
-    }
-    return a;
-}
-
 /* kvmix__attend_tile for four query heads at once (q [4][dim], acc [4][dim], max and sum [4])
    over n <= KVMIX__TILE_ROWS key and value rows row_bytes apart, FP16 as stored (fp16) or
    decoded floats: the logits and the weighted sum read each row once for the four; rows past n
@@ -4029,7 +4074,14 @@ static inline void kvmix__attend4(const float *KVMIX__RESTRICT q, const uint8_t 
     kvmix__weighted4(&w[0][0], values, row_bytes, fp16, n, dim, acc);
 }
 
-#endif /* KVMIX__AVX2 */
+#ifdef KVMIX__AVX2_DISPATCH
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+#endif /* KVMIX__FOUR_HEADS */
 
 /* Where the build also has AVX-512, the four-head loops take INT rows too, sixteen channels a
    register, without a decoded tile: per-token INT4 and INT2 codes (groups of a multiple of 16
@@ -4326,10 +4378,11 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
     int32_t fours = 0; /* heads [0, fours) taken four at a time */
     int fp16 = 0;      /* rows read as stored by those heads: no tiles unless others need them */
     int lanes = 0;     /* INT rows read as stored by those heads (kvmix__attend4_512) */
-#ifdef KVMIX__AVX2
-    fours = group / 4 * 4;
-    fp16 = keys.layout.format == KVMIX_FORMAT_FP16 && values.layout.format == KVMIX_FORMAT_FP16;
-#else
+    if (kvmix__four_heads()) {
+        fours = group / 4 * 4;
+        fp16 = keys.layout.format == KVMIX_FORMAT_FP16 && values.layout.format == KVMIX_FORMAT_FP16;
+    }
+#ifndef KVMIX__FOUR_HEADS
     (void)next;
 #endif
 #ifdef KVMIX__AVX512
@@ -4339,9 +4392,12 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
     for (t0 = 0; t0 < vs->n_tokens; t0 += rows) {
         int32_t n = vs->n_tokens - t0 < rows ? vs->n_tokens - t0 : rows;
         const uint8_t *dead = span.dead ? span.dead + t0 : NULL;
-#ifdef KVMIX__AVX2
+#ifdef KVMIX__FOUR_HEADS
         kvmix__ahead ahead; /* the next tile's rows: this span's, else the next span's blocks */
-        if (t0 + rows < vs->n_tokens) {
+        if (fours == 0) {
+            ahead.bytes[0] = ahead.bytes[1] = 0;
+            ahead.at[0] = ahead.at[1] = NULL;
+        } else if (t0 + rows < vs->n_tokens) {
             ahead.at[0] = keys.block + kvmix__row_at(&keys.sections, t0 + rows);
             ahead.at[1] = values.block + kvmix__row_at(&values.sections, t0 + rows);
             ahead.bytes[0] = (size_t)keys.sections.row_bytes * (size_t)rows;
@@ -4362,7 +4418,7 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
             kvmix__decode_tile(&keys, t0, n, ktile);
             kvmix__decode_tile(&values, t0, n, vtile);
         }
-#ifdef KVMIX__AVX2
+#ifdef KVMIX__FOUR_HEADS
         for (g = 0; !lanes && g < fours; g += 4)
             if (fp16)
                 kvmix__attend4(q + (size_t)g * dim, keys.block + kvmix__row_at(&keys.sections, t0),
