@@ -2605,8 +2605,8 @@ KVMIX__RULE void kvmix__payload_header_put(const kvmix_payload_info *info, uint8
 /* A build for x86 without AVX2, FMA and F16C (plain -O2) still has the fast decode's four-head
    loops with GCC and Clang: compiled for those instructions by a target pragma and taken where
    the CPU has them (KVMIX_NO_CPU_DISPATCH keeps such a build to its portable loops). */
-#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) &&                            \
-    (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) &&  \
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) &&                               \
+    (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) &&     \
     !defined(KVMIX_NO_CPU_DISPATCH)
 #define KVMIX__AVX2_DISPATCH 1
 #endif
@@ -3586,7 +3586,8 @@ static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 #define KVMIX__AVX2 1 /* the decode loops below in 256-bit registers */
 #endif
 #if defined(KVMIX__AVX2) || defined(KVMIX__AVX2_DISPATCH)
-#define KVMIX__FOUR_HEADS 1 /* the four-head loops are compiled in (kvmix__four_heads says if
+#define KVMIX__FOUR_HEADS                                                                          \
+    1 /* the four-head loops are compiled in (kvmix__four_heads says if
                                they run) */
 #endif
 
