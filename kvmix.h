@@ -3585,15 +3585,29 @@ static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVMIX__AVX2 1 /* the decode loops below in 256-bit registers */
 #endif
+/* The AVX2 loops are compiled in (kvmix__avx2_runs says whether they run); in a dispatching build
+   between KVMIX__AVX2_BEGIN and KVMIX__AVX2_END, which compile them for those instructions. */
 #if defined(KVMIX__AVX2) || defined(KVMIX__AVX2_DISPATCH)
-#define KVMIX__FOUR_HEADS                                                                          \
-    1 /* the four-head loops are compiled in (kvmix__four_heads says if
-                               they run) */
+#define KVMIX__AVX2_LOOPS 1
 #endif
+/* _Pragma takes one string literal, which the formatter would split: */
+/* clang-format off */
+#if defined(KVMIX__AVX2_DISPATCH) && defined(__clang__)
+#define KVMIX__AVX2_BEGIN \
+    _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
+#define KVMIX__AVX2_END _Pragma("clang attribute pop")
+#elif defined(KVMIX__AVX2_DISPATCH)
+#define KVMIX__AVX2_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define KVMIX__AVX2_END   _Pragma("GCC pop_options")
+#else
+#define KVMIX__AVX2_BEGIN
+#define KVMIX__AVX2_END
+#endif
+/* clang-format on */
 
-/* Whether the four-head loops run here: always in an AVX2 build, where the CPU has AVX2, FMA and
-   F16C in a dispatching one (the CPU's answer is the same every call), never elsewhere. */
-static int kvmix__four_heads(void) {
+/* Whether the AVX2 loops run here: always in an AVX2 build, where the CPU has AVX2, FMA and F16C
+   in a dispatching one (the CPU's answer is the same every call), never elsewhere. */
+static int kvmix__avx2_runs(void) {
 #if defined(KVMIX__AVX2)
     return 1;
 #elif defined(KVMIX__AVX2_DISPATCH)
@@ -3663,6 +3677,27 @@ static inline uint32_t kvmix__eight_codes(const uint8_t *p, int bits) {
                : (uint32_t)p[0] | (uint32_t)p[1] << 8;
 }
 
+#ifdef KVMIX__AVX2_LOOPS
+KVMIX__AVX2_BEGIN
+/* kvmix__dequantize_codes of 4- or 2-bit codes: eight codes shifted into eight lanes at once. */
+static inline void kvmix__dequantize_codes8(const uint8_t *KVMIX__RESTRICT codes, int bits,
+                                            int32_t n, const float *scale, const float *min,
+                                            int per_channel, float *KVMIX__RESTRICT out) {
+    const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                     : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i mask = _mm256_set1_epi32((int)((1u << bits) - 1u));
+    int32_t i;
+    for (i = 0; i < n; i += 8) {
+        __m256i word = _mm256_set1_epi32((int)kvmix__eight_codes(codes + i * bits / 8, bits));
+        __m256 x = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shifts), mask));
+        __m256 s = per_channel ? _mm256_loadu_ps(scale + i) : _mm256_set1_ps(scale[0]);
+        __m256 m = per_channel ? _mm256_loadu_ps(min + i) : _mm256_set1_ps(min[0]);
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(x, s, m));
+    }
+}
+KVMIX__AVX2_END
+#endif
+
 /* n codes (n a multiple of 8) of `bits` bits times scale[c] plus min[c] (per channel), or times
    scale[0] plus min[0] for every c when per_channel is 0. */
 static inline void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes, int bits,
@@ -3675,19 +3710,12 @@ static inline void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes,
             out[i] = (float)codes[i] * scale[per_channel ? i : 0] + min[per_channel ? i : 0];
         return;
     }
-#ifdef KVMIX__AVX2
-    for (i = 0; i < n; i += 8) { /* eight codes shifted into eight lanes at once */
-        const __m256i shifts = bits == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
-                                         : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-        __m256i word = _mm256_set1_epi32((int)kvmix__eight_codes(codes + i * bits / 8, bits));
-        __m256 x = _mm256_cvtepi32_ps(
-            _mm256_and_si256(_mm256_srlv_epi32(word, shifts), _mm256_set1_epi32((int)mask)));
-        __m256 s = per_channel ? _mm256_loadu_ps(scale + i) : _mm256_set1_ps(scale[0]);
-        __m256 m = per_channel ? _mm256_loadu_ps(min + i) : _mm256_set1_ps(min[0]);
-        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(x, s, m));
+#ifdef KVMIX__AVX2_LOOPS
+    if (kvmix__avx2_runs()) {
+        kvmix__dequantize_codes8(codes, bits, n, scale, min, per_channel, out);
+        return;
     }
-    (void)j;
-#else
+#endif
     for (i = 0; i + 16 <= n; i += 16) { /* two words a step, then an odd eight */
         uint32_t lo = kvmix__eight_codes(codes + i * bits / 8, bits);
         uint32_t hi = kvmix__eight_codes(codes + (i + 8) * bits / 8, bits);
@@ -3705,7 +3733,6 @@ static inline void kvmix__dequantize_codes(const uint8_t *KVMIX__RESTRICT codes,
             out[i + j] = (float)((word >> (j * bits)) & mask) * scale[per_channel ? i + j : 0] +
                          min[per_channel ? i + j : 0];
     }
-#endif
 }
 
 /* What decoding a block's rows needs beyond its layout: per-channel blocks' scales, minimums
@@ -3843,11 +3870,11 @@ static inline void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const floa
     *sum += total;
 }
 
-/* Where the build has AVX2, FMA and F16C, query heads go four at a time over each row (two key
-   rows a step, sixteen value channels held in registers), FP16 rows are read where they are
+/* Where the AVX2 loops run (kvmix__avx2_runs), query heads go four at a time over each row (two
+   key rows a step, sixteen value channels held in registers), FP16 rows are read where they are
    used, and the next tile's bytes are asked of the caches as the current one runs: memory
    speed for FP16 rows. Elsewhere every head takes kvmix__attend_tile. */
-#ifdef KVMIX__FOUR_HEADS
+#ifdef KVMIX__AVX2_LOOPS
 
 /* Bytes a tile will read next, asked of the caches a slice at a time while the current tile's
    arithmetic runs: the next span's blocks start apart from this one's, where a stream prefetcher
@@ -3889,14 +3916,7 @@ static kvmix__ahead kvmix__span_ahead(const kvmix_view *view, const kvmix_view_s
     return a;
 }
 
-#ifdef KVMIX__AVX2_DISPATCH /* every function up to the pop below: AVX2, FMA and F16C */
-#ifdef __clang__
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
-#endif
+KVMIX__AVX2_BEGIN
 
 /* The sum of eight partial sums in a fixed order (as kvmix__dot adds its own). */
 static inline float kvmix__sum8(const float *p) {
@@ -4075,14 +4095,8 @@ static inline void kvmix__attend4(const float *KVMIX__RESTRICT q, const uint8_t 
     kvmix__weighted4(&w[0][0], values, row_bytes, fp16, n, dim, acc);
 }
 
-#ifdef KVMIX__AVX2_DISPATCH
-#ifdef __clang__
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif
-#endif /* KVMIX__FOUR_HEADS */
+KVMIX__AVX2_END
+#endif /* KVMIX__AVX2_LOOPS */
 
 /* Where the build also has AVX-512, the four-head loops take INT rows too, sixteen channels a
    register, without a decoded tile: per-token INT4 and INT2 codes (groups of a multiple of 16
@@ -4379,11 +4393,11 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
     int32_t fours = 0; /* heads [0, fours) taken four at a time */
     int fp16 = 0;      /* rows read as stored by those heads: no tiles unless others need them */
     int lanes = 0;     /* INT rows read as stored by those heads (kvmix__attend4_512) */
-    if (kvmix__four_heads()) {
+    if (kvmix__avx2_runs()) {
         fours = group / 4 * 4;
         fp16 = keys.layout.format == KVMIX_FORMAT_FP16 && values.layout.format == KVMIX_FORMAT_FP16;
     }
-#ifndef KVMIX__FOUR_HEADS
+#ifndef KVMIX__AVX2_LOOPS
     (void)next;
 #endif
 #ifdef KVMIX__AVX512
@@ -4393,7 +4407,7 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
     for (t0 = 0; t0 < vs->n_tokens; t0 += rows) {
         int32_t n = vs->n_tokens - t0 < rows ? vs->n_tokens - t0 : rows;
         const uint8_t *dead = span.dead ? span.dead + t0 : NULL;
-#ifdef KVMIX__FOUR_HEADS
+#ifdef KVMIX__AVX2_LOOPS
         kvmix__ahead ahead; /* the next tile's rows: this span's, else the next span's blocks */
         if (fours == 0) {
             ahead.bytes[0] = ahead.bytes[1] = 0;
@@ -4419,7 +4433,7 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
             kvmix__decode_tile(&keys, t0, n, ktile);
             kvmix__decode_tile(&values, t0, n, vtile);
         }
-#ifdef KVMIX__FOUR_HEADS
+#ifdef KVMIX__AVX2_LOOPS
         for (g = 0; !lanes && g < fours; g += 4)
             if (fp16)
                 kvmix__attend4(q + (size_t)g * dim, keys.block + kvmix__row_at(&keys.sections, t0),
