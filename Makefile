@@ -143,14 +143,18 @@ $(BUILD)/warn_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 # ... and with the fast decode's AVX2 loops compiled in (x86-64-v3, where the host is x86-64)
 X86_64 := $(filter x86_64,$(shell uname -m))
 # ... and the AVX-512 loops (x86-64-v4)
+# ... and the plain build kept to its portable loops (KVMIX_NO_CPU_DISPATCH)
 AVX2_CHECKS := $(if $(X86_64),$(foreach c,$(WARN_COMPILERS),$(foreach l,$(WARN_LANGS),\
-	$(BUILD)/avx2_$(c)_$(l).o $(BUILD)/avx512_$(c)_$(l).o)))
+	$(BUILD)/avx2_$(c)_$(l).o $(BUILD)/avx512_$(c)_$(l).o $(BUILD)/portable_$(c)_$(l).o)))
 $(BUILD)/avx2_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 	$(call warn_cc,$(word 1,$(subst _, ,$*)),$(word 2,$(subst _, ,$*))) \
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -O2 -march=x86-64-v3 -c $< -o $@
 $(BUILD)/avx512_%.o: tests/compile_check.c kvmix.h | $(BUILD)
 	$(call warn_cc,$(word 1,$(subst _, ,$*)),$(word 2,$(subst _, ,$*))) \
 		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -O2 -march=x86-64-v4 -c $< -o $@
+$(BUILD)/portable_%.o: tests/compile_check.c kvmix.h | $(BUILD)
+	$(call warn_cc,$(word 1,$(subst _, ,$*)),$(word 2,$(subst _, ,$*))) \
+		$(call warn_std,$(word 2,$(subst _, ,$*))) $(WARN) -O2 -DKVMIX_NO_CPU_DISPATCH -c $< -o $@
 header-checks: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS)
 
 # ARCH_FLAGS: empty, or -march=x86-64-v3 / -v4 for the _avx2 / _avx512 builds below

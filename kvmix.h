@@ -313,6 +313,11 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
    keeps about 48 KiB on its thread's stack (64 KiB where the build has AVX-512). */
 #define KVMIX_DECODE_CHUNK_SPANS 16
 
+/* The loops the fast decode runs in this build on this CPU: "avx512" (a build with AVX-512F,
+   AVX2, FMA and F16C), "avx2" (a build with AVX2, FMA and F16C, or a GCC or Clang build for
+   x86-64 on a CPU that has them, unless KVMIX_NO_CPU_DISPATCH), else "portable". */
+KVMIXDEF const char *kvmix_cpu_decode_loops(void);
+
 /* Runs task(task_arg, i) once for every i in [0, n_tasks), on any threads, in any order, and
    returns when all have run: the caller's thread pool (an OpenMP parallel for, a job system). */
 typedef void (*kvmix_task_fn)(void *task_arg, int32_t task);
@@ -1481,8 +1486,8 @@ typedef struct kvmix_evict_policy {
                                (none) for the others */
     double recent_fraction; /* the recent floor as a share of the budget (kvmix_evict_budget),
                                in [0, 1]: the floor is the larger of this and recent_tokens
-                               (H2O's paper keeps half its budget recent); 0 = recent_tokens
-                               alone */
+                               (H2O's paper keeps half its budget recent; STREAMING ignores
+                               both); 0 = recent_tokens alone */
 } kvmix_evict_policy;
 
 typedef struct kvmix_policy {
@@ -2602,19 +2607,17 @@ KVMIX__RULE void kvmix__payload_header_put(const kvmix_payload_info *info, uint8
 
 #include <math.h>
 #include <string.h>
-/* A build for x86 without AVX2, FMA and F16C (plain -O2) still has the fast decode's four-head
+/* A build for x86-64 without AVX2, FMA and F16C (plain -O2) still has the fast decode's AVX2
    loops with GCC and Clang: compiled for those instructions by a target pragma and taken where
-   the CPU has them (KVMIX_NO_CPU_DISPATCH keeps such a build to its portable loops). */
+   the CPU has them (KVMIX_NO_CPU_DISPATCH keeps such a build to its portable loops). Not with
+   MSVC's headers (clang-cl) nor in CUDA sources, where the host decode is not what runs. */
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) &&                               \
-    (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__)) &&     \
-    !defined(KVMIX_NO_CPU_DISPATCH)
+    (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(_MSC_VER) &&      \
+    !defined(__CUDACC__) && !defined(KVMIX_NO_CPU_DISPATCH)
 #define KVMIX__AVX2_DISPATCH 1
 #endif
 #if (defined(__F16C__) && defined(__AVX__)) || defined(KVMIX__AVX2_DISPATCH)
 #include <immintrin.h> /* the fast decode's FP16 rows and four-head loops */
-#endif
-#ifdef KVMIX__AVX2_DISPATCH
-#include <cpuid.h> /* whether the CPU has F16C */
 #endif
 
 #if defined(KVMIX_MALLOC) != defined(KVMIX_FREE)
@@ -3605,6 +3608,30 @@ static size_t kvmix__align8(size_t n) { return (n + 7) / 8 * 8; }
 #endif
 /* clang-format on */
 
+#ifdef KVMIX__AVX2_DISPATCH
+/* CPUID leaf `leaf`, subleaf 0: eax, ebx, ecx, edx into r. */
+static void kvmix__cpuid(uint32_t leaf, uint32_t r[4]) {
+    __asm__ __volatile__("cpuid"
+                         : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
+                         : "a"(leaf), "c"(0));
+}
+
+/* Whether the CPU has AVX2, FMA and F16C and the system saves the 256-bit registers: CPUID and
+   XGETBV themselves, no runtime library's feature table (not every toolchain links one). */
+static int kvmix__cpu_has_avx2(void) {
+    uint32_t r[4], xcr0_lo, xcr0_hi;
+    kvmix__cpuid(0, r);
+    if (r[0] < 7) return 0;
+    kvmix__cpuid(1, r); /* ecx: FMA 12, OSXSAVE 27, AVX 28, F16C 29 */
+    if ((r[2] & 0x38001000u) != 0x38001000u) return 0;
+    __asm__ __volatile__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    (void)xcr0_hi;
+    if ((xcr0_lo & 6u) != 6u) return 0; /* the XMM and YMM state */
+    kvmix__cpuid(7, r);                 /* ebx: AVX2 5 */
+    return (int)(r[1] >> 5 & 1u);
+}
+#endif
+
 /* Whether the AVX2 loops run here: always in an AVX2 build, where the CPU has AVX2, FMA and F16C
    in a dispatching one (the CPU's answer is the same every call), never elsewhere. */
 static int kvmix__avx2_runs(void) {
@@ -3614,10 +3641,7 @@ static int kvmix__avx2_runs(void) {
     static int known = -1; /* asked once: CPUID takes microseconds in a virtual machine */
     int has = __atomic_load_n(&known, __ATOMIC_RELAXED);
     if (has < 0) {
-        unsigned eax, ebx, ecx = 0, edx; /* F16C: leaf 1, ecx bit 29 (not every compiler's
-                                            __builtin_cpu_supports knows it) */
-        has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-              __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx >> 29 & 1u);
+        has = kvmix__cpu_has_avx2();
         __atomic_store_n(&known, has, __ATOMIC_RELAXED);
     }
     return has;
@@ -3868,6 +3892,14 @@ static inline void kvmix__attend_tile(const float *KVMIX__RESTRICT q, const floa
         for (j = 0; j < 8; j++) acc[c + j] = part[j];
     }
     *sum += total;
+}
+
+KVMIXDEF const char *kvmix_cpu_decode_loops(void) {
+#if defined(KVMIX__AVX2) && defined(__AVX512F__)
+    return "avx512";
+#else
+    return kvmix__avx2_runs() ? "avx2" : "portable";
+#endif
 }
 
 /* Where the AVX2 loops run (kvmix__avx2_runs), query heads go four at a time over each row (two

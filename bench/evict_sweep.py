@@ -45,7 +45,7 @@ def policy_document(base, scorer, budget, decay, recent, pool, share=0.0):
         doc["evict"] = {"scorer": scorer, "budget_fraction": budget, "decay": decay,
                         "prefix_tokens": PREFIX_TOKENS, "recent_tokens": recent,
                         "observe_tokens": OBSERVE_TOKENS, "pool_tokens": pool}
-        if share > 0:
+        if share != 0:  # a share outside [0, 1] goes in, for kvmix-eval to refuse
             doc["evict"]["recent_fraction"] = share
     return doc
 

@@ -190,7 +190,7 @@ static bool take_share(const cJSON *item, const char *field, double lo, double h
                    lo, hi, hi_open ? ")" : "]");
         return false;
     }
-    *out = v;
+    *out = v == 0.0 ? 0.0 : v; /* -0 as 0: the writer leaves out a zero recent_fraction */
     return true;
 }
 

@@ -9,6 +9,7 @@
 #include "harness.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -301,6 +302,51 @@ static void fd_check_every_half(void) {
     free(ws);
 }
 
+/* A plain x86-64 build of GCC or Clang, which takes the AVX2 loops where the CPU has them. */
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) &&                               \
+    (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(_MSC_VER) &&      \
+    !defined(KVMIX_NO_CPU_DISPATCH)
+#define FD_DISPATCHING 1
+#endif
+
+#ifdef FD_DISPATCHING
+/* Whether /proc/cpuinfo's first flags line has every flag of `flags` (space-separated); -1 where
+   there is no such file. */
+static int fd_cpu_has(const char *flags) {
+    char line[8192], want[64];
+    int found = 0, n = 0;
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return -1;
+    while (!found && fgets(line, sizeof line - 1, f)) found = strncmp(line, "flags", 5) == 0;
+    fclose(f);
+    if (!found) return -1;
+    line[strcspn(line, "\n")] = '\0';
+    strcat(line, " "); /* every flag between spaces */
+    while (sscanf(flags, "%63s%n", want, &n) == 1) {
+        char padded[80];
+        snprintf(padded, sizeof padded, " %s ", want);
+        if (!strstr(line, padded)) return 0;
+        flags += n;
+    }
+    return 1;
+}
+#endif
+
+/* The loops this build names are the ones its flags and this CPU allow. */
+static void fd_check_loops_named(void) {
+    const char *loops = kvmix_cpu_decode_loops();
+#if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    CHECK(strcmp(loops, "avx512") == 0);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    CHECK(strcmp(loops, "avx2") == 0);
+#elif defined(FD_DISPATCHING)
+    int has = fd_cpu_has("avx2 fma f16c");
+    CHECK(has < 0 || strcmp(loops, has ? "avx2" : "portable") == 0);
+#else
+    CHECK(strcmp(loops, "portable") == 0);
+#endif
+}
+
 void unit_fast_decode(void) {
     static const int32_t DIMS[] = {8, 48, 64, 80, 96, 128, 256};
     test_rng rng;
@@ -324,6 +370,8 @@ void unit_fast_decode(void) {
     fd_check_bad(&rng, &fv);
     test_context("fast decode: every FP16 value");
     fd_check_every_half();
+    test_context("fast decode: the loops named");
+    fd_check_loops_named();
     test_context(NULL);
     free(fv.base);
 }
