@@ -3678,17 +3678,39 @@ static inline void kvmix__fp16_eight(const uint8_t *KVMIX__RESTRICT p, float *KV
 #endif
 }
 
+#ifdef KVMIX__AVX2_DISPATCH
+KVMIX__AVX2_BEGIN
+/* n (a multiple of 8) stored FP16 values at p as floats, eight an F16C instruction: the
+   dispatching build's kvmix__fp16_eight, the same exact values. */
+static void kvmix__fp16_run_f16c(const uint8_t *p, int32_t n, float *out) {
+    int32_t j;
+    for (j = 0; j < n; j += 8)
+        _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(
+                                      (const __m128i *)(const void *)(p + 2 * (size_t)j))));
+}
+KVMIX__AVX2_END
+#endif
+
 /* n stored FP16 values at p as floats: eight at a time, the rest one by one. */
 static inline void kvmix__fp16_halves(const uint8_t *KVMIX__RESTRICT p, int32_t n,
                                       float *KVMIX__RESTRICT out) {
-    int32_t j;
-    for (j = 0; j + 8 <= n; j += 8) kvmix__fp16_eight(p + 2 * j, out + j);
+    int32_t j = 0;
+#ifdef KVMIX__AVX2_DISPATCH
+    if (kvmix__avx2_runs()) kvmix__fp16_run_f16c(p, j = n / 8 * 8, out);
+#endif
+    for (; j + 8 <= n; j += 8) kvmix__fp16_eight(p + 2 * j, out + j);
     for (; j < n; j++) out[j] = kvmix__h2f_flat((uint16_t)(p[2 * j] | p[2 * j + 1] << 8));
 }
 
 static inline void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
                                    float *KVMIX__RESTRICT out) {
     int32_t c;
+#ifdef KVMIX__AVX2_DISPATCH
+    if (kvmix__avx2_runs()) {
+        kvmix__fp16_run_f16c(row, dim, out); /* dim: 8 divides it */
+        return;
+    }
+#endif
     for (c = 0; c < dim; c += 8) kvmix__fp16_eight(row + 2 * c, out + c); /* dim: 8 divides it */
 }
 
