@@ -301,7 +301,8 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
 
 /* Fast decode on the CPU: what kvmix_ref_view_decode computes, several times faster. Per kv
    head it reads each page's rows once for all the query heads that share them, decoding a tile
-   of rows at a time in loops a compiler vectorizes (FP16 through F16C where the build has it),
+   of rows at a time in loops a compiler vectorizes (FP16 through F16C where the build or, in a
+   dispatching build, the CPU has it),
    with a blockwise online softmax; the work is split into (sequence, kv head, range of at most
    KVMIX_DECODE_CHUNK_SPANS spans) tasks whose partial results are merged in a fixed order, so
    the result does not depend on how many threads ran it. It agrees with the reference within
@@ -314,8 +315,9 @@ KVMIXDEF kvmix_result kvmix_ref_view_decode(const kvmix_view *view, int32_t n_q_
 #define KVMIX_DECODE_CHUNK_SPANS 16
 
 /* The loops the fast decode runs in this build on this CPU: "avx512" (a build with AVX-512F,
-   AVX2, FMA and F16C), "avx2" (a build with AVX2, FMA and F16C, or a GCC or Clang build for
-   x86-64 on a CPU that has them, unless KVMIX_NO_CPU_DISPATCH), else "portable". */
+   AVX2, FMA and F16C), "avx2" (a build with AVX2, FMA and F16C, or a GCC 5+ or Clang build for
+   x86-64 on a CPU that has them, unless KVMIX_NO_CPU_DISPATCH, MSVC's headers or a CUDA source),
+   else "portable". */
 KVMIXDEF const char *kvmix_cpu_decode_loops(void);
 
 /* Runs task(task_arg, i) once for every i in [0, n_tasks), on any threads, in any order, and
@@ -2612,8 +2614,8 @@ KVMIX__RULE void kvmix__payload_header_put(const kvmix_payload_info *info, uint8
    the CPU has them (KVMIX_NO_CPU_DISPATCH keeps such a build to its portable loops). Not with
    MSVC's headers (clang-cl) nor in CUDA sources, where the host decode is not what runs. */
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) &&                               \
-    (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(_MSC_VER) &&      \
-    !defined(__CUDACC__) && !defined(KVMIX_NO_CPU_DISPATCH)
+    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 5)) && defined(__x86_64__) &&         \
+    !defined(_MSC_VER) && !defined(__CUDACC__) && !defined(KVMIX_NO_CPU_DISPATCH)
 #define KVMIX__AVX2_DISPATCH 1
 #endif
 #if (defined(__F16C__) && defined(__AVX__)) || defined(KVMIX__AVX2_DISPATCH)
@@ -3651,13 +3653,19 @@ static int kvmix__avx2_runs(void) {
 }
 
 /* FP16 bits to float without branches, so a loop of them vectorizes: the exponent and mantissa
-   shifted into a float and scaled by 2^112 is exact for normal and subnormal halves alike;
-   infinities and NaNs (which seals never write) take the all-ones exponent. */
+   shifted into a float and scaled by 2^112 is exact for normal halves, a subnormal one is its
+   mantissa times 2^-24, infinities and NaNs (which seals never write) take the all-ones
+   exponent. */
 static inline float kvmix__h2f_flat(uint16_t h) {
     uint32_t em = (uint32_t)(h & 0x7fffu) << 13;
     uint32_t scaled = kvmix__float_bits(kvmix__bits_float(em) * 5.192296858534828e+33f); /* 2^112 */
+    /* not the product above: its float would be subnormal, which a CPU flushing denormal inputs
+       (DAZ, -ffast-math) reads as 0 where F16C does not */
+    uint32_t tiny = kvmix__float_bits((float)(h & 0x3ffu) * 5.9604644775390625e-08f);
+    uint32_t subnormal = 0u - (uint32_t)((h & 0x7c00u) == 0u);
     uint32_t special = 0u - (uint32_t)((h & 0x7c00u) == 0x7c00u); /* all ones: inf or NaN */
-    uint32_t magnitude = (scaled & ~special) | ((em | 0x7f800000u) & special);
+    uint32_t magnitude =
+        (((scaled & ~subnormal) | (tiny & subnormal)) & ~special) | ((em | 0x7f800000u) & special);
     return kvmix__bits_float(magnitude | (uint32_t)(h & 0x8000u) << 16);
 }
 

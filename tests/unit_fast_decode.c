@@ -304,8 +304,8 @@ static void fd_check_every_half(void) {
 
 /* A plain x86-64 build of GCC or Clang, which takes the AVX2 loops where the CPU has them. */
 #if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) &&                               \
-    (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(_MSC_VER) &&      \
-    !defined(KVMIX_NO_CPU_DISPATCH)
+    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 5)) && defined(__x86_64__) &&         \
+    !defined(_MSC_VER) && !defined(__CUDACC__) && !defined(KVMIX_NO_CPU_DISPATCH)
 #define FD_DISPATCHING 1
 #endif
 
