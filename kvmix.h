@@ -3706,18 +3706,6 @@ static inline void kvmix__fp16_halves(const uint8_t *KVMIX__RESTRICT p, int32_t 
     for (; j < n; j++) out[j] = kvmix__h2f_flat((uint16_t)(p[2 * j] | p[2 * j + 1] << 8));
 }
 
-static inline void kvmix__fp16_row(const uint8_t *KVMIX__RESTRICT row, int32_t dim,
-                                   float *KVMIX__RESTRICT out) {
-    int32_t c;
-#ifdef KVMIX__AVX2_DISPATCH
-    if (kvmix__avx2_runs()) {
-        kvmix__fp16_run_f16c(row, dim, out); /* dim: 8 divides it */
-        return;
-    }
-#endif
-    for (c = 0; c < dim; c += 8) kvmix__fp16_eight(row + 2 * c, out + c); /* dim: 8 divides it */
-}
-
 /* Eight codes of `bits` bits (4 or 2, low bits first) from the bytes at p, as an integer whose
    bits 4j or 2j up hold code j: eight lanes of one shift each, which vectorizes where a byte
    loop's shifts would not (x86 has no byte shifts). */
@@ -3851,7 +3839,7 @@ static inline void kvmix__decode_tile(const kvmix__row_decoder *d, int32_t t0, i
         const uint8_t *row = d->block + kvmix__row_at(&d->sections, t0 + i);
         float *out = tile + (size_t)i * dim;
         if (l->format == KVMIX_FORMAT_FP16) {
-            kvmix__fp16_row(row, dim, out);
+            kvmix__fp16_halves(row, dim, out);
         } else if (kvmix__is_per_token_int(l->format)) {
             int bits = kvmix__format_bits(l->format);
             int32_t groups = dim / l->group_size;
