@@ -4082,35 +4082,40 @@ static inline __m256 kvmix__exp_nonpositive8(__m256 x) {
     return _mm256_and_ps(p, in_range);
 }
 
-/* Four query heads' tile logits [4][KVMIX__TILE_ROWS] (-inf for dead rows) into weights w: each
-   head's running max raised to the tile's (its acc and sum rescaled), w = e^(logit - max), the
+/* One query head's tile logits [KVMIX__TILE_ROWS] (-inf for dead rows) into weights w: its
+   running max raised to the tile's (acc [dim] and sum rescaled), w = e^(logit - max), the
    weights added to its sum. */
+static inline void kvmix__softmax_row(const float *logit, float *w, int32_t dim,
+                                      float *KVMIX__RESTRICT acc, float *max, float *sum) {
+    float tile_max = kvmix__max_rows(logit), part[8], m;
+    __m256 total = _mm256_setzero_ps(), shift;
+    int32_t t, c;
+    if (tile_max > *max) { /* every row dead leaves tile_max -inf: no change */
+        float rescale = kvmix__exp_nonpositive(*max - tile_max); /* 0 on the first tile */
+        __m256 by = _mm256_set1_ps(rescale);
+        for (c = 0; c + 8 <= dim; c += 8) /* head_dim is a multiple of 8 */
+            _mm256_storeu_ps(acc + c, _mm256_mul_ps(_mm256_loadu_ps(acc + c), by));
+        *sum *= rescale;
+        *max = tile_max;
+    }
+    m = *max == -INFINITY ? 0.0f : *max; /* no live row yet: every weight 0 */
+    shift = _mm256_set1_ps(m);
+    for (t = 0; t < KVMIX__TILE_ROWS; t += 8) {
+        __m256 e = kvmix__exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(logit + t), shift));
+        _mm256_storeu_ps(w + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    _mm256_storeu_ps(part, total);
+    *sum += kvmix__sum8(part);
+}
+
+/* kvmix__softmax_row for four query heads: logit and w [4][KVMIX__TILE_ROWS], acc [4][dim]. */
 static inline void kvmix__softmax_rows4(float (*logit)[KVMIX__TILE_ROWS],
                                         float (*w)[KVMIX__TILE_ROWS], int32_t dim,
                                         float *KVMIX__RESTRICT acc, float *max, float *sum) {
-    int32_t t, c, g;
-    for (g = 0; g < 4; g++) {
-        float tile_max = kvmix__max_rows(logit[g]), part[8], m;
-        __m256 total = _mm256_setzero_ps(), shift;
-        if (tile_max > max[g]) { /* every row dead leaves tile_max -inf: no change */
-            float rescale = kvmix__exp_nonpositive(max[g] - tile_max); /* 0 on the first tile */
-            __m256 by = _mm256_set1_ps(rescale);
-            float *a = acc + (size_t)g * dim;
-            for (c = 0; c + 8 <= dim; c += 8) /* head_dim is a multiple of 8 */
-                _mm256_storeu_ps(a + c, _mm256_mul_ps(_mm256_loadu_ps(a + c), by));
-            sum[g] *= rescale;
-            max[g] = tile_max;
-        }
-        m = max[g] == -INFINITY ? 0.0f : max[g]; /* no live row yet: every weight 0 */
-        shift = _mm256_set1_ps(m);
-        for (t = 0; t < KVMIX__TILE_ROWS; t += 8) {
-            __m256 e = kvmix__exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(&logit[g][t]), shift));
-            _mm256_storeu_ps(&w[g][t], e);
-            total = _mm256_add_ps(total, e);
-        }
-        _mm256_storeu_ps(part, total);
-        sum[g] += kvmix__sum8(part);
-    }
+    int32_t g;
+    for (g = 0; g < 4; g++)
+        kvmix__softmax_row(logit[g], w[g], dim, acc + (size_t)g * dim, &max[g], &sum[g]);
 }
 
 /* kvmix__attend_tile for four query heads at once (q [4][dim], acc [4][dim], max and sum [4])
@@ -4139,6 +4144,53 @@ static inline void kvmix__attend4(const float *KVMIX__RESTRICT q, const uint8_t 
     }
     kvmix__softmax_rows4(logit, w, dim, acc, max, sum);
     kvmix__weighted4(&w[0][0], values, row_bytes, fp16, n, dim, acc);
+}
+
+/* kvmix__attend4 for one query head (a query group that four heads do not divide, such as one
+   query head per kv head): two chains of eight lanes a key row, then thirty-two channels of the
+   weighted sum in four registers held over the rows. */
+static inline void kvmix__attend1(const float *KVMIX__RESTRICT q, const uint8_t *keys,
+                                  const uint8_t *values, size_t row_bytes, int fp16,
+                                  const uint8_t *dead, int32_t n, int32_t dim, float scale,
+                                  float *KVMIX__RESTRICT acc, float *max, float *sum) {
+    float logit[KVMIX__TILE_ROWS], w[KVMIX__TILE_ROWS];
+    int32_t t, c;
+    for (t = 0; t < KVMIX__TILE_ROWS; t++) {
+        const uint8_t *k = keys + (size_t)t * row_bytes;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+        if (t >= n || (dead && dead[t])) {
+            logit[t] = -INFINITY;
+            continue;
+        }
+        for (c = 0; c + 16 <= dim; c += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), kvmix__row_v8(k, fp16, c), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), kvmix__row_v8(k, fp16, c + 8), s1);
+        }
+        if (c < dim) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), kvmix__row_v8(k, fp16, c), s0);
+        logit[t] = kvmix__hsum_v8(_mm256_add_ps(s0, s1)) * scale;
+    }
+    kvmix__softmax_row(logit, w, dim, acc, max, sum);
+    for (c = 0; c + 32 <= dim; c += 32) {
+        __m256 x0 = _mm256_loadu_ps(acc + c), x1 = _mm256_loadu_ps(acc + c + 8);
+        __m256 x2 = _mm256_loadu_ps(acc + c + 16), x3 = _mm256_loadu_ps(acc + c + 24);
+        for (t = 0; t < n; t++) {
+            const uint8_t *row = values + (size_t)t * row_bytes;
+            __m256 b = _mm256_broadcast_ss(w + t);
+            x0 = _mm256_fmadd_ps(b, kvmix__row_v8(row, fp16, c), x0);
+            x1 = _mm256_fmadd_ps(b, kvmix__row_v8(row, fp16, c + 8), x1);
+            x2 = _mm256_fmadd_ps(b, kvmix__row_v8(row, fp16, c + 16), x2);
+            x3 = _mm256_fmadd_ps(b, kvmix__row_v8(row, fp16, c + 24), x3);
+        }
+        _mm256_storeu_ps(acc + c, x0), _mm256_storeu_ps(acc + c + 8, x1);
+        _mm256_storeu_ps(acc + c + 16, x2), _mm256_storeu_ps(acc + c + 24, x3);
+    }
+    for (; c < dim; c += 8) { /* dim: a multiple of 8 */
+        __m256 x = _mm256_loadu_ps(acc + c);
+        for (t = 0; t < n; t++)
+            x = _mm256_fmadd_ps(_mm256_broadcast_ss(w + t),
+                                kvmix__row_v8(values + (size_t)t * row_bytes, fp16, c), x);
+        _mm256_storeu_ps(acc + c, x);
+    }
 }
 
 KVMIX__AVX2_END
@@ -4436,10 +4488,12 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
                             span.key_head_bytes, h);
     kvmix__row_decoder_open(&values, &span.value_layout, (const uint8_t *)span.values,
                             span.value_head_bytes, h);
-    int32_t fours = 0; /* heads [0, fours) taken four at a time */
-    int fp16 = 0;      /* rows read as stored by those heads: no tiles unless others need them */
-    int lanes = 0;     /* INT rows read as stored by those heads (kvmix__attend4_512) */
+    int32_t fours = 0; /* heads [0, fours) taken four at a time, the rest one at a time */
+    int avx2 = 0;      /* the AVX2 loops run: kvmix__attend4, kvmix__attend1 */
+    int fp16 = 0;      /* FP16 rows, read as stored by the AVX2 loops: no tiles */
+    int lanes = 0;     /* INT rows read as stored by the four heads (kvmix__attend4_512) */
     if (kvmix__avx2_runs()) {
+        avx2 = 1;
         fours = group / 4 * 4;
         fp16 = keys.layout.format == KVMIX_FORMAT_FP16 && values.layout.format == KVMIX_FORMAT_FP16;
     }
@@ -4475,7 +4529,7 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
             kvmix__attend4_512(q + (size_t)g * dim, &key_lanes, &value_lanes, t0, dead, n, scale,
                                &ahead, p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
 #endif
-        if ((!fp16 && !lanes) || fours < group) {
+        if (!fp16 && (!lanes || fours < group)) {
             kvmix__decode_tile(&keys, t0, n, ktile);
             kvmix__decode_tile(&values, t0, n, vtile);
         }
@@ -4490,8 +4544,18 @@ static void kvmix__fast_span(const kvmix_view *view, const kvmix_view_span *vs,
                 kvmix__attend4(q + (size_t)g * dim, (const uint8_t *)ktile, (const uint8_t *)vtile,
                                (size_t)dim * sizeof(float), 0, dead, n, dim, scale, &ahead,
                                p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
+        for (g = fours; avx2 && g < group; g++)
+            if (fp16)
+                kvmix__attend1(q + (size_t)g * dim, keys.block + kvmix__row_at(&keys.sections, t0),
+                               values.block + kvmix__row_at(&values.sections, t0),
+                               (size_t)keys.sections.row_bytes, 1, dead, n, dim, scale,
+                               p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
+            else
+                kvmix__attend1(q + (size_t)g * dim, (const uint8_t *)ktile, (const uint8_t *)vtile,
+                               (size_t)dim * sizeof(float), 0, dead, n, dim, scale,
+                               p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
 #endif
-        for (g = fours; g < group; g++)
+        for (g = fours; !avx2 && g < group; g++)
             kvmix__attend_tile(q + (size_t)g * dim, ktile, vtile, dead, n, dim, scale,
                                p.acc + (size_t)g * dim, &p.max[g], &p.sum[g]);
     }
