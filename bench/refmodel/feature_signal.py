@@ -28,17 +28,11 @@ COLUMN = {name: i for i, name in enumerate(R.FEATURES)}
 def labelled(rows_path, data, offset, min_age):
     """({(text, request): rows}, {(text, request): labels}) of the rows past min_age."""
     raw = R.read_rows(rows_path)
-    ends = R.request_ends(raw)
     requests = R.drop_recent(raw, min_age)
     with open(data) as f:
-        records = [json.loads(line) for line in f]
-    spans, labels = {}, {}
-    for key, rows in requests.items():
-        text = key[0]
-        if text not in spans:
-            spans[text] = R.fact_spans(records[offset + text], corpus.encode)
-        labels[key] = R.question_labels(rows, spans[text], ends[key])
-    return requests, labels
+        records = [json.loads(line) for line in f if line.strip()]
+    label = R.question_labeler(raw, records, offset, corpus.encode)
+    return requests, {key: label(key, rows) for key, rows in requests.items()}
 
 
 def z_scorer(requests, name):

@@ -83,6 +83,20 @@ def question_labels(rows, spans, end):
     return [1 if any(first <= p < stop for first, stop in later) else 0 for p, _, _ in rows]
 
 
+def question_labeler(raw, records, offset, encode):
+    """label(key, rows) by the traces' questions: records the traces the rows came from (their
+    text 0 at records[offset]), raw the rows before drop_recent (for request_ends); each text's
+    fact_spans found once."""
+    ends, spans = request_ends(raw), {}
+
+    def label(key, rows):
+        text = key[0]
+        if text not in spans:
+            spans[text] = fact_spans(records[offset + text], encode)
+        return question_labels(rows, spans[text], ends[key])
+    return label
+
+
 def split_texts(keys, holdout, seed):
     """(train keys, held-out keys): the texts shuffled by seed, the last share `holdout` of them
     held out whole, so no session is on both sides."""

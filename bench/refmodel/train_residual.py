@@ -78,14 +78,7 @@ def labeler(a, raw):
         return lambda key, rows: R.labels(rows, a.quantile)
     with open(a.data) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    ends, spans = R.request_ends(raw), {}
-
-    def label(key, rows):
-        text = key[0]
-        if text not in spans:
-            spans[text] = R.fact_spans(records[a.data_offset + text], corpus.encode)
-        return R.question_labels(rows, spans[text], ends[key])
-    return label
+    return R.question_labeler(raw, records, a.data_offset, corpus.encode)
 
 
 def epoch_pairs(spans, labels, rng):
