@@ -83,18 +83,49 @@ def question_labels(rows, spans, end):
     return [1 if any(first <= p < stop for first, stop in later) else 0 for p, _, _ in rows]
 
 
-def question_labeler(raw, records, offset, encode):
-    """label(key, rows) by the traces' questions: records the traces the rows came from (their
-    text 0 at records[offset]), raw the rows before drop_recent (for request_ends); each text's
-    fact_spans found once."""
-    ends, spans = request_ends(raw), {}
+def question_weights(rows, spans, end, text_ends):
+    """Per row the weight of its label when every question counts once in all: a position of
+    the fact of a question answered at or after `end` weighs 1 / n, n the requests of its text
+    (their ends: text_ends) whose rows hold the fact's first position before the answer (first
+    < end <= answered), summed over such questions; any other position weighs 1. Unweighted, a
+    fact asked for 30 turns on is a positive of about 30 requests, one asked for at the next
+    turn of one."""
+    later = [(first, stop, sum(1 for e in text_ends if first < e <= answered))
+             for first, stop, answered in spans if answered >= end]
+    out = []
+    for p, _, _ in rows:
+        w = sum(1.0 / n for first, stop, n in later if first <= p < stop and n > 0)
+        out.append(w if w > 0.0 else 1.0)
+    return out
 
-    def label(key, rows):
-        text = key[0]
-        if text not in spans:
-            spans[text] = fact_spans(records[offset + text], encode)
-        return question_labels(rows, spans[text], ends[key])
-    return label
+
+def _question_facts(raw, records, offset, encode):
+    """(request ends, spans(text)): records the traces the rows came from (their text 0 at
+    records[offset]), raw the rows before drop_recent (for request_ends); each text's
+    fact_spans found once."""
+    ends, found = request_ends(raw), {}
+
+    def spans(text):
+        if text not in found:
+            found[text] = fact_spans(records[offset + text], encode)
+        return found[text]
+    return ends, spans
+
+
+def question_labeler(raw, records, offset, encode):
+    """label(key, rows) by the traces' questions (question_labels; _question_facts's
+    arguments)."""
+    ends, spans = _question_facts(raw, records, offset, encode)
+    return lambda key, rows: question_labels(rows, spans(key[0]), ends[key])
+
+
+def question_weigher(raw, records, offset, encode):
+    """weight(key, rows): question_weights, with question_labeler's arguments."""
+    ends, spans = _question_facts(raw, records, offset, encode)
+    by_text = {}
+    for (text, _), end in ends.items():
+        by_text.setdefault(text, []).append(end)
+    return lambda key, rows: question_weights(rows, spans(key[0]), ends[key], by_text[key[0]])
 
 
 def split_texts(keys, holdout, seed):
@@ -153,29 +184,27 @@ def residual(w1, b1, w2, b2, features):
                     for j in range(len(w1)))
 
 
-def pairwise_accuracy(scores_by_request, labels_by_request):
+def pairwise_accuracy(scores_by_request, labels_by_request, weights_by_request=None):
     """The share of (positive, negative) pairs within one request that the scores order right,
-    ties counting half, over every request with both: an AUC pooled over requests."""
+    ties counting half, over every request with both: an AUC pooled over requests. With
+    weights (per row, as labels), a positive's pairs count its weight."""
     right = total = 0.0
     for key, scores in scores_by_request.items():
         label_list = labels_by_request[key]
-        pos = sorted(s for s, y in zip(scores, label_list) if y)
+        weights = weights_by_request[key] if weights_by_request else [1.0] * len(scores)
+        pos = sorted((s, w) for s, y, w in zip(scores, label_list, weights) if y)
         neg = sorted(s for s, y in zip(scores, label_list) if not y)
         if not pos or not neg:
             continue
-        below = equal = 0  # negatives below / equal to the current positive, by a merge
-        i = 0
-        for p in pos:
+        i = 0  # negatives below the current positive, by a merge
+        for p, w in pos:
             while i < len(neg) and neg[i] < p:
                 i += 1
-            below_p = i
             j = i
             while j < len(neg) and neg[j] == p:
                 j += 1
-            below += below_p
-            equal += j - i
-        right += below + 0.5 * equal
-        total += len(pos) * len(neg)
+            right += w * (i + 0.5 * (j - i))
+            total += w * len(neg)
     return right / total if total else float("nan")
 
 

@@ -3,7 +3,8 @@
 # positive and one negative of a request, the window's positions dropped, folding the
 # standardization into the first layer gives the same residual, the pairwise accuracy on
 # hand-computed cases, the document kvmix reads (its fields and sizes), and the question labels
-# (a fact's token positions as the runners count them, labels only for questions answered later).
+# (a fact's token positions as the runners count them, labels only for questions answered later)
+# and their weights when every question counts once.
 import math, os, random, sys, tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -110,6 +111,10 @@ def check_accuracy_and_document():
     ok = expect(R.pairwise_accuracy(scores, lab) == 3.5 / 4, "pairwise accuracy, ties half")
     ok &= expect(math.isnan(R.pairwise_accuracy({(0, 1): [1.0]}, {(0, 1): [1]})),
                  "pairwise accuracy: no pairs, NaN")
+    # weighted: positive 0.9 (both pairs right) weighs 3, positive 0.5 (1.5 of 2) weighs 1
+    weights = {(0, 0): [3.0, 1.0, 1.0, 1.0], (0, 1): [1.0, 1.0]}
+    ok &= expect(R.pairwise_accuracy(scores, lab, weights) == (3 * 2 + 1.5) / (3 * 2 + 2),
+                 "pairwise accuracy: a positive's pairs count its weight")
     doc = R.document([[0.0] * len(R.FEATURES)] * 2, [0.0, 0.0], [0.0, 0.0], 0.0, 1.0, 4.0, "x")
     ok &= expect(doc["version"] == 1 and doc["hidden"] == 2 and doc["features"] == R.FEATURES and
                  len(doc["w1"][0]) == 13 and doc["alpha_max"] == 4.0, "document: fields and sizes")
@@ -136,6 +141,14 @@ def check_question_labels():
                  "question labels: the fact of a question answered later")
     ok &= expect(sum(R.question_labels(rows, spans, answered + 1)) == 0,
                  "question labels: none for a question answered before the request's end")
+    # three requests of the text: one ending before the fact, two holding it before the answer
+    # (the fact's positions weigh 1/2 in each), one ending after the answer (no label)
+    ends = [first, first + 6, answered - 4, answered + 1]
+    w = R.question_weights(rows, spans, answered - 4, ends)
+    ok &= expect(w == [0.5 if first <= p < stop else 1.0 for p, _, _ in rows],
+                 "question weights: a fact's positions share one question among its requests")
+    ok &= expect(R.question_weights(rows, spans, answered + 1, ends) == [1.0] * len(rows),
+                 "question weights: 1 where no later question labels a position")
     return ok
 
 

@@ -18,14 +18,18 @@ A position is positive when its target is among the top (1 - quantile) of its re
 (residual_data.labels), or, with --labels questions --data TRACES (the file the rows came from,
 --data-offset its first text), when it holds the fact of a question answered after its request
 (residual_data.question_labels): what the study's questions will ask for, not what later
-prompts attend to. The model: features standardized on the training texts, Linear(13, H),
-GELU, Linear(H, 1) whose weight and bias start at zero, times a learned alpha; the score the
-pruner ranks by is rule + alpha * r. It trains on pairs of a positive and a negative of one
-request (a logistic loss on beta * (score_pos - score_neg), beta > 0 learned), so only the order
-within a request matters, as in kvmix_evict_select. The held-out texts (--holdout of them) choose
-the epoch by their pairwise accuracy; the rule alone is the floor printed beside it, and the
-document is written only when the residual beats it there (--force writes it anyway). The
-standardization is folded into w1 and b1 (residual_data.fold), alpha_max is --alpha-max.
+prompts attend to. A fact asked for d turns on is a positive of about d requests, so the
+questions far back carry most of the pairs; --weigh questions gives each pair of a fact's
+position the weight 1 / the requests that label it (residual_data.question_weights), every
+question once in all, in the loss and the held-out accuracy. The model: features standardized
+on the training texts, Linear(13, H), GELU, Linear(H, 1) whose weight and bias start at zero,
+times a learned alpha; the score the pruner ranks by is rule + alpha * r. It trains on pairs of
+a positive and a negative of one request (a logistic loss on beta * (score_pos - score_neg),
+beta > 0 learned), so only the order within a request matters, as in kvmix_evict_select. The
+held-out texts (--holdout of them) choose the epoch by their pairwise accuracy; the rule alone
+is the floor printed beside it, and the document is written only when the residual beats it
+there (--force writes it anyway). The standardization is folded into w1 and b1
+(residual_data.fold), alpha_max is --alpha-max.
 """
 import argparse
 import json
@@ -57,19 +61,21 @@ class Residual(torch.nn.Module):
         return rule + self.alpha * r
 
 
-def tensors(data, keys, mean, std, label, device):
+def tensors(data, keys, mean, std, label, weight, device):
     """Per key (offset, count) into the stacked rows, rules, standardized features, labels
-    (label(key, rows))."""
-    rules, feats, labels, spans = [], [], [], {}
+    (label(key, rows)) and the labels' weights (weight(key, rows))."""
+    rules, feats, labels, weights, spans = [], [], [], [], {}
     for key in keys:
         rows = data[key]
         spans[key] = (len(rules), len(rows))
         labels += label(key, rows)
+        weights += weight(key, rows)
         for _, f, _ in rows:
             rules.append(f[0])
             feats.append([(f[k] - mean[k]) / std[k] for k in range(len(R.FEATURES))])
     as_tensor = lambda x: torch.tensor(x, dtype=torch.float32, device=device)
-    return spans, as_tensor(rules), as_tensor(feats).reshape(-1, len(R.FEATURES)), labels
+    return (spans, as_tensor(rules), as_tensor(feats).reshape(-1, len(R.FEATURES)), labels,
+            weights)
 
 
 def labeler(a, raw):
@@ -81,6 +87,15 @@ def labeler(a, raw):
     return R.question_labeler(raw, records, a.data_offset, corpus.encode)
 
 
+def weigher(a, raw):
+    """weight(key, rows): 1 a row, or with --weigh questions every question once in all."""
+    if a.weigh == "positions":
+        return lambda key, rows: [1.0] * len(rows)
+    with open(a.data) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return R.question_weigher(raw, records, a.data_offset, corpus.encode)
+
+
 def epoch_pairs(spans, labels, rng):
     """Index pairs (positive, negative) over the stacked rows, one per positive."""
     out = []
@@ -90,13 +105,12 @@ def epoch_pairs(spans, labels, rng):
     return out
 
 
-def held_out_accuracy(model, spans, rules, feats, labels, with_residual):
+def held_out_accuracy(model, spans, rules, feats, labels, weights, with_residual):
     with torch.no_grad():
         scores = model(rules, feats) if with_residual else rules
     scores = scores.cpu().tolist()
-    by_key = {k: scores[s:s + n] for k, (s, n) in spans.items()}
-    lab = {k: labels[s:s + n] for k, (s, n) in spans.items()}
-    return R.pairwise_accuracy(by_key, lab)
+    part = lambda x: {k: x[s:s + n] for k, (s, n) in spans.items()}
+    return R.pairwise_accuracy(part(scores), part(labels), part(weights))
 
 
 def export(model, mean, std, alpha_max, description):
@@ -125,17 +139,22 @@ def main():
     ap.add_argument("--labels", choices=("attention", "questions"), default="attention")
     ap.add_argument("--data", help="with --labels questions: the traces the rows came from")
     ap.add_argument("--data-offset", type=int, default=0, help="the rows' text 0 in --data")
+    ap.add_argument("--weigh", choices=("positions", "questions"), default="positions",
+                    help="questions: a fact's pairs weigh 1 / the requests that label it "
+                    "(residual_data.question_weights), so each question counts once")
     ap.add_argument("--force", action="store_true")
     a = ap.parse_args()
     if a.labels == "questions" and not a.data:
         ap.error("--labels questions needs --data")
+    if a.weigh == "questions" and a.labels != "questions":
+        ap.error("--weigh questions needs --labels questions")
     if not 1 <= a.hidden <= 256:  # KVMIX_INTENT_RESIDUAL_MAX_HIDDEN
         ap.error("--hidden must be 1..256")
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     raw = R.read_rows(a.rows)
-    label = labeler(a, raw)
+    label, weight = labeler(a, raw), weigher(a, raw)
     data = R.drop_recent(raw, a.min_age)
     train_keys, held_keys = R.split_texts(list(data), a.holdout, a.seed)
     if not train_keys or not held_keys:
@@ -143,13 +162,13 @@ def main():
               "too few")
         return 1
     mean, std = R.standardization([f for k in train_keys for _, f, _ in data[k]])
-    train = tensors(data, train_keys, mean, std, label, device)
-    held = tensors(data, held_keys, mean, std, label, device)
+    train = tensors(data, train_keys, mean, std, label, weight, device)
+    held = tensors(data, held_keys, mean, std, label, weight, device)
     print(f"rows {sum(len(v) for v in data.values())}, requests {len(train_keys)} train / "
           f"{len(held_keys)} held out, positives {sum(train[3])} / {sum(held[3])}, "
           f"device {device}", flush=True)
     model = Residual(a.hidden).to(device)
-    floor = held_out_accuracy(model, held[0], held[1], held[2], held[3], False)
+    floor = held_out_accuracy(model, *held, False)
     print(f"held-out pairwise accuracy, the rule alone: {floor:.4f}", flush=True)
     if math.isnan(floor):
         print("no held-out request has both a positive and a negative: cannot choose an epoch")
@@ -162,20 +181,24 @@ def main():
             print("no request has both a positive and a negative: nothing to train on")
             return 1
         pairs = torch.tensor(pair_list, device=device)
+        pair_weights = torch.tensor([train[4][i] for i, _ in pair_list], device=device)
         total = 0.0
         for start in range(0, len(pairs), a.batch):
-            p = pairs[start:start + a.batch]
+            p, w = pairs[start:start + a.batch], pair_weights[start:start + a.batch]
             idx = torch.cat([p[:, 0], p[:, 1]])
             s = model(train[1][idx], train[2][idx])
             margin = s[:len(p)] - s[len(p):]
-            loss = torch.nn.functional.softplus(-torch.exp(model.log_beta) * margin).mean()
+            pair_loss = torch.nn.functional.softplus(-torch.exp(model.log_beta) * margin)
+            # positions: the plain mean, so the weights of earlier runs train again bit for bit
+            loss = (pair_loss.mean() if a.weigh == "positions" else
+                    (w * pair_loss).sum() / w.sum())
             opt.zero_grad()
             loss.backward()
             opt.step()
             with torch.no_grad():  # the inference clip
                 model.alpha.clamp_(-a.alpha_max, a.alpha_max)
             total += loss.item() * len(p)
-        acc = held_out_accuracy(model, held[0], held[1], held[2], held[3], True)
+        acc = held_out_accuracy(model, *held, True)
         print(f"epoch {epoch}: train loss {total / max(1, len(pairs)):.4f}, held-out pairwise "
               f"accuracy {acc:.4f} (rule {floor:.4f})", flush=True)
         if acc > best:
@@ -191,6 +214,8 @@ def main():
         print("the residual does not beat the rule on the held-out texts: no document written")
         return 1
     labels = f"quantile {a.quantile}" if a.labels == "attention" else "question labels"
+    if a.weigh == "questions":
+        labels += ", each question once"
     description = (f"train_residual.py on {os.path.basename(a.rows)}: hidden {a.hidden}, "
                    f"{labels}, epoch {best_epoch}, held-out pairwise accuracy "
                    f"{best:.4f} (rule {floor:.4f})")
