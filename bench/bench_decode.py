@@ -353,12 +353,13 @@ def time_peer(path, lib, B, T, H, HQ, D, n_sms, base, read_bw, stream):
     """BitDecoding at 4 and 2 bits on this shape (bitdecoding_glue.cu's bitdecoding_time), one
     line each as kvmix's, its %same against the plain read of its bytes, and how far its outputs
     are from exact attention over the rows it packed (quantization included), then over rows its
-    codes represent exactly (bitdecoding_exact_nmse: float rounding alone should remain)."""
+    codes represent exactly (bitdecoding_exact_nmse: float rounding alone should remain), split
+    by output channel (0-15 and 16-31 of each 32, where its 2-bit values' tiles part)."""
     peer = C.CDLL(path)
     peer.bitdecoding_time.argtypes = [C.c_int] * 6 + [C.POINTER(C.c_double), C.POINTER(C.c_double),
                                                       C.POINTER(C.c_int), C.POINTER(C.c_int),
                                                       C.POINTER(C.c_double)]
-    peer.bitdecoding_exact_nmse.argtypes = [C.c_int] * 5 + [C.POINTER(C.c_double)]
+    peer.bitdecoding_exact_nmse.argtypes = [C.c_int] * 5 + [C.POINTER(C.c_double)] * 3
     for bits in (4, 2):
         ms, nbytes, splits, finite, nmse = C.c_double(), C.c_double(), C.c_int(), C.c_int(), C.c_double()
         r = peer.bitdecoding_time(B, T, HQ, H, bits, 200, C.byref(ms), C.byref(nbytes), C.byref(splits),
@@ -374,9 +375,11 @@ def time_peer(path, lib, B, T, H, HQ, D, n_sms, base, read_bw, stream):
               f"{base.get('flash', float('nan')) / ms.value:8.2f} {100 * read_ms / ms.value:6.0f}%  "
               f"(splits {splits.value}, NMSE {nmse.value:.1e} against exact attention over the "
               f"unpacked rows{'' if finite.value else ', output NOT finite'})")
-        exact = C.c_double()
-        if peer.bitdecoding_exact_nmse(B, T, HQ, H, bits, C.byref(exact)) == 0:
-            print(f"{'':>14}{name}: NMSE {exact.value:.1e} over rows of four values (exact in its codes)")
+        exact, low, high = C.c_double(), C.c_double(), C.c_double()
+        if peer.bitdecoding_exact_nmse(B, T, HQ, H, bits, C.byref(exact), C.byref(low),
+                                       C.byref(high)) == 0:
+            print(f"{'':>14}{name}: NMSE {exact.value:.1e} over rows of four values (exact in its "
+                  f"codes; output channels 0-15 of each 32: {low.value:.1e}, 16-31: {high.value:.1e})")
 
 
 def time_read(lib, nbytes, sets, n_sms, stream):

@@ -52,15 +52,17 @@ __global__ void fill_half(__half *x, size_t n, uint32_t salt, bool levels) {
 }
 
 /* NMSE of sequence 0's outputs (every query head) against exact attention over its FP16 rows
-   before packing, in double on the host: what the quantization and the kernel leave. */
-double nmse_sequence0(const __half *k, const __half *v, const __half *q, const __half *o, int s,
-                      int h, int h_k, int d) {
+   before packing, in double on the host: what the quantization and the kernel leave. nmse[0]
+   over every output channel, nmse[1] over channels 0-15 of each 32 and nmse[2] over 16-31 (a
+   value tile of the peer's 2-bit path covers 16 words of a 32-channel MMA span). */
+void nmse_sequence0(const __half *k, const __half *v, const __half *q, const __half *o, int s,
+                    int h, int h_k, int d, double nmse[3]) {
     std::vector<__half> kh((size_t)s * h_k * d), vh(kh.size()), qh((size_t)h * d), oh(qh.size());
     cudaMemcpy(kh.data(), k, kh.size() * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(vh.data(), v, vh.size() * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(qh.data(), q, qh.size() * 2, cudaMemcpyDeviceToHost);
     cudaMemcpy(oh.data(), o, oh.size() * 2, cudaMemcpyDeviceToHost);
-    double err = 0.0, ref = 0.0;
+    double err[3] = {0.0, 0.0, 0.0}, ref[3] = {0.0, 0.0, 0.0};
     std::vector<double> logit(s), out(d);
     for (int head = 0; head < h; head++) {
         const int kv = head / (h / h_k);
@@ -81,10 +83,11 @@ double nmse_sequence0(const __half *k, const __half *v, const __half *q, const _
         }
         for (int c = 0; c < d; c++) {
             const double want = out[c] / l, got = __half2float(oh[(size_t)head * d + c]);
-            err += (got - want) * (got - want), ref += want * want;
+            for (int part : {0, 1 + (c % 32 >= 16)})
+                err[part] += (got - want) * (got - want), ref[part] += want * want;
         }
     }
-    return err / ref;
+    for (int part = 0; part < 3; part++) nmse[part] = err[part] / ref[part];
 }
 
 template <int Bits> void pack(Flash_fwd_params &p, cudaStream_t st) {
@@ -100,11 +103,11 @@ template <int Bits> void decode(Flash_fwd_params &p, cudaStream_t st) {
    four values that 2 and 4 bits represent exactly, fill_half) and times `reps` decode calls for h
    query heads (h / h_k a kv head). *out_ms: milliseconds a call (events around the reps);
    *out_bytes: the packed cache and its parameters, what a call reads; *out_splits: the split
-   count; *out_finite: whether every output is a number; *out_nmse: sequence 0's outputs against
-   exact attention over the rows before packing. Returns 0, or -1 for a shape it does not take,
+   count; *out_finite: whether every output is a number; out_nmse: sequence 0's outputs against
+   exact attention over the rows before packing (nmse_sequence0's three). Returns 0, or -1 for a shape it does not take,
    -2 for a CUDA error. s must be a multiple of 256. */
 static int run_peer(int b, int s, int h, int h_k, int bits, int reps, bool levels, double *out_ms,
-                    double *out_bytes, int *out_splits, int *out_finite, double *out_nmse) {
+                    double *out_bytes, int *out_splits, int *out_finite, double out_nmse[3]) {
     if ((bits != 2 && bits != 4) || b < 1 || s < kBlockN || s % kBlockN || h_k < 1 || h % h_k)
         return -1;
     const int d = kHeadDim, pack_n = 16 / bits, groups = h / h_k;
@@ -185,7 +188,10 @@ static int run_peer(int b, int s, int h, int h_k, int bits, int reps, bool level
         *out_ms = ms / reps;
         *out_bytes = 2.0 * (k_pack_n + v_pack_n) + 4.0 * (k_par_n + v_par_n);
         *out_splits = splits, *out_finite = finite;
-        *out_nmse = ok ? nmse_sequence0(k, v, q, o, s, h, h_k, d) : NAN;
+        if (ok)
+            nmse_sequence0(k, v, q, o, s, h, h_k, d, out_nmse);
+        else
+            out_nmse[0] = out_nmse[1] = out_nmse[2] = NAN;
     }
     cudaFree(k), cudaFree(v), cudaFree(q), cudaFree(o), cudaFree(k_pack), cudaFree(v_pack);
     cudaFree(k_par), cudaFree(v_par), cudaFree(lse), cudaFree(lse_acc), cudaFree(o_acc);
@@ -195,14 +201,21 @@ static int run_peer(int b, int s, int h, int h_k, int bits, int reps, bool level
 extern "C" int bitdecoding_time(int b, int s, int h, int h_k, int bits, int reps, double *out_ms,
                                 double *out_bytes, int *out_splits, int *out_finite,
                                 double *out_nmse) {
-    return run_peer(b, s, h, h_k, bits, reps, false, out_ms, out_bytes, out_splits, out_finite,
-                    out_nmse);
+    double nmse[3];
+    const int r =
+        run_peer(b, s, h, h_k, bits, reps, false, out_ms, out_bytes, out_splits, out_finite, nmse);
+    *out_nmse = nmse[0];
+    return r;
 }
 
 /* The peer's own error at `bits`: sequence 0's NMSE (as bitdecoding_time's) over rows that its
-   codes represent exactly, where only float rounding should remain; one decode call. */
-extern "C" int bitdecoding_exact_nmse(int b, int s, int h, int h_k, int bits, double *out_nmse) {
-    double ms = 0.0, bytes = 0.0;
+   codes represent exactly, where only float rounding should remain; one decode call. *out_low /
+   *out_high: the same over output channels 0-15 / 16-31 of each 32. */
+extern "C" int bitdecoding_exact_nmse(int b, int s, int h, int h_k, int bits, double *out_nmse,
+                                      double *out_low, double *out_high) {
+    double ms = 0.0, bytes = 0.0, nmse[3];
     int splits = 0, finite = 0;
-    return run_peer(b, s, h, h_k, bits, 1, true, &ms, &bytes, &splits, &finite, out_nmse);
+    const int r = run_peer(b, s, h, h_k, bits, 1, true, &ms, &bytes, &splits, &finite, nmse);
+    *out_nmse = nmse[0], *out_low = nmse[1], *out_high = nmse[2];
+    return r;
 }
