@@ -164,11 +164,12 @@ def load_results(path):
     return results
 
 
-def estimate(bins, metric, distance):
-    """(p, n) of metric over the bins (kvmix-eval's by_distance) at distance, or over all of them
-    when distance is None; n counts questions. The answer-token rates pool by answer tokens.
-    None when no bin has a question there."""
-    chosen = [b for b in bins if distance is None or b["distance"] == distance]
+def estimate(bins, metric, distance, and_beyond=False):
+    """(p, n) of metric over the bins (kvmix-eval's by_distance) at distance (and_beyond: at it
+    and every distance past it), or over all of them when distance is None; n counts questions.
+    The answer-token rates pool by answer tokens. None when no bin has a question there."""
+    chosen = [b for b in bins if distance is None or b["distance"] == distance or
+              (and_beyond and b["distance"] > distance)]
     weight_key = "n_answer_tokens" if metric.startswith("answer_") else "n_questions"
     weight = sum(b[weight_key] for b in chosen)
     n = sum(b["n_questions"] for b in chosen)
@@ -227,9 +228,16 @@ def count_table(results, arms, distances):
     return lines
 
 
+def table_columns(distances):
+    """(label, distance, and_beyond) of a metric table: each distance, the distances from each
+    middle one on pooled (d=3+: the questions 3 or more turns back), then all of them."""
+    return ([(f"d={d}", d, False) for d in distances] +
+            [(f"d={d}+", d, True) for d in distances[1:-1]] + [("all", None, False)])
+
+
 def metric_table(results, arms, distances, metric, baseline):
-    columns = [f"d={d}" for d in distances] + ["all"]
-    lines = ["| arm | " + " | ".join(f"{c} | Δ {c}" for c in columns) + " |",
+    columns = table_columns(distances)
+    lines = ["| arm | " + " | ".join(f"{c} | Δ {c}" for c, _, _ in columns) + " |",
              "|---" * (2 * len(columns) + 1) + "|"]
     base_bins = None if arm_problem(results, baseline) else results[baseline]["by_distance"]
     for arm in arms:
@@ -238,9 +246,9 @@ def metric_table(results, arms, distances, metric, baseline):
             lines.append(f"| {arm} | {problem} |")
             continue
         cells = []
-        for d in distances + [None]:
-            est = estimate(results[arm]["by_distance"], metric, d)
-            base = None if base_bins is None else estimate(base_bins, metric, d)
+        for _, d, beyond in columns:
+            est = estimate(results[arm]["by_distance"], metric, d, beyond)
+            base = None if base_bins is None else estimate(base_bins, metric, d, beyond)
             cells += [rate_cell(est), "-" if arm == baseline else difference_cell(est, base)]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return lines
@@ -263,7 +271,8 @@ def report(results, arms, baseline):
               "questions is the cautious n). Δ: the arm minus the baseline "
               f"({baseline}), standard error sqrt(se_arm² + se_baseline²), the "
               "independent-samples approximation (the arms answer the same questions, so it "
-              "overstates the paired error). all: every distance pooled.", "",
+              "overstates the paired error). d=N+: distance N and beyond pooled; all: every "
+              "distance pooled.", "",
               "### Questions / answer tokens scored", ""]
     lines += count_table(results, arms, distances)
     for metric in METRICS:

@@ -134,6 +134,16 @@ def check_long_math():
     p, n = long_sweep.estimate(bins, "answer_accuracy", None)  # pooled by tokens, n questions
     check(abs(p - 210 / 450) < 1e-12 and n == 125, f"tokens pooled: {p}, {n}")
     check(long_sweep.estimate(bins, "question_accuracy", 10) is None, "no bin at distance 10")
+    p, n = long_sweep.estimate(bins, "question_accuracy", 10, True)
+    check(abs(p - 0.2) < 1e-12 and n == 25, f"distance 10 and beyond: {p}, {n}")
+    p, n = long_sweep.estimate(bins, "question_accuracy", 1, True)
+    check(abs(p - 0.44) < 1e-12 and n == 125, f"distance 1 and beyond: {p}, {n}")
+    three = bins[:1] + [dict(bins[1], distance=3)] + bins[1:]
+    row = table_rows("### m\n" + "\n".join(long_sweep.metric_table(
+        {"x": {"by_distance": three}}, ["x"], [1, 3, 30], "question_accuracy", "x")), "m")
+    check(row == {"x": "0.500 ± 0.050 | - | 0.200 ± 0.080 | - | 0.200 ± 0.080 | - | "
+                       "0.200 ± 0.057 | - | 0.400 ± 0.040 | - |"},
+          f"a middle distance and beyond pooled: {row}")
     results = {"int4": {"by_distance": bins}}
     row = table_rows("### m\n" + "\n".join(long_sweep.metric_table(
         results, ["int4"], [1, 30], "question_accuracy", "fp16")), "m")
