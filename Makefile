@@ -49,7 +49,7 @@ MODEL_TESTS := $(BUILD)/model_test_llama $(BUILD)/model_test_tags $(BUILD)/model
 	$(BUILD)/model_test_probe $(BUILD)/model_test_evict $(BUILD)/model_test_eval
 
 .PHONY: all demo eval test test-cuda bench fuzz format-check clean header-checks cuda-build \
-	pd-transfer pd-nccl refmodel-check
+	pd-transfer pd-nccl refmodel-check sweep-check
 
 all: cuda-build pd-transfer pd-nccl $(BUILD)/kvmix-probe $(BUILD)/quickstart $(BUILD)/cache_loop $(BUILD)/kvmix-eval $(BUILD)/kvmix-calibrate $(BUILD)/unit_tests \
 	$(BUILD)/bench_formats $(BUILD)/bench_bits $(TAG_TOOLS) $(BUILD)/bench_tags
@@ -364,7 +364,7 @@ UNIT_AVX2 := $(if $(X86_64),$(BUILD)/unit_avx2_run $(BUILD)/unit_avx512_run $(BU
 test: $(HEADER_CHECKS) $(WARN_CHECKS) $(AVX2_CHECKS) $(BUILD)/unit_tests $(UNIT_AVX2) \
 	$(BUILD)/example_cache_loop \
 	$(BUILD)/test_residual_json $(FUZZ_RUNNERS) $(MODEL_TESTS) $(TAG_TOOLS) cuda-build pd-transfer \
-	pd-nccl refmodel-check
+	pd-nccl refmodel-check sweep-check
 	@FUZZ_TIMEOUT=$(FUZZ_TIMEOUT) FUZZ_RSS_MB=$(FUZZ_RSS_MB) sh tests/run_all.sh "$(BUILD)" \
 		"$(SHARED)" $(FUZZ_RUNS) $(HEADER_CHECKS) $(BUILD)/unit_tests $(UNIT_AVX2) \
 		$(BUILD)/example_cache_loop $(BUILD)/test_residual_json $(FUZZ_RUNNERS)
@@ -380,6 +380,10 @@ refmodel-check:
 	python3 bench/refmodel/test_longtrace.py
 	python3 bench/refmodel/test_longdata.py
 	python3 bench/refmodel/test_residual_data.py
+
+# The quality sweeps' handling of failed and odd arms and their tables, over fake runners.
+sweep-check:
+	python3 bench/sweep_selfcheck.py
 
 test-cuda: $(BUILD)/test_cuda
 	./$(BUILD)/test_cuda
