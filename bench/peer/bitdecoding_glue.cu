@@ -104,8 +104,8 @@ template <int Bits> void decode(Flash_fwd_params &p, cudaStream_t st) {
    query heads (h / h_k a kv head). *out_ms: milliseconds a call (events around the reps);
    *out_bytes: the packed cache and its parameters, what a call reads; *out_splits: the split
    count; *out_finite: whether every output is a number; out_nmse: sequence 0's outputs against
-   exact attention over the rows before packing (nmse_sequence0's three). Returns 0, or -1 for a shape it does not take,
-   -2 for a CUDA error. s must be a multiple of 256. */
+   exact attention over the rows before packing (nmse_sequence0's three). Returns 0, or -1 for a
+   shape it does not take, -2 for a CUDA error. s must be a multiple of 256. */
 static int run_peer(int b, int s, int h, int h_k, int bits, int reps, bool levels, double *out_ms,
                     double *out_bytes, int *out_splits, int *out_finite, double out_nmse[3]) {
     if ((bits != 2 && bits != 4) || b < 1 || s < kBlockN || s % kBlockN || h_k < 1 || h % h_k)
