@@ -31,7 +31,7 @@ def labelled(rows_path, data, offset, min_age):
     requests = R.drop_recent(raw, min_age)
     with open(data) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    label = R.question_labeler(raw, records, offset, corpus.encode)
+    label = R.question_labeler(R.question_facts(raw, records, offset, corpus.encode))
     return requests, {key: label(key, rows) for key, rows in requests.items()}
 
 

@@ -99,10 +99,10 @@ def question_weights(rows, spans, end, text_ends):
     return out
 
 
-def _question_facts(raw, records, offset, encode):
-    """(request ends, spans(text)): records the traces the rows came from (their text 0 at
-    records[offset]), raw the rows before drop_recent (for request_ends); each text's
-    fact_spans found once."""
+def question_facts(raw, records, offset, encode):
+    """(request ends, spans(text)), what question_labeler and question_weigher read: records the
+    traces the rows came from (their text 0 at records[offset]), raw the rows before
+    drop_recent (for request_ends); each text's fact_spans found once."""
     ends, found = request_ends(raw), {}
 
     def spans(text):
@@ -112,16 +112,15 @@ def _question_facts(raw, records, offset, encode):
     return ends, spans
 
 
-def question_labeler(raw, records, offset, encode):
-    """label(key, rows) by the traces' questions (question_labels; _question_facts's
-    arguments)."""
-    ends, spans = _question_facts(raw, records, offset, encode)
+def question_labeler(facts):
+    """label(key, rows) by the traces' questions (question_labels over question_facts)."""
+    ends, spans = facts
     return lambda key, rows: question_labels(rows, spans(key[0]), ends[key])
 
 
-def question_weigher(raw, records, offset, encode):
-    """weight(key, rows): question_weights, with question_labeler's arguments."""
-    ends, spans = _question_facts(raw, records, offset, encode)
+def question_weigher(facts):
+    """weight(key, rows): question_weights over question_facts."""
+    ends, spans = facts
     by_text = {}
     for (text, _), end in ends.items():
         by_text.setdefault(text, []).append(end)

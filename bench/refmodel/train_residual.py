@@ -78,22 +78,18 @@ def tensors(data, keys, mean, std, label, weight, device):
             weights)
 
 
-def labeler(a, raw):
-    """label(key, rows): by attention (--quantile) or by the traces' questions (--data)."""
+def label_and_weight(a, raw):
+    """(label(key, rows), weight(key, rows)): labels by attention (--quantile) or by the traces'
+    questions (--data, read once for both); weights 1 a row, or with --weigh questions every
+    question once in all."""
+    ones = lambda key, rows: [1.0] * len(rows)
     if a.labels == "attention":
-        return lambda key, rows: R.labels(rows, a.quantile)
+        return (lambda key, rows: R.labels(rows, a.quantile)), ones
     with open(a.data) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return R.question_labeler(raw, records, a.data_offset, corpus.encode)
-
-
-def weigher(a, raw):
-    """weight(key, rows): 1 a row, or with --weigh questions every question once in all."""
-    if a.weigh == "positions":
-        return lambda key, rows: [1.0] * len(rows)
-    with open(a.data) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return R.question_weigher(raw, records, a.data_offset, corpus.encode)
+    facts = R.question_facts(raw, records, a.data_offset, corpus.encode)
+    return R.question_labeler(facts), (ones if a.weigh == "positions" else
+                                       R.question_weigher(facts))
 
 
 def epoch_pairs(spans, labels, rng):
@@ -154,7 +150,7 @@ def main():
     rng = random.Random(a.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     raw = R.read_rows(a.rows)
-    label, weight = labeler(a, raw), weigher(a, raw)
+    label, weight = label_and_weight(a, raw)
     data = R.drop_recent(raw, a.min_age)
     train_keys, held_keys = R.split_texts(list(data), a.holdout, a.seed)
     if not train_keys or not held_keys:
