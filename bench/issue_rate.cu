@@ -10,7 +10,6 @@
 
    nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 bench/issue_rate.cu -o build/issue_rate
    build/issue_rate [GiB]                                              (default 2 GiB) */
-#include <cuda_fp16.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
