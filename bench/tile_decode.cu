@@ -1,0 +1,722 @@
+/* The tile-order page layout of bench/DECODE_NOTES.md v39, prototyped for one mix before the
+   library moves to it (v40): does a decode over pages stored as the mma fragments read them
+   reach the plain read's bandwidth on the same bytes?
+
+   The mix is kivi2 at head_dim 128: keys INT2 per channel over pages of 128 tokens (a scale and
+   a minimum per channel and page), values INT2 per token in groups of 32 channels, four query
+   heads per kv head; the bytes per page are today's (10,752: 2.625 bits an element). A page is
+   eight tiles of 16 tokens, then its value metadata, then its key metadata:
+     [8 key tiles of 512 B][8 value tiles of 512 B][8 value-metadata tiles of 256 B][512 B keys']
+   A tile holds lane L's 16 bytes at 16 L: the A operands of m16n8k16 that the lane loads, word r
+   its register a_r of all eight 16-wide matrices j (k-steps of the key product, channel tiles of
+   the value product), matrix j's code of each fp16 half at bits 2 j. A register is then one
+   LOP3 away (after one shift by 10 for j >= 5): the code times 2^(2 j' - 24) as an fp16
+   subnormal, no offset to remove. The power of two goes to the other operand (keys: the query
+   times the channel's scale, one B per k-step and page) or to the fp32 accumulator (values: one
+   accumulator per channel tile, scaled once at the end); value scales multiply P per group, the
+   minima and the row sum are one more mma (rows: four groups' minima and a row of ones).
+
+   Each warp streams its own run of pages through a ring of cp.async stages (one tile each),
+   one unit of (sequence, kv head, pages); a second kernel merges the units of a head. The same
+   process times a plain read of the same bytes and checks the output against a double-precision
+   softmax over the rows dequantized from the same bytes through the layout's index functions.
+
+   nvcc -std=c++17 -O3 -Xcompiler -fopenmp -gencode=arch=compute_90a,code=sm_90a bench/tile_decode.cu \
+        -o build/tile_decode
+   build/tile_decode [BATCH,CTX ...]                      (default: 2,5000 and the issue's shapes) */
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#define CHECK(x)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));             \
+            exit(1);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+#ifndef KSTAGES
+#define KSTAGES 4
+#endif
+
+constexpr int kDim = 128, kPage = 128, kTile = 16, kTilesPerPage = kPage / kTile, kGroup = 32;
+constexpr int kHeadsPerKv = 4, kKvHeads = 8;
+constexpr int kCodeBytes = 512, kValueMetaBytes = 256, kKeyMetaBytes = 512;
+constexpr int kValueOffset = kTilesPerPage * kCodeBytes;                           /* 4096 */
+constexpr int kValueMetaOffset = 2 * kTilesPerPage * kCodeBytes;                   /* 8192 */
+constexpr int kKeyMetaOffset = kValueMetaOffset + kTilesPerPage * kValueMetaBytes; /* 10240 */
+constexpr int kPageBytes = kKeyMetaOffset + kKeyMetaBytes;                         /* 10752 */
+
+/* ---- the layout: where a code and a metadata half live (host and device share these) ---- */
+
+/* Bit of element (row R, column C) of 16x16 fragment matrix j inside a 512-byte tile. */
+__host__ __device__ constexpr int fragment_bit(int R, int C, int j) {
+    return ((4 * (R & 7) + ((C & 7) >> 1)) * 4 + (R >> 3) + 2 * (C >> 3)) * 32 + (C & 1) * 16 +
+           2 * j;
+}
+/* Keys: rows are the tile's tokens, columns a k-step's channels. Values: rows are channels. */
+__host__ __device__ constexpr int key_bit(int token, int channel) {
+    return fragment_bit(token, channel & 15, channel >> 4);
+}
+__host__ __device__ constexpr int value_bit(int token, int channel) {
+    return fragment_bit(channel & 15, token, channel >> 4);
+}
+/* Which of the four fragment elements (2t, 2t+1, 2t+8, 2t+9) a token or channel in 0..15 is. */
+__host__ __device__ constexpr int quad_lane(int i) { return (i & 7) >> 1; }
+__host__ __device__ constexpr int quad_slot(int i) { return (i & 1) + 2 * (i >> 3); }
+/* Value metadata of a tile, in halves: scales [t][group][slot], then minima [group][t][slot]. */
+__host__ __device__ constexpr int value_scale_half(int token, int group) {
+    return (quad_lane(token) * 4 + group) * 4 + quad_slot(token);
+}
+__host__ __device__ constexpr int value_min_half(int token, int group) {
+    return 64 + (group * 4 + quad_lane(token)) * 4 + quad_slot(token);
+}
+/* Key metadata of a page, in halves: scales [t][k-step][slot], then minima the same. */
+__host__ __device__ constexpr int key_scale_half(int channel) {
+    return (quad_lane(channel & 15) * 8 + (channel >> 4)) * 4 + quad_slot(channel & 15);
+}
+__host__ __device__ constexpr int key_min_half(int channel) {
+    return 128 + key_scale_half(channel);
+}
+
+/* ---- host: quantize a page, dequantize it back, the reference ---- */
+
+static uint64_t next_random(uint64_t &state) {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return state;
+}
+static float gaussian(uint64_t &state) { /* Irwin-Hall of four uniforms, scaled to unit variance */
+    float s = 0;
+    for (int i = 0; i < 4; i++) s += (float)(next_random(state) >> 40) / (float)(1 << 24);
+    return (s - 2.0f) * 1.7320508f;
+}
+static uint16_t half_bits(float x) {
+    __half h = __float2half_rn(x);
+    uint16_t b;
+    memcpy(&b, &h, 2);
+    return b;
+}
+static float half_value(uint16_t b) {
+    __half h;
+    memcpy(&h, &b, 2);
+    return __half2float(h);
+}
+static void put_code(uint8_t *tile, int bit, int code) {
+    tile[bit >> 3] |= (uint8_t)(code << (bit & 7));
+}
+static int get_code(const uint8_t *tile, int bit) { return (tile[bit >> 3] >> (bit & 7)) & 3; }
+
+/* Scale and minimum of four levels over x[0..n) (stride), as fp16, and the codes' grid. */
+static void min_max_params(const float *x, int n, int stride, uint16_t *scale, uint16_t *min) {
+    float lo = x[0], hi = x[0];
+    for (int i = 1; i < n; i++) lo = std::min(lo, x[i * stride]), hi = std::max(hi, x[i * stride]);
+    *scale = half_bits((hi - lo) / 3.0f);
+    *min = half_bits(lo);
+}
+static int code_of(float x, uint16_t scale, uint16_t min) {
+    const float s = half_value(scale), m = half_value(min);
+    if (s == 0.0f) return 0;
+    return std::min(3, std::max(0, (int)lrintf((x - m) / s)));
+}
+
+/* keys and values: [kPage][kDim] rows of one page (rows >= n_tokens are never read back). */
+static void quantize_page(const float *keys, const float *values, uint8_t *page) {
+    memset(page, 0, kPageBytes);
+    uint16_t *key_meta = (uint16_t *)(page + kKeyMetaOffset);
+    for (int c = 0; c < kDim; c++) {
+        uint16_t s, m;
+        min_max_params(keys + c, kPage, kDim, &s, &m);
+        key_meta[key_scale_half(c)] = s, key_meta[key_min_half(c)] = m;
+        for (int t = 0; t < kPage; t++)
+            put_code(page + (t / kTile) * kCodeBytes, key_bit(t % kTile, c),
+                     code_of(keys[t * kDim + c], s, m));
+    }
+    for (int t = 0; t < kPage; t++) {
+        uint16_t *meta = (uint16_t *)(page + kValueMetaOffset + (t / kTile) * kValueMetaBytes);
+        for (int g = 0; g < kDim / kGroup; g++) {
+            const float *x = values + t * kDim + g * kGroup;
+            uint16_t s, m;
+            min_max_params(x, kGroup, 1, &s, &m);
+            meta[value_scale_half(t % kTile, g)] = s, meta[value_min_half(t % kTile, g)] = m;
+            for (int c = 0; c < kGroup; c++)
+                put_code(page + kValueOffset + (t / kTile) * kCodeBytes,
+                         value_bit(t % kTile, g * kGroup + c), code_of(x[c], s, m));
+        }
+    }
+}
+
+static void dequantize_page(const uint8_t *page, float *keys, float *values) {
+    const uint16_t *key_meta = (const uint16_t *)(page + kKeyMetaOffset);
+    for (int t = 0; t < kPage; t++) {
+        const uint8_t *kt = page + (t / kTile) * kCodeBytes,
+                      *vt = page + kValueOffset + (t / kTile) * kCodeBytes;
+        const uint16_t *meta =
+            (const uint16_t *)(page + kValueMetaOffset + (t / kTile) * kValueMetaBytes);
+        for (int c = 0; c < kDim; c++) {
+            keys[t * kDim + c] =
+                get_code(kt, key_bit(t % kTile, c)) * half_value(key_meta[key_scale_half(c)]) +
+                half_value(key_meta[key_min_half(c)]);
+            const int g = c / kGroup;
+            values[t * kDim + c] = get_code(vt, value_bit(t % kTile, c)) *
+                                       half_value(meta[value_scale_half(t % kTile, g)]) +
+                                   half_value(meta[value_min_half(t % kTile, g)]);
+        }
+    }
+}
+
+/* ---- device ---- */
+
+__device__ __forceinline__ void copy16(uint32_t dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void wait_groups() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+__device__ __forceinline__ void mma(float *d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                    uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+    uint32_t y;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+    return y;
+}
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *(uint32_t *)&h;
+}
+/* 2^e for -126 <= e <= 127, from its exponent field */
+__device__ __forceinline__ float power_of_two(int e) {
+    return __uint_as_float((uint32_t)(e + 127) << 23);
+}
+__device__ __forceinline__ uint32_t max_abs_half2(uint32_t a, uint32_t b) {
+    __half2 r = __hmax2(__habs2(*(__half2 *)&a), __habs2(*(__half2 *)&b));
+    return *(uint32_t *)&r;
+}
+__device__ __forceinline__ uint32_t mul_half2(uint32_t a, uint32_t b) {
+    __half2 r = __hmul2(*(__half2 *)&a, *(__half2 *)&b);
+    return *(uint32_t *)&r;
+}
+/* Matrix j's register from a lane word: the code of each half times 2^(2 j' - 24), j' = j or j - 5. */
+template <int J>
+__device__ __forceinline__ uint32_t code_register(uint32_t word, uint32_t shifted) {
+    constexpr int p = J < 5 ? 2 * J : 2 * (J - 5);
+    return (J < 5 ? word : shifted) & (0x00030003u << p);
+}
+template <int J> constexpr int code_position() { return J < 5 ? 2 * J : 2 * (J - 5); }
+
+constexpr int kStages = KSTAGES;
+constexpr float kLazyLog2 = 8.0f;
+constexpr int kStageBytes = 2 * kCodeBytes + kValueMetaBytes + kKeyMetaBytes; /* 1792 */
+constexpr int kQueryBytes = 8 * 32 * 8; /* eight k-steps' B fragments a lane */
+constexpr int kWarpBytes = kStages * kStageBytes + kQueryBytes;
+constexpr int kWarps = 4;
+
+struct Units {
+    int pages_per_seq, n_tokens, chunk_pages, units_per_head, n_units;
+};
+
+/* The key product's B operands for one page: the query times the channel scale (fp16), times
+   2^(K - p_s) so that each k-step's code position p_s is undone and the largest fits fp16; the
+   logits' scale 2^(24 - K) and the bias of each logit column (the query times the channel
+   minima: one mma a k-step whose A is the minima in every row, so every row of the product is
+   the bias row and lane (g, t) holds columns 2t, 2t+1 as the logits do). */
+struct PageKeys {
+    uint32_t b[8][2];
+    float scale, bias0, bias1;
+};
+
+__device__ __forceinline__ uint32_t
+half2_bits_of_power(int e) { /* 2^e in both halves, -14 <= e <= 15 */
+    return (uint32_t)(e + 15) << 10 | (uint32_t)(e + 15) << 26;
+}
+
+__device__ __forceinline__ void page_keys(const uint8_t *meta, const uint2 *qfrag, int lane,
+                                          PageKeys &pk) {
+    const int t = lane & 3;
+    uint32_t sc[16], mn[16]; /* words 2s, 2s + 1: channels 16s + 2t + (0, 1) and + (8, 9) */
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint4 a = *(const uint4 *)(meta + 64 * t + 16 * i),
+                    m = *(const uint4 *)(meta + 256 + 64 * t + 16 * i);
+        sc[4 * i] = a.x, sc[4 * i + 1] = a.y, sc[4 * i + 2] = a.z, sc[4 * i + 3] = a.w;
+        mn[4 * i] = m.x, mn[4 * i + 1] = m.y, mn[4 * i + 2] = m.z, mn[4 * i + 3] = m.w;
+    }
+    float bias[4] = {};
+    uint32_t top = 0;
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+        const uint2 qf = qfrag[s * 32 + lane];
+        mma(bias, mn[2 * s], mn[2 * s], mn[2 * s + 1], mn[2 * s + 1], qf.x, qf.y);
+        pk.b[s][0] = mul_half2(qf.x, sc[2 * s]), pk.b[s][1] = mul_half2(qf.y, sc[2 * s + 1]);
+        top = max_abs_half2(top, max_abs_half2(pk.b[s][0], pk.b[s][1]));
+    }
+    float largest = fmaxf(__half2float(__ushort_as_half((unsigned short)(top & 0xffff))),
+                          __half2float(__ushort_as_half((unsigned short)(top >> 16))));
+#pragma unroll
+    for (int o = 16; o; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, o));
+    /* largest < 2^e; B = qs 2^(K - p) with K = min(15 - e, 15) stays below 2^15 and 2^(K - p) an fp16 normal */
+    const int e = (int)((__float_as_uint(largest) >> 23) & 0xff) - 126;
+    const int k = largest > 0.0f ? min(15 - e, 15) : 15;
+#pragma unroll
+    for (int s = 0; s < 8; s++) {
+        const uint32_t undo = half2_bits_of_power(k - (s < 5 ? 2 * s : 2 * (s - 5)));
+        pk.b[s][0] = mul_half2(pk.b[s][0], undo), pk.b[s][1] = mul_half2(pk.b[s][1], undo);
+    }
+    const float log2e_over_sqrt_d = 1.4426950408889634f / sqrtf((float)kDim);
+    pk.bias0 = bias[0] * log2e_over_sqrt_d, pk.bias1 = bias[1] * log2e_over_sqrt_d;
+    pk.scale = log2e_over_sqrt_d * power_of_two(24 - k);
+}
+
+template <int J>
+__device__ __forceinline__ void key_step(float *s, const uint32_t *w, const uint32_t *w10,
+                                         const PageKeys &pk) {
+    mma(s, code_register<J>(w[0], w10[0]), code_register<J>(w[1], w10[1]),
+        code_register<J>(w[2], w10[2]), code_register<J>(w[3], w10[3]), pk.b[J][0], pk.b[J][1]);
+}
+template <int J>
+__device__ __forceinline__ void value_step(float (*o)[4], const uint32_t *w, const uint32_t *w10,
+                                           uint32_t b0, uint32_t b1) {
+    mma(o[J], code_register<J>(w[0], w10[0]), code_register<J>(w[1], w10[1]),
+        code_register<J>(w[2], w10[2]), code_register<J>(w[3], w10[3]), b0, b1);
+}
+
+/* A warp's running softmax: o[m] channels 16 m + g (+8) x heads 2t, 2t+1 (in units of the codes'
+   positions); mins rows 0..3 the groups' minimum terms, row 4 the probabilities' sums. */
+struct Running {
+    float o[8][4], mins[4], run0, run1;
+};
+
+/* One tile from its ring slot; rows at or past valid_rows (the sequence's end) count for nothing. */
+template <bool kTail>
+__device__ __forceinline__ void attend_tile(Running &r, const PageKeys &pk, const uint8_t *slot,
+                                            int lane, int valid_rows) {
+    const int g = lane >> 2, t = lane & 3;
+    const uint4 kw4 = *(const uint4 *)(slot + lane * 16),
+                vw4 = *(const uint4 *)(slot + kCodeBytes + lane * 16);
+    const uint32_t kw[4] = {kw4.x, kw4.y, kw4.z, kw4.w}, vw[4] = {vw4.x, vw4.y, vw4.z, vw4.w};
+    const uint32_t kw10[4] = {kw[0] >> 10, kw[1] >> 10, kw[2] >> 10, kw[3] >> 10};
+    const uint32_t vw10[4] = {vw[0] >> 10, vw[1] >> 10, vw[2] >> 10, vw[3] >> 10};
+
+    float s[4] = {}, s2[4] = {}; /* two chains of four mma, not one of eight */
+    key_step<0>(s, kw, kw10, pk), key_step<1>(s2, kw, kw10, pk), key_step<2>(s, kw, kw10, pk);
+    key_step<3>(s2, kw, kw10, pk), key_step<4>(s, kw, kw10, pk), key_step<5>(s2, kw, kw10, pk);
+    key_step<6>(s, kw, kw10, pk), key_step<7>(s2, kw, kw10, pk);
+    float x[4];
+    x[0] = fmaf(s[0] + s2[0], pk.scale, pk.bias0), x[1] = fmaf(s[1] + s2[1], pk.scale, pk.bias1);
+    x[2] = fmaf(s[2] + s2[2], pk.scale, pk.bias0), x[3] = fmaf(s[3] + s2[3], pk.scale, pk.bias1);
+    if (kTail) {
+        if (g >= valid_rows) x[0] = x[1] = -INFINITY;
+        if (g + 8 >= valid_rows) x[2] = x[3] = -INFINITY;
+    }
+    /* lazy: the columns' maxima are reduced, and the running sums rescaled, only when a logit
+       passes its column's running maximum by 2^8 (so p <= 256 in fp16 until then) */
+    const bool over =
+        fmaxf(x[0], x[2]) > r.run0 + kLazyLog2 || fmaxf(x[1], x[3]) > r.run1 + kLazyLog2;
+    if (__any_sync(0xffffffffu, over)) {
+        float top0 = fmaxf(x[0], x[2]), top1 = fmaxf(x[1], x[3]);
+#pragma unroll
+        for (int o2 = 4; o2 < 32; o2 <<= 1) {
+            top0 = fmaxf(top0, __shfl_xor_sync(0xffffffffu, top0, o2));
+            top1 = fmaxf(top1, __shfl_xor_sync(0xffffffffu, top1, o2));
+        }
+        const float new0 = fmaxf(r.run0, top0), new1 = fmaxf(r.run1, top1);
+        const float a0 = exp2_approx(r.run0 - new0), a1 = exp2_approx(r.run1 - new1);
+#pragma unroll
+        for (int m = 0; m < 8; m++)
+            r.o[m][0] *= a0, r.o[m][1] *= a1, r.o[m][2] *= a0, r.o[m][3] *= a1;
+        r.mins[0] *= a0, r.mins[1] *= a1, r.mins[2] *= a0, r.mins[3] *= a1;
+        r.run0 = new0, r.run1 = new1;
+    }
+    /* columns 4..7 (lanes t >= 2) are no heads: their logits are 0 and their p, at most 1, land in
+       output columns nobody reads */
+    const uint32_t p_lo = pack_half2(exp2_approx(x[0] - r.run0), exp2_approx(x[1] - r.run1));
+    const uint32_t p_hi = pack_half2(exp2_approx(x[2] - r.run0), exp2_approx(x[3] - r.run1));
+    const uint32_t pb0 = transpose8x8(p_lo), pb1 = transpose8x8(p_hi); /* B: tokens x head g */
+
+    const uint8_t *vmeta = slot + 2 * kCodeBytes;
+    const uint4 sc_a = *(const uint4 *)(vmeta + 32 * t),
+                sc_b = *(const uint4 *)(vmeta + 32 * t + 16);
+    const uint2 mn = *(const uint2 *)(vmeta + 128 + 32 * (g & 3) + 8 * t);
+    const uint32_t ones = g == 4 ? 0x3C003C00u : 0u;
+    mma(r.mins, g < 4 ? mn.x : ones, 0u, g < 4 ? mn.y : ones, 0u, pb0, pb1);
+    uint32_t b0 = mul_half2(pb0, sc_a.x), b1 = mul_half2(pb1, sc_a.y);
+    value_step<0>(r.o, vw, vw10, b0, b1), value_step<1>(r.o, vw, vw10, b0, b1);
+    b0 = mul_half2(pb0, sc_a.z), b1 = mul_half2(pb1, sc_a.w);
+    value_step<2>(r.o, vw, vw10, b0, b1), value_step<3>(r.o, vw, vw10, b0, b1);
+    b0 = mul_half2(pb0, sc_b.x), b1 = mul_half2(pb1, sc_b.y);
+    value_step<4>(r.o, vw, vw10, b0, b1), value_step<5>(r.o, vw, vw10, b0, b1);
+    b0 = mul_half2(pb0, sc_b.z), b1 = mul_half2(pb1, sc_b.w);
+    value_step<6>(r.o, vw, vw10, b0, b1), value_step<7>(r.o, vw, vw10, b0, b1);
+}
+
+/* Tile `tile` of a page (src: the page plus the lane's 16 bytes) into a ring slot (dst: the slot
+   plus the lane's 16 bytes); the page's key metadata travels with its first tile. */
+__device__ __forceinline__ void copy_tile(uint32_t dst, const uint8_t *src, int tile, int lane) {
+    copy16(dst, src + tile * kCodeBytes);
+    copy16(dst + kCodeBytes, src + kValueOffset + tile * kCodeBytes);
+    if (lane < 16) copy16(dst + 2 * kCodeBytes, src + kValueMetaOffset + tile * kValueMetaBytes);
+    if (tile == 0) copy16(dst + 2 * kCodeBytes + kValueMetaBytes, src + kKeyMetaOffset);
+}
+
+/* The eight tiles of one page in two halves of kStages (one code path a half, for the
+   instruction cache), the copies kStages - 1 tiles ahead (into the next page, where there is
+   one); the unit's last page (kLast) stops at its tokens and masks its last tile. */
+static_assert(kStages * 2 == kTilesPerPage, "a half page is one turn of the ring");
+template <bool kLast>
+__device__ __forceinline__ void
+attend_page(Running &r, PageKeys &pk, const uint8_t *ring, uint32_t ring_lane, const uint2 *qfrag,
+            const uint8_t *page, const uint8_t *next_page, int lane, int page_tokens) {
+#pragma unroll 1
+    for (int half = 0; half < 2; half++) {
+#pragma unroll
+        for (int i = 0; i < kStages; i++) {
+            const int j = half * kStages + i;
+            const uint32_t dst = ring_lane + ((i + kStages - 1) % kStages) * kStageBytes;
+            if (half == 0)
+                copy_tile(dst, page, i + kStages - 1, lane);
+            else if (i == 0)
+                copy_tile(dst, page, kTilesPerPage - 1, lane);
+            else if (!kLast)
+                copy_tile(dst, next_page, i - 1, lane);
+            commit(); /* an empty group past the end keeps the wait's count */
+            wait_groups<kStages - 1>();
+            __syncwarp();
+            const uint8_t *slot = ring + i * kStageBytes;
+            if (i == 0 && half == 0)
+                page_keys(slot + 2 * kCodeBytes + kValueMetaBytes, qfrag, lane, pk);
+            if (!kLast) {
+                attend_tile<false>(r, pk, slot, lane, kTile);
+            } else if (j * kTile < page_tokens) {
+                if ((j + 1) * kTile <= page_tokens)
+                    attend_tile<false>(r, pk, slot, lane, kTile);
+                else
+                    attend_tile<true>(r, pk, slot, lane, page_tokens - j * kTile);
+            }
+            __syncwarp(); /* every lane is done with this slot before it is refilled */
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kWarps * 32, 4)
+    tile_decode(const uint8_t *__restrict__ pool, const int *__restrict__ page_table,
+                const float *__restrict__ q, Units u, float *__restrict__ partial_o,
+                float2 *__restrict__ partial_ml) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int unit = blockIdx.x * kWarps + warp;
+    if (unit >= u.n_units) return; /* warps are independent: no block barrier follows */
+    uint8_t *ring = smem + warp * kWarpBytes;
+    uint2 *qfrag = (uint2 *)(ring + kStages * kStageBytes);
+    const int head = unit / u.units_per_head,
+              first_page = (unit % u.units_per_head) * u.chunk_pages;
+    const int n_pages = min(first_page + u.chunk_pages, u.pages_per_seq) - first_page;
+    const int end_token = min((first_page + n_pages) * kPage, u.n_tokens);
+    /* the unit's pages (at most 32), one a lane; a page's address plus the lane's 16 bytes */
+    const int my_page =
+        lane < n_pages ? page_table[(size_t)head * u.pages_per_seq + first_page + lane] : 0;
+    auto page_at = [&](int i) {
+        return pool + (size_t)__shfl_sync(0xffffffffu, my_page, i) * kPageBytes + lane * 16;
+    };
+    const uint32_t ring_lane = (uint32_t)__cvta_generic_to_shared(ring) + lane * 16;
+
+    const uint8_t *page = page_at(0);
+#pragma unroll
+    for (int k = 0; k < kStages - 1; k++) {
+        copy_tile(ring_lane + k * kStageBytes, page, k, lane);
+        commit();
+    }
+    /* (while the first tiles travel) the query as the key product's B fragments (fp16; zero for columns 4..7), one set a lane */
+    {
+        const float *qh = q + ((size_t)head * kHeadsPerKv + (g & 3)) * kDim;
+#pragma unroll
+        for (int s = 0; s < 8; s++) {
+            const float2 lo = *(const float2 *)(qh + 16 * s + 2 * t),
+                         hi = *(const float2 *)(qh + 16 * s + 2 * t + 8);
+            qfrag[s * 32 + lane] = g < kHeadsPerKv
+                                       ? make_uint2(pack_half2(lo.x, lo.y), pack_half2(hi.x, hi.y))
+                                       : make_uint2(0u, 0u);
+        }
+    }
+    __syncwarp();
+
+    Running r = {};
+    r.run0 = r.run1 = -INFINITY;
+    PageKeys pk;
+    for (int i = 0; i < n_pages - 1; i++) {
+        const uint8_t *next_page = page_at(i + 1);
+        attend_page<false>(r, pk, ring, ring_lane, qfrag, page, next_page, lane, kPage);
+        page = next_page;
+    }
+    attend_page<true>(r, pk, ring, ring_lane, qfrag, page, nullptr, lane,
+                      end_token - (first_page + n_pages - 1) * kPage);
+    wait_groups<0>();
+
+    const float l0 = __shfl_sync(0xffffffffu, r.mins[0], 16 + t),
+                l1 = __shfl_sync(0xffffffffu, r.mins[1], 16 + t);
+    float *po = partial_o + (size_t)unit * kHeadsPerKv * kDim;
+#pragma unroll
+    for (int m = 0; m < 8; m++) {
+        const float up = power_of_two(24 - (m < 5 ? 2 * m : 2 * (m - 5)));
+        const float add0 = __shfl_sync(0xffffffffu, r.mins[0], 4 * (m / 2) + t);
+        const float add1 = __shfl_sync(0xffffffffu, r.mins[1], 4 * (m / 2) + t);
+        if (t < 2) {
+            const int c = 16 * m + g;
+            po[(2 * t) * kDim + c] = fmaf(r.o[m][0], up, add0);
+            po[(2 * t + 1) * kDim + c] = fmaf(r.o[m][1], up, add1);
+            po[(2 * t) * kDim + c + 8] = fmaf(r.o[m][2], up, add0);
+            po[(2 * t + 1) * kDim + c + 8] = fmaf(r.o[m][3], up, add1);
+        }
+    }
+    if (g == 0 && t < 2) {
+        partial_ml[(size_t)unit * kHeadsPerKv + 2 * t] = make_float2(r.run0, l0);
+        partial_ml[(size_t)unit * kHeadsPerKv + 2 * t + 1] = make_float2(r.run1, l1);
+    }
+}
+
+/* The units' partial softmaxes of each query head, merged: a block per (kv head, query head, 32
+   channels), its eight warps each folding every eighth unit, then folded together. */
+constexpr int kMergeSlices = 8, kMergeChannels = 32;
+__global__ void __launch_bounds__(kMergeSlices *kMergeChannels)
+    merge_units(const float *__restrict__ partial_o, const float2 *__restrict__ partial_ml, Units u,
+                float *__restrict__ out) {
+    __shared__ float3 folded[kMergeSlices][kMergeChannels];
+    const int chunks = kDim / kMergeChannels, qh = blockIdx.x / chunks;
+    const int head = qh / kHeadsPerKv, within = qh % kHeadsPerKv;
+    const int c = (blockIdx.x % chunks) * kMergeChannels + (threadIdx.x % kMergeChannels);
+    const int slice = threadIdx.x / kMergeChannels;
+    float top = -INFINITY, den = 0.0f, num = 0.0f;
+#pragma unroll 4
+    for (int i = slice; i < u.units_per_head; i += kMergeSlices) {
+        const size_t unit = (size_t)head * u.units_per_head + i;
+        const float2 ml = partial_ml[unit * kHeadsPerKv + within];
+        const float o = partial_o[(unit * kHeadsPerKv + within) * kDim + c];
+        const float next = fmaxf(top, ml.x);
+        if (next == -INFINITY) continue;
+        const float a = exp2f(top - next), w = exp2f(ml.x - next);
+        den = den * a + w * ml.y, num = num * a + w * o, top = next;
+    }
+    folded[slice][threadIdx.x % kMergeChannels] = make_float3(top, den, num);
+    __syncthreads();
+    if (slice == 0) {
+        float t2 = -INFINITY;
+        for (int k = 0; k < kMergeSlices; k++) t2 = fmaxf(t2, folded[k][threadIdx.x].x);
+        float d2 = 0.0f, n2 = 0.0f;
+        for (int k = 0; k < kMergeSlices; k++) {
+            const float3 f = folded[k][threadIdx.x];
+            if (f.x == -INFINITY) continue;
+            const float w = exp2f(f.x - t2);
+            d2 += w * f.y, n2 += w * f.z;
+        }
+        out[(size_t)qh * kDim + c] = n2 / d2;
+    }
+}
+
+/* The plain read: every byte of [src, src + n) once, 16 bytes a load, four loads in flight. */
+__global__ void plain_read(const uint4 *__restrict__ src, size_t n16, uint32_t *sink) {
+    uint32_t acc = 0;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride],
+                    d = src[i + 3 * stride];
+        acc ^= a.x ^ a.w ^ b.y ^ b.z ^ c.x ^ c.w ^ d.y ^ d.z;
+    }
+    for (; i < n16; i += stride) acc ^= src[i].x;
+    if (acc == 0x12345678u) *sink = acc; /* keeps the loads */
+}
+
+/* ---- the run ---- */
+
+struct Case {
+    int batch, n_tokens;
+};
+
+static float median_ms(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+static void run_case(Case cs, int n_sms, int blocks_per_sm) {
+    const int heads = cs.batch * kKvHeads, pages = (cs.n_tokens + kPage - 1) / kPage;
+    const size_t pool_pages = (size_t)heads * pages, pool_bytes = pool_pages * kPageBytes;
+    /* as many copies as keep the rotation beyond the L2 */
+    const int sets = std::max(1, std::min(4, (int)std::ceil(400e6 / (double)pool_bytes)));
+    std::vector<uint8_t> pool(pool_bytes);
+    std::vector<int> table(pool_pages);
+    for (size_t i = 0; i < pool_pages; i++) table[i] = (int)i;
+    uint64_t state = 0x9E3779B97F4A7C15ull;
+    for (size_t i = pool_pages - 1; i > 0; i--) /* pages scattered over the pool, as in an arena */
+        std::swap(table[i], table[next_random(state) % (i + 1)]);
+    std::vector<float> channel_spread(kDim);
+    for (int c = 0; c < kDim; c++) channel_spread[c] = 1.0f + 3.0f * (float)(c * 37 % kDim) / kDim;
+#pragma omp parallel
+    {
+        std::vector<float> kf(kPage * kDim), vf(kPage * kDim);
+#pragma omp for schedule(static)
+        for (long p = 0; p < (long)pool_pages; p++) {
+            uint64_t page_state = 0x2545F4914F6CDD1Dull * (uint64_t)(p + 1);
+            for (int i = 0; i < kPage * kDim; i++)
+                kf[i] = gaussian(page_state) * channel_spread[i % kDim],
+                vf[i] = gaussian(page_state);
+            quantize_page(kf.data(), vf.data(), pool.data() + (size_t)table[p] * kPageBytes);
+        }
+    }
+    std::vector<float> q((size_t)heads * kHeadsPerKv * kDim);
+    for (auto &x : q) x = gaussian(state);
+
+    Units u;
+    u.pages_per_seq = pages, u.n_tokens = cs.n_tokens;
+    const int slots = n_sms * blocks_per_sm * kWarps;
+    u.chunk_pages = std::min(32, std::max(1, (int)((pool_pages + slots - 1) / slots)));
+    u.units_per_head = (pages + u.chunk_pages - 1) / u.chunk_pages;
+    u.n_units = heads * u.units_per_head;
+
+    uint8_t *d_pool;
+    int *d_table;
+    float *d_q, *d_po, *d_out;
+    float2 *d_ml;
+    uint32_t *d_sink;
+    CHECK(cudaMalloc(&d_pool, pool_bytes * sets));
+    for (int s = 0; s < sets; s++)
+        CHECK(cudaMemcpy(d_pool + s * pool_bytes, pool.data(), pool_bytes, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&d_table, pool_pages * sizeof(int)));
+    CHECK(cudaMemcpy(d_table, table.data(), pool_pages * sizeof(int), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&d_q, q.size() * 4));
+    CHECK(cudaMemcpy(d_q, q.data(), q.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&d_po, (size_t)u.n_units * kHeadsPerKv * kDim * 4));
+    CHECK(cudaMalloc(&d_ml, (size_t)u.n_units * kHeadsPerKv * sizeof(float2)));
+    CHECK(cudaMalloc(&d_out, q.size() * 4));
+    CHECK(cudaMalloc(&d_sink, 4));
+
+    const int smem = kWarps * kWarpBytes, grid = (u.n_units + kWarps - 1) / kWarps;
+    auto decode_units = [&](int s) {
+        tile_decode<<<grid, kWarps * 32, smem>>>(d_pool + s * pool_bytes, d_table, d_q, u, d_po,
+                                                 d_ml);
+    };
+    auto decode = [&](int s) {
+        decode_units(s);
+        merge_units<<<heads * kHeadsPerKv *(kDim / kMergeChannels),
+                      kMergeSlices * kMergeChannels>>>(d_po, d_ml, u, d_out);
+    };
+    auto read = [&](int s) {
+        plain_read<<<n_sms * 8, 256>>>((const uint4 *)(d_pool + s * pool_bytes), pool_bytes / 16,
+                                       d_sink);
+    };
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    auto median_time = [&](auto fn) {
+        for (int i = 0; i < 3; i++) fn(i % sets);
+        std::vector<float> ms;
+        for (int i = 0; i < 30; i++) {
+            CHECK(cudaEventRecord(e0));
+            fn(i % sets);
+            CHECK(cudaEventRecord(e1));
+            CHECK(cudaEventSynchronize(e1));
+            float x;
+            CHECK(cudaEventElapsedTime(&x, e0, e1));
+            ms.push_back(x);
+        }
+        return median_ms(ms);
+    };
+    const float read_ms = median_time(read), units_ms = median_time(decode_units),
+                decode_ms = median_time(decode);
+    decode(0);
+    CHECK(cudaGetLastError());
+    std::vector<float> out(q.size());
+    CHECK(cudaMemcpy(out.data(), d_out, out.size() * 4, cudaMemcpyDeviceToHost));
+
+    /* reference: sequence 0's eight kv heads and sequence batch-1's first, from the pool's bytes */
+    double err = 0.0, ref_energy = 0.0;
+    std::vector<float> kd((size_t)pages * kPage * kDim), vd((size_t)pages * kPage * kDim);
+    for (int head : {0, 1, 2, 3, 4, 5, 6, 7, heads - kKvHeads}) {
+        for (int p = 0; p < pages; p++)
+            dequantize_page(pool.data() + (size_t)table[(size_t)head * pages + p] * kPageBytes,
+                            kd.data() + (size_t)p * kPage * kDim,
+                            vd.data() + (size_t)p * kPage * kDim);
+        for (int h = 0; h < kHeadsPerKv; h++) {
+            const float *qv = q.data() + ((size_t)head * kHeadsPerKv + h) * kDim;
+            std::vector<double> logit(cs.n_tokens);
+            double top = -1e300;
+            for (int t = 0; t < cs.n_tokens; t++) {
+                double d = 0;
+                for (int c = 0; c < kDim; c++) d += (double)qv[c] * kd[(size_t)t * kDim + c];
+                logit[t] = d / std::sqrt((double)kDim);
+                top = std::max(top, logit[t]);
+            }
+            std::vector<double> acc(kDim, 0.0);
+            double den = 0;
+            for (int t = 0; t < cs.n_tokens; t++) {
+                const double w = std::exp(logit[t] - top);
+                den += w;
+                for (int c = 0; c < kDim; c++) acc[c] += w * vd[(size_t)t * kDim + c];
+            }
+            for (int c = 0; c < kDim; c++) {
+                const double r = acc[c] / den, x = out[((size_t)head * kHeadsPerKv + h) * kDim + c];
+                err += (x - r) * (x - r), ref_energy += r * r;
+            }
+        }
+    }
+    const double gb = pool_bytes / 1e9;
+    printf("%5d %7d %9.1f %9.4f %7.0f %9.4f %7.0f %6.1f%% %9.4f %6.1f%%  %6d %5d  %.1e\n", cs.batch,
+           cs.n_tokens, pool_bytes / 1e6, read_ms, gb / read_ms * 1e3, decode_ms,
+           gb / decode_ms * 1e3, 100.0 * read_ms / decode_ms, units_ms, 100.0 * read_ms / units_ms,
+           u.chunk_pages, u.n_units, err / ref_energy);
+    cudaFree(d_pool), cudaFree(d_table), cudaFree(d_q), cudaFree(d_po), cudaFree(d_ml),
+        cudaFree(d_out);
+    cudaFree(d_sink);
+}
+
+int main(int argc, char **argv) {
+    std::vector<Case> cases;
+    for (int i = 1; i < argc; i++) {
+        Case c;
+        if (sscanf(argv[i], "%d,%d", &c.batch, &c.n_tokens) != 2 || c.batch < 1 || c.n_tokens < 1) {
+            fprintf(stderr, "usage: %s [BATCH,CTX ...]\n", argv[0]);
+            return 2;
+        }
+        cases.push_back(c);
+    }
+    if (cases.empty())
+        cases = {{2, 5000},  {1, 4096},   {1, 8192},  {1, 131072},
+                 {8, 32768}, {8, 131072}, {32, 32768}};
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    const int smem = kWarps * kWarpBytes;
+    CHECK(cudaFuncSetAttribute(tile_decode, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int blocks = 0;
+    CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, tile_decode, kWarps * 32, smem));
+    cudaFuncAttributes attr;
+    CHECK(cudaFuncGetAttributes(&attr, tile_decode));
+    printf("device: %s, %d SMs; kivi2 in tile order, head_dim %d, %d q heads a kv head, %d kv "
+           "heads, pages of %d\n",
+           prop.name, prop.multiProcessorCount, kDim, kHeadsPerKv, kKvHeads, kPage);
+    printf("decode: %d registers, %d B shared a block of %d warps, %d blocks/SM (%d warps), %d "
+           "stages of one tile\n",
+           attr.numRegs, smem, kWarps, blocks, blocks * kWarps, kStages);
+    printf("%5s %7s %9s %9s %7s %9s %7s %7s %9s %7s  %6s %5s  %s\n", "batch", "ctx", "MB",
+           "read ms", "GB/s", "decode ms", "GB/s", "%same", "units ms", "%same", "pages", "units",
+           "NMSE");
+    printf("(decode: units and merge; units: the decode kernel alone; %%same: of the plain read of "
+           "the same bytes)\n");
+    for (Case c : cases) run_case(c, prop.multiProcessorCount, blocks);
+    return 0;
+}
