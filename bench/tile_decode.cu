@@ -43,6 +43,9 @@
         }                                                                                          \
     } while (0)
 
+#ifndef KMIN_BLOCKS
+#define KMIN_BLOCKS 4 /* blocks an SM the registers are fitted to */
+#endif
 #ifndef KSTAGES
 #define KSTAGES 4
 #endif
@@ -415,7 +418,7 @@ attend_page(Running &r, PageKeys &pk, const uint8_t *ring, uint32_t ring_lane, c
     }
 }
 
-__global__ void __launch_bounds__(kWarps * 32, 4)
+__global__ void __launch_bounds__(kWarps * 32, KMIN_BLOCKS)
     tile_decode(const uint8_t *__restrict__ pool, const int *__restrict__ page_table,
                 const float *__restrict__ q, Units u, float *__restrict__ partial_o,
                 float2 *__restrict__ partial_ml) {
