@@ -60,7 +60,7 @@
 
 constexpr int kDim = 128, kPage = 128, kTile = 16, kTilesPerPage = kPage / kTile, kGroup = 32;
 constexpr int kGroups = kDim / kGroup, kHeadsPerKv = 4, kKvHeads = 8;
-enum PageKind { kInt2 = 0, kInt4 = 1 };
+enum PageKind { kInt2 = 0, kInt4 = 1, kKitty = 2 };
 /* INT2 pages */
 constexpr int kCodeBytes = 512, kValueMetaBytes = 256, kKeyMetaBytes = 512;
 constexpr int kValueOffset = kTilesPerPage * kCodeBytes;                           /* 4096 */
@@ -73,9 +73,21 @@ constexpr int kValue4Offset = kTilesPerPage * kCode4Bytes;                      
 constexpr int kKeyMeta4Offset = 2 * kTilesPerPage * kCode4Bytes;                 /* 16384 */
 constexpr int kValueMeta4Offset = kKeyMeta4Offset + kTilesPerPage * kMeta4Bytes; /* 18432 */
 constexpr int kPage4Bytes = kValueMeta4Offset + kTilesPerPage * kMeta4Bytes;     /* 20480 */
-/* a page table entry: the page's offset in units of 512 bytes, times 2, plus its kind */
-constexpr int kPageUnit = 512;
-static_assert(kPageBytes % kPageUnit == 0 && kPage4Bytes % kPageUnit == 0, "pages of whole units");
+/* Kitty pages: keys BOOSTED (every channel's low two bits, the quarter of channels with the
+   largest |x| over the page keeping two high bits), values INT2 in one group a token */
+constexpr int kBoost = kDim / 4, kHighBytes = 16 * kBoost * 2 / 8, kKittyValueMetaBytes = 64;
+constexpr int kKittyHighOffset = kTilesPerPage * kCodeBytes;                          /* 4096 */
+constexpr int kKittyValueOffset = kKittyHighOffset + kTilesPerPage * kHighBytes;      /* 5120 */
+constexpr int kKittyValueMetaOffset = kKittyValueOffset + kTilesPerPage * kCodeBytes; /* 9216 */
+constexpr int kKittyKeyMetaOffset =
+    kKittyValueMetaOffset + kTilesPerPage * kKittyValueMetaBytes;      /* 9728 */
+constexpr int kKittySlotsOffset = kKittyKeyMetaOffset + kKeyMetaBytes; /* 10240: slot -> channel */
+constexpr int kKittyPageBytes = kKittySlotsOffset + kBoost;            /* 10272 */
+/* a page table entry: the page's offset in units of 32 bytes, times 4, plus its kind */
+constexpr int kPageUnit = 32;
+static_assert(kPageBytes % kPageUnit == 0 && kPage4Bytes % kPageUnit == 0 &&
+                  kKittyPageBytes % kPageUnit == 0,
+              "pages of whole units");
 
 /* ---- the layout: where a code and a metadata half live (host and device share these) ---- */
 
@@ -121,6 +133,17 @@ __host__ __device__ constexpr int key_scale_half(int channel) {
 __host__ __device__ constexpr int key_min_half(int channel) {
     return 128 + key_scale_half(channel);
 }
+/* Bit of a Kitty tile's high code of (token, slot): one 32-bit word a lane, register a_r of
+   k-step j (slots 16 j ..) at bits 2 (r + 4 j) of each half, read after a shift to bit 0. */
+__host__ __device__ constexpr int high_bit(int token, int slot) {
+    return fragment_lane(token, slot & 15) * 32 + (slot & 1) * 16 +
+           2 * (fragment_register(token, slot & 15) + 4 * (slot >> 4));
+}
+/* Value metadata of a Kitty tile (one group a token), in halves: scales [t][slot], minima the same. */
+__host__ __device__ constexpr int kitty_scale_half(int token) {
+    return quad_lane(token) * 4 + quad_slot(token);
+}
+__host__ __device__ constexpr int kitty_min_half(int token) { return 16 + kitty_scale_half(token); }
 /* Key metadata of an INT4 tile, in halves: scales [token][group], then minima the same. */
 __host__ __device__ constexpr int key4_scale_half(int token, int group) {
     return token * 4 + group;
@@ -171,19 +194,87 @@ static int code_of(float x, uint16_t scale, uint16_t min, int levels) {
     if (s == 0.0f) return 0;
     return std::min(levels, std::max(0, (int)lrintf((x - m) / s)));
 }
-__host__ __device__ constexpr int levels_of(int kind) { return kind == kInt2 ? 3 : 15; }
+__host__ __device__ constexpr int levels_of(int kind) { return kind == kInt4 ? 15 : 3; }
 __host__ __device__ constexpr int page_bytes_of(int kind) {
-    return kind == kInt2 ? kPageBytes : kPage4Bytes;
+    return kind == kInt2 ? kPageBytes : kind == kInt4 ? kPage4Bytes : kKittyPageBytes;
 }
 __host__ __device__ constexpr int code_bytes_of(int kind) {
-    return kind == kInt2 ? kCodeBytes : kCode4Bytes;
+    return kind == kInt4 ? kCode4Bytes : kCodeBytes;
 }
 __host__ __device__ constexpr int value_meta_offset_of(int kind) {
     return kind == kInt2 ? kValueMetaOffset : kValueMeta4Offset;
 }
 
+/* A Kitty page: the kBoost channels of largest sum |x| keep 4 bits (their scale and minimum for
+   15 levels), in slots of increasing channel; values INT2, one group a token. */
+static void quantize_kitty_page(const float *keys, const float *values, uint8_t *page) {
+    memset(page, 0, kKittyPageBytes);
+    float score[kDim];
+    bool boosted[kDim] = {};
+    for (int c = 0; c < kDim; c++) {
+        score[c] = 0.0f;
+        for (int t = 0; t < kPage; t++) score[c] += fabsf(keys[t * kDim + c]);
+    }
+    for (int k = 0; k < kBoost; k++) {
+        int best = -1;
+        for (int c = 0; c < kDim; c++)
+            if (!boosted[c] && (best < 0 || score[c] > score[best])) best = c;
+        boosted[best] = true;
+    }
+    uint16_t *key_meta = (uint16_t *)(page + kKittyKeyMetaOffset);
+    for (int c = 0, slot = 0; c < kDim; c++) {
+        const int levels = boosted[c] ? 15 : 3;
+        uint16_t s, m;
+        min_max_params(keys + c, kPage, kDim, levels, &s, &m);
+        key_meta[key_scale_half(c)] = s, key_meta[key_min_half(c)] = m;
+        for (int t = 0; t < kPage; t++) {
+            const int q = code_of(keys[t * kDim + c], s, m, levels);
+            put_code(page + (t / kTile) * kCodeBytes, key_bit(kInt2, t % kTile, c), q & 3);
+            if (boosted[c])
+                put_code(page + kKittyHighOffset + (t / kTile) * kHighBytes,
+                         high_bit(t % kTile, slot), q >> 2);
+        }
+        if (boosted[c]) page[kKittySlotsOffset + slot++] = (uint8_t)c;
+    }
+    for (int t = 0; t < kPage; t++) {
+        uint16_t *meta =
+            (uint16_t *)(page + kKittyValueMetaOffset + (t / kTile) * kKittyValueMetaBytes);
+        uint16_t s, m;
+        min_max_params(values + t * kDim, kDim, 1, 3, &s, &m);
+        meta[kitty_scale_half(t % kTile)] = s, meta[kitty_min_half(t % kTile)] = m;
+        for (int c = 0; c < kDim; c++)
+            put_code(page + kKittyValueOffset + (t / kTile) * kCodeBytes,
+                     value_bit(kInt2, t % kTile, c), code_of(values[t * kDim + c], s, m, 3));
+    }
+}
+
+static void dequantize_kitty_page(const uint8_t *page, float *keys, float *values) {
+    const uint16_t *key_meta = (const uint16_t *)(page + kKittyKeyMetaOffset);
+    int slot_of[kDim];
+    for (int c = 0; c < kDim; c++) slot_of[c] = -1;
+    for (int k = 0; k < kBoost; k++) slot_of[page[kKittySlotsOffset + k]] = k;
+    for (int t = 0; t < kPage; t++) {
+        const uint16_t *meta =
+            (const uint16_t *)(page + kKittyValueMetaOffset + (t / kTile) * kKittyValueMetaBytes);
+        for (int c = 0; c < kDim; c++) {
+            int code = get_code(page + (t / kTile) * kCodeBytes, key_bit(kInt2, t % kTile, c), 3);
+            if (slot_of[c] >= 0)
+                code |= get_code(page + kKittyHighOffset + (t / kTile) * kHighBytes,
+                                 high_bit(t % kTile, slot_of[c]), 3)
+                        << 2;
+            keys[t * kDim + c] = code * half_value(key_meta[key_scale_half(c)]) +
+                                 half_value(key_meta[key_min_half(c)]);
+            values[t * kDim + c] = get_code(page + kKittyValueOffset + (t / kTile) * kCodeBytes,
+                                            value_bit(kInt2, t % kTile, c), 3) *
+                                       half_value(meta[kitty_scale_half(t % kTile)]) +
+                                   half_value(meta[kitty_min_half(t % kTile)]);
+        }
+    }
+}
+
 /* keys and values: [kPage][kDim] rows of one page (rows past a sequence's end are never read). */
 static void quantize_page(int kind, const float *keys, const float *values, uint8_t *page) {
+    if (kind == kKitty) return quantize_kitty_page(keys, values, page);
     const int levels = levels_of(kind), code_bytes = code_bytes_of(kind);
     memset(page, 0, page_bytes_of(kind));
     if (kind == kInt2) {
@@ -226,6 +317,7 @@ static void quantize_page(int kind, const float *keys, const float *values, uint
 }
 
 static void dequantize_page(int kind, const uint8_t *page, float *keys, float *values) {
+    if (kind == kKitty) return dequantize_kitty_page(page, keys, values);
     const int levels = levels_of(kind), code_bytes = code_bytes_of(kind);
     const int value_offset = kTilesPerPage * code_bytes, meta_offset = value_meta_offset_of(kind);
     for (int t = 0; t < kPage; t++) {
@@ -327,9 +419,10 @@ constexpr int kQueryBytes = 8 * 32 * 8; /* eight k-steps' B fragments a lane */
 constexpr int kWarpBytes = kStages * kSlotBytes + kQueryBytes;
 constexpr int kWarps = 4;
 constexpr float kLog2eOverSqrtD = 1.4426950408889634f / 11.313708498984761f;
-__host__ __device__ constexpr int value_slot_offset(int kind) {
-    return kind == kInt2 ? kCodeBytes : kCode4Bytes;
-}
+__host__ __device__ constexpr int value_slot_offset(int kind) { return code_bytes_of(kind); }
+/* a Kitty slot is an INT2 slot followed by the tile's high codes and the page's slot list */
+constexpr int kKittyHighSlotOffset = 2 * kCodeBytes + kValueMetaBytes + kKeyMetaBytes; /* 1792 */
+constexpr int kKittySlotsSlotOffset = kKittyHighSlotOffset + kHighBytes;               /* 1920 */
 __host__ __device__ constexpr int value_meta_slot_offset(int kind) {
     return 2 * code_bytes_of(kind);
 }
@@ -348,7 +441,7 @@ struct Units {
    product is the bias row and lane (g, t) holds columns 2t, 2t+1 as the logits do. INT4: the
    query times 2^(K_q - p_j), K_q the unit's. */
 struct PageKeys {
-    uint32_t b[8][2];
+    uint32_t b[8][2], high[2][2]; /* high: Kitty's boosted slots, two k-steps of 16 */
     float scale, bias0, bias1;
 };
 
@@ -366,9 +459,12 @@ __device__ __forceinline__ int fp16_headroom(uint32_t top_half2) {
     return largest > 0.0f ? min(15 - e, 15) : 15;
 }
 
+/* Kitty pages (kHigh) add the boosted slots' B: the query times the scale of the slot's channel,
+   times 4 (the high bits' weight), code position 0. */
+template <bool kHigh>
 __device__ __forceinline__ void page_keys_int2(const uint8_t *meta, const uint2 *qfrag, int lane,
-                                               PageKeys &pk) {
-    const int t = lane & 3;
+                                               PageKeys &pk, const uint8_t *slots = nullptr) {
+    const int t = lane & 3, g = lane >> 2;
     uint32_t sc[16], mn[16]; /* words 2s, 2s + 1: channels 16s + 2t + (0, 1) and + (8, 9) */
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -386,11 +482,37 @@ __device__ __forceinline__ void page_keys_int2(const uint8_t *meta, const uint2 
         pk.b[s][0] = mul_half2(qf.x, sc[2 * s]), pk.b[s][1] = mul_half2(qf.y, sc[2 * s + 1]);
         top = max_abs_half2(top, max_abs_half2(pk.b[s][0], pk.b[s][1]));
     }
+    if (kHigh) {
+        const unsigned short *q_halves = (const unsigned short *)qfrag;
+        const unsigned short *scales = (const unsigned short *)meta;
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            unsigned short e[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int c = slots[16 * j + 2 * t + (i & 1) + 8 * (i >> 1)], cc = c & 15;
+                const __half qh = __ushort_as_half(
+                    q_halves[((c >> 4) * 32 + 4 * g + quad_lane(cc)) * 4 + quad_slot(cc)]);
+                const __half sh = __ushort_as_half(scales[key_scale_half(c)]);
+                e[i] = __half_as_ushort(__hmul(__hmul(qh, sh), __float2half(4.0f)));
+            }
+            pk.high[j][0] = e[0] | (uint32_t)e[1] << 16,
+            pk.high[j][1] = e[2] | (uint32_t)e[3] << 16;
+            top = max_abs_half2(top, max_abs_half2(pk.high[j][0], pk.high[j][1]));
+        }
+    }
     const int k = fp16_headroom(top);
 #pragma unroll
     for (int s = 0; s < 8; s++) {
         const uint32_t undo = half2_bits_of_power(k - code_position(kInt2, s));
         pk.b[s][0] = mul_half2(pk.b[s][0], undo), pk.b[s][1] = mul_half2(pk.b[s][1], undo);
+    }
+    if (kHigh) {
+        const uint32_t undo = half2_bits_of_power(k);
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            pk.high[j][0] = mul_half2(pk.high[j][0], undo),
+            pk.high[j][1] = mul_half2(pk.high[j][1], undo);
     }
     pk.bias0 = bias[0] * kLog2eOverSqrtD, pk.bias1 = bias[1] * kLog2eOverSqrtD;
     pk.scale = kLog2eOverSqrtD * power_of_two(24 - k);
@@ -428,6 +550,7 @@ __device__ __forceinline__ void change_positions(Running &r, int kind) {
 }
 
 /* INT2 keys: the logits of the tile's 16 tokens, x[0..3] as the C fragment (rows g, g + 8). */
+template <bool kHigh>
 __device__ __forceinline__ void logits_int2(float *x, const PageKeys &pk, const uint8_t *slot,
                                             int lane) {
     LaneCodes<kInt2> k;
@@ -437,6 +560,14 @@ __device__ __forceinline__ void logits_int2(float *x, const PageKeys &pk, const 
     mma(ACC, k.reg<J>(0), k.reg<J>(1), k.reg<J>(2), k.reg<J>(3), pk.b[J][0], pk.b[J][1])
     KVMIX_KEY_STEP(0, s), KVMIX_KEY_STEP(1, s2), KVMIX_KEY_STEP(2, s), KVMIX_KEY_STEP(3, s2);
     KVMIX_KEY_STEP(4, s), KVMIX_KEY_STEP(5, s2), KVMIX_KEY_STEP(6, s), KVMIX_KEY_STEP(7, s2);
+    if (kHigh) { /* Kitty's high codes: register a_r of k-step j at bits 2 (r + 4 j) */
+        const uint32_t hw = *(const uint32_t *)(slot + kKittyHighSlotOffset + lane * 4);
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+            mma(j ? s2 : s, (hw >> (8 * j)) & 0x00030003u, (hw >> (8 * j + 2)) & 0x00030003u,
+                (hw >> (8 * j + 4)) & 0x00030003u, (hw >> (8 * j + 6)) & 0x00030003u, pk.high[j][0],
+                pk.high[j][1]);
+    }
     x[0] = fmaf(s[0] + s2[0], pk.scale, pk.bias0), x[1] = fmaf(s[1] + s2[1], pk.scale, pk.bias1);
     x[2] = fmaf(s[2] + s2[2], pk.scale, pk.bias0), x[3] = fmaf(s[3] + s2[3], pk.scale, pk.bias1);
 }
@@ -482,10 +613,10 @@ __device__ __forceinline__ void attend_tile(Running &r, const PageKeys &pk, cons
                                             int lane, int valid_rows, uint32_t query_sums) {
     const int g = lane >> 2, t = lane & 3;
     float x[4];
-    if (kKind == kInt2)
-        logits_int2(x, pk, slot, lane);
-    else
+    if (kKind == kInt4)
         logits_int4(x, pk, slot, lane, query_sums);
+    else
+        logits_int2<kKind == kKitty>(x, pk, slot, lane);
     if (kTail) {
         if (g >= valid_rows) x[0] = x[1] = -INFINITY;
         if (g + 8 >= valid_rows) x[2] = x[3] = -INFINITY;
@@ -516,16 +647,25 @@ __device__ __forceinline__ void attend_tile(Running &r, const PageKeys &pk, cons
     const uint32_t pb0 = transpose8x8(p_lo), pb1 = transpose8x8(p_hi); /* B: tokens x head g */
 
     const uint8_t *vmeta = slot + value_meta_slot_offset(kKind);
-    const uint4 sc_a = *(const uint4 *)(vmeta + 32 * t),
-                sc_b = *(const uint4 *)(vmeta + 32 * t + 16);
-    const uint2 mn = *(const uint2 *)(vmeta + 128 + 32 * (g & 3) + 8 * t);
     const uint32_t ones = g == 4 ? 0x3C003C00u : 0u;
-    mma(r.mins, g < 4 ? mn.x : ones, 0u, g < 4 ? mn.y : ones, 0u, pb0, pb1);
-    LaneCodes<kKind> v;
-    v.load(slot + value_slot_offset(kKind) + lane * (kKind == kInt2 ? 16 : 32));
+    LaneCodes<kKind == kInt4 ? kInt4 : kInt2> v;
+    v.load(slot + value_slot_offset(kKind) + lane * (kKind == kInt4 ? 32 : 16));
 #define KVMIX_VALUE_STEP(J, B0, B1)                                                                \
     mma(r.o[J], v.template reg<J>(0), v.template reg<J>(1), v.template reg<J>(2),                  \
         v.template reg<J>(3), B0, B1)
+    if (kKind == kKitty) { /* one group a token: one B for every channel tile, minima in row 0 */
+        const uint2 sc = *(const uint2 *)(vmeta + 8 * t), mn = *(const uint2 *)(vmeta + 32 + 8 * t);
+        mma(r.mins, g == 0 ? mn.x : ones, 0u, g == 0 ? mn.y : ones, 0u, pb0, pb1);
+        const uint32_t b0 = mul_half2(pb0, sc.x), b1 = mul_half2(pb1, sc.y);
+        KVMIX_VALUE_STEP(0, b0, b1), KVMIX_VALUE_STEP(1, b0, b1), KVMIX_VALUE_STEP(2, b0, b1);
+        KVMIX_VALUE_STEP(3, b0, b1), KVMIX_VALUE_STEP(4, b0, b1), KVMIX_VALUE_STEP(5, b0, b1);
+        KVMIX_VALUE_STEP(6, b0, b1), KVMIX_VALUE_STEP(7, b0, b1);
+        return;
+    }
+    const uint4 sc_a = *(const uint4 *)(vmeta + 32 * t),
+                sc_b = *(const uint4 *)(vmeta + 32 * t + 16);
+    const uint2 mn = *(const uint2 *)(vmeta + 128 + 32 * (g & 3) + 8 * t);
+    mma(r.mins, g < 4 ? mn.x : ones, 0u, g < 4 ? mn.y : ones, 0u, pb0, pb1);
     uint32_t b0 = mul_half2(pb0, sc_a.x), b1 = mul_half2(pb1, sc_a.y);
     KVMIX_VALUE_STEP(0, b0, b1), KVMIX_VALUE_STEP(1, b0, b1);
     b0 = mul_half2(pb0, sc_a.z), b1 = mul_half2(pb1, sc_a.w);
@@ -541,7 +681,24 @@ __device__ __forceinline__ void attend_tile(Running &r, const PageKeys &pk, cons
    its first tile, an INT4 tile's with the tile. */
 template <int kKind>
 __device__ __forceinline__ void copy_tile(uint32_t slot, const uint8_t *page, int tile, int lane) {
-    if (kKind == kInt2) {
+    if (kKind == kKitty) { /* the slot list and the page's key metadata with its first tile */
+        copy16(slot + lane * 16, page + tile * kCodeBytes + lane * 16);
+        copy16(slot + kCodeBytes + lane * 16,
+               page + kKittyValueOffset + tile * kCodeBytes + lane * 16);
+        if (lane < 4)
+            copy16(slot + 2 * kCodeBytes + lane * 16,
+                   page + kKittyValueMetaOffset + tile * kKittyValueMetaBytes + lane * 16);
+        else if (lane >= 8 && lane < 16)
+            copy16(slot + kKittyHighSlotOffset + (lane - 8) * 16,
+                   page + kKittyHighOffset + tile * kHighBytes + (lane - 8) * 16);
+        if (tile == 0) {
+            copy16(slot + 2 * kCodeBytes + kValueMetaBytes + lane * 16,
+                   page + kKittyKeyMetaOffset + lane * 16);
+            if (lane >= 16 && lane < 18)
+                copy16(slot + kKittySlotsSlotOffset + (lane - 16) * 16,
+                       page + kKittySlotsOffset + (lane - 16) * 16);
+        }
+    } else if (kKind == kInt2) {
         copy16(slot + lane * 16, page + tile * kCodeBytes + lane * 16);
         copy16(slot + kCodeBytes + lane * 16, page + kValueOffset + tile * kCodeBytes + lane * 16);
         if (lane < 16)
@@ -565,10 +722,20 @@ __device__ __forceinline__ void copy_tile(uint32_t slot, const uint8_t *page, in
     }
 }
 /* kKinds: the page kinds a kernel reads, bit 1 << kind (a mix of one kind needs no branch) */
+/* The one kind of a kernel that reads one (-1 for the INT2 + INT4 kernel). */
+__host__ __device__ constexpr int single_kind(int kinds) {
+    return kinds == 1 << kInt2    ? kInt2
+           : kinds == 1 << kInt4  ? kInt4
+           : kinds == 1 << kKitty ? kKitty
+                                  : -1;
+}
 template <int kKinds>
 __device__ __forceinline__ void copy_tile_of(int kind, uint32_t slot, const uint8_t *page, int tile,
                                              int lane) {
-    if (kKinds == 1 << kInt2 || (kKinds != 1 << kInt4 && kind == kInt2))
+    constexpr int only = single_kind(kKinds);
+    if (only >= 0)
+        copy_tile < only<0 ? 0 : only>(slot, page, tile, lane);
+    else if (kind == kInt2)
         copy_tile<kInt2>(slot, page, tile, lane);
     else
         copy_tile<kInt4>(slot, page, tile, lane);
@@ -608,10 +775,11 @@ __device__ __forceinline__ void attend_page(Running &r, PageKeys &pk, const Unit
             __syncwarp();
             const uint8_t *slot = w.ring + i * kSlotBytes;
             if (i == 0 && half == 0) {
-                if (kKind == kInt2)
-                    page_keys_int2(slot + key_meta_slot_offset(kInt2), w.qfrag, w.lane, pk);
-                else
+                if (kKind == kInt4)
                     page_keys_int4(w.qfrag, w.lane, w.query_k, pk);
+                else
+                    page_keys_int2<kKind == kKitty>(slot + key_meta_slot_offset(kInt2), w.qfrag,
+                                                    w.lane, pk, slot + kKittySlotsSlotOffset);
             }
             if (!kLast) {
                 attend_tile<kKind, false>(r, pk, slot, w.lane, kTile, w.query_sums);
@@ -643,10 +811,10 @@ template <int kKinds, bool kLast>
 __device__ __forceinline__ void attend_page_of(int kind, Running &r, PageKeys &pk, const Unit &w,
                                                const uint8_t *page, const uint8_t *next_page,
                                                int next_kind, int page_tokens) {
-    if (kKinds == 1 << kInt2)
-        attend_page<kInt2, kLast, kKinds>(r, pk, w, page, next_page, next_kind, page_tokens);
-    else if (kKinds == 1 << kInt4)
-        attend_page<kInt4, kLast, kKinds>(r, pk, w, page, next_page, next_kind, page_tokens);
+    constexpr int only = single_kind(kKinds);
+    if (only >= 0)
+        attend_page <
+            only<0 ? 0 : only, kLast, kKinds>(r, pk, w, page, next_page, next_kind, page_tokens);
     else
         attend_page_either<kLast, kKinds>(kind, r, pk, w, page, next_page, next_kind, page_tokens);
 }
@@ -674,13 +842,13 @@ __global__ void __launch_bounds__(kWarps * 32, KMIN_BLOCKS)
     const int my_entry =
         lane < n_pages ? page_table[(size_t)head * u.pages_per_seq + first_page + lane] : 0;
     auto entry_at = [&](int i) { return __shfl_sync(0xffffffffu, my_entry, i); };
-    auto page_of = [&](int entry) { return pool + (size_t)(entry >> 1) * kPageUnit; };
+    auto page_of = [&](int entry) { return pool + (size_t)(entry >> 2) * kPageUnit; };
 
     int entry = entry_at(0);
     const uint8_t *page = page_of(entry);
 #pragma unroll
     for (int k = 0; k < kStages - 1; k++) {
-        copy_tile_of<kKinds>(entry & 1, w.ring_addr + k * kSlotBytes, page, k, lane);
+        copy_tile_of<kKinds>(entry & 3, w.ring_addr + k * kSlotBytes, page, k, lane);
         commit();
     }
     /* (while the first tiles travel) the query as the key product's B fragments (fp16; zero for
@@ -714,10 +882,10 @@ __global__ void __launch_bounds__(kWarps * 32, KMIN_BLOCKS)
     PageKeys pk;
     for (int i = 0; i < n_pages - 1; i++) {
         const int next = entry_at(i + 1);
-        attend_page_of<kKinds, false>(entry & 1, r, pk, w, page, page_of(next), next & 1, kPage);
+        attend_page_of<kKinds, false>(entry & 3, r, pk, w, page, page_of(next), next & 3, kPage);
         entry = next, page = page_of(next);
     }
-    attend_page_of<kKinds, true>(entry & 1, r, pk, w, page, nullptr, 0,
+    attend_page_of<kKinds, true>(entry & 3, r, pk, w, page, nullptr, 0,
                                  end_token - (first_page + n_pages - 1) * kPage);
     wait_groups<0>();
 
@@ -727,8 +895,9 @@ __global__ void __launch_bounds__(kWarps * 32, KMIN_BLOCKS)
 #pragma unroll
     for (int m = 0; m < 8; m++) {
         const float up = power_of_two(24 - code_position(r.kind, m));
-        const float add0 = __shfl_sync(0xffffffffu, r.mins[0], 4 * (m / 2) + t);
-        const float add1 = __shfl_sync(0xffffffffu, r.mins[1], 4 * (m / 2) + t);
+        const int group = kKinds == 1 << kKitty ? 0 : m / 2; /* the minima's row */
+        const float add0 = __shfl_sync(0xffffffffu, r.mins[0], 4 * group + t);
+        const float add1 = __shfl_sync(0xffffffffu, r.mins[1], 4 * group + t);
         if (t < 2) {
             const int c = 16 * m + g;
             po[(2 * t) * kDim + c] = fmaf(r.o[m][0], up, add0);
@@ -805,6 +974,7 @@ struct Case {
 static int page_kind(const char *mix, int i) {
     if (!strcmp(mix, "int4")) return kInt4;
     if (!strcmp(mix, "75/25")) return i % 4 == 3 ? kInt4 : kInt2;
+    if (!strcmp(mix, "kitty")) return kKitty;
     return kInt2;
 }
 
@@ -814,6 +984,7 @@ using DecodeKernel = void (*)(const uint8_t *, const int *, const float *, Units
 static DecodeKernel kernel_of(const char *mix) {
     if (!strcmp(mix, "int4")) return tile_decode<1 << kInt4>;
     if (!strcmp(mix, "75/25")) return tile_decode<(1 << kInt2) | (1 << kInt4)>;
+    if (!strcmp(mix, "kitty")) return tile_decode<1 << kKitty>;
     return tile_decode<1 << kInt2>;
 }
 
@@ -836,7 +1007,7 @@ static void run_case(const char *mix, Case cs, int n_sms, int blocks_per_sm) {
     size_t pool_bytes = 0;
     for (size_t i : order) {
         const int kind = page_kind(mix, (int)(i % pages));
-        table[i] = (int)(pool_bytes / kPageUnit) * 2 + kind;
+        table[i] = (int)(pool_bytes / kPageUnit) * 4 + kind;
         pool_bytes += page_bytes_of(kind);
     }
     /* as many copies as keep the rotation beyond the L2 */
@@ -853,8 +1024,8 @@ static void run_case(const char *mix, Case cs, int n_sms, int blocks_per_sm) {
             for (int i = 0; i < kPage * kDim; i++)
                 kf[i] = gaussian(page_state) * channel_spread[i % kDim],
                 vf[i] = gaussian(page_state);
-            quantize_page(table[p] & 1, kf.data(), vf.data(),
-                          pool.data() + (size_t)(table[p] >> 1) * kPageUnit);
+            quantize_page(table[p] & 3, kf.data(), vf.data(),
+                          pool.data() + (size_t)(table[p] >> 2) * kPageUnit);
         }
     }
     std::vector<float> q((size_t)heads * kHeadsPerKv * kDim);
@@ -927,7 +1098,7 @@ static void run_case(const char *mix, Case cs, int n_sms, int blocks_per_sm) {
     for (int head : {0, 1, 2, 3, 4, 5, 6, 7, heads - kKvHeads}) {
         for (int p = 0; p < pages; p++) {
             const int e = table[(size_t)head * pages + p];
-            dequantize_page(e & 1, pool.data() + (size_t)(e >> 1) * kPageUnit,
+            dequantize_page(e & 3, pool.data() + (size_t)(e >> 2) * kPageUnit,
                             kd.data() + (size_t)p * kPage * kDim,
                             vd.data() + (size_t)p * kPage * kDim);
         }
@@ -969,17 +1140,18 @@ int main(int argc, char **argv) {
     std::vector<const char *> mixes;
     for (int i = 1; i < argc; i++) {
         Case c;
-        if (!strcmp(argv[i], "kivi2") || !strcmp(argv[i], "int4") || !strcmp(argv[i], "75/25")) {
+        if (!strcmp(argv[i], "kivi2") || !strcmp(argv[i], "int4") || !strcmp(argv[i], "75/25") ||
+            !strcmp(argv[i], "kitty")) {
             mixes.push_back(argv[i]);
             continue;
         }
         if (sscanf(argv[i], "%d,%d", &c.batch, &c.n_tokens) != 2 || c.batch < 1 || c.n_tokens < 1) {
-            fprintf(stderr, "usage: %s [kivi2|int4|75/25 ...] [BATCH,CTX ...]\n", argv[0]);
+            fprintf(stderr, "usage: %s [kivi2|int4|75/25|kitty ...] [BATCH,CTX ...]\n", argv[0]);
             return 2;
         }
         cases.push_back(c);
     }
-    if (mixes.empty()) mixes = {"kivi2", "int4", "75/25"};
+    if (mixes.empty()) mixes = {"kivi2", "int4", "75/25", "kitty"};
     if (cases.empty())
         cases = {{2, 5000},  {1, 4096},   {1, 8192},  {1, 131072},
                  {8, 32768}, {8, 131072}, {32, 32768}};
