@@ -1,14 +1,17 @@
 /* The tile-order page layout of bench/DECODE_NOTES.md v39, prototyped before the library moves to
-   it (v40, v41): does a decode over pages stored as the mma fragments read them reach the plain
+   it (v40-v42): does a decode over pages stored as the mma fragments read them reach the plain
    read's bandwidth on the same bytes?
 
-   Head_dim 128, four query heads per kv head, pages of 128 tokens of one of two kinds:
+   Head_dim 128, four query heads per kv head, pages of 128 tokens of one of three kinds:
    - INT2 (kivi2): keys INT2 per channel over the page (a scale and a minimum per channel and
      page), values INT2 per token in groups of 32 channels; 10,752 bytes (2.625 bits an element):
        [8 key tiles of 512 B][8 value tiles of 512 B][8 value-metadata tiles of 256 B][512 B keys']
    - INT4: keys and values INT4 per token in groups of 32; 20,480 bytes (5 bits an element):
        [8 key tiles of 1 KiB][8 value tiles of 1 KiB][8 key- and 8 value-metadata tiles of 256 B]
-   The mixes: kivi2 (every page INT2), int4 (every page INT4), 75/25 (every fourth page INT4).
+   - Kitty: keys BOOSTED (a quarter of the channels keep two high bits in tiles of their own,
+     one word a lane), values INT2 in one group a token; 10,272 bytes (v42).
+   The mixes: kivi2 (every page INT2), int4 (every page INT4), 75/25 (every fourth page INT4),
+   kitty (every page Kitty).
    A tile holds lane L's bytes at L times 16 (INT2) or 32 (INT4): the A operands of m16n8k16
    that the lane loads (K with tokens as rows, V^T with channels as rows), its words the
    registers a_r of all eight 16-wide matrices j (k-steps of the key product, channel tiles of
@@ -30,7 +33,7 @@
 
    nvcc -std=c++17 -O3 -Xcompiler -fopenmp -gencode=arch=compute_90a,code=sm_90a bench/tile_decode.cu \
         -o build/tile_decode
-   build/tile_decode [MIX ...] [BATCH,CTX ...]   (default: kivi2, int4, 75/25; 2,5000 and the issue's
+   build/tile_decode [MIX ...] [BATCH,CTX ...]   (default: every mix; 2,5000 and the issue's
                                                   shapes) */
 #include <cuda_fp16.h>
 
