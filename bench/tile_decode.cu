@@ -1,12 +1,13 @@
 /* The tile-order page layout of bench/DECODE_NOTES.md v39, prototyped before the library moves to
-   it (v40-v42): does a decode over pages stored as the mma fragments read them reach the plain
+   it (v40-v43): does a decode over pages stored as the mma fragments read them reach the plain
    read's bandwidth on the same bytes?
 
    Head_dim 128, four query heads per kv head, pages of 128 tokens of one of three kinds:
    - INT2 (kivi2): keys INT2 per channel over the page (a scale and a minimum per channel and
      page), values INT2 per token in groups of 32 channels; 10,752 bytes (2.625 bits an element):
        [8 key tiles of 512 B][8 value tiles of 512 B][8 value-metadata tiles of 256 B][512 B keys']
-   - INT4: keys and values INT4 per token in groups of 32; 20,480 bytes (5 bits an element):
+   - INT4: keys and values INT4 per token in groups of 32, both in the values' order (the keys'
+     8 x 8 blocks transposed in registers by movmatrix); 20,480 bytes (5 bits an element):
        [8 key tiles of 1 KiB][8 value tiles of 1 KiB][8 key- and 8 value-metadata tiles of 256 B]
    - Kitty: keys BOOSTED (a quarter of the channels keep two high bits in tiles of their own,
      one word a lane), values INT2 in one group a token; 10,272 bytes (v42).
@@ -109,10 +110,11 @@ __host__ __device__ constexpr int fragment_bit4(int R, int C, int j) {
     return (fragment_lane(R, C) * 8 + fragment_register(R, C) + 4 * (j >> 2)) * 32 + (C & 1) * 16 +
            4 * (j & 3);
 }
-/* Keys: rows are the tile's tokens, columns a k-step's channels. Values: rows are channels. */
+/* Keys: rows are the tile's tokens, columns a k-step's channels (INT2 pages: per-channel keys);
+   per-token codes, keys and values alike, keep the values' order (rows are channels: v43). */
 __host__ __device__ constexpr int key_bit(int kind, int token, int channel) {
     return kind == kInt2 ? fragment_bit(token, channel & 15, channel >> 4)
-                         : fragment_bit4(token, channel & 15, channel >> 4);
+                         : fragment_bit4(channel & 15, token, channel >> 4);
 }
 __host__ __device__ constexpr int value_bit(int kind, int token, int channel) {
     return kind == kInt2 ? fragment_bit(channel & 15, token, channel >> 4)
@@ -589,11 +591,15 @@ __device__ __forceinline__ void logits_int4(float *x, const PageKeys &pk, const 
                    m_hi = *(const uint32_t *)(meta + 128 + 8 * (g + 8) + 4 * (t & 1));
     const __half *scale_lo = (const __half *)&s_lo, *scale_hi = (const __half *)&s_hi;
     float raw[4] = {};
+    /* keys kept in the values' order: each 8 x 8 block transposed in registers (a1 <-> a2) */
+#define KVMIX_KEY_STEP_T(J, ACC)                                                                   \
+    mma(ACC, transpose8x8(k.reg<J>(0)), transpose8x8(k.reg<J>(2)), transpose8x8(k.reg<J>(1)),      \
+        transpose8x8(k.reg<J>(3)), pk.b[J][0], pk.b[J][1])
     /* a group's two k-steps, then its tokens' scales (rows g, g + 8): one accumulator at a time */
 #define KVMIX_KEY_GROUP(G)                                                                         \
     do {                                                                                           \
         float acc[4] = {};                                                                         \
-        KVMIX_KEY_STEP(2 * G, acc), KVMIX_KEY_STEP(2 * G + 1, acc);                                \
+        KVMIX_KEY_STEP_T(2 * G, acc), KVMIX_KEY_STEP_T(2 * G + 1, acc);                            \
         const float lo = __half2float(scale_lo[G]), hi = __half2float(scale_hi[G]);                \
         raw[0] = fmaf(lo, acc[0], raw[0]), raw[1] = fmaf(lo, acc[1], raw[1]);                      \
         raw[2] = fmaf(hi, acc[2], raw[2]), raw[3] = fmaf(hi, acc[3], raw[3]);                      \
@@ -603,6 +609,7 @@ __device__ __forceinline__ void logits_int4(float *x, const PageKeys &pk, const 
     KVMIX_KEY_GROUP(2);
     KVMIX_KEY_GROUP(3);
 #undef KVMIX_KEY_GROUP
+#undef KVMIX_KEY_STEP_T
 #undef KVMIX_KEY_STEP
     float bias[4] = {};
     mma(bias, t < 2 ? m_lo : 0u, t < 2 ? m_hi : 0u, 0u, 0u, query_sums, 0u);
